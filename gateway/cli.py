@@ -1,0 +1,3 @@
+"""Placeholder CLI; replaced below."""
+def main() -> None:
+    raise SystemExit("not yet")
