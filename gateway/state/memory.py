@@ -1,0 +1,145 @@
+"""`MemoryStore`: the in-process StateStore for a single replica (and Redis's stand-in during an outage).
+
+Same token-bucket algorithm as Redis (`bucket`), on the monotonic clock. Expired entries are swept
+every few hundred writes, so memory stays bounded by what is live.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from gateway.state import bucket
+from gateway.state.base import UNLIMITED, BreakerState, RateDecision, RateLimits, Usage
+
+# Writes between two sweeps of expired entries (amortises the O(n) sweep).
+_SWEEP_EVERY = 512
+
+
+@dataclass(slots=True)
+class _Bucket:
+    levels: bucket.Levels     # levels after the last update
+    limits: RateLimits        # the limits last used, for settling charges
+    expires_s: float          # full again (plus one window) by then: forget it
+
+
+@dataclass(slots=True)
+class _Expiring:
+    value: str                # endpoint id or breaker state
+    ttl_s: float              # refreshed to this on reads (sessions)
+    expires_s: float          # clock reading after which it is gone
+
+
+class MemoryStore:
+    """StateStore in a few dicts; never raises for an outage (there is none)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._buckets: dict[str, _Bucket] = {}
+        self._sessions: dict[str, _Expiring] = {}
+        self._breakers: dict[str, _Expiring] = {}
+        self._usage: dict[str, Usage] = {}
+        self._inflight: dict[str, dict[str, tuple[int, float]]] = {}  # endpoint -> replica -> (tokens, expires_s)
+        self._num_writes = 0
+
+    async def rate_limit(self, key_id: str, limits: RateLimits, cost_tokens: int) -> RateDecision:
+        if limits.unlimited:
+            return UNLIMITED
+        now_s = self._clock()
+        entry = self._buckets.get(key_id)
+        levels = entry.levels if entry is not None and entry.expires_s > now_s else None
+        levels, result = bucket.take(levels, limits, cost_tokens, now_s)
+        self._put_bucket(key_id, levels, limits, now_s)
+        return result
+
+    async def charge_tokens(self, key_id: str, num_tokens: int) -> None:
+        now_s = self._clock()
+        entry = self._buckets.get(key_id)
+        if entry is None or entry.expires_s <= now_s:
+            return  # the bucket has been full for a window: nothing left to settle against
+        self._put_bucket(key_id, bucket.charge(entry.levels, entry.limits, num_tokens, now_s), entry.limits, now_s)
+
+    async def get_session(self, session_key: str) -> str | None:
+        now_s = self._clock()
+        entry = self._live(self._sessions, session_key, now_s)
+        if entry is None:
+            return None
+        entry.expires_s = now_s + entry.ttl_s
+        return entry.value
+
+    async def set_session(self, session_key: str, endpoint_id: str, ttl_s: float) -> None:
+        now_s = self._clock()
+        self._sessions[session_key] = _Expiring(endpoint_id, ttl_s, now_s + ttl_s)
+        self._wrote(now_s)
+
+    async def record_usage(self, key_id: str, num_prompt_tokens: int, num_cached_tokens: int,
+                           num_completion_tokens: int) -> None:
+        old = self._usage.get(key_id, Usage())
+        self._usage[key_id] = replace(
+            old, num_requests=old.num_requests + 1, num_prompt_tokens=old.num_prompt_tokens + num_prompt_tokens,
+            num_cached_tokens=old.num_cached_tokens + num_cached_tokens,
+            num_completion_tokens=old.num_completion_tokens + num_completion_tokens)
+
+    async def get_usage(self, key_id: str) -> Usage:
+        return self._usage.get(key_id, Usage())
+
+    async def get_breaker(self, endpoint_id: str) -> BreakerState | None:
+        entry = self._live(self._breakers, endpoint_id, self._clock())
+        return None if entry is None else BreakerState(entry.value)
+
+    async def set_breaker(self, endpoint_id: str, state: BreakerState, ttl_s: float) -> None:
+        now_s = self._clock()
+        self._breakers[endpoint_id] = _Expiring(state.value, ttl_s, now_s + ttl_s)
+        self._wrote(now_s)
+
+    async def publish_inflight(self, replica_id: str, endpoint_id: str, num_tokens: int, ttl_s: float) -> None:
+        now_s = self._clock()
+        self._inflight.setdefault(endpoint_id, {})[replica_id] = (num_tokens, now_s + ttl_s)
+        self._wrote(now_s)
+
+    async def sum_inflight(self, endpoint_id: str, exclude_replica_id: str | None = None) -> int:
+        now_s = self._clock()
+        replicas = self._inflight.get(endpoint_id, {})
+        return sum(num_tokens for replica_id, (num_tokens, expires_s) in replicas.items()
+                   if expires_s > now_s and replica_id != exclude_replica_id)
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        return None
+
+    def _put_bucket(self, key_id: str, levels: bucket.Levels, limits: RateLimits, now_s: float) -> None:
+        expires_s = now_s + bucket.seconds_until_full(levels, limits) + limits.window_s
+        self._buckets[key_id] = _Bucket(levels, limits, expires_s)
+        self._wrote(now_s)
+
+    @staticmethod
+    def _live(entries: dict[str, _Expiring], key: str, now_s: float) -> _Expiring | None:
+        entry = entries.get(key)
+        if entry is None or entry.expires_s > now_s:
+            return entry
+        del entries[key]
+        return None
+
+    def _wrote(self, now_s: float) -> None:
+        self._num_writes += 1
+        if self._num_writes % _SWEEP_EVERY == 0:
+            self.sweep(now_s)
+
+    def sweep(self, now_s: float | None = None) -> None:
+        """Drop every expired entry (runs by itself every few hundred writes)."""
+        now_s = self._clock() if now_s is None else now_s
+        for entries in (self._sessions, self._breakers, self._buckets):
+            for key in [k for k, e in entries.items() if e.expires_s <= now_s]:
+                del entries[key]
+        for endpoint_id, replicas in list(self._inflight.items()):
+            for replica_id in [r for r, (_, expires_s) in replicas.items() if expires_s <= now_s]:
+                del replicas[replica_id]
+            if not replicas:
+                del self._inflight[endpoint_id]
+
+    def num_entries(self) -> int:
+        """Live and not yet swept entries (for tests and metrics)."""
+        return (len(self._sessions) + len(self._breakers) + len(self._buckets)
+                + sum(len(r) for r in self._inflight.values()))

@@ -1,0 +1,103 @@
+"""The Lua scripts RedisStore runs with EVALSHA: each one is atomic and costs one round trip.
+
+RATE_LIMIT and CHARGE mirror `bucket.take` and `bucket.charge` line for line (same algorithm as
+MemoryStore); they read the clock with TIME on the Redis server, so replicas need not agree on time.
+"""
+from __future__ import annotations
+
+# Shared preamble: refill both buckets of hash KEYS[1] to `now` with limits rc, kc (0: off) and
+# window w. Sets r, k (levels) and now.
+_REFILL = """
+local function refill(level, cap, w, elapsed)
+  if cap <= 0 then return 0 end
+  return math.min(cap, level + elapsed * cap / w)
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local function expire(key, r, k, rc, kc, w)
+  local until_full = 0
+  if rc > 0 then until_full = math.max(until_full, (rc - r) * w / rc) end
+  if kc > 0 then until_full = math.max(until_full, (kc - k) * w / kc) end
+  redis.call('HSET', key, 'r', string.format('%.17g', r), 'k', string.format('%.17g', k),
+             'at', string.format('%.6f', now), 'rc', rc, 'kc', kc, 'w', string.format('%.17g', w))
+  redis.call('PEXPIRE', key, math.ceil((until_full + w) * 1000))
+end
+"""
+
+# KEYS[1]: the key's bucket hash. ARGV: max requests (0: off), max tokens (0: off), window_s, cost_tokens.
+# Returns {allowed 0|1, retry_after_s, requests level, tokens level} (floats as strings).
+RATE_LIMIT = _REFILL + """
+local rc, kc, w, cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local s = redis.call('HMGET', KEYS[1], 'r', 'k', 'at')
+local r, k = rc, kc
+if s[3] then
+  local elapsed = math.max(0, now - tonumber(s[3]))
+  r = refill(tonumber(s[1]), rc, w, elapsed)
+  k = refill(tonumber(s[2]), kc, w, elapsed)
+end
+local function wait(level, need, cap)
+  if cap <= 0 or level >= need - 1e-9 then return 0 end
+  return (need - level) * w / cap
+end
+local wait_r = wait(r, 1, rc)
+local wait_k = wait(k, math.min(cost, kc), kc)
+local allowed = 0
+if wait_r == 0 and wait_k == 0 then
+  allowed = 1
+  if rc > 0 then r = r - 1 end
+  if kc > 0 then k = k - cost end
+end
+expire(KEYS[1], r, k, rc, kc, w)
+return {allowed, string.format('%.17g', math.max(wait_r, wait_k)), string.format('%.17g', r),
+        string.format('%.17g', k)}
+"""
+
+# KEYS[1]: the key's bucket hash. ARGV[1]: tokens to take (negative refunds). Returns 1 if settled,
+# 0 if the bucket is gone (full for a whole window already) or has no token limit.
+CHARGE = _REFILL + """
+local s = redis.call('HMGET', KEYS[1], 'r', 'k', 'at', 'rc', 'kc', 'w')
+if not s[3] then return 0 end
+local rc, kc, w = tonumber(s[4]), tonumber(s[5]), tonumber(s[6])
+if kc <= 0 then return 0 end
+local elapsed = math.max(0, now - tonumber(s[3]))
+local r = refill(tonumber(s[1]), rc, w, elapsed)
+local k = math.min(kc, refill(tonumber(s[2]), kc, w, elapsed) - tonumber(ARGV[1]))
+expire(KEYS[1], r, k, rc, kc, w)
+return 1
+"""
+
+# KEYS[1]: session hash {e: endpoint, ttl: ms}. Returns the endpoint and pushes its expiry out again.
+GET_SESSION = """
+local v = redis.call('HMGET', KEYS[1], 'e', 'ttl')
+if v[1] then redis.call('PEXPIRE', KEYS[1], v[2]) end
+return v[1]
+"""
+
+# KEYS[1]: endpoint's in-flight hash {replica: "tokens:expires_ms"}. ARGV: replica, tokens, ttl_ms.
+PUBLISH_INFLIGHT = """
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ':' .. string.format('%d', now_ms + ttl))
+if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
+return 1
+"""
+
+# KEYS[1]: endpoint's in-flight hash. ARGV[1]: replica to leave out ('' for none). Sums live entries
+# and deletes expired ones (a dead replica's tokens vanish after its TTL).
+SUM_INFLIGHT = """
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local all = redis.call('HGETALL', KEYS[1])
+local total = 0
+for i = 1, #all, 2 do
+  local v = all[i + 1]
+  local sep = string.find(v, ':', 1, true)
+  if tonumber(string.sub(v, sep + 1)) <= now_ms then
+    redis.call('HDEL', KEYS[1], all[i])
+  elseif all[i] ~= ARGV[1] then
+    total = total + tonumber(string.sub(v, 1, sep - 1))
+  end
+end
+return total
+"""

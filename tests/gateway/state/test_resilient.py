@@ -1,0 +1,148 @@
+"""A Redis outage never fails a call: a real redis-server is killed (or hung) mid-run, the store answers
+from memory with exactly one warning, and switches back to Redis by itself once it is restarted."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from redis import asyncio as aioredis
+
+from gateway.state import (
+    BreakerState, MemoryStore, RateLimits, RedisOptions, RedisStore, ResilientStore, StoreUnavailable, Usage,
+)
+from tests.support.redis_proc import RedisProc, free_port, redis_server_path
+
+pytestmark = pytest.mark.skipif(redis_server_path() is None, reason="redis-server is not installed")
+
+PREFIX = "resilient:"
+LOGGER = "gateway.state.resilient"
+
+
+@pytest.fixture
+def proc() -> Iterator[RedisProc]:
+    with RedisProc() as server:   # its own server: these tests kill it
+        yield server
+
+
+@pytest.fixture
+async def resilient(proc: RedisProc) -> AsyncIterator[ResilientStore]:
+    store = ResilientStore(RedisStore(RedisOptions(url=proc.url, key_prefix=PREFIX)), MemoryStore(),
+                           probe_interval_s=0.05)
+    yield store
+    await store.close()
+
+
+async def _exercise_every_call(store: ResilientStore) -> None:
+    await store.rate_limit("k", RateLimits(100, 10_000), 10)
+    await store.charge_tokens("k", 5)
+    await store.set_session("s2", "http://b:2", ttl_s=30)
+    assert await store.get_session("s2") == "http://b:2"
+    await store.record_usage("k", 1, 0, 1)
+    await store.get_usage("k")
+    await store.set_breaker("http://a:1", BreakerState.OPEN, ttl_s=30)
+    assert await store.get_breaker("http://a:1") is BreakerState.OPEN
+    await store.publish_inflight("r1", "http://a:1", 5, ttl_s=30)
+    assert await store.sum_inflight("http://a:1") == 5
+    assert await store.ping()
+
+
+async def _wait_until_back(store: ResilientStore, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while store.degraded:
+        assert time.monotonic() < deadline, "the store did not switch back to Redis"
+        await asyncio.sleep(0.02)
+
+
+def _records(caplog: pytest.LogCaptureFixture, level: int) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == LOGGER and r.levelno == level]
+
+
+async def test_killed_redis_degrades_to_memory_and_recovers(
+        proc: RedisProc, resilient: ResilientStore, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    admin = aioredis.Redis.from_url(proc.url, decode_responses=True)
+    await resilient.set_session("s", "http://a:1", ttl_s=30)
+    await resilient.record_usage("k", 10, 0, 2)
+    assert await admin.hget(f"{PREFIX}session:s", "e") == "http://a:1"   # really on Redis
+    assert not resilient.degraded
+    await admin.aclose()
+
+    proc.kill()
+    started = time.monotonic()
+    assert (await resilient.rate_limit("k", RateLimits(2, None), 0)).allowed
+    assert time.monotonic() - started < 1.0            # detected fast, answered from memory
+    assert resilient.degraded
+    assert await resilient.get_session("s") == "http://a:1"   # written through before the outage
+    assert (await resilient.rate_limit("k", RateLimits(2, None), 0)).allowed
+    assert not (await resilient.rate_limit("k", RateLimits(2, None), 0)).allowed   # still limited
+    for _ in range(3):
+        await _exercise_every_call(resilient)
+    assert len(_records(caplog, logging.WARNING)) == 1
+
+    proc.restart()                                     # same port, empty
+    await _wait_until_back(resilient)
+    assert len(_records(caplog, logging.INFO)) == 1
+    await resilient.record_usage("k", 3, 1, 4)
+    admin = aioredis.Redis.from_url(proc.url, decode_responses=True)
+    try:
+        assert await admin.hgetall(f"{PREFIX}usage:k") == {"requests": "1", "prompt": "3", "cached": "1",
+                                                           "completion": "4"}
+    finally:
+        await admin.aclose()
+    assert await resilient.get_usage("k") == Usage(1, 3, 1, 4)
+    await _exercise_every_call(resilient)
+    assert not resilient.degraded
+    assert len(_records(caplog, logging.WARNING)) == 1
+
+
+async def test_hung_redis_times_out_to_memory(proc: RedisProc, resilient: ResilientStore,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    await resilient.set_session("s", "http://a:1", ttl_s=30)
+    proc.pause()
+    try:
+        started = time.monotonic()
+        assert await resilient.get_session("s") == "http://a:1"
+        assert time.monotonic() - started < 1.5        # socket timeout 0.25 s, one retry
+        assert resilient.degraded
+        started = time.monotonic()
+        await _exercise_every_call(resilient)
+        assert time.monotonic() - started < 0.2        # degraded calls do not wait on Redis again
+    finally:
+        proc.resume()
+    await _wait_until_back(resilient)
+    assert await resilient.get_session("s") == "http://a:1"
+    assert len(_records(caplog, logging.WARNING)) == 1
+
+
+async def test_redis_down_at_start_then_started(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    port = free_port()
+    store = ResilientStore(RedisStore(RedisOptions(url=f"redis://127.0.0.1:{port}/0",
+                                                   key_prefix=f"t-{uuid.uuid4().hex[:8]}:")),
+                           MemoryStore(), probe_interval_s=0.05)
+    try:
+        await _exercise_every_call(store)
+        assert store.degraded and len(_records(caplog, logging.WARNING)) == 1
+        with RedisProc(port=port):
+            await _wait_until_back(store)
+            await _exercise_every_call(store)
+            assert not store.degraded
+    finally:
+        await store.close()
+
+
+async def test_plain_redis_store_raises_store_unavailable(proc: RedisProc) -> None:
+    store = RedisStore(RedisOptions(url=proc.url))
+    try:
+        assert await store.ping()
+        proc.kill()
+        assert not await store.ping()
+        with pytest.raises(StoreUnavailable):
+            await store.get_session("s")
+    finally:
+        await store.close()

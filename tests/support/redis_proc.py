@@ -1,0 +1,109 @@
+"""A real `redis-server` for tests: free port, temp dir, no persistence; kill/pause/restart on the SAME port
+so that "Redis died mid-run" can be tested against clients that keep their configured URL.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def redis_server_path() -> str | None:
+    return shutil.which("redis-server")
+
+
+class RedisProc:
+    """`with RedisProc() as redis: redis.url` — started on enter, stopped and cleaned on exit."""
+
+    def __init__(self, port: int | None = None, start_timeout_s: float = 10.0) -> None:
+        executable = redis_server_path()
+        if executable is None:
+            raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
+        self._executable = executable
+        self.port = port or free_port()
+        self._start_timeout_s = start_timeout_s
+        self._dir = Path(tempfile.mkdtemp(prefix="switchyard-redis-"))
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> RedisProc:
+        if self.running:
+            return self
+        log_file = self._dir / "redis.log"
+        self._proc = subprocess.Popen(
+            [self._executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self._dir),
+             "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(log_file)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self._start_timeout_s
+        while not self._pings():
+            if self._proc.poll() is not None:
+                log = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
+                raise RuntimeError(f"redis-server exited with {self._proc.returncode} on port {self.port}:\n{log}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"redis-server did not answer PING on port {self.port}")
+            time.sleep(0.01)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: connections drop at once, nothing is saved (an outage)."""
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self.resume()
+                self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the port stays open but nothing answers (a hung Redis; clients time out)."""
+        if self.running:
+            assert self._proc is not None
+            os.kill(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.running:
+            assert self._proc is not None
+            os.kill(self._proc.pid, signal.SIGCONT)
+
+    def restart(self) -> RedisProc:
+        """Kill if running, then start empty on the same port."""
+        self.kill()
+        return self.start()
+
+    def stop(self) -> None:
+        self.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisProc:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _pings(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
