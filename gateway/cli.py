@@ -1,3 +1,60 @@
-"""Placeholder CLI; replaced below."""
-def main() -> None:
-    raise SystemExit("not yet")
+"""The `switchyard` console script: `gateway --config FILE`, `worker ...`, `compress ...`, `serve ...`.
+
+`worker` and `compress` exec the backend modules in a fresh interpreter, so the gateway process
+never imports `backends`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+
+
+def _exec_module(module: str, args: Sequence[str]) -> None:
+    os.execv(sys.executable, [sys.executable, "-m", module, *args])
+
+
+def _run_gateway(args: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(prog="switchyard gateway", description="Run the OpenAI-compatible gateway.")
+    parser.add_argument("--config", required=True, help="YAML config file (see docs/configuration.md)")
+    options = parser.parse_args(args)
+    from gateway.config import ConfigError, load_config
+    from gateway.tracing import configure_logging
+    try:
+        config = load_config(options.config)
+    except ConfigError as exc:
+        raise SystemExit(f"switchyard gateway: {exc}") from None
+    configure_logging(config.log_level)
+    import uvloop
+
+    from gateway.app import serve
+    try:
+        uvloop.run(serve(config))
+    except KeyboardInterrupt:
+        pass
+
+
+def _run_serve(args: Sequence[str]) -> None:
+    importlib.import_module("gateway.serve").main(args)  # the all-in-one launcher, imported lazily
+
+
+_COMMANDS: Mapping[str, Callable[[Sequence[str]], None]] = MappingProxyType({
+    "gateway": _run_gateway,
+    "worker": lambda args: _exec_module("backends.server", args),
+    "compress": lambda args: _exec_module("backends.compression", args),
+    "serve": _run_serve,
+})
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in _COMMANDS:
+        raise SystemExit(f"usage: switchyard {{{','.join(_COMMANDS)}}} ...")
+    _COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    main()

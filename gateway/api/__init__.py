@@ -1,0 +1,18 @@
+"""HTTP handlers, one module per API surface; `routes()` is the gateway's one route table."""
+from __future__ import annotations
+
+from aiohttp import web
+
+from gateway.api import completions, models, ops, usage
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.post("/v1/chat/completions", completions.chat_completions),
+        web.post("/v1/completions", completions.completions),
+        web.get("/v1/models", models.list_models),
+        web.get("/v1/usage", usage.get_usage),
+        web.get("/health", ops.health),
+        web.get("/ready", ops.ready),
+        web.get("/metrics", ops.metrics),
+    ]

@@ -1,0 +1,119 @@
+"""The app factory: one middleware list, one route table, and cleanup contexts that build the
+runtime parts inside the running loop (client session, state store, pollers) and tear them down.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import ssl
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from cache.prefix_index import PrefixIndex
+from gateway import api
+from gateway.auth import Authenticator
+from gateway.breaker import CircuitState
+from gateway.config import GatewayConfig
+from gateway.dispatch import DispatchParts, Dispatcher
+from gateway.errors import make_error_middleware
+from gateway.fallback import Retrier, RetryBudget
+from gateway.load import LoadTracker, OutputLengthEstimator
+from gateway.metrics import Metrics
+from gateway.providers import make_provider
+from gateway.services import SERVICES, BackgroundTasks, Services
+from gateway.state import StateStore, make_store
+from gateway.tokenize import TokenCounter
+from gateway.tracing import RequestIds, Tracing
+from gateway.upstreams import UpstreamRegistry
+from policies.registry import PolicyName, make_policy
+
+log = logging.getLogger(__name__)
+
+CONFIG: web.AppKey[GatewayConfig] = web.AppKey("switchyard_config", GatewayConfig)
+
+
+def create_app(config: GatewayConfig) -> web.Application:
+    """Build the gateway app; nothing touches the network until the app starts."""
+    _check_policies(config)
+    app = web.Application(middlewares=[make_error_middleware(RequestIds())], client_max_size=config.max_body_bytes)
+    app[CONFIG] = config
+    app.add_routes(api.routes())
+    app.cleanup_ctx.append(_services_ctx)
+    return app
+
+
+def _check_policies(config: GatewayConfig) -> None:
+    """Fail at start-up (not on the first request) on a bad policy name or option."""
+    for model in config.models.values():
+        make_policy(PolicyName(model.policy.name), model.policy.options)
+
+
+async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG]
+    tracing = Tracing(config.tracing)
+    tracker = LoadTracker()
+    prefix_index = PrefixIndex()
+    registry = UpstreamRegistry(config, tracker, prefix_index, on_circuit_change=_log_circuit_change)
+    metrics = Metrics(registry.rows)
+    # One pooled session for every upstream call; bodies are relayed as they come (no decompression).
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                                    auto_decompress=False)
+    store: StateStore = make_store(config.redis_url)
+    retrier = Retrier(config.retries, RetryBudget(config.retries))
+    dispatcher = Dispatcher(DispatchParts(
+        session=session, registry=registry,
+        providers={name: make_provider(p) for name, p in config.providers.items()},
+        policies={name: make_policy(PolicyName(m.policy.name), m.policy.options) for name, m in config.models.items()},
+        tracker=tracker, prefix_index=prefix_index, retrier=retrier, store=store, metrics=metrics, tracing=tracing,
+        keepalive_s=config.keepalive_s))
+    background = BackgroundTasks()
+    app[SERVICES] = Services(
+        config=config, dispatcher=dispatcher, registry=registry, store=store,
+        auth=Authenticator.from_config(config.api_keys),
+        counter=TokenCounter({name: m.tokenizer for name, m in config.models.items()}),
+        estimator=OutputLengthEstimator(), metrics=metrics, tracing=tracing, background=background)
+    registry.start(session)
+    try:
+        yield
+    finally:
+        await registry.stop()
+        await background.drain()
+        await session.close()
+        await store.close()
+        tracing.shutdown()
+
+
+def _log_circuit_change(endpoint_id: str, state: CircuitState) -> None:
+    log.warning("circuit of %s is now %s", endpoint_id, state.name.lower())
+
+
+def ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:
+    tls = config.listen.tls
+    if tls is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(str(tls.cert_file), str(tls.key_file))
+    return context
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Run the gateway until cancelled (the CLI runs this on uvloop)."""
+    # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream leg.
+    runner = web.AppRunner(create_app(config), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, config.listen.host, config.listen.port, ssl_context=ssl_context(config),
+                       backlog=1024, reuse_address=True)
+    await site.start()
+    log.warning("switchyard gateway listening on %s://%s:%d", "https" if config.listen.tls else "http",
+                config.listen.host, config.listen.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

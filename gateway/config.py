@@ -1,0 +1,368 @@
+"""The gateway's configuration: YAML with `${ENV}` / `${ENV:-default}` expansion into frozen records.
+
+The ONLY module of the gateway that reads files or the environment; everything else receives a
+`GatewayConfig`. Validation errors name the offending field path.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+_ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+class ConfigError(ValueError):
+    """The configuration file is missing, unparsable or names an invalid value."""
+
+
+class ProviderKind(str, Enum):
+    OPENAI = "openai"          # any OpenAI-compatible server: our workers, vLLM, SGLang, hosted APIs
+
+
+class TracingExporter(str, Enum):
+    NONE = "none"
+    CONSOLE = "console"
+    OTLP = "otlp"              # OTLP over HTTP (protobuf)
+
+
+class ReadyRequirement(str, Enum):
+    EACH_MODEL = "each_model"  # every model has at least one healthy endpoint in its chain
+    ANY_MODEL = "any_model"    # at least one model does
+    NONE = "none"              # ready as soon as the server listens
+
+
+@dataclass(frozen=True, slots=True)
+class TlsConfig:
+    cert_file: Path            # PEM certificate chain served to clients
+    key_file: Path             # PEM private key for cert_file
+
+
+@dataclass(frozen=True, slots=True)
+class ListenConfig:
+    host: str = "127.0.0.1"    # interface to bind
+    port: int = 8080           # TCP port (0: any free port)
+    tls: TlsConfig | None = None  # serve HTTPS when set
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeyConfig:
+    key_id: str                          # stable name used for limits, usage and logs (never the secret)
+    key: str | None = None               # the plain secret (usually `${ENV}`); hashed at load by auth
+    key_sha256: str | None = None        # or its sha256 hex digest, so no secret sits in the file
+    max_requests_per_min: int | None = None  # None: unlimited
+    max_tokens_per_min: int | None = None    # prompt + completion tokens; None: unlimited
+    admin: bool = False                  # may read any key's usage at /v1/usage?key_id=...
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutsConfig:
+    connect_s: float = 5.0               # TCP/TLS connect to an endpoint
+    first_byte_s: float = 60.0           # request sent -> first body byte (prefill time included)
+    total_s: float = 600.0               # the whole upstream leg
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderConfig:
+    name: str                            # referenced by models' provider chains
+    kind: ProviderKind                   # picks the implementation in gateway.providers
+    endpoints: tuple[str, ...]           # base URLs (scheme://host:port, no /v1)
+    upstream_model: str | None = None    # the model name sent upstream; None: the client's name
+    api_key: str | None = None           # sent as `Authorization: Bearer` upstream
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    offers_load: bool = False            # endpoints serve GET /load (switchyard workers)
+    offers_kv_events: bool = False       # endpoints serve GET /kv_events?since=N
+    health_path: str | None = "/health"  # None: no health checks, endpoints assumed healthy
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    name: str = "least_tokens"           # a policies.registry.PolicyName value
+    options: Mapping[str, Any] = field(default_factory=dict)  # passed to make_policy as is
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str                            # the model name clients send
+    providers: tuple[str, ...]           # ordered fallback chain of provider names
+    tokenizer: Path | None = None        # folder with tokenizer.json; None: chars/4 estimate
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    block_size: int = 16                 # tokens per KV block, as the workers hash them
+    session_ttl_s: float = 600.0         # how long an x-session-affinity assignment lives
+
+
+@dataclass(frozen=True, slots=True)
+class RetryConfig:
+    max_attempts: int = 4                # upstream legs per request, all providers together
+    backoff_initial_s: float = 0.02      # first backoff (exponential, with jitter)
+    backoff_max_s: float = 1.0           # backoff cap
+    backoff_jitter_s: float = 0.02       # random extra per wait
+    max_retry_after_s: float = 2.0       # an upstream Retry-After is honoured up to this
+    budget_ratio: float = 0.2            # retries allowed per request over the window...
+    budget_min_retries: int = 10         # ...plus this many regardless
+    budget_window_s: float = 10.0        # sliding window of the budget
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    failure_threshold: int = 5           # consecutive failures that open an endpoint's circuit
+    cooldown_s: float = 10.0             # open -> half-open (one probe) after this long
+
+
+@dataclass(frozen=True, slots=True)
+class PollerConfig:
+    health_interval_s: float = 5.0       # GET {endpoint}{health_path}
+    load_interval_s: float = 1.0         # GET {endpoint}/load when offered
+    kv_events_interval_s: float = 0.5    # GET {endpoint}/kv_events?since=N when offered
+    timeout_s: float = 2.0               # each poll's total timeout
+
+
+@dataclass(frozen=True, slots=True)
+class TracingConfig:
+    exporter: TracingExporter = TracingExporter.NONE
+    otlp_endpoint: str | None = None     # e.g. http://collector:4318/v1/traces (otlp only)
+    service_name: str = "switchyard-gateway"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    listen: ListenConfig = field(default_factory=ListenConfig)
+    models: Mapping[str, ModelConfig] = field(default_factory=dict)        # by client-facing name
+    providers: Mapping[str, ProviderConfig] = field(default_factory=dict)  # by provider name
+    api_keys: tuple[ApiKeyConfig, ...] = ()   # empty: no authentication
+    redis_url: str | None = None         # shared state across replicas; None: in-process store
+    max_body_bytes: int = 1 << 20        # larger request bodies get 413
+    keepalive_s: float = 5.0             # SSE comment interval while the first token is awaited
+    retries: RetryConfig = field(default_factory=RetryConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    pollers: PollerConfig = field(default_factory=PollerConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    ready: ReadyRequirement = ReadyRequirement.EACH_MODEL
+    log_level: str = "WARNING"
+
+
+def expand_env(text: str, environ: Mapping[str, str]) -> str:
+    """Replace `${NAME}` (must be set) and `${NAME:-default}` (default when unset or empty)."""
+    def substitute(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        value = environ.get(name)
+        if value:
+            return value
+        if default is not None:
+            return default
+        if value is None:
+            raise ConfigError(f"environment variable {name} is not set (use ${{{name}:-default}})")
+        return value
+    return _ENV_RE.sub(substitute, text)
+
+
+def load_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    """Read, expand and validate a YAML config file."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    return parse_config(text, os.environ if environ is None else environ, base_dir=Path(path).parent)
+
+
+def parse_config(text: str, environ: Mapping[str, str], base_dir: Path = Path(".")) -> GatewayConfig:
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML: {exc}") from exc
+    # Expanded after parsing, in string values only: comments are left alone and an environment
+    # value can never change the YAML's structure.
+    return _build_gateway(_mapping(_expand_tree(raw, environ), "config"), base_dir)
+
+
+def _expand_tree(value: Any, environ: Mapping[str, str]) -> Any:
+    if isinstance(value, str):
+        return expand_env(value, environ)
+    if isinstance(value, list):
+        return [_expand_tree(v, environ) for v in value]
+    if isinstance(value, dict):
+        return {k: _expand_tree(v, environ) for k, v in value.items()}
+    return value
+
+
+# --- building records from the parsed YAML -------------------------------------------------------
+
+def _mapping(value: Any, where: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where}: expected a mapping")
+    return value
+
+
+def _known(raw: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    unknown = set(raw) - allowed
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}")
+
+
+def _typed(raw: Mapping[str, Any], name: str, kind: type | tuple[type, ...], default: Any, where: str) -> Any:
+    value = raw.get(name, default)
+    if value is None or value is default:
+        return value
+    if isinstance(value, str) and kind in (int, float, bool):  # e.g. `port: ${PORT}`
+        value = _from_string(value, kind, f"{where}.{name}")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) and kind is not bool:
+        raise ConfigError(f"{where}.{name}: expected {getattr(kind, '__name__', kind)}")
+    if not isinstance(value, kind):
+        raise ConfigError(f"{where}.{name}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+def _from_string(value: str, kind: type, where: str) -> Any:
+    try:
+        if kind is bool:
+            return {"true": True, "false": False}[value.strip().lower()]
+        return kind(value)
+    except (KeyError, ValueError):
+        raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}") from None
+
+
+def _enum(enum: type[Enum], value: Any, where: str) -> Any:
+    try:
+        return enum(value)
+    except ValueError:
+        raise ConfigError(f"{where}: {value!r} is not one of {[m.value for m in enum]}") from None
+
+
+def _simple(cls: type, raw: Any, where: str) -> Any:
+    """Build a dataclass of scalar fields, each typed like its default."""
+    raw = _mapping(raw, where)
+    defaults = cls()
+    names = set(cls.__dataclass_fields__)
+    _known(raw, names, where)
+    kwargs = {}
+    for name in names:
+        default = getattr(defaults, name)
+        kind = float if isinstance(default, float) else str if default is None else type(default)
+        kwargs[name] = _typed(raw, name, kind, default, where)
+    return cls(**kwargs)
+
+
+def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
+    _known(raw, set(GatewayConfig.__dataclass_fields__), "config")
+    providers = {name: _build_provider(name, body) for name, body in _mapping(raw.get("providers"), "providers").items()}
+    models = {name: _build_model(name, body, base_dir) for name, body in _mapping(raw.get("models"), "models").items()}
+    for model in models.values():
+        for provider in model.providers:
+            if provider not in providers:
+                raise ConfigError(f"models.{model.name}.providers: unknown provider {provider!r}")
+    keys_raw = raw.get("api_keys") or []
+    if not isinstance(keys_raw, list):
+        raise ConfigError("api_keys: expected a list")
+    keys = tuple(_build_key(i, body) for i, body in enumerate(keys_raw))
+    redis_url = _typed(raw, "redis_url", str, None, "config") or None
+    tracing_raw = dict(_mapping(raw.get("tracing"), "tracing"))
+    exporter = _enum(TracingExporter, tracing_raw.pop("exporter", "none"), "tracing.exporter")
+    tracing = _simple(TracingConfig, tracing_raw, "tracing")
+    max_body = _typed(raw, "max_body_bytes", int, 1 << 20, "config")
+    if max_body <= 0:
+        raise ConfigError("max_body_bytes: must be positive")
+    return GatewayConfig(
+        listen=_build_listen(_mapping(raw.get("listen"), "listen"), base_dir),
+        models=models, providers=providers, api_keys=keys, redis_url=redis_url,
+        max_body_bytes=max_body,
+        keepalive_s=_typed(raw, "keepalive_s", float, 5.0, "config"),
+        retries=_simple(RetryConfig, raw.get("retries"), "retries"),
+        breaker=_simple(BreakerConfig, raw.get("breaker"), "breaker"),
+        pollers=_simple(PollerConfig, raw.get("pollers"), "pollers"),
+        tracing=TracingConfig(exporter=exporter, otlp_endpoint=tracing.otlp_endpoint,
+                              service_name=tracing.service_name),
+        ready=_enum(ReadyRequirement, raw.get("ready", "each_model"), "ready"),
+        log_level=str(raw.get("log_level", "WARNING")).upper(),
+    )
+
+
+def _build_listen(raw: Mapping[str, Any], base_dir: Path) -> ListenConfig:
+    _known(raw, {"host", "port", "tls"}, "listen")
+    tls_raw = raw.get("tls")
+    tls = None
+    if tls_raw:
+        tls_raw = _mapping(tls_raw, "listen.tls")
+        _known(tls_raw, {"cert_file", "key_file"}, "listen.tls")
+        if not tls_raw.get("cert_file") or not tls_raw.get("key_file"):
+            raise ConfigError("listen.tls: cert_file and key_file are both required")
+        tls = TlsConfig(cert_file=base_dir / str(tls_raw["cert_file"]), key_file=base_dir / str(tls_raw["key_file"]))
+    port = _typed(raw, "port", int, 8080, "listen")
+    if not 0 <= port <= 65535:
+        raise ConfigError("listen.port: out of range")
+    return ListenConfig(host=_typed(raw, "host", str, "127.0.0.1", "listen"), port=port, tls=tls)
+
+
+def _build_provider(name: str, raw: Any) -> ProviderConfig:
+    where = f"providers.{name}"
+    raw = _mapping(raw, where)
+    _known(raw, set(ProviderConfig.__dataclass_fields__) - {"name"}, where)
+    endpoints = raw.get("endpoints")
+    if not isinstance(endpoints, list) or not endpoints or not all(isinstance(e, str) and e for e in endpoints):
+        raise ConfigError(f"{where}.endpoints: expected a non-empty list of URLs")
+    return ProviderConfig(
+        name=name, kind=_enum(ProviderKind, raw.get("kind", "openai"), f"{where}.kind"),
+        endpoints=tuple(e.rstrip("/") for e in endpoints),
+        upstream_model=_typed(raw, "upstream_model", str, None, where),
+        api_key=_typed(raw, "api_key", str, None, where) or None,
+        timeouts=_simple(TimeoutsConfig, raw.get("timeouts"), f"{where}.timeouts"),
+        offers_load=_typed(raw, "offers_load", bool, False, where),
+        offers_kv_events=_typed(raw, "offers_kv_events", bool, False, where),
+        health_path=raw.get("health_path", "/health") or None,
+    )
+
+
+def _build_model(name: str, raw: Any, base_dir: Path) -> ModelConfig:
+    where = f"models.{name}"
+    raw = _mapping(raw, where)
+    _known(raw, set(ModelConfig.__dataclass_fields__) - {"name"}, where)
+    chain = raw.get("providers")
+    if isinstance(chain, str):
+        chain = [chain]
+    if not isinstance(chain, list) or not chain:
+        raise ConfigError(f"{where}.providers: expected a non-empty list of provider names")
+    policy_raw = _mapping(raw.get("policy"), f"{where}.policy")
+    if isinstance(raw.get("policy"), str):
+        policy_raw = {"name": raw["policy"]}
+    _known(policy_raw, {"name", "options"}, f"{where}.policy")
+    policy = PolicyConfig(name=str(policy_raw.get("name", "least_tokens")),
+                          options=dict(_mapping(policy_raw.get("options"), f"{where}.policy.options")))
+    tokenizer = raw.get("tokenizer") or None
+    block_size = _typed(raw, "block_size", int, 16, where)
+    if block_size <= 0:
+        raise ConfigError(f"{where}.block_size: must be positive")
+    return ModelConfig(
+        name=name, providers=tuple(str(p) for p in chain),
+        tokenizer=base_dir / str(tokenizer) if tokenizer else None, policy=policy, block_size=block_size,
+        session_ttl_s=_typed(raw, "session_ttl_s", float, 600.0, where),
+    )
+
+
+def _build_key(index: int, raw: Any) -> ApiKeyConfig:
+    where = f"api_keys[{index}]"
+    raw = _mapping(raw, where)
+    _known(raw, set(ApiKeyConfig.__dataclass_fields__), where)
+    key, digest = raw.get("key") or None, raw.get("key_sha256") or None
+    if (key is None) == (digest is None):
+        raise ConfigError(f"{where}: exactly one of key and key_sha256 is required")
+    if digest is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", str(digest)):
+        raise ConfigError(f"{where}.key_sha256: expected 64 hex digits")
+    key_id = raw.get("key_id")
+    if not isinstance(key_id, str) or not key_id:
+        raise ConfigError(f"{where}.key_id: required")
+    return ApiKeyConfig(
+        key_id=key_id, key=str(key) if key is not None else None,
+        key_sha256=str(digest).lower() if digest is not None else None,
+        max_requests_per_min=_typed(raw, "max_requests_per_min", int, None, where),
+        max_tokens_per_min=_typed(raw, "max_tokens_per_min", int, None, where),
+        admin=_typed(raw, "admin", bool, False, where),
+    )

@@ -1,0 +1,128 @@
+"""The gateway's error hierarchy and the one middleware that turns errors into OpenAI-style JSON.
+
+Handlers raise `GatewayError` subclasses; nothing else in the gateway builds an error body.
+The middleware is also the request boundary: it sets the request id and logs unexpected errors.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+from gateway.tracing import REQUEST_ID_HEADER, RequestIds, request_id_var
+
+log = logging.getLogger(__name__)
+
+
+class GatewayError(Exception):
+    """An error with an HTTP status and an OpenAI error `type`/`code`."""
+    status: int = 500
+    error_type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+class BadRequest(GatewayError):
+    status, error_type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class Unauthorized(GatewayError):
+    status, error_type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class Forbidden(GatewayError):
+    status, error_type, code = 403, "permission_error", "forbidden"
+
+
+class NotFound(GatewayError):
+    status, error_type, code = 404, "invalid_request_error", "not_found"
+
+
+class PayloadTooLarge(GatewayError):
+    status, error_type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class RateLimited(GatewayError):
+    status, error_type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+
+
+class UpstreamsFailed(GatewayError):
+    """Every endpoint of every provider in the chain failed (or answered with a server error)."""
+    status, error_type, code = 502, "upstream_error", "upstream_failed"
+
+
+class NoUpstreamAvailable(GatewayError):
+    """No endpoint could even be tried (all circuits open, retry budget spent, nothing healthy)."""
+    status, error_type, code = 503, "upstream_error", "no_upstream_available"
+
+
+def error_response(error: GatewayError) -> web.Response:
+    return web.Response(status=error.status, body=orjson.dumps(error.body()),
+                        content_type="application/json", headers=error.headers)
+
+
+_HTTP_TO_ERROR: dict[int, type[GatewayError]] = {
+    400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 413: PayloadTooLarge, 429: RateLimited,
+}
+
+
+def _from_http_exception(exc: web.HTTPException) -> GatewayError:
+    cls = _HTTP_TO_ERROR.get(exc.status, GatewayError)
+    message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+    error = cls(message or exc.reason)
+    if cls is GatewayError:
+        error.status = exc.status
+        error.error_type = "invalid_request_error" if exc.status < 500 else "server_error"
+        error.code = exc.reason.lower().replace(" ", "_")
+    return error
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def make_error_middleware(request_ids: RequestIds) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """The request boundary: request id in, OpenAI-style errors out, unexpected errors logged."""
+
+    @web.middleware
+    async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        request_id = request.headers.get(REQUEST_ID_HEADER) or request_ids.new()
+        return await _handle(request, handler, request_id)
+
+    return error_middleware
+
+
+async def _handle(request: web.Request, handler: Handler, request_id: str) -> web.StreamResponse:
+    token = request_id_var.set(request_id)
+    try:
+        try:
+            response = await handler(request)
+        except GatewayError as exc:
+            response = error_response(exc)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            response = error_response(_from_http_exception(exc))
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            response = error_response(GatewayError("internal gateway error", code="internal_error"))
+        if not response.prepared:
+            response.headers[REQUEST_ID_HEADER] = request_id
+        return response
+    finally:
+        request_id_var.reset(token)

@@ -1,0 +1,217 @@
+"""Token-aware load accounting per endpoint: leases count each request's prefill and decode tokens
+in flight and give back exactly what they took (counts never drift or go negative); the workers'
+own load reports are blended in; `OutputLengthEstimator` predicts output lengths per model.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+# A worker report older than this no longer adds load from other sources (its worker may be
+# gone, or the load it saw has finished).
+DEFAULT_REPORT_TTL_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    num_running: int                 # sequences the worker is decoding or prefilling now
+    num_waiting: int                 # sequences queued for admission
+    num_prefill_tokens_pending: int  # prompt tokens not yet prefilled (running + waiting)
+    num_decode_tokens_pending: int   # output tokens still allowed (max_tokens minus produced)
+    num_free_blocks: int             # KV blocks free (not holding a live sequence's tokens)
+    num_total_blocks: int            # KV blocks in the worker's cache
+    num_cached_blocks: int           # free blocks still holding reusable prefix-cache content
+    block_size: int                  # tokens per KV block
+
+    @classmethod
+    def from_mapping(cls, body: Mapping[str, Any]) -> LoadReport:
+        """Parse a worker's `/load` JSON body; raises ValueError when a field is missing or bad."""
+        values: dict[str, int] = {}
+        for name in cls.__slots__:  # type: ignore[attr-defined]
+            value = body.get(name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"load report field {name!r} must be a non-negative int, got {value!r}")
+            values[name] = value
+        return cls(**values)
+
+    @property
+    def kv_free_fraction(self) -> float | None:
+        return self.num_free_blocks / self.num_total_blocks if self.num_total_blocks else None
+
+
+class _EndpointLoad:
+    """Mutable counts for one endpoint: the sum of its open leases, plus other sources' load."""
+    __slots__ = ("num_requests", "num_prefill_tokens", "num_decode_tokens", "other_requests",
+                 "other_prefill_tokens", "other_decode_tokens", "report_time_s", "kv_free_fraction")
+
+    def __init__(self) -> None:
+        self.num_requests = 0          # open leases
+        self.num_prefill_tokens = 0    # their prompt tokens not yet prefilled
+        self.num_decode_tokens = 0     # their expected output tokens not yet streamed
+        self.other_requests = 0        # from the last report: requests not ours (peers, direct)
+        self.other_prefill_tokens = 0
+        self.other_decode_tokens = 0
+        self.report_time_s = -math.inf  # when the last report arrived (tracker clock)
+        self.kv_free_fraction: float | None = None
+
+
+class Lease:
+    """One request's share of an endpoint's load. Use as a (async) context manager, or call
+    `release()` in a `finally`; release is idempotent and gives back exactly what remains."""
+    __slots__ = ("endpoint_id", "_load", "_prefill_tokens", "_decode_tokens", "_released")
+
+    def __init__(self, endpoint_id: str, load: _EndpointLoad, num_prompt_tokens: int,
+                 num_expected_output_tokens: int) -> None:
+        self.endpoint_id = endpoint_id
+        self._load = load
+        self._prefill_tokens = max(0, num_prompt_tokens)
+        self._decode_tokens = max(0, num_expected_output_tokens)
+        self._released = False
+        load.num_requests += 1
+        load.num_prefill_tokens += self._prefill_tokens
+        load.num_decode_tokens += self._decode_tokens
+
+    def prefill_done(self) -> None:
+        """The prompt is processed (first token seen): its prefill tokens leave the count."""
+        self._load.num_prefill_tokens -= self._prefill_tokens
+        self._prefill_tokens = 0
+
+    def on_output_tokens(self, num_tokens: int) -> None:
+        """`num_tokens` more output tokens streamed; implies the prefill is done. Output beyond
+        the estimate is simply not counted (the estimate never goes below zero)."""
+        if self._prefill_tokens:
+            self.prefill_done()
+        taken = min(max(0, num_tokens), self._decode_tokens)
+        self._decode_tokens -= taken
+        self._load.num_decode_tokens -= taken
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self.prefill_done()
+        self._load.num_decode_tokens -= self._decode_tokens
+        self._decode_tokens = 0
+        self._load.num_requests -= 1
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
+
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        self.release()
+
+
+class LoadTracker:
+    """Per-endpoint requests and tokens in flight. One event loop: no locks needed, and every
+    mutation is a plain synchronous step, so cancellation cannot interrupt one half-done."""
+
+    def __init__(self, report_ttl_s: float = DEFAULT_REPORT_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._loads: dict[str, _EndpointLoad] = {}
+        self._report_ttl_s = report_ttl_s
+        self._clock = clock
+
+    def lease(self, endpoint_id: str, num_prompt_tokens: int,
+              num_expected_output_tokens: int) -> Lease:
+        """Count a request at `endpoint_id` from now until the lease is released."""
+        return Lease(endpoint_id, self._load(endpoint_id), num_prompt_tokens,
+                     num_expected_output_tokens)
+
+    def snapshot(self, endpoint_id: str) -> tuple[int, int, int]:
+        """(num_requests, num_prefill_tokens, num_decode_tokens) in flight at `endpoint_id`:
+        our open leases plus, while the last worker report is fresh, the load it saw beyond ours."""
+        load = self._loads.get(endpoint_id)
+        if load is None:
+            return (0, 0, 0)
+        if self._clock() - load.report_time_s > self._report_ttl_s:
+            return (load.num_requests, load.num_prefill_tokens, load.num_decode_tokens)
+        return (load.num_requests + load.other_requests,
+                load.num_prefill_tokens + load.other_prefill_tokens,
+                load.num_decode_tokens + load.other_decode_tokens)
+
+    def local_snapshot(self, endpoint_id: str) -> tuple[int, int, int]:
+        """Only this gateway's own leases (what it publishes to peers through the state store)."""
+        load = self._loads.get(endpoint_id)
+        if load is None:
+            return (0, 0, 0)
+        return (load.num_requests, load.num_prefill_tokens, load.num_decode_tokens)
+
+    def kv_free_fraction(self, endpoint_id: str) -> float | None:
+        """Free KV fraction from the last fresh worker report; None without one."""
+        load = self._loads.get(endpoint_id)
+        if load is None or self._clock() - load.report_time_s > self._report_ttl_s:
+            return None
+        return load.kv_free_fraction
+
+    def reconcile(self, endpoint_id: str, report: LoadReport | Mapping[str, Any]) -> None:
+        """Blend in the worker's own view: whatever it has beyond our leases (other replicas,
+        direct clients) is added to our counts until the report goes stale. Our own leases stay
+        exact, so a late or lost report can never make a count drift or go negative."""
+        if not isinstance(report, LoadReport):
+            report = LoadReport.from_mapping(report)
+        load = self._load(endpoint_id)
+        load.other_requests = max(0, report.num_running + report.num_waiting - load.num_requests)
+        load.other_prefill_tokens = max(0, report.num_prefill_tokens_pending - load.num_prefill_tokens)
+        load.other_decode_tokens = max(0, report.num_decode_tokens_pending - load.num_decode_tokens)
+        load.kv_free_fraction = report.kv_free_fraction
+        load.report_time_s = self._clock()
+
+    def forget(self, endpoint_id: str) -> None:
+        """Drop an endpoint removed from the config; its open leases still release safely."""
+        self._loads.pop(endpoint_id, None)
+
+    def endpoint_ids(self) -> list[str]:
+        return list(self._loads)
+
+    def _load(self, endpoint_id: str) -> _EndpointLoad:
+        load = self._loads.get(endpoint_id)
+        if load is None:
+            load = self._loads[endpoint_id] = _EndpointLoad()
+        return load
+
+
+class OutputLengthEstimator:
+    """Expected output tokens per model: an exponential moving average of observed lengths,
+    capped by the request's max_tokens. Bounded: the least recently seen models are forgotten."""
+
+    def __init__(self, default_tokens: int = 256, smoothing: float = 0.1,
+                 max_models: int = 1024) -> None:
+        if default_tokens < 1 or not 0.0 < smoothing <= 1.0 or max_models < 1:
+            raise ValueError("default_tokens >= 1, 0 < smoothing <= 1 and max_models >= 1 required")
+        self._default_tokens = default_tokens
+        self._smoothing = smoothing
+        self._max_models = max_models
+        self._means: OrderedDict[str, float] = OrderedDict()  # model -> EMA of output tokens
+
+    def observe(self, model: str, num_output_tokens: int) -> None:
+        """Record a finished request's output length."""
+        n = max(0, num_output_tokens)
+        mean = self._means.pop(model, None)
+        self._means[model] = float(n) if mean is None else mean + self._smoothing * (n - mean)
+        if len(self._means) > self._max_models:
+            self._means.popitem(last=False)
+
+    def estimate(self, model: str, max_tokens: int | None) -> int:
+        """Expected output tokens for a new request to `model` (at least 1, at most max_tokens)."""
+        mean = self._means.get(model)
+        expected = self._default_tokens if mean is None else max(1, math.ceil(mean))
+        if max_tokens is not None:
+            expected = min(expected, max(1, max_tokens))
+        return expected

@@ -1,0 +1,103 @@
+"""Prometheus metrics of one gateway app: a private registry, label children cached per key.
+
+In-flight load and circuit states are read at scrape time (a collector), so the hot path only
+increments counters. No module-level registry: two apps in one process do not share metrics.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.breaker import CircuitState
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+# One row per endpoint at scrape time: (endpoint_id, num_requests, num_prefill_tokens, num_decode_tokens, circuit)
+EndpointRow = tuple[str, int, int, int, CircuitState]
+
+
+class _EndpointCollector(Collector):
+    def __init__(self, rows: Callable[[], Iterable[EndpointRow]]) -> None:
+        self._rows = rows
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        requests = GaugeMetricFamily("switchyard_inflight_requests", "Requests in flight per endpoint",
+                                     labels=["endpoint"])
+        tokens = GaugeMetricFamily("switchyard_inflight_tokens", "Tokens in flight per endpoint (prefill still to "
+                                   "compute, decode still to produce)", labels=["endpoint", "phase"])
+        circuit = GaugeMetricFamily("switchyard_circuit_state", "Circuit breaker state (0 closed, 1 half-open, "
+                                    "2 open)", labels=["endpoint"])
+        for endpoint, num_requests, num_prefill, num_decode, state in self._rows():
+            requests.add_metric([endpoint], num_requests)
+            tokens.add_metric([endpoint, "prefill"], num_prefill)
+            tokens.add_metric([endpoint, "decode"], num_decode)
+            circuit.add_metric([endpoint], int(state))
+        yield requests
+        yield tokens
+        yield circuit
+
+
+class Metrics:
+    """The gateway's counters and histograms; `child(...)` lookups are cached dict hits."""
+
+    def __init__(self, endpoint_rows: Callable[[], Iterable[EndpointRow]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self._requests = Counter("switchyard_requests", "Requests by model and HTTP status", ["model", "status"], registry=r)
+        self._errors = Counter("switchyard_upstream_errors", "Failed upstream legs by provider and cause",
+                               ["provider", "cause"], registry=r)
+        self._retries = Counter("switchyard_retries", "Upstream legs retried, by model", ["model"], registry=r)
+        self._fallbacks = Counter("switchyard_fallbacks", "Moves to the next provider in a chain",
+                                  ["model", "from_provider", "to_provider"], registry=r)
+        self._latency = Histogram("switchyard_upstream_latency_seconds", "Upstream leg duration",
+                                  ["provider"], buckets=_LATENCY_BUCKETS, registry=r)
+        self._ttft = Histogram("switchyard_ttft_seconds", "Time to the first byte relayed to the client",
+                               ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self._decisions = Counter("switchyard_routing_decisions", "Routing decisions by reason",
+                                  ["model", "reason"], registry=r)
+        self._moves = Counter("switchyard_session_moves", "Sessions re-homed to another endpoint", ["model"], registry=r)
+        self._stream_errors = Counter("switchyard_stream_errors", "Streams ended by an upstream failure after the "
+                                      "first byte", ["model"], registry=r)
+        r.register(_EndpointCollector(endpoint_rows))
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def on_request(self, model: str, status: int) -> None:
+        self._child(self._requests, model, str(status)).inc()
+
+    def on_upstream_error(self, provider: str, cause: str) -> None:
+        self._child(self._errors, provider, cause).inc()
+
+    def on_retry(self, model: str) -> None:
+        self._child(self._retries, model).inc()
+
+    def on_fallback(self, model: str, from_provider: str, to_provider: str) -> None:
+        self._child(self._fallbacks, model, from_provider, to_provider).inc()
+
+    def observe_upstream(self, provider: str, seconds: float) -> None:
+        self._child(self._latency, provider).observe(seconds)
+
+    def observe_ttft(self, model: str, seconds: float) -> None:
+        self._child(self._ttft, model).observe(seconds)
+
+    def on_decision(self, model: str, reason: str) -> None:
+        self._child(self._decisions, model, reason).inc()
+
+    def on_session_move(self, model: str) -> None:
+        self._child(self._moves, model).inc()
+
+    def on_stream_error(self, model: str) -> None:
+        self._child(self._stream_errors, model).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

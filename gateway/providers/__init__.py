@@ -1,0 +1,20 @@
+"""The provider-kind registry: adding a kind is one module and one line here."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+
+from gateway.config import ProviderConfig, ProviderKind
+from gateway.providers.base import LegRequest, Provider
+from gateway.providers.openai import OpenAIProvider
+
+PROVIDER_KINDS: Mapping[ProviderKind, Callable[[ProviderConfig], Provider]] = MappingProxyType({
+    ProviderKind.OPENAI: OpenAIProvider,
+})
+
+
+def make_provider(config: ProviderConfig) -> Provider:
+    return PROVIDER_KINDS[config.kind](config)
+
+
+__all__ = ["LegRequest", "Provider", "PROVIDER_KINDS", "make_provider"]

@@ -1,0 +1,64 @@
+"""The runtime parts one gateway app shares among its handlers (built in the running loop by app.py),
+the typed AppKey they live under, and the tracked background tasks that outlive a response.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gateway.auth import Authenticator
+from gateway.config import GatewayConfig
+from gateway.dispatch import Dispatcher
+from gateway.load import OutputLengthEstimator
+from gateway.metrics import Metrics
+from gateway.state import StateStore
+from gateway.tokenize import TokenCounter
+from gateway.tracing import Tracing
+from gateway.upstreams import UpstreamRegistry
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundTasks:
+    """Fire-and-forget work (settling limits, recording usage) that is still awaited at shutdown."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background task failed: %r", task.exception())
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+        for task in list(self._tasks):
+            task.cancel()
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    config: GatewayConfig                              # the validated config
+    dispatcher: Dispatcher                             # upstream legs, fallback, relay
+    registry: UpstreamRegistry                         # endpoints, breakers, pollers
+    store: StateStore                                  # rate limits, sessions, usage (memory or Redis)
+    auth: Authenticator | None                         # None: no API keys configured
+    counter: TokenCounter                              # prompt token counts per model
+    estimator: OutputLengthEstimator                   # expected output length per model
+    metrics: Metrics                                   # Prometheus registry of this app
+    tracing: Tracing                                   # the app's tracer
+    background: BackgroundTasks                        # post-response work
+
+
+SERVICES: web.AppKey[Services] = web.AppKey("switchyard_services", Services)

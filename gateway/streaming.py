@@ -1,0 +1,190 @@
+"""The client side of a streamed (SSE) response: keepalive comments while the first token is awaited,
+bytes relayed as they arrive (never buffered), error events after the first byte, token counting.
+
+It never talks to upstreams; the dispatcher feeds it chunks. A client write failing means the client
+went away: `ClientGone` propagates so the dispatcher closes the upstream at once.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import web
+
+from gateway.tracing import REQUEST_ID_HEADER, request_id_var
+
+KEEPALIVE = b": keepalive\n\n"
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The client closed its connection; nothing more can be sent."""
+
+
+@dataclass(slots=True)
+class StreamUsage:
+    num_output_tokens: int = 0           # content events seen (or usage.completion_tokens when sent)
+    num_prompt_tokens: int | None = None  # from an upstream usage object, when present
+    num_cached_tokens: int = 0           # usage.prompt_tokens_details.cached_tokens, when present
+    exact: bool = False                  # True once a usage object replaced the event count
+
+
+class SseCounter:
+    """Frames the relayed bytes into SSE events to count output tokens (one per content event) and
+    pick up a usage object; it reads a copy of the stream, it never delays it."""
+
+    __slots__ = ("_tail", "usage")
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self.usage = StreamUsage()
+
+    def feed(self, chunk: bytes) -> int:
+        """Returns the number of new content events in `chunk` (for shrinking the lease)."""
+        data = self._tail + chunk if self._tail else chunk
+        events = data.split(b"\n\n")
+        self._tail = events.pop()
+        num_new = 0
+        for event in events:
+            if not event.startswith(b"data:") or event.startswith(b"data: [DONE]"):
+                continue
+            if b'"usage"' in event and self._read_usage(event):
+                continue
+            num_new += 1
+        if not self.usage.exact:
+            self.usage.num_output_tokens += num_new
+        return num_new
+
+    @property
+    def mid_event(self) -> bool:
+        """True when the bytes so far end inside an event (a cut stream must close it first)."""
+        return bool(self._tail.strip())
+
+    def _read_usage(self, event: bytes) -> bool:
+        try:
+            payload = orjson.loads(event[5:])
+        except orjson.JSONDecodeError:
+            return False
+        usage = payload.get("usage") if isinstance(payload, dict) else None
+        if not isinstance(usage, dict):
+            return False
+        apply_usage(self.usage, usage)
+        return not payload.get("choices")
+
+
+def apply_usage(target: StreamUsage, usage: dict[str, object]) -> None:
+    completion, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
+    if isinstance(completion, int):
+        target.num_output_tokens, target.exact = completion, True
+    if isinstance(prompt, int):
+        target.num_prompt_tokens = prompt
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        target.num_cached_tokens = details["cached_tokens"]
+
+
+def error_event(message: str, error_type: str = "upstream_error", code: str = "upstream_stream_failed") -> bytes:
+    body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+class ClientStream:
+    """One client's SSE response. Headers go out with the first data or the first keepalive;
+    until data has gone out, the dispatcher may still retry elsewhere."""
+
+    def __init__(self, request: web.Request, keepalive_s: float) -> None:
+        self._request = request
+        self._keepalive_s = keepalive_s
+        self._lock = asyncio.Lock()
+        self.response: web.StreamResponse | None = None
+        self.data_started = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._keepalive_task: asyncio.Task[None] | None = None
+        self.arm_keepalive()
+
+    @property
+    def prepared(self) -> bool:
+        return self.response is not None
+
+    def arm_keepalive(self) -> None:
+        if self._keepalive_s > 0 and not self.data_started:
+            self._timer = asyncio.get_running_loop().call_later(self._keepalive_s, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if not self.data_started:
+            self._keepalive_task = asyncio.get_running_loop().create_task(self._keepalive())
+
+    async def _keepalive(self) -> None:
+        async with self._lock:
+            if self.data_started:
+                return
+            try:
+                await self._ensure_prepared(200, "text/event-stream")
+                await self.response.write(KEEPALIVE)  # type: ignore[union-attr]
+            except (ConnectionResetError, RuntimeError):
+                return  # the client went away; the handler is being cancelled
+        self.arm_keepalive()
+
+    async def _ensure_prepared(self, status: int, content_type: str) -> None:
+        if self.response is None:
+            response = web.StreamResponse(status=status, headers={
+                "Content-Type": content_type, "Cache-Control": "no-cache",
+                REQUEST_ID_HEADER: request_id_var.get()})
+            await response.prepare(self._request)
+            self.response = response
+
+    async def send_first(self, chunk: bytes, content_type: str) -> None:
+        """The first data bytes: from here on the request is committed to this upstream."""
+        self.stop_keepalive()
+        async with self._lock:
+            self.data_started = True
+            try:
+                await self._ensure_prepared(200, content_type)
+                await self.response.write(chunk)  # type: ignore[union-attr]
+            except ConnectionResetError as exc:
+                raise ClientGone() from exc
+
+    async def send(self, chunk: bytes) -> None:
+        try:
+            await self.response.write(chunk)  # type: ignore[union-attr]
+        except ConnectionResetError as exc:
+            raise ClientGone() from exc
+
+    async def fail(self, event: bytes, mid_event: bool = False) -> None:
+        """End the stream with an error event and [DONE] (after headers went out)."""
+        self.stop_keepalive()
+        async with self._lock:
+            self.data_started = True
+            await self._ensure_prepared(200, "text/event-stream")
+            await self.send((b"\n\n" if mid_event else b"") + event + DONE_EVENT)
+
+    async def finish(self) -> web.StreamResponse:
+        self.stop_keepalive()
+        assert self.response is not None
+        try:
+            await self.response.write_eof()
+        except ConnectionResetError as exc:
+            raise ClientGone() from exc
+        return self.response
+
+    def stop_keepalive(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._keepalive_task is not None and self._keepalive_task.done():
+            self._keepalive_task = None
+
+    async def close(self) -> None:
+        """Always called: no keepalive may outlive the request."""
+        self.data_started = True
+        self.stop_keepalive()
+        task = self._keepalive_task
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                if (current := asyncio.current_task()) is not None and current.cancelling():
+                    raise

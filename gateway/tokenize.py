@@ -1,0 +1,118 @@
+"""Prompt token counting for routing: the `tokenizers` library on a configured folder's tokenizer.json.
+
+Chat requests are rendered with the folder's chat template (tokenizer_config.json), like the workers
+do, so block hashes match theirs. Tokenizers load once per folder; without one, chars/4 is the estimate.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTokens:
+    num_tokens: int                      # prompt tokens (exact with a tokenizer, else estimated)
+    token_ids: Sequence[int] | None      # the ids, when a tokenizer produced them (for block hashes)
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(message)
+
+
+class ModelTokenizer:
+    """One model's tokenizer and chat template."""
+
+    def __init__(self, folder: Path) -> None:
+        self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self._template = None
+        self._specials: dict[str, Any] = {}
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if (folder / "chat_template.jinja").exists():  # where transformers >= 4.43 saves it
+            template = (folder / "chat_template.jinja").read_text()
+        if isinstance(template, str):
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_exception
+            env.filters["tojson"] = lambda value, **_: orjson.dumps(value).decode()
+            self._template = env.from_string(template)
+        for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            value = config.get(name)
+            self._specials[name] = value.get("content") if isinstance(value, dict) else value
+
+    def count_chat(self, messages: list[Any]) -> PromptTokens:
+        if self._template is None:
+            text = "\n".join(_message_text(m) for m in messages)
+            return self.count_text(text)
+        try:
+            text = self._template.render(messages=messages, add_generation_prompt=True, **self._specials)
+        except Exception as exc:  # a template rejecting odd messages must not fail routing
+            log.debug("chat template failed (%s); counting plain text", exc)
+            text = "\n".join(_message_text(m) for m in messages)
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return PromptTokens(len(ids), ids)
+
+    def count_text(self, text: str) -> PromptTokens:
+        ids = self._tokenizer.encode(text).ids
+        return PromptTokens(len(ids), ids)
+
+
+def _message_text(message: Any) -> str:
+    if not isinstance(message, dict):
+        return ""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: count the text ones
+        return " ".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def estimate_chat(messages: list[Any]) -> PromptTokens:
+    num_chars = sum(len(_message_text(m)) + 8 for m in messages)  # ~2 tokens of role framing each
+    return PromptTokens(max(1, num_chars // 4), None)
+
+
+def estimate_text(text: str) -> PromptTokens:
+    return PromptTokens(max(1, len(text) // 4), None)
+
+
+class TokenCounter:
+    """Counts prompts for every configured model; folders are loaded once and shared."""
+
+    def __init__(self, folders: dict[str, Path | None]) -> None:
+        loaded: dict[Path, ModelTokenizer] = {}
+        self._by_model: dict[str, ModelTokenizer | None] = {}
+        for model, folder in folders.items():
+            if folder is None:
+                self._by_model[model] = None
+                continue
+            if folder not in loaded:
+                loaded[folder] = ModelTokenizer(folder)
+            self._by_model[model] = loaded[folder]
+
+    def count_chat(self, model: str, messages: list[Any]) -> PromptTokens:
+        tokenizer = self._by_model.get(model)
+        return estimate_chat(messages) if tokenizer is None else tokenizer.count_chat(messages)
+
+    def count_prompt(self, model: str, prompt: str | list[Any]) -> PromptTokens:
+        """A completions prompt: a string, a list of token ids, or a list of strings (a batch)."""
+        if isinstance(prompt, list):
+            if prompt and all(isinstance(t, int) for t in prompt):
+                return PromptTokens(len(prompt), prompt)
+            counts = [self.count_prompt(model, p) for p in prompt]
+            return PromptTokens(sum(c.num_tokens for c in counts), counts[0].token_ids if len(counts) == 1 else None)
+        tokenizer = self._by_model.get(model)
+        return estimate_text(prompt) if tokenizer is None else tokenizer.count_text(prompt)

@@ -1,0 +1,150 @@
+"""The endpoint registry (one `Endpoint` per upstream base URL, its breaker and last reports) and the
+background pollers that keep it fresh: health, the worker's `/load`, and `/kv_events` for the prefix index.
+
+Pollers only observe; they never route. Each loop catches and logs its own errors (a boundary).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+
+import aiohttp
+import orjson
+
+from cache.prefix_index import KvEventBatch, PrefixIndex
+from gateway.breaker import CircuitBreaker, CircuitState
+from gateway.config import GatewayConfig, ProviderConfig
+from gateway.load import LoadReport, LoadTracker
+from gateway.metrics import EndpointRow
+
+log = logging.getLogger(__name__)
+
+
+class Endpoint:
+    """Runtime state of one upstream server (shared by every provider that lists its URL)."""
+
+    __slots__ = ("endpoint_id", "breaker", "healthy", "health_checked", "kv_since")
+
+    def __init__(self, endpoint_id: str, breaker: CircuitBreaker) -> None:
+        self.endpoint_id = endpoint_id
+        self.breaker = breaker
+        self.healthy = True              # optimistic until a health check says otherwise
+        self.health_checked = False      # a health check has succeeded at least once (for /ready)
+        self.kv_since = 0                # the `next` cursor of /kv_events
+
+
+class UpstreamRegistry:
+    """Endpoints by id and by provider; owns the pollers' tasks."""
+
+    def __init__(self, config: GatewayConfig, tracker: LoadTracker, prefix_index: PrefixIndex,
+                 on_circuit_change: Callable[[str, CircuitState], None] | None = None) -> None:
+        self._config = config
+        self._tracker = tracker
+        self._prefix_index = prefix_index
+        self.endpoints: dict[str, Endpoint] = {}
+        self.by_provider: dict[str, list[Endpoint]] = {}
+        for provider in config.providers.values():
+            listed = []
+            for url in provider.endpoints:
+                endpoint = self.endpoints.get(url)
+                if endpoint is None:
+                    endpoint = Endpoint(url, CircuitBreaker(url, config.breaker, on_change=on_circuit_change))
+                    self.endpoints[url] = endpoint
+                listed.append(endpoint)
+            self.by_provider[provider.name] = listed
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def rows(self) -> Iterable[EndpointRow]:
+        """For the metrics collector: in-flight load and circuit state per endpoint."""
+        for endpoint in self.endpoints.values():
+            num_requests, num_prefill, num_decode = self._tracker.snapshot(endpoint.endpoint_id)
+            yield endpoint.endpoint_id, num_requests, num_prefill, num_decode, endpoint.breaker.state
+
+    def is_ready(self, providers: Iterable[str]) -> bool:
+        """At least one endpoint of these providers has passed a health check (or has none)."""
+        return any(e.healthy and e.health_checked for p in providers for e in self.by_provider[p])
+
+    # --- pollers -----------------------------------------------------------------------------------
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        pollers = self._config.pollers
+        seen: set[tuple[str, str]] = set()
+        for provider in self._config.providers.values():
+            for endpoint in self.by_provider[provider.name]:
+                for name, wanted, interval, poll in self._poll_kinds(provider):
+                    if wanted and (endpoint.endpoint_id, name) not in seen:
+                        seen.add((endpoint.endpoint_id, name))
+                        self._tasks.append(asyncio.create_task(
+                            self._loop(name, endpoint, interval, poll, session, provider)))
+        log.debug("started %d pollers (timeout %.1fs)", len(self._tasks), pollers.timeout_s)
+
+    def _poll_kinds(self, provider: ProviderConfig) -> list[tuple[str, bool, float, Callable[..., Awaitable[None]]]]:
+        pollers = self._config.pollers
+        if provider.health_path is None:
+            for endpoint in self.by_provider[provider.name]:
+                endpoint.health_checked = True
+        return [
+            ("health", provider.health_path is not None, pollers.health_interval_s, self._poll_health),
+            ("load", provider.offers_load, pollers.load_interval_s, self._poll_load),
+            ("kv_events", provider.offers_kv_events, pollers.kv_events_interval_s, self._poll_kv_events),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def _loop(self, name: str, endpoint: Endpoint, interval_s: float,
+                    poll: Callable[..., Awaitable[None]], session: aiohttp.ClientSession,
+                    provider: ProviderConfig) -> None:
+        timeout = aiohttp.ClientTimeout(total=self._config.pollers.timeout_s)
+        while True:
+            try:
+                await poll(endpoint, session, timeout, provider)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a poller must survive any upstream misbehaviour
+                log.debug("%s poll of %s failed: %r", name, endpoint.endpoint_id, exc)
+                if name == "health":
+                    endpoint.healthy = False
+            await asyncio.sleep(interval_s)
+
+    async def _poll_health(self, endpoint: Endpoint, session: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout,
+                           provider: ProviderConfig) -> None:
+        async with session.get(endpoint.endpoint_id + (provider.health_path or ""), timeout=timeout) as response:
+            await response.read()
+            healthy = response.status == 200
+        if healthy != endpoint.healthy:
+            log.warning("endpoint %s is now %s", endpoint.endpoint_id, "healthy" if healthy else "unhealthy")
+        endpoint.healthy = healthy
+        endpoint.health_checked = endpoint.health_checked or healthy
+
+    async def _poll_load(self, endpoint: Endpoint, session: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout,
+                         provider: ProviderConfig) -> None:
+        payload = await _get_json(session, f"{endpoint.endpoint_id}/load", timeout)
+        self._tracker.reconcile(endpoint.endpoint_id, LoadReport.from_mapping(payload))
+
+    async def _poll_kv_events(self, endpoint: Endpoint, session: aiohttp.ClientSession,
+                              timeout: aiohttp.ClientTimeout, provider: ProviderConfig) -> None:
+        while True:  # drain: a busy worker can have more than one page of events
+            payload = await _get_json(session, f"{endpoint.endpoint_id}/kv_events?since={endpoint.kv_since}", timeout)
+            batch = KvEventBatch.from_mapping(payload)
+            self._prefix_index.apply_batch(endpoint.endpoint_id, batch)
+            next_since = batch.next_seq
+            if not batch.events or next_since == endpoint.kv_since:
+                endpoint.kv_since = next_since
+                return
+            endpoint.kv_since = next_since
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout) -> Mapping[str, object]:
+    async with session.get(url, timeout=timeout) as response:
+        body = await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"GET {url}: HTTP {response.status}")
+    payload = orjson.loads(body)
+    if not isinstance(payload, dict):
+        raise RuntimeError(f"GET {url}: expected a JSON object")
+    return payload

@@ -1,0 +1,55 @@
+"""The pollers feed routing: `/kv_events` into the prefix index (prefix_aware routes to the cached
+endpoint), `/load` into the load tracker (least_tokens avoids a worker busy with others' work)."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+
+from cache.block_hash import ROOT_HASH, block_hashes
+from tests.gateway.conftest import gateway_config, metric
+
+PROMPT_IDS = list(range(100, 164))  # 4 blocks of 16 token ids
+
+
+async def served_by(client: aiohttp.ClientSession, url: str, body: dict) -> str:
+    async with client.post(url + "/v1/completions", json=body) as response:
+        assert response.status == 200
+        return orjson.loads(await response.read())["served_by"]
+
+
+async def test_kv_events_steer_prefix_aware_routing(start_fakes, start_gateway) -> None:
+    fakes = start_fakes("a", "b", "c")
+    config = gateway_config({"p": [f.url for f in fakes]}, policy="prefix_aware")
+    config["providers"]["p"]["offers_kv_events"] = True
+    gateway = start_gateway(config)
+    hashes = block_hashes(PROMPT_IDS, 16)
+    parents = [ROOT_HASH, *hashes[:-1]]
+    fakes[2].control(kv_events=[{"seq": i + 1, "type": "stored", "block_hash": h, "parent_hash": p}
+                                for i, (h, p) in enumerate(zip(hashes, parents))])
+    await asyncio.sleep(0.6)  # a few poll intervals
+    async with aiohttp.ClientSession() as client:
+        homes = [await served_by(client, gateway.url, {"model": "m", "prompt": PROMPT_IDS}) for _ in range(4)]
+        other = await served_by(client, gateway.url, {"model": "m", "prompt": list(range(500, 564))})
+    assert homes == ["c"] * 4
+    assert metric(gateway, "switchyard_routing_decisions_total", reason="prefix_hit") == 4
+    assert other in {"a", "b", "c"}
+
+
+async def test_load_reports_steer_least_tokens(start_fakes, start_gateway) -> None:
+    busy, idle = start_fakes("busy", "idle")
+    report = {"num_running": 8, "num_waiting": 4, "num_prefill_tokens_pending": 50_000,
+              "num_decode_tokens_pending": 9_000, "num_free_blocks": 10, "num_total_blocks": 1000,
+              "num_cached_blocks": 0, "block_size": 16}
+    busy.control(load_report=report)
+    idle.control(load_report={**report, "num_running": 0, "num_waiting": 0, "num_prefill_tokens_pending": 0,
+                              "num_decode_tokens_pending": 0, "num_free_blocks": 1000})
+    config = gateway_config({"p": [busy.url, idle.url]}, policy="least_tokens")
+    config["providers"]["p"]["offers_load"] = True
+    gateway = start_gateway(config)
+    await asyncio.sleep(0.6)
+    assert metric(gateway, "switchyard_inflight_tokens", endpoint=busy.url) == 59_000
+    async with aiohttp.ClientSession() as client:
+        homes = [await served_by(client, gateway.url, {"model": "m", "prompt": "hi"}) for _ in range(6)]
+    assert homes == ["idle"] * 6

@@ -1,0 +1,100 @@
+"""Relay through a real gateway process to fake upstream processes: SSE chunk by chunk, keepalives
+during a stall, non-streaming relay with the model renamed, request ids, mid-stream failure."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.gateway.conftest import gateway_config
+
+CHAT = "/v1/chat/completions"
+
+
+def chat_body(**extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hello"}], **extra}
+
+
+async def read_events(response: aiohttp.ClientResponse) -> list[tuple[float, bytes]]:
+    """(arrival time, event) for every SSE event or comment, as the client sees them."""
+    events: list[tuple[float, bytes]] = []
+    buffer = b""
+    async for chunk in response.content.iter_any():
+        now = time.monotonic()
+        buffer += chunk
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            events.append((now, event))
+    return events
+
+
+@pytest.fixture
+def one_upstream(start_fakes, start_gateway):
+    (fake,) = start_fakes("a")
+    gateway = start_gateway(gateway_config({"p": [fake.url]}, keepalive_s=0.2))
+    return fake, gateway
+
+
+async def test_stream_is_relayed_chunk_by_chunk(one_upstream) -> None:
+    fake, gateway = one_upstream
+    body = chat_body(stream=True, fake={"chunks": 4, "chunk_delay_s": 0.4})
+    async with aiohttp.ClientSession() as client:
+        async with client.post(gateway.url + CHAT, json=body) as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"].startswith("text/event-stream")
+            events = await read_events(response)
+    data = [(t, e) for t, e in events if e.startswith(b"data: {")]
+    assert [orjson.loads(e[6:])["choices"][0]["delta"]["content"] for _, e in data] == [f"tok{i} " for i in range(4)]
+    assert events[-1][1] == b"data: [DONE]"
+    # Chunk i reached the client well before the upstream even sent chunk i+1 (it waits 0.4 s).
+    for (t_i, _), (t_next, _) in zip(data, data[1:]):
+        assert t_next - t_i > 0.25
+    assert fake.stats()["models"] == ["p-upstream"]  # the model was renamed upstream
+
+
+async def test_keepalives_while_the_first_token_is_awaited(one_upstream) -> None:
+    fake, gateway = one_upstream
+    body = chat_body(stream=True, fake={"chunks": 2, "stall_s": 1.0})
+    async with aiohttp.ClientSession() as client:
+        async with client.post(gateway.url + CHAT, json=body) as response:
+            events = [e for _, e in await read_events(response)]
+    first_data = next(i for i, e in enumerate(events) if e.startswith(b"data: {"))
+    assert first_data >= 3 and all(e == b": keepalive" for e in events[:first_data])
+    assert events[-1] == b"data: [DONE]" and b": keepalive" not in events[first_data:]
+
+
+async def test_non_streaming_relay_and_request_ids(one_upstream) -> None:
+    fake, gateway = one_upstream
+    async with aiohttp.ClientSession() as client:
+        async with client.post(gateway.url + CHAT, json=chat_body()) as response:
+            generated = response.headers["x-request-id"]
+        async with client.post(gateway.url + CHAT, json=chat_body(extra_field={"kept": True}),
+                               headers={"x-request-id": "req-123"}) as response:
+            assert response.status == 200
+            assert response.headers["x-request-id"] == "req-123"
+            payload = await response.json()
+    assert generated and generated != "req-123"
+    assert payload["choices"][0]["message"]["content"] == "tok0 tok1 tok2 "
+    stats = fake.stats()
+    assert stats["models"] == ["p-upstream", "p-upstream"]  # renamed to the provider's upstream model
+    assert stats["request_ids"] == [generated, "req-123"]   # the request id travels upstream
+    assert stats["last_body"]["extra_field"] == {"kept": True}  # unknown fields pass through
+
+
+async def test_mid_stream_reset_ends_with_error_event_and_is_not_retried(start_fakes, start_gateway) -> None:
+    a, b = start_fakes("a", "b")
+    gateway = start_gateway(gateway_config({"p": [a.url, b.url]}))
+    body = chat_body(stream=True, fake={"chunks": 5, "chunk_delay_s": 0.05, "reset_after": 2})
+    async with aiohttp.ClientSession() as client:
+        async with client.post(gateway.url + CHAT, json=body) as response:
+            assert response.status == 200
+            events = [e for _, e in await read_events(response)]
+    contents = [e for e in events if e.startswith(b"data: {\"id\"")]
+    assert len(contents) == 2
+    error = orjson.loads(events[-2][6:])
+    assert error["error"]["type"] == "upstream_error" and "mid-stream" in error["error"]["message"]
+    assert events[-1] == b"data: [DONE]"
+    assert a.stats()["num_requests"] + b.stats()["num_requests"] == 1  # the upstream was hit once

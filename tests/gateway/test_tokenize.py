@@ -1,0 +1,63 @@
+"""Prompt counting matches transformers' own tokenizer and chat template on the same folder."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from cache.block_hash import block_hashes
+from gateway.tokenize import TokenCounter
+
+TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?",
+          "user assistant system messages and prompts", "<|im_start|> <|im_end|>"] * 20
+
+
+@pytest.fixture(scope="module", params=["tokenizer_config", "jinja_file"])
+def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp(f"tok_{request.param}")
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "unk_token": "<unk>"}
+    if request.param == "tokenizer_config":
+        config["chat_template"] = TEMPLATE
+    else:
+        (path / "chat_template.jinja").write_text(TEMPLATE)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+MESSAGES = [{"role": "system", "content": "you are a helpful assistant"},
+            {"role": "user", "content": "hello world, how are you today? the quick brown fox"}]
+
+
+def test_chat_counts_match_transformers(folder: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), chat_template=TEMPLATE)
+    expected = reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    if not isinstance(expected, list):  # transformers 5 returns a BatchEncoding
+        expected = expected["input_ids"]
+    counted = TokenCounter({"m": folder}).count_chat("m", MESSAGES)
+    assert list(counted.token_ids) == list(expected) and counted.num_tokens == len(expected)
+    assert block_hashes(counted.token_ids, 4) == block_hashes(list(expected), 4)
+
+
+def test_text_and_token_id_prompts(folder: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    counter = TokenCounter({"m": folder, "n": None})
+    text = "the lazy dog says hello"
+    assert list(counter.count_prompt("m", text).token_ids) == reference(text)["input_ids"]
+    assert counter.count_prompt("m", [5, 6, 7]).num_tokens == 3
+    assert counter.count_prompt("m", [text, text]).num_tokens == 2 * len(reference(text)["input_ids"])
+    estimate = counter.count_prompt("n", "x" * 400)  # no tokenizer: chars / 4, no ids
+    assert estimate.num_tokens == 100 and estimate.token_ids is None

@@ -1,0 +1,273 @@
+"""A scripted fake OpenAI-compatible upstream, run as its own process (`python -m tests.support.fake_upstream`).
+
+Behaviour per request comes from the body's `"fake"` object (unknown fields pass through the gateway)
+or the `x-fake` header (JSON), else from the process default (CLI `--behaviour JSON` or POST /control).
+Fields: status, retry_after, stall_s (before headers), first_chunk_delay_s, chunks, chunk_delay_s,
+reset_after (abort the connection after that many chunks), die (exit the process), usage.
+GET /stats reports what it received, so tests can count upstream hits.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeState:
+    def __init__(self, name: str, behaviour: dict[str, Any]) -> None:
+        self.name = name
+        self.behaviour = behaviour
+        self.healthy = True
+        self.num_requests = 0
+        self.request_ids: list[str] = []
+        self.models: list[str] = []
+        self.last_headers: dict[str, str] = {}
+        self.last_body: dict[str, Any] = {}
+        self.load_report: dict[str, Any] | None = None
+        self.kv_events: list[dict[str, Any]] = []
+        self.fast_bodies: dict[bool, bytes] = {}  # canned non-streaming answers, by "is chat"
+
+
+def _chunk(state: FakeState, model: str, index: int, chat: bool) -> bytes:
+    text = f"tok{index} "
+    choice = {"index": 0, "delta": {"content": text}, "finish_reason": None} if chat else \
+        {"index": 0, "text": text, "finish_reason": None}
+    event = {"id": "fake", "object": "chat.completion.chunk" if chat else "text_completion", "model": model,
+             "served_by": state.name, "choices": [choice]}
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+def _full(state: FakeState, model: str, num_chunks: int, chat: bool, usage: bool) -> bytes:
+    text = "".join(f"tok{i} " for i in range(num_chunks))
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"} if chat \
+        else {"index": 0, "text": text, "finish_reason": "stop"}
+    body: dict[str, Any] = {"id": "fake", "object": "chat.completion" if chat else "text_completion",
+                            "model": model, "served_by": state.name, "choices": [choice]}
+    if usage:
+        body["usage"] = {"prompt_tokens": 7, "completion_tokens": num_chunks, "total_tokens": 7 + num_chunks,
+                         "prompt_tokens_details": {"cached_tokens": 3}}
+    return orjson.dumps(body)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state: FakeState = request.app["state"]
+    raw = await request.read()
+    body = orjson.loads(raw)
+    state.num_requests += 1
+    state.request_ids.append(request.headers.get("x-request-id", ""))
+    model = body.get("model", "")
+    state.models.append(model)
+    state.last_headers = dict(request.headers)
+    state.last_body = body
+    behaviour = body.get("fake") or (orjson.loads(request.headers["x-fake"]) if "x-fake" in request.headers
+                                     else state.behaviour)
+    if not behaviour and not body.get("stream"):
+        fast = state.fast_bodies[request.path.endswith("chat/completions")]
+        return web.Response(body=fast, content_type="application/json")
+    return await _scripted(request, state, body, behaviour or {})
+
+
+async def _scripted(request: web.Request, state: FakeState, body: dict[str, Any],
+                    behaviour: dict[str, Any]) -> web.StreamResponse:
+    if behaviour.get("die"):
+        os._exit(3)
+    if behaviour.get("stall_s"):
+        await asyncio.sleep(behaviour["stall_s"])
+    status = behaviour.get("status", 200)
+    if status != 200:
+        headers = {"Retry-After": str(behaviour["retry_after"])} if "retry_after" in behaviour else {}
+        error = {"error": {"message": f"fake {status} from {state.name}", "type": "fake", "param": None,
+                           "code": str(status)}}
+        return web.Response(status=status, body=orjson.dumps(error), content_type="application/json",
+                            headers=headers)
+    chat = request.path.endswith("chat/completions")
+    num_chunks = int(behaviour.get("chunks", 3))
+    model = body.get("model", "")
+    if not body.get("stream"):
+        if behaviour.get("first_chunk_delay_s"):
+            await asyncio.sleep(behaviour["first_chunk_delay_s"])
+        return web.Response(body=_full(state, model, num_chunks, chat, behaviour.get("usage", True)),
+                            content_type="application/json")
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    if behaviour.get("first_chunk_delay_s"):
+        await asyncio.sleep(behaviour["first_chunk_delay_s"])
+    for i in range(num_chunks):
+        if behaviour.get("reset_after") is not None and i == behaviour["reset_after"]:
+            request.transport.abort()
+            return response
+        if i and behaviour.get("chunk_delay_s"):
+            await asyncio.sleep(behaviour["chunk_delay_s"])
+        await response.write(_chunk(state, model, i, chat))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def health(request: web.Request) -> web.Response:
+    state: FakeState = request.app["state"]
+    return web.json_response({"status": "ok" if state.healthy else "down"}, status=200 if state.healthy else 503)
+
+
+async def load(request: web.Request) -> web.Response:
+    state: FakeState = request.app["state"]
+    if state.load_report is None:
+        raise web.HTTPNotFound()
+    return web.json_response(state.load_report)
+
+
+async def kv_events(request: web.Request) -> web.Response:
+    state: FakeState = request.app["state"]
+    since = int(request.query.get("since", "0"))
+    events = [e for e in state.kv_events if e["seq"] > since]  # the workers' semantics: seq > since
+    next_seq = events[-1]["seq"] if events else since
+    return web.json_response({"events": events, "next": next_seq, "reset": False})
+
+
+async def stats(request: web.Request) -> web.Response:
+    state: FakeState = request.app["state"]
+    return web.json_response({"name": state.name, "num_requests": state.num_requests,
+                              "request_ids": state.request_ids, "models": state.models,
+                              "last_headers": state.last_headers, "last_body": state.last_body})
+
+
+async def control(request: web.Request) -> web.Response:
+    """POST {"behaviour": {...}, "healthy": bool, "load_report": {...}, "kv_events": [...], "reset_stats": true}."""
+    state: FakeState = request.app["state"]
+    body = await request.json()
+    if "behaviour" in body:
+        state.behaviour = body["behaviour"]
+    if "healthy" in body:
+        state.healthy = bool(body["healthy"])
+    if "load_report" in body:
+        state.load_report = body["load_report"]
+    if "kv_events" in body:
+        state.kv_events.extend(body["kv_events"])
+    if body.get("reset_stats"):
+        state.num_requests, state.request_ids, state.models = 0, [], []
+    return web.json_response({"ok": True})
+
+
+def make_app(state: FakeState) -> web.Application:
+    app = web.Application()
+    app["state"] = state
+    state.fast_bodies = {chat: _full(state, "fake", 3, chat, True) for chat in (True, False)}
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    app.router.add_get("/load", load)
+    app.router.add_get("/kv_events", kv_events)
+    app.router.add_get("/stats", stats)
+    app.router.add_post("/control", control)
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--name", default="fake")
+    parser.add_argument("--behaviour", default="{}", help="default behaviour (JSON)")
+    args = parser.parse_args()
+    import uvloop
+    uvloop.install()
+    web.run_app(make_app(FakeState(args.name, orjson.loads(args.behaviour))), host="127.0.0.1", port=args.port,
+                access_log=None, print=None, shutdown_timeout=0.1)
+
+
+# --- the test-side handle -------------------------------------------------------------------------
+
+class FakeUpstream:
+    """Starts the fake as a process; `url` is its base URL."""
+
+    def __init__(self, name: str = "fake", behaviour: dict[str, Any] | None = None, wait: bool = True) -> None:
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.fake_upstream", "--port", str(self.port), "--name", name,
+             "--behaviour", orjson.dumps(behaviour or {}).decode()], cwd=REPO_ROOT)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        _wait_http(self.url + "/health", self._proc)
+
+    def get(self, path: str) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url + path, timeout=5) as response:
+            return orjson.loads(response.read())
+
+    def stats(self) -> dict[str, Any]:
+        return self.get("/stats")
+
+    def control(self, **fields: Any) -> None:
+        request = urllib.request.Request(self.url + "/control", data=orjson.dumps(fields), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=5).read()
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def kill(self) -> None:
+        """Die abruptly (SIGKILL): open connections are reset, nothing is flushed."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 20.0, ok_status: int = 200) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == ok_status:
+                    return
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not up after {timeout_s}s")
+
+
+@contextlib.contextmanager
+def fake_upstreams(*names: str) -> Iterator[list[FakeUpstream]]:
+    fakes = [FakeUpstream(name, wait=False) for name in names]
+    try:
+        for fake in fakes:
+            fake.wait_ready()
+        yield fakes
+    finally:
+        for fake in fakes:
+            fake.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Start a real gateway process from a config (a dict written as YAML) on a free port; wait for /ready."""
+from __future__ import annotations
+
+import os
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.support.fake_upstream import REPO_ROOT, free_port
+
+
+class GatewayProcess:
+    """`python -m gateway.cli gateway --config FILE`; `url` is its base URL."""
+
+    def __init__(self, config: dict[str, Any], workdir: Path, env: dict[str, str] | None = None,
+                 wait_path: str = "/ready", ca_file: str | None = None) -> None:
+        config = dict(config)
+        listen = dict(config.get("listen") or {})
+        listen.setdefault("host", "127.0.0.1")
+        listen["port"] = free_port()
+        config["listen"] = listen
+        scheme = "https" if listen.get("tls") else "http"
+        self.url = f"{scheme}://127.0.0.1:{listen['port']}"
+        self.config_path = workdir / f"gateway-{listen['port']}.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.log_path = workdir / f"gateway-{listen['port']}.log"
+        self._log = self.log_path.open("wb")
+        self._ssl = ssl.create_default_context(cafile=ca_file) if ca_file else None
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "gateway", "--config", str(self.config_path)],
+            cwd=REPO_ROOT, env={**os.environ, **(env or {})}, stdout=self._log, stderr=subprocess.STDOUT)
+        self._wait(wait_path)
+
+    def _wait(self, path: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self._proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=1, context=self._ssl) as response:
+                    if response.status == 200:
+                        return
+            except (OSError, urllib.error.HTTPError):
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"gateway {self.url}{path} not ready after {timeout_s}s:\n{self.log()}")
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._log.close()

@@ -1,0 +1,117 @@
+"""Start a real worker process (`python -m backends.server`) on a free port for tests.
+
+`worker_process(...)` yields the worker's base URL once /health answers 200, terminates it on
+exit, and fails the test loudly, with the worker's log, if it died on its own.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_STARTUP_TIMEOUT_S = 300.0   # the first start converts the bundled GGUF
+_LOG_TAIL_CHARS = 20_000
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class WorkerProcess:
+    """One worker process; `url` is its base URL (no trailing slash)."""
+
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        *,
+        env: dict[str, str] | None = None,
+        log_dir: Path | None = None,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        log_dir = log_dir or Path(tempfile.mkdtemp(prefix="switchyard-worker-"))
+        self.log_path = log_dir / f"worker-{self.port}.log"
+        self._log = self.log_path.open("wb")
+        cmd = [sys.executable, "-m", "backends.server", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self._proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env={**os.environ, **(env or {})}, stdout=self._log, stderr=subprocess.STDOUT
+        )
+        try:
+            self._wait_healthy(startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """Terminate (then kill) the process; its exit code."""
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if not self._log.closed:
+            self._log.close()
+        return self._proc.returncode
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                pytest.fail(f"worker exited with code {self._proc.returncode} while starting:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (OSError, urllib.error.HTTPError):
+                pass
+            time.sleep(0.1)
+        pytest.fail(f"worker {self.url} not healthy after {timeout_s:.0f}s:\n{self.log()}")
+
+
+@contextmanager
+def worker_process(
+    args: Sequence[str] = (),
+    *,
+    env: dict[str, str] | None = None,
+    log_dir: Path | None = None,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+) -> Iterator[str]:
+    """Yield the base URL of a healthy worker started with `args` (e.g. ["--max-num-seqs", "16"])."""
+    worker = WorkerProcess(args, env=env, log_dir=log_dir, startup_timeout_s=startup_timeout_s)
+    try:
+        yield worker.url
+    except BaseException:
+        if not worker.alive:   # the test failed because the worker died: say so, with its log
+            pytest.fail(f"worker died (exit code {worker.stop()}) during the test:\n{worker.log()}")
+        raise
+    finally:
+        died_early = not worker.alive
+        code = worker.stop()
+    if died_early or code not in (0, -signal.SIGTERM):
+        pytest.fail(f"worker died or exited badly (exit code {code}):\n{worker.log()}")
