@@ -1,0 +1,165 @@
+"""The entropy code of the exponent stream: a variable-to-fixed (Tunstall-style) dictionary.
+
+Each 16-bit codeword stands for a string of 1..8 exponent symbols, so every codeword sits at a
+fixed position and decoding needs no sequential bit parsing (gather, prefix sum, scatter: fast in
+numpy and trivially parallel on a GPU). The dictionary is rebuilt from the per-tensor symbol counts
+and a threshold, so the file stores ~1 KB per tensor instead of the 576 KB table. Pure numpy, no I/O.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from backends.compression.layout import MAX_WORD_SYMBOLS
+
+MAX_CODEWORDS = 1 << 16          # codewords are uint16
+_END_OF_LANE = 1 << 10           # pad rank: larger than any word's child count, so parses stop
+_SEARCH_STEPS = 16               # bisection steps on log(threshold): ends a factor 1.0008 apart
+
+
+@dataclass(frozen=True, slots=True)
+class Codebook:
+    symbols: np.ndarray      # [A] uint8: the alphabet, most probable first (ties: smaller value first)
+    payload: np.ndarray      # [K] uint64: word k's symbols, the first in the lowest byte, rest zero
+    lengths: np.ndarray      # [K] uint8: number of symbols in word k (1..8)
+    first_child: np.ndarray  # [K] int64: id of word k's first child (children follow in alphabet order)
+    num_children: np.ndarray # [K] int64: how many children word k has (0 for a leaf)
+
+    @property
+    def num_words(self) -> int:
+        return int(self.lengths.size)
+
+
+def alphabet_probabilities(symbols: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sort the used symbols by count (desc, ties by value) and return (symbols, probabilities)."""
+    keep = counts > 0
+    symbols, counts = symbols[keep], counts[keep].astype(np.int64)
+    order = np.lexsort((symbols, -counts))
+    symbols, counts = symbols[order], counts[order]
+    return symbols.astype(np.uint8), counts.astype(np.float64) / float(counts.sum())
+
+
+def _levels(probs: np.ndarray, threshold: float, max_words: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+    """The dictionary's levels as (parent index in previous level, symbol rank, probability).
+
+    A word of depth d+1 exists when its parent exists and p[rank] >= threshold / p(parent): since
+    `probs` is sorted descending, each parent's children are the first `cnt` ranks. Every float
+    operation here is a correctly rounded IEEE op, so the build is identical on every platform.
+    Returns None as soon as the count passes `max_words`.
+    """
+    num = probs.size
+    levels = [(np.full(num, -1, np.int64), np.arange(num, dtype=np.int64), probs)]
+    total = num
+    neg = -probs
+    for _ in range(MAX_WORD_SYMBOLS - 1):
+        parent_probs = levels[-1][2]
+        cnt = np.searchsorted(neg, -(threshold / parent_probs), side="right")  # [level size]
+        n_next = int(cnt.sum())
+        if n_next == 0:
+            break
+        total += n_next
+        if total > max_words:
+            return None
+        parent = np.repeat(np.arange(parent_probs.size, dtype=np.int64), cnt)
+        starts = np.cumsum(cnt) - cnt
+        rank = np.arange(n_next, dtype=np.int64) - np.repeat(starts, cnt)
+        levels.append((parent, rank, parent_probs[parent] * probs[rank]))
+    return levels
+
+
+def choose_threshold(probs: np.ndarray, max_words: int = MAX_CODEWORDS) -> float:
+    """The smallest threshold (bisected in log space) whose dictionary has at most `max_words` words."""
+    if _levels(probs, 0.0, max_words) is not None:
+        return 0.0  # the complete tree of depth 8 fits (tiny alphabets)
+    # hi always fits (at most 100 words per level have p >= 1e-2); lo = 1e-9 << 1 / MAX_CODEWORDS
+    lo, hi = np.log(1e-9), np.log(1e-2)
+    for _ in range(_SEARCH_STEPS):
+        mid = (lo + hi) / 2
+        if _levels(probs, float(np.exp(mid)), max_words) is None:
+            lo = mid
+        else:
+            hi = mid
+    return float(np.exp(hi))
+
+
+def build_codebook(symbols: np.ndarray, probs: np.ndarray, threshold: float) -> Codebook:
+    """Build the dictionary (words in breadth-first order) for sorted `symbols`/`probs` and `threshold`."""
+    levels = _levels(probs, threshold, MAX_CODEWORDS)
+    if levels is None:
+        raise ValueError(f"threshold {threshold!r} gives more than {MAX_CODEWORDS} codewords")
+    sizes = [lvl[0].size for lvl in levels]
+    offsets = np.cumsum([0] + sizes)
+    total = int(offsets[-1])
+    payload = np.zeros(total, np.uint64)
+    lengths = np.zeros(total, np.uint8)
+    first_child = np.zeros(total, np.int64)
+    num_children = np.zeros(total, np.int64)
+    sym64 = symbols.astype(np.uint64)
+    for depth, (parent, rank, _) in enumerate(levels):
+        lo, hi = offsets[depth], offsets[depth + 1]
+        value = sym64[rank] << np.uint64(8 * depth)
+        if depth > 0:
+            value |= payload[offsets[depth - 1] + parent]
+            counts = np.bincount(parent, minlength=sizes[depth - 1])
+            num_children[offsets[depth - 1]:lo] = counts
+            first_child[offsets[depth - 1]:lo] = lo + np.cumsum(counts) - counts
+        payload[lo:hi] = value
+        lengths[lo:hi] = depth + 1
+    return Codebook(symbols, payload, lengths, first_child, num_children)
+
+
+def encode(ranks: np.ndarray, book: Codebook, lane_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy longest-match parse of one symbol stream; see encode_many."""
+    return encode_many([(ranks, book)], lane_size)[0]
+
+
+def encode_many(streams: list[tuple[np.ndarray, Codebook]], lane_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Greedy longest-match parse of each (alphabet ranks, dictionary) stream, restarted every
+    `lane_size` symbols. Every lane of every stream is parsed in lockstep over the concatenated
+    dictionaries, so the Python loop runs ~lane_size / mean word length times in all and numpy's
+    per-call overhead is paid once for many tensors.
+    Returns, per stream, (codewords uint16 in lane order, codewords per lane uint16).
+    """
+    word_base = np.cumsum([0] + [book.num_words for _, book in streams])
+    first_child = np.concatenate([book.first_child + base for (_, book), base in zip(streams, word_base)])
+    num_children = np.concatenate([book.num_children for _, book in streams]).astype(np.int32)
+    lanes_per_stream = [-(-ranks.size // lane_size) for ranks, _ in streams]
+    width = lane_size + MAX_WORD_SYMBOLS          # each lane padded with a rank no word has as child
+    padded = np.full((sum(lanes_per_stream), width), _END_OF_LANE, np.int32)  # [lanes, width]
+    lane_base = np.repeat(word_base[:-1], lanes_per_stream).astype(np.int64)
+    row = 0
+    for (ranks, _), num_lanes in zip(streams, lanes_per_stream):
+        lanes = np.full(num_lanes * lane_size, _END_OF_LANE, np.int32)
+        lanes[:ranks.size] = ranks
+        padded[row:row + num_lanes, :lane_size] = lanes.reshape(num_lanes, lane_size)
+        row += num_lanes
+    lane_len = np.concatenate([np.minimum(lane_size, ranks.size - np.arange(n) * lane_size)
+                               for (ranks, _), n in zip(streams, lanes_per_stream)])
+    flat = padded.reshape(-1)
+    cur = np.arange(padded.shape[0], dtype=np.int64) * width       # flat position of each lane's parse
+    end = cur + lane_len
+    rows: list[np.ndarray] = []
+    while True:
+        active = cur < end
+        if not active.any():
+            break
+        node = np.where(active, flat[cur], 0) + lane_base
+        length = np.ones(cur.size, np.int64)
+        alive = active.copy()
+        for depth in range(1, MAX_WORD_SYMBOLS):
+            s = flat[cur + depth]
+            alive &= s < num_children[node]
+            node = np.where(alive, first_child[node] + s, node)
+            length += alive
+        rows.append(np.where(active, node - lane_base, -1).astype(np.int32))
+        cur = np.where(active, cur + length, cur)
+    table = np.stack(rows, axis=1) if rows else np.zeros((cur.size, 0), np.int64)  # [lanes, steps]
+    out = []
+    row = 0
+    for num_lanes in lanes_per_stream:
+        part = table[row:row + num_lanes]
+        valid = part >= 0
+        out.append((part[valid].astype(np.uint16), valid.sum(axis=1).astype(np.uint16)))
+        row += num_lanes
+    return out

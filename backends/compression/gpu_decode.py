@@ -1,0 +1,123 @@
+"""GPU path: keep a tensor compressed in device memory and expand it with a Triton kernel just
+before use. One program decodes one lane (1024 symbols) from its codeword offset: it gathers the
+words' lengths and payloads from the dictionary, prefix-sums the lengths, and writes
+sign|exponent|mantissa directly. Host-side checksums are verified once, at load.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from backends.compression.container import map_file
+from backends.compression.cpu_decode import load_plain, prepare_job, read_records
+from backends.compression.layout import (
+    MAX_WORD_SYMBOLS, CompressedRecord, CorruptWeightsError, FloatKind, PlainRecord, chunk_bounds,
+    codes_checksum, raw_checksum,
+)
+
+try:  # Triton is only present on CUDA installs; the CPU path never needs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+
+_OUT_DTYPES = {FloatKind.BF16: torch.bfloat16, FloatKind.FP16: torch.float16}
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _decode_lanes_kernel(codes_ptr, lane_start_ptr, payload_ptr, lengths_ptr, raw_ptr, out_ptr,
+                             numel, LANE: tl.constexpr, WORD: tl.constexpr, IS_BF16: tl.constexpr):
+        lane = tl.program_id(0)
+        c0 = tl.load(lane_start_ptr + lane)
+        c1 = tl.load(lane_start_ptr + lane + 1)
+        idx = tl.arange(0, LANE)
+        live = idx < (c1 - c0)
+        code = tl.load(codes_ptr + c0 + idx, mask=live, other=0).to(tl.int32) & 0xFFFF
+        length = tl.load(lengths_ptr + code, mask=live, other=0).to(tl.int32)
+        payload = tl.load(payload_ptr + code, mask=live, other=0)                 # int64: 8 symbols
+        start = lane.to(tl.int64) * LANE + (tl.cumsum(length, 0) - length)       # first element of each word
+        for j in tl.static_range(WORD):
+            ok = live & (length > j)
+            sym = ((payload >> (8 * j)) & 0xFF).to(tl.int32)
+            at = start + j
+            ok = ok & (at < numel)
+            raw = tl.load(raw_ptr + at, mask=ok, other=0).to(tl.int32)
+            if IS_BF16:
+                bits = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
+            else:
+                bits = (sym << 8) | raw
+            tl.store(out_ptr + at, bits.to(tl.int16), mask=ok)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuCompressedTensor:
+    kind: FloatKind             # output dtype
+    shape: tuple[int, ...]      # output shape
+    lane_size: int              # symbols per lane (one program)
+    codes: torch.Tensor         # [num_codes] int16 codewords (bit pattern of uint16), on the device
+    lane_starts: torch.Tensor   # [num_lanes + 1] int64 codeword offset of each lane
+    payload: torch.Tensor       # [K] int64 dictionary payloads (bit pattern of uint64)
+    lengths: torch.Tensor       # [K] uint8 dictionary word lengths
+    raw: torch.Tensor           # [numel] uint8 raw bytes
+
+    @property
+    def compressed_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.lane_starts, self.raw))
+
+    def decompress(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Expand into `out` (or a new tensor) on the device; bit-exact with the CPU decoder."""
+        if triton is None:
+            raise RuntimeError("the GPU decoder needs Triton")
+        numel = self.raw.numel()
+        if out is None:
+            out = torch.empty(self.shape, dtype=_OUT_DTYPES[self.kind], device=self.raw.device)
+        num_lanes = self.lane_starts.numel() - 1
+        _decode_lanes_kernel[(num_lanes,)](
+            self.codes, self.lane_starts, self.payload, self.lengths, self.raw, out.view(torch.int16),
+            numel, LANE=self.lane_size, WORD=MAX_WORD_SYMBOLS, IS_BF16=self.kind is FloatKind.BF16,
+        )
+        return out
+
+
+def load_compressed_gpu(path: Path | str, device: torch.device | str) -> dict[str, GpuCompressedTensor | torch.Tensor]:
+    """Verify every chunk's stored checksums on the host, then upload the tensors still compressed.
+
+    Plain tensors come back as ordinary device tensors; compressed ones as GpuCompressedTensor,
+    to be expanded with `.decompress()` (e.g. layer by layer, just before the layer runs).
+    """
+    mapped = map_file(Path(path))
+    result: dict[str, GpuCompressedTensor | torch.Tensor] = {}
+    for name, record in read_records(mapped).items():
+        if isinstance(record, PlainRecord):
+            result[name] = load_plain(mapped, name, record).to(device)
+            continue
+        job, _ = prepare_job(mapped, name, record)   # checks sizes, rebuilds + checks the dictionary
+        _verify_chunks(job.where, record, job.offsets, job.codes, job.raw, job.checks)
+        result[name] = GpuCompressedTensor(
+            kind=record.kind, shape=record.shape, lane_size=record.lane_size,
+            codes=torch.from_numpy(job.codes.view(np.int16).copy()).to(device),
+            lane_starts=torch.from_numpy(job.offsets).to(device),
+            payload=torch.from_numpy(job.payload.view(np.int64)).to(device),
+            lengths=torch.from_numpy(job.lengths).to(device),
+            raw=torch.from_numpy(job.raw.copy()).to(device),
+        )
+    return result
+
+
+def _verify_chunks(where: str, record: CompressedRecord, offsets: np.ndarray, codes: np.ndarray,
+                   raw: np.ndarray, checks: np.ndarray) -> None:
+    for chunk in range(record.num_chunks):
+        lo, hi, c0, c1 = chunk_bounds(record, offsets, chunk)
+        if codes_checksum(codes[c0:c1].view(np.uint8)) != checks[chunk, 0]:
+            raise CorruptWeightsError(f"{where}: compressed chunk {chunk} fails its checksum")
+        if raw_checksum(raw[lo:hi]) != checks[chunk, 1]:
+            raise CorruptWeightsError(f"{where}: raw sign/mantissa chunk {chunk} fails its checksum")

