@@ -1,7 +1,8 @@
 """Start a real worker process (`python -m backends.server`) on a free port for tests.
 
 `worker_process(...)` yields the worker's base URL once /health answers 200, terminates it on
-exit, and fails the test loudly, with the worker's log, if it died on its own.
+exit, and fails the test loudly, with the worker's log, if it died on its own. To overlap a slow
+set-up with the worker's start, build `WorkerProcess(..., wait=False)` and enter `supervised(it)` later.
 """
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ class WorkerProcess:
         env: dict[str, str] | None = None,
         log_dir: Path | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        wait: bool = True,
     ) -> None:
+        """Start the process; with wait=False call `wait_healthy()` later (to overlap other set-up)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         log_dir = log_dir or Path(tempfile.mkdtemp(prefix="switchyard-worker-"))
@@ -51,11 +54,9 @@ class WorkerProcess:
         self._proc = subprocess.Popen(
             cmd, cwd=REPO_ROOT, env={**os.environ, **(env or {})}, stdout=self._log, stderr=subprocess.STDOUT
         )
-        try:
-            self._wait_healthy(startup_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        self._startup_deadline_s = time.monotonic() + startup_timeout_s
+        if wait:
+            self.wait_healthy()
 
     @property
     def alive(self) -> bool:
@@ -79,19 +80,23 @@ class WorkerProcess:
             self._log.close()
         return self._proc.returncode
 
-    def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                pytest.fail(f"worker exited with code {self._proc.returncode} while starting:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (OSError, urllib.error.HTTPError):
-                pass
-            time.sleep(0.1)
-        pytest.fail(f"worker {self.url} not healthy after {timeout_s:.0f}s:\n{self.log()}")
+    def wait_healthy(self) -> None:
+        """Block until /health answers 200; stop the process and fail the test if it never does."""
+        try:
+            while time.monotonic() < self._startup_deadline_s:
+                if self._proc.poll() is not None:
+                    pytest.fail(f"worker exited with code {self._proc.returncode} while starting:\n{self.log()}")
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                        if response.status == 200:
+                            return
+                except (OSError, urllib.error.HTTPError):
+                    pass
+                time.sleep(0.1)
+            pytest.fail(f"worker {self.url} not healthy before its start-up deadline:\n{self.log()}")
+        except BaseException:
+            self.stop()
+            raise
 
 
 @contextmanager
@@ -103,7 +108,15 @@ def worker_process(
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
 ) -> Iterator[str]:
     """Yield the base URL of a healthy worker started with `args` (e.g. ["--max-num-seqs", "16"])."""
-    worker = WorkerProcess(args, env=env, log_dir=log_dir, startup_timeout_s=startup_timeout_s)
+    worker = WorkerProcess(args, env=env, log_dir=log_dir, startup_timeout_s=startup_timeout_s, wait=False)
+    with supervised(worker) as url:
+        yield url
+
+
+@contextmanager
+def supervised(worker: WorkerProcess) -> Iterator[str]:
+    """Wait for `worker` to be healthy, yield its URL, stop it; fail with its log if it died meanwhile."""
+    worker.wait_healthy()
     try:
         yield worker.url
     except BaseException:

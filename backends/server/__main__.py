@@ -1,0 +1,94 @@
+"""`python -m backends.server` (and `switchyard worker`): parse flags, build the configs, serve on uvloop.
+
+The only place that turns command-line flags into `EngineConfig` and `ServerConfig`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+
+import uvloop
+from aiohttp import web
+
+from backends.attention.base import AttentionBackendName
+from backends.engine.config import EngineConfig
+from backends.server.app import create_app
+from backends.server.config import ServerConfig, WorkerRole
+
+DEFAULT_MODEL = "smollm2"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="switchyard worker", description="Run a switchyard inference worker.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model spec: 'smollm2', an HF folder or a GGUF file")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--role", choices=[r.value for r in WorkerRole], default=WorkerRole.BOTH.value,
+                   help="both (unified); prefill or decode for disaggregated serving")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
+    kv.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache budget in GiB")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--attention-backend", choices=[b.value for b in AttentionBackendName], default=None,
+                   help="default: flash or triton on CUDA where available, sdpa on CPU")
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="name clients use (repeatable; default: --model)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--max-request-mb", type=float, default=16.0, help="larger request bodies get 413")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]:
+    from backends.worker.loader import resolve_model  # converts the bundled GGUF once, then cached
+
+    model_dir = str(resolve_model(args.model))
+    kv_bytes = int(args.kv_cache_memory_gb * 2**30) if args.kv_cache_memory_gb is not None else None
+    engine_config = EngineConfig(
+        model_dir=model_dir,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory_bytes=kv_bytes,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        attention_backend=args.attention_backend,
+        enable_prefix_caching=not args.no_prefix_caching,
+        torch_num_threads=args.threads,
+    )
+    server_config = ServerConfig(
+        model_dir=model_dir,
+        served_model_names=tuple(args.served_model_name or [args.model]),
+        role=WorkerRole(args.role),
+        max_request_bytes=int(args.max_request_mb * 2**20),
+    )
+    return server_config, engine_config
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server_config, engine_config = build_configs(args)
+    app = create_app(server_config, engine_config)
+    web.run_app(
+        app,
+        host=args.host,
+        port=args.port,
+        loop=uvloop.new_event_loop(),
+        handler_cancellation=True,   # a client that goes away cancels its handler: its sequence aborts
+        access_log=None,
+        print=lambda msg: logging.getLogger("backends.server").info("%s", msg.strip()),
+    )
+
+
+if __name__ == "__main__":
+    main()

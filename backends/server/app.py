@@ -1,0 +1,109 @@
+"""The worker's aiohttp app factory: typed state, engine/tokenizer lifetimes, the error middleware, routes.
+
+Run it with `handler_cancellation=True` (as `__main__` does) so that a client that goes away
+cancels its handler and thereby aborts its sequence.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from http import HTTPStatus
+
+from aiohttp import web
+
+from backends.engine.config import EngineConfig
+from backends.server import openai_routes, ops_routes
+from backends.server.config import ServerConfig
+from backends.server.errors import APIError, ErrorType, error_body
+from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
+from backends.server.metrics import EngineCollector, ServerMetrics
+from backends.server.tokenization import PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+EngineFactory = Callable[[EngineConfig], WorkerEngine]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(
+    config: ServerConfig, engine_config: EngineConfig, engine_factory: EngineFactory | None = None
+) -> web.Application:
+    """A worker app; the engine starts in the app's start-up and shuts down in its cleanup."""
+    app = web.Application(client_max_size=config.max_request_bytes, middlewares=[error_middleware])
+    app[CONFIG_KEY] = config
+    app[TOKENIZER_KEY] = PromptTokenizer.from_model_dir(config.model_dir)
+    app.cleanup_ctx.append(_engine_ctx(engine_config, engine_factory or _default_engine_factory))
+    app.router.add_routes([
+        web.post("/v1/completions", openai_routes.completions),
+        web.post("/v1/chat/completions", openai_routes.chat_completions),
+        web.get("/v1/models", openai_routes.models),
+        web.get("/health", ops_routes.health),
+        web.get("/metrics", ops_routes.metrics),
+        web.get("/load", ops_routes.load),
+        web.get("/kv_events", ops_routes.kv_events),
+    ])
+    return app
+
+
+def _default_engine_factory(engine_config: EngineConfig) -> WorkerEngine:
+    from backends.engine.async_engine import AsyncEngine  # torch and the model load only when serving
+
+    return AsyncEngine(engine_config)
+
+
+def _engine_ctx(
+    engine_config: EngineConfig, engine_factory: EngineFactory
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
+        engine = engine_factory(engine_config)
+        await engine.start()
+        app[ENGINE_KEY] = engine
+        app[METRICS_KEY] = ServerMetrics(EngineCollector(engine.load_report, engine.stats))
+        log.info("engine started: max_model_len=%d block_size=%d", engine.max_model_len, engine.block_size)
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+            log.info("engine shut down")
+
+    return engine_ctx
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every exception becomes an OpenAI-style error body; unexpected ones are logged as 500s."""
+    try:
+        response = await handler(request)
+    except APIError as exc:
+        response = openai_routes.json_response(exc.body(), exc.status)
+    except web.HTTPException as exc:
+        response = _http_error(exc)
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        response = openai_routes.json_response(
+            error_body("Internal server error.", ErrorType.SERVER), HTTPStatus.INTERNAL_SERVER_ERROR
+        )
+    metrics = request.app.get(METRICS_KEY)
+    if metrics is not None:
+        metrics.observe_request(_route_name(request), response.status)
+    return response
+
+
+def _http_error(exc: web.HTTPException) -> web.Response:
+    """aiohttp's own errors (404, 405, 413...) in the OpenAI envelope."""
+    if exc.status == HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
+        err = APIError(exc.text or "Request body too large.", status=exc.status, code="request_too_large")
+    elif exc.status == HTTPStatus.NOT_FOUND:
+        err = APIError("Not found.", status=exc.status, error_type=ErrorType.NOT_FOUND)
+    else:
+        err = APIError(exc.reason, status=exc.status)
+    response = openai_routes.json_response(err.body(), err.status)
+    if exc.status == HTTPStatus.METHOD_NOT_ALLOWED and "Allow" in exc.headers:
+        response.headers["Allow"] = exc.headers["Allow"]
+    return response
+
+
+def _route_name(request: web.Request) -> str:
+    """The route's path pattern, so that label values stay bounded whatever paths clients try."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"

@@ -1,0 +1,93 @@
+"""The worker's Prometheus metrics, in a registry of its own (one per app, never the global one).
+
+Request-side figures (latencies, statuses) are recorded as requests run; engine state and
+counters (sequences, KV blocks, tokens, prefix hits, preemptions) are read at scrape time.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from backends.engine.async_engine import EngineStats, LoadReport
+
+PREFIX = "switchyard"
+_TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5)
+_E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0)
+# (metric name without prefix and _total, EngineStats field, help): cumulative engine counters.
+_ENGINE_COUNTERS = (
+    ("prompt_tokens", "num_prompt_tokens", "Prompt tokens of sequences whose prefill completed."),
+    ("prompt_cached_tokens", "num_cached_prompt_tokens", "Prompt tokens served from the prefix cache."),
+    ("generation_tokens", "num_generation_tokens", "Output tokens sampled."),
+    ("preemptions", "num_preemptions", "Sequences preempted for KV space (recomputed later)."),
+    ("finished_sequences", "num_finished_sequences", "Sequences ended for any reason."),
+    ("failed_sequences", "num_failed_sequences", "Sequences ended by an engine error."),
+    ("engine_steps", "num_steps", "Forward steps run."),
+)
+
+
+class EngineCollector(Collector):
+    """Reads the engine's load report and stats on every scrape, so the figures are never stale."""
+
+    def __init__(self, load_report: Callable[[], LoadReport], stats: Callable[[], EngineStats]) -> None:
+        self._load_report = load_report
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        report = self._load_report()
+        used = report.num_total_blocks - report.num_free_blocks
+        yield _gauge("num_requests_running", "Sequences admitted (prefilling or decoding).", report.num_running)
+        yield _gauge("num_requests_waiting", "Sequences waiting for admission.", report.num_waiting)
+        yield _gauge("kv_blocks_total", "KV cache blocks in all.", report.num_total_blocks)
+        yield _gauge("kv_blocks_free", "KV cache blocks free (evictable cached ones included).", report.num_free_blocks)
+        yield _gauge("kv_blocks_used", "KV cache blocks held by sequences.", used)
+        yield _gauge("kv_blocks_cached", "KV blocks reusable by prefix hash (in use or not).", report.num_cached_blocks)
+        yield _gauge("kv_cache_usage_ratio", "Fraction of KV blocks held by sequences.",
+                     used / report.num_total_blocks if report.num_total_blocks else 0.0)
+        stats = self._stats()
+        yield _gauge("prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens, over the worker's life.",
+                     stats.prefix_hit_rate)
+        for name, field, documentation in _ENGINE_COUNTERS:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", documentation, value=getattr(stats, field))
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"{PREFIX}_{name}", documentation, value=value)
+
+
+class ServerMetrics:
+    """All metrics of one worker app; `render()` is the /metrics body."""
+
+    def __init__(self, engine_collector: Collector | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        self.requests = Counter(f"{PREFIX}_requests", "Finished HTTP requests by route and status.",
+                                ["route", "status"], registry=reg)
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Arrival to first output token.",
+                              buckets=_TTFT_BUCKETS_S, registry=reg)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "Time between output steps.",
+                             buckets=_ITL_BUCKETS_S, registry=reg)
+        self.e2e = Histogram(f"{PREFIX}_request_duration_seconds", "Arrival to last output token.",
+                             buckets=_E2E_BUCKETS_S, registry=reg)
+        if engine_collector is not None:
+            reg.register(engine_collector)
+
+    def observe_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def observe_next_token(self, itl_s: float) -> None:
+        self.itl.observe(itl_s)
+
+    def observe_request_duration(self, duration_s: float) -> None:
+        self.e2e.observe(duration_s)
+
+    def observe_request(self, route: str, status: int) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

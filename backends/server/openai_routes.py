@@ -1,0 +1,107 @@
+"""The OpenAI surface of a worker: /v1/completions, /v1/chat/completions (streamed or not), /v1/models.
+
+Handlers only glue parsing, tokenization, generation and response building together; errors are
+raised as `APIError` and rendered by the middleware in `app.py`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import orjson
+from aiohttp import web
+
+from backends.server.errors import APIError
+from backends.server.generation import GenerationDelta, SequenceSpec, generate_deltas
+from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY
+from backends.server.protocol import GenerateRequest, ParseContext, RequestKind, parse_request, resolve_max_tokens
+from backends.server.responses import ResponseBuilder
+
+log = logging.getLogger(__name__)
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_ID_PREFIX = {RequestKind.COMPLETION: "cmpl-", RequestKind.CHAT: "chatcmpl-"}
+
+
+def json_response(body: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, RequestKind.COMPLETION)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, RequestKind.CHAT)
+
+
+async def models(request: web.Request) -> web.Response:
+    config = request.app[CONFIG_KEY]
+    max_model_len = request.app[ENGINE_KEY].max_model_len
+    data = [
+        {"id": name, "object": "model", "created": 0, "owned_by": "switchyard", "max_model_len": max_model_len}
+        for name in config.served_model_names
+    ]
+    return json_response({"object": "list", "data": data})
+
+
+async def read_json(request: web.Request) -> object:
+    """The decoded body; 400 when it is not JSON (413 comes from aiohttp's size limit)."""
+    raw = await request.read()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(f"The request body is not valid JSON: {exc}", code="invalid_json") from exc
+
+
+async def _generate(request: web.Request, kind: RequestKind) -> web.StreamResponse:
+    arrival_s = time.monotonic()
+    app = request.app
+    engine, tokenizer, metrics = app[ENGINE_KEY], app[TOKENIZER_KEY], app[METRICS_KEY]
+    # Ids the model embeds but the tokenizer cannot print are refused too.
+    ctx = ParseContext(app[CONFIG_KEY].served_model_names, min(tokenizer.vocab_size, engine.vocab_size))
+    req = parse_request(kind, await read_json(request), ctx)
+    prompt_ids = tokenizer.encode_request(req)
+    params = resolve_max_tokens(req, len(prompt_ids), engine.max_model_len)
+    request_id = _ID_PREFIX[kind] + uuid.uuid4().hex
+    spec = SequenceSpec(request_id, prompt_ids, params, req.skip_special_tokens, arrival_s)
+    builder = ResponseBuilder(kind, request_id, req.model, tokenizer.backend, return_token_ids=req.return_token_ids)
+    try:
+        async with aclosing(generate_deltas(engine, tokenizer.backend, spec, metrics)) as deltas:
+            if req.stream:
+                return await _stream(request, req, deltas, builder)
+            collected = [delta async for delta in deltas]
+            return json_response(builder.final(collected))
+    finally:
+        metrics.observe_request_duration(time.monotonic() - arrival_s)
+
+
+async def _stream(
+    request: web.Request, req: GenerateRequest, deltas: AsyncIterator[GenerationDelta], builder: ResponseBuilder
+) -> web.StreamResponse:
+    """SSE: headers go out with the first delta, so a refusal before it is still a plain 4xx."""
+    first = await anext(deltas)
+    response = web.StreamResponse(headers=_SSE_HEADERS)
+    await response.prepare(request)
+    try:
+        await _send(response, builder.chunk(first))
+        async for delta in deltas:
+            await _send(response, builder.chunk(delta))
+        if req.include_usage:
+            await _send(response, builder.usage_chunk())
+    except APIError as exc:   # after the first byte the status is sent: report in-band
+        log.warning("stream %s failed: %s", builder.usage, exc.message)
+        await _send(response, exc.body())
+    except ConnectionResetError:   # the client went away; leaving the context aborts the sequence
+        log.info("client disconnected mid-stream")
+        return response
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def _send(response: web.StreamResponse, body: object) -> None:
+    await response.write(b"data: " + orjson.dumps(body) + b"\n\n")

@@ -1,0 +1,297 @@
+"""Parsing and validation of OpenAI request bodies into `SamplingParams` (no I/O, no engine).
+
+Bad bodies raise `APIError` with the field named in `param`; unknown fields are ignored, as
+OpenAI-compatible servers do. Response bodies are built in `responses.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from backends.engine.sampling_params import SamplingParams
+from backends.server.errors import APIError, invalid_param, model_not_found
+
+MAX_LOGPROBS = 20             # top alternatives per token, as OpenAI's top_logprobs allows
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1   # what torch.Generator.manual_seed accepts
+_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_T = TypeVar("_T")
+
+
+class RequestKind(str, enum.Enum):
+    COMPLETION = "completion"   # POST /v1/completions
+    CHAT = "chat"               # POST /v1/chat/completions
+
+
+@dataclass(frozen=True, slots=True)
+class ParseContext:
+    served_model_names: tuple[str, ...]   # names /v1/models lists; the first is the default
+    vocab_size: int                       # token ids must be below this
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str        # one of _CHAT_ROLES
+    content: str     # text parts joined; the chat template renders it
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    kind: RequestKind
+    model: str                                  # the served name the client asked for
+    prompt_text: str | None                     # completions: a text prompt
+    prompt_token_ids: tuple[int, ...] | None    # completions: a pre-tokenized prompt
+    messages: tuple[ChatMessage, ...] | None    # chat: rendered with the tokenizer's template
+    params: SamplingParams                      # max_tokens is provisional until resolve_max_tokens
+    max_tokens: int | None                      # as asked; None fills the context (chat)
+    stream: bool
+    include_usage: bool                         # stream_options.include_usage: a final usage chunk
+    return_token_ids: bool                      # extension: choices carry "token_ids"
+    skip_special_tokens: bool                   # special tokens stay out of the text
+
+
+def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRequest:
+    """Validate a decoded JSON body for `kind`; raise APIError on the first bad field."""
+    if not isinstance(body, dict):
+        raise APIError("The request body must be a JSON object.")
+    model = _parse_model(body, ctx)
+    _refuse_unsupported(body, kind)
+    prompt_text, prompt_ids, messages = None, None, None
+    if kind is RequestKind.CHAT:
+        messages = _parse_messages(body.get("messages"))
+        max_tokens = _opt_int(body, "max_completion_tokens", 1) or _opt_int(body, "max_tokens", 1)
+        logprobs = _parse_chat_logprobs(body)
+    else:
+        prompt_text, prompt_ids = _parse_prompt(body.get("prompt"), ctx.vocab_size)
+        max_tokens = _opt_int(body, "max_tokens", 1)
+        if max_tokens is None:
+            max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
+        logprobs = _opt_int(body, "logprobs", 0, MAX_LOGPROBS)
+    stream = _opt_bool(body, "stream") or False
+    include_usage = _parse_stream_options(body, stream)
+    params = _parse_sampling(body, ctx.vocab_size, max_tokens, logprobs)
+    return GenerateRequest(
+        kind=kind,
+        model=model,
+        prompt_text=prompt_text,
+        prompt_token_ids=prompt_ids,
+        messages=messages,
+        params=params,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+        return_token_ids=_opt_bool(body, "return_token_ids") or False,
+        skip_special_tokens=_default(_opt_bool(body, "skip_special_tokens"), True),
+    )
+
+
+def resolve_max_tokens(req: GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    """Fix max_tokens against the context: refuse prompt + max_tokens over it (400), fill it if unset."""
+    if num_prompt_tokens == 0:
+        raise APIError("The prompt is empty.", param=_prompt_param(req.kind), code="invalid_value")
+    room = max_model_len - num_prompt_tokens
+    asked = req.max_tokens if req.max_tokens is not None else max(room, 1)
+    if num_prompt_tokens + asked > max_model_len:
+        raise APIError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + asked} tokens ({num_prompt_tokens} in the prompt, {asked} in the "
+            f"completion). Please reduce the prompt or max_tokens.",
+            param=_prompt_param(req.kind) if room <= 0 else "max_tokens",
+            code="context_length_exceeded",
+        )
+    if req.params.min_tokens > asked:
+        raise invalid_param("min_tokens", f"min_tokens ({req.params.min_tokens}) exceeds max_tokens ({asked}).")
+    return dataclasses.replace(req.params, max_tokens=asked)
+
+
+def _prompt_param(kind: RequestKind) -> str:
+    return "messages" if kind is RequestKind.CHAT else "prompt"
+
+
+def _parse_model(body: dict[str, Any], ctx: ParseContext) -> str:
+    model = body.get("model")
+    if model is None:
+        return ctx.served_model_names[0]
+    if not isinstance(model, str):
+        raise invalid_param("model", "`model` must be a string.")
+    if model not in ctx.served_model_names:
+        raise model_not_found(model)
+    return model
+
+
+def _refuse_unsupported(body: dict[str, Any], kind: RequestKind) -> None:
+    n = _opt_int(body, "n", 1)
+    if n is not None and n != 1:
+        raise invalid_param("n", "Only n=1 is supported.")
+    best_of = _opt_int(body, "best_of", 1)
+    if best_of is not None and best_of != 1:
+        raise invalid_param("best_of", "Only best_of=1 is supported.")
+    if kind is RequestKind.COMPLETION and _opt_bool(body, "echo"):
+        raise invalid_param("echo", "echo=true is not supported.")
+    if kind is RequestKind.COMPLETION and body.get("suffix") is not None:
+        raise invalid_param("suffix", "suffix is not supported.")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise invalid_param("user", "`user` must be a string.")
+
+
+def _parse_prompt(prompt: Any, vocab_size: int) -> tuple[str | None, tuple[int, ...] | None]:
+    if prompt is None:
+        raise APIError("`prompt` is required.", param="prompt", code="missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]   # a batch of one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid_param("prompt", "The prompt is empty.")
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise invalid_param("prompt", f"Token ids in the prompt must be in [0, {vocab_size}).")
+        return None, tuple(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid_param("prompt", "Batched prompts are not supported; send one prompt per request.")
+    raise invalid_param("prompt", "`prompt` must be a non-empty string or a non-empty list of token ids.")
+
+
+def _parse_messages(messages: Any) -> tuple[ChatMessage, ...]:
+    if messages is None:
+        raise APIError("`messages` is required.", param="messages", code="missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise invalid_param("messages", "`messages` must be a non-empty array.")
+    return tuple(_parse_message(i, m) for i, m in enumerate(messages))
+
+
+def _parse_message(index: int, message: Any) -> ChatMessage:
+    param = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise invalid_param(param, f"{param} must be an object.")
+    role = message.get("role")
+    if role not in _CHAT_ROLES:
+        raise invalid_param(f"{param}.role", f"{param}.role must be one of {sorted(_CHAT_ROLES)}.")
+    content = message.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        content = _join_text_parts(f"{param}.content", content)
+    if not isinstance(content, str):
+        raise invalid_param(f"{param}.content", f"{param}.content must be a string or an array of text parts.")
+    return ChatMessage(role=role, content=content)
+
+
+def _join_text_parts(param: str, parts: list[Any]) -> str:
+    texts = []
+    for part in parts:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise invalid_param(param, f"{param}: only parts of type 'text' are supported.")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _parse_chat_logprobs(body: dict[str, Any]) -> int | None:
+    wanted = _opt_bool(body, "logprobs") or False
+    top = _opt_int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise invalid_param("top_logprobs", "top_logprobs requires logprobs=true.")
+    return (top or 0) if wanted else None
+
+
+def _parse_stream_options(body: dict[str, Any], stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise invalid_param("stream_options", "`stream_options` must be an object.")
+    if not stream:
+        raise invalid_param("stream_options", "stream_options is only allowed when stream=true.")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise invalid_param("stream_options.include_usage", "include_usage must be a boolean.")
+    return include
+
+
+def _parse_sampling(body: dict[str, Any], vocab_size: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    seed = _opt_int(body, "seed", _SEED_MIN, _SEED_MAX)
+    return SamplingParams(
+        max_tokens=max_tokens or 1,
+        temperature=_default(_opt_float(body, "temperature", 0.0, 2.0), 1.0),
+        top_p=_default(_opt_float(body, "top_p", 0.0, 1.0, low_open=True), 1.0),
+        top_k=_default(_opt_int(body, "top_k", -1, vocab_size), 0),
+        min_p=_default(_opt_float(body, "min_p", 0.0, 1.0), 0.0),
+        seed=seed,
+        stop_token_ids=_parse_stop_token_ids(body.get("stop_token_ids"), vocab_size),
+        ignore_eos=_opt_bool(body, "ignore_eos") or False,
+        min_tokens=_default(_opt_int(body, "min_tokens", 0), 0),
+        presence_penalty=_default(_opt_float(body, "presence_penalty", -2.0, 2.0), 0.0),
+        frequency_penalty=_default(_opt_float(body, "frequency_penalty", -2.0, 2.0), 0.0),
+        repetition_penalty=_default(_opt_float(body, "repetition_penalty", 0.0, 10.0, low_open=True), 1.0),
+        logprobs=logprobs,
+        stop=_parse_stop(body.get("stop")),
+    )
+
+
+def _parse_stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid_param("stop", "`stop` must be a string or an array of strings.")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise invalid_param("stop", f"At most {MAX_STOP_STRINGS} stop strings are allowed.")
+    if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stops):
+        raise invalid_param("stop", f"Stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters.")
+    return tuple(dict.fromkeys(stops))
+
+
+def _parse_stop_token_ids(ids: Any, vocab_size: int) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+        raise invalid_param("stop_token_ids", f"`stop_token_ids` must be an array of token ids in [0, {vocab_size}).")
+    return tuple(ids)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _default(value: _T | None, default: _T) -> _T:
+    return default if value is None else value
+
+
+def _opt_bool(body: dict[str, Any], name: str) -> bool | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise invalid_param(name, f"`{name}` must be a boolean.")
+    return value
+
+
+def _opt_int(body: dict[str, Any], name: str, low: int | None = None, high: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not _is_int(value):
+        raise invalid_param(name, f"`{name}` must be an integer.")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise invalid_param(name, f"`{name}` must be in [{low}, {high}], got {value}.")
+    return value
+
+
+def _opt_float(
+    body: dict[str, Any], name: str, low: float, high: float, *, low_open: bool = False
+) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise invalid_param(name, f"`{name}` must be a number.")
+    if value < low or value > high or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise invalid_param(name, f"`{name}` must be in {bracket}{low}, {high}], got {value}.")
+    return float(value)

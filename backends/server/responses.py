@@ -1,0 +1,148 @@
+"""OpenAI response bodies and stream chunks for completions and chat, built from generation deltas.
+
+Pure formatting: dicts ready for orjson; no I/O, no engine. Field names follow the OpenAI API;
+`token_ids` on a choice is the one extension (asked for with `return_token_ids`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from backends.engine.outputs import TokenLogprob
+from backends.server.generation import GenerationDelta
+from backends.server.protocol import RequestKind
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    num_prompt_tokens: int
+    num_cached_tokens: int       # prompt tokens served from the prefix cache
+    num_completion_tokens: int
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": self.num_completion_tokens,
+            "total_tokens": self.num_prompt_tokens + self.num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+        }
+
+
+class ResponseBuilder:
+    """Builds one request's chunks (streaming) or final body; tracks usage and text offsets."""
+
+    def __init__(
+        self, kind: RequestKind, response_id: str, model: str, tokenizer: Tokenizer, *, return_token_ids: bool
+    ) -> None:
+        self._kind = kind
+        self._id = response_id
+        self._model = model
+        self._tokenizer = tokenizer
+        self._return_token_ids = return_token_ids
+        self._created = int(time.time())
+        self._text_offset = 0          # completions logprobs: characters before the next token
+        self._num_chunks = 0
+        self._num_prompt_tokens = 0
+        self._num_cached_tokens = 0
+        self._num_completion_tokens = 0
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self._num_prompt_tokens, self._num_cached_tokens, self._num_completion_tokens)
+
+    def chunk(self, delta: GenerationDelta) -> dict[str, Any]:
+        """One stream chunk for `delta` (the first chat chunk also carries the role)."""
+        self._count(delta)
+        choice: dict[str, Any] = {"index": 0}
+        if self._kind is RequestKind.CHAT:
+            message: dict[str, Any] = {"content": delta.text}
+            if self._num_chunks == 0:
+                message = {"role": "assistant", **message}
+            choice["delta"] = message
+        else:
+            choice["text"] = delta.text
+        choice["logprobs"] = self._logprobs(delta.logprobs)
+        choice["finish_reason"] = delta.finish_reason.value if delta.finish_reason else None
+        if self._return_token_ids:
+            choice["token_ids"] = list(delta.token_ids)
+        self._num_chunks += 1
+        return self._envelope([choice], stream=True)
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk when stream_options.include_usage is set: usage and no choices."""
+        body = self._envelope([], stream=True)
+        body["usage"] = self.usage.body()
+        return body
+
+    def final(self, deltas: list[GenerationDelta]) -> dict[str, Any]:
+        """The non-streaming body from all of a sequence's deltas."""
+        for delta in deltas:
+            self._count(delta)
+        text = "".join(d.text for d in deltas)
+        token_ids = [t for d in deltas for t in d.token_ids]
+        logprobs = None
+        if deltas and deltas[0].logprobs is not None:
+            logprobs = tuple(lp for d in deltas for lp in (d.logprobs or ()))
+        finish = next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
+        choice: dict[str, Any] = {"index": 0}
+        if self._kind is RequestKind.CHAT:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(logprobs)
+        choice["finish_reason"] = finish.value if finish else None
+        if self._return_token_ids:
+            choice["token_ids"] = token_ids
+        body = self._envelope([choice], stream=False)
+        body["usage"] = self.usage.body()
+        return body
+
+    def _count(self, delta: GenerationDelta) -> None:
+        self._num_prompt_tokens = delta.num_prompt_tokens
+        self._num_cached_tokens = delta.num_cached_tokens
+        self._num_completion_tokens += len(delta.token_ids)
+
+    def _envelope(self, choices: list[dict[str, Any]], *, stream: bool) -> dict[str, Any]:
+        if self._kind is RequestKind.CHAT:
+            obj = "chat.completion.chunk" if stream else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {"id": self._id, "object": obj, "created": self._created, "model": self._model, "choices": choices}
+
+    def _logprobs(self, logprobs: tuple[TokenLogprob, ...] | None) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        if self._kind is RequestKind.CHAT:
+            return {"content": [self._chat_logprob(lp) for lp in logprobs]}
+        return self._completion_logprobs(logprobs)
+
+    def _chat_logprob(self, lp: TokenLogprob) -> dict[str, Any]:
+        token = self._token_text(lp.token_id)
+        return {
+            "token": token,
+            "logprob": lp.logprob,
+            "bytes": list(token.encode("utf-8")),
+            "top_logprobs": [
+                {"token": (t := self._token_text(tid)), "logprob": v, "bytes": list(t.encode("utf-8"))}
+                for tid, v in lp.top
+            ],
+        }
+
+    def _completion_logprobs(self, logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any]:
+        tokens = [self._token_text(lp.token_id) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._text_offset)
+            self._text_offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self._token_text(tid): v for tid, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    def _token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
