@@ -38,6 +38,8 @@ CONFIG: web.AppKey[GatewayConfig] = web.AppKey("switchyard_config", GatewayConfi
 def create_app(config: GatewayConfig) -> web.Application:
     """Build the gateway app; nothing touches the network until the app starts."""
     _check_policies(config)
+    for provider in config.providers.values():  # a kind's own checks (e.g. a missing pool) fail here too
+        make_provider(provider)
     app = web.Application(middlewares=[make_error_middleware(RequestIds())], client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app.add_routes(api.routes())

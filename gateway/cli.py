@@ -35,6 +35,8 @@ def _run_gateway(args: Sequence[str]) -> None:
         uvloop.run(serve(config))
     except KeyboardInterrupt:
         pass
+    except ConfigError as exc:  # a provider kind's own checks run when the app is built
+        raise SystemExit(f"switchyard gateway: {exc}") from None
 
 
 def _run_serve(args: Sequence[str]) -> None:

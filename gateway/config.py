@@ -24,6 +24,12 @@ class ConfigError(ValueError):
 
 class ProviderKind(str, Enum):
     OPENAI = "openai"          # any OpenAI-compatible server: our workers, vLLM, SGLang, hosted APIs
+    SWITCHYARD_PD = "switchyard-pd"  # disaggregated: a prefill pool then a decode pool (docs/disaggregation.md)
+
+
+class Pool(str, Enum):
+    MAIN = "endpoints"                   # a provider's endpoints (a disaggregated provider's decode pool)
+    PREFILL = "prefill_endpoints"        # a disaggregated provider's prefill pool
 
 
 class TracingExporter(str, Enum):
@@ -72,13 +78,19 @@ class TimeoutsConfig:
 class ProviderConfig:
     name: str                            # referenced by models' provider chains
     kind: ProviderKind                   # picks the implementation in gateway.providers
-    endpoints: tuple[str, ...]           # base URLs (scheme://host:port, no /v1)
+    endpoints: tuple[str, ...]           # base URLs (scheme://host:port, no /v1); the decode pool for switchyard-pd
     upstream_model: str | None = None    # the model name sent upstream; None: the client's name
     api_key: str | None = None           # sent as `Authorization: Bearer` upstream
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     offers_load: bool = False            # endpoints serve GET /load (switchyard workers)
     offers_kv_events: bool = False       # endpoints serve GET /kv_events?since=N
     health_path: str | None = "/health"  # None: no health checks, endpoints assumed healthy
+    prefill_endpoints: tuple[str, ...] = ()  # the prefill pool (switchyard-pd only; the kind checks it)
+
+    def pools(self) -> dict[Pool, tuple[str, ...]]:
+        """The provider's non-empty endpoint pools (pollers and breakers cover every one)."""
+        pools = {Pool.MAIN: self.endpoints, Pool.PREFILL: self.prefill_endpoints}
+        return {pool: urls for pool, urls in pools.items() if urls}
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,12 +318,11 @@ def _build_provider(name: str, raw: Any) -> ProviderConfig:
     where = f"providers.{name}"
     raw = _mapping(raw, where)
     _known(raw, set(ProviderConfig.__dataclass_fields__) - {"name"}, where)
-    endpoints = raw.get("endpoints")
-    if not isinstance(endpoints, list) or not endpoints or not all(isinstance(e, str) and e for e in endpoints):
-        raise ConfigError(f"{where}.endpoints: expected a non-empty list of URLs")
+    endpoints = _urls(raw.get("endpoints"), f"{where}.endpoints")
+    prefill = _urls(raw["prefill_endpoints"], f"{where}.prefill_endpoints") if "prefill_endpoints" in raw else ()
     return ProviderConfig(
         name=name, kind=_enum(ProviderKind, raw.get("kind", "openai"), f"{where}.kind"),
-        endpoints=tuple(e.rstrip("/") for e in endpoints),
+        endpoints=endpoints, prefill_endpoints=prefill,
         upstream_model=_typed(raw, "upstream_model", str, None, where),
         api_key=_typed(raw, "api_key", str, None, where) or None,
         timeouts=_simple(TimeoutsConfig, raw.get("timeouts"), f"{where}.timeouts"),
@@ -319,6 +330,12 @@ def _build_provider(name: str, raw: Any) -> ProviderConfig:
         offers_kv_events=_typed(raw, "offers_kv_events", bool, False, where),
         health_path=raw.get("health_path", "/health") or None,
     )
+
+
+def _urls(value: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or not all(isinstance(e, str) and e for e in value):
+        raise ConfigError(f"{where}: expected a non-empty list of URLs")
+    return tuple(e.rstrip("/") for e in value)
 
 
 def _build_model(name: str, raw: Any, base_dir: Path) -> ModelConfig:

@@ -53,8 +53,13 @@ class Metrics:
         self._retries = Counter("switchyard_retries", "Upstream legs retried, by model", ["model"], registry=r)
         self._fallbacks = Counter("switchyard_fallbacks", "Moves to the next provider in a chain",
                                   ["model", "from_provider", "to_provider"], registry=r)
-        self._latency = Histogram("switchyard_upstream_latency_seconds", "Upstream leg duration",
-                                  ["provider"], buckets=_LATENCY_BUCKETS, registry=r)
+        self._latency = Histogram("switchyard_upstream_latency_seconds", "Upstream leg duration by leg kind "
+                                  "(single, prefill, decode)", ["provider", "leg"], buckets=_LATENCY_BUCKETS,
+                                  registry=r)
+        self._pd_fallbacks = Counter("switchyard_pd_fallbacks", "Disaggregated requests handed to the next "
+                                     "provider, by cause", ["model", "provider", "cause"], registry=r)
+        self._pd_redos = Counter("switchyard_pd_redos", "Disaggregated requests redone from a new prefill after "
+                                 "the decode leg's KV transfer failed", ["model", "code"], registry=r)
         self._ttft = Histogram("switchyard_ttft_seconds", "Time to the first byte relayed to the client",
                                ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self._decisions = Counter("switchyard_routing_decisions", "Routing decisions by reason",
@@ -84,8 +89,14 @@ class Metrics:
     def on_fallback(self, model: str, from_provider: str, to_provider: str) -> None:
         self._child(self._fallbacks, model, from_provider, to_provider).inc()
 
-    def observe_upstream(self, provider: str, seconds: float) -> None:
-        self._child(self._latency, provider).observe(seconds)
+    def observe_upstream(self, provider: str, leg: str, seconds: float) -> None:
+        self._child(self._latency, provider, leg).observe(seconds)
+
+    def on_pd_fallback(self, model: str, provider: str, cause: str) -> None:
+        self._child(self._pd_fallbacks, model, provider, cause).inc()
+
+    def on_pd_redo(self, model: str, code: str) -> None:
+        self._child(self._pd_redos, model, code).inc()
 
     def observe_ttft(self, model: str, seconds: float) -> None:
         self._child(self._ttft, model).observe(seconds)

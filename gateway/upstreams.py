@@ -14,7 +14,7 @@ import orjson
 
 from cache.prefix_index import KvEventBatch, PrefixIndex
 from gateway.breaker import CircuitBreaker, CircuitState
-from gateway.config import GatewayConfig, ProviderConfig
+from gateway.config import GatewayConfig, Pool, ProviderConfig
 from gateway.load import LoadReport, LoadTracker
 from gateway.metrics import EndpointRow
 
@@ -35,7 +35,7 @@ class Endpoint:
 
 
 class UpstreamRegistry:
-    """Endpoints by id and by provider; owns the pollers' tasks."""
+    """Endpoints by id and by provider pool; owns the pollers' tasks."""
 
     def __init__(self, config: GatewayConfig, tracker: LoadTracker, prefix_index: PrefixIndex,
                  on_circuit_change: Callable[[str, CircuitState], None] | None = None) -> None:
@@ -43,16 +43,17 @@ class UpstreamRegistry:
         self._tracker = tracker
         self._prefix_index = prefix_index
         self.endpoints: dict[str, Endpoint] = {}
-        self.by_provider: dict[str, list[Endpoint]] = {}
+        self.pools: dict[tuple[str, Pool], list[Endpoint]] = {}   # by (provider name, pool)
         for provider in config.providers.values():
-            listed = []
-            for url in provider.endpoints:
-                endpoint = self.endpoints.get(url)
-                if endpoint is None:
-                    endpoint = Endpoint(url, CircuitBreaker(url, config.breaker, on_change=on_circuit_change))
-                    self.endpoints[url] = endpoint
-                listed.append(endpoint)
-            self.by_provider[provider.name] = listed
+            for pool, urls in provider.pools().items():
+                listed = []
+                for url in urls:
+                    endpoint = self.endpoints.get(url)
+                    if endpoint is None:
+                        endpoint = Endpoint(url, CircuitBreaker(url, config.breaker, on_change=on_circuit_change))
+                        self.endpoints[url] = endpoint
+                    listed.append(endpoint)
+                self.pools[(provider.name, pool)] = listed
         self._tasks: list[asyncio.Task[None]] = []
 
     def rows(self) -> Iterable[EndpointRow]:
@@ -61,9 +62,17 @@ class UpstreamRegistry:
             num_requests, num_prefill, num_decode = self._tracker.snapshot(endpoint.endpoint_id)
             yield endpoint.endpoint_id, num_requests, num_prefill, num_decode, endpoint.breaker.state
 
+    def pool(self, provider_name: str, pool: Pool = Pool.MAIN) -> list[Endpoint]:
+        return self.pools.get((provider_name, pool), [])
+
     def is_ready(self, providers: Iterable[str]) -> bool:
-        """At least one endpoint of these providers has passed a health check (or has none)."""
-        return any(e.healthy and e.health_checked for p in providers for e in self.by_provider[p])
+        """One of these providers has, in each of its pools, an endpoint that passed a health check (or has none)."""
+        return any(all(any(e.healthy and e.health_checked for e in self.pools[(p, pool)])
+                       for pool in self._config.providers[p].pools())
+                   for p in providers)
+
+    def _provider_endpoints(self, provider_name: str) -> list[Endpoint]:
+        return [e for (name, _), pool in self.pools.items() if name == provider_name for e in pool]
 
     # --- pollers -----------------------------------------------------------------------------------
 
@@ -71,7 +80,7 @@ class UpstreamRegistry:
         pollers = self._config.pollers
         seen: set[tuple[str, str]] = set()
         for provider in self._config.providers.values():
-            for endpoint in self.by_provider[provider.name]:
+            for endpoint in self._provider_endpoints(provider.name):
                 for name, wanted, interval, poll in self._poll_kinds(provider):
                     if wanted and (endpoint.endpoint_id, name) not in seen:
                         seen.add((endpoint.endpoint_id, name))
@@ -82,7 +91,7 @@ class UpstreamRegistry:
     def _poll_kinds(self, provider: ProviderConfig) -> list[tuple[str, bool, float, Callable[..., Awaitable[None]]]]:
         pollers = self._config.pollers
         if provider.health_path is None:
-            for endpoint in self.by_provider[provider.name]:
+            for endpoint in self._provider_endpoints(provider.name):
                 endpoint.health_checked = True
         return [
             ("health", provider.health_path is not None, pollers.health_interval_s, self._poll_health),

@@ -7,9 +7,11 @@ from types import MappingProxyType
 from gateway.config import ProviderConfig, ProviderKind
 from gateway.providers.base import LegRequest, Provider
 from gateway.providers.openai import OpenAIProvider
+from gateway.providers.switchyard_pd import SwitchyardPdProvider
 
 PROVIDER_KINDS: Mapping[ProviderKind, Callable[[ProviderConfig], Provider]] = MappingProxyType({
     ProviderKind.OPENAI: OpenAIProvider,
+    ProviderKind.SWITCHYARD_PD: SwitchyardPdProvider,
 })
 
 

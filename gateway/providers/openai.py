@@ -1,6 +1,6 @@
 """The `openai` provider kind: any OpenAI-compatible server (switchyard workers, vLLM, SGLang, hosted APIs).
 
-One POST per leg to `{endpoint}{path}`, the model renamed to the provider's upstream name, the
+One POST per request to `{endpoint}{path}`, the model renamed to the provider's upstream name, the
 provider's key as `Authorization: Bearer`.
 """
 from __future__ import annotations
@@ -12,17 +12,28 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.config import ProviderConfig
-from gateway.providers.base import LegRequest
+from gateway.config import ConfigError, ProviderConfig
+from gateway.legs import Job, LegOutcome, LegRequest, LegRunner, ProviderExhausted
 
 
 class OpenAIProvider:
-    def __init__(self, config: ProviderConfig) -> None:
+    def __init__(self, config: ProviderConfig, *, pools_checked: bool = False) -> None:
+        if config.prefill_endpoints and not pools_checked:
+            raise ConfigError(f"providers.{config.name}.prefill_endpoints: only for kind switchyard-pd")
         self.config = config
         self._auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         # The total limit covers the whole leg; first-byte is enforced by the dispatcher.
         self._timeout = aiohttp.ClientTimeout(total=config.timeouts.total_s, sock_connect=config.timeouts.connect_s,
                                               connect=config.timeouts.connect_s)
+
+    async def attempt(self, legs: LegRunner, job: Job) -> LegOutcome:
+        """One leg to the endpoint the model's policy picks among this provider's untried endpoints."""
+        policy = legs.parts.policies[job.routed.model.name]
+        chosen = legs.choose(job, legs.parts.registry.pool(self.config.name), policy)
+        if chosen is None:
+            raise ProviderExhausted("no eligible endpoint left")
+        endpoint, decision = chosen
+        return await legs.single_leg(job, self, endpoint, decision, policy)
 
     def encode_body(self, body: Mapping[str, Any], raw: bytes) -> bytes:
         model = self.config.upstream_model

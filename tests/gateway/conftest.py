@@ -63,8 +63,8 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 def start_fakes() -> Iterator[Callable[..., list[FakeUpstream]]]:
     started: list[FakeUpstream] = []
 
-    def start(*names: str, behaviour: dict[str, Any] | None = None) -> list[FakeUpstream]:
-        fakes = [FakeUpstream(name, behaviour, wait=False) for name in names]
+    def start(*names: str, behaviour: dict[str, Any] | None = None, role: str = "both") -> list[FakeUpstream]:
+        fakes = [FakeUpstream(name, behaviour, wait=False, role=role) for name in names]
         started.extend(fakes)
         for fake in fakes:
             fake.wait_ready()

@@ -5,6 +5,7 @@ or the `x-fake` header (JSON), else from the process default (CLI `--behaviour J
 Fields: status, retry_after, stall_s (before headers), first_chunk_delay_s, chunks, chunk_delay_s,
 reset_after (abort the connection after that many chunks), die (exit the process), usage.
 GET /stats reports what it received, so tests can count upstream hits.
+PD mode (`--role prefill|decode`) follows docs/disaggregation.md; see `_pd_prefill` / `_pd_decode`.
 """
 from __future__ import annotations
 
@@ -34,9 +35,14 @@ def free_port() -> int:
 
 
 class FakeState:
-    def __init__(self, name: str, behaviour: dict[str, Any]) -> None:
+    def __init__(self, name: str, behaviour: dict[str, Any], role: str = "both") -> None:
         self.name = name
+        self.role = role                  # both | prefill | decode
         self.behaviour = behaviour
+        self.behaviour_times: int | None = None  # the default behaviour applies this many more times
+        self.held: set[str] = set()       # PD prefill: transfer ids whose "blocks" are held
+        self.num_transfers = 0
+        self.arrivals: list[float] = []   # time.time() at each request's arrival
         self.healthy = True
         self.num_requests = 0
         self.request_ids: list[str] = []
@@ -79,6 +85,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.models.append(model)
     state.last_headers = dict(request.headers)
     state.last_body = body
+    state.arrivals.append(time.time())
+    if state.role != "both":
+        return await _pd_leg(request, state, body)
     behaviour = body.get("fake") or (orjson.loads(request.headers["x-fake"]) if "x-fake" in request.headers
                                      else state.behaviour)
     if not behaviour and not body.get("stream"):
@@ -124,6 +133,114 @@ async def _scripted(request: web.Request, state: FakeState, body: dict[str, Any]
     return response
 
 
+def _default_behaviour(state: FakeState) -> dict[str, Any]:
+    behaviour = state.behaviour
+    if state.behaviour_times is not None:
+        state.behaviour_times -= 1
+        if state.behaviour_times <= 0:
+            state.behaviour, state.behaviour_times = {}, None
+    return behaviour
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    body = {"error": {"message": message, "type": "fake", "param": None, "code": code}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+async def _pd_leg(request: web.Request, state: FakeState, body: dict[str, Any]) -> web.StreamResponse:
+    """PD mode: `fake.prefill` / `fake.decode` in the body (or the process default) script the leg;
+    besides the usual fields, `code` sets the error code of a non-200 and `finish` the prefill's finish_reason."""
+    behaviour = (body.get("fake") or {}).get(state.role) or _default_behaviour(state)
+    if behaviour.get("die"):
+        os._exit(3)
+    if behaviour.get("stall_s"):
+        await asyncio.sleep(behaviour["stall_s"])
+    if behaviour.get("status", 200) != 200:
+        return _error(behaviour["status"], f"fake {behaviour['status']} from {state.name}",
+                      behaviour.get("code", str(behaviour["status"])))
+    handler = _pd_prefill if state.role == "prefill" else _pd_decode
+    return await handler(request, state, body, behaviour)
+
+
+async def _pd_prefill(request: web.Request, state: FakeState, body: dict[str, Any],
+                      behaviour: dict[str, Any]) -> web.StreamResponse:
+    """Checks the leg is a prefill leg; answers the first token and holds a transfer id."""
+    if body.get("max_tokens") != 1 or body.get("stream") or "max_completion_tokens" in body or \
+            "stream_options" in body or body.get("kv_transfer_params") != {"do_remote_decode": True}:
+        return _error(400, f"fake prefill: not a prefill leg: {body}", "bad_prefill_leg")
+    chat = request.path.endswith("chat/completions")
+    finish = behaviour.get("finish", "length")
+    state.num_transfers += 1
+    transfer_id = f"xfer-{state.name}-{state.num_transfers}"
+    message = {"role": "assistant", "content": "first "}
+    payload: dict[str, Any] = {
+        "id": f"cmpl-{transfer_id}", "object": "chat.completion" if chat else "text_completion", "created": 1,
+        "model": body.get("model"), "served_by": state.name,
+        "choices": [{"index": 0, "finish_reason": finish,
+                     **({"message": message} if chat else {"text": message["content"]})}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8,
+                  "prompt_tokens_details": {"cached_tokens": 3}}}
+    if finish != "stop":
+        state.held.add(transfer_id)
+        payload["kv_transfer_params"] = {
+            "do_remote_prefill": True, "remote_engine_id": state.name, "remote_host": "127.0.0.1",
+            "remote_port": request.transport.get_extra_info("sockname")[1], "remote_block_ids": [1, 2],
+            "remote_request_id": transfer_id, "num_prompt_tokens": 7, "first_token_ids": [42],
+            "num_cached_tokens": 3}
+    return web.Response(body=orjson.dumps(payload), content_type="application/json")
+
+
+async def claim(request: web.Request) -> web.Response:
+    """PD prefill: the decode fake's stand-in for a KV pull; each held transfer can be claimed once."""
+    state: FakeState = request.app["state"]
+    transfer_id = request.match_info["transfer_id"]
+    if transfer_id not in state.held:
+        raise web.HTTPNotFound()
+    state.held.discard(transfer_id)
+    return web.json_response({"ok": True})
+
+
+async def _pd_decode(request: web.Request, state: FakeState, body: dict[str, Any],
+                     behaviour: dict[str, Any]) -> web.StreamResponse:
+    """Checks it got the prefill's kv_transfer_params, claims the transfer, streams tokens after the first."""
+    params = body.get("kv_transfer_params") or {}
+    if not params.get("do_remote_prefill") or params.get("first_token_ids") != [42]:
+        return _error(400, f"fake decode: no kv_transfer_params from a prefill: {params}", "bad_decode_leg")
+    url = f"http://{params['remote_host']}:{params['remote_port']}/fake_kv/{params['remote_request_id']}"
+    with contextlib.suppress(OSError):
+        async with request.app["client"].get(url) as claimed:
+            if claimed.status == 200:
+                return await _pd_stream(request, state, body, behaviour, params.get("response_id") or "decode")
+    return _error(503, f"fake decode: transfer {params['remote_request_id']} is not held", "kv_transfer_failed")
+
+
+async def _pd_stream(request: web.Request, state: FakeState, body: dict[str, Any], behaviour: dict[str, Any],
+                     response_id: str) -> web.StreamResponse:
+    chat = request.path.endswith("chat/completions")
+    num_chunks = int(behaviour.get("chunks", 3))
+    usage = {"prompt_tokens": 7, "completion_tokens": num_chunks + 1, "total_tokens": 8 + num_chunks,
+             "prompt_tokens_details": {"cached_tokens": 7}}  # the decode's view: the whole prompt arrived
+    if not body.get("stream"):
+        full = orjson.loads(_full(state, body.get("model", ""), 0, chat, False))
+        text = "".join(f"tok{i} " for i in range(1, num_chunks + 1))
+        full["choices"][0].update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        full.update(id=response_id, usage=usage)
+        return web.Response(body=orjson.dumps(full), content_type="application/json")
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for i in range(1, num_chunks + 1):
+        if i > 1 and behaviour.get("chunk_delay_s"):
+            await asyncio.sleep(behaviour["chunk_delay_s"])
+        event = orjson.loads(_chunk(state, body.get("model", ""), i, chat)[6:])
+        event["id"] = response_id
+        await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
+    if (body.get("stream_options") or {}).get("include_usage"):
+        await response.write(b"data: " + orjson.dumps({"id": response_id, "choices": [], "usage": usage}) + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
 async def health(request: web.Request) -> web.Response:
     state: FakeState = request.app["state"]
     return web.json_response({"status": "ok" if state.healthy else "down"}, status=200 if state.healthy else 503)
@@ -146,17 +263,19 @@ async def kv_events(request: web.Request) -> web.Response:
 
 async def stats(request: web.Request) -> web.Response:
     state: FakeState = request.app["state"]
-    return web.json_response({"name": state.name, "num_requests": state.num_requests,
+    return web.json_response({"name": state.name, "num_requests": state.num_requests, "arrivals": state.arrivals,
+                              "held": sorted(state.held), "num_transfers": state.num_transfers,
                               "request_ids": state.request_ids, "models": state.models,
                               "last_headers": state.last_headers, "last_body": state.last_body})
 
 
 async def control(request: web.Request) -> web.Response:
-    """POST {"behaviour": {...}, "healthy": bool, "load_report": {...}, "kv_events": [...], "reset_stats": true}."""
+    """POST {"behaviour": {...}, "times": N (then back to {}), "healthy": bool, "load_report": {...},
+    "kv_events": [...], "reset_stats": true}."""
     state: FakeState = request.app["state"]
     body = await request.json()
     if "behaviour" in body:
-        state.behaviour = body["behaviour"]
+        state.behaviour, state.behaviour_times = body["behaviour"], body.get("times")
     if "healthy" in body:
         state.healthy = bool(body["healthy"])
     if "load_report" in body:
@@ -179,7 +298,16 @@ def make_app(state: FakeState) -> web.Application:
     app.router.add_get("/kv_events", kv_events)
     app.router.add_get("/stats", stats)
     app.router.add_post("/control", control)
+    app.router.add_get("/fake_kv/{transfer_id}", claim)
+    app.cleanup_ctx.append(_client_ctx)
     return app
+
+
+async def _client_ctx(app: web.Application) -> Any:
+    import aiohttp
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as client:
+        app["client"] = client
+        yield
 
 
 def main() -> None:
@@ -187,10 +315,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--name", default="fake")
     parser.add_argument("--behaviour", default="{}", help="default behaviour (JSON)")
+    parser.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
     args = parser.parse_args()
     import uvloop
     uvloop.install()
-    web.run_app(make_app(FakeState(args.name, orjson.loads(args.behaviour))), host="127.0.0.1", port=args.port,
+    web.run_app(make_app(FakeState(args.name, orjson.loads(args.behaviour), args.role)), host="127.0.0.1", port=args.port,
                 access_log=None, print=None, shutdown_timeout=0.1)
 
 
@@ -199,13 +328,14 @@ def main() -> None:
 class FakeUpstream:
     """Starts the fake as a process; `url` is its base URL."""
 
-    def __init__(self, name: str = "fake", behaviour: dict[str, Any] | None = None, wait: bool = True) -> None:
+    def __init__(self, name: str = "fake", behaviour: dict[str, Any] | None = None, wait: bool = True,
+                 role: str = "both") -> None:
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.fake_upstream", "--port", str(self.port), "--name", name,
-             "--behaviour", orjson.dumps(behaviour or {}).decode()], cwd=REPO_ROOT)
+             "--behaviour", orjson.dumps(behaviour or {}).decode(), "--role", role], cwd=REPO_ROOT)
         if wait:
             self.wait_ready()
 

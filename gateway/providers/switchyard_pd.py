@@ -1,0 +1,290 @@
+"""The `switchyard-pd` provider kind: disaggregated serving as in docs/disaggregation.md. An attempt is a
+prefill leg on the prefill pool (`prefill_endpoints`), then a decode leg on the decode pool (`endpoints`)
+that carries the prefill's `kv_transfer_params`. Each pool has its own policy and its own leases.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway.config import ConfigError, Pool, ProviderConfig
+from gateway.fallback import RetryableFailure
+from gateway.legs import (MAX_ERROR_BODY, Job, LegKind, LegOutcome, LegRequest, LegRunner, LegTarget,
+                          ProviderExhausted, error_code, error_message)
+from gateway.load import Lease
+from gateway.providers.openai import OpenAIProvider
+from gateway.streaming import DONE_EVENT, StreamUsage, error_event
+from gateway.upstreams import Endpoint
+from policies.base import Decision
+from policies.registry import PolicyName, make_policy
+
+log = logging.getLogger(__name__)
+
+_KV_TRANSFER_FAILED = "kv_transfer_failed"      # 503: the pull broke or the transfer id expired
+_KV_TRANSFER_MISMATCH = "kv_transfer_mismatch"  # 400: the pools disagree on the prompt or KV layout
+_MIN_KV_FREE_FRACTION = 0.05                    # decode workers below this free KV are used only if all are
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    endpoint_id: str                     # the prefill worker (it holds the blocks)
+    payload: Mapping[str, Any]           # its completion response, kv_transfer_params removed
+    text: str                            # the first token's text
+    finish_reason: str | None            # as the prefill reported it ("stop": nothing is held)
+    kv_transfer_params: Mapping[str, Any] | None  # what the decode leg sends back; None: nothing held
+    usage: Mapping[str, Any]             # the prefill's usage (prompt and cached tokens are the request's)
+
+
+class KvTransferFailed(Exception):
+    """The decode worker could not get the held KV (`kv_transfer_failed` / `kv_transfer_mismatch`)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class SwitchyardPdProvider:
+    def __init__(self, config: ProviderConfig) -> None:
+        if not config.prefill_endpoints:
+            raise ConfigError(f"providers.{config.name}.prefill_endpoints: required for kind switchyard-pd")
+        self.config = config
+        self._wire = OpenAIProvider(config, pools_checked=True)
+        # Prefill: least queued prompt tokens, after prefix hits where the pool reports its KV events.
+        prefill_costs = {"prefill_weight": 1.0, "decode_weight": 0.0}
+        self._prefill_policy = make_policy(PolicyName.PREFIX_AWARE, prefill_costs) if config.offers_kv_events \
+            else make_policy(PolicyName.LEAST_TOKENS, prefill_costs)
+        # Decode: least output tokens in flight, among the workers with KV headroom.
+        self._decode_policy = make_policy(PolicyName.LEAST_TOKENS, {
+            "prefill_weight": 0.0, "decode_weight": 1.0, "min_kv_free_fraction": _MIN_KV_FREE_FRACTION})
+
+    def encode_body(self, body: Mapping[str, Any], raw: bytes) -> bytes:
+        return self._wire.encode_body(body, raw)
+
+    def open(self, session: aiohttp.ClientSession, endpoint_id: str, leg: LegRequest,
+             body: bytes) -> AbstractAsyncContextManager[aiohttp.ClientResponse]:
+        return self._wire.open(session, endpoint_id, leg, body)
+
+    # --- the attempt -------------------------------------------------------------------------------
+
+    async def attempt(self, legs: LegRunner, job: Job) -> LegOutcome:
+        """Prefill (unless a held prefill survives from a failed decode leg), then decode."""
+        body, scratch, name = job.routed.body, job.attempts.scratch, self.config.name
+        if body.get("n", 1) != 1 or _is_prompt_batch(body.get("prompt")):
+            raise ProviderExhausted("n > 1 and prompt batches are not disaggregated")
+        if job.attempts.num_failures:
+            legs.parts.metrics.on_retry(job.routed.facts.model)
+        held: PrefillResult | None = scratch.get(name)
+        if held is None:
+            if legs.choose(job, legs.parts.registry.pool(name, Pool.MAIN), self._decode_policy) is None:
+                self._fall_back(legs, job, "decode_pool_unavailable")
+            chosen = legs.choose(job, legs.parts.registry.pool(name, Pool.PREFILL), self._prefill_policy)
+            if chosen is None:
+                self._fall_back(legs, job, "prefill_pool_unavailable")
+            prefilled = await self._prefill(legs, job, *chosen)
+            if isinstance(prefilled, LegOutcome):
+                return prefilled  # the prefill worker rejected the request (a 4xx, relayed)
+            held = prefilled
+            if held.kv_transfer_params is None or held.finish_reason == "stop" or _max_tokens(body) == 1:
+                return await self._answer_prefill_only(legs, job, held)
+            if job.client is not None:
+                await job.client.send_first(_chunk(job, held, {"role": "assistant", "content": held.text}, None),
+                                            "text/event-stream")
+                legs.parts.metrics.observe_ttft(job.routed.facts.model, time.perf_counter() - job.routed.started_s)
+            scratch[name] = held
+        chosen = legs.choose(job, legs.parts.registry.pool(name, Pool.MAIN), self._decode_policy)
+        if chosen is None:
+            self._fall_back(legs, job, "decode_pool_exhausted")
+        try:
+            return await self._decode(legs, job, held, *chosen)
+        except KvTransferFailed as exc:
+            return await self._redo(legs, job, exc)
+
+    def _fall_back(self, legs: LegRunner, job: Job, cause: str) -> None:
+        """Hand the request to the next provider (the dispatcher cannot once the client has a token)."""
+        if job.client is None or not job.client.data_started:
+            legs.parts.metrics.on_pd_fallback(job.routed.facts.model, self.config.name, cause)
+        raise ProviderExhausted(cause.replace("_", " "))
+
+    async def _redo(self, legs: LegRunner, job: Job, exc: KvTransferFailed) -> LegOutcome:
+        """The held KV is lost: start over with a new prefill, unless the client already has a token."""
+        job.attempts.scratch.pop(self.config.name, None)
+        legs.parts.metrics.on_pd_redo(job.routed.facts.model, exc.code)
+        if exc.code == _KV_TRANSFER_MISMATCH:
+            log.error("provider %s: %s (do the prefill and decode pools run the same model?)", self.config.name, exc)
+        client = job.client
+        if client is not None and client.data_started:
+            await client.fail(error_event(f"disaggregated decode failed: {exc}", code=exc.code))
+            return LegOutcome(await client.finish(), None, StreamUsage())
+        failure = RetryableFailure(str(exc))
+        job.attempts.num_failures += 1
+        job.attempts.log.append(f"{self.config.name}: {exc}")
+        raise failure
+
+    # --- leg 1: prefill ----------------------------------------------------------------------------
+
+    async def _prefill(self, legs: LegRunner, job: Job, endpoint: Endpoint,
+                       decision: Decision) -> PrefillResult | LegOutcome:
+        routed = job.routed
+        body = {k: v for k, v in routed.body.items() if k not in ("max_completion_tokens", "stream_options")}
+        body.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        if self.config.upstream_model is not None:
+            body["model"] = self.config.upstream_model
+        legs.parts.metrics.on_decision(routed.facts.model, decision.reason.value)
+        with legs.parts.tracing.span("prefill_leg") as span:
+            headers = legs.leg_headers(job, span, self.config.name, endpoint.endpoint_id, decision)
+            target = LegTarget(self._wire, endpoint, LegKind.PREFILL, LegRequest(routed.api_path, body, False, headers),
+                               orjson.dumps(body), routed.facts.num_prompt_tokens, 0)
+            try:
+                return await legs.run(target, partial(self._read_prefill, legs, job, endpoint))
+            except RetryableFailure as failure:
+                job.attempts.tried.add(endpoint.endpoint_id)
+                legs.record_failure(job, self.config.name, endpoint.endpoint_id, failure)
+                raise
+            finally:
+                self._prefill_policy.on_request_end(endpoint.endpoint_id)
+
+    async def _read_prefill(self, legs: LegRunner, job: Job, endpoint: Endpoint, response: aiohttp.ClientResponse,
+                            first_byte_deadline: Any, lease: Lease) -> PrefillResult | LegOutcome:
+        if response.status != 200:
+            return await legs.non_200(response, endpoint.breaker, job.client)
+        payload = orjson.loads(await response.read())
+        try:
+            choice = payload["choices"][0]
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            params = payload.pop("kv_transfer_params", None)
+            result = PrefillResult(endpoint.endpoint_id, payload, text or "", choice.get("finish_reason"),
+                                   params if isinstance(params, dict) else None, payload.get("usage") or {})
+        except (KeyError, IndexError, TypeError):
+            endpoint.breaker.on_failure()
+            raise RetryableFailure("bad prefill answer: no first token") from None
+        endpoint.breaker.on_success()
+        return result
+
+    async def _answer_prefill_only(self, legs: LegRunner, job: Job, held: PrefillResult) -> LegOutcome:
+        """The first token ended the request (or max_tokens is 1): no decode leg."""
+        usage = _usage(held.usage, held.usage.get("completion_tokens", 1))
+        finish_reason = held.finish_reason or "length"
+        if job.client is None:
+            return LegOutcome(_json_response(held.payload), held.endpoint_id, _stream_usage(usage))
+        client = job.client
+        events = _chunk(job, held, {"role": "assistant", "content": held.text}, None) + \
+            _chunk(job, held, {}, finish_reason)
+        if (job.routed.body.get("stream_options") or {}).get("include_usage"):
+            events += b"data: " + orjson.dumps({**_chunk_base(job, held), "choices": [], "usage": usage}) + b"\n\n"
+        await client.send_first(events + DONE_EVENT, "text/event-stream")
+        legs.parts.metrics.observe_ttft(job.routed.facts.model, time.perf_counter() - job.routed.started_s)
+        return LegOutcome(await client.finish(), held.endpoint_id, _stream_usage(usage))
+
+    # --- leg 2: decode -----------------------------------------------------------------------------
+
+    async def _decode(self, legs: LegRunner, job: Job, held: PrefillResult, endpoint: Endpoint,
+                      decision: Decision) -> LegOutcome:
+        routed = job.routed
+        params = {**(held.kv_transfer_params or {}), "response_id": held.payload.get("id")}
+        body = {**routed.body, "kv_transfer_params": params}
+        if self.config.upstream_model is not None:
+            body["model"] = self.config.upstream_model
+        with legs.parts.tracing.span("decode_leg") as span:
+            headers = legs.leg_headers(job, span, self.config.name, endpoint.endpoint_id, decision)
+            target = LegTarget(self._wire, endpoint, LegKind.DECODE,
+                               LegRequest(routed.api_path, body, routed.stream, headers), orjson.dumps(body),
+                               0, routed.facts.num_expected_output_tokens)
+            try:
+                outcome = await legs.run(target, partial(self._read_decode, legs, job, held, endpoint))
+            except RetryableFailure as failure:
+                job.attempts.tried.add(endpoint.endpoint_id)
+                legs.record_failure(job, self.config.name, endpoint.endpoint_id, failure)
+                raise
+            finally:
+                self._decode_policy.on_request_end(endpoint.endpoint_id)
+        if outcome.endpoint_id is not None:  # prompt and cached tokens are the prefill's to report
+            outcome.usage.num_prompt_tokens = held.usage.get("prompt_tokens", outcome.usage.num_prompt_tokens)
+            outcome.usage.num_cached_tokens = _cached(held.usage)
+            if not outcome.usage.exact:
+                outcome.usage.num_output_tokens += 1  # the first token came from the prefill
+        return outcome
+
+    async def _read_decode(self, legs: LegRunner, job: Job, held: PrefillResult, endpoint: Endpoint,
+                           response: aiohttp.ClientResponse, first_byte_deadline: Any, lease: Lease) -> LegOutcome:
+        if response.status != 200:
+            body = await response.content.read(MAX_ERROR_BODY)
+            code = error_code(body)
+            if code in (_KV_TRANSFER_FAILED, _KV_TRANSFER_MISMATCH):
+                raise KvTransferFailed(code, error_message(body))
+            return await legs.answer_error(response, body, endpoint.breaker, job.client)
+        if job.client is None:
+            payload = orjson.loads(await response.read())
+            endpoint.breaker.on_success()
+            return _join(held, payload, endpoint.endpoint_id)
+        first = await legs.first_chunk(response, first_byte_deadline, lease)
+        return await legs.relay_stream(job, response, first, lease, endpoint)
+
+
+# --- the client's view -------------------------------------------------------------------------------
+
+def _join(held: PrefillResult, payload: dict[str, Any], endpoint_id: str) -> LegOutcome:
+    """First token text + decode text; prompt/cached usage from the prefill, completion from the decode."""
+    try:
+        choice = payload["choices"][0]
+        if "message" in choice:
+            choice["message"]["content"] = held.text + (choice["message"].get("content") or "")
+        else:
+            choice["text"] = held.text + (choice.get("text") or "")
+    except (KeyError, IndexError, TypeError):
+        raise RetryableFailure("bad decode answer: no choices") from None
+    decode_usage = payload.get("usage") or {}
+    usage = _usage(held.usage, decode_usage.get("completion_tokens", held.usage.get("completion_tokens", 1)))
+    payload.update(id=held.payload.get("id", payload.get("id")), usage=usage)
+    return LegOutcome(_json_response(payload), endpoint_id, _stream_usage(usage))
+
+
+def _usage(prefill_usage: Mapping[str, Any], num_completion: int) -> dict[str, Any]:
+    num_prompt = prefill_usage.get("prompt_tokens", 0)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion,
+            "prompt_tokens_details": {"cached_tokens": _cached(prefill_usage)}}
+
+
+def _cached(usage: Mapping[str, Any]) -> int:
+    details = usage.get("prompt_tokens_details")
+    return details.get("cached_tokens", 0) if isinstance(details, dict) else 0
+
+
+def _stream_usage(usage: Mapping[str, Any]) -> StreamUsage:
+    return StreamUsage(usage["completion_tokens"], usage["prompt_tokens"], _cached(usage), exact=True)
+
+
+def _json_response(payload: Mapping[str, Any]) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), content_type="application/json")
+
+
+def _chunk_base(job: Job, held: PrefillResult) -> dict[str, Any]:
+    chat = job.routed.api_path.endswith("chat/completions")
+    return {"id": held.payload.get("id"), "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": held.payload.get("created", int(time.time())), "model": held.payload.get("model")}
+
+
+def _chunk(job: Job, held: PrefillResult, delta: Mapping[str, Any], finish_reason: str | None) -> bytes:
+    """One SSE event as the upstream would stream it: chat `delta`, completions `text`."""
+    if job.routed.api_path.endswith("chat/completions"):
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": delta.get("content", ""), "finish_reason": finish_reason}
+    return b"data: " + orjson.dumps({**_chunk_base(job, held), "choices": [choice]}) + b"\n\n"
+
+
+def _max_tokens(body: Mapping[str, Any]) -> int | None:
+    return body.get("max_completion_tokens") or body.get("max_tokens")
+
+
+def _is_prompt_batch(prompt: Any) -> bool:
+    return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)
