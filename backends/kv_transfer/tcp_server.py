@@ -1,0 +1,189 @@
+"""The prefill worker's KV listener: answers PULL and RELEASE frames over asyncio streams.
+
+Sends each layer's bytes as memoryviews of the source's buffers (`write`, or one `writelines`
+= writev under uvloop), never through `bytes` copies. Frees blocks only on RELEASE or a PULL
+that asked for ON_SEND.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Sequence
+
+from backends.kv_transfer.base import (KVBlockSource, KVErrorCode, KVTransferConfig,
+                                       KVTransferError, ReleaseMode)
+from backends.kv_transfer.protocol import (HEADER_SIZE, FrameType, PullRequest, decode_header,
+                                           decode_json_meta, encode_error, encode_json_frame,
+                                           encode_layer_prefix, layer_checksum)
+
+log = logging.getLogger(__name__)
+_MAX_IOV = 1024  # pieces per layer a scatter-gather write takes (Linux IOV_MAX; libuv splits beyond)
+
+
+class TcpKVServer:
+    """One listener per prefill worker; one task per connection, requests in order on each."""
+
+    def __init__(self, source: KVBlockSource, config: KVTransferConfig) -> None:
+        self._source = source
+        self._config = config
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        self._server = await asyncio.start_server(self._on_connection, host, port)
+        bound = self._server.sockets[0].getsockname()
+        return bound[0], bound[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._connections):
+            task.cancel()
+        if self._connections:
+            await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Our own task (not the one start_server would make) so close() can cancel it cleanly.
+        task = asyncio.get_running_loop().create_task(self._handle(reader, writer))
+        self._connections.add(task)
+        task.add_done_callback(self._connections.discard)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # drain() then waits until the transport holds nothing, so a reader's staging buffer
+        # is never overwritten while bytes from it are still queued.
+        writer.transport.set_write_buffer_limits(high=0)
+        try:
+            await self._serve(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError) as exc:
+            log.info("KV connection from %s ended: %r", peer, exc)
+        except KVTransferError as exc:
+            log.warning("KV connection from %s: %s", peer, exc)
+            await _send_quietly(writer, encode_error(exc.code, exc.message))
+        except Exception:  # the connection boundary: log, tell the peer, keep serving others
+            log.exception("KV connection from %s failed", peer)
+            await _send_quietly(writer, encode_error(KVErrorCode.INTERNAL, "server error"))
+        finally:
+            if writer.transport.get_write_buffer_size():
+                writer.transport.abort()  # a peer that stopped reading must not pin the socket
+            else:
+                writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answer frames until the client closes; protocol errors end the connection."""
+        while True:
+            try:
+                async with asyncio.timeout(self._config.idle_timeout_s):
+                    raw = await reader.readexactly(HEADER_SIZE)
+            except asyncio.IncompleteReadError as exc:
+                if not exc.partial:
+                    return  # clean close between requests
+                raise
+            header = decode_header(raw)
+            async with asyncio.timeout(self._config.idle_timeout_s):
+                meta = decode_json_meta(header.frame_type, await reader.readexactly(header.meta_len))
+            if header.frame_type is FrameType.PULL:
+                await self._serve_pull(writer, meta)
+            elif header.frame_type is FrameType.RELEASE:
+                await self._serve_release(writer, meta)
+            else:
+                raise KVTransferError(KVErrorCode.PROTOCOL, f"unexpected {header.frame_type.name} frame from a client")
+
+    async def _serve_release(self, writer: asyncio.StreamWriter, meta: dict[str, object]) -> None:
+        transfer_id = meta.get("transfer_id")
+        if not isinstance(transfer_id, str):
+            raise KVTransferError(KVErrorCode.PROTOCOL, "RELEASE without a transfer_id")
+        released = self._source.release(transfer_id)
+        writer.write(encode_json_frame(FrameType.RELEASED, {"transfer_id": transfer_id, "released": released}))
+        await self._drain(writer)
+
+    async def _serve_pull(self, writer: asyncio.StreamWriter, meta: dict[str, object]) -> None:
+        try:
+            request = PullRequest.from_wire(meta)
+            block_ids = self._admit(request)
+        except ValueError as exc:
+            error = KVTransferError(KVErrorCode.BAD_REQUEST, str(exc))
+        except KVTransferError as exc:
+            error = exc
+        else:
+            await self._send_blocks(writer, request, block_ids)
+            return
+        # Refusals leave the connection usable for the next request.
+        log.info("KV pull refused: %s", error)
+        writer.write(encode_error(error.code, error.message))
+        await self._drain(writer)
+
+    def _admit(self, request: PullRequest) -> Sequence[int]:
+        """The hold's blocks to send, or a KVTransferError saying why not."""
+        layout = self._source.layout()
+        diff = layout.mismatch(request.layout)
+        if diff is not None:
+            raise KVTransferError(KVErrorCode.LAYOUT_MISMATCH, f"KV cache layouts differ: {diff}")
+        held = self._source.lookup(request.transfer_id)
+        if held is None:
+            raise KVTransferError(KVErrorCode.UNKNOWN_TRANSFER,
+                                  f"no blocks held under transfer id {request.transfer_id!r} (unknown or expired)")
+        stop = request.start_block + request.num_blocks
+        if stop != len(held):
+            raise KVTransferError(KVErrorCode.BAD_REQUEST,
+                                  f"hold has {len(held)} blocks; the client asked for [{request.start_block}:{stop}]")
+        return held[request.start_block:stop]
+
+    async def _send_blocks(self, writer: asyncio.StreamWriter, request: PullRequest,
+                           block_ids: Sequence[int]) -> None:
+        layout = self._source.layout()
+        writer.write(encode_json_frame(FrameType.BEGIN, {
+            "transfer_id": request.transfer_id, "layout": layout.to_wire(),
+            "num_blocks": len(block_ids), "checksum": request.checksum.value}))
+        payload_len = layout.layer_nbytes(len(block_ids))
+        # uvloop's writelines is one writev of the caller's buffers; asyncio's joins them (a copy),
+        # so there the source gathers each layer into K and V pieces itself.
+        scatter_gather = type(writer.transport).__module__.startswith("uvloop")
+        reader = self._source.reader(block_ids, _MAX_IOV if scatter_gather else 2)
+        try:
+            for layer in range(layout.num_layers):
+                pieces = reader.read_layer(layer)
+                if sum(len(p) for p in pieces) != payload_len:
+                    raise KVTransferError(KVErrorCode.INTERNAL, f"source gave a wrong-sized layer {layer}")
+                checksum = layer_checksum(request.checksum, pieces)
+                writer.write(encode_layer_prefix(layer, checksum, payload_len))
+                if scatter_gather:
+                    writer.writelines(pieces)
+                else:
+                    for piece in pieces:
+                        writer.write(piece)
+                await self._drain(writer)
+        finally:
+            reader.close()
+        released = request.release is ReleaseMode.ON_SEND and self._source.release(request.transfer_id)
+        writer.write(encode_json_frame(FrameType.DONE, {"transfer_id": request.transfer_id, "released": released}))
+        await self._drain(writer)
+
+    async def _drain(self, writer: asyncio.StreamWriter) -> None:
+        """Wait until the transport is empty; time out only when the peer stops taking bytes."""
+        while True:
+            queued = writer.transport.get_write_buffer_size()
+            try:
+                async with asyncio.timeout(self._config.idle_timeout_s):
+                    await writer.drain()
+                return
+            except TimeoutError:
+                if writer.transport.get_write_buffer_size() >= queued:
+                    raise
+
+
+async def _send_quietly(writer: asyncio.StreamWriter, frame: bytes) -> None:
+    """Best effort: the peer may already be gone."""
+    try:
+        writer.write(frame)
+        async with asyncio.timeout(1.0):
+            await writer.drain()
+    except (ConnectionError, TimeoutError):
+        pass

@@ -1,0 +1,175 @@
+"""KV transfer throughput over loopback vs a plain memcpy of the same bytes, in one run.
+
+Server processes (the prefill side: one on asyncio, one on uvloop, plus a raw-socket ceiling)
+hold N MiB of KV in SmolLM2-135M's layout (30 layers, 3 KV heads, head_dim 64, block 16, bf16)
+at block ids scattered one by one, in runs of 64, or in one run; this process pulls it into its
+own paged cache, its block ids following the same pattern. Every row is measured once per round, rounds
+interleaved, so load from other processes hits all rows alike; the best round is shown.
+GB/s means 1e9 bytes/s.
+
+    .venv/bin/python benchmarks/kv_transfer_bench.py --mb 256 --rounds 7
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from backends.kv_transfer import (ChecksumKind, KVTransferConfig, ReleaseMode,  # noqa: E402
+                                  RemoteBlocks, TcpKVConnector)
+from backends.kv_transfer.torch_cache import TorchPagedKV  # noqa: E402
+
+# SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; block 16; bf16
+NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DTYPE = 30, 16, 3, 64, torch.bfloat16
+BYTES_PER_BLOCK = 2 * NUM_LAYERS * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize  # all layers, K and V
+LOOPS = ("asyncio", "uvloop")
+PATTERNS = ("scattered", "runs", "contiguous")
+RUN_BLOCKS = 64  # "runs": 64 blocks = 384 KiB per layer's K (or V), like a fresh allocation's
+
+
+def make_cache(num_blocks: int, seed: int) -> TorchPagedKV:
+    gen = torch.Generator().manual_seed(seed)
+    dims = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return TorchPagedKV([(torch.randn(dims, generator=gen).to(DTYPE), torch.randn(dims, generator=gen).to(DTYPE))
+                         for _ in range(NUM_LAYERS)])
+
+
+def block_ids(pattern: str, num_blocks: int, seed: int) -> list[int]:
+    """num_blocks ids in a cache twice that size: one run, runs of RUN_BLOCKS in random order,
+    or single blocks at random ("scattered")."""
+    if pattern == "contiguous":
+        return list(range(num_blocks))
+    run = RUN_BLOCKS if pattern == "runs" else 1
+    order = torch.randperm(2 * num_blocks // run, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [first * run + i for first in order for i in range(run)][:num_blocks]
+
+
+def run_loop(coro: Coroutine[Any, Any, Any], loop_name: str) -> Any:
+    if loop_name == "uvloop":
+        import uvloop
+        return uvloop.run(coro)
+    return asyncio.run(coro)
+
+
+def kv_serve(num_blocks: int, loop_name: str, port_queue: mp.Queue, stop: mp.Event) -> None:
+    """A prefill worker holding N MiB of blocks under each pattern's name."""
+    kv = make_cache(2 * num_blocks, seed=1)
+    for pattern in PATTERNS:
+        kv.holds.hold(pattern, block_ids(pattern, num_blocks, seed=2))
+
+    async def main() -> None:
+        connector = TcpKVConnector()
+        _, port = await connector.serve(kv, "127.0.0.1", 0)
+        port_queue.put(port)
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        await connector.close()
+
+    run_loop(main(), loop_name)
+
+
+def raw_serve(nbytes: int, port_queue: mp.Queue) -> None:
+    """The ceiling for any TCP transport here: blocking sendall of one contiguous buffer."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port_queue.put(listener.getsockname()[1])
+    conn, _ = listener.accept()
+    payload = memoryview(os.urandom(nbytes))
+    while conn.recv(1):
+        conn.sendall(payload)
+    conn.close()
+
+
+def timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def raw_pull(conn: socket.socket, sink: memoryview) -> None:
+    conn.send(b"x")
+    got = 0
+    while got < len(sink):
+        got += conn.recv_into(sink[got:])
+
+
+def kv_pull(port: int, loop_name: str, kv: TorchPagedKV, transfer_id: str, local: list[int],
+            checksum: ChecksumKind) -> float:
+    connector = TcpKVConnector(KVTransferConfig(checksum=checksum, release=ReleaseMode.NEVER))
+    remote = RemoteBlocks("127.0.0.1", port, transfer_id, len(local))
+    return run_loop(connector.pull(remote, kv, local), loop_name).elapsed_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=int, default=256, help="KV bytes per transfer, in MiB")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    num_blocks = max(1, args.mb * 2**20 // BYTES_PER_BLOCK)
+    nbytes = num_blocks * BYTES_PER_BLOCK
+
+    ctx = mp.get_context("spawn")
+    stop, procs, ports = ctx.Event(), [], {}
+    for name, target, extra in [("raw", raw_serve, (nbytes,)), *((n, kv_serve, (num_blocks, n)) for n in LOOPS)]:
+        port_queue = ctx.Queue()
+        procs.append(ctx.Process(target=target, args=(*extra, port_queue) + ((stop,) if target is kv_serve else ())))
+        procs[-1].start()
+        ports[name] = port_queue.get(timeout=300)
+
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    src_np, dst_np = src.numpy(), dst.numpy()
+    raw_sink = memoryview(bytearray(nbytes))
+    kv = make_cache(2 * num_blocks, seed=3)
+    local = {pattern: block_ids(pattern, num_blocks, seed=4) for pattern in PATTERNS}
+    raw_conn = socket.create_connection(("127.0.0.1", ports["raw"]), timeout=120)
+
+    rows: dict[str, Callable[[], float]] = {
+        "memcpy torch.Tensor.copy_": lambda: timed(lambda: dst.copy_(src)),
+        "memcpy numpy.copyto": lambda: timed(lambda: np.copyto(dst_np, src_np)),
+        "raw TCP sendall -> recv_into, 1 buffer": lambda: timed(lambda: raw_pull(raw_conn, raw_sink)),
+    }
+    for loop_name in LOOPS:
+        for pattern in PATTERNS:
+            kinds = list(ChecksumKind) if pattern == "scattered" else [ChecksumKind.NONE, ChecksumKind.CRC32C]
+            for checksum in kinds:
+                rows[f"KV pull {loop_name:<7} {pattern:<10} {checksum.value}"] = (
+                    lambda l=loop_name, p=pattern, c=checksum: kv_pull(ports[l], l, kv, p, local[p], c))
+
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    try:
+        for round_index in range(args.rounds + 1):  # round 0 warms up: page faults, staging pools
+            for name, measure in rows.items():
+                elapsed = measure()
+                if round_index:
+                    times[name].append(elapsed)
+    finally:
+        raw_conn.close()
+        stop.set()
+        for proc in procs:
+            proc.join(30)
+
+    best = {name: nbytes / min(ts) / 1e9 for name, ts in times.items()}
+    median = {name: nbytes / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    memcpy = max(best["memcpy torch.Tensor.copy_"], best["memcpy numpy.copyto"])
+    print(f"\n{nbytes / 2**20:.0f} MiB of KV per transfer ({num_blocks} blocks x 30 layers, SmolLM2-135M layout, "
+          f"bf16), {args.rounds} interleaved rounds, {os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.1f}, "
+          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"{'what':<42} {'best GB/s':>9} {'median':>7} {'best % of memcpy':>17}")
+    for name in rows:
+        print(f"{name:<42} {best[name]:9.2f} {median[name]:7.2f} {100 * best[name] / memcpy:16.0f}%")
+
+
+if __name__ == "__main__":
+    main()
