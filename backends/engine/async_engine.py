@@ -1,0 +1,253 @@
+"""The engine as the server sees it: `generate` streams, `abort`, load report, stats, KV events.
+
+The step loop runs in ONE background thread (torch releases the GIL) and sleeps on a condition
+when idle; outputs cross into the event loop with `call_soon_threadsafe` onto per-request queues.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from backends.engine.config import EngineConfig
+from backends.engine.engine import EngineStats, LLMEngine
+from backends.engine.errors import EngineRequestError
+from backends.engine.kv_events import KVEventBatch
+from backends.engine.outputs import FinishReason, SequenceOutput
+from backends.engine.sampling_params import SamplingParams
+
+__all__ = ["AsyncEngine", "EngineRequestError", "EngineStats", "LoadReport"]
+log = logging.getLogger(__name__)
+# Re-check after this long when sequences exist but none can be scheduled (held blocks may free).
+_IDLE_POLL_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    num_running: int                  # sequences admitted (prefilling or decoding)
+    num_waiting: int                  # sequences queued for admission (or for remote KV)
+    num_prefill_tokens_pending: int   # prompt/recompute tokens not yet in the KV cache
+    num_decode_tokens_pending: int    # sum over live sequences of max_tokens still to come
+    num_free_blocks: int              # free KV blocks, evictable cached ones included
+    num_total_blocks: int             # KV blocks in all
+    num_cached_blocks: int            # blocks reusable by prefix hash (in use or not)
+    block_size: int                   # tokens per block
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+    done: asyncio.Future[None] | None   # resolved once the blocks are freed
+
+
+_Command = Union[_Add, _Abort]
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig,
+                 engine_factory: Callable[[EngineConfig], LLMEngine] | None = None) -> None:
+        self.config = config
+        self._engine_factory = engine_factory or LLMEngine
+        self._engine: LLMEngine | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._inbox: list[_Command] = []
+        self._stopping = False
+        self._streams: dict[str, asyncio.Queue[SequenceOutput]] = {}
+        self._report: LoadReport | None = None
+        self._stats: EngineStats | None = None
+        self.max_model_len = 0
+        self.block_size = config.block_size
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.vocab_size = 0
+
+    # --- lifetime -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load the model (off the event loop) and start the step thread."""
+        self._loop = asyncio.get_running_loop()
+        torch.set_num_threads(self.config.resolved_torch_threads())
+        engine = await asyncio.to_thread(self._engine_factory, self.config)
+        self._engine = engine
+        self.max_model_len, self.block_size = engine.max_model_len, engine.block_size
+        self.eos_token_ids, self.vocab_size = engine.eos_token_ids, engine.vocab_size
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name="switchyard-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        for request_id, queue in list(self._streams.items()):
+            queue.put_nowait(SequenceOutput(request_id, (), None, FinishReason.ABORT, 0, 0, "engine shut down"))
+
+    # --- requests -----------------------------------------------------------------------------
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                 ) -> AsyncIterator[SequenceOutput]:
+        """Stream a sequence's outputs; raises EngineRequestError at once for a bad request.
+        Closing or cancelling the iterator aborts the sequence."""
+        engine = self._require_started()
+        if request_id in self._streams:
+            raise EngineRequestError(f"request id {request_id!r} is already running")
+        engine.validate(prompt_token_ids, params)
+        queue: asyncio.Queue[SequenceOutput] = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._post(_Add(request_id, list(prompt_token_ids), params))
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue[SequenceOutput]
+                      ) -> AsyncIterator[SequenceOutput]:
+        finished = False
+        try:
+            while not finished:
+                output = await queue.get()
+                finished = output.finish_reason is not None
+                yield output
+        finally:
+            if self._streams.get(request_id) is queue:
+                del self._streams[request_id]
+            if not finished:   # closed, cancelled or garbage-collected early: free the blocks
+                self._post(_Abort(request_id, None))
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel a sequence; returns once its blocks are free. Idempotent."""
+        if self._engine is None:
+            raise RuntimeError("AsyncEngine.start() has not run")
+        if self._stopping or self._thread is None:   # shut down: nothing runs, nothing holds blocks
+            return
+        done = asyncio.get_running_loop().create_future()
+        self._post(_Abort(request_id, done))
+        await done
+
+    # --- observation (any time, from the event loop) ------------------------------------------
+    def load_report(self) -> LoadReport:
+        assert self._report is not None, "engine not started"
+        return self._report
+
+    def stats(self) -> EngineStats:
+        assert self._stats is not None, "engine not started"
+        return self._stats
+
+    def kv_events(self, since: int, limit: int = 1000) -> KVEventBatch:
+        if self._engine is None:
+            raise RuntimeError("AsyncEngine.start() has not run")
+        return self._engine.kv_events.since(since, limit)
+
+    # --- the step thread ----------------------------------------------------------------------
+    def _require_started(self) -> LLMEngine:
+        if self._engine is None:
+            raise RuntimeError("AsyncEngine.start() has not run")
+        if self._stopping:
+            raise RuntimeError("AsyncEngine has shut down")
+        return self._engine
+
+    def _post(self, command: _Command) -> None:
+        with self._cond:
+            self._inbox.append(command)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        engine = self._engine
+        assert engine is not None
+        while True:
+            with self._cond:
+                while not self._inbox and not engine.has_unfinished() and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                commands, self._inbox = self._inbox, []
+            steps_before = engine.num_steps
+            try:
+                outputs, acks = self._apply(engine, commands)
+                if acks:            # aborts are visible in load_report() before abort() returns
+                    self._publish()
+                    for ack in acks:
+                        self._call_in_loop(_resolve, ack)
+                if engine.has_unfinished():
+                    outputs.extend(engine.step())
+            except Exception:  # boundary: a bug outside a step; fail everything live, keep serving
+                log.exception("engine loop failed; aborting all sequences")
+                outputs = self._abort_all(engine)
+            self._publish()
+            if outputs:
+                self._call_in_loop(self._deliver, outputs)
+            elif engine.num_steps == steps_before:
+                self._nap()
+
+    def _nap(self) -> None:
+        """Nothing could run (all live sequences wait on blocks or remote KV): wait for news."""
+        with self._cond:
+            if not self._inbox and not self._stopping:
+                self._cond.wait(timeout=_IDLE_POLL_S)
+
+    def _apply(self, engine: LLMEngine, commands: list[_Command]
+               ) -> tuple[list[SequenceOutput], list[asyncio.Future[None]]]:
+        outputs: list[SequenceOutput] = []
+        acks: list[asyncio.Future[None]] = []
+        for command in commands:
+            if isinstance(command, _Add):
+                try:
+                    engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+                except EngineRequestError as exc:
+                    outputs.append(SequenceOutput(command.request_id, (), None, FinishReason.ABORT,
+                                                  len(command.prompt_token_ids), 0, str(exc)))
+            else:
+                final = engine.abort_request(command.request_id)
+                if final is not None:
+                    outputs.append(final)
+                if command.done is not None:
+                    acks.append(command.done)
+        return outputs, acks
+
+    def _abort_all(self, engine: LLMEngine) -> list[SequenceOutput]:
+        outputs = []
+        for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting) \
+                + list(engine.scheduler.awaiting_kv.values()):
+            final = engine.abort_request(seq.request_id, "engine loop failed")
+            if final is not None:
+                outputs.append(final)
+        return outputs
+
+    def _publish(self) -> None:
+        """Snapshot load and stats in the engine thread, so readers never race its dicts."""
+        engine = self._engine
+        assert engine is not None
+        sched, bm = engine.scheduler, engine.block_manager
+        self._report = LoadReport(sched.num_running, sched.num_waiting, sched.num_prefill_tokens_pending(),
+                                  sched.num_decode_tokens_pending(), bm.num_free_blocks, bm.num_total_blocks,
+                                  bm.num_cached_blocks, bm.block_size)
+        self._stats = engine.stats()
+
+    def _call_in_loop(self, fn: Callable[..., object], *args: object) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            log.debug("event loop closed; dropped %s", fn)
+
+    def _deliver(self, outputs: list[SequenceOutput]) -> None:
+        for output in outputs:
+            queue = self._streams.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

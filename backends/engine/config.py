@@ -1,0 +1,45 @@
+"""The engine's configuration: one frozen record built by the caller (server or CLI).
+
+The engine never reads files or the environment for its settings, except `torch_num_threads`
+falling back to SWITCHYARD_TORCH_THREADS (done in `resolved_torch_threads`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+TORCH_THREADS_ENV = "SWITCHYARD_TORCH_THREADS"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_dir: str | None = None              # HF folder or GGUF file; None: the bundled SmolLM2
+    dtype: str = "float32"                    # torch dtype name of weights and KV cache
+    device: str = "cpu"                       # torch device string ("cpu", "cuda", "cuda:1")
+    block_size: int = 16                      # tokens per KV block
+    num_blocks: int | None = None             # KV blocks; None: derived from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None  # KV budget when num_blocks is None (runner default if both None)
+    max_num_seqs: int = 64                    # sequences in one step at most
+    max_num_batched_tokens: int = 512         # tokens in one step at most (prefill chunks + decodes)
+    max_model_len: int | None = None          # context limit; None: the model's own
+    attention_backend: str | None = None      # runner's backend name; None: the runner picks
+    enable_prefix_caching: bool = True        # reuse full blocks across sequences by chained hash
+    watermark_blocks: int = 1                 # free blocks kept back when admitting a new sequence
+    max_kv_events: int = 10_000               # KV event ring capacity
+    torch_num_threads: int | None = None      # None: $SWITCHYARD_TORCH_THREADS, else all cores
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        if self.watermark_blocks < 0:
+            raise ValueError("watermark_blocks must be >= 0")
+
+    def resolved_torch_threads(self) -> int:
+        if self.torch_num_threads is not None:
+            return max(1, self.torch_num_threads)
+        env = os.environ.get(TORCH_THREADS_ENV)
+        if env:
+            return max(1, int(env))
+        return os.cpu_count() or 1

@@ -1,0 +1,216 @@
+"""The synchronous engine: one `step()` = schedule -> runner.execute -> sample -> append -> finish.
+
+Single-threaded by contract (the AsyncEngine's background thread owns it). Knows nothing of
+HTTP or asyncio; the model runner is injected or built from the config.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from backends.engine.block_manager import BlockManager
+from backends.engine.config import EngineConfig
+from backends.engine.errors import EngineRequestError
+from backends.engine.kv_events import KVEventRing
+from backends.engine.outputs import FinishReason, SequenceOutput
+from backends.engine.sampling_params import SamplingParams
+from backends.engine.scheduler import ScheduledSeq, Scheduler
+from backends.engine.sequence import Sequence
+from backends.worker.batch import ForwardBatch
+from backends.worker.sampler import MAX_LOGPROBS, SampleRow, sample
+
+__all__ = ["EngineRequestError", "EngineStats", "LLMEngine", "ModelRunnerLike"]
+log = logging.getLogger(__name__)
+
+
+class ModelRunnerLike(Protocol):
+    config: Any                 # the HF config
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+
+    def execute(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_prompt_tokens: int          # prompt tokens of sequences whose prefill completed
+    num_cached_prompt_tokens: int   # of those, served by the prefix cache
+    num_generation_tokens: int      # tokens sampled
+    num_preemptions: int            # sequences sent back to recompute
+    num_finished_sequences: int     # sequences ended for any reason
+    num_failed_sequences: int       # sequences ended with an engine error
+    num_steps: int                  # forward steps run
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
+
+
+def resolve_model_dir(config: EngineConfig) -> Path:
+    from backends.worker.loader import DEFAULT_MODEL_SPEC, resolve_model
+
+    return resolve_model(config.model_dir or DEFAULT_MODEL_SPEC)
+
+
+def build_runner(config: EngineConfig, model_dir: Path) -> ModelRunnerLike:
+    from backends.worker.model_runner import ModelRunner
+
+    kv_gb = None if config.kv_cache_memory_bytes is None else config.kv_cache_memory_bytes / 2**30
+    return ModelRunner(model_dir, dtype=getattr(torch, config.dtype), device=config.device,
+                       num_blocks=config.num_blocks, block_size=config.block_size,
+                       attention_backend=config.attention_backend, kv_cache_memory_gb=kv_gb)
+
+
+def eos_token_ids(hf_config: Any, model_dir: Path | None) -> tuple[int, ...]:
+    """EOS ids from config.json and, where present, generation_config.json (SmolLM2: <|im_end|> = 2)."""
+    ids: set[int] = set()
+    sources: list[Any] = [getattr(hf_config, "eos_token_id", None)]
+    gen_path = model_dir / "generation_config.json" if model_dir is not None else None
+    if gen_path is not None and gen_path.is_file():
+        sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return tuple(sorted(ids))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: ModelRunnerLike | None = None,
+                 model_dir: Path | None = None) -> None:
+        self.config = config
+        if runner is None:
+            model_dir = model_dir or resolve_model_dir(config)
+            runner = build_runner(config, model_dir)
+        self.runner = runner
+        self.block_size = runner.block_size
+        self.vocab_size = runner.vocab_size
+        self.eos_token_ids = eos_token_ids(runner.config, model_dir)
+        capacity = runner.num_blocks * runner.block_size
+        wanted = config.max_model_len or runner.max_model_len
+        if wanted > capacity:
+            log.warning("max_model_len %d exceeds the KV cache (%d tokens): capped", wanted, capacity)
+        self.max_model_len = min(wanted, runner.max_model_len, capacity)
+        self.kv_events = KVEventRing(config.max_kv_events)
+        self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
+                                          config.enable_prefix_caching, self.kv_events)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.watermark_blocks)
+        self._counts = dict.fromkeys(("prompt", "cached", "generated", "finished", "failed", "steps"), 0)
+
+    # --- requests -----------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise EngineRequestError for a request that can never run; pure, any thread."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise EngineRequestError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise EngineRequestError(f"the prompt has {n} tokens; this model's context is "
+                                     f"{self.max_model_len} tokens, output included")
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise EngineRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        _validate_params(params)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    remote_kv: bool = False) -> None:
+        self.validate(prompt_token_ids, params)
+        if self.scheduler.get(request_id) is not None:
+            raise EngineRequestError(f"request id {request_id!r} is already running")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.scheduler.add(Sequence(request_id, tuple(prompt_token_ids), params, seed, remote_kv=remote_kv))
+
+    def abort_request(self, request_id: str, error: str | None = None) -> SequenceOutput | None:
+        """Cancel now and free its blocks; the final output, or None if unknown (idempotent)."""
+        seq = self.scheduler.abort(request_id, error)
+        return None if seq is None else self._final(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_steps(self) -> int:
+        return self._counts["steps"]
+
+    def stats(self) -> EngineStats:
+        c = self._counts
+        return EngineStats(c["prompt"], c["cached"], c["generated"], self.scheduler.num_preemptions,
+                           c["finished"], c["failed"], c["steps"])
+
+    # --- one step -----------------------------------------------------------------------------
+    def step(self) -> list[SequenceOutput]:
+        out = self.scheduler.schedule()
+        outputs = [self._final(seq) for seq in out.failed]
+        if out.is_empty:
+            return outputs
+        self._counts["steps"] += 1
+        try:
+            logits = self.runner.execute(out.batch)        # [num chunks wanting logits, vocab]
+            self.scheduler.postprocess(out)
+            sampled = [s for s in out.scheduled if s.want_logits]
+            result = sample(logits, [self._row(s.seq) for s in sampled])
+        except Exception as exc:  # boundary: fail this step's sequences only, keep serving
+            log.exception("engine step failed; failing its %d sequences", len(out.scheduled))
+            for s in out.scheduled:
+                self.scheduler.finish(s.seq, FinishReason.ABORT, f"engine step failed: {exc!r}")
+                outputs.append(self._final(s.seq))
+            return outputs
+        for s, token, logprob in zip(sampled, result.token_ids, result.logprobs):
+            outputs.append(self._append(s, token, logprob))
+        return outputs
+
+    def _row(self, seq: Sequence) -> SampleRow:
+        return SampleRow(seq.params, seq.seed, seq.prompt_token_ids, seq.output_token_ids, self.eos_token_ids)
+
+    def _append(self, s: ScheduledSeq, token: int, logprob: Any) -> SequenceOutput:
+        seq = s.seq
+        if seq.num_output_tokens == 0:
+            self._counts["prompt"] += seq.num_prompt_tokens
+            self._counts["cached"] += seq.num_cached_tokens
+        seq.append_token(token)
+        self._counts["generated"] += 1
+        reason = self._finish_reason(seq, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._counts["finished"] += 1
+        return SequenceOutput(seq.request_id, (token,), (logprob,) if seq.params.logprobs is not None else None,
+                              reason, seq.num_prompt_tokens, seq.num_cached_tokens)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _final(self, seq: Sequence) -> SequenceOutput:
+        self._counts["finished"] += 1
+        if seq.error is not None:
+            self._counts["failed"] += 1
+        return SequenceOutput(seq.request_id, (), None, seq.finish_reason or FinishReason.ABORT,
+                              seq.num_prompt_tokens, seq.num_cached_tokens, seq.error)
+
+
+def _validate_params(p: SamplingParams) -> None:
+    checks = (
+        (p.max_tokens >= 1, "max_tokens must be at least 1"),
+        (p.temperature >= 0.0, "temperature must be >= 0"),
+        (0.0 < p.top_p <= 1.0, "top_p must be in (0, 1]"),
+        (0.0 <= p.min_p <= 1.0, "min_p must be in [0, 1]"),
+        (p.repetition_penalty > 0.0, "repetition_penalty must be > 0"),
+        (0 <= p.min_tokens, "min_tokens must be >= 0"),
+        (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
+    )
+    for ok, message in checks:
+        if not ok:
+            raise EngineRequestError(message)

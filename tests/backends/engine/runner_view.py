@@ -1,0 +1,29 @@
+"""One real ModelRunner shared by the engine tests, seen through a view that can use fewer of
+its KV blocks (to force preemption), record each step, or raise on chosen steps (worker faults)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from backends.worker.batch import ForwardBatch
+from backends.worker.model_runner import ModelRunner
+
+
+class RunnerView:
+    def __init__(self, runner: ModelRunner, num_blocks: int | None = None) -> None:
+        if num_blocks is not None and num_blocks > runner.num_blocks:
+            raise ValueError("a view cannot have more blocks than its runner")
+        self.inner = runner
+        self.config, self.block_size = runner.config, runner.block_size
+        self.max_model_len, self.vocab_size = runner.max_model_len, runner.vocab_size
+        self.num_blocks = num_blocks or runner.num_blocks
+        self.steps: list[tuple[ForwardBatch, torch.Tensor]] = []
+        self.fail_if: Callable[[ForwardBatch], bool] = lambda batch: False
+
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.fail_if(batch):
+            raise RuntimeError("injected runner fault")
+        logits = self.inner.execute(batch)
+        self.steps.append((batch, logits.clone()))
+        return logits
