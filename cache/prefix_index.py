@@ -1,0 +1,190 @@
+"""Which endpoint holds which KV blocks, kept from the workers' KV events (stored/removed block
+hashes). Bounded: an LRU of at most `max_blocks_per_endpoint` hashes per endpoint. Pure: the
+gateway polls `/kv_events` and feeds the events in; no I/O here.
+"""
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class KvEventType(str, enum.Enum):
+    STORED = "stored"    # the block's KV is now cached on the worker (reusable by a prefix)
+    REMOVED = "removed"  # the block was evicted; a prompt can no longer reuse it there
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvent:
+    seq: int                  # the worker's event sequence number (increasing, from 0 after a reset)
+    type: KvEventType         # stored or removed
+    block_hash: int           # cache.block_hash chained hash of the block
+    parent_hash: int | None   # the previous block's hash; None for a prompt's first block
+
+    @classmethod
+    def from_mapping(cls, body: Mapping[str, Any]) -> KvEvent:
+        """Parse one event of `GET /kv_events`; raises ValueError on a malformed one."""
+        seq, block_hash, parent = body.get("seq"), body.get("block_hash"), body.get("parent_hash")
+        if not _is_int(seq) or not _is_int(block_hash) or not (parent is None or _is_int(parent)):
+            raise ValueError(f"malformed KV event: {body!r}")
+        return cls(seq, KvEventType(body.get("type")), block_hash, parent)
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventBatch:
+    events: tuple[KvEvent, ...]  # in sequence order
+    next_seq: int                # pass as `since` on the next poll
+    reset: bool                  # the worker lost its cache (restart) or our `since` is too old
+
+    @classmethod
+    def from_mapping(cls, body: Mapping[str, Any]) -> KvEventBatch:
+        """Parse the JSON body of `GET {endpoint}/kv_events?since=N`."""
+        events, next_seq, reset = body.get("events"), body.get("next"), body.get("reset", False)
+        if not isinstance(events, list) or not _is_int(next_seq) or not isinstance(reset, bool):
+            raise ValueError("malformed KV event batch")
+        return cls(tuple(KvEvent.from_mapping(e) for e in events), next_seq, reset)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _EndpointBlocks:
+    __slots__ = ("bit", "lru", "last_seq")
+
+    def __init__(self, bit: int) -> None:
+        self.bit = bit                                      # this endpoint's bit in holder masks
+        self.lru: OrderedDict[int, None] = OrderedDict()    # block hash -> None, oldest first
+        self.last_seq = -1                                  # highest event seq applied
+
+
+class PrefixIndex:
+    """Block hashes cached per endpoint. `num_matched_blocks` counts only the LEADING run of a
+    prompt's hashes (chained hashes make a later block useless without all before it)."""
+
+    def __init__(self, max_blocks_per_endpoint: int = 1 << 16) -> None:
+        if max_blocks_per_endpoint < 1:
+            raise ValueError("max_blocks_per_endpoint must be >= 1")
+        self._max_blocks = max_blocks_per_endpoint
+        self._endpoints: dict[str, _EndpointBlocks] = {}
+        self._holders: dict[int, int] = {}  # block hash -> bitmask of endpoints holding it
+        self._free_bits: list[int] = []     # bits of forgotten endpoints, reused first
+        self._next_bit = 1
+
+    def apply(self, endpoint_id: str, events: Iterable[KvEvent | Mapping[str, Any]]) -> None:
+        """Apply events in order; an event whose seq was already applied is skipped, so a
+        re-delivered batch is harmless."""
+        blocks = self._blocks(endpoint_id)
+        for event in events:
+            if not isinstance(event, KvEvent):
+                event = KvEvent.from_mapping(event)
+            if event.seq <= blocks.last_seq:
+                continue
+            blocks.last_seq = event.seq
+            if event.type is KvEventType.STORED:
+                self._store(blocks, event.block_hash)
+            else:
+                self._remove(blocks, event.block_hash)
+
+    def apply_batch(self, endpoint_id: str, batch: KvEventBatch) -> None:
+        """Apply one `/kv_events` response, resetting first when the worker says so."""
+        if batch.reset:
+            self.reset(endpoint_id)
+        self.apply(endpoint_id, batch.events)
+
+    def reset(self, endpoint_id: str) -> None:
+        """Forget everything the endpoint held (its cache was lost); sequence numbers restart."""
+        blocks = self._endpoints.get(endpoint_id)
+        if blocks is None:
+            return
+        for block_hash in blocks.lru:
+            self._unmark(block_hash, blocks.bit)
+        blocks.lru.clear()
+        blocks.last_seq = -1
+
+    def forget(self, endpoint_id: str) -> None:
+        """Drop an endpoint entirely (removed from the config)."""
+        self.reset(endpoint_id)
+        blocks = self._endpoints.pop(endpoint_id, None)
+        if blocks is not None:
+            self._free_bits.append(blocks.bit)
+
+    def num_matched_blocks(self, endpoint_id: str, block_hashes: Sequence[int]) -> int:
+        """Length of the leading run of `block_hashes` cached at `endpoint_id`."""
+        blocks = self._endpoints.get(endpoint_id)
+        if blocks is None:
+            return 0
+        lru = blocks.lru
+        n = 0
+        for block_hash in block_hashes:
+            if block_hash not in lru:
+                break
+            n += 1
+        return n
+
+    def matched_blocks(self, block_hashes: Sequence[int]) -> dict[str, int]:
+        """`num_matched_blocks` for every endpoint at once, in one walk of the prompt's hashes;
+        endpoints with no match are left out."""
+        matched: dict[str, int] = {}
+        alive = -1  # every bit set: all endpoints still match
+        depth = 0
+        for block_hash in block_hashes:
+            holders = self._holders.get(block_hash, 0) & alive
+            if holders != alive and depth:
+                self._record(matched, alive & ~holders, depth)
+            alive = holders
+            if not alive:
+                return matched
+            depth += 1
+        if depth:
+            self._record(matched, alive, depth)
+        return matched
+
+    def num_blocks(self, endpoint_id: str) -> int:
+        blocks = self._endpoints.get(endpoint_id)
+        return 0 if blocks is None else len(blocks.lru)
+
+    def last_seq(self, endpoint_id: str) -> int | None:
+        """The highest event seq applied since the last reset (None: none); workers send the
+        events after `since`, so this is the `since` of a poller that lost its cursor."""
+        blocks = self._endpoints.get(endpoint_id)
+        return None if blocks is None or blocks.last_seq < 0 else blocks.last_seq
+
+    def _record(self, matched: dict[str, int], mask: int, depth: int) -> None:
+        for endpoint_id, blocks in self._endpoints.items():
+            if mask & blocks.bit:
+                matched[endpoint_id] = depth
+
+    def _blocks(self, endpoint_id: str) -> _EndpointBlocks:
+        blocks = self._endpoints.get(endpoint_id)
+        if blocks is None:
+            if self._free_bits:
+                bit = self._free_bits.pop()
+            else:
+                bit, self._next_bit = self._next_bit, self._next_bit << 1
+            blocks = self._endpoints[endpoint_id] = _EndpointBlocks(bit)
+        return blocks
+
+    def _store(self, blocks: _EndpointBlocks, block_hash: int) -> None:
+        if block_hash in blocks.lru:
+            blocks.lru.move_to_end(block_hash)
+            return
+        blocks.lru[block_hash] = None
+        self._holders[block_hash] = self._holders.get(block_hash, 0) | blocks.bit
+        if len(blocks.lru) > self._max_blocks:
+            oldest, _ = blocks.lru.popitem(last=False)
+            self._unmark(oldest, blocks.bit)
+
+    def _remove(self, blocks: _EndpointBlocks, block_hash: int) -> None:
+        if block_hash in blocks.lru:
+            del blocks.lru[block_hash]
+            self._unmark(block_hash, blocks.bit)
+
+    def _unmark(self, block_hash: int, bit: int) -> None:
+        mask = self._holders.get(block_hash, 0) & ~bit
+        if mask:
+            self._holders[block_hash] = mask
+        else:
+            self._holders.pop(block_hash, None)

@@ -1,0 +1,135 @@
+"""The routing contract: what a policy sees (`RequestFacts`, `EndpointState`), what it returns
+(`Decision`), the `Policy` protocol, and the small helpers every policy shares (token cost,
+random tie-breaking, option parsing). Pure and synchronous: no I/O, no clocks.
+"""
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Protocol, TypeVar
+
+
+class DecisionReason(str, enum.Enum):
+    BALANCED = "balanced"              # chosen by load alone (round robin, least load, p2c, fallback)
+    AFFINITY_HIT = "affinity_hit"      # the session stayed on its current endpoint
+    AFFINITY_NEW = "affinity_new"      # a session without an assignment got its ring home
+    AFFINITY_MOVED = "affinity_moved"  # the session's endpoint was unusable or over the load bound
+    PREFIX_HIT = "prefix_hit"          # chosen where some of the prompt's leading blocks are cached
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    model: str                       # the model name the client sent
+    num_prompt_tokens: int           # counted with the model's tokenizer (or estimated)
+    num_expected_output_tokens: int  # from max_tokens and observed output lengths
+    block_hashes: tuple[int, ...]    # cache.block_hash.block_hashes(prompt ids, block_size)
+    session_key: str | None          # x-session-affinity header
+    session_endpoint: str | None     # the session's current assignment from the state store
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointState:
+    endpoint_id: str                 # the endpoint's base URL
+    healthy: bool                    # circuit closed/half-open-probe-allowed and last health ok
+    num_requests: int                # requests in flight from this gateway (and peers, when shared)
+    num_prefill_tokens: int          # prompt tokens still to prefill there
+    num_decode_tokens: int           # output tokens still to decode there
+    num_matched_blocks: int          # leading blocks of THIS request's prompt cached there (prefix index)
+    kv_free_fraction: float | None   # from the worker's load report, when it has one
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    endpoint_id: str                 # the chosen endpoint (one of the candidates passed to select)
+    reason: DecisionReason           # why it was chosen (logged and counted by the gateway)
+    session_moved_from: str | None   # set when a session was re-homed (gateway records it + metric)
+
+
+class Policy(Protocol):
+    def select(self, request: RequestFacts, endpoints: Sequence[EndpointState]) -> Decision | None:
+        """Choose one of `endpoints` (the gateway's remaining candidates); None: none is usable."""
+        ...
+
+    def on_request_end(self, endpoint_id: str) -> None:
+        """Hook called when a request routed to `endpoint_id` ends; policies may ignore it."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TokenWeights:
+    prefill_weight: float = 1.0      # cost of one prompt token still to prefill
+    decode_weight: float = 1.0       # cost of one output token still to decode
+
+    def __post_init__(self) -> None:
+        check_number("prefill_weight", self.prefill_weight, minimum=0.0)
+        check_number("decode_weight", self.decode_weight, minimum=0.0)
+
+    def cost(self, endpoint: EndpointState) -> float:
+        """Tokens in flight at `endpoint`, weighted by phase."""
+        return (self.prefill_weight * endpoint.num_prefill_tokens
+                + self.decode_weight * endpoint.num_decode_tokens)
+
+
+def pick_least(endpoints: Sequence[EndpointState], cost: Callable[[EndpointState], float],
+               rng: random.Random) -> EndpointState | None:
+    """The healthy endpoint of least `cost`; ties go to a uniformly random one (reservoir
+    sampling in one pass), never always to the first, so equal endpoints share the load."""
+    best: EndpointState | None = None
+    best_cost = float("inf")
+    num_ties = 0
+    for endpoint in endpoints:
+        if not endpoint.healthy:
+            continue
+        c = cost(endpoint)
+        if c < best_cost:
+            best, best_cost, num_ties = endpoint, c, 1
+        elif c == best_cost:
+            num_ties += 1
+            if rng.random() * num_ties < 1.0:
+                best = endpoint
+    return best
+
+
+def check_number(name: str, value: object, minimum: float | None = None) -> None:
+    """Raise ValueError unless `value` is a real number (not a bool) of at least `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"policy option {name!r} must be a number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"policy option {name!r} must be >= {minimum}, got {value!r}")
+
+
+def check_seed(seed: object) -> None:
+    """Raise ValueError unless `seed` is None or an int."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"policy option 'seed' must be an integer, got {seed!r}")
+
+
+ConfigT = TypeVar("ConfigT")
+
+
+def config_from_options(config_type: type[ConfigT], options: Mapping[str, Any]) -> ConfigT:
+    """Build a policy's frozen config dataclass from config-file options, rejecting unknown keys
+    (a typo in the config must fail at start-up, not silently use a default)."""
+    names = {f.name for f in fields(config_type)}  # type: ignore[arg-type]
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ValueError(f"unknown policy option(s) {unknown}; allowed: {sorted(names)}")
+    return config_type(**options)
+
+
+def within_load_bound(endpoints: Sequence[EndpointState], weights: TokenWeights,
+                      load_factor: float) -> list[EndpointState]:
+    """Healthy endpoints whose load (weighted tokens in flight + 1, so an idle fleet is not
+    0/0) is at most `load_factor` x the mean load; never empty while one endpoint is healthy."""
+    pw, dw = weights.prefill_weight, weights.decode_weight
+    loads = [(e, pw * e.num_prefill_tokens + dw * e.num_decode_tokens + 1.0)
+             for e in endpoints if e.healthy]
+    if not loads:
+        return []
+    total = 0.0
+    for _, load in loads:
+        total += load
+    bound = load_factor * total / len(loads) * (1.0 + 1e-9)  # float noise must not exclude the least loaded
+    return [e for e, load in loads if load <= bound]

@@ -1,0 +1,72 @@
+"""Cache-aware routing (after sgl-router's cache_aware policy): among the endpoints within a load
+bound, maximize prompt tokens already cached there minus `alpha` x tokens in flight; when no
+candidate holds any of the prompt's leading blocks, fall back to least_tokens.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from policies.base import (Decision, DecisionReason, EndpointState, RequestFacts, TokenWeights,
+                           check_number, check_seed, config_from_options, pick_least,
+                           within_load_bound)
+from policies.least_tokens import LeastTokensConfig, LeastTokensPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixAwareConfig:
+    block_size: int = 16          # tokens per KV block (the gateway's block hashing block size)
+    alpha: float = 0.5            # weight of one in-flight token against one cached prompt token (0.5: best in routing_sim)
+    load_factor: float = 1.5      # only endpoints with load <= load_factor x mean load compete
+    prefill_weight: float = 1.0   # load = weighted tokens in flight (also the fallback's weights)
+    decode_weight: float = 1.0
+    seed: int | None = None       # seeds the tie-breaking RNG (tests)
+
+    def __post_init__(self) -> None:
+        check_number("block_size", self.block_size, minimum=1)
+        check_number("alpha", self.alpha, minimum=0.0)
+        check_number("load_factor", self.load_factor, minimum=1.0)
+        TokenWeights(self.prefill_weight, self.decode_weight)
+        check_seed(self.seed)
+
+
+class PrefixAwarePolicy:
+    def __init__(self, config: PrefixAwareConfig | None = None) -> None:
+        config = config or PrefixAwareConfig()
+        self._config = config
+        self._weights = TokenWeights(config.prefill_weight, config.decode_weight)
+        self._rng = random.Random(config.seed)
+        # score = cached prompt tokens - alpha x weighted tokens in flight, terms precomputed
+        self._alpha_prefill = config.alpha * config.prefill_weight
+        self._alpha_decode = config.alpha * config.decode_weight
+        self._block_size = config.block_size
+        self._fallback = LeastTokensPolicy(LeastTokensConfig(
+            prefill_weight=config.prefill_weight, decode_weight=config.decode_weight,
+            seed=None if config.seed is None else config.seed + 1))
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> PrefixAwarePolicy:
+        return cls(config_from_options(PrefixAwareConfig, options))
+
+    def select(self, request: RequestFacts, endpoints: Sequence[EndpointState]) -> Decision | None:
+        within = within_load_bound(endpoints, self._weights, self._config.load_factor)
+        for endpoint in within:
+            if endpoint.num_matched_blocks > 0:
+                break
+        else:
+            return self._fallback.select(request, endpoints)
+        chosen = pick_least(within, self._negative_score, self._rng)
+        if chosen is None:  # unreachable: `within` holds a healthy endpoint
+            return None
+        reason = DecisionReason.PREFIX_HIT if chosen.num_matched_blocks > 0 else DecisionReason.BALANCED
+        return Decision(chosen.endpoint_id, reason, None)
+
+    def on_request_end(self, endpoint_id: str) -> None:
+        pass
+
+    def _negative_score(self, endpoint: EndpointState) -> float:
+        return (self._alpha_prefill * endpoint.num_prefill_tokens
+                + self._alpha_decode * endpoint.num_decode_tokens
+                - endpoint.num_matched_blocks * self._block_size)

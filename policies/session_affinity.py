@@ -1,0 +1,113 @@
+"""Session affinity by consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam
+2018): a session stays where it is while that endpoint's load is within `load_factor` x the mean,
+else it walks the hash ring to the first endpoint within the bound. No session key: least_tokens.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from policies.base import (Decision, DecisionReason, EndpointState, RequestFacts, TokenWeights,
+                           check_number, check_seed, config_from_options, within_load_bound)
+from policies.least_tokens import LeastTokensConfig, LeastTokensPolicy
+
+# Past this many distinct endpoint ids the ring is rebuilt from the current candidates only,
+# so a churning fleet cannot grow it without bound.
+MAX_RING_ENDPOINTS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class SessionAffinityConfig:
+    load_factor: float = 1.25    # c: an endpoint takes a session while its load <= c x mean load
+    num_virtual_nodes: int = 100  # ring points per endpoint (more: smoother spread, slower rebuild)
+    prefill_weight: float = 1.0  # load = weighted tokens in flight + 1 (also the fallback's weights)
+    decode_weight: float = 1.0
+    seed: int | None = None      # seeds the fallback's tie-breaking RNG (tests)
+
+    def __post_init__(self) -> None:
+        check_number("load_factor", self.load_factor, minimum=1.0)
+        check_number("num_virtual_nodes", self.num_virtual_nodes, minimum=1)
+        if not isinstance(self.num_virtual_nodes, int):
+            raise ValueError("policy option 'num_virtual_nodes' must be an integer")
+        TokenWeights(self.prefill_weight, self.decode_weight)
+        check_seed(self.seed)
+
+
+def ring_hash(key: str) -> int:
+    """64-bit stable hash of a ring key (the same in every gateway replica and process)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+class HashRing:
+    """Consistent-hash ring of endpoint ids with virtual nodes."""
+
+    def __init__(self, endpoint_ids: Sequence[str], num_virtual_nodes: int) -> None:
+        self.endpoint_ids = frozenset(endpoint_ids)
+        points = sorted((ring_hash(f"{eid}#{i}"), eid)
+                        for eid in self.endpoint_ids for i in range(num_virtual_nodes))
+        self._points = [p for p, _ in points]
+        self._owners = [eid for _, eid in points]
+
+    def first(self, key_hash: int, accept: Mapping[str, EndpointState]) -> str | None:
+        """The first endpoint clockwise from `key_hash` whose id is in `accept`."""
+        start = bisect.bisect_right(self._points, key_hash)
+        n = len(self._owners)
+        for k in range(n):
+            eid = self._owners[(start + k) % n]
+            if eid in accept:
+                return eid
+        return None
+
+
+class SessionAffinityPolicy:
+    def __init__(self, config: SessionAffinityConfig | None = None) -> None:
+        config = config or SessionAffinityConfig()
+        self._config = config
+        self._weights = TokenWeights(config.prefill_weight, config.decode_weight)
+        self._fallback = LeastTokensPolicy(LeastTokensConfig(
+            prefill_weight=config.prefill_weight, decode_weight=config.decode_weight,
+            seed=config.seed))
+        self._ring = HashRing((), config.num_virtual_nodes)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> SessionAffinityPolicy:
+        return cls(config_from_options(SessionAffinityConfig, options))
+
+    def select(self, request: RequestFacts, endpoints: Sequence[EndpointState]) -> Decision | None:
+        if request.session_key is None:
+            return self._fallback.select(request, endpoints)
+        within = {e.endpoint_id: e for e in within_load_bound(
+            endpoints, self._weights, self._config.load_factor)}
+        if not within:
+            return None
+        home = request.session_endpoint
+        if home is not None and home in within:
+            return Decision(home, DecisionReason.AFFINITY_HIT, None)
+        self._update_ring(endpoints)
+        chosen = self._ring.first(ring_hash(request.session_key), within)
+        if chosen is None:  # unreachable: _update_ring put every candidate on the ring
+            return None
+        if home is None:
+            return Decision(chosen, DecisionReason.AFFINITY_NEW, None)
+        return Decision(chosen, DecisionReason.AFFINITY_MOVED, home)
+
+    def on_request_end(self, endpoint_id: str) -> None:
+        pass
+
+    def _update_ring(self, endpoints: Sequence[EndpointState]) -> None:
+        """Add endpoints the ring has not seen; ids seen before stay, so a session's ring home
+        does not move when a candidate is left out of one call (already tried, unhealthy)."""
+        known = self._ring.endpoint_ids
+        for endpoint in endpoints:
+            if endpoint.endpoint_id not in known:
+                break
+        else:
+            return
+        ids = {e.endpoint_id for e in endpoints}
+        union = ids | known
+        if len(union) > MAX_RING_ENDPOINTS:
+            union = ids
+        self._ring = HashRing(sorted(union), self._config.num_virtual_nodes)

@@ -1,0 +1,43 @@
+"""prefix_aware: cached prompt blocks against load, within a load bound; least_tokens otherwise."""
+from __future__ import annotations
+
+import pytest
+
+from policies.base import DecisionReason
+from policies.registry import PolicyName, make_policy
+from tests.policies.helpers import ep, facts
+
+
+def select(endpoints, **options):
+    return make_policy(PolicyName.PREFIX_AWARE, {"seed": 0, **options}).select(
+        facts(hashes=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10)), endpoints)
+
+
+@pytest.mark.parametrize(("options", "endpoints", "expected", "reason"), [
+    # the endpoint holding the prefix wins at equal load
+    ({}, [ep("a"), ep("b", matched=3), ep("c", matched=1)], "b", DecisionReason.PREFIX_HIT),
+    # 10 blocks x 16 = 160 cached tokens outweigh 100 tokens in flight (default alpha 0.5)...
+    ({}, [ep("a", matched=10, decode=100), ep("b", decode=0), ep("c", decode=100)], "a", DecisionReason.PREFIX_HIT),
+    # ...but not at alpha 2 (score 160 - 200 < 0)
+    ({"alpha": 2.0}, [ep("a", matched=10, decode=100), ep("b"), ep("c", decode=100)], "b", DecisionReason.BALANCED),
+    # block_size scales what a block is worth: 10 x 4 = 40 < 0.5 x 100
+    ({"block_size": 4}, [ep("a", matched=10, decode=100), ep("b"), ep("c", decode=100)], "b", DecisionReason.BALANCED),
+    # over the load bound, a cache hit does not count (score 160 - 150 > 0 would have won):
+    # mean (3001+6+1)/3 = 1002.7, bound 1504
+    ({"alpha": 0.05}, [ep("a", matched=10, decode=3000), ep("b", decode=5), ep("c", decode=0)], "c", DecisionReason.BALANCED),
+    ({"load_factor": 3.5, "alpha": 0.05}, [ep("a", matched=10, decode=3000), ep("b", decode=5), ep("c")], "a", DecisionReason.PREFIX_HIT),
+    # nothing cached anywhere: least tokens (not least requests)
+    ({}, [ep("a", requests=1, prefill=700), ep("b", requests=3, decode=90), ep("c", decode=95)], "b", DecisionReason.BALANCED),
+    # a cached but unhealthy endpoint is ignored
+    ({}, [ep("a", matched=10, healthy=False), ep("b", decode=9), ep("c", decode=3)], "c", DecisionReason.BALANCED),
+])
+def test_choice_table(options, endpoints, expected, reason) -> None:
+    d = select(endpoints, **options)
+    assert (d.endpoint_id, d.reason, d.session_moved_from) == (expected, reason, None)
+
+
+def test_equal_hits_share_the_load() -> None:
+    policy = make_policy(PolicyName.PREFIX_AWARE, {"seed": 1})
+    endpoints = [ep("a", matched=4), ep("b", matched=4), ep("c")]
+    picks = {policy.select(facts(hashes=(1, 2, 3, 4)), endpoints).endpoint_id for _ in range(50)}
+    assert picks == {"a", "b"}
