@@ -125,7 +125,7 @@ class Simulation:
         expected = self.estimator.estimate(MODEL, None)
         session_endpoint = self.sessions.get(request.session_key) if request.session_key else None
         facts = RequestFacts(MODEL, request.num_prompt_tokens, expected, request.block_hashes,
-                             request.session_key, session_endpoint)
+                             request.session_key, session_endpoint, BLOCK_TOKENS)
         states = [EndpointState(w.endpoint_id, True, *self.tracker.snapshot(w.endpoint_id),
                                 matched.get(w.endpoint_id, 0), None) for w in self.workers]
         decision = self.policy.select(facts, states)
@@ -245,7 +245,7 @@ def main() -> None:
         ("least_tokens", PolicyName.LEAST_TOKENS, {"seed": args.seed}),
         ("power_of_two", PolicyName.POWER_OF_TWO, {"seed": args.seed}),
         ("session_affinity", PolicyName.SESSION_AFFINITY, {"seed": args.seed}),
-        ("prefix_aware", PolicyName.PREFIX_AWARE, {"seed": args.seed, "block_size": BLOCK_TOKENS}),
+        ("prefix_aware", PolicyName.PREFIX_AWARE, {"seed": args.seed}),
     ]
     header = (f"{'policy':<18}{'hit rate':>9}{'TTFT mean':>11}{'p50':>8}{'p90':>8}{'p99':>8}"
               f"{'busy max/mean':>15}{'reqs max/mean':>15}{'moved':>7}{'wall':>7}")

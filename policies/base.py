@@ -27,6 +27,7 @@ class RequestFacts:
     block_hashes: tuple[int, ...]    # cache.block_hash.block_hashes(prompt ids, block_size)
     session_key: str | None          # x-session-affinity header
     session_endpoint: str | None     # the session's current assignment from the state store
+    block_size: int = 16             # tokens per block behind block_hashes (the model's, from config)
 
 
 @dataclass(frozen=True, slots=True)

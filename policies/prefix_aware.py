@@ -17,7 +17,6 @@ from policies.least_tokens import LeastTokensConfig, LeastTokensPolicy
 
 @dataclass(frozen=True, slots=True)
 class PrefixAwareConfig:
-    block_size: int = 16          # tokens per KV block (the gateway's block hashing block size)
     alpha: float = 0.5            # weight of one in-flight token against one cached prompt token (0.5: best in routing_sim)
     load_factor: float = 1.5      # only endpoints with load <= load_factor x mean load compete
     prefill_weight: float = 1.0   # load = weighted tokens in flight (also the fallback's weights)
@@ -25,7 +24,6 @@ class PrefixAwareConfig:
     seed: int | None = None       # seeds the tie-breaking RNG (tests)
 
     def __post_init__(self) -> None:
-        check_number("block_size", self.block_size, minimum=1)
         check_number("alpha", self.alpha, minimum=0.0)
         check_number("load_factor", self.load_factor, minimum=1.0)
         TokenWeights(self.prefill_weight, self.decode_weight)
@@ -41,7 +39,6 @@ class PrefixAwarePolicy:
         # score = cached prompt tokens - alpha x weighted tokens in flight, terms precomputed
         self._alpha_prefill = config.alpha * config.prefill_weight
         self._alpha_decode = config.alpha * config.decode_weight
-        self._block_size = config.block_size
         self._fallback = LeastTokensPolicy(LeastTokensConfig(
             prefill_weight=config.prefill_weight, decode_weight=config.decode_weight,
             seed=None if config.seed is None else config.seed + 1))
@@ -57,7 +54,9 @@ class PrefixAwarePolicy:
                 break
         else:
             return self._fallback.select(request, endpoints)
-        chosen = pick_least(within, self._negative_score, self._rng)
+        # The block size comes with the request's hashes, so it can never disagree with them.
+        block_size = request.block_size
+        chosen = pick_least(within, lambda e: self._negative_score(e, block_size), self._rng)
         if chosen is None:  # unreachable: `within` holds a healthy endpoint
             return None
         reason = DecisionReason.PREFIX_HIT if chosen.num_matched_blocks > 0 else DecisionReason.BALANCED
@@ -66,7 +65,7 @@ class PrefixAwarePolicy:
     def on_request_end(self, endpoint_id: str) -> None:
         pass
 
-    def _negative_score(self, endpoint: EndpointState) -> float:
+    def _negative_score(self, endpoint: EndpointState, block_size: int) -> float:
         return (self._alpha_prefill * endpoint.num_prefill_tokens
                 + self._alpha_decode * endpoint.num_decode_tokens
-                - endpoint.num_matched_blocks * self._block_size)
+                - endpoint.num_matched_blocks * block_size)

@@ -64,7 +64,7 @@ async def _handle(request: web.Request, surface: Surface) -> web.StreamResponse:
         facts = RequestFacts(
             model=model.name, num_prompt_tokens=prompt.num_tokens, num_expected_output_tokens=num_expected,
             block_hashes=tuple(block_hashes(prompt.token_ids, model.block_size)) if prompt.token_ids else (),
-            session_key=session_key, session_endpoint=session_endpoint)
+            session_key=session_key, session_endpoint=session_endpoint, block_size=model.block_size)
         routed = RoutedRequest(model, surface.value, body, raw, stream, facts, request_id_var.get(), started_s,
                                session_id)
         outcome = None

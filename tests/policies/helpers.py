@@ -14,5 +14,5 @@ def fleet(n: int, **kwargs: object) -> list[EndpointState]:
 
 
 def facts(session_key: str | None = None, session_endpoint: str | None = None,
-          hashes: tuple[int, ...] = ()) -> RequestFacts:
-    return RequestFacts("smollm2", 100, 50, hashes, session_key, session_endpoint)
+          hashes: tuple[int, ...] = (), block_size: int = 16) -> RequestFacts:
+    return RequestFacts("smollm2", 100, 50, hashes, session_key, session_endpoint, block_size)

@@ -102,7 +102,7 @@ def test_power_of_two_never_picks_the_most_loaded_and_is_seedable() -> None:
     (PolicyName.SESSION_AFFINITY, {"load_factor": 0.9}, ">= 1"),
     (PolicyName.SESSION_AFFINITY, {"num_virtual_nodes": 2.5}, "integer"),
     (PolicyName.POWER_OF_TWO, {"seed": "x"}, "seed"),
-    (PolicyName.PREFIX_AWARE, {"block_size": 0}, "block_size"),
+    (PolicyName.PREFIX_AWARE, {"block_size": 16}, "unknown policy option"),  # it comes with the request
     (PolicyName.PREFIX_AWARE, {"alpha": "high"}, "number"),
 ])
 def test_bad_options_fail_at_start_up(name: PolicyName, options: dict, message: str) -> None:

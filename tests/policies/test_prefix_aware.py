@@ -8,9 +8,9 @@ from policies.registry import PolicyName, make_policy
 from tests.policies.helpers import ep, facts
 
 
-def select(endpoints, **options):
+def select(endpoints, block_size=16, **options):
     return make_policy(PolicyName.PREFIX_AWARE, {"seed": 0, **options}).select(
-        facts(hashes=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10)), endpoints)
+        facts(hashes=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10), block_size=block_size), endpoints)
 
 
 @pytest.mark.parametrize(("options", "endpoints", "expected", "reason"), [
@@ -20,7 +20,7 @@ def select(endpoints, **options):
     ({}, [ep("a", matched=10, decode=100), ep("b", decode=0), ep("c", decode=100)], "a", DecisionReason.PREFIX_HIT),
     # ...but not at alpha 2 (score 160 - 200 < 0)
     ({"alpha": 2.0}, [ep("a", matched=10, decode=100), ep("b"), ep("c", decode=100)], "b", DecisionReason.BALANCED),
-    # block_size scales what a block is worth: 10 x 4 = 40 < 0.5 x 100
+    # the request's block size scales what a block is worth: 10 x 4 = 40 < 0.5 x 100
     ({"block_size": 4}, [ep("a", matched=10, decode=100), ep("b"), ep("c", decode=100)], "b", DecisionReason.BALANCED),
     # over the load bound, a cache hit does not count (score 160 - 150 > 0 would have won):
     # mean (3001+6+1)/3 = 1002.7, bound 1504
