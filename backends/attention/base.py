@@ -1,0 +1,129 @@
+"""The one interface every attention backend implements, the per-step layout they share, and the backend factory.
+
+A backend turns a `StepLayout` into its own metadata once per step, then per layer writes the new
+K/V into the paged cache and attends. Backends never decide what runs; models never see which backend runs.
+"""
+from __future__ import annotations
+
+import enum
+import importlib
+import importlib.util
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+class AttentionBackendName(str, enum.Enum):
+    SDPA = "sdpa"        # torch SDPA over gathered blocks: CPU path and reference
+    FLASH = "flash"      # flash_attn varlen prefill + paged decode
+    TRITON = "triton"    # Triton paged-decode kernel, SDPA for prefill
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    num_heads: int       # query heads
+    num_kv_heads: int    # KV heads (num_heads % num_kv_heads == 0)
+    head_dim: int        # channels per head
+    block_size: int      # tokens per KV block
+    scale: float         # softmax scale, usually head_dim ** -0.5
+    dtype: torch.dtype   # element type of queries and of the KV cache
+
+
+@dataclass(frozen=True, slots=True)
+class StepLayout:
+    """Where each chunk's tokens sit in one step, built once by the runner and shared by all layers."""
+    query_lens: tuple[int, ...]     # new tokens per chunk (host)
+    context_lens: tuple[int, ...]   # tokens already cached before them, per chunk (host)
+    block_tables: tuple[tuple[int, ...], ...]  # per chunk, the blocks covering context + new tokens (host)
+    slot_mapping: torch.Tensor      # [num_tokens] int64: cache slot (block * block_size + offset) per new token
+    device: torch.device            # where the model (and cache) runs
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return tuple(c + q for c, q in zip(self.context_lens, self.query_lens))
+
+
+class AttentionBackend(ABC):
+    """Attention over a paged KV cache; subclasses differ only in kernels."""
+
+    name: AttentionBackendName
+
+    def __init__(self, shape: AttentionShape) -> None:
+        self.shape = shape
+
+    @abstractmethod
+    def prepare(self, layout: StepLayout) -> object:
+        """Backend-specific index tensors for one step (built once, reused by every layer)."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: object) -> torch.Tensor:
+        """[num_tokens, num_heads, head_dim] output for q of the same shape; the new K/V are already cached."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                metadata: object) -> torch.Tensor:
+        """Write this step's k/v ([num_tokens, num_kv_heads, head_dim]) at their slots, then attend."""
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return self.attend(q, k_cache, v_cache, metadata)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """One scatter per tensor: cache viewed as [num_blocks * block_size, num_kv_heads, head_dim]."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionContext:
+    """What a model's attention layers need in one step: the backend, its metadata, the cache tensors."""
+    backend: AttentionBackend
+    metadata: object                    # from backend.prepare
+    slot_mapping: torch.Tensor          # [num_tokens] int64, same as the layout's
+    k_caches: list[torch.Tensor]        # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+    v_caches: list[torch.Tensor]        # per layer, same shape
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.backend.forward(q, k, v, self.k_caches[layer], self.v_caches[layer],
+                                    self.slot_mapping, self.metadata)
+
+
+# name → "module:class"; a new backend is one file and one line here.
+_BACKENDS = {
+    AttentionBackendName.SDPA: "backends.attention.sdpa:SDPABackend",
+    AttentionBackendName.FLASH: "backends.attention.flash:FlashAttentionBackend",
+    AttentionBackendName.TRITON: "backends.attention.triton_decode:TritonDecodeBackend",
+}
+
+
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def default_backend_name(device: torch.device, dtype: torch.dtype) -> AttentionBackendName:
+    """flash when flash_attn is importable on CUDA (fp16/bf16), else Triton decode on CUDA, else SDPA."""
+    if device.type != "cuda":
+        return AttentionBackendName.SDPA
+    if dtype in _FLASH_DTYPES and importlib.util.find_spec("flash_attn") is not None:
+        return AttentionBackendName.FLASH
+    if importlib.util.find_spec("triton") is not None:
+        return AttentionBackendName.TRITON
+    return AttentionBackendName.SDPA
+
+
+def create_backend(name: AttentionBackendName | str | None, shape: AttentionShape,
+                   device: torch.device) -> AttentionBackend:
+    """The named backend (or the default for `device`); a GPU backend on a CPU device is an error."""
+    chosen = default_backend_name(device, shape.dtype) if name is None else AttentionBackendName(name)
+    if chosen is not AttentionBackendName.SDPA and device.type != "cuda":
+        raise ValueError(f"attention backend {chosen.value!r} needs a CUDA device, got {device}")
+    if chosen is AttentionBackendName.FLASH and shape.dtype not in _FLASH_DTYPES:
+        raise ValueError(f"flash_attn needs float16 or bfloat16, got {shape.dtype}")
+    module_name, class_name = _BACKENDS[chosen].split(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls(shape)

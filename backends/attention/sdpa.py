@@ -1,0 +1,125 @@
+"""Torch SDPA over the paged cache: the CPU path and the reference every other backend is tested against.
+
+Chunks are split into two groups, decodes (one new token) and prefills; each group gathers its
+sequences' blocks into one padded [n, kv_heads, L, head_dim] tensor and runs one SDPA call with an
+additive mask, so the per-layer Python work does not grow with the number of sequences.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from backends.attention.base import AttentionBackend, AttentionBackendName, StepLayout
+
+
+@dataclass(frozen=True, slots=True)
+class PaddedGroup:
+    """Chunks attended together, padded to `max_query_len` queries and `max_blocks` blocks each."""
+    num_seqs: int                  # chunks in the group
+    max_query_len: int             # padded query rows per chunk
+    max_blocks: int                # padded blocks per chunk (keys = max_blocks * block_size)
+    query_index: torch.Tensor      # [num_seqs * max_query_len] int64: step token read by each padded row
+    real_rows: torch.Tensor | None  # [group tokens] int64: padded rows that are real (None: all are)
+    out_tokens: torch.Tensor       # [group tokens] int64: step token index of each real row
+    block_ids: torch.Tensor        # [num_seqs * max_blocks] int64: blocks to gather, pads are block 0
+    mask: torch.Tensor | None      # [num_seqs, 1, max_query_len, keys] additive 0/-inf; None: plain causal
+    k_buffer: torch.Tensor         # [num_seqs * max_blocks, block_size, kv_heads, head_dim], reused per layer
+    v_buffer: torch.Tensor         # same shape as k_buffer
+
+
+@dataclass(frozen=True, slots=True)
+class SDPAMetadata:
+    groups: tuple[PaddedGroup, ...]  # decodes first, then prefills; never empty
+    num_tokens: int                  # tokens in the step
+    identity: bool                   # one group whose real rows are exactly the step's tokens, in order
+
+
+class SDPABackend(AttentionBackend):
+    name = AttentionBackendName.SDPA
+
+    def prepare(self, layout: StepLayout) -> SDPAMetadata:
+        starts, total = [], 0
+        for q_len in layout.query_lens:
+            starts.append(total)
+            total += q_len
+        decodes = [i for i, q in enumerate(layout.query_lens) if q == 1]
+        prefills = [i for i, q in enumerate(layout.query_lens) if q > 1]
+        groups = tuple(self._group(layout, members, starts) for members in (decodes, prefills) if members)
+        only = groups[0]
+        identity = len(groups) == 1 and only.real_rows is None and (
+            len(layout.query_lens) == 1 or only.max_query_len == 1)
+        return SDPAMetadata(groups=groups, num_tokens=total, identity=identity)
+
+    def _group(self, layout: StepLayout, members: Sequence[int], starts: Sequence[int]) -> PaddedGroup:
+        bs, dev = self.shape.block_size, layout.device
+        n = len(members)
+        q_lens = [layout.query_lens[i] for i in members]
+        ctx = [layout.context_lens[i] for i in members]
+        max_q = max(q_lens)
+        blocks_needed = [-(-(c + q) // bs) for c, q in zip(ctx, q_lens)]
+        max_blocks = max(blocks_needed)
+        query_index, real_rows, out_tokens, block_ids = [], [], [], []
+        for row, (i, q_len, nb) in enumerate(zip(members, q_lens, blocks_needed)):
+            start = starts[i]
+            query_index += [start + min(j, q_len - 1) for j in range(max_q)]
+            real_rows += range(row * max_q, row * max_q + q_len)
+            out_tokens += range(start, start + q_len)
+            block_ids += list(layout.block_tables[i][:nb]) + [0] * (max_blocks - nb)
+        plain_prompt = n == 1 and ctx[0] == 0 and max_q > 1
+        mask = None if plain_prompt else self._mask(ctx, max_q, max_blocks * bs, dev)
+        buf_shape = (n * max_blocks, bs, self.shape.num_kv_heads, self.shape.head_dim)
+        all_real = len(real_rows) == n * max_q
+        as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+        return PaddedGroup(
+            num_seqs=n, max_query_len=max_q, max_blocks=max_blocks,
+            query_index=as_index(query_index), real_rows=None if all_real else as_index(real_rows),
+            out_tokens=as_index(out_tokens), block_ids=as_index(block_ids), mask=mask,
+            k_buffer=torch.empty(buf_shape, dtype=self.shape.dtype, device=dev),
+            v_buffer=torch.empty(buf_shape, dtype=self.shape.dtype, device=dev))
+
+    def _mask(self, ctx: list[int], max_q: int, num_keys: int, dev: torch.device) -> torch.Tensor:
+        """Query j of a chunk sits at position ctx + j and sees keys 0..ctx + j (its own new K/V included)."""
+        keys = torch.arange(num_keys, device=dev).view(1, 1, -1)
+        last_key = torch.tensor(ctx, device=dev).view(-1, 1, 1) + torch.arange(max_q, device=dev).view(1, -1, 1)
+        mask = torch.zeros((len(ctx), max_q, num_keys), dtype=self.shape.dtype, device=dev)
+        return mask.masked_fill_(keys > last_key, float("-inf")).unsqueeze(1)  # [n, 1, max_q, keys]
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               metadata: SDPAMetadata) -> torch.Tensor:
+        if metadata.identity:
+            return self._attend_group(q, k_cache, v_cache, metadata.groups[0], gather_queries=False)
+        out = q.new_empty(q.shape)
+        for group in metadata.groups:
+            rows = self._attend_group(q, k_cache, v_cache, group, gather_queries=True)
+            if group.real_rows is not None:
+                rows = rows.index_select(0, group.real_rows)
+            out.index_copy_(0, group.out_tokens, rows)
+        return out
+
+    def _attend_group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      group: PaddedGroup, gather_queries: bool) -> torch.Tensor:
+        """[num_seqs * max_query_len, num_heads, head_dim] for the group's padded query rows."""
+        n, max_q = group.num_seqs, group.max_query_len
+        kv_heads, head_dim = self.shape.num_kv_heads, self.shape.head_dim
+        heads = self.shape.num_heads
+        if gather_queries:
+            q = q.index_select(0, group.query_index)
+        k_buf = torch.index_select(k_cache, 0, group.block_ids, out=group.k_buffer)
+        v_buf = torch.index_select(v_cache, 0, group.block_ids, out=group.v_buffer)
+        keys = group.max_blocks * self.shape.block_size
+        k = k_buf.view(n, keys, kv_heads, head_dim).transpose(1, 2)  # [n, kv_heads, keys, head_dim]
+        v = v_buf.view(n, keys, kv_heads, head_dim).transpose(1, 2)
+        if max_q == 1:
+            # Decode: the heads sharing a KV head become that head's query rows, [n, kv_heads, g, head_dim],
+            # so K/V are read once per KV head and the mask [n, 1, 1, keys] broadcasts.
+            q = q.reshape(n, kv_heads, heads // kv_heads, head_dim)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=self.shape.scale)
+            return out.reshape(n, heads, head_dim)
+        q = q.reshape(n, max_q, heads, head_dim).transpose(1, 2)  # [n, heads, max_q, head_dim]
+        # One prompt without context needs no mask: top-left causal is exact, padded keys come last.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, is_causal=group.mask is None,
+                                             scale=self.shape.scale, enable_gqa=heads != kv_heads)
+        return out.transpose(1, 2).reshape(n * max_q, heads, head_dim)

