@@ -36,7 +36,11 @@ SYSTEM = ("You are a meticulous assistant for a travel company. Answer in plain 
           "48 hours before departure; pets allowed on trains but not on buses; luggage limit 23 kg; "
           "children under 4 travel free; seniors get 10 percent off weekday fares; group bookings of "
           "ten or more get a dedicated agent; lost items are kept for 30 days; accessibility help must "
-          "be booked 24 hours ahead; loyalty points expire after two years; all times are local. ") * 1
+          "be booked 24 hours ahead; loyalty points expire after two years; all times are local. "
+          "Night trains have sleeper cabins for two or four people; bicycles need a reservation in summer; "
+          "station lounges are open to first-class ticket holders; delays over an hour earn a 25 percent "
+          "refund and over two hours 50 percent; tickets bought on board cost five euros more; students "
+          "with a valid card get 15 percent off; and customer service answers within two working days.")
 
 
 def pct(values: list[float], q: float) -> float:
