@@ -7,7 +7,7 @@ prefill: the KV stays pinned until a decode worker has pulled it).
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 
 from backends.engine.kv_events import KVEventKind, KVEventRing
 from backends.engine.sequence import Sequence
@@ -199,3 +199,6 @@ class BlockManager:
         assert all(self._hash[b] == h for h, b in self._hash_to_block.items())
         assert sum(h is not None for h in self._hash) == len(self._hash_to_block)
         assert self.num_free_blocks + self.num_used_blocks == self.num_total_blocks
+        # A held block is pinned: neither free nor leaked (its hold owns one reference).
+        held = Counter(b for blocks in self._held.values() for b in blocks)
+        assert all(self._ref[b] >= n for b, n in held.items()), "a held block lost its reference"

@@ -42,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name clients use (repeatable; default: --model)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--max-request-mb", type=float, default=16.0, help="larger request bodies get 413")
+    p.add_argument("--kv-host", default="127.0.0.1", help="KV transfer listener interface (prefill/both roles)")
+    p.add_argument("--kv-port", type=int, default=0, help="KV transfer listener port (0: any free port)")
+    p.add_argument("--kv-hold-timeout-s", type=float, default=30.0,
+                   help="release held prefill KV that no decode worker pulled after this long")
+    p.add_argument("--kv-idle-timeout-s", type=float, default=10.0,
+                   help="a KV pull with no bytes moving this long fails")
+    p.add_argument("--debug-endpoints", action="store_true", help="serve /debug/* (tests only)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -70,6 +77,11 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         served_model_names=tuple(args.served_model_name or [args.model]),
         role=WorkerRole(args.role),
         max_request_bytes=int(args.max_request_mb * 2**20),
+        kv_host=args.kv_host,
+        kv_port=args.kv_port,
+        kv_hold_timeout_s=args.kv_hold_timeout_s,
+        kv_idle_timeout_s=args.kv_idle_timeout_s,
+        debug_endpoints=args.debug_endpoints,
     )
     return server_config, engine_config
 

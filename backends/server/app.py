@@ -12,7 +12,7 @@ from http import HTTPStatus
 from aiohttp import web
 
 from backends.engine.config import EngineConfig
-from backends.server import openai_routes, ops_routes
+from backends.server import disagg, openai_routes, ops_routes
 from backends.server.config import ServerConfig
 from backends.server.errors import APIError, ErrorType, error_body
 from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
@@ -32,7 +32,8 @@ def create_app(
     app = web.Application(client_max_size=config.max_request_bytes, middlewares=[error_middleware])
     app[CONFIG_KEY] = config
     app[TOKENIZER_KEY] = PromptTokenizer.from_model_dir(config.model_dir)
-    app.cleanup_ctx.append(_engine_ctx(engine_config, engine_factory or _default_engine_factory))
+    app.cleanup_ctx.append(_engine_ctx(engine_config, engine_factory or _default_factory(config)))
+    app.cleanup_ctx.append(disagg.kv_transfer_ctx(config))   # after the engine: it serves the engine's KV
     app.router.add_routes([
         web.post("/v1/completions", openai_routes.completions),
         web.post("/v1/chat/completions", openai_routes.chat_completions),
@@ -42,13 +43,19 @@ def create_app(
         web.get("/load", ops_routes.load),
         web.get("/kv_events", ops_routes.kv_events),
     ])
+    if config.debug_endpoints:
+        app.router.add_get("/debug/kv_digest", disagg.kv_digest)
     return app
 
 
-def _default_engine_factory(engine_config: EngineConfig) -> WorkerEngine:
-    from backends.engine.async_engine import AsyncEngine  # torch and the model load only when serving
+def _default_factory(config: ServerConfig) -> EngineFactory:
+    def factory(engine_config: EngineConfig) -> WorkerEngine:
+        # torch and the model load only when serving
+        from backends.engine.disagg_engine import DisaggAsyncEngine
 
-    return AsyncEngine(engine_config)
+        return DisaggAsyncEngine(engine_config, hold_timeout_s=config.kv_hold_timeout_s)
+
+    return factory
 
 
 def _engine_ctx(

@@ -19,9 +19,16 @@ class ServerConfig:
     served_model_names: tuple[str, ...]    # names clients may ask for; the first is listed first
     role: WorkerRole = WorkerRole.BOTH
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES   # larger bodies get 413
+    kv_host: str = "127.0.0.1"             # KV transfer listener interface (prefill and both roles)
+    kv_port: int = 0                       # its TCP port; 0: any free port
+    kv_hold_timeout_s: float = 30.0        # held prefill blocks nobody pulls are released after this
+    kv_idle_timeout_s: float = 10.0        # a pull (or a send) with no bytes moving this long fails
+    debug_endpoints: bool = False          # GET /debug/kv_digest (tests only: exposes KV digests)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("served_model_names must not be empty")
         if self.max_request_bytes <= 0:
             raise ValueError("max_request_bytes must be positive")
+        if self.kv_hold_timeout_s <= 0 or self.kv_idle_timeout_s <= 0 or not 0 <= self.kv_port < 65536:
+            raise ValueError("kv_hold_timeout_s and kv_idle_timeout_s must be positive, kv_port in [0, 65535]")

@@ -35,8 +35,11 @@ class ResponseBuilder:
     """Builds one request's chunks (streaming) or final body; tracks usage and text offsets."""
 
     def __init__(
-        self, kind: RequestKind, response_id: str, model: str, tokenizer: Tokenizer, *, return_token_ids: bool
+        self, kind: RequestKind, response_id: str, model: str, tokenizer: Tokenizer, *, return_token_ids: bool,
+        num_prior_completion_tokens: int = 0,
     ) -> None:
+        """`num_prior_completion_tokens`: output tokens produced elsewhere (a decode leg's first token),
+        counted in usage but not sent."""
         self._kind = kind
         self._id = response_id
         self._model = model
@@ -47,7 +50,7 @@ class ResponseBuilder:
         self._num_chunks = 0
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
-        self._num_completion_tokens = 0
+        self._num_completion_tokens = num_prior_completion_tokens
 
     @property
     def usage(self) -> Usage:

@@ -64,7 +64,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
     if greedy_idx:
         gi = torch.tensor(greedy_idx, device=logits.device)
         tokens[gi] = logits[gi].argmax(dim=-1)
-    if len(random_idx) == len(rows):
+    if random_idx and len(random_idx) == len(rows):
         tokens = _inverse_cdf(filtered_probs(logits, rows), rows)
     elif random_idx:
         ri = torch.tensor(random_idx, device=logits.device)

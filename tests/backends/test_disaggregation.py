@@ -1,0 +1,334 @@
+"""Disaggregated prefill/decode on real worker processes (bundled SmolLM2, fp32 CPU) behind the real
+gateway: outputs equal a unified worker's token for token, the KV arrives byte for byte, and killed
+workers, cut transfers and unclaimed holds leave clear errors or full answers and no held blocks.
+
+One module-scoped set of workers: P1 (prefill), P2 (both: the unified reference, also in the prefill
+pool), D1-D3 (decode). The failure tests kill workers, so they run last, in file order.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.gateway.conftest import metric
+from tests.support.gateway_proc import GatewayProcess
+from tests.support.worker_proc import WorkerProcess
+
+HOLD_TIMEOUT_S = 2.0
+COMMON = ["--threads", "1", "--num-blocks", "96", "--kv-hold-timeout-s", str(HOLD_TIMEOUT_S),
+          "--kv-idle-timeout-s", "2", "--debug-endpoints"]
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea. The sea is wide and deep, and every wave that reaches the shore tells a story",
+    "List three colors:",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+]
+CHATS = [[{"role": "user", "content": "Say hello to a friend in one sentence."}],
+         [{"role": "user", "content": "What is two plus two? Explain briefly, please."}]]
+
+
+class Cluster:
+    def __init__(self, workdir: Path) -> None:
+        roles = {"p1": "prefill", "p2": "both", "d1": "decode", "d2": "decode", "d3": "decode"}
+        self.workers = {name: WorkerProcess(["--role", role, *COMMON], log_dir=workdir, wait=False)
+                        for name, role in roles.items()}
+        for worker in self.workers.values():
+            worker.wait_healthy()
+        from backends.worker.loader import resolve_model
+
+        urls = {name: w.url for name, w in self.workers.items()}
+        timeouts = {"connect_s": 1.0, "first_byte_s": 30.0, "total_s": 60.0}
+        provider = {"kind": "switchyard-pd", "prefill_endpoints": [urls["p1"], urls["p2"]],
+                    "endpoints": [urls["d1"], urls["d2"], urls["d3"]], "offers_load": False,
+                    "offers_kv_events": False, "timeouts": timeouts}
+        config = {"models": {"smollm2": {"tokenizer": str(resolve_model("smollm2")), "providers": ["pd"]}},
+                  "providers": {"pd": provider},
+                  "pollers": {"health_interval_s": 60.0},
+                  "retries": {"max_attempts": 6, "backoff_initial_s": 0.01, "backoff_max_s": 0.05,
+                              "budget_min_retries": 100},
+                  "breaker": {"failure_threshold": 100}}
+        self.gateway = GatewayProcess(config, workdir)
+
+    def url(self, name: str) -> str:
+        return self.workers[name].url
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        os.kill(self.workers[name]._proc.pid, sig)
+
+    def stop(self) -> None:
+        self.gateway.stop()
+        for worker in self.workers.values():
+            worker.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("pd-workers"))
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+async def post(url: str, body: dict[str, Any], chat: bool = False) -> tuple[int, dict[str, Any]]:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
+        return r.status, orjson.loads(await r.read())
+
+
+async def stream(url: str, body: dict[str, Any], chat: bool = False) -> list[dict[str, Any]]:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    events = []
+    async with aiohttp.ClientSession() as s, s.post(url + path, json={**body, "stream": True}) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                events.append(orjson.loads(line[6:]))
+    return events
+
+
+async def get(url: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        return orjson.loads(await r.read())
+
+
+def text_of(choice: dict[str, Any]) -> str:
+    if "message" in choice:
+        return choice["message"]["content"]
+    if "delta" in choice:
+        return choice["delta"].get("content") or ""
+    return choice["text"]
+
+
+def requests() -> list[tuple[dict[str, Any], bool]]:
+    """(body, is_chat): greedy and seeded, completions and chat."""
+    out = []
+    for i, prompt in enumerate(PROMPTS):
+        out.append(({"model": "smollm2", "prompt": prompt, "max_tokens": 10, "temperature": 0.0, "return_token_ids": True}, False))
+        out.append(({"model": "smollm2", "prompt": prompt, "max_tokens": 10, "temperature": 0.9, "seed": 100 + i,
+                     "return_token_ids": True}, False))
+    for i, messages in enumerate(CHATS):
+        out.append(({"model": "smollm2", "messages": messages, "max_tokens": 10, "temperature": 0.7, "seed": 7 + i,
+                     "ignore_eos": True, "return_token_ids": True}, True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(cluster: Cluster) -> list[tuple[dict[str, Any], bool, str, list[int]]]:
+    """Each request's unified answer (text, token ids) from the `both` worker."""
+    async def collect() -> list[tuple[dict[str, Any], bool, str, list[int]]]:
+        out = []
+        for body, chat in requests():
+            status, payload = await post(cluster.url("p2"), body, chat)
+            assert status == 200, payload
+            out.append((body, chat, text_of(payload["choices"][0]), payload["choices"][0]["token_ids"]))
+        return out
+
+    return asyncio.run(collect())
+
+
+async def assert_drained(cluster: Cluster, names: list[str]) -> None:
+    """Within the hold timeout and a margin: no held blocks, every block free or cached-and-free."""
+    deadline = time.monotonic() + HOLD_TIMEOUT_S + 3
+    while True:
+        loads = {n: await get(cluster.url(n) + "/load") for n in names}
+        if all(l["num_held_blocks"] == 0 and l["num_free_blocks"] == l["num_total_blocks"] for l in loads.values()):
+            return
+        assert time.monotonic() < deadline, loads
+        await asyncio.sleep(0.2)
+
+
+# --- equivalence ----------------------------------------------------------------------------------
+
+async def test_direct_legs_equal_unified_and_kv_is_byte_identical(cluster: Cluster, references) -> None:
+    for body, chat, ref_text, ref_ids in references:
+        status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}, chat)
+        assert status == 200, pre
+        kv = pre["kv_transfer_params"]
+        assert kv["first_token_ids"] == ref_ids[:1] and kv["remote_request_id"] == pre["id"]
+        held = (await get(f"{cluster.url('p1')}/debug/kv_digest?transfer_id={kv['remote_request_id']}"))["held"]
+        assert len(held) == len(kv["remote_block_ids"]) == -(-kv["num_prompt_tokens"] // 16)
+        status, dec = await post(cluster.url("d1"), {**body, "kv_transfer_params": {**kv, "response_id": pre["id"]}}, chat)
+        assert status == 200, dec
+        assert dec["id"] == pre["id"]
+        assert kv["first_token_ids"] + dec["choices"][0]["token_ids"] == ref_ids
+        assert text_of(pre["choices"][0]) + text_of(dec["choices"][0]) == ref_text
+        assert dec["usage"]["completion_tokens"] == len(ref_ids)
+        received = (await get(f"{cluster.url('d1')}/debug/kv_digest?transfer_id={kv['remote_request_id']}"))["received"]
+        assert received["digests"] == held[received["start_block"]:]   # byte-identical blocks
+    # The repeated prompts hit the decode worker's prefix cache: later pulls skip those blocks.
+    await assert_drained(cluster, ["p1", "d1"])
+
+
+async def test_gateway_equals_unified_alone_and_concurrent(cluster: Cluster, references) -> None:
+    gw = cluster.gateway.url
+
+    async def one(body: dict[str, Any], chat: bool, ref_text: str, ref_ids: list[int], streamed: bool) -> None:
+        if streamed:
+            events = await stream(gw, body, chat)
+            assert {e["id"] for e in events} == {events[0]["id"]}
+            choices = [e["choices"][0] for e in events if e.get("choices")]
+            assert "".join(text_of(c) for c in choices) == ref_text
+            assert [t for c in choices for t in c.get("token_ids", [])] == ref_ids[1:]
+        else:
+            status, payload = await post(gw, body, chat)
+            assert status == 200, payload
+            assert text_of(payload["choices"][0]) == ref_text
+            assert payload["choices"][0]["token_ids"] == ref_ids[1:]   # the gateway relays the decode's ids
+            assert payload["usage"]["completion_tokens"] == len(ref_ids)
+
+    for i, (body, chat, text, ids) in enumerate(references[:4]):
+        await one(body, chat, text, ids, streamed=i % 2 == 1)
+    jobs = [one(b, c, t, i, streamed=k % 2 == 0) for k, (b, c, t, i) in enumerate(references)]
+    await asyncio.gather(*jobs[:8])
+    await asyncio.gather(*jobs[8:])
+    await assert_drained(cluster, ["p1", "p2", "d1", "d2", "d3"])
+
+
+# --- refusals and cut transfers -------------------------------------------------------------------
+
+async def test_bad_decode_legs_are_clear_errors_without_leaks(cluster: Cluster, references) -> None:
+    body, chat, _, _ = references[1]
+    status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    kv = pre["kv_transfer_params"]
+    status, err = await post(cluster.url("d2"), {**body, "kv_transfer_params": {**kv, "num_prompt_tokens": 3}})
+    assert status == 400 and err["error"]["code"] == "kv_transfer_mismatch"
+    status, err = await post(cluster.url("d2"), {**body, "kv_transfer_params": {**kv, "remote_request_id": "nope"}})
+    assert status == 503 and err["error"]["code"] == "kv_transfer_failed"
+    status, err = await post(cluster.url("d2"), {**body, "kv_transfer_params": {**kv, "remote_port": 1}})
+    assert status == 503 and err["error"]["code"] == "kv_transfer_failed"
+    status, err = await post(cluster.url("d2"), {**body, "kv_transfer_params": {**kv, "first_token_ids": "x"}})
+    assert status == 400 and err["error"]["param"] == "kv_transfer_params.first_token_ids"
+    status, err = await post(cluster.url("d2"), {**body, "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 400   # a decode-role worker has no KV listener to hold blocks for
+    await assert_drained(cluster, ["p1", "d2"])   # includes the unclaimed hold expiring
+
+
+async def test_transfer_cut_midway_fails_cleanly_and_hold_survives(cluster: Cluster, references) -> None:
+    body, chat, ref_text, ref_ids = references[2]
+    status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    kv = pre["kv_transfer_params"]
+    upstream_port = kv["remote_port"]
+
+    async def cut_proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", upstream_port)
+        up_writer.write(await reader.read(65536))   # the PULL frame
+        forwarded = 0
+        while forwarded < 100_000:                   # BEGIN and ~4 of 30 layers, then the line goes dead
+            data = await up_reader.read(65536)
+            if not data:
+                break
+            writer.write(data[:100_000 - forwarded])
+            forwarded += len(data)
+        writer.transport.abort()
+        up_writer.transport.abort()
+
+    proxy = await asyncio.start_server(cut_proxy, "127.0.0.1", 0)
+    proxy_port = proxy.sockets[0].getsockname()[1]
+    try:
+        status, err = await post(cluster.url("d3"), {**body, "kv_transfer_params": {**kv, "remote_port": proxy_port}})
+    finally:
+        proxy.close()
+    assert status == 503 and err["error"]["code"] == "kv_transfer_failed", err
+    # No RELEASE was sent: the hold is still there and a retry straight from the listener succeeds.
+    status, dec = await post(cluster.url("d3"), {**body, "kv_transfer_params": {**kv, "response_id": pre["id"]}})
+    assert status == 200 and kv["first_token_ids"] + dec["choices"][0]["token_ids"] == ref_ids
+    await assert_drained(cluster, ["p1", "d3"])
+
+
+async def test_client_gone_during_the_pull_frees_the_blocks(cluster: Cluster, references) -> None:
+    body, chat, _, _ = references[0]
+    status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    kv = pre["kv_transfer_params"]
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(30)   # accepts the pull, never answers: the decode worker waits
+
+    proxy = await asyncio.start_server(silent, "127.0.0.1", 0)
+    body2 = {**body, "kv_transfer_params": {**kv, "remote_port": proxy.sockets[0].getsockname()[1]}}
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as s:
+                await s.post(cluster.url("d3") + "/v1/completions", json=body2)
+        deadline = time.monotonic() + 1.2   # well before the decode worker's 2 s idle timeout
+        while True:   # the handler's cancellation, not a timeout, aborted the sequence
+            load = await get(cluster.url("d3") + "/load")
+            if load["num_waiting"] == 0 and load["num_free_blocks"] == load["num_total_blocks"]:
+                break
+            assert time.monotonic() < deadline, load
+            await asyncio.sleep(0.05)
+    finally:
+        proxy.close()
+    await assert_drained(cluster, ["p1", "d3"])
+
+
+# --- killed workers (these change the cluster: keep them last, in this order) ---------------------
+
+async def running_on(cluster: Cluster, names: list[str], key: str = "num_running") -> str:
+    for _ in range(400):
+        for name in names:
+            if (await get(cluster.url(name) + "/load"))[key] > 0:
+                return name
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"nothing running on {names}")
+
+
+async def test_decode_killed_during_and_before_decode(cluster: Cluster, references) -> None:
+    body, chat, _, _ = references[1]
+    long_body = {**body, "max_tokens": 150, "ignore_eos": True}
+    status, ref = await post(cluster.url("p2"), long_body)
+    # Non-streaming: the gateway retries the decode leg; the hold was already released by the first
+    # pull, so that retry gets kv_transfer_failed and the request is redone from a new prefill.
+    task = asyncio.create_task(post(cluster.gateway.url, long_body))
+    victim = await running_on(cluster, ["d1", "d2", "d3"])
+    cluster.kill(victim)
+    status, payload = await task
+    assert status == 200, payload
+    assert payload["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"][1:]
+    # Killed before decode: legs routed to the dead worker are retried on the live ones.
+    for body2, chat2, text2, ids2 in references[:4]:
+        status, payload = await post(cluster.gateway.url, body2, chat2)
+        assert status == 200 and text_of(payload["choices"][0]) == text2
+    # Streaming: the client already has tokens, so it gets an error event (and [DONE]), not a hang.
+    live = [n for n in ("d1", "d2", "d3") if n != victim]
+    task = asyncio.create_task(stream(cluster.gateway.url, long_body))
+    second = await running_on(cluster, live)
+    await asyncio.sleep(0.3)
+    cluster.kill(second)
+    events = await task
+    assert events[0]["choices"][0]["delta" if chat else "text"] is not None
+    assert "error" in events[-1], events[-1]
+    cluster.workers["_dead"] = cluster.workers.pop(victim)
+    cluster.workers["_dead2"] = cluster.workers.pop(second)
+
+
+async def test_prefill_killed_after_prefill_is_redone(cluster: Cluster, references) -> None:
+    body, chat, ref_text, ref_ids = references[3]
+    decode = next(n for n in ("d1", "d2", "d3") if n in cluster.workers)
+    redos = metric(cluster.gateway, "switchyard_pd_redos_total", code="kv_transfer_failed")
+    cluster.kill(decode, signal.SIGSTOP)   # the decode leg waits while we kill the prefill holding the KV
+    try:
+        task = asyncio.create_task(post(cluster.gateway.url, body, chat))
+        holder = await running_on(cluster, ["p1", "p2"], key="num_held_blocks")
+        cluster.kill(holder)
+        cluster.workers["_dead3"] = cluster.workers.pop(holder)
+    finally:
+        cluster.kill(decode, signal.SIGCONT)
+    status, payload = await task
+    assert status == 200, payload   # pull failed -> kv_transfer_failed -> redo on the other prefill worker
+    assert metric(cluster.gateway, "switchyard_pd_redos_total", code="kv_transfer_failed") == redos + 1
+    assert text_of(payload["choices"][0]) == ref_text and payload["choices"][0]["token_ids"] == ref_ids[1:]
+    # Survivors keep serving, and hold nothing.
+    survivor = next(n for n in ("p1", "p2") if n in cluster.workers)
+    status, payload = await post(cluster.gateway.url, body, chat)
+    assert status == 200 and text_of(payload["choices"][0]) == ref_text
+    await assert_drained(cluster, [survivor, decode])

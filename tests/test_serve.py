@@ -1,0 +1,83 @@
+"""`switchyard serve` end to end: the all-in-one launcher starts a prefill and a decode worker and the
+gateway (switchyard-pd), the unchanged OpenAI SDK gets a chat completion through it, and SIGINT stops
+every child process."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+
+from tests.support.worker_proc import REPO_ROOT, free_port
+
+SWITCHYARD = Path(REPO_ROOT) / ".venv" / "bin" / "switchyard"
+
+
+def children_of(pid: int) -> set[int]:
+    """Every descendant process id (from /proc), so none can hide in a new session."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_serve_answers_the_openai_sdk_and_sigint_stops_everything(tmp_path: Path) -> None:
+    port = free_port()
+    log = (tmp_path / "serve.log").open("wb")
+    proc = subprocess.Popen([str(SWITCHYARD), "serve", "--port", str(port), "--worker-arg=--threads=1",
+                             "--worker-arg=--num-blocks=64"], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    children: set[int] = set()
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.3)
+        children = children_of(proc.pid)
+        assert len(children) >= 3   # prefill worker, decode worker, gateway
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0)
+        assert reply.choices[0].message.content and reply.usage.completion_tokens >= 1
+        stream = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0,
+            stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+        leftover = {pid for pid in children if alive(pid)}
+        for pid in leftover:
+            os.kill(pid, signal.SIGKILL)
+    assert not leftover, f"children still running after SIGINT: {leftover}\n{(tmp_path / 'serve.log').read_text()}"
