@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-mb", type=float, default=16.0, help="larger request bodies get 413")
     p.add_argument("--kv-host", default="127.0.0.1", help="KV transfer listener interface (prefill/both roles)")
     p.add_argument("--kv-port", type=int, default=0, help="KV transfer listener port (0: any free port)")
+    p.add_argument("--kv-advertise-host", default=None,
+                   help="host name decode workers should dial (default: --kv-host, or this host's address "
+                        "when that is a wildcard)")
     p.add_argument("--kv-hold-timeout-s", type=float, default=30.0,
                    help="release held prefill KV that no decode worker pulled after this long")
     p.add_argument("--kv-idle-timeout-s", type=float, default=10.0,
@@ -79,6 +82,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         max_request_bytes=int(args.max_request_mb * 2**20),
         kv_host=args.kv_host,
         kv_port=args.kv_port,
+        kv_advertise_host=args.kv_advertise_host,
         kv_hold_timeout_s=args.kv_hold_timeout_s,
         kv_idle_timeout_s=args.kv_idle_timeout_s,
         debug_endpoints=args.debug_endpoints,

@@ -21,6 +21,7 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES   # larger bodies get 413
     kv_host: str = "127.0.0.1"             # KV transfer listener interface (prefill and both roles)
     kv_port: int = 0                       # its TCP port; 0: any free port
+    kv_advertise_host: str | None = None   # host decode workers dial (behind NAT, in containers); None: derived
     kv_hold_timeout_s: float = 30.0        # held prefill blocks nobody pulls are released after this
     kv_idle_timeout_s: float = 10.0        # a pull (or a send) with no bytes moving this long fails
     debug_endpoints: bool = False          # GET /debug/kv_digest (tests only: exposes KV digests)

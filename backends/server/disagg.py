@@ -110,7 +110,7 @@ def kv_transfer_ctx(config: ServerConfig) -> Callable[[web.Application], AsyncIt
         address = None
         if config.role is not WorkerRole.DECODE:
             host, port = await connector.serve(EngineKVSource(kv, engine), config.kv_host, config.kv_port)
-            address = (_advertised(host), port)
+            address = (config.kv_advertise_host or _advertised(host), port)
             log.info("KV transfer listener on %s:%d (holds expire after %.1f s)", host, port, config.kv_hold_timeout_s)
         app[KV_STATE_KEY] = KVTransferState(connector, kv, f"{config.role.value}-{uuid.uuid4().hex[:12]}",
                                             address, config.debug_endpoints)
