@@ -7,6 +7,7 @@ went away: `ClientGone` propagates so the dispatcher closes the upstream at once
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import orjson
@@ -42,6 +43,14 @@ class SseCounter:
 
     def feed(self, chunk: bytes) -> int:
         """Returns the number of new content events in `chunk` (for shrinking the lease)."""
+        if not self._tail and chunk.endswith(b"\n\n") and b"\n\n\n" not in chunk \
+                and b'"usage"' not in chunk and b"data: [DONE]" not in chunk:
+            # Whole events, none of them usage or [DONE] (the common token chunk): count the
+            # events that start with "data:" without splitting (same count as the loop below).
+            num_new = chunk.startswith(b"data:") + chunk.count(b"\n\ndata:")
+            if not self.usage.exact:
+                self.usage.num_output_tokens += num_new
+            return num_new
         data = self._tail + chunk if self._tail else chunk
         events = data.split(b"\n\n")
         self._tail = events.pop()
@@ -89,6 +98,12 @@ def error_event(message: str, error_type: str = "upstream_error", code: str = "u
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
+class _SseResponse(web.StreamResponse):
+    """Holds the status line and headers back until the first body bytes, so that they leave in the
+    same socket write (one syscall, one packet less per stream); aiohttp's own `web.Response` does this."""
+    _send_headers_immediately = False
+
+
 class ClientStream:
     """One client's SSE response. Headers go out with the first data or the first keepalive;
     until data has gone out, the dispatcher may still retry elsewhere."""
@@ -129,7 +144,7 @@ class ClientStream:
 
     async def _ensure_prepared(self, status: int, content_type: str) -> None:
         if self.response is None:
-            response = web.StreamResponse(status=status, headers={
+            response = _SseResponse(status=status, headers={
                 "Content-Type": content_type, "Cache-Control": "no-cache",
                 REQUEST_ID_HEADER: request_id_var.get()})
             await response.prepare(self._request)
@@ -145,6 +160,12 @@ class ClientStream:
                 await self.response.write(chunk)  # type: ignore[union-attr]
             except ConnectionResetError as exc:
                 raise ClientGone() from exc
+
+    def writer(self) -> Callable[[bytes], Awaitable[None]]:
+        """The response's own write, for a relay loop (after `send_first`); it raises
+        ConnectionResetError where `send` raises ClientGone."""
+        assert self.response is not None
+        return self.response.write
 
     async def send(self, chunk: bytes) -> None:
         try:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Coroutine
+from typing import Any
 
 from aiohttp import web
 
@@ -55,3 +57,11 @@ async def settle(services: Services, key: ApiKey | None, charged: int, num_promp
         await services.store.charge_tokens(key_id, actual - charged)
     if usage.num_output_tokens or usage.exact:
         await services.store.record_usage(key_id, num_prompt, usage.num_cached_tokens, usage.num_output_tokens)
+
+
+async def settle_now(settling: Coroutine[Any, Any, None]) -> None:
+    """Run a settle coroutine inline (the in-process store); a failure is logged like a background one."""
+    try:
+        await settling
+    except Exception as exc:  # the response is already decided: settling must not change it
+        log.warning("settling the rate limit failed: %r", exc)

@@ -14,11 +14,12 @@ import orjson
 from aiohttp import web
 
 from cache.block_hash import block_hashes
-from gateway.api.admission import authenticate, charge_rate_limit, settle
+from gateway.api.admission import authenticate, charge_rate_limit, settle, settle_now
 from gateway.config import ModelConfig
 from gateway.dispatch import RoutedRequest
 from gateway.errors import BadRequest, GatewayError, NotFound
 from gateway.services import SERVICES, Services
+from gateway.state import MemoryStore
 from gateway.streaming import StreamUsage
 from gateway.tokenize import PromptTokens
 from gateway.tracing import request_id_var
@@ -43,7 +44,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _handle(request: web.Request, surface: Surface) -> web.StreamResponse:
     started_s = time.perf_counter()
     services = request.app[SERVICES]
-    key = await authenticate(services, request)
+    key = await authenticate(services, request) if services.auth is not None else None
     raw = await request.read()
     body = parse_body(raw, surface)
     model = services.config.models.get(body["model"])
@@ -57,7 +58,7 @@ async def _handle(request: web.Request, surface: Surface) -> web.StreamResponse:
         prompt = _count_prompt(services, model, body, surface)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         num_expected = services.estimator.estimate(model.name, max_tokens)
-        charged = await charge_rate_limit(services, key, prompt.num_tokens + num_expected)
+        charged = await charge_rate_limit(services, key, prompt.num_tokens + num_expected) if key is not None else 0
         session_key = request.headers.get(SESSION_HEADER) or None
         session_id = f"{model.name}\x00{session_key}" if session_key else None
         session_endpoint = await services.store.get_session(session_id) if session_id else None
@@ -79,7 +80,11 @@ async def _handle(request: web.Request, surface: Surface) -> web.StreamResponse:
             # Runs on errors and cancellation too: the charge is settled to what was really used.
             if key is not None:
                 usage = outcome.usage if outcome is not None else StreamUsage()
-                services.background.spawn(settle(services, key, charged, prompt.num_tokens, usage))
+                settling = settle(services, key, charged, prompt.num_tokens, usage)
+                if isinstance(services.store, MemoryStore):
+                    await settle_now(settling)  # in-process: never suspends, no task needed
+                else:
+                    services.background.spawn(settling)
             services.metrics.on_request(model.name, status)
     if outcome.endpoint_id is not None:
         services.estimator.observe(model.name, outcome.usage.num_output_tokens)
