@@ -239,6 +239,8 @@ def _join(held: PrefillResult, payload: dict[str, Any], endpoint_id: str) -> Leg
             choice["message"]["content"] = held.text + (choice["message"].get("content") or "")
         else:
             choice["text"] = held.text + (choice.get("text") or "")
+        if isinstance(choice.get("token_ids"), list):  # the token-id extension: the first token is the prefill's
+            choice["token_ids"] = _first_token_ids(held) + choice["token_ids"]
     except (KeyError, IndexError, TypeError):
         raise RetryableFailure("bad decode answer: no choices") from None
     decode_usage = payload.get("usage") or {}
@@ -273,12 +275,19 @@ def _chunk_base(job: Job, held: PrefillResult) -> dict[str, Any]:
             "created": held.payload.get("created", int(time.time())), "model": held.payload.get("model")}
 
 
+def _first_token_ids(held: PrefillResult) -> list[int]:
+    ids = held.payload["choices"][0].get("token_ids")
+    return ids if isinstance(ids, list) else []
+
+
 def _chunk(job: Job, held: PrefillResult, delta: Mapping[str, Any], finish_reason: str | None) -> bytes:
     """One SSE event as the upstream would stream it: chat `delta`, completions `text`."""
     if job.routed.api_path.endswith("chat/completions"):
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": delta.get("content", ""), "finish_reason": finish_reason}
+    if "role" in delta and _first_token_ids(held):  # the first chunk carries the prefill's token
+        choice["token_ids"] = _first_token_ids(held)
     return b"data: " + orjson.dumps({**_chunk_base(job, held), "choices": [choice]}) + b"\n\n"
 
 

@@ -178,12 +178,12 @@ async def test_gateway_equals_unified_alone_and_concurrent(cluster: Cluster, ref
             assert {e["id"] for e in events} == {events[0]["id"]}
             choices = [e["choices"][0] for e in events if e.get("choices")]
             assert "".join(text_of(c) for c in choices) == ref_text
-            assert [t for c in choices for t in c.get("token_ids", [])] == ref_ids[1:]
+            assert [t for c in choices for t in c.get("token_ids", [])] == ref_ids
         else:
             status, payload = await post(gw, body, chat)
             assert status == 200, payload
             assert text_of(payload["choices"][0]) == ref_text
-            assert payload["choices"][0]["token_ids"] == ref_ids[1:]   # the gateway relays the decode's ids
+            assert payload["choices"][0]["token_ids"] == ref_ids   # first token (prefill) + the decode's
             assert payload["usage"]["completion_tokens"] == len(ref_ids)
 
     for i, (body, chat, text, ids) in enumerate(references[:4]):
@@ -293,7 +293,7 @@ async def test_decode_killed_during_and_before_decode(cluster: Cluster, referenc
     cluster.kill(victim)
     status, payload = await task
     assert status == 200, payload
-    assert payload["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"][1:]
+    assert payload["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
     # Killed before decode: legs routed to the dead worker are retried on the live ones.
     for body2, chat2, text2, ids2 in references[:4]:
         status, payload = await post(cluster.gateway.url, body2, chat2)
@@ -326,7 +326,7 @@ async def test_prefill_killed_after_prefill_is_redone(cluster: Cluster, referenc
     status, payload = await task
     assert status == 200, payload   # pull failed -> kv_transfer_failed -> redo on the other prefill worker
     assert metric(cluster.gateway, "switchyard_pd_redos_total", code="kv_transfer_failed") == redos + 1
-    assert text_of(payload["choices"][0]) == ref_text and payload["choices"][0]["token_ids"] == ref_ids[1:]
+    assert text_of(payload["choices"][0]) == ref_text and payload["choices"][0]["token_ids"] == ref_ids
     # Survivors keep serving, and hold nothing.
     survivor = next(n for n in ("p1", "p2") if n in cluster.workers)
     status, payload = await post(cluster.gateway.url, body, chat)
