@@ -176,25 +176,29 @@ def main() -> None:
                                           add_generation_prompt=True) for t in TOPICS[: args.hf_prompts]]
     hf = hf_baseline(model_dir, hf_prompts, args.new_tokens)
 
-    port = free_port()
-    proc = start_worker(port, args.worker_args.split())
     rows = []
-    try:
-        base = f"http://127.0.0.1:{port}"
-        for shared in (False, True):
-            for c in args.concurrency:
+    # The shared-prefix rows run twice: with the prefix cache, and on a worker without it (the baseline
+    # that shows what the cache saves on the very same prompts).
+    for label, flags, levels in (("switchyard worker", [], [(s, c) for s in (False, True) for c in args.concurrency]),
+                                 ("switchyard, prefix cache off", ["--no-prefix-caching"],
+                                  [(True, c) for c in args.concurrency if c <= 8])):
+        port = free_port()
+        proc = start_worker(port, args.worker_args.split() + flags)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            for shared, c in levels:
                 rounds = 3 if c == 1 else 1
-                rows.append((c, shared, asyncio.run(run_level(base, c, rounds, args.new_tokens, shared))))
-    finally:
-        proc.terminate()
-        proc.wait(30)
+                rows.append((label, c, shared, asyncio.run(run_level(base, c, rounds, args.new_tokens, shared))))
+        finally:
+            proc.terminate()
+            proc.wait(30)
 
     print("\n| engine | concurrency | shared 200-tok prefix | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | ITL p90 ms | output tok/s | × HF batch-1 |")
     print("|---|---|---|---|---|---|---|---|---|")
     print(f"| transformers generate (baseline) | 1 | no | {hf['ttft_p50_ms']:.1f} | – | {hf['itl_p50_ms']:.1f} "
           f"| {hf['itl_p90_ms']:.1f} | {hf['tok_s']:.1f} | 1.00 |")
-    for c, shared, r in rows:
-        print(f"| switchyard worker | {c} | {'yes' if shared else 'no'} | {r['ttft_p50_ms']:.1f} | {r['ttft_p90_ms']:.1f} "
+    for label, c, shared, r in rows:
+        print(f"| {label} | {c} | {'yes' if shared else 'no'} | {r['ttft_p50_ms']:.1f} | {r['ttft_p90_ms']:.1f} "
               f"| {r['itl_p50_ms']:.1f} | {r['itl_p90_ms']:.1f} | {r['tok_s']:.1f} | {r['tok_s'] / hf['tok_s']:.2f} |")
 
 
