@@ -83,8 +83,9 @@ def choose_threshold(probs: np.ndarray, max_words: int = MAX_CODEWORDS) -> float
     return float(np.exp(hi))
 
 
-def build_codebook(symbols: np.ndarray, probs: np.ndarray, threshold: float) -> Codebook:
-    """Build the dictionary (words in breadth-first order) for sorted `symbols`/`probs` and `threshold`."""
+def build_codebook(symbols: np.ndarray, probs: np.ndarray, threshold: float, links: bool = True) -> Codebook:
+    """Build the dictionary (words in breadth-first order) for sorted `symbols`/`probs` and `threshold`.
+    links=False (decoders) leaves first_child/num_children empty: only the encoder walks the tree."""
     levels = _levels(probs, threshold, MAX_CODEWORDS)
     if levels is None:
         raise ValueError(f"threshold {threshold!r} gives more than {MAX_CODEWORDS} codewords")
@@ -93,20 +94,34 @@ def build_codebook(symbols: np.ndarray, probs: np.ndarray, threshold: float) -> 
     total = int(offsets[-1])
     payload = np.zeros(total, np.uint64)
     lengths = np.zeros(total, np.uint8)
-    first_child = np.zeros(total, np.int64)
-    num_children = np.zeros(total, np.int64)
+    first_child = np.zeros(total if links else 0, np.int64)
+    num_children = np.zeros(total if links else 0, np.int64)
     sym64 = symbols.astype(np.uint64)
     for depth, (parent, rank, _) in enumerate(levels):
         lo, hi = offsets[depth], offsets[depth + 1]
         value = sym64[rank] << np.uint64(8 * depth)
         if depth > 0:
             value |= payload[offsets[depth - 1] + parent]
+        if depth > 0 and links:
             counts = np.bincount(parent, minlength=sizes[depth - 1])
             num_children[offsets[depth - 1]:lo] = counts
             first_child[offsets[depth - 1]:lo] = lo + np.cumsum(counts) - counts
         payload[lo:hi] = value
         lengths[lo:hi] = depth + 1
     return Codebook(symbols, payload, lengths, first_child, num_children)
+
+
+def expected_word_length(book: Codebook, probs256: np.ndarray) -> float:
+    """Estimated symbols per codeword when `book` parses a memoryless source with symbol probabilities
+    `probs256` ([256], indexed by symbol value): sum of P(w) over the words, the probability that the
+    input at a word boundary starts with w. Exact for a complete tree; an upper bound a few percent
+    high here, since a word ends on a symbol that is not one of its children and that symbol starts
+    the next word. Used to compare dictionaries on one tensor, where the bias largely cancels."""
+    word_probs = np.ones(book.num_words)
+    symbol_bytes = book.payload.view(np.uint8).reshape(-1, 8)       # [K, 8], first symbol first
+    for j in range(MAX_WORD_SYMBOLS):
+        word_probs *= np.where(book.lengths > j, probs256[symbol_bytes[:, j]], 1.0)
+    return float(word_probs.sum())
 
 
 def encode(ranks: np.ndarray, book: Codebook, lane_size: int) -> tuple[np.ndarray, np.ndarray]:

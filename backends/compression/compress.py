@@ -18,9 +18,9 @@ from safetensors import safe_open
 from backends.compression import codebook
 from backends.compression.container import Entry, numpy_entry, torch_entry, write_safetensors
 from backends.compression.layout import (
-    FORMAT_KEY, FORMAT_VERSION, LANE_SIZE, TENSORS_KEY, CompressedRecord, FloatKind, Part, PlainRecord,
-    Record, book_checksum, chunk_bounds, codes_checksum, lane_offsets, part_name, raw_checksum,
-    records_to_json, split_symbols, symbols_checksum,
+    FORMAT_KEY, FORMAT_VERSION, LANE_SIZE, NUM_CHECKS, TENSORS_KEY, CompressedRecord, FloatKind, Part,
+    PlainRecord, Record, book_checksum, chunk_bounds, codes_checksum, lane_offsets, part_name, raw_checksum,
+    records_to_json, split_symbols,
 )
 
 
@@ -36,6 +36,8 @@ class CastDtype(enum.Enum):
 
 _KINDS = {torch.bfloat16: FloatKind.BF16, torch.float16: FloatKind.FP16}
 _BATCH_SYMBOLS = 1 << 24   # tensors parsed together in one lockstep pass (bounds the encoder's memory)
+SHARE_TOLERANCE = 0.01     # share a dictionary when it costs at most 1% more bits per exponent (SmolLM2:
+                           # 211 matrices -> 17 dictionaries for +0.04% of the file; fewer to rebuild)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,45 +55,72 @@ def compressible_kind(tensor: torch.Tensor) -> FloatKind | None:
     return _KINDS.get(tensor.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class SharedBook:
+    """A dictionary already used in the file being written; later tensors may share it."""
+    alphabet: tuple[int, ...]  # its symbols, most probable first
+    counts: tuple[int, ...]    # the counts it was built from (same order)
+    threshold: float           # its threshold
+    checksum: int              # book_checksum of its tables
+    book: codebook.Codebook    # the tables themselves
+
+
 def compress_tensor(tensor: torch.Tensor, kind: FloatKind) -> tuple[CompressedRecord, dict[Part, np.ndarray]]:
-    """Compress one tensor; see compress_tensors."""
-    return compress_tensors([(tensor, kind)])[0]
+    """Compress one tensor with its own dictionary; see compress_tensors."""
+    return compress_tensors([(tensor, kind)], [])[0]
 
 
-def compress_tensors(items: list[tuple[torch.Tensor, FloatKind]]) -> list[tuple[CompressedRecord, dict[Part, np.ndarray]]]:
-    """Split each tensor into symbols + raw bytes, build its own dictionary, encode all of them in
-    one lockstep pass, and checksum each chunk."""
+def choose_book(counts: np.ndarray, shared: list[SharedBook]) -> SharedBook:
+    """The tensor's own dictionary, or a shared one costing at most SHARE_TOLERANCE more bits per
+    exponent (then the loader rebuilds one dictionary for many tensors); new ones join `shared`."""
+    alphabet, probs = codebook.alphabet_probabilities(np.arange(256), counts)
+    threshold = codebook.choose_threshold(probs)
+    own_book = codebook.build_codebook(alphabet, probs, threshold)
+    probs256 = counts / counts.sum()
+    best_len, best = codebook.expected_word_length(own_book, probs256) / (1 + SHARE_TOLERANCE), None
+    used = set(alphabet.tolist())
+    for candidate in shared:
+        if used <= set(candidate.alphabet):
+            mean_len = codebook.expected_word_length(candidate.book, probs256)
+            if mean_len >= best_len:
+                best_len, best = mean_len, candidate
+    if best is None:
+        best = SharedBook(tuple(int(a) for a in alphabet), tuple(int(c) for c in counts[alphabet]), threshold,
+                          book_checksum(own_book.payload, own_book.lengths), own_book)
+        shared.append(best)
+    return best
+
+
+def compress_tensors(items: list[tuple[torch.Tensor, FloatKind]],
+                     shared: list[SharedBook]) -> list[tuple[CompressedRecord, dict[Part, np.ndarray]]]:
+    """Split each tensor into symbols + raw bytes, pick its dictionary (see choose_book), encode all of
+    them in one lockstep pass, and checksum each chunk."""
     prepared = []
     for tensor, kind in items:
         bits = tensor.detach().contiguous().reshape(-1).view(torch.int16).numpy().view(np.uint16)
         symbols, raw = split_symbols(bits, kind)
-        counts = np.bincount(symbols, minlength=256)
-        alphabet, probs = codebook.alphabet_probabilities(np.arange(256), counts)
-        threshold = codebook.choose_threshold(probs)
-        book = codebook.build_codebook(alphabet, probs, threshold)
+        chosen = choose_book(np.bincount(symbols, minlength=256), shared)
         rank_of = np.zeros(256, np.int32)
-        rank_of[alphabet] = np.arange(alphabet.size)
+        rank_of[list(chosen.alphabet)] = np.arange(len(chosen.alphabet))
         record = CompressedRecord(
-            kind=kind, shape=tuple(tensor.shape), alphabet=tuple(int(s) for s in alphabet),
-            counts=tuple(int(c) for c in counts[alphabet]), threshold=threshold,
-            book_checksum=book_checksum(book.payload, book.lengths), num_codes=0,
+            kind=kind, shape=tuple(tensor.shape), alphabet=chosen.alphabet, counts=chosen.counts,
+            threshold=chosen.threshold, book_checksum=chosen.checksum, num_codes=0,
         )
-        prepared.append((record, symbols, raw, rank_of[symbols], book))
-    encoded = codebook.encode_many([(ranks, book) for _, _, _, ranks, book in prepared], LANE_SIZE)
-    return [_with_checks(record, symbols, raw, codes, lanes)
-            for (record, symbols, raw, _, _), (codes, lanes) in zip(prepared, encoded)]
+        prepared.append((record, raw, rank_of[symbols], chosen.book))
+    encoded = codebook.encode_many([(ranks, book) for _, _, ranks, book in prepared], LANE_SIZE)
+    return [_with_checks(record, raw, codes, lanes)
+            for (record, raw, _, _), (codes, lanes) in zip(prepared, encoded)]
 
 
-def _with_checks(record: CompressedRecord, symbols: np.ndarray, raw: np.ndarray, codes: np.ndarray,
+def _with_checks(record: CompressedRecord, raw: np.ndarray, codes: np.ndarray,
                  lanes: np.ndarray) -> tuple[CompressedRecord, dict[Part, np.ndarray]]:
     record = replace(record, num_codes=int(codes.size))
     code_bytes = codes.astype("<u2").view(np.uint8)
     offsets = lane_offsets(lanes)
-    checks = np.zeros((record.num_chunks, 3), np.uint32)
+    checks = np.zeros((record.num_chunks, NUM_CHECKS), np.uint32)
     for chunk in range(record.num_chunks):
         lo, hi, c0, c1 = chunk_bounds(record, offsets, chunk)
-        checks[chunk] = (codes_checksum(code_bytes[2 * c0:2 * c1]), raw_checksum(raw[lo:hi]),
-                         symbols_checksum(symbols[lo:hi]))
+        checks[chunk] = (codes_checksum(code_bytes[2 * c0:2 * c1]), raw_checksum(raw[lo:hi]))
     return record, {Part.CHECKS: checks, Part.LANES: lanes, Part.CODES: code_bytes, Part.RAW: raw}
 
 
@@ -109,11 +138,12 @@ def compress_file(src: Path, dst: Path, cast: CastDtype | None,
     raw_parts: list[Entry] = []
     stats: list[TensorStats] = []
     pending: list[tuple[str, torch.Tensor, FloatKind]] = []
+    shared: list[SharedBook] = []
 
     def flush() -> None:
         if not pending:
             return
-        results = compress_tensors([(tensor, kind) for _, tensor, kind in pending])
+        results = compress_tensors([(tensor, kind) for _, tensor, kind in pending], shared)
         for (name, tensor, _), (record, parts) in zip(pending, results):
             records[name] = record
             aligned4.append(numpy_entry(part_name(name, Part.CHECKS), parts[Part.CHECKS]))

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from backends.compression.container import map_file
-from backends.compression.cpu_decode import load_plain, prepare_job, read_records
+from backends.compression.cpu_decode import DecodeTables, book_key, load_plain, prepare_job, read_records, rebuild_tables
 from backends.compression.layout import (
     MAX_WORD_SYMBOLS, CompressedRecord, CorruptWeightsError, FloatKind, PlainRecord, chunk_bounds,
     codes_checksum, raw_checksum,
@@ -96,18 +96,25 @@ def load_compressed_gpu(path: Path | str, device: torch.device | str) -> dict[st
     """
     mapped = map_file(Path(path))
     result: dict[str, GpuCompressedTensor | torch.Tensor] = {}
+    books: dict[tuple, tuple[DecodeTables, torch.Tensor, torch.Tensor]] = {}   # one device copy per dictionary
     for name, record in read_records(mapped).items():
         if isinstance(record, PlainRecord):
             result[name] = load_plain(mapped, name, record).to(device)
             continue
-        job, _ = prepare_job(mapped, name, record)   # checks sizes, rebuilds + checks the dictionary
+        key = book_key(record)
+        if key not in books:
+            tables = rebuild_tables(record, f"{mapped.path}: tensor {name!r}")   # rebuilds + checks it
+            books[key] = (tables, torch.from_numpy(tables.payload[:tables.num_words].view(np.int64)).to(device),
+                          torch.from_numpy(tables.lengths[:tables.num_words].copy()).to(device))
+        tables, payload, lengths = books[key]
+        # checks the parts' sizes; the host output is never written (the device decodes)
+        job, _ = prepare_job(mapped, name, record, tables, out=torch.empty(0, dtype=torch.int16))
         _verify_chunks(job.where, record, job.offsets, job.codes, job.raw, job.checks)
         result[name] = GpuCompressedTensor(
             kind=record.kind, shape=record.shape, lane_size=record.lane_size,
             codes=torch.from_numpy(job.codes.view(np.int16).copy()).to(device),
             lane_starts=torch.from_numpy(job.offsets).to(device),
-            payload=torch.from_numpy(job.payload.view(np.int64)).to(device),
-            lengths=torch.from_numpy(job.lengths).to(device),
+            payload=payload, lengths=lengths,
             raw=torch.from_numpy(job.raw.copy()).to(device),
         )
     return result

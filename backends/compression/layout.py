@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 FORMAT_KEY = "switchyard.format"          # metadata key the loader keys on
-FORMAT_VERSION = "switchyard-tunstall16-v1"
+FORMAT_VERSION = "switchyard-tunstall16-v2"
 TENSORS_KEY = "switchyard.tensors"        # metadata key: JSON {name: record}
 LANE_SIZE = 1024                          # symbols per independently parsed lane (one GPU program)
 LANES_PER_CHUNK = 256                     # lanes per checksummed chunk (one CPU work item)
@@ -32,7 +32,10 @@ class Part(enum.Enum):
     CODES = "codes"    # uint8 [2 * num_codes]: little-endian uint16 codewords, lane after lane
     RAW = "raw"        # uint8 [numel]: the raw byte of every element, in element order
     LANES = "lanes"    # uint16 [num_lanes]: codewords in each lane
-    CHECKS = "checks"  # uint32 [num_chunks, 3]: crc32 of codes, of raw bytes, of decoded symbols per chunk
+    CHECKS = "checks"  # uint32 [num_chunks, 2]: crc32 of codes and of raw bytes per chunk
+
+
+NUM_CHECKS = 2   # columns of Part.CHECKS: crc32 of the chunk's codeword bytes, crc32 of its raw bytes
 
 
 def part_name(name: str, part: Part) -> str:
@@ -43,8 +46,9 @@ def part_name(name: str, part: Part) -> str:
 class CompressedRecord:
     kind: FloatKind            # the tensor's dtype
     shape: tuple[int, ...]     # the tensor's shape
-    alphabet: tuple[int, ...]  # symbol values, most probable first (ties: smaller value first)
-    counts: tuple[int, ...]    # occurrences of each alphabet symbol in the tensor
+    alphabet: tuple[int, ...]  # dictionary's symbol values, most probable first (ties: smaller value first)
+    counts: tuple[int, ...]    # symbol counts the dictionary is built from: this tensor's, or those of an
+                               # earlier tensor of the file whose dictionary it shares (same four fields)
     threshold: float           # dictionary threshold (see codebook.build_codebook)
     book_checksum: int         # adler32 of the rebuilt dictionary's payload and lengths
     num_codes: int             # codewords in the stream
@@ -133,19 +137,6 @@ def split_symbols(bits: np.ndarray, kind: FloatKind) -> tuple[np.ndarray, np.nda
     return symbols, raw
 
 
-def merge_symbols(out: np.ndarray, symbols: np.ndarray, raw: np.ndarray, kind: FloatKind,
-                  scratch: np.ndarray) -> None:
-    """Inverse of split_symbols into `out` ([n] uint16), using `scratch` ([n] uint16); in place, no allocation."""
-    if kind is FloatKind.BF16:
-        np.multiply(raw, 0x101, out=scratch, dtype=np.uint16)   # raw in both bytes
-        np.bitwise_and(scratch, 0x807F, out=scratch)            # sign to bit 15, mantissa to bits 0-6
-        np.left_shift(symbols, 7, out=out, dtype=np.uint16)
-    else:
-        np.copyto(scratch, raw, casting="unsafe")
-        np.left_shift(symbols, 8, out=out, dtype=np.uint16)
-    np.bitwise_or(out, scratch, out=out)
-
-
 def book_checksum(payload: np.ndarray, lengths: np.ndarray) -> int:
     return zlib.adler32(lengths, zlib.adler32(payload))
 
@@ -172,7 +163,3 @@ def codes_checksum(codes: np.ndarray) -> int:
 
 def raw_checksum(raw: np.ndarray) -> int:
     return zlib.crc32(raw)
-
-
-def symbols_checksum(symbols: np.ndarray) -> int:
-    return zlib.crc32(symbols)

@@ -82,3 +82,23 @@ def test_build_is_deterministic_from_counts_and_threshold() -> None:
     b = codebook.build_codebook(again_alphabet, again_probs, threshold)
     np.testing.assert_array_equal(a.payload, b.payload)
     np.testing.assert_array_equal(a.lengths, b.lengths)
+
+
+def test_expected_word_length_bounds_the_parse() -> None:
+    """The mean word length the compressor uses to decide on sharing is a close upper bound of the
+    real parse's (a word ends on a symbol that is not one of its children, and that symbol, more
+    often a rare one, starts the next word, so real words run a few percent shorter)."""
+    rng = np.random.default_rng(6)
+    bits = (rng.standard_normal(300_000).astype(np.float32) * 0.05).view(np.uint32) >> 16
+    symbols = ((bits >> 7) & 0xFF).astype(np.uint8)
+    codes, book = _roundtrip(symbols, lane_size=1 << 20)
+    predicted = codebook.expected_word_length(book, np.bincount(symbols, minlength=256) / symbols.size)
+    assert 0.93 * predicted <= symbols.size / codes.size <= predicted
+
+
+def test_codewords_past_the_dictionary_or_wrong_lengths_are_refused() -> None:
+    book = _book_for(np.random.default_rng(7).geometric(0.3, 10_000).astype(np.uint8))
+    past = np.array([book.num_words], np.uint16) if book.num_words < codebook.MAX_CODEWORDS else None
+    if past is not None:
+        assert expand_codes(past, book.payload, book.lengths, int(book.lengths.max())) is None
+    assert expand_codes(np.zeros(3, np.uint16), book.payload, book.lengths, 4) is None   # 3 symbols, not 4

@@ -84,3 +84,25 @@ def test_cli_refuses_a_missing_source(tmp_path: Path) -> None:
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and "error:" in proc.stderr
+
+
+def test_similar_tensors_share_a_dictionary(tmp_path: Path) -> None:
+    """Layers with alike exponent statistics share one dictionary (one rebuild at load), losslessly."""
+    from backends.compression.container import map_file
+    from backends.compression.cpu_decode import book_key, read_records
+    src = tmp_path / "src"
+    src.mkdir()
+    gen = torch.Generator().manual_seed(9)
+    # values in [0.01, 0.05): the same three exponents in every layer, in slightly different proportions
+    weights = {f"layers.{i}.weight": (torch.rand(300, 400, generator=gen) * (0.04 + 0.001 * i) + 0.01).to(torch.bfloat16)
+               for i in range(4)}
+    weights["wide.weight"] = (torch.rand(300, 400, generator=gen) * 20 + 10).to(torch.bfloat16)   # other exponents
+    save_file(weights, str(src / "model.safetensors"))
+    compress_folder(src, tmp_path / "out")
+    records = read_records(map_file(tmp_path / "out" / "model.safetensors"))
+    keys = {name: book_key(rec) for name, rec in records.items()}
+    assert len({keys[f"layers.{i}.weight"] for i in range(4)}) == 1
+    assert keys["wide.weight"] != keys["layers.0.weight"]
+    restored = load_compressed_file(tmp_path / "out" / "model.safetensors")
+    for name, tensor in weights.items():
+        assert_bit_equal(restored[name], tensor, name)
