@@ -202,6 +202,19 @@ class LegRunner:
                                             time.perf_counter() - started)
         return result
 
+    async def run_routed(self, job: Job, target: LegTarget, on_response: ResponseHandler[T], policy: Policy) -> T:
+        """`run`, plus what every routed leg owes the request: a failure marks the endpoint tried and is
+        recorded; the policy always hears that the request left the endpoint."""
+        endpoint_id = target.endpoint.endpoint_id
+        try:
+            return await self.run(target, on_response)
+        except RetryableFailure as failure:
+            job.attempts.tried.add(endpoint_id)
+            self.record_failure(job, target.provider.config.name, endpoint_id, failure)
+            raise
+        finally:
+            policy.on_request_end(endpoint_id)
+
     async def single_leg(self, job: Job, provider: Provider, endpoint: Endpoint, decision: Decision,
                          policy: Policy) -> LegOutcome:
         """The whole request as one leg to `endpoint`, relayed to the client as it comes."""
@@ -223,13 +236,7 @@ class LegRunner:
                                LegRequest(routed.api_path, routed.body, routed.stream, headers),
                                provider.encode_body(routed.body, routed.raw),
                                routed.facts.num_prompt_tokens, routed.facts.num_expected_output_tokens)
-            try:
-                return await self.run(target, partial(self._single_answer, job, endpoint))
-            except RetryableFailure as failure:
-                self.record_failure(job, provider.config.name, endpoint.endpoint_id, failure)
-                raise
-            finally:
-                policy.on_request_end(endpoint.endpoint_id)
+            return await self.run_routed(job, target, partial(self._single_answer, job, endpoint), policy)
 
     async def _single_answer(self, job: Job, endpoint: Endpoint, response: aiohttp.ClientResponse,
                              first_byte_deadline: asyncio.Timeout, lease: Lease) -> LegOutcome:

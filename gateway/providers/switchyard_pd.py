@@ -143,14 +143,8 @@ class SwitchyardPdProvider:
             headers = legs.leg_headers(job, span, self.config.name, endpoint.endpoint_id, decision)
             target = LegTarget(self._wire, endpoint, LegKind.PREFILL, LegRequest(routed.api_path, body, False, headers),
                                orjson.dumps(body), routed.facts.num_prompt_tokens, 0)
-            try:
-                return await legs.run(target, partial(self._read_prefill, legs, job, endpoint))
-            except RetryableFailure as failure:
-                job.attempts.tried.add(endpoint.endpoint_id)
-                legs.record_failure(job, self.config.name, endpoint.endpoint_id, failure)
-                raise
-            finally:
-                self._prefill_policy.on_request_end(endpoint.endpoint_id)
+            return await legs.run_routed(job, target, partial(self._read_prefill, legs, job, endpoint),
+                                         self._prefill_policy)
 
     async def _read_prefill(self, legs: LegRunner, job: Job, endpoint: Endpoint, response: aiohttp.ClientResponse,
                             first_byte_deadline: Any, lease: Lease) -> PrefillResult | LegOutcome:
@@ -198,14 +192,8 @@ class SwitchyardPdProvider:
             target = LegTarget(self._wire, endpoint, LegKind.DECODE,
                                LegRequest(routed.api_path, body, routed.stream, headers), orjson.dumps(body),
                                0, routed.facts.num_expected_output_tokens)
-            try:
-                outcome = await legs.run(target, partial(self._read_decode, legs, job, held, endpoint))
-            except RetryableFailure as failure:
-                job.attempts.tried.add(endpoint.endpoint_id)
-                legs.record_failure(job, self.config.name, endpoint.endpoint_id, failure)
-                raise
-            finally:
-                self._decode_policy.on_request_end(endpoint.endpoint_id)
+            outcome = await legs.run_routed(job, target, partial(self._read_decode, legs, job, held, endpoint),
+                                            self._decode_policy)
         if outcome.endpoint_id is not None:  # prompt and cached tokens are the prefill's to report
             outcome.usage.num_prompt_tokens = held.usage.get("prompt_tokens", outcome.usage.num_prompt_tokens)
             outcome.usage.num_cached_tokens = _cached(held.usage)
