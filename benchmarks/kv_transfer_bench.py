@@ -1,7 +1,7 @@
 """KV transfer throughput over loopback vs a plain memcpy of the same bytes, in one run.
 
-Server processes (the prefill side: one on asyncio, one on uvloop, plus a raw-socket ceiling)
-hold N MiB of KV in SmolLM2-135M's layout (30 layers, 3 KV heads, head_dim 64, block 16, bf16)
+Server processes (the prefill side: one on asyncio, one on uvloop, one on uvloop whose cache is in
+shared memory as a prefill worker's is, plus a raw-socket ceiling) hold N MiB of KV in SmolLM2-135M's layout (30 layers, 3 KV heads, head_dim 64, block 16, bf16)
 at block ids scattered one by one, in runs of 64, or in one run; this process pulls it into its
 own paged cache, its block ids following the same pattern. Every row is measured once per round, rounds
 interleaved, so load from other processes hits all rows alike; the best round is shown.
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from backends.kv_transfer import (ChecksumKind, KVTransferConfig, ReleaseMode,  # noqa: E402
                                   RemoteBlocks, TcpKVConnector)
+from backends.kv_transfer.shm import SharedKVFile  # noqa: E402
 from backends.kv_transfer.torch_cache import TorchPagedKV  # noqa: E402
 
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; block 16; bf16
@@ -39,11 +40,18 @@ PATTERNS = ("scattered", "runs", "contiguous")
 RUN_BLOCKS = 64  # "runs": 64 blocks = 384 KiB per layer's K (or V), like a fresh allocation's
 
 
-def make_cache(num_blocks: int, seed: int) -> TorchPagedKV:
+def make_cache(num_blocks: int, seed: int, stacked: bool = False, shared: SharedKVFile | None = None) -> TorchPagedKV:
+    """Random KV: separate tensors per layer, one stacked buffer as the worker's KVCache allocates, or
+    `shared`'s buffer (the caller keeps `shared` open)."""
     gen = torch.Generator().manual_seed(seed)
     dims = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    return TorchPagedKV([(torch.randn(dims, generator=gen).to(DTYPE), torch.randn(dims, generator=gen).to(DTYPE))
-                         for _ in range(NUM_LAYERS)])
+    if not stacked and shared is None:
+        return TorchPagedKV([(torch.randn(dims, generator=gen).to(DTYPE), torch.randn(dims, generator=gen).to(DTYPE))
+                             for _ in range(NUM_LAYERS)])
+    buffer = shared.tensor if shared is not None else torch.empty((NUM_LAYERS, 2, *dims), dtype=DTYPE)
+    buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    return TorchPagedKV([(buffer[i, 0], buffer[i, 1]) for i in range(NUM_LAYERS)],
+                        region=shared.region if shared is not None else None)
 
 
 def block_ids(pattern: str, num_blocks: int, seed: int) -> list[int]:
@@ -64,8 +72,11 @@ def run_loop(coro: Coroutine[Any, Any, Any], loop_name: str) -> Any:
 
 
 def kv_serve(num_blocks: int, loop_name: str, port_queue: mp.Queue, stop: mp.Event) -> None:
-    """A prefill worker holding N MiB of blocks under each pattern's name."""
-    kv = make_cache(2 * num_blocks, seed=1)
+    """A prefill worker holding N MiB of blocks under each pattern's name ("shm": uvloop, cache in
+    shared memory)."""
+    shared = SharedKVFile(NUM_LAYERS, 2 * num_blocks, (BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), DTYPE) \
+        if loop_name == "shm" else None
+    kv = make_cache(2 * num_blocks, seed=1, shared=shared)
     for pattern in PATTERNS:
         kv.holds.hold(pattern, block_ids(pattern, num_blocks, seed=2))
 
@@ -77,7 +88,7 @@ def kv_serve(num_blocks: int, loop_name: str, port_queue: mp.Queue, stop: mp.Eve
             await asyncio.sleep(0.05)
         await connector.close()
 
-    run_loop(main(), loop_name)
+    run_loop(main(), "uvloop" if loop_name == "shm" else loop_name)
 
 
 def raw_serve(nbytes: int, port_queue: mp.Queue) -> None:
@@ -105,10 +116,15 @@ def raw_pull(conn: socket.socket, sink: memoryview) -> None:
 
 
 def kv_pull(port: int, loop_name: str, kv: TorchPagedKV, transfer_id: str, local: list[int],
-            checksum: ChecksumKind) -> float:
-    connector = TcpKVConnector(KVTransferConfig(checksum=checksum, release=ReleaseMode.NEVER))
+            checksum: ChecksumKind, connectors: dict[ChecksumKind, TcpKVConnector], shared: bool = False) -> float:
+    """One pull, timed from connect to DONE; one connector per checksum for the whole run, as a decode
+    worker keeps one (its shared-memory mappings stay open between pulls)."""
+    if checksum not in connectors:
+        connectors[checksum] = TcpKVConnector(KVTransferConfig(checksum=checksum, release=ReleaseMode.NEVER))
     remote = RemoteBlocks("127.0.0.1", port, transfer_id, len(local))
-    return run_loop(connector.pull(remote, kv, local), loop_name).elapsed_s
+    result = run_loop(connectors[checksum].pull(remote, kv, local), loop_name)
+    assert result.shared_memory == shared, "pulled by the wrong transport"
+    return result.elapsed_s
 
 
 def main() -> None:
@@ -121,7 +137,8 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     stop, procs, ports = ctx.Event(), [], {}
-    for name, target, extra in [("raw", raw_serve, (nbytes,)), *((n, kv_serve, (num_blocks, n)) for n in LOOPS)]:
+    servers = [("raw", raw_serve, (nbytes,)), *((n, kv_serve, (num_blocks, n)) for n in (*LOOPS, "shm"))]
+    for name, target, extra in servers:
         port_queue = ctx.Queue()
         procs.append(ctx.Process(target=target, args=(*extra, port_queue) + ((stop,) if target is kv_serve else ())))
         procs[-1].start()
@@ -132,7 +149,9 @@ def main() -> None:
     src_np, dst_np = src.numpy(), dst.numpy()
     raw_sink = memoryview(bytearray(nbytes))
     kv = make_cache(2 * num_blocks, seed=3)
+    kv_stacked = make_cache(2 * num_blocks, seed=3, stacked=True)   # the worker's own cache layout
     local = {pattern: block_ids(pattern, num_blocks, seed=4) for pattern in PATTERNS}
+    connectors: dict[ChecksumKind, TcpKVConnector] = {}
     raw_conn = socket.create_connection(("127.0.0.1", ports["raw"]), timeout=120)
 
     rows: dict[str, Callable[[], float]] = {
@@ -145,7 +164,12 @@ def main() -> None:
             kinds = list(ChecksumKind) if pattern == "scattered" else [ChecksumKind.NONE, ChecksumKind.CRC32C]
             for checksum in kinds:
                 rows[f"KV pull {loop_name:<7} {pattern:<10} {checksum.value}"] = (
-                    lambda l=loop_name, p=pattern, c=checksum: kv_pull(ports[l], l, kv, p, local[p], c))
+                    lambda l=loop_name, p=pattern, c=checksum: kv_pull(ports[l], l, kv, p, local[p], c, connectors))
+
+    for pattern in PATTERNS:
+        rows[f"KV pull shared memory {pattern:<10}"] = (
+            lambda p=pattern: kv_pull(ports["shm"], "uvloop", kv_stacked, p, local[p], ChecksumKind.NONE, connectors,
+                                      shared=True))
 
     times: dict[str, list[float]] = {name: [] for name in rows}
     try:

@@ -22,6 +22,7 @@ from backends.engine.errors import EngineRequestError
 from backends.engine.outputs import FinishReason, SequenceOutput
 from backends.engine.remote_kv import KVHold, RemoteAdmission, RemoteKVEngine
 from backends.engine.sampling_params import SamplingParams
+from backends.kv_transfer.base import SharedRegion
 
 __all__ = ["DisaggAsyncEngine", "DisaggLoadReport", "KVHold", "RemoteAdmission", "RemotePull"]
 log = logging.getLogger(__name__)
@@ -88,6 +89,10 @@ class DisaggAsyncEngine(AsyncEngine):
         engine = self._require_started()
         cache = engine.runner.kv_cache  # type: ignore[attr-defined]
         return list(zip(cache.k, cache.v))
+
+    def kv_region(self) -> SharedRegion | None:
+        """Where the cache lies in shared memory (EngineConfig.kv_shared_memory), if it does."""
+        return getattr(self._require_started().runner.kv_cache, "shared_region", None)  # type: ignore[attr-defined]
 
     # --- prefill legs: holds -----------------------------------------------------------------------
     def generate_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -116,8 +117,9 @@ class KVTransferConfig:
     connect_timeout_s: float = 5.0    # TCP connect to the peer
     idle_timeout_s: float = 10.0      # longest stretch with no bytes arriving (or leaving)
     total_timeout_s: float = 300.0    # one pull, connect to last byte
-    checksum: ChecksumKind = ChecksumKind.CRC32C  # what the client asks the server to compute
+    checksum: ChecksumKind = ChecksumKind.CRC32C  # what the client asks the server to compute (TCP only)
     release: ReleaseMode = ReleaseMode.AFTER_PULL  # what the client asks for
+    shared_memory: bool = True        # offer to copy from the server's cache directly when on one host
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +162,29 @@ def prefill_kv_transfer_params(engine_id: str, host: str, port: int, transfer_id
 
 
 @dataclass(frozen=True, slots=True)
+class SharedRegion:
+    """Where a cache lies in shared memory, as the server's BEGIN announces it."""
+    path: str          # the file
+    nonce: str         # 32 hex digits, also at the start of the file: proves the mapping is this cache
+    offset: int        # byte offset of the cache, laid out [num_layers, 2 (K, V), num_blocks, block bytes]
+    num_blocks: int    # blocks per layer in that cache (the server's count)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"path": self.path, "nonce": self.nonce, "offset": self.offset, "num_blocks": self.num_blocks}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> SharedRegion:
+        """Raises ValueError on a missing or mistyped field."""
+        if not isinstance(data, Mapping):
+            raise ValueError("shared-memory region is not an object")
+        path, nonce, offset, num_blocks = (data.get(k) for k in ("path", "nonce", "offset", "num_blocks"))
+        if not (isinstance(path, str) and isinstance(nonce, str) and re.fullmatch(r"[0-9a-f]{32}", nonce)
+                and type(offset) is int and offset >= 0 and type(num_blocks) is int and num_blocks > 0):
+            raise ValueError(f"bad shared-memory region {dict(data)!r}")
+        return cls(path, nonce, offset, num_blocks)
+
+
+@dataclass(frozen=True, slots=True)
 class PullResult:
     """What one successful pull moved."""
     transfer_id: str     # the remote hold
@@ -167,6 +192,7 @@ class PullResult:
     num_bytes: int       # payload bytes received (all layers, K and V)
     elapsed_s: float     # connect to last byte (and RELEASED, if the client released)
     released: bool       # whether the remote hold is gone now
+    shared_memory: bool = False  # copied from the server's shared-memory cache, not streamed over TCP
 
 
 class KVLayerReader(Protocol):
@@ -199,6 +225,11 @@ class KVBlockSource(Protocol):
 
     def release(self, transfer_id: str) -> bool:
         """Drop the hold; False if there was none."""
+        ...
+
+    def shared_region(self) -> SharedRegion | None:
+        """Where the cache lies in shared memory, laid out [layers, 2, blocks, block bytes]; None if
+        it does not (a reader over the blocks then only pins them while a client copies)."""
         ...
 
 

@@ -37,6 +37,8 @@ class FrameType(enum.IntEnum):
     RELEASE = 5   # client -> server: JSON {transfer_id}
     RELEASED = 6  # server -> client: JSON {transfer_id, released}
     ERROR = 7     # server -> client: JSON {code, message}
+    COPIED = 8    # client -> server: JSON {transfer_id, release}: copied from shared memory
+    STREAM = 9    # client -> server: JSON {transfer_id}: cannot map the shared memory, send LAYERs
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +57,13 @@ class PullRequest:
     release: ReleaseMode       # ON_SEND: server releases after the last layer
     start_block: int           # skip the hold's first blocks (the client has them cached)
     num_blocks: int            # blocks the client expects from start_block on
+    shared_memory: bool = False  # the client can copy from the server's shared-memory cache
 
     def to_wire(self) -> dict[str, Any]:
         return {"transfer_id": self.transfer_id, "layout": self.layout.to_wire(),
                 "checksum": self.checksum.value, "release": self.release.value,
-                "start_block": self.start_block, "num_blocks": self.num_blocks}
+                "start_block": self.start_block, "num_blocks": self.num_blocks,
+                "shared_memory": self.shared_memory}
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> PullRequest:
@@ -68,11 +72,14 @@ class PullRequest:
             req = cls(transfer_id=data["transfer_id"], layout=KVLayout.from_wire(data["layout"]),
                       checksum=ChecksumKind(data.get("checksum", "none")),
                       release=ReleaseMode(data.get("release", "after_pull")),
-                      start_block=data.get("start_block", 0), num_blocks=data["num_blocks"])
+                      start_block=data.get("start_block", 0), num_blocks=data["num_blocks"],
+                      shared_memory=data.get("shared_memory", False))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"bad PULL request: {exc!s}") from None
         if not isinstance(req.transfer_id, str) or not req.transfer_id:
             raise ValueError("bad PULL request: transfer_id must be a non-empty string")
+        if type(req.shared_memory) is not bool:
+            raise ValueError("bad PULL request: shared_memory must be a boolean")
         for name in ("start_block", "num_blocks"):
             value = getattr(req, name)
             if type(value) is not int or value < 0:

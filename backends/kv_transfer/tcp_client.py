@@ -11,11 +11,11 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 from backends.kv_transfer.base import (ChecksumKind, KVBlockSink, KVErrorCode, KVLayerWriter, KVLayout,
                                        KVTransferConfig, KVTransferError, PullResult, ReleaseMode,
-                                       RemoteBlocks)
+                                       RemoteBlocks, SharedRegion)
 from backends.kv_transfer.protocol import (HEADER_SIZE, FrameHeader, FrameType, PullRequest,
                                            decode_error, decode_header, decode_json_meta,
                                            decode_layer_meta, encode_json_frame, layer_checksum)
@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 class _Stage(enum.Enum):
     AWAIT_BEGIN = "waiting for BEGIN"
+    COPYING = "copying from shared memory"
+    AWAIT_DONE = "waiting for DONE"
     LAYERS = "receiving layers"
     AWAIT_RELEASED = "waiting for RELEASED"
     FINISHED = "finished"
@@ -34,15 +36,31 @@ class _Stage(enum.Enum):
 class _Outcome:
     num_bytes: int   # payload bytes received
     released: bool   # the remote hold is gone
+    shared: bool     # copied from the server's shared memory
+
+
+class SharedCopier(Protocol):
+    """The shared-memory path of one pull (shm.SharedPull)."""
+
+    def prepare(self, region: SharedRegion) -> bool:
+        """Map the region BEGIN names; False when it cannot be used here (then the pull streams)."""
+        ...
+
+    def copy(self, src_block_ids: list[int]) -> int:
+        """Copy the region's blocks into the pull's local blocks (in a worker thread); bytes copied."""
+        ...
 
 
 class _PullProtocol(asyncio.BufferedProtocol):
     """A state machine over frames; all placement happens inside `buffer_updated`."""
 
-    def __init__(self, request: PullRequest, writer: KVLayerWriter, config: KVTransferConfig) -> None:
+    def __init__(self, request: PullRequest, writer: KVLayerWriter, config: KVTransferConfig,
+                 shared: SharedCopier | None = None) -> None:
         self._request = request
         self._writer = writer
         self._config = config
+        self._shared = shared
+        self._copy_task: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
         self.done: asyncio.Future[_Outcome] = self._loop.create_future()
         self._transport: asyncio.Transport | None = None
@@ -138,6 +156,8 @@ class _PullProtocol(asyncio.BufferedProtocol):
         elif ftype is FrameType.DONE and self._stage is _Stage.LAYERS \
                 and self._next_layer == self._request.layout.num_layers:
             self._on_done(meta)
+        elif ftype is FrameType.DONE and self._stage is _Stage.AWAIT_DONE:
+            self._finish(released=meta.get("released") is True)
         elif ftype is FrameType.RELEASED and self._stage is _Stage.AWAIT_RELEASED:
             self._finish(released=meta.get("released") is True)
         else:
@@ -154,8 +174,47 @@ class _PullProtocol(asyncio.BufferedProtocol):
         if meta.get("num_blocks") != self._request.num_blocks:
             raise KVTransferError(KVErrorCode.PROTOCOL,
                                   f"BEGIN announces {meta.get('num_blocks')} blocks, asked for {self._request.num_blocks}")
+        if "shared_memory" in meta:
+            self._on_shared_begin(meta)
+            return
         self._stage = _Stage.LAYERS
         self._expect_header()
+
+    def _on_shared_begin(self, meta: dict[str, object]) -> None:
+        """Copy from the region BEGIN names (off the event loop), or ask for LAYER frames instead."""
+        assert self._transport is not None
+        try:
+            region = SharedRegion.from_wire(meta["shared_memory"])
+            src = meta.get("block_ids")
+            if not (isinstance(src, list) and len(src) == self._request.num_blocks
+                    and all(type(b) is int and 0 <= b < region.num_blocks for b in src)):
+                raise ValueError("block_ids do not match the request")
+        except ValueError as exc:
+            raise KVTransferError(KVErrorCode.PROTOCOL, f"shared-memory BEGIN: {exc}") from None
+        if self._shared is None or not self._request.shared_memory or not self._shared.prepare(region):
+            self._transport.write(encode_json_frame(FrameType.STREAM, {"transfer_id": self._request.transfer_id}))
+            self._stage = _Stage.AWAIT_BEGIN   # the server starts over with a plain BEGIN
+            self._expect_header()
+            return
+        self._stage = _Stage.COPYING
+        self._copy_task = self._loop.create_task(self._copy_shared(src))
+        self._expect_header()   # nothing should come now but an ERROR or the end of the connection
+
+    async def _copy_shared(self, src_block_ids: list[int]) -> None:
+        assert self._shared is not None and self._transport is not None
+        try:
+            self._num_bytes = await asyncio.to_thread(self._shared.copy, src_block_ids)
+        except Exception as exc:  # the sink or the mapping failed: fail this pull, keep the hold
+            log.exception("KV pull %s: copying from shared memory failed", self._request.transfer_id)
+            self._fail(KVTransferError(KVErrorCode.INTERNAL, f"shared-memory copy failed: {exc!r}"))
+            return
+        if self.done.done() or self._transport.is_closing():
+            return   # the connection broke while copying: the blocks may have been recycled
+        self._last_rx = self._loop.time()
+        release = self._request.release is not ReleaseMode.NEVER
+        self._transport.write(encode_json_frame(FrameType.COPIED, {"transfer_id": self._request.transfer_id,
+                                                                   "release": release}))
+        self._stage = _Stage.AWAIT_DONE
 
     def _on_layer_meta(self) -> None:
         assert self._header is not None
@@ -196,10 +255,16 @@ class _PullProtocol(asyncio.BufferedProtocol):
         else:
             self._finish(released=meta.get("released") is True)
 
+    async def settle(self) -> None:
+        """Wait for a shared-memory copy still writing into the sink (it cannot be interrupted), so
+        that no byte lands in the local blocks after the pull has returned or failed."""
+        if self._copy_task is not None and not self._copy_task.done():
+            await asyncio.wait([self._copy_task])
+
     def _finish(self, released: bool) -> None:
         self._stage = _Stage.FINISHED
         if not self.done.done():
-            self.done.set_result(_Outcome(self._num_bytes, released))
+            self.done.set_result(_Outcome(self._num_bytes, released, self._copy_task is not None))
         self._expect_header()
 
     def _fail(self, exc: KVTransferError) -> None:
@@ -225,30 +290,34 @@ class _PullProtocol(asyncio.BufferedProtocol):
 
 
 async def pull_blocks(remote: RemoteBlocks, sink: KVBlockSink, block_ids: Sequence[int],
-                      start_block: int, config: KVTransferConfig) -> PullResult:
-    """Pull the remote hold's blocks [start_block:] into local `block_ids`, layer by layer."""
+                      start_block: int, config: KVTransferConfig, shared: SharedCopier | None = None) -> PullResult:
+    """Pull the remote hold's blocks [start_block:] into local `block_ids`, layer by layer over TCP,
+    or through `shared` when given and the server's cache is in shared memory this process can map."""
     if remote.num_blocks is not None and remote.num_blocks - start_block != len(block_ids):
         raise KVTransferError(KVErrorCode.BAD_REQUEST, f"{len(block_ids)} local blocks for "
                                                        f"{remote.num_blocks - start_block} remote blocks")
     request = PullRequest(transfer_id=remote.transfer_id, layout=sink.layout(), checksum=config.checksum,
-                          release=config.release, start_block=start_block, num_blocks=len(block_ids))
+                          release=config.release, start_block=start_block, num_blocks=len(block_ids),
+                          shared_memory=shared is not None)
     started = time.perf_counter()
     writer = sink.writer(block_ids)
     try:
         async with asyncio.timeout(config.total_timeout_s):
             transport, protocol = await _connect(
-                remote, lambda: _PullProtocol(request, writer, config), config.connect_timeout_s)
+                remote, lambda: _PullProtocol(request, writer, config, shared), config.connect_timeout_s)
             try:
                 outcome = await protocol.done
             finally:
                 transport.close()
+                await protocol.settle()
     except TimeoutError:
         raise KVTransferError(KVErrorCode.TIMEOUT, f"pull of {remote.transfer_id!r} from {remote.host}:"
                                                    f"{remote.port} took over {config.total_timeout_s} s") from None
     finally:
         writer.close()
     return PullResult(transfer_id=remote.transfer_id, num_blocks=len(block_ids), num_bytes=outcome.num_bytes,
-                      elapsed_s=time.perf_counter() - started, released=outcome.released)
+                      elapsed_s=time.perf_counter() - started, released=outcome.released,
+                      shared_memory=outcome.shared)
 
 
 async def _connect(remote: RemoteBlocks, factory: Callable[[], _PullProtocol],

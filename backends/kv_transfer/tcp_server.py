@@ -12,7 +12,7 @@ import socket
 from collections.abc import Sequence
 
 from backends.kv_transfer.base import (KVBlockSource, KVErrorCode, KVTransferConfig,
-                                       KVTransferError, ReleaseMode)
+                                       KVTransferError, ReleaseMode, SharedRegion)
 from backends.kv_transfer.protocol import (HEADER_SIZE, FrameType, PullRequest, decode_header,
                                            decode_json_meta, encode_error, encode_json_frame,
                                            encode_layer_prefix, layer_checksum)
@@ -90,7 +90,7 @@ class TcpKVServer:
             async with asyncio.timeout(self._config.idle_timeout_s):
                 meta = decode_json_meta(header.frame_type, await reader.readexactly(header.meta_len))
             if header.frame_type is FrameType.PULL:
-                await self._serve_pull(writer, meta)
+                await self._serve_pull(reader, writer, meta)
             elif header.frame_type is FrameType.RELEASE:
                 await self._serve_release(writer, meta)
             else:
@@ -104,7 +104,8 @@ class TcpKVServer:
         writer.write(encode_json_frame(FrameType.RELEASED, {"transfer_id": transfer_id, "released": released}))
         await self._drain(writer)
 
-    async def _serve_pull(self, writer: asyncio.StreamWriter, meta: dict[str, object]) -> None:
+    async def _serve_pull(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                          meta: dict[str, object]) -> None:
         try:
             request = PullRequest.from_wire(meta)
             block_ids = self._admit(request)
@@ -113,7 +114,9 @@ class TcpKVServer:
         except KVTransferError as exc:
             error = exc
         else:
-            await self._send_blocks(writer, request, block_ids)
+            region = self._source.shared_region() if request.shared_memory else None
+            if region is None or not await self._offer_shared(reader, writer, request, block_ids, region):
+                await self._send_blocks(writer, request, block_ids)
             return
         # Refusals leave the connection usable for the next request.
         log.info("KV pull refused: %s", error)
@@ -136,12 +139,41 @@ class TcpKVServer:
                                   f"hold has {len(held)} blocks; the client asked for [{request.start_block}:{stop}]")
         return held[request.start_block:stop]
 
+    def _begin(self, request: PullRequest, num_blocks: int, **extra: object) -> bytes:
+        return encode_json_frame(FrameType.BEGIN, {
+            "transfer_id": request.transfer_id, "layout": self._source.layout().to_wire(),
+            "num_blocks": num_blocks, "checksum": request.checksum.value, **extra})
+
+    async def _offer_shared(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: PullRequest,
+                            block_ids: Sequence[int], region: SharedRegion) -> bool:
+        """BEGIN naming the shared-memory region and the blocks, which stay pinned until the client
+        says COPIED (then DONE; True) or STREAM (False: the caller sends LAYER frames)."""
+        pin = self._source.reader(block_ids, 2 * len(block_ids) + 2)   # enough pieces: never staged
+        try:
+            writer.write(self._begin(request, len(block_ids), shared_memory=region.to_wire(),
+                                     block_ids=list(block_ids)))
+            await self._drain(writer)
+            async with asyncio.timeout(self._config.idle_timeout_s):
+                header = decode_header(await reader.readexactly(HEADER_SIZE))
+                meta = decode_json_meta(header.frame_type, await reader.readexactly(header.meta_len))
+        finally:
+            pin.close()
+        if meta.get("transfer_id") != request.transfer_id:
+            raise KVTransferError(KVErrorCode.PROTOCOL, f"{header.frame_type.name} for another transfer")
+        if header.frame_type is FrameType.STREAM:
+            return False
+        if header.frame_type is not FrameType.COPIED:
+            raise KVTransferError(KVErrorCode.PROTOCOL, f"unexpected {header.frame_type.name} frame after a "
+                                                        "shared-memory BEGIN")
+        released = meta.get("release") is True and self._source.release(request.transfer_id)
+        writer.write(encode_json_frame(FrameType.DONE, {"transfer_id": request.transfer_id, "released": released}))
+        await self._drain(writer)
+        return True
+
     async def _send_blocks(self, writer: asyncio.StreamWriter, request: PullRequest,
                            block_ids: Sequence[int]) -> None:
         layout = self._source.layout()
-        writer.write(encode_json_frame(FrameType.BEGIN, {
-            "transfer_id": request.transfer_id, "layout": layout.to_wire(),
-            "num_blocks": len(block_ids), "checksum": request.checksum.value}))
+        writer.write(self._begin(request, len(block_ids)))
         payload_len = layout.layer_nbytes(len(block_ids))
         # uvloop's writelines is one writev of the caller's buffers; asyncio's joins them (a copy),
         # so there the source gathers each layer into K and V pieces itself.

@@ -12,7 +12,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from backends.kv_transfer.base import KVDtype, KVLayerReader, KVLayerWriter, KVLayout
+from backends.kv_transfer.base import KVDtype, KVLayerReader, KVLayerWriter, KVLayout, SharedRegion
 
 _DTYPES = {torch.float32: KVDtype.FLOAT32, torch.float16: KVDtype.FLOAT16,
            torch.bfloat16: KVDtype.BFLOAT16, torch.float8_e4m3fn: KVDtype.FLOAT8_E4M3FN,
@@ -66,7 +66,7 @@ class TorchPagedKV:
     """Per-layer (K, V) tensors of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
 
     def __init__(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 holds: BlockHolds | None = None) -> None:
+                 holds: BlockHolds | None = None, region: SharedRegion | None = None) -> None:
         k0 = layers[0][0]
         if k0.dtype not in _DTYPES:
             raise ValueError(f"unsupported KV dtype {k0.dtype}")
@@ -79,6 +79,7 @@ class TorchPagedKV:
         self.num_blocks = k0.shape[0]
         self.device = k0.device
         self.holds = holds if holds is not None else DictBlockHolds()
+        self.region = region   # where these tensors lie in shared memory, if they do
         self._layout = KVLayout(num_layers=len(layers), block_size=k0.shape[1], num_kv_heads=k0.shape[2],
                                 head_dim=k0.shape[3], dtype=_DTYPES[k0.dtype])
         self._free_staging: list[torch.Tensor] = []
@@ -93,6 +94,9 @@ class TorchPagedKV:
 
     def release(self, transfer_id: str) -> bool:
         return self.holds.release(transfer_id)
+
+    def shared_region(self) -> SharedRegion | None:
+        return self.region
 
     def reader(self, block_ids: Sequence[int], max_pieces: int) -> KVLayerReader:
         return _Transfer(self, self._checked(block_ids), max_pieces)

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="release held prefill KV that no decode worker pulled after this long")
     p.add_argument("--kv-idle-timeout-s", type=float, default=10.0,
                    help="a KV pull with no bytes moving this long fails")
+    p.add_argument("--no-kv-shared-memory", action="store_true",
+                   help="always move KV over TCP: by default a prefill/both worker on CPU keeps its KV cache in "
+                        "shared memory, and a decode worker on the same host copies held blocks from it")
     p.add_argument("--debug-endpoints", action="store_true", help="serve /debug/* (tests only)")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -74,6 +77,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         attention_backend=args.attention_backend,
         enable_prefix_caching=not args.no_prefix_caching,
         torch_num_threads=args.threads,
+        kv_shared_memory=(not args.no_kv_shared_memory and args.role != WorkerRole.DECODE.value
+                          and args.device == "cpu"),
     )
     server_config = ServerConfig(
         model_dir=model_dir,
@@ -86,6 +91,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         kv_hold_timeout_s=args.kv_hold_timeout_s,
         kv_idle_timeout_s=args.kv_idle_timeout_s,
         debug_endpoints=args.debug_endpoints,
+        kv_shared_memory=not args.no_kv_shared_memory,
     )
     return server_config, engine_config
 

@@ -25,6 +25,7 @@ class ServerConfig:
     kv_hold_timeout_s: float = 30.0        # held prefill blocks nobody pulls are released after this
     kv_idle_timeout_s: float = 10.0        # a pull (or a send) with no bytes moving this long fails
     debug_endpoints: bool = False          # GET /debug/kv_digest (tests only: exposes KV digests)
+    kv_shared_memory: bool = True          # same-host pulls copy from the peer's shared-memory cache
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

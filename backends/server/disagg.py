@@ -57,6 +57,8 @@ class DisaggEngine(Protocol):
 
     def kv_layers(self) -> list[Any]: ...
 
+    def kv_region(self) -> Any: ...
+
     async def abort(self, request_id: str) -> None: ...
 
 
@@ -68,7 +70,8 @@ class KVTransferState:
     address: tuple[str, int] | None         # advertised listener (host, port); None: decode role
     debug: bool                             # record digests of received blocks for /debug/kv_digest
     received: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)  # debug records
-    totals: dict[str, float] = field(default_factory=lambda: {"pulls": 0, "bytes": 0, "seconds": 0.0})
+    totals: dict[str, float] = field(default_factory=lambda: {"pulls": 0, "bytes": 0, "seconds": 0.0,
+                                                              "shared_memory_pulls": 0})
 
 
 KV_STATE_KEY = web.AppKey("kv_transfer", KVTransferState)
@@ -105,8 +108,9 @@ def kv_transfer_ctx(config: ServerConfig) -> Callable[[web.Application], AsyncIt
         from backends.kv_transfer.torch_cache import TorchPagedKV
         from backends.worker.kv_adapter import EngineKVSource
 
-        kv = TorchPagedKV(engine.kv_layers())
-        connector = TcpKVConnector(KVTransferConfig(idle_timeout_s=config.kv_idle_timeout_s))
+        kv = TorchPagedKV(engine.kv_layers(), region=engine.kv_region())
+        connector = TcpKVConnector(KVTransferConfig(idle_timeout_s=config.kv_idle_timeout_s,
+                                                    shared_memory=config.kv_shared_memory))
         address = None
         if config.role is not WorkerRole.DECODE:
             host, port = await connector.serve(EngineKVSource(kv, engine), config.kv_host, config.kv_port)
@@ -252,7 +256,8 @@ class _DecodeEngine:
             if local:
                 result = await state.connector.pull(remote, state.kv, local, start)
                 state.totals.update(pulls=state.totals["pulls"] + 1, bytes=state.totals["bytes"] + result.num_bytes,
-                                    seconds=state.totals["seconds"] + result.elapsed_s)
+                                    seconds=state.totals["seconds"] + result.elapsed_s,
+                                    shared_memory_pulls=state.totals["shared_memory_pulls"] + result.shared_memory)
             else:   # every prompt block was in our prefix cache: only the release is left
                 await state.connector.release(remote)
         except KVTransferError as exc:

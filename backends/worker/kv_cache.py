@@ -5,10 +5,15 @@ layer by layer. Owns only the tensors and block copies; which block belongs to w
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from backends.kv_transfer.shm import SharedKVFile, SharedRegion
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,17 +33,35 @@ class KVCacheSpec:
 
 
 class KVCache:
-    """K and V tensors for every layer, allocated once and zero-filled.
+    """K and V tensors for every layer, allocated once as one zero-filled buffer laid out
+    [num_layers, 2 (K, V), num_blocks, ...], so a KV transfer copies a run of blocks of every layer at once.
 
     Zero-filled, not empty: attention over padded block tables reads (and masks) stale slots, and a
     NaN bit pattern there would survive a zero attention weight (0 * NaN = NaN).
+    `shared`: on CPU, put the buffer in shared memory so that decode workers on this host can copy held
+    blocks straight out of it (backends/kv_transfer/shm.py); private memory when that fails.
     """
 
-    def __init__(self, spec: KVCacheSpec, device: torch.device | str) -> None:
+    def __init__(self, spec: KVCacheSpec, device: torch.device | str, shared: bool = False) -> None:
         self.spec = spec
-        shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.k: list[torch.Tensor] = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
-        self.v: list[torch.Tensor] = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        block_shape = (spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.shared: SharedKVFile | None = None
+        if shared and torch.device(device).type == "cpu":
+            try:
+                self.shared = SharedKVFile(spec.num_layers, spec.num_blocks, block_shape, spec.dtype)
+            except OSError as exc:
+                log.warning("KV cache not in shared memory (%s): same-host transfers go over TCP", exc)
+        if self.shared is not None:
+            stacked = self.shared.tensor
+        else:
+            stacked = torch.zeros((spec.num_layers, 2, spec.num_blocks, *block_shape), dtype=spec.dtype, device=device)
+        self.k: list[torch.Tensor] = [stacked[i, 0] for i in range(spec.num_layers)]
+        self.v: list[torch.Tensor] = [stacked[i, 1] for i in range(spec.num_layers)]
+
+    @property
+    def shared_region(self) -> SharedRegion | None:
+        """Where the cache lies in shared memory, if it does."""
+        return None if self.shared is None else self.shared.region
 
     @property
     def device(self) -> torch.device:

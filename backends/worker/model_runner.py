@@ -27,7 +27,7 @@ CUDA_KV_CACHE_FREE_FRACTION = 0.8
 class ModelRunner:
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: str, num_blocks: int | None,
                  block_size: int = 16, attention_backend: str | None = None,
-                 kv_cache_memory_gb: float | None = None) -> None:
+                 kv_cache_memory_gb: float | None = None, kv_shared_memory: bool = False) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = torch.device(device)
@@ -41,7 +41,7 @@ class ModelRunner:
             raise ValueError("the KV cache must hold at least one block")
         self.kv_cache = KVCache(KVCacheSpec(num_layers=len(self.model.layers), num_blocks=self.num_blocks,
                                             block_size=block_size, num_kv_heads=attn.num_kv_heads,
-                                            head_dim=attn.head_dim, dtype=dtype), self.device)
+                                            head_dim=attn.head_dim, dtype=dtype), self.device, kv_shared_memory)
         shape = AttentionShape(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                                block_size=block_size, scale=attn.head_dim ** -0.5, dtype=dtype)
         self.attention = create_backend(attention_backend, shape, self.device)

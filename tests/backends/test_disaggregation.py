@@ -3,7 +3,9 @@ gateway: outputs equal a unified worker's token for token, the KV arrives byte f
 workers, cut transfers and unclaimed holds leave clear errors or full answers and no held blocks.
 
 One module-scoped set of workers: P1 (prefill), P2 (both: the unified reference, also in the prefill
-pool), D1-D3 (decode). The failure tests kill workers, so they run last, in file order.
+pool), D1-D3 (decode). Prefill caches live in shared memory: D1 and D2 copy from them, D3 (started with
+--no-kv-shared-memory) pulls over TCP, so both transports are checked. The failure tests kill workers,
+so they run last, in file order.
 """
 from __future__ import annotations
 
@@ -39,7 +41,9 @@ CHATS = [[{"role": "user", "content": "Say hello to a friend in one sentence."}]
 class Cluster:
     def __init__(self, workdir: Path) -> None:
         roles = {"p1": "prefill", "p2": "both", "d1": "decode", "d2": "decode", "d3": "decode"}
-        self.workers = {name: WorkerProcess(["--role", role, *COMMON], log_dir=workdir, wait=False)
+        extra = {"d3": ["--no-kv-shared-memory"]}
+        self.workers = {name: WorkerProcess(["--role", role, *COMMON, *extra.get(name, [])], log_dir=workdir,
+                                            wait=False)
                         for name, role in roles.items()}
         for worker in self.workers.values():
             worker.wait_healthy()
@@ -165,6 +169,17 @@ async def test_direct_legs_equal_unified_and_kv_is_byte_identical(cluster: Clust
         assert dec["usage"]["completion_tokens"] == len(ref_ids)
         received = (await get(f"{cluster.url('d1')}/debug/kv_digest?transfer_id={kv['remote_request_id']}"))["received"]
         assert received["digests"] == held[received["start_block"]:]   # byte-identical blocks
+        # The same over TCP: D3 does not use shared memory.
+        status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}, chat)
+        kv = pre["kv_transfer_params"]
+        held = (await get(f"{cluster.url('p1')}/debug/kv_digest?transfer_id={kv['remote_request_id']}"))["held"]
+        status, dec = await post(cluster.url("d3"), {**body, "kv_transfer_params": {**kv, "response_id": pre["id"]}}, chat)
+        assert status == 200 and kv["first_token_ids"] + dec["choices"][0]["token_ids"] == ref_ids
+        received = (await get(f"{cluster.url('d3')}/debug/kv_digest?transfer_id={kv['remote_request_id']}"))["received"]
+        assert received["digests"] == held[received["start_block"]:]
+    totals = {name: (await get(f"{cluster.url(name)}/debug/kv_digest?transfer_id=-"))["totals"] for name in ("d1", "d3")}
+    assert totals["d1"]["pulls"] > 0 and totals["d1"]["shared_memory_pulls"] == totals["d1"]["pulls"], totals
+    assert totals["d3"]["pulls"] > 0 and totals["d3"]["shared_memory_pulls"] == 0, totals
     # The repeated prompts hit the decode worker's prefix cache: later pulls skip those blocks.
     await assert_drained(cluster, ["p1", "d1"])
 

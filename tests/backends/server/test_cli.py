@@ -38,6 +38,17 @@ def test_defaults(model_dir: Path) -> None:
     assert (engine.dtype, engine.device, engine.block_size, engine.num_blocks) == ("float32", "cpu", 16, None)
 
 
+@pytest.mark.parametrize("flags, engine_shm, server_shm", [
+    ([], True, True),                                         # both on CPU: cache in shared memory
+    (["--role", "decode"], False, True),                      # a decode worker copies from peers' caches
+    (["--no-kv-shared-memory"], False, False),
+    (["--device", "cuda"], False, True),                      # CUDA caches move over TCP
+])
+def test_kv_shared_memory_flags(model_dir: Path, flags: list[str], engine_shm: bool, server_shm: bool) -> None:
+    server, engine = build_configs(build_parser().parse_args(["--model", str(model_dir), "--port", "1", *flags]))
+    assert (engine.kv_shared_memory, server.kv_shared_memory) == (engine_shm, server_shm)
+
+
 @pytest.mark.parametrize("argv", [
     ["--port", "1", "--num-blocks", "10", "--kv-cache-memory-gb", "1"],   # one KV sizing flag at most
     ["--port", "1", "--role", "router"],
