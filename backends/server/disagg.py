@@ -153,7 +153,7 @@ async def prefill_leg(request: web.Request, kind: RequestKind, req: GenerateRequ
     one = dataclasses.replace(req, max_tokens=1, params=dataclasses.replace(
         req.params, min_tokens=min(req.params.min_tokens, 1)))
     params = resolve_max_tokens(one, len(prompt_ids), engine.max_model_len)
-    spec = SequenceSpec(request_id, prompt_ids, params, req.skip_special_tokens, arrival_s)
+    spec = SequenceSpec(request_id, prompt_ids, params, req.skip_special_tokens, arrival_s, continues_elsewhere=True)
     builder = ResponseBuilder(kind, request_id, req.model, tokenizer.backend, return_token_ids=req.return_token_ids)
     async with aclosing(generate_deltas(_PrefillEngine(engine), tokenizer.backend, spec, metrics)) as deltas:
         collected = [delta async for delta in deltas]
@@ -203,7 +203,8 @@ def decode_leg(app: web.Application, kind: RequestKind, req: GenerateRequest, pr
     params = resolve_max_tokens(req, len(prompt_ids), engine.max_model_len)
     if len(leg.first_token_ids) >= params.max_tokens:
         raise invalid_param("max_tokens", "max_tokens leaves nothing to decode after the first token.")
-    spec = SequenceSpec(request_id, prompt_ids + leg.first_token_ids, params, req.skip_special_tokens, arrival_s)
+    spec = SequenceSpec(request_id, prompt_ids + leg.first_token_ids, params, req.skip_special_tokens, arrival_s,
+                        num_prior_output_tokens=len(leg.first_token_ids))
     builder = ResponseBuilder(kind, leg.response_id or request_id, req.model, tokenizer.backend,
                               return_token_ids=req.return_token_ids,
                               num_prior_completion_tokens=len(leg.first_token_ids))

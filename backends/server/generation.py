@@ -61,6 +61,10 @@ class SequenceSpec:
     params: SamplingParams            # validated, max_tokens resolved
     skip_special_tokens: bool         # special tokens stay out of the text
     arrival_s: float                  # time.monotonic() when the request arrived (for TTFT)
+    num_prior_output_tokens: int = 0  # a decode leg: the prompt ends with this many output tokens another
+                                      # worker sampled and sent (stop strings may span them and ours)
+    continues_elsewhere: bool = False # a prefill leg: at a length finish, hold back text that may begin a
+                                      # stop string; the decode leg, seeded with the same tokens, sends it
 
 
 async def generate_deltas(
@@ -74,12 +78,7 @@ async def generate_deltas(
     Raises APIError (400) when the engine refuses the request; close the iterator with
     `contextlib.aclosing` so that an early exit aborts the sequence at once.
     """
-    detok = StopStringDetokenizer(
-        tokenizer,
-        spec.params.stop,
-        skip_special_tokens=spec.skip_special_tokens,
-        prompt_token_ids=spec.prompt_token_ids,
-    )
+    detok = _detokenizer(tokenizer, spec)
     outputs = _start(engine, spec)
     engine_finished = False   # the engine ended the sequence itself: nothing to abort
     last_s: float | None = None
@@ -92,7 +91,7 @@ async def generate_deltas(
                 timing.observe_next_token(now - last_s)
             last_s = now
             engine_finished = out.finish_reason is not None
-            delta = _to_delta(out, detok)
+            delta = _to_delta(out, detok, spec.continues_elsewhere)
             yield delta
             if delta.finish_reason is not None:
                 return
@@ -102,6 +101,21 @@ async def generate_deltas(
         await _close(outputs)
         if not engine_finished:
             await _abort(engine, spec.request_id)
+
+
+def _detokenizer(tokenizer: Tokenizer, spec: SequenceSpec) -> StopStringDetokenizer:
+    """A detokenizer in the state the output so far left it: for a decode leg, the prefill leg's
+    tokens are pushed and their safe text counted as sent (what the prefill leg answered)."""
+    k = spec.num_prior_output_tokens
+    context = spec.prompt_token_ids[:len(spec.prompt_token_ids) - k]
+    detok = StopStringDetokenizer(tokenizer, spec.params.stop, skip_special_tokens=spec.skip_special_tokens,
+                                  prompt_token_ids=context)
+    if k:
+        if _push_until_stop(detok, spec.prompt_token_ids[-k:]) and detok.stopped:
+            raise APIError("The first tokens already complete a stop string: there is nothing to decode.",
+                           param="kv_transfer_params", code="invalid_value")
+        detok.take()
+    return detok
 
 
 def _start(engine: GeneratingEngine, spec: SequenceSpec) -> AsyncIterator[SequenceOutput]:
@@ -126,7 +140,7 @@ async def _close(outputs: AsyncIterator[SequenceOutput]) -> None:
         await aclose()
 
 
-def _to_delta(out: SequenceOutput, detok: StopStringDetokenizer) -> GenerationDelta:
+def _to_delta(out: SequenceOutput, detok: StopStringDetokenizer, continues: bool) -> GenerationDelta:
     if out.error is not None:
         raise APIError(f"The engine failed the sequence: {out.error}",
                        status=HTTPStatus.INTERNAL_SERVER_ERROR, error_type=ErrorType.SERVER)
@@ -135,7 +149,8 @@ def _to_delta(out: SequenceOutput, detok: StopStringDetokenizer) -> GenerationDe
                        status=HTTPStatus.SERVICE_UNAVAILABLE, error_type=ErrorType.UNAVAILABLE)
     num_kept = _push_until_stop(detok, out.new_token_ids)
     finish = FinishReason.STOP if detok.stopped else out.finish_reason
-    text = detok.take() if finish is None else detok.finish()
+    held_back = finish is None or (continues and finish is FinishReason.LENGTH)
+    text = detok.take() if held_back else detok.finish()
     logprobs = out.logprobs[:num_kept] if out.logprobs is not None else None
     return GenerationDelta(
         text=text,

@@ -135,7 +135,9 @@ class SwitchyardPdProvider:
                        decision: Decision) -> PrefillResult | LegOutcome:
         routed = job.routed
         body = {k: v for k, v in routed.body.items() if k not in ("max_completion_tokens", "stream_options")}
-        body.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        body.update(max_tokens=1, stream=False)
+        if _max_tokens(routed.body) != 1:   # else the one token is the answer: nothing to hold
+            body["kv_transfer_params"] = {"do_remote_decode": True}
         if self.config.upstream_model is not None:
             body["model"] = self.config.upstream_model
         legs.parts.metrics.on_decision(routed.facts.model, decision.reason.value)

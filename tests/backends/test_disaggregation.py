@@ -211,6 +211,36 @@ async def test_gateway_equals_unified_alone_and_concurrent(cluster: Cluster, ref
 
 # --- refusals and cut transfers -------------------------------------------------------------------
 
+async def test_stop_strings_across_the_leg_boundary(cluster: Cluster) -> None:
+    """A stop string that begins in the prefill's token and ends in the decode leg's stops the answer
+    where a unified worker stops it; text held back as a possible stop start is not lost."""
+    base = {"model": "smollm2", "prompt": PROMPTS[0], "temperature": 0.0}
+    _, one = await post(cluster.url("p2"), {**base, "max_tokens": 1})
+    _, full = await post(cluster.url("p2"), {**base, "max_tokens": 10})
+    first, whole = text_of(one["choices"][0]), text_of(full["choices"][0])
+    rest = whole[len(first):]
+    assert whole.startswith(first) and len(first) >= 2 and len(rest) >= 2, (first, whole)
+    spanning = first[-2:] + rest[:2]
+    never = first[-1:] + "\x00never"
+    assert 0 <= whole.find(spanning) < len(first)   # it really crosses the boundary
+    for stop, finish in ((spanning, "stop"), (never, "length")):
+        body = {**base, "max_tokens": 10, "stop": [stop]}
+        status, ref = await post(cluster.url("p2"), body)
+        assert status == 200 and ref["choices"][0]["finish_reason"] == finish
+        ref_text = text_of(ref["choices"][0])
+        status, got = await post(cluster.gateway.url, body)
+        assert status == 200 and text_of(got["choices"][0]) == ref_text, (stop, got)
+        assert got["choices"][0]["finish_reason"] == finish
+        events = await stream(cluster.gateway.url, body)
+        choices = [e["choices"][0] for e in events if e.get("choices")]
+        assert "".join(text_of(c) for c in choices) == ref_text
+        assert choices[-1]["finish_reason"] == finish
+    # max_tokens 1: the prefill worker's answer is the whole answer, with nothing held back or held
+    status, got = await post(cluster.gateway.url, {**base, "max_tokens": 1, "stop": [never]})
+    assert status == 200 and text_of(got["choices"][0]) == first
+    await assert_drained(cluster, ["p1", "p2"])
+
+
 async def test_bad_decode_legs_are_clear_errors_without_leaks(cluster: Cluster, references) -> None:
     body, chat, _, _ = references[1]
     status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})

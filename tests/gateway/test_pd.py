@@ -156,6 +156,7 @@ async def test_completions_stream_and_non_streaming_join_with_merged_usage(pd: P
 async def test_no_decode_leg_when_the_prefill_finished(pd: Pd, fake: dict[str, Any] | None) -> None:
     body = {**BODY, "fake": fake} if fake else {**BODY, "max_tokens": 1}
     decode_hits = pd.decode[0].stats()["num_requests"]
+    held = pd.prefill[0].stats()["held"]
     status, answer = await post(pd.gateway.url, body)
     assert status == 200 and answer["choices"][0]["message"]["content"] == "first "
     assert "kv_transfer_params" not in answer
@@ -163,6 +164,9 @@ async def test_no_decode_leg_when_the_prefill_finished(pd: Pd, fake: dict[str, A
     assert stream_text(events) == "first " and events[-1][1] == b"[DONE]"
     assert orjson.loads(events[-2][1])["usage"]["completion_tokens"] == 1
     assert pd.decode[0].stats()["num_requests"] == decode_hits
+    if not fake:   # max_tokens 1: a plain one-token request, nothing held for a decode leg that never comes
+        assert "kv_transfer_params" not in pd.prefill[0].stats()["last_body"]
+        assert pd.prefill[0].stats()["held"] == held
 
 
 async def test_kv_transfer_failed_redoes_the_request_with_a_new_prefill(pd: Pd) -> None:

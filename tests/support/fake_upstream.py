@@ -164,9 +164,11 @@ async def _pd_leg(request: web.Request, state: FakeState, body: dict[str, Any]) 
 
 async def _pd_prefill(request: web.Request, state: FakeState, body: dict[str, Any],
                       behaviour: dict[str, Any]) -> web.StreamResponse:
-    """Checks the leg is a prefill leg; answers the first token and holds a transfer id."""
+    """Checks the leg is a prefill leg (or a plain one-token request); answers the first token and, for
+    a leg, holds a transfer id."""
+    leg = body.get("kv_transfer_params") == {"do_remote_decode": True}
     if body.get("max_tokens") != 1 or body.get("stream") or "max_completion_tokens" in body or \
-            "stream_options" in body or body.get("kv_transfer_params") != {"do_remote_decode": True}:
+            "stream_options" in body or not (leg or "kv_transfer_params" not in body):
         return _error(400, f"fake prefill: not a prefill leg: {body}", "bad_prefill_leg")
     chat = request.path.endswith("chat/completions")
     finish = behaviour.get("finish", "length")
@@ -180,7 +182,7 @@ async def _pd_prefill(request: web.Request, state: FakeState, body: dict[str, An
                      **({"message": message} if chat else {"text": message["content"]})}],
         "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8,
                   "prompt_tokens_details": {"cached_tokens": 3}}}
-    if finish != "stop":
+    if leg and finish != "stop":
         state.held.add(transfer_id)
         payload["kv_transfer_params"] = {
             "do_remote_prefill": True, "remote_engine_id": state.name, "remote_host": "127.0.0.1",
