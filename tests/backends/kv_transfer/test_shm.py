@@ -65,9 +65,9 @@ def test_kv_cache_layers_are_one_stacked_buffer() -> None:
     cache = KVCache(KVCacheSpec(NUM_LAYERS, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float16), "cpu", shared=True)
     assert cache.shared_region is not None
     stacked = stacked_bytes(list(zip(cache.k, cache.v)))
-    assert stacked is not None and stacked.shape == (NUM_LAYERS, 2, 8, BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2)
+    assert stacked is not None and tuple(stacked.shape) == (NUM_LAYERS, 2, 8, BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2)
     cache.v[1][3].fill_(1.0)
-    assert (stacked[1, 1, 3].view("<f2") == 1.0).all() and not stacked[1, 0].any()
+    assert (stacked[1, 1, 3].view(torch.float16) == 1.0).all() and not stacked[1, 0].any()
     assert stacked_bytes([(cache.v[0], cache.k[0])]) is None   # not in [layer, K/V] order
 
 
@@ -78,8 +78,11 @@ def test_joint_runs() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked-sink", "per-layer-sink"])
-@pytest.mark.parametrize("src_ids, dst_ids", [(SRC_IDS, DST_IDS), (list(range(10, 16)), list(range(40, 46)))],
-                         ids=["scattered", "contiguous"])
+@pytest.mark.parametrize("src_ids, dst_ids", [
+    (SRC_IDS, DST_IDS),                                   # a few runs: one copy per run
+    (list(range(10, 16)), list(range(40, 46))),           # one run
+    (list(range(63, 23, -1)), list(range(0, 40))),        # 40 runs of one block
+], ids=["scattered", "contiguous", "many-runs"])
 async def test_same_host_pull_copies_through_shared_memory(dtype: torch.dtype, stacked: bool, src_ids: list[int],
                                                            dst_ids: list[int]) -> None:
     src, shared = shared_source(dtype=dtype)
