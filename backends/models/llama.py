@@ -82,8 +82,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        on_cpu = self.embed_tokens.weight.device.type == "cpu"  # built under the runner's torch.device
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size, keep_transposed=on_cpu)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
         # A plain attribute, not a buffer: `.to(bfloat16)` must not round it. Built on the construction device.

@@ -174,3 +174,21 @@ def test_empty_batch_and_no_logits(smollm2) -> None:
     assert runner.execute(ForwardBatch(())).shape == (0, runner.vocab_size)
     out = runner.execute(ForwardBatch((SeqChunk((1, 2, 3), 0, (0,), want_logits=False),)))
     assert out.shape == (0, runner.vocab_size)
+
+
+def test_smollm2_logits_do_not_depend_on_the_batch(smollm2) -> None:
+    """On CPU in float32 a sequence's logits are bit-identical alone, beside other decodes, and beside
+    a prefill chunk (packed oneDNN matmuls compute each row the same way whatever the row count)."""
+    runner, _ = smollm2
+    rng = random.Random(5)
+    free = list(range(runner.num_blocks))
+    seqs = [prompt(runner, n, 50 + i) for i, n in enumerate((21, 30, 12, 40))]
+    tables = [shuffled_table(rng, free, -(-n // runner.block_size)) for n in (21, 30, 12, 40)]
+    runner.execute(ForwardBatch(tuple(SeqChunk(tuple(s[:-1]), 0, t, want_logits=False)
+                                      for s, t in zip(seqs[:3], tables[:3]))))
+    steps = [SeqChunk((s[-1],), len(s) - 1, t) for s, t in zip(seqs[:3], tables[:3])]
+    alone = runner.execute(ForwardBatch((steps[0],)))   # rewriting the same slot with the same K/V each time
+    beside_decodes = runner.execute(ForwardBatch((steps[1], steps[0], steps[2])))
+    beside_prefill = runner.execute(ForwardBatch((SeqChunk(tuple(seqs[3]), 0, tables[3]), steps[0])))
+    assert torch.equal(alone[0], beside_decodes[1])
+    assert torch.equal(alone[0], beside_prefill[1])
