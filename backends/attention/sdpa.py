@@ -1,8 +1,8 @@
 """Torch SDPA over the paged cache: the CPU path and the reference every other backend is tested against.
 
-Chunks are split into two groups, decodes (one new token) and prefills; each group gathers its
-sequences' blocks into one padded [n, kv_heads, L, head_dim] tensor and runs one SDPA call with an
-additive mask, so the per-layer Python work does not grow with the number of sequences.
+Chunks are split into groups, decodes (one new token) of similar lengths and prefills; each group
+gathers its sequences' blocks into one padded [n, kv_heads, L, head_dim] tensor and runs one SDPA call
+with an additive mask, so the per-layer Python work does not grow with the number of sequences.
 """
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from backends.attention.base import AttentionBackend, AttentionBackendName, StepLayout
+
+
+_MAX_PADDING = 1.5       # a decode group's padded blocks may be this many times its real blocks ...
+_MIN_WASTE_BLOCKS = 16   # ... or exceed them by this many (a separate SDPA call costs more than that)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +51,29 @@ class SDPABackend(AttentionBackend):
             total += q_len
         decodes = [i for i, q in enumerate(layout.query_lens) if q == 1]
         prefills = [i for i, q in enumerate(layout.query_lens) if q > 1]
-        groups = tuple(self._group(layout, members, starts) for members in (decodes, prefills) if members)
+        buckets = [*self._length_buckets(layout, decodes), prefills] if decodes else [prefills]
+        groups = tuple(self._group(layout, members, starts) for members in buckets if members)
         only = groups[0]
         identity = len(groups) == 1 and only.real_rows is None and (
             len(layout.query_lens) == 1 or only.max_query_len == 1)
         return SDPAMetadata(groups=groups, num_tokens=total, identity=identity)
+
+    def _length_buckets(self, layout: StepLayout, decodes: list[int]) -> list[list[int]]:
+        """Decodes split by context length so that padding every one to its group's longest gathers and
+        attends at most about half again the real keys: a 2,000-token sequence among short ones must
+        not make each of them gather 2,000 tokens of K/V per layer."""
+        bs = self.shape.block_size
+        blocks = {i: -(-(layout.context_lens[i] + 1) // bs) for i in decodes}
+        buckets: list[list[int]] = []
+        real = 0
+        for i in sorted(decodes, key=blocks.__getitem__):
+            padded = (len(buckets[-1]) + 1) * blocks[i] if buckets else 0
+            if not buckets or (padded > _MAX_PADDING * (real + blocks[i]) and padded - real - blocks[i] > _MIN_WASTE_BLOCKS):
+                buckets.append([])
+                real = 0
+            buckets[-1].append(i)
+            real += blocks[i]
+        return [sorted(bucket) for bucket in buckets]   # step order within a group (see `identity`)
 
     def _group(self, layout: StepLayout, members: Sequence[int], starts: Sequence[int]) -> PaddedGroup:
         bs, dev = self.shape.block_size, layout.device

@@ -11,8 +11,9 @@ from torch import nn
 # (`torch.ops.mkldnn._reorder_linear_weight`), which replaces the plain copy. Measured on the 2-core
 # EPYC, the 30 layers of SmolLM2 (425 MB): at 2-8 rows (decode batches) 1.5-2.6x faster than MKL's sgemm
 # in any layout, at 1 row 20% faster on 2 threads and 15% slower on 1; the LM head at 2-32 rows 2-3x.
-# And each row's result is bit-identical whatever the number of rows (MKL's is not), so a sequence's
-# logits do not depend on what else is in its batch. Elsewhere (CUDA, half precision): plain layouts.
+# And each row's result is bit-identical whatever the number of rows (MKL's is not), so the matmuls
+# do not make a sequence's logits depend on what else is in its batch. Elsewhere (CUDA, half precision):
+# plain layouts.
 _PACK_ROWS_HINT = 32   # the batch size oneDNN is told to pack for (4 and 32 measured alike at 1-8 rows)
 
 

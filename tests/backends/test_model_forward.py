@@ -177,8 +177,10 @@ def test_empty_batch_and_no_logits(smollm2) -> None:
 
 
 def test_smollm2_logits_do_not_depend_on_the_batch(smollm2) -> None:
-    """On CPU in float32 a sequence's logits are bit-identical alone, beside other decodes, and beside
-    a prefill chunk (packed oneDNN matmuls compute each row the same way whatever the row count)."""
+    """On CPU in float32 a sequence's logits are bit-identical alone, beside decodes that pad to the
+    same number of blocks, and beside a prefill chunk: the packed oneDNN matmuls compute each row the
+    same way whatever the row count (MKL's sgemm does not). Attention pads a group to its longest
+    sequence, and a different padding may change the last bits."""
     runner, _ = smollm2
     rng = random.Random(5)
     free = list(range(runner.num_blocks))
@@ -192,3 +194,21 @@ def test_smollm2_logits_do_not_depend_on_the_batch(smollm2) -> None:
     beside_prefill = runner.execute(ForwardBatch((SeqChunk(tuple(seqs[3]), 0, tables[3]), steps[0])))
     assert torch.equal(alone[0], beside_decodes[1])
     assert torch.equal(alone[0], beside_prefill[1])
+
+
+def test_smollm2_decodes_of_very_different_lengths(smollm2) -> None:
+    """A 600-token decode beside short ones (attended in separate length groups): each row matches the
+    sequence's logits alone and transformers' reference."""
+    runner, reference = smollm2
+    rng = random.Random(6)
+    free = list(range(runner.num_blocks))
+    lengths = (9, 600, 14, 20)
+    seqs = [prompt(runner, n, 60 + i) for i, n in enumerate(lengths)]
+    tables = [shuffled_table(rng, free, -(-n // runner.block_size)) for n in lengths]
+    for s, t in zip(seqs, tables):
+        runner.execute(ForwardBatch((SeqChunk(tuple(s[:-1]), 0, t, want_logits=False),)))
+    steps = [SeqChunk((s[-1],), len(s) - 1, t) for s, t in zip(seqs, tables)]
+    together = runner.execute(ForwardBatch(tuple(steps)))
+    for row, (step, seq) in enumerate(zip(steps, seqs)):
+        assert rel_err(together[row], runner.execute(ForwardBatch((step,)))[0]) < TOLERANCE, row
+        assert rel_err(together[row], reference_logits(reference, seq)[-1]) < TOLERANCE, row
