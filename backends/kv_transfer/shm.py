@@ -11,7 +11,9 @@ import logging
 import math
 import mmap
 import os
+import re
 import secrets
+import stat
 import weakref
 from collections.abc import Sequence
 
@@ -23,6 +25,7 @@ log = logging.getLogger(__name__)
 
 REGION_MAGIC = b"SYKVSHM1"
 HEADER_BYTES = 4096                 # the magic and nonce, then the cache, page-aligned
+_PROC_FD = re.compile(r"/proc/\d+/fd/\d+")   # the only paths a client opens
 
 
 class SharedKVFile:
@@ -119,15 +122,24 @@ class SharedMappings:
 
 
 def _map_region(region: SharedRegion, layout: KVLayout) -> tuple[mmap.mmap, torch.Tensor] | None:
+    """Map a region a server named, trusting nothing in the name: only another process's descriptor
+    of a regular file, opened without blocking, that starts with the magic and the nonce."""
     need = region.offset + 2 * layout.num_layers * region.num_blocks * layout.block_nbytes
+    if _PROC_FD.fullmatch(region.path) is None:
+        log.warning("shared KV region %r is not a /proc/<pid>/fd/<n> path; pulling over TCP", region.path)
+        return None
     try:
-        with open(region.path, "rb") as f:
-            if os.fstat(f.fileno()).st_size < need:
-                log.info("shared KV region %s is smaller than announced", region.path)
+        fd = os.open(region.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size < need:
+                log.info("shared KV region %s is not a file of the announced size", region.path)
                 return None
             # Private (copy-on-write): reads see the server's memory, a stray write could only change
             # our own copy of a page. Writable, so torch can wrap it without a warning.
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
     except OSError as exc:
         log.info("shared KV region %s not usable here (%s); pulling over TCP", region.path, exc)
         return None

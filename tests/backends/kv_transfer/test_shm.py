@@ -145,6 +145,29 @@ async def test_client_that_cannot_map_the_region_gets_the_tcp_stream() -> None:
         shared.close()
 
 
+@pytest.mark.parametrize("path", ["/etc/passwd", "/proc/self/fd/0/../../environ", "relative/path"])
+async def test_paths_other_than_a_process_descriptor_are_never_opened(path: str, monkeypatch: pytest.MonkeyPatch
+                                                                      ) -> None:
+    src, shared = shared_source()
+    src.region = SharedRegion(path, shared.region.nonce, shared.region.offset, 64)
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k))
+    dst = make_kv(64, seed=2)
+    server = TcpKVConnector()
+    _, port = await server.serve(src, "127.0.0.1", 0)
+    client = TcpKVConnector()
+    try:
+        src.holds.hold("t", SRC_IDS)
+        result = await client.pull(remote(port, "t", len(SRC_IDS)), dst, DST_IDS)
+        assert not result.shared_memory and path not in opened
+        assert_blocks_equal(src, SRC_IDS, dst, DST_IDS)
+    finally:
+        await client.close()
+        await server.close()
+        shared.close()
+
+
 async def test_a_region_of_another_cache_is_not_copied_from() -> None:
     """A path that exists but holds another cache (nonce differs) is never read: TCP instead."""
     src, shared = shared_source()
