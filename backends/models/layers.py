@@ -10,7 +10,8 @@ from torch import nn
 # On CPU in float32 every matrix multiply goes through oneDNN with the weight packed once at load
 # (`torch.ops.mkldnn._reorder_linear_weight`), which replaces the plain copy. Measured on the 2-core
 # EPYC, the 30 layers of SmolLM2 (425 MB): at 2-8 rows (decode batches) 1.5-2.6x faster than MKL's sgemm
-# in any layout, at 1 row 20% faster on 2 threads and 15% slower on 1; the LM head at 2-32 rows 2-3x.
+# in any layout, the LM head at 2-32 rows 2-3x; a whole one-sequence decode step is as fast on 2 threads
+# and ~1.35x slower on 1 (docs/benchmarks.md, "oneDNN-packed matmuls").
 # And each row's result is bit-identical whatever the number of rows (MKL's is not), so the matmuls
 # do not make a sequence's logits depend on what else is in its batch. Elsewhere (CUDA, half precision):
 # plain layouts.
