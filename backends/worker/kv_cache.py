@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.kv_transfer.shm import SharedKVFile, SharedRegion
+from backends.kv_transfer.base import SharedRegion
+from backends.kv_transfer.shm import SharedKVFile
 
 log = logging.getLogger(__name__)
 
