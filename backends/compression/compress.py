@@ -18,9 +18,9 @@ from safetensors import safe_open
 from backends.compression import codebook
 from backends.compression.container import Entry, numpy_entry, torch_entry, write_safetensors
 from backends.compression.layout import (
-    FORMAT_KEY, FORMAT_VERSION, LANE_SIZE, NUM_CHECKS, TENSORS_KEY, CompressedRecord, FloatKind, Part,
-    PlainRecord, Record, book_checksum, chunk_bounds, codes_checksum, lane_offsets, part_name, raw_checksum,
-    records_to_json, split_symbols,
+    DATA_CHECKSUMS, FORMAT_KEY, FORMAT_VERSION, LANE_SIZE, NUM_CHECKS, TENSORS_KEY, Checksum, CompressedRecord,
+    FloatKind, Part, PlainRecord, Record, book_checksum, chunk_bounds, lane_offsets, part_name, records_to_json,
+    split_symbols,
 )
 
 
@@ -91,8 +91,9 @@ def choose_book(counts: np.ndarray, shared: list[SharedBook]) -> SharedBook:
     return best
 
 
-def compress_tensors(items: list[tuple[torch.Tensor, FloatKind]],
-                     shared: list[SharedBook]) -> list[tuple[CompressedRecord, dict[Part, np.ndarray]]]:
+def compress_tensors(items: list[tuple[torch.Tensor, FloatKind]], shared: list[SharedBook],
+                     checksum: Checksum = DATA_CHECKSUMS[FORMAT_VERSION],
+                     ) -> list[tuple[CompressedRecord, dict[Part, np.ndarray]]]:
     """Split each tensor into symbols + raw bytes, pick its dictionary (see choose_book), encode all of
     them in one lockstep pass, and checksum each chunk."""
     prepared = []
@@ -108,25 +109,27 @@ def compress_tensors(items: list[tuple[torch.Tensor, FloatKind]],
         )
         prepared.append((record, raw, rank_of[symbols], chosen.book))
     encoded = codebook.encode_many([(ranks, book) for _, _, ranks, book in prepared], LANE_SIZE)
-    return [_with_checks(record, raw, codes, lanes)
+    return [_with_checks(record, raw, codes, lanes, checksum)
             for (record, raw, _, _), (codes, lanes) in zip(prepared, encoded)]
 
 
-def _with_checks(record: CompressedRecord, raw: np.ndarray, codes: np.ndarray,
-                 lanes: np.ndarray) -> tuple[CompressedRecord, dict[Part, np.ndarray]]:
+def _with_checks(record: CompressedRecord, raw: np.ndarray, codes: np.ndarray, lanes: np.ndarray,
+                 checksum: Checksum) -> tuple[CompressedRecord, dict[Part, np.ndarray]]:
     record = replace(record, num_codes=int(codes.size))
     code_bytes = codes.astype("<u2").view(np.uint8)
     offsets = lane_offsets(lanes)
     checks = np.zeros((record.num_chunks, NUM_CHECKS), np.uint32)
     for chunk in range(record.num_chunks):
         lo, hi, c0, c1 = chunk_bounds(record, offsets, chunk)
-        checks[chunk] = (codes_checksum(code_bytes[2 * c0:2 * c1]), raw_checksum(raw[lo:hi]))
+        checks[chunk] = (checksum(code_bytes[2 * c0:2 * c1]), checksum(raw[lo:hi]))
     return record, {Part.CHECKS: checks, Part.LANES: lanes, Part.CODES: code_bytes, Part.RAW: raw}
 
 
 def compress_file(src: Path, dst: Path, cast: CastDtype | None,
-                  on_tensor: Callable[[TensorStats], None] | None = None) -> list[TensorStats]:
-    """Compress one safetensors file into a safetensors file with FORMAT_KEY in its metadata.
+                  on_tensor: Callable[[TensorStats], None] | None = None,
+                  version: str = FORMAT_VERSION) -> list[TensorStats]:
+    """Compress one safetensors file into a safetensors file with FORMAT_KEY in its metadata (`version`:
+    an older readable format, for compatibility tests only).
 
     Parts are ordered by alignment (uint32 checks, then uint16 lanes and codes, then plain tensors,
     then raw bytes) so the reader's views are aligned.
@@ -139,11 +142,12 @@ def compress_file(src: Path, dst: Path, cast: CastDtype | None,
     stats: list[TensorStats] = []
     pending: list[tuple[str, torch.Tensor, FloatKind]] = []
     shared: list[SharedBook] = []
+    checksum = DATA_CHECKSUMS[version]
 
     def flush() -> None:
         if not pending:
             return
-        results = compress_tensors([(tensor, kind) for _, tensor, kind in pending], shared)
+        results = compress_tensors([(tensor, kind) for _, tensor, kind in pending], shared, checksum)
         for (name, tensor, _), (record, parts) in zip(pending, results):
             records[name] = record
             aligned4.append(numpy_entry(part_name(name, Part.CHECKS), parts[Part.CHECKS]))
@@ -167,7 +171,7 @@ def compress_file(src: Path, dst: Path, cast: CastDtype | None,
             kind = compressible_kind(tensor)
             if kind is None:
                 entry = torch_entry(name, tensor)
-                records[name] = PlainRecord(checksum=raw_checksum(entry.data))
+                records[name] = PlainRecord(checksum=checksum(entry.data))
                 plain.append(entry)
                 report(TensorStats(name, entry.data.nbytes, entry.data.nbytes, compressed=False))
                 continue
@@ -175,7 +179,7 @@ def compress_file(src: Path, dst: Path, cast: CastDtype | None,
             if sum(t.numel() for _, t, _ in pending) >= _BATCH_SYMBOLS:
                 flush()
         flush()
-    metadata = {FORMAT_KEY: FORMAT_VERSION, TENSORS_KEY: records_to_json(records)}
+    metadata = {FORMAT_KEY: version, TENSORS_KEY: records_to_json(records)}
     write_safetensors(dst, aligned4 + aligned2 + plain + raw_parts, metadata)
     return stats
 

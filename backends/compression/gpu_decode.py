@@ -12,11 +12,10 @@ import numpy as np
 import torch
 
 from backends.compression.container import map_file
-from backends.compression.cpu_decode import DecodeTables, book_key, load_plain, prepare_job, read_records, rebuild_tables
-from backends.compression.layout import (
-    MAX_WORD_SYMBOLS, CompressedRecord, CorruptWeightsError, FloatKind, PlainRecord, chunk_bounds,
-    codes_checksum, raw_checksum,
+from backends.compression.cpu_decode import (
+    DecodeJob, DecodeTables, book_key, load_plain, prepare_job, read_records, rebuild_tables,
 )
+from backends.compression.layout import MAX_WORD_SYMBOLS, CorruptWeightsError, FloatKind, PlainRecord, chunk_bounds
 
 try:  # Triton is only present on CUDA installs; the CPU path never needs it
     import triton
@@ -109,7 +108,7 @@ def load_compressed_gpu(path: Path | str, device: torch.device | str) -> dict[st
         tables, payload, lengths = books[key]
         # checks the parts' sizes; the host output is never written (the device decodes)
         job, _ = prepare_job(mapped, name, record, tables, out=torch.empty(0, dtype=torch.int16))
-        _verify_chunks(job.where, record, job.offsets, job.codes, job.raw, job.checks)
+        _verify_chunks(job)
         result[name] = GpuCompressedTensor(
             kind=record.kind, shape=record.shape, lane_size=record.lane_size,
             codes=torch.from_numpy(job.codes.view(np.int16).copy()).to(device),
@@ -120,11 +119,10 @@ def load_compressed_gpu(path: Path | str, device: torch.device | str) -> dict[st
     return result
 
 
-def _verify_chunks(where: str, record: CompressedRecord, offsets: np.ndarray, codes: np.ndarray,
-                   raw: np.ndarray, checks: np.ndarray) -> None:
-    for chunk in range(record.num_chunks):
-        lo, hi, c0, c1 = chunk_bounds(record, offsets, chunk)
-        if codes_checksum(codes[c0:c1].view(np.uint8)) != checks[chunk, 0]:
-            raise CorruptWeightsError(f"{where}: compressed chunk {chunk} fails its checksum")
-        if raw_checksum(raw[lo:hi]) != checks[chunk, 1]:
-            raise CorruptWeightsError(f"{where}: raw sign/mantissa chunk {chunk} fails its checksum")
+def _verify_chunks(job: DecodeJob) -> None:
+    for chunk in range(job.record.num_chunks):
+        lo, hi, c0, c1 = chunk_bounds(job.record, job.offsets, chunk)
+        if job.checksum(job.codes[c0:c1].view(np.uint8)) != job.checks[chunk, 0]:
+            raise CorruptWeightsError(f"{job.where}: compressed chunk {chunk} fails its checksum")
+        if job.checksum(job.raw[lo:hi]) != job.checks[chunk, 1]:
+            raise CorruptWeightsError(f"{job.where}: raw sign/mantissa chunk {chunk} fails its checksum")

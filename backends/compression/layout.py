@@ -7,13 +7,23 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+import crc32c
 import numpy as np
 
 FORMAT_KEY = "switchyard.format"          # metadata key the loader keys on
-FORMAT_VERSION = "switchyard-tunstall16-v2"
+FORMAT_VERSION = "switchyard-tunstall16-v3"
+# The checksum of data (chunks, plain tensors) by format: v3 has CRC-32C, hardware-accelerated at
+# ~18 GB/s here against zlib's crc32 at ~3.7 (which cost ~15% of a v2 decode). v2 files still load.
+Checksum = Callable[[np.ndarray], int]
+DATA_CHECKSUMS: dict[str, Checksum] = {
+    "switchyard-tunstall16-v2": zlib.crc32,
+    FORMAT_VERSION: crc32c.crc32c,
+}
 TENSORS_KEY = "switchyard.tensors"        # metadata key: JSON {name: record}
 LANE_SIZE = 1024                          # symbols per independently parsed lane (one GPU program)
 LANES_PER_CHUNK = 256                     # lanes per checksummed chunk (one CPU work item)
@@ -32,10 +42,10 @@ class Part(enum.Enum):
     CODES = "codes"    # uint8 [2 * num_codes]: little-endian uint16 codewords, lane after lane
     RAW = "raw"        # uint8 [numel]: the raw byte of every element, in element order
     LANES = "lanes"    # uint16 [num_lanes]: codewords in each lane
-    CHECKS = "checks"  # uint32 [num_chunks, 2]: crc32 of codes and of raw bytes per chunk
+    CHECKS = "checks"  # uint32 [num_chunks, 2]: checksums of codes and of raw bytes per chunk
 
 
-NUM_CHECKS = 2   # columns of Part.CHECKS: crc32 of the chunk's codeword bytes, crc32 of its raw bytes
+NUM_CHECKS = 2   # columns of Part.CHECKS: checksum of the chunk's codeword bytes, of its raw bytes
 
 
 def part_name(name: str, part: Part) -> str:
@@ -57,7 +67,7 @@ class CompressedRecord:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def num_lanes(self) -> int:
@@ -74,7 +84,7 @@ class CompressedRecord:
 
 @dataclass(frozen=True, slots=True)
 class PlainRecord:
-    checksum: int              # crc32 of the tensor's bytes as stored
+    checksum: int              # data checksum of the tensor's bytes as stored
 
 
 Record = CompressedRecord | PlainRecord
@@ -155,11 +165,3 @@ def chunk_bounds(record: CompressedRecord, offsets: np.ndarray, chunk: int) -> t
     lane_lo = chunk * record.lanes_per_chunk
     lane_hi = min(lane_lo + record.lanes_per_chunk, record.num_lanes)
     return lo, hi, int(offsets[lane_lo]), int(offsets[lane_hi])
-
-
-def codes_checksum(codes: np.ndarray) -> int:
-    return zlib.crc32(codes)
-
-
-def raw_checksum(raw: np.ndarray) -> int:
-    return zlib.crc32(raw)

@@ -1,0 +1,189 @@
+/* The CPU decoder's inner loops in C: rebuilding a dictionary, and one chunk's codewords -> symbols
+ * -> merged 16-bit floats.
+ *
+ * The numpy path (cpu_decode.expand_into + merge_into) makes a dozen passes over a chunk; this makes
+ * one over the codewords, expanding each word's symbols into a small buffer that stays in L1, and one
+ * over that buffer, merging each symbol with its raw byte straight into the output. It runs with the
+ * GIL released, so the loader's threads decode chunks in parallel.
+ *
+ * Built at install time as an optional extension (pyproject.toml); without a C compiler the loader
+ * uses the numpy path, which gives the same bits.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define NUM_CODEWORDS 65536
+#define BLOCK 4096          /* symbols merged at a time: the buffer stays in L1 */
+#define MAX_WORD_SYMBOLS 8  /* layout.MAX_WORD_SYMBOLS */
+
+enum { KIND_BF16 = 0, KIND_FP16 = 1 };
+
+static inline uint16_t load_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+
+static inline void store_word(uint8_t *dst, uint64_t word) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    memcpy(dst, &word, 8);    /* first symbol in the lowest byte */
+#else
+    for (int i = 0; i < 8; i++) dst[i] = (uint8_t)(word >> (8 * i));
+#endif
+}
+
+/* bf16: sign = raw bit 7, exponent = symbol, mantissa = raw bits 0-6; fp16: symbol high, raw low. */
+static void merge(uint16_t *out, const uint8_t *raw, const uint8_t *symbols, Py_ssize_t n, int kind) {
+    if (kind == KIND_BF16) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            out[i] = (uint16_t)(((raw[i] & 0x80u) << 8) | ((unsigned)symbols[i] << 7) | (raw[i] & 0x7Fu));
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++)
+            out[i] = (uint16_t)(((unsigned)symbols[i] << 8) | raw[i]);
+    }
+}
+
+/* 0 on success; -1 when a codeword is outside the dictionary or the lengths do not add up to n
+ * (the output is then partly written and must be discarded). */
+static int decode(const uint8_t *codes, Py_ssize_t num_codes, const uint64_t *payload, const uint8_t *lengths,
+                  Py_ssize_t num_words, const uint8_t *raw, uint16_t *out, Py_ssize_t n, int kind) {
+    uint8_t buffer[BLOCK + 16];
+    Py_ssize_t done = 0, fill = 0;
+    for (Py_ssize_t i = 0; i < num_codes; i++) {
+        uint16_t code = load_u16(codes + 2 * i);
+        if (code >= num_words) return -1;
+        Py_ssize_t length = lengths[code];
+        if (done + fill + length > n) return -1;
+        store_word(buffer + fill, payload[code]);
+        fill += length;
+        if (fill >= BLOCK) {
+            merge(out + done, raw + done, buffer, BLOCK, kind);
+            done += BLOCK;
+            fill -= BLOCK;
+            memmove(buffer, buffer + BLOCK, (size_t)fill);
+        }
+    }
+    if (done + fill != n) return -1;
+    merge(out + done, raw + done, buffer, fill, kind);
+    return 0;
+}
+
+/* The dictionary's words in breadth-first order, as codebook.build_codebook builds them (see _levels
+ * there): a word of depth d+1 is a word of depth d followed by one of the first ranks r whose
+ * probability is at least threshold / P(word); its probability is P(word) * p[r]. The same correctly
+ * rounded double operations in the same order (no contraction: see pyproject.toml), so the words are
+ * identical, and the loader checks them against the stored checksum anyway. Returns the number of
+ * words, or -1 when they would exceed NUM_CODEWORDS. */
+static Py_ssize_t build_words(const double *probs, const uint8_t *symbols, Py_ssize_t num, double threshold,
+                              uint64_t *payload, uint8_t *lengths, double *word_probs) {
+    for (Py_ssize_t r = 0; r < num; r++) {
+        payload[r] = symbols[r];
+        lengths[r] = 1;
+        word_probs[r] = probs[r];
+    }
+    Py_ssize_t lo = 0, hi = num, total = num;
+    for (int depth = 1; depth < MAX_WORD_SYMBOLS && lo < hi; depth++) {
+        for (Py_ssize_t w = lo; w < hi; w++) {
+            double limit = threshold / word_probs[w];
+            for (Py_ssize_t r = 0; r < num && probs[r] >= limit; r++) {
+                if (total == NUM_CODEWORDS) return -1;
+                payload[total] = payload[w] | ((uint64_t)symbols[r] << (8 * depth));
+                lengths[total] = (uint8_t)(depth + 1);
+                word_probs[total] = word_probs[w] * probs[r];
+                total++;
+            }
+        }
+        lo = hi;
+        hi = total;
+    }
+    return total;
+}
+
+static PyObject *build_tables(PyObject *self, PyObject *args) {
+    Py_buffer probs, symbols, payload, lengths;
+    double threshold;
+    if (!PyArg_ParseTuple(args, "y*y*dw*w*:build_tables", &probs, &symbols, &threshold, &payload, &lengths))
+        return NULL;
+    const char *problem = NULL;
+    Py_ssize_t num = symbols.len;
+    if (probs.len != 8 * num || num < 1 || num > 256) problem = "probs must be one float64 per symbol (1..256)";
+    else if (payload.len != NUM_CODEWORDS * 8 || lengths.len != NUM_CODEWORDS) problem = "tables must cover 65536 codewords";
+    else if ((uintptr_t)payload.buf % 8 != 0 || (uintptr_t)probs.buf % 8 != 0) problem = "misaligned buffer";
+    Py_ssize_t total = 0;
+    if (problem == NULL) {
+        double *word_probs = PyMem_RawMalloc(NUM_CODEWORDS * sizeof(double));
+        if (word_probs == NULL) {
+            PyBuffer_Release(&probs);
+            PyBuffer_Release(&symbols);
+            PyBuffer_Release(&payload);
+            PyBuffer_Release(&lengths);
+            return PyErr_NoMemory();
+        }
+        Py_BEGIN_ALLOW_THREADS
+        memset(payload.buf, 0, (size_t)payload.len);
+        memset(lengths.buf, 0, (size_t)lengths.len);
+        total = build_words(probs.buf, symbols.buf, num, threshold, payload.buf, lengths.buf, word_probs);
+        Py_END_ALLOW_THREADS
+        PyMem_RawFree(word_probs);
+    }
+    PyBuffer_Release(&probs);
+    PyBuffer_Release(&symbols);
+    PyBuffer_Release(&payload);
+    PyBuffer_Release(&lengths);
+    if (problem != NULL) {
+        PyErr_SetString(PyExc_ValueError, problem);
+        return NULL;
+    }
+    return PyLong_FromSsize_t(total);
+}
+
+static PyObject *decode_chunk(PyObject *self, PyObject *args) {
+    Py_buffer codes, payload, lengths, raw, out;
+    Py_ssize_t num_words;
+    int kind;
+    if (!PyArg_ParseTuple(args, "y*y*y*ny*w*i:decode_chunk", &codes, &payload, &lengths, &num_words, &raw,
+                          &out, &kind))
+        return NULL;
+    const char *problem = NULL;
+    if (payload.len != NUM_CODEWORDS * 8 || lengths.len != NUM_CODEWORDS) problem = "tables must cover 65536 codewords";
+    else if (num_words < 0 || num_words > NUM_CODEWORDS) problem = "num_words out of range";
+    else if (codes.len % 2 != 0) problem = "codes must be whole uint16 codewords";
+    else if (out.len != 2 * raw.len) problem = "out must hold one 16-bit value per raw byte";
+    else if (kind != KIND_BF16 && kind != KIND_FP16) problem = "unknown kind";
+    else if ((uintptr_t)payload.buf % 8 != 0 || (uintptr_t)out.buf % 2 != 0) problem = "misaligned buffer";
+    int status = 0;
+    if (problem == NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        status = decode(codes.buf, codes.len / 2, payload.buf, lengths.buf, num_words, raw.buf, out.buf, raw.len,
+                        kind);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&codes);
+    PyBuffer_Release(&payload);
+    PyBuffer_Release(&lengths);
+    PyBuffer_Release(&raw);
+    PyBuffer_Release(&out);
+    if (problem != NULL) {
+        PyErr_SetString(PyExc_ValueError, problem);
+        return NULL;
+    }
+    return PyBool_FromLong(status == 0);
+}
+
+static PyMethodDef methods[] = {
+    {"decode_chunk", decode_chunk, METH_VARARGS,
+     "decode_chunk(codes, payload, lengths, num_words, raw, out, kind) -> bool\n\n"
+     "Expand one chunk's little-endian uint16 codewords through the dictionary tables (payload: 65536\n"
+     "uint64 words, lengths: 65536 uint8) and merge each symbol with its raw byte into `out` (16-bit\n"
+     "floats; kind 0 = bf16, 1 = fp16). False when a codeword is outside the dictionary or the word\n"
+     "lengths do not add up to len(raw); `out` is then partly written."},
+    {"build_tables", build_tables, METH_VARARGS,
+     "build_tables(probs, symbols, threshold, payload, lengths) -> int\n\n"
+     "Fill the decoder's tables (payload: 65536 uint64, lengths: 65536 uint8; zero past the dictionary)\n"
+     "with the dictionary codebook.build_codebook builds for sorted float64 `probs` of uint8 `symbols`\n"
+     "and `threshold`. Returns the number of words, or -1 when they would exceed 65536."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_decode", "C inner loop of the CPU weight decoder.",
+                                    -1, methods};
+
+PyMODINIT_FUNC PyInit__decode(void) { return PyModule_Create(&module); }
