@@ -20,6 +20,7 @@ from backends.engine.errors import EngineRequestError
 from backends.engine.kv_events import KVEventBatch
 from backends.engine.outputs import FinishReason, SequenceOutput
 from backends.engine.sampling_params import SamplingParams
+from backends.engine.sequence import Sequence
 
 __all__ = ["AsyncEngine", "EngineRequestError", "EngineStats", "LoadReport"]
 log = logging.getLogger(__name__)
@@ -217,12 +218,16 @@ class AsyncEngine:
 
     def _abort_all(self, engine: LLMEngine) -> list[SequenceOutput]:
         outputs = []
-        for seq in list(engine.scheduler.running) + list(engine.scheduler.waiting) \
-                + list(engine.scheduler.awaiting_kv.values()):
+        for seq in self._abortable(engine):
             final = engine.abort_request(seq.request_id, "engine loop failed")
             if final is not None:
                 outputs.append(final)
         return outputs
+
+    def _abortable(self, engine: LLMEngine) -> list[Sequence]:
+        """Engine thread: the live sequences a failure of the engine loop may abort (free)."""
+        sched = engine.scheduler
+        return list(sched.running) + list(sched.waiting) + list(sched.awaiting_kv.values())
 
     def _publish(self) -> None:
         """Snapshot load and stats in the engine thread, so readers never race its dicts."""

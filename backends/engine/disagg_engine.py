@@ -22,6 +22,7 @@ from backends.engine.errors import EngineRequestError
 from backends.engine.outputs import FinishReason, SequenceOutput
 from backends.engine.remote_kv import KVHold, RemoteAdmission, RemoteKVEngine
 from backends.engine.sampling_params import SamplingParams
+from backends.engine.sequence import Sequence as EngineSequence
 from backends.kv_transfer.base import SharedRegion
 
 __all__ = ["DisaggAsyncEngine", "DisaggLoadReport", "KVHold", "RemoteAdmission", "RemotePull"]
@@ -224,6 +225,12 @@ class DisaggAsyncEngine(AsyncEngine):
             return [SequenceOutput(command.request_id, (), None, FinishReason.ABORT,
                                    len(command.prompt_token_ids), 0, str(exc))]
         return []
+
+    def _abortable(self, engine: LLMEngine) -> list[EngineSequence]:
+        """A failure of the engine loop spares decode legs whose pull may be in flight: freeing their
+        blocks would hand another sequence blocks the pull still writes. They go on once ready."""
+        assert isinstance(engine, RemoteKVEngine)
+        return [seq for seq in super()._abortable(engine) if not engine.is_pulling(seq.request_id)]
 
     def _publish(self) -> None:
         """Engine thread (and start()): snapshot load; hand new holds and admissions to the loop

@@ -107,6 +107,11 @@ class RemoteKVEngine(LLMEngine):
                                        min(seq.num_computed_tokens, seq.num_prompt_tokens)))
         return out
 
+    def is_pulling(self, request_id: str) -> bool:
+        """Its admission went out and its ready has not come back: a pull may be writing its blocks,
+        so only its own stream may end it (an abort from the stream comes after the pull stops)."""
+        return request_id in self._reported and request_id in self.scheduler.awaiting_kv
+
     def take_new_holds(self) -> list[KVHold]:
         holds, self.scheduler.new_holds = self.scheduler.new_holds, []
         return holds
