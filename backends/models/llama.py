@@ -77,7 +77,10 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = attention_bias if qkv_bias is None else qkv_bias
         o_bias = attention_bias if o_bias is None else o_bias
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # `_weight`: an uninitialised table (load_weights fills it); the default random init of a
+        # 49152 x 576 table cost 0.17 s of every worker start.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm)
                                     for i in range(config.num_hidden_layers))

@@ -5,6 +5,7 @@ The only place that turns command-line flags into `EngineConfig` and `ServerConf
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 from collections.abc import Sequence
 
@@ -96,11 +97,20 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
     return server_config, engine_config
 
 
+async def _freeze_gc(app: web.Application) -> None:
+    """After the engine started: the model's and the engine's objects join the permanent generation."""
+    gc.freeze()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    # torch's import leaves ~10^6 objects that every full collection would walk (~0.15 s each here:
+    # at start-up, and as pauses in the engine and event-loop threads later); frozen, they are skipped.
+    gc.freeze()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config, engine_config = build_configs(args)
     app = create_app(server_config, engine_config)
+    app.on_startup.append(_freeze_gc)
     web.run_app(
         app,
         host=args.host,
