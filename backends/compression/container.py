@@ -6,6 +6,7 @@ parses the header ourselves so a damaged file yields a message naming the tensor
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -119,7 +120,7 @@ def map_file(path: Path) -> MappedFile:
             raise CorruptWeightsError(f"{path}: tensor {name!r}: header entry is corrupted ({exc})") from exc
         if end > data.size:
             raise CorruptWeightsError(f"{path}: tensor {name!r}: data lies past the end of the file (truncated)")
-        if not 0 <= begin <= end or end - begin != itemsize * int(np.prod(shape, dtype=np.int64)):
+        if not 0 <= begin <= end or end - begin != itemsize * math.prod(shape):
             raise CorruptWeightsError(f"{path}: tensor {name!r}: header entry is inconsistent with its shape")
         spans[name] = (dtype, shape, begin, end)
     return MappedFile(path, metadata, spans, data)
