@@ -5,6 +5,7 @@ sign|exponent|mantissa directly. Host-side checksums are verified once, at load.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,44 +18,13 @@ from backends.compression.cpu_decode import (
 )
 from backends.compression.layout import MAX_WORD_SYMBOLS, CorruptWeightsError, FloatKind, PlainRecord, chunk_bounds
 
-try:  # Triton is only present on CUDA installs; the CPU path never needs it
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-
 _OUT_DTYPES = {FloatKind.BF16: torch.bfloat16, FloatKind.FP16: torch.float16}
 
 
 def triton_available() -> bool:
-    return triton is not None
-
-
-if triton is not None:
-    @triton.jit
-    def _decode_lanes_kernel(codes_ptr, lane_start_ptr, payload_ptr, lengths_ptr, raw_ptr, out_ptr,
-                             numel, LANE: tl.constexpr, WORD: tl.constexpr, IS_BF16: tl.constexpr):
-        lane = tl.program_id(0)
-        c0 = tl.load(lane_start_ptr + lane)
-        c1 = tl.load(lane_start_ptr + lane + 1)
-        idx = tl.arange(0, LANE)
-        live = idx < (c1 - c0)
-        code = tl.load(codes_ptr + c0 + idx, mask=live, other=0).to(tl.int32) & 0xFFFF
-        length = tl.load(lengths_ptr + code, mask=live, other=0).to(tl.int32)
-        payload = tl.load(payload_ptr + code, mask=live, other=0)                 # int64: 8 symbols
-        start = lane.to(tl.int64) * LANE + (tl.cumsum(length, 0) - length)       # first element of each word
-        for j in tl.static_range(WORD):
-            ok = live & (length > j)
-            sym = ((payload >> (8 * j)) & 0xFF).to(tl.int32)
-            at = start + j
-            ok = ok & (at < numel)
-            raw = tl.load(raw_ptr + at, mask=ok, other=0).to(tl.int32)
-            if IS_BF16:
-                bits = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
-            else:
-                bits = (sym << 8) | raw
-            tl.store(out_ptr + at, bits.to(tl.int16), mask=ok)
+    """Triton comes with CUDA builds of torch; it is imported only when a tensor is expanded (its
+    import costs ~0.14 s, which a CPU worker loading compressed weights should not pay)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +44,14 @@ class GpuCompressedTensor:
 
     def decompress(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Expand into `out` (or a new tensor) on the device; bit-exact with the CPU decoder."""
-        if triton is None:
+        if not triton_available():
             raise RuntimeError("the GPU decoder needs Triton")
+        from backends.compression.triton_kernel import decode_lanes_kernel
         numel = self.raw.numel()
         if out is None:
             out = torch.empty(self.shape, dtype=_OUT_DTYPES[self.kind], device=self.raw.device)
         num_lanes = self.lane_starts.numel() - 1
-        _decode_lanes_kernel[(num_lanes,)](
+        decode_lanes_kernel[(num_lanes,)](
             self.codes, self.lane_starts, self.payload, self.lengths, self.raw, out.view(torch.int16),
             numel, LANE=self.lane_size, WORD=MAX_WORD_SYMBOLS, IS_BF16=self.kind is FloatKind.BF16,
         )

@@ -14,11 +14,12 @@ pytestmark = pytest.mark.gpu
 NUM_BLOCKS = 128
 
 
-def random_step(shape: AttentionShape, query_lens: list[int], context_lens: list[int], seed: int):
-    """Random q/k/v, a random cache and shuffled block tables on CUDA, as one step's inputs."""
+def random_step(shape: AttentionShape, query_lens: list[int], context_lens: list[int], seed: int,
+                device: torch.device = torch.device("cuda")):
+    """Random q/k/v, a random cache and shuffled block tables on `device`, as one step's inputs."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     rng = random.Random(seed)
-    bs, dev = shape.block_size, torch.device("cuda")
+    bs, dev = shape.block_size, device
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
     tables, slots = [], []

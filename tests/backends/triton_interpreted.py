@@ -1,0 +1,67 @@
+"""Run in a subprocess by test_triton_interpreter.py, with TRITON_INTERPRET=1 set before Triton is
+imported: the Triton kernels execute on the CPU (Triton's interpreter), on CPU tensors, and are compared
+with their references. Prints one line per check and exits non-zero on the first mismatch."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+
+def attention() -> None:
+    from backends.attention.base import AttentionShape
+    from backends.attention.sdpa import SDPABackend
+    from backends.attention.triton_decode import TritonDecodeBackend
+    from tests.backends.test_attention_gpu import STEPS, random_step
+
+    cpu = torch.device("cpu")
+    for heads in [(8, 8, 64), (9, 3, 64), (14, 2, 64)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            for step in sorted(STEPS):
+                shape = AttentionShape(*heads, block_size=16, scale=heads[2] ** -0.5, dtype=dtype)
+                layout, q, k, v, caches = random_step(shape, *STEPS[step], seed=len(step) + heads[0], device=cpu)
+                outs = []
+                for backend in (TritonDecodeBackend(shape), SDPABackend(shape)):
+                    k_cache, v_cache = caches[0].clone(), caches[1].clone()
+                    outs.append(backend.forward(q, k, v, k_cache, v_cache, layout.slot_mapping, backend.prepare(layout)))
+                tol = 2e-5 if dtype == torch.float32 else 2e-2
+                torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
+                print(f"attention {step} heads={heads} {dtype}: triton == sdpa")
+
+
+def compression(work: Path) -> None:
+    from safetensors.torch import save_file
+
+    from backends.compression import compress_folder, load_compressed_file
+    from backends.compression.gpu_decode import GpuCompressedTensor, load_compressed_gpu
+
+    gen = torch.Generator().manual_seed(0)
+    exponents = torch.randint(0, 256, (70, 33), generator=gen, dtype=torch.int32)   # all 256 exponents
+    adversarial = ((exponents << 7) | torch.randint(0, 128, (70, 33), generator=gen, dtype=torch.int32)).to(torch.int16)
+    weights = {
+        "trained_like.weight": (torch.randn(300, 257, generator=gen) * 0.02).to(torch.bfloat16),   # 76 lanes
+        "all_exponents.weight": adversarial.view(torch.bfloat16),
+        "half.weight": torch.randn(64, 100, generator=gen).to(torch.float16),
+        "norm.weight": torch.ones(10),
+    }
+    (work / "src").mkdir()
+    save_file(weights, str(work / "src" / "model.safetensors"))
+    compress_folder(work / "src", work / "out")
+    file = work / "out" / "model.safetensors"
+    want = load_compressed_file(file)
+    for name, item in load_compressed_gpu(file, "cpu").items():
+        got = item.decompress() if isinstance(item, GpuCompressedTensor) else item
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want[name].reshape(-1).view(torch.uint8)), name
+        assert torch.equal(got.reshape(-1).view(torch.uint8), weights[name].reshape(-1).view(torch.uint8)), name
+        print(f"compression {name}: triton decode == original bits")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "attention":
+        attention()
+    else:
+        compression(Path(sys.argv[2]))
