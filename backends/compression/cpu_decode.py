@@ -161,23 +161,28 @@ def decode_chunk(job: DecodeJob, chunk: int, scratches: ScratchPool | None) -> N
     raw = job.raw[lo:hi]
     if job.checksum(raw) != stored[1]:
         raise CorruptWeightsError(f"{job.where}: raw sign/mantissa chunk {chunk} fails its checksum")
-    if codes.size > hi - lo:     # every codeword stands for at least one symbol
-        decoded = False
-    elif scratches is None:
-        tables, kind = job.tables, _NATIVE_KINDS[job.record.kind]
-        decoded = native_decoder.decode_chunk(codes, tables.payload, tables.lengths, tables.num_words, raw,
-                                              job.out[lo:hi], kind)
-    else:
-        scratch = scratches.take()
-        try:
-            symbols = expand_into(codes, job.tables, hi - lo, scratch)
-            decoded = symbols is not None
-            if decoded:
-                merge_into(job.out[lo:hi], symbols, raw, job.record.kind, scratch)
-        finally:
-            scratches.free.put(scratch)
-    if not decoded:
+    if not expand_chunk(codes, job.tables, raw, job.out[lo:hi], job.record.kind, scratches):
         raise CorruptWeightsError(f"{job.where}: codewords of chunk {chunk} do not decode to its size")
+
+
+def expand_chunk(codes: np.ndarray, tables: DecodeTables, raw: np.ndarray, out: np.ndarray, kind: FloatKind,
+                 scratches: ScratchPool | None) -> bool:
+    """Decode one chunk's codewords and raw bytes into `out` ([len(raw)] uint16 float bits), with the C
+    decoder (`scratches` None) or numpy; False when the codewords do not decode to len(raw) symbols."""
+    if codes.size > raw.size:     # every codeword stands for at least one symbol
+        return False
+    if scratches is None:
+        return native_decoder.decode_chunk(codes, tables.payload, tables.lengths, tables.num_words, raw, out,
+                                           _NATIVE_KINDS[kind])
+    scratch = scratches.take()
+    try:
+        symbols = expand_into(codes, tables, raw.size, scratch)
+        if symbols is None:
+            return False
+        merge_into(out, symbols, raw, kind, scratch)
+        return True
+    finally:
+        scratches.free.put(scratch)
 
 
 def rebuild_tables(record: CompressedRecord, where: str, native: bool = native_decoder is not None) -> DecodeTables:

@@ -1,4 +1,4 @@
-"""The Triton kernel behind GpuCompressedTensor.decompress (gpu_decode.py): one program per lane.
+"""The Triton kernel behind CompressedTensor.decompress on CUDA (resident.py): one program per lane.
 
 Imported only when a tensor is expanded, so that importing the compression package never imports Triton.
 """

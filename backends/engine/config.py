@@ -28,6 +28,7 @@ class EngineConfig:
     max_kv_events: int = 10_000               # KV event ring capacity
     torch_num_threads: int | None = None      # None: $SWITCHYARD_TORCH_THREADS, else all cores
     kv_shared_memory: bool = False            # CPU KV cache in shared memory (same-host KV transfer source)
+    keep_weights_compressed: bool = False     # a compressed model's layer matrices stay compressed, expanded per use
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:

@@ -67,7 +67,8 @@ def build_runner(config: EngineConfig, model_dir: Path) -> ModelRunnerLike:
     return ModelRunner(model_dir, dtype=getattr(torch, config.dtype), device=config.device,
                        num_blocks=config.num_blocks, block_size=config.block_size,
                        attention_backend=config.attention_backend, kv_cache_memory_gb=kv_gb,
-                       kv_shared_memory=config.kv_shared_memory)
+                       kv_shared_memory=config.kv_shared_memory,
+                       keep_weights_compressed=config.keep_weights_compressed)
 
 
 def eos_token_ids(hf_config: Any, model_dir: Path | None) -> tuple[int, ...]:

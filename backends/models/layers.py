@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,44 +33,113 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def choose_transposed(in_features: int, out_features: int) -> bool:
-    """Unpacked layouts: x @ W with W stored [in, out] streams weights faster than F.linear's [out, in]
-    when the layer widens (measured on CPU before packing; harmless on CUDA)."""
+    """Unpacked float32 layouts: x @ W with W stored [in, out] streams weights faster than F.linear's
+    [out, in] when the layer widens (measured on CPU before packing; harmless on CUDA). Linear.load
+    keeps [out, in] in half precision."""
     return out_features >= in_features
+
+
+class CompressedWeight(Protocol):
+    """A weight kept compressed (backends.compression.CompressedTensor), expanded on demand."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def decompress(self, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+def dense(weight: torch.Tensor | CompressedWeight) -> torch.Tensor:
+    return weight if isinstance(weight, torch.Tensor) else weight.decompress()
+
+
+class ExpandScratch:
+    """One buffer per model that each layer with compressed weights expands them into just before it
+    runs (layers run one after another, so one buffer the size of the largest layer serves all)."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = shape[0] * shape[1]
+        buffer = self._buffer
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = self._buffer = torch.empty(numel, dtype=dtype, device=device)
+        return buffer[:numel].view(shape)
 
 
 class Linear(nn.Module):
     """y = x W^T (+ bias) over 2-D x, W fused from HF [out, in] tensors: packed for oneDNN on CPU in
-    float32 (`weight` is then empty), else stored [in, out] when that is faster."""
+    float32 (`weight` is then empty), else stored [in, out] when that is faster; or kept compressed
+    and expanded into the model's ExpandScratch at every call (`compressed`; `weight` is then empty)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.transposed = choose_transposed(in_features, out_features)
         shape = (in_features, out_features) if self.transposed else (out_features, in_features)
         self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        self.compressed: tuple[CompressedWeight, ...] = ()
+        self.scratch: ExpandScratch | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
+        if self.compressed:
+            return F.linear(x, self.expanded_weight(), self.bias)
         if not self.transposed:
             return F.linear(x, self.weight, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight)
         return torch.addmm(self.bias, x, self.weight)
 
-    def load(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None) -> None:
-        """Fuse HF [out, in] weights (stacked along out)."""
-        fused = torch.cat(weights, 0)
+    def expanded_weight(self) -> torch.Tensor:
+        """The [out, in] weight, expanded from its compressed parts into the shared scratch."""
+        assert self.scratch is not None
+        out = self.scratch.take((self.out_features, self.in_features), self.weight.dtype, self.weight.device)
+        row = 0
+        for part in self.compressed:
+            part.decompress(out[row:row + part.shape[0]])
+            row += part.shape[0]
+        return out
+
+    def load(self, weights: list[torch.Tensor | CompressedWeight], biases: list[torch.Tensor] | None,
+             scratch: ExpandScratch | None = None) -> None:
+        """Fuse HF [out, in] weights (stacked along out). Compressed weights stay compressed when a
+        `scratch` is given (they must then have the model's dtype and device), else are expanded once."""
         if self.bias is not None:
             if biases is None:
                 raise KeyError("checkpoint lacks a bias this layer needs")
-            self.bias.copy_(torch.cat(biases, 0))
+            self.bias.copy_(torch.cat([dense(b) for b in biases], 0))
+        if scratch is not None and not any(isinstance(w, torch.Tensor) for w in weights):
+            self._keep_compressed(weights, scratch)
+            return
+        fused = torch.cat([dense(w) for w in weights], 0)
         if can_pack(self.weight):
             self.packed = pack(fused.to(self.weight.dtype))
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)   # the packed copy replaces it
-        else:
-            self.weight.copy_(fused.t() if self.transposed else fused)
+            return
+        if self.transposed and self.weight.dtype != torch.float32:
+            # In bf16/fp16, CPU matmuls against an [in, out] weight ran 18-20x slower than F.linear
+            # on [out, in] (1-8 rows, SmolLM2's shapes); on CUDA both layouts are fine.
+            self.transposed = False
+            self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype,
+                                                   device=self.weight.device), requires_grad=False)
+        self.weight.copy_(fused.t() if self.transposed else fused)
+
+    def _keep_compressed(self, parts: list[CompressedWeight], scratch: ExpandScratch) -> None:
+        dtype, device = self.weight.dtype, self.weight.device
+        for part in parts:
+            if part.dtype != dtype or part.device != device:
+                raise ValueError(f"compressed {part.dtype} weights on {part.device} cannot serve a {dtype} model on "
+                                 f"{device}: run with --dtype {str(part.dtype).removeprefix('torch.')}")
+        if sum(p.shape[0] for p in parts) != self.out_features or any(p.shape[1:] != (self.in_features,)
+                                                                        for p in parts):
+            raise ValueError(f"compressed weights {[list(p.shape) for p in parts]} do not fuse into "
+                             f"[{self.out_features}, {self.in_features}]")
+        self.compressed, self.scratch = tuple(parts), scratch
+        self.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=False)
 
 
 class LMHead(nn.Module):

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.attention.base import AttentionContext
-from backends.models.layers import Linear, LMHead, RMSNorm, apply_rotary, rope_inv_freq
+from backends.models.layers import (
+    CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, apply_rotary, dense, rope_inv_freq,
+)
 
 
 class LlamaAttention(nn.Module):
@@ -108,28 +110,35 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be covered."""
+    def load_weights(self, weights: Mapping[str, torch.Tensor | CompressedWeight],
+                     keep_compressed: bool = False) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be covered.
+        `keep_compressed`: the decoder layers' projections given compressed stay compressed, expanded
+        just before each runs (the embedding, norms and LM head are expanded once)."""
+        scratch = ExpandScratch() if keep_compressed else None
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}"
             attn, mlp = layer.self_attn, layer.mlp
             qkv = [f"{prefix}.self_attn.{p}_proj" for p in "qkv"]
-            attn.qkv_proj.load([weights[f"{n}.weight"] for n in qkv], _maybe(weights, [f"{n}.bias" for n in qkv]))
+            attn.qkv_proj.load([weights[f"{n}.weight"] for n in qkv], _maybe(weights, [f"{n}.bias" for n in qkv]),
+                               scratch)
             attn.o_proj.load([weights[f"{prefix}.self_attn.o_proj.weight"]],
-                             _maybe(weights, [f"{prefix}.self_attn.o_proj.bias"]))
+                             _maybe(weights, [f"{prefix}.self_attn.o_proj.bias"]), scratch)
             if attn.q_norm is not None:
                 attn.q_norm.weight.copy_(weights[f"{prefix}.self_attn.q_norm.weight"])
                 attn.k_norm.weight.copy_(weights[f"{prefix}.self_attn.k_norm.weight"])
             gate_up = [f"{prefix}.mlp.{p}_proj" for p in ("gate", "up")]
-            mlp.gate_up_proj.load([weights[f"{n}.weight"] for n in gate_up], _maybe(weights, [f"{n}.bias" for n in gate_up]))
-            mlp.down_proj.load([weights[f"{prefix}.mlp.down_proj.weight"]], _maybe(weights, [f"{prefix}.mlp.down_proj.bias"]))
+            mlp.gate_up_proj.load([weights[f"{n}.weight"] for n in gate_up],
+                                  _maybe(weights, [f"{n}.bias" for n in gate_up]), scratch)
+            mlp.down_proj.load([weights[f"{prefix}.mlp.down_proj.weight"]],
+                               _maybe(weights, [f"{prefix}.mlp.down_proj.bias"]), scratch)
             layer.input_layernorm.weight.copy_(weights[f"{prefix}.input_layernorm.weight"])
             layer.post_attention_layernorm.weight.copy_(weights[f"{prefix}.post_attention_layernorm.weight"])
-        embed = weights["model.embed_tokens.weight"]
+        embed = dense(weights["model.embed_tokens.weight"])
         self.embed_tokens.weight.copy_(embed)
         self.norm.weight.copy_(weights["model.norm.weight"])
         tied = getattr(self.config, "tie_word_embeddings", False)  # then a stored lm_head.weight is ignored
-        self.lm_head.load(embed if tied else weights["lm_head.weight"])
+        self.lm_head.load(embed if tied else dense(weights["lm_head.weight"]))
 
 
 def _maybe(weights: Mapping[str, torch.Tensor], names: list[str]) -> list[torch.Tensor] | None:

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -89,19 +90,29 @@ def _make_readable(folder: Path) -> None:
         path.chmod(0o644)
 
 
-def load_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every *.safetensors file in `folder`, by name, on CPU."""
+def load_weights(folder: Path, keep_compressed_on: torch.device | None = None) -> dict[str, Any]:
+    """Every tensor of every *.safetensors file in `folder`, by name, on CPU. `keep_compressed_on`: the
+    matrices of switchyard-compressed files come back as CompressedTensor on that device instead
+    (expanded on demand); a folder without compressed files is then refused."""
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Any] = {}
+    any_compressed = False
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
         if COMPRESSED_FORMAT_KEY in metadata:
-            # Hook for switchyard's compressed weight format (written by backends/compression).
-            from backends.compression import load_compressed_file
-            weights.update(load_compressed_file(path))
+            # switchyard's compressed weight format (written by backends/compression)
+            any_compressed = True
+            if keep_compressed_on is not None:
+                from backends.compression import load_compressed_resident
+                weights.update(load_compressed_resident(path, keep_compressed_on))
+            else:
+                from backends.compression import load_compressed_file
+                weights.update(load_compressed_file(path))
         else:
             weights.update(load_file(str(path)))
+    if keep_compressed_on is not None and not any_compressed:
+        raise ValueError(f"{folder} holds no compressed weights to keep compressed (see `switchyard compress`)")
     return weights

@@ -27,13 +27,14 @@ CUDA_KV_CACHE_FREE_FRACTION = 0.8
 class ModelRunner:
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: str, num_blocks: int | None,
                  block_size: int = 16, attention_backend: str | None = None,
-                 kv_cache_memory_gb: float | None = None, kv_shared_memory: bool = False) -> None:
+                 kv_cache_memory_gb: float | None = None, kv_shared_memory: bool = False,
+                 keep_weights_compressed: bool = False) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = torch.device(device)
         self.dtype = dtype
         self.config = AutoConfig.from_pretrained(str(model_dir))
-        self.model = self._load_model(Path(model_dir))
+        self.model = self._load_model(Path(model_dir), keep_weights_compressed)
         attn = self.model.layers[0].self_attn
         self.block_size = block_size
         self.num_blocks = num_blocks or self._blocks_for_memory(kv_cache_memory_gb, attn.num_kv_heads, attn.head_dim)
@@ -50,13 +51,15 @@ class ModelRunner:
         log.info("model %s on %s (%s), %d KV blocks of %d tokens, attention %s", model_dir, self.device,
                  dtype, self.num_blocks, block_size, self.attention.name.value)
 
-    def _load_model(self, model_dir: Path) -> torch.nn.Module:
+    def _load_model(self, model_dir: Path, keep_compressed: bool) -> torch.nn.Module:
+        """`keep_compressed`: the decoder layers' matrices of a compressed folder stay compressed on the
+        device and are expanded just before each layer runs (less memory, more work per step)."""
         with torch.device(self.device):
             model = model_class(getattr(self.config, "architectures", None))(self.config)
-        model = model.to(self.dtype)
-        weights = load_weights(model_dir)
+        _retype_empty(model, self.dtype)
+        weights = load_weights(model_dir, self.device if keep_compressed else None)
         with torch.no_grad():
-            model.load_weights(weights)
+            model.load_weights(weights, keep_compressed=keep_compressed)
         return model.eval()
 
     def _blocks_for_memory(self, memory_gb: float | None, num_kv_heads: int, head_dim: int) -> int:
@@ -121,3 +124,17 @@ class ModelRunner:
             raise ValueError(f"chunk {index}: block id out of range [0, {self.num_blocks})")
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise ValueError(f"chunk {index}: token id out of range [0, {self.vocab_size})")
+
+
+def _retype_empty(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give every floating parameter `dtype` as new uninitialised storage, ties kept (the models register
+    no buffers). Unlike `model.to(dtype)` this writes nothing: load_weights fills every parameter, and a
+    weight that stays compressed (or is packed) never touches its placeholder, so that costs no memory."""
+    retyped: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_floating_point() and param.dtype != dtype:
+                if id(param) not in retyped:
+                    retyped[id(param)] = torch.nn.Parameter(torch.empty_like(param, dtype=dtype),
+                                                            requires_grad=param.requires_grad)
+                setattr(module, name, retyped[id(param)])

@@ -37,7 +37,7 @@ def compression(work: Path) -> None:
     from safetensors.torch import save_file
 
     from backends.compression import compress_folder, load_compressed_file
-    from backends.compression.gpu_decode import GpuCompressedTensor, load_compressed_gpu
+    from backends.compression.resident import CompressedTensor, load_compressed_resident
 
     gen = torch.Generator().manual_seed(0)
     exponents = torch.randint(0, 256, (70, 33), generator=gen, dtype=torch.int32)   # all 256 exponents
@@ -53,8 +53,8 @@ def compression(work: Path) -> None:
     compress_folder(work / "src", work / "out")
     file = work / "out" / "model.safetensors"
     want = load_compressed_file(file)
-    for name, item in load_compressed_gpu(file, "cpu").items():
-        got = item.decompress() if isinstance(item, GpuCompressedTensor) else item
+    for name, item in load_compressed_resident(file, "cpu").items():
+        got = item.decompress(use_triton=True) if isinstance(item, CompressedTensor) else item
         assert torch.equal(got.reshape(-1).view(torch.uint8), want[name].reshape(-1).view(torch.uint8)), name
         assert torch.equal(got.reshape(-1).view(torch.uint8), weights[name].reshape(-1).view(torch.uint8)), name
         print(f"compression {name}: triton decode == original bits")

@@ -54,3 +54,40 @@ def test_runner_logits_identical_to_uncompressed_bf16(smollm2_folders: tuple[Pat
         logits.append(runner.execute(batch))
     assert logits[0].shape == (1, runner.vocab_size) and torch.isfinite(logits[0]).all()
     assert torch.equal(logits[0].view(torch.int32), logits[1].view(torch.int32))
+
+
+def test_weights_kept_compressed_give_the_same_logits_in_less_memory(smollm2_folders: tuple[Path, Path, Path]) -> None:
+    """--keep-weights-compressed: every decoder-layer matrix stays compressed in memory and is expanded
+    into one shared buffer just before its layer runs; the logits of a prefill and of a decode step
+    equal, bit for bit, those of a runner on the uncompressed bf16 folder (both hold bf16 matrices
+    [out, in], so the same matmul runs)."""
+    runner_module = pytest.importorskip("backends.worker.model_runner")
+    from backends.compression import CompressedTensor
+    from backends.models import layers
+    from backends.worker.batch import ForwardBatch, SeqChunk
+    _, bf16, compressed = smollm2_folders
+    prompt = (1, 504, 3458, 314, 253, 1345, 30, 2, 17, 93, 4, 1182, 42, 5, 880, 61, 7)
+    steps = [ForwardBatch(chunks=(SeqChunk(token_ids=prompt, num_context_tokens=0, block_table=(0, 1)),)),
+             ForwardBatch(chunks=(SeqChunk(token_ids=(28,), num_context_tokens=len(prompt), block_table=(0, 1)),))]
+    logits, runners = [], []
+    for folder, keep in ((bf16, False), (compressed, True)):
+        runner = runner_module.ModelRunner(folder, dtype=torch.bfloat16, device="cpu", num_blocks=4,
+                                           block_size=16, keep_weights_compressed=keep)
+        logits.append([runner.execute(batch) for batch in steps])
+        runners.append(runner)
+    for ours, want in zip(logits[1], logits[0]):
+        assert torch.isfinite(want).all()
+        assert torch.equal(ours.view(torch.int16), want.view(torch.int16))
+    dense_layers, kept_layers = (list(r.model.layers.modules()) for r in runners)
+    kept = [m for m in kept_layers if isinstance(m, layers.Linear)]
+    assert kept and all(m.compressed and m.weight.numel() == 0 for m in kept)
+    assert all(isinstance(p, CompressedTensor) for m in kept for p in m.compressed)
+    dense_bytes = sum(m.weight.numel() * 2 for m in dense_layers if isinstance(m, layers.Linear))
+    kept_bytes = sum(p.compressed_bytes for m in kept for p in m.compressed)
+    assert kept_bytes <= 0.70 * dense_bytes
+    with pytest.raises(ValueError, match="--dtype bfloat16"):
+        runner_module.ModelRunner(compressed, dtype=torch.float32, device="cpu", num_blocks=4, block_size=16,
+                                  keep_weights_compressed=True)
+    with pytest.raises(ValueError, match="no compressed weights"):
+        runner_module.ModelRunner(bf16, dtype=torch.bfloat16, device="cpu", num_blocks=4, block_size=16,
+                                  keep_weights_compressed=True)

@@ -22,20 +22,21 @@ def test_flags_become_configs(model_dir: Path) -> None:
         "--device", "cuda", "--max-num-seqs", "8", "--max-num-batched-tokens", "1024",
         "--kv-cache-memory-gb", "1.5", "--block-size", "32", "--attention-backend", "triton",
         "--served-model-name", "a", "--served-model-name", "b", "--threads", "3", "--max-model-len", "4096",
-        "--no-prefix-caching", "--max-request-mb", "2"])
+        "--no-prefix-caching", "--max-request-mb", "2", "--keep-weights-compressed"])
     server, engine = build_configs(args)
     assert server == ServerConfig(model_dir=str(model_dir), served_model_names=("a", "b"),
                                   role=WorkerRole.PREFILL, max_request_bytes=2 * 2**20)
     assert engine == EngineConfig(model_dir=str(model_dir), dtype="bfloat16", device="cuda", block_size=32,
                                   num_blocks=None, kv_cache_memory_bytes=int(1.5 * 2**30), max_num_seqs=8,
                                   max_num_batched_tokens=1024, max_model_len=4096, attention_backend="triton",
-                                  enable_prefix_caching=False, torch_num_threads=3)
+                                  enable_prefix_caching=False, torch_num_threads=3, keep_weights_compressed=True)
 
 
 def test_defaults(model_dir: Path) -> None:
     server, engine = build_configs(build_parser().parse_args(["--model", str(model_dir), "--port", "1"]))
     assert server.role is WorkerRole.BOTH and server.served_model_names == (str(model_dir),)
     assert (engine.dtype, engine.device, engine.block_size, engine.num_blocks) == ("float32", "cpu", 16, None)
+    assert not engine.keep_weights_compressed
 
 
 @pytest.mark.parametrize("flags, engine_shm, server_shm", [
