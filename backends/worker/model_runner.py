@@ -6,6 +6,7 @@ sequence holds; the runner validates the batch, builds every index tensor in one
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -57,9 +58,13 @@ class ModelRunner:
         with torch.device(self.device):
             model = model_class(getattr(self.config, "architectures", None))(self.config)
         _retype_empty(model, self.dtype)
+        start = time.perf_counter()
         weights = load_weights(model_dir, self.device if keep_compressed else None)
+        read_s = time.perf_counter() - start
         with torch.no_grad():
             model.load_weights(weights, keep_compressed=keep_compressed)
+        log.info("weights of %s read in %.2f s, placed in %.2f s", model_dir, read_s,
+                 time.perf_counter() - start - read_s)
         return model.eval()
 
     def _blocks_for_memory(self, memory_gb: float | None, num_kv_heads: int, head_dim: int) -> int:
