@@ -90,11 +90,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
-        # A plain attribute, not a buffer: `.to(bfloat16)` must not round it. Built on the construction device.
-        self.inv_freq = rope_inv_freq(config, self.layers[0].self_attn.head_dim)
+        # A plain attribute, not a buffer: `.to(bfloat16)` must not round it. Built on the CPU (the model
+        # may be constructed on the meta device) and moved to the device of the first positions it sees.
+        with torch.device("cpu"):
+            self.inv_freq = rope_inv_freq(config, self.layers[0].self_attn.head_dim)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [num_tokens, 1, head_dim // 2], computed in float32 as the reference does."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
         dtype = self.embed_tokens.weight.dtype
         return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)

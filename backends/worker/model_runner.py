@@ -55,9 +55,9 @@ class ModelRunner:
     def _load_model(self, model_dir: Path, keep_compressed: bool) -> torch.nn.Module:
         """`keep_compressed`: the decoder layers' matrices of a compressed folder stay compressed on the
         device and are expanded just before each layer runs (less memory, more work per step)."""
-        with torch.device(self.device):
+        with torch.device("meta"):   # shapes only: nothing is allocated until _materialize_empty
             model = model_class(getattr(self.config, "architectures", None))(self.config)
-        _retype_empty(model, self.dtype)
+        _materialize_empty(model, self.dtype, self.device)
         start = time.perf_counter()
         weights = load_weights(model_dir, self.device if keep_compressed else None)
         read_s = time.perf_counter() - start
@@ -131,15 +131,16 @@ class ModelRunner:
             raise ValueError(f"chunk {index}: token id out of range [0, {self.vocab_size})")
 
 
-def _retype_empty(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Give every floating parameter `dtype` as new uninitialised storage, ties kept (the models register
-    no buffers). Unlike `model.to(dtype)` this writes nothing: load_weights fills every parameter, and a
-    weight that stays compressed (or is packed) never touches its placeholder, so that costs no memory."""
-    retyped: dict[int, torch.nn.Parameter] = {}
+def _materialize_empty(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every parameter of a model built on the meta device uninitialised storage on `device`,
+    floating ones in `dtype`, ties kept (the models register no buffers). Nothing is written and
+    nothing is allocated twice: load_weights fills every parameter, and a weight that stays
+    compressed (or is packed) never touches its placeholder, so on the CPU that costs no memory."""
+    done: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            if param.is_floating_point() and param.dtype != dtype:
-                if id(param) not in retyped:
-                    retyped[id(param)] = torch.nn.Parameter(torch.empty_like(param, dtype=dtype),
-                                                            requires_grad=param.requires_grad)
-                setattr(module, name, retyped[id(param)])
+            if id(param) not in done:
+                target = dtype if param.is_floating_point() else param.dtype
+                done[id(param)] = torch.nn.Parameter(torch.empty_like(param, dtype=target, device=device),
+                                                     requires_grad=param.requires_grad)
+            setattr(module, name, done[id(param)])
