@@ -91,3 +91,23 @@ def test_weights_kept_compressed_give_the_same_logits_in_less_memory(smollm2_fol
     with pytest.raises(ValueError, match="no compressed weights"):
         runner_module.ModelRunner(bf16, dtype=torch.bfloat16, device="cpu", num_blocks=4, block_size=16,
                                   keep_weights_compressed=True)
+
+
+@pytest.mark.gpu
+def test_weights_kept_compressed_on_cuda_match_the_expanded_runner(smollm2_folders: tuple[Path, Path, Path]) -> None:
+    """The same on CUDA, where the Triton kernel expands each layer (skipped without CUDA)."""
+    runner_module = pytest.importorskip("backends.worker.model_runner")
+    pytest.importorskip("triton")
+    from backends.worker.batch import ForwardBatch, SeqChunk
+    _, bf16, compressed = smollm2_folders
+    prompt = (1, 504, 3458, 314, 253, 1345, 30, 2, 17, 93, 4, 1182, 42, 5, 880, 61, 7)
+    steps = [ForwardBatch(chunks=(SeqChunk(token_ids=prompt, num_context_tokens=0, block_table=(0, 1)),)),
+             ForwardBatch(chunks=(SeqChunk(token_ids=(28,), num_context_tokens=len(prompt), block_table=(0, 1)),))]
+    logits = []
+    for folder, keep in ((bf16, False), (compressed, True)):
+        runner = runner_module.ModelRunner(folder, dtype=torch.bfloat16, device="cuda", num_blocks=4,
+                                           block_size=16, attention_backend="sdpa", keep_weights_compressed=keep)
+        logits.append([runner.execute(batch).cpu() for batch in steps])
+    for ours, want in zip(logits[1], logits[0]):
+        assert torch.isfinite(want).all()
+        assert torch.equal(ours.view(torch.int16), want.view(torch.int16))
