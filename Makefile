@@ -16,8 +16,8 @@ PYTEST_ARGS ?=
 
 setup: $(VENV)/.setup-done
 
-# _decode.c: the C extension pip builds into the checkout (pyproject.toml); rebuild when it changes.
-$(VENV)/.setup-done: pyproject.toml Makefile backends/compression/_decode.c
+# _native.c: the C extension pip builds into the checkout (pyproject.toml); rebuild when it changes.
+$(VENV)/.setup-done: pyproject.toml Makefile backends/compression/_native.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)

@@ -3,7 +3,8 @@
 Each 16-bit codeword stands for a string of 1..8 exponent symbols, so every codeword sits at a
 fixed position and decoding needs no sequential bit parsing (gather, prefix sum, scatter: fast in
 numpy and trivially parallel on a GPU). The dictionary is rebuilt from the per-tensor symbol counts
-and a threshold, so the file stores ~1 KB per tensor instead of the 576 KB table. Pure numpy, no I/O.
+and a threshold, so the file stores ~1 KB per tensor instead of the 576 KB table. numpy, with the C
+extension's loops where it is built (the same results); no I/O.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from backends.compression.layout import MAX_WORD_SYMBOLS
+from backends.compression.native import native
 
 MAX_CODEWORDS = 1 << 16          # codewords are uint16
 _END_OF_LANE = 1 << 10           # pad rank: larger than any word's child count, so parses stop
@@ -68,15 +70,25 @@ def _levels(probs: np.ndarray, threshold: float, max_words: int) -> list[tuple[n
     return levels
 
 
+def _fits(probs: np.ndarray, threshold: float, max_words: int) -> bool:
+    """Whether the dictionary for `threshold` has at most `max_words` words (built in C when it can be:
+    the same words, ~20x faster)."""
+    if native is not None and max_words == MAX_CODEWORDS:
+        payload, lengths = np.empty(MAX_CODEWORDS, np.uint64), np.empty(MAX_CODEWORDS, np.uint8)
+        probs = np.ascontiguousarray(probs, np.float64)
+        return native.build_tables(probs, np.zeros(probs.size, np.uint8), float(threshold), payload, lengths) >= 0
+    return _levels(probs, threshold, max_words) is not None
+
+
 def choose_threshold(probs: np.ndarray, max_words: int = MAX_CODEWORDS) -> float:
     """The smallest threshold (bisected in log space) whose dictionary has at most `max_words` words."""
-    if _levels(probs, 0.0, max_words) is not None:
+    if _fits(probs, 0.0, max_words):
         return 0.0  # the complete tree of depth 8 fits (tiny alphabets)
     # hi always fits (at most 100 words per level have p >= 1e-2); lo = 1e-9 << 1 / MAX_CODEWORDS
     lo, hi = np.log(1e-9), np.log(1e-2)
     for _ in range(_SEARCH_STEPS):
         mid = (lo + hi) / 2
-        if _levels(probs, float(np.exp(mid)), max_words) is None:
+        if not _fits(probs, float(np.exp(mid)), max_words):
             lo = mid
         else:
             hi = mid
@@ -131,11 +143,13 @@ def encode(ranks: np.ndarray, book: Codebook, lane_size: int) -> tuple[np.ndarra
 
 def encode_many(streams: list[tuple[np.ndarray, Codebook]], lane_size: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Greedy longest-match parse of each (alphabet ranks, dictionary) stream, restarted every
-    `lane_size` symbols. Every lane of every stream is parsed in lockstep over the concatenated
-    dictionaries, so the Python loop runs ~lane_size / mean word length times in all and numpy's
-    per-call overhead is paid once for many tensors.
+    `lane_size` symbols: in C one stream at a time, else every lane of every stream in lockstep over
+    the concatenated dictionaries, so the Python loop runs ~lane_size / mean word length times in all
+    and numpy's per-call overhead is paid once for many tensors.
     Returns, per stream, (codewords uint16 in lane order, codewords per lane uint16).
     """
+    if native is not None:
+        return [_encode_native(ranks, book, lane_size) for ranks, book in streams]
     word_base = np.cumsum([0] + [book.num_words for _, book in streams])
     first_child = np.concatenate([book.first_child + base for (_, book), base in zip(streams, word_base)])
     num_children = np.concatenate([book.num_children for _, book in streams]).astype(np.int32)
@@ -178,3 +192,14 @@ def encode_many(streams: list[tuple[np.ndarray, Codebook]], lane_size: int) -> l
         out.append((part[valid].astype(np.uint16), valid.sum(axis=1).astype(np.uint16)))
         row += num_lanes
     return out
+
+
+def _encode_native(ranks: np.ndarray, book: Codebook, lane_size: int) -> tuple[np.ndarray, np.ndarray]:
+    ranks = np.ascontiguousarray(ranks, np.uint8)
+    codes = np.empty(ranks.size, np.uint16)
+    lanes = np.empty(-(-ranks.size // lane_size), np.uint16)
+    num_codes = native.encode_lanes(ranks, np.ascontiguousarray(book.first_child, np.int64),
+                                    np.ascontiguousarray(book.num_children, np.int64), lane_size, codes, lanes)
+    if num_codes < 0:
+        raise ValueError("symbol ranks outside the dictionary")
+    return codes[:num_codes].copy(), lanes

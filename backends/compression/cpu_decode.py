@@ -1,10 +1,10 @@
 """CPU loader of compressed safetensors files: verify, decode and reassemble every tensor.
 
 Each distinct dictionary is rebuilt once per file; then every (tensor, chunk) pair is a work item on a
-thread pool: two checksums and one call of the C decoder (`_decode.c`) on a ~256K-element chunk, all of
+thread pool: two checksums and one call of the C decoder (`_native.c`) on a ~256K-element chunk, all of
 which release the GIL, writing straight into the output tensor. Where the C extension was not built
 (no compiler at install time), the same chunk takes a dozen numpy/torch calls instead, through
-per-thread scratch buffers, to the same bits at about half the speed.
+per-thread scratch buffers, to the same bits at about a third of the speed.
 """
 from __future__ import annotations
 
@@ -26,14 +26,11 @@ from backends.compression.layout import (
     FloatKind, Part, PlainRecord, book_checksum, chunk_bounds, lane_offsets, part_name, records_from_json,
 )
 
-try:
-    from backends.compression import _decode as native_decoder
-except ImportError:     # built without a C compiler: the numpy path
-    native_decoder = None
+from backends.compression.native import native as native_decoder
 
 _OUT_DTYPES = {FloatKind.BF16: torch.bfloat16, FloatKind.FP16: torch.float16}
 _ARENA_ALIGN = 64       # bytes: every output tensor starts on a cache line
-_NATIVE_KINDS = {FloatKind.BF16: 0, FloatKind.FP16: 1}   # `kind` argument of _decode.decode_chunk
+_NATIVE_KINDS = {FloatKind.BF16: 0, FloatKind.FP16: 1}   # `kind` argument of _native.decode_chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,7 +315,7 @@ def load_compressed_file(path: Path | str, num_threads: int | None = None,
     (naming the tensor) instead of ever returning damaged weights. `native`: decode with the C
     extension (True: required), with numpy (False), or with the C extension where it was built (None)."""
     if native and native_decoder is None:
-        raise RuntimeError("backends.compression._decode was not built (no C compiler at install time?)")
+        raise RuntimeError("backends.compression._native was not built (no C compiler at install time?)")
     use_native = native_decoder is not None if native is None else native
     mapped = map_file(Path(path))
     records = read_records(mapped)

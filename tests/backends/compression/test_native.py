@@ -1,11 +1,11 @@
-"""The C decoder (`backends/compression/_decode.c`): built by `make setup`, the same bits as the numpy
+"""The C decoder (`backends/compression/_native.c`): built by `make setup`, the same bits as the numpy
 path and as the weights it was given, and a refusal (never a write out of bounds) on bad codewords."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
@@ -21,8 +21,8 @@ KINDS = {FloatKind.BF16: 0, FloatKind.FP16: 1}
 
 def test_extension_is_built() -> None:
     assert native_decoder is not None, (
-        "backends.compression._decode is missing: `pip install -e .` needs a C compiler and Python headers "
-        "to build it; without them weights decode with numpy at about half the speed")
+        "backends.compression._native is missing: `pip install -e .` needs a C compiler and Python headers "
+        "to build it; without them weights decode with numpy at about a third of the speed")
 
 
 needs_native = pytest.mark.skipif(native_decoder is None, reason="C decoder not built")
@@ -186,3 +186,33 @@ def test_native_dictionary_equals_the_numpy_build(counts: np.ndarray) -> None:
         np.testing.assert_array_equal(got.payload, want.payload)
         outcomes.add("built")
     assert "built" in outcomes
+
+
+@needs_native
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(counts=symbol_counts(), size=st.sampled_from([1, 5, 1023, 1024, 1025, 5000]),
+       lane_size=st.sampled_from([1, 3, 64, 1024]), seed=st.integers(0, 2**32 - 1))
+def test_native_encoder_and_threshold_equal_the_numpy_ones(counts: np.ndarray, size: int, lane_size: int, seed: int,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    symbols, probs = codebook.alphabet_probabilities(np.arange(256), counts)
+    ranks = np.random.default_rng(seed).choice(symbols.size, size, p=probs)
+    threshold = codebook.choose_threshold(probs)
+    book = codebook.build_codebook(symbols, probs, threshold)
+    codes, lanes = codebook.encode(ranks, book, lane_size)
+    with monkeypatch.context() as patch:
+        patch.setattr(codebook, "native", None)
+        assert codebook.choose_threshold(probs) == threshold
+        want_codes, want_lanes = codebook.encode(ranks, book, lane_size)
+    np.testing.assert_array_equal(codes, want_codes)
+    np.testing.assert_array_equal(lanes, want_lanes)
+    decoded = cpu_decode.expand_codes(codes, book.payload, book.lengths, size)
+    np.testing.assert_array_equal(decoded, symbols[ranks])
+
+
+def test_compressed_files_are_identical_with_and_without_the_extension(source_folder, tmp_path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    root, _ = source_folder
+    compress_folder(root / "src", tmp_path / "native")
+    monkeypatch.setattr(codebook, "native", None)
+    compress_folder(root / "src", tmp_path / "numpy")
+    assert (tmp_path / "native" / "model.safetensors").read_bytes() == (tmp_path / "numpy" / "model.safetensors").read_bytes()

@@ -1,5 +1,5 @@
-/* The CPU decoder's inner loops in C: rebuilding a dictionary, and one chunk's codewords -> symbols
- * -> merged 16-bit floats.
+/* The compressor's and the CPU decoder's inner loops in C: parsing symbols into codewords, rebuilding
+ * a dictionary, and one chunk's codewords -> symbols -> merged 16-bit floats.
  *
  * The numpy path (cpu_decode.expand_into + merge_into) makes a dozen passes over a chunk; this makes
  * one over the codewords, expanding each word's symbols into a small buffer that stays in L1, and one
@@ -135,6 +135,66 @@ static PyObject *build_tables(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(total);
 }
 
+/* Greedy longest-match parse of alphabet ranks through the dictionary tree (codebook.encode_many's
+ * numpy loop, one lane at a time): a word starts at the single-symbol word of its first rank and
+ * follows children while the next rank has one, up to MAX_WORD_SYMBOLS symbols, never past its lane.
+ * Returns the number of codewords, or -1 when the ranks or the tree are inconsistent. */
+static Py_ssize_t encode(const uint8_t *ranks, Py_ssize_t n, const int64_t *first_child, const int64_t *num_children,
+                         Py_ssize_t num_words, Py_ssize_t lane_size, uint16_t *codes, uint16_t *lanes) {
+    Py_ssize_t num_codes = 0;
+    for (Py_ssize_t lane = 0, start = 0; start < n; lane++, start += lane_size) {
+        Py_ssize_t end = start + lane_size < n ? start + lane_size : n, before = num_codes;
+        for (Py_ssize_t pos = start; pos < end;) {
+            int64_t node = ranks[pos];
+            if (node >= num_words) return -1;
+            Py_ssize_t length = 1;
+            while (length < MAX_WORD_SYMBOLS && pos + length < end && ranks[pos + length] < num_children[node]) {
+                node = first_child[node] + ranks[pos + length];
+                if (node < 0 || node >= num_words) return -1;
+                length++;
+            }
+            codes[num_codes++] = (uint16_t)node;
+            pos += length;
+        }
+        lanes[lane] = (uint16_t)(num_codes - before);   /* as numpy's astype: the format's lanes hold <= 1024 */
+    }
+    return num_codes;
+}
+
+static PyObject *encode_lanes(PyObject *self, PyObject *args) {
+    Py_buffer ranks, first_child, num_children, codes, lanes;
+    Py_ssize_t lane_size;
+    if (!PyArg_ParseTuple(args, "y*y*y*nw*w*:encode_lanes", &ranks, &first_child, &num_children, &lane_size, &codes,
+                          &lanes))
+        return NULL;
+    const char *problem = NULL;
+    Py_ssize_t n = ranks.len, num_words = first_child.len / 8;
+    if (first_child.len % 8 != 0 || num_children.len != first_child.len || num_words > NUM_CODEWORDS)
+        problem = "first_child and num_children must be int64 per word (at most 65536 words)";
+    else if (lane_size < 1) problem = "lane_size must be positive";
+    else if (codes.len != 2 * n || lanes.len != 2 * ((n + lane_size - 1) / lane_size))
+        problem = "codes must hold one uint16 per rank and lanes one uint16 per lane";
+    else if ((uintptr_t)first_child.buf % 8 || (uintptr_t)num_children.buf % 8 || (uintptr_t)codes.buf % 2
+             || (uintptr_t)lanes.buf % 2)
+        problem = "misaligned buffer";
+    Py_ssize_t num_codes = 0;
+    if (problem == NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        num_codes = encode(ranks.buf, n, first_child.buf, num_children.buf, num_words, lane_size, codes.buf, lanes.buf);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&ranks);
+    PyBuffer_Release(&first_child);
+    PyBuffer_Release(&num_children);
+    PyBuffer_Release(&codes);
+    PyBuffer_Release(&lanes);
+    if (problem != NULL) {
+        PyErr_SetString(PyExc_ValueError, problem);
+        return NULL;
+    }
+    return PyLong_FromSsize_t(num_codes);
+}
+
 static PyObject *decode_chunk(PyObject *self, PyObject *args) {
     Py_buffer codes, payload, lengths, raw, out;
     Py_ssize_t num_words;
@@ -180,10 +240,16 @@ static PyMethodDef methods[] = {
      "Fill the decoder's tables (payload: 65536 uint64, lengths: 65536 uint8; zero past the dictionary)\n"
      "with the dictionary codebook.build_codebook builds for sorted float64 `probs` of uint8 `symbols`\n"
      "and `threshold`. Returns the number of words, or -1 when they would exceed 65536."},
+    {"encode_lanes", encode_lanes, METH_VARARGS,
+     "encode_lanes(ranks, first_child, num_children, lane_size, codes, lanes) -> int\n\n"
+     "Parse uint8 alphabet `ranks` into codewords (uint16 `codes`, capacity one per rank) lane by lane,\n"
+     "greedy longest match through the dictionary tree (int64 first_child / num_children per word);\n"
+     "`lanes` gets each lane's codeword count. Returns the number of codewords, or -1 when the ranks\n"
+     "or the tree are inconsistent."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_decode", "C inner loop of the CPU weight decoder.",
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "C inner loops of the weight compressor and decoder.",
                                     -1, methods};
 
-PyMODINIT_FUNC PyInit__decode(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
