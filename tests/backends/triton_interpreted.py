@@ -58,6 +58,18 @@ def compression(work: Path) -> None:
         assert torch.equal(got.reshape(-1).view(torch.uint8), want[name].reshape(-1).view(torch.uint8)), name
         assert torch.equal(got.reshape(-1).view(torch.uint8), weights[name].reshape(-1).view(torch.uint8)), name
         print(f"compression {name}: triton decode == original bits")
+    # as --keep-weights-compressed fuses q/k/v: tensors expanded into row slices of one buffer, at an
+    # offset, with nothing written outside their slice
+    resident = load_compressed_resident(file, "cpu")
+    first, second = resident["trained_like.weight"], resident["all_exponents.weight"]
+    n1, n2 = first.record.numel, second.record.numel
+    buffer = torch.full((5 + n1 + n2 + 5,), 7.0, dtype=torch.bfloat16)
+    first.decompress(buffer[5:5 + n1].view(first.shape), use_triton=True)
+    second.decompress(buffer[5 + n1:5 + n1 + n2].view(second.shape), use_triton=True)
+    want = torch.cat([weights["trained_like.weight"].reshape(-1), weights["all_exponents.weight"].reshape(-1)])
+    assert torch.equal(buffer[5:5 + n1 + n2].view(torch.int16), want.view(torch.int16))
+    assert (buffer[:5] == 7.0).all() and (buffer[5 + n1 + n2:] == 7.0).all()
+    print("compression row slices: triton decode == original bits, nothing past the slice")
 
 
 if __name__ == "__main__":
