@@ -131,12 +131,13 @@ def compress_file(src: Path, dst: Path, cast: CastDtype | None,
     """Compress one safetensors file into a safetensors file with FORMAT_KEY in its metadata (`version`:
     an older readable format, for compatibility tests only).
 
-    Parts are ordered by alignment (uint32 checks, then uint16 lanes and codes, then plain tensors,
-    then raw bytes) so the reader's views are aligned.
+    Parts are ordered by alignment (uint32 checks, then uint16 lanes, then codes, then plain tensors,
+    then raw bytes) so the reader's views are aligned and all lane tables are read in one pass.
     """
     records: dict[str, Record] = {}
     aligned4: list[Entry] = []
-    aligned2: list[Entry] = []
+    lanes_parts: list[Entry] = []
+    codes_parts: list[Entry] = []
     plain: list[Entry] = []
     raw_parts: list[Entry] = []
     stats: list[TensorStats] = []
@@ -151,8 +152,8 @@ def compress_file(src: Path, dst: Path, cast: CastDtype | None,
         for (name, tensor, _), (record, parts) in zip(pending, results):
             records[name] = record
             aligned4.append(numpy_entry(part_name(name, Part.CHECKS), parts[Part.CHECKS]))
-            aligned2.append(numpy_entry(part_name(name, Part.LANES), parts[Part.LANES]))
-            aligned2.append(numpy_entry(part_name(name, Part.CODES), parts[Part.CODES]))
+            lanes_parts.append(numpy_entry(part_name(name, Part.LANES), parts[Part.LANES]))
+            codes_parts.append(numpy_entry(part_name(name, Part.CODES), parts[Part.CODES]))
             raw_parts.append(numpy_entry(part_name(name, Part.RAW), parts[Part.RAW]))
             original = tensor.numel() * tensor.element_size()
             report(TensorStats(name, original, sum(p.nbytes for p in parts.values()), compressed=True))
@@ -180,7 +181,7 @@ def compress_file(src: Path, dst: Path, cast: CastDtype | None,
                 flush()
         flush()
     metadata = {FORMAT_KEY: version, TENSORS_KEY: records_to_json(records)}
-    write_safetensors(dst, aligned4 + aligned2 + plain + raw_parts, metadata)
+    write_safetensors(dst, aligned4 + lanes_parts + codes_parts + plain + raw_parts, metadata)
     return stats
 
 

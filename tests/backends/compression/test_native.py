@@ -216,3 +216,15 @@ def test_compressed_files_are_identical_with_and_without_the_extension(source_fo
     monkeypatch.setattr(codebook, "native", None)
     compress_folder(root / "src", tmp_path / "numpy")
     assert (tmp_path / "native" / "model.safetensors").read_bytes() == (tmp_path / "numpy" / "model.safetensors").read_bytes()
+
+
+def test_parts_lie_in_the_documented_order(source_folder, tmp_path) -> None:
+    """checks, lanes, codes, plain tensors, raw bytes (docs/compression.md, "Data order")."""
+    root, _ = source_folder
+    compress_folder(root / "src", tmp_path / "out")
+    spans = map_file(tmp_path / "out" / "model.safetensors").spans
+    order = {"checks": 0, "lanes": 1, "codes": 2, "raw": 4}
+    rank = {name: order.get(name.rsplit("::", 1)[1], 3) if "::" in name else 3 for name in spans}
+    by_offset = sorted(spans, key=lambda name: spans[name][2])
+    assert [rank[name] for name in by_offset] == sorted(rank[name] for name in by_offset)
+    assert {rank[name] for name in spans} == {0, 1, 2, 3, 4}
