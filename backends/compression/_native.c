@@ -30,6 +30,13 @@ static inline void store_word(uint8_t *dst, uint64_t word) {
 #endif
 }
 
+/* Release the buffers a function parsed; then, when it found a problem with them, raise ValueError. */
+static int release(const char *problem, Py_buffer **buffers, size_t count) {
+    for (size_t i = 0; i < count; i++) PyBuffer_Release(buffers[i]);
+    if (problem != NULL) PyErr_SetString(PyExc_ValueError, problem);
+    return problem == NULL;
+}
+
 /* bf16: sign = raw bit 7, exponent = symbol, mantissa = raw bits 0-6; fp16: symbol high, raw low. */
 static void merge(uint16_t *out, const uint8_t *raw, const uint8_t *symbols, Py_ssize_t n, int kind) {
     if (kind == KIND_BF16) {
@@ -108,15 +115,8 @@ static PyObject *build_tables(PyObject *self, PyObject *args) {
     else if (payload.len != NUM_CODEWORDS * 8 || lengths.len != NUM_CODEWORDS) problem = "tables must cover 65536 codewords";
     else if ((uintptr_t)payload.buf % 8 != 0 || (uintptr_t)probs.buf % 8 != 0) problem = "misaligned buffer";
     Py_ssize_t total = 0;
-    if (problem == NULL) {
-        double *word_probs = PyMem_RawMalloc(NUM_CODEWORDS * sizeof(double));
-        if (word_probs == NULL) {
-            PyBuffer_Release(&probs);
-            PyBuffer_Release(&symbols);
-            PyBuffer_Release(&payload);
-            PyBuffer_Release(&lengths);
-            return PyErr_NoMemory();
-        }
+    double *word_probs = problem == NULL ? PyMem_RawMalloc(NUM_CODEWORDS * sizeof(double)) : NULL;
+    if (word_probs != NULL) {
         Py_BEGIN_ALLOW_THREADS
         memset(payload.buf, 0, (size_t)payload.len);
         memset(lengths.buf, 0, (size_t)lengths.len);
@@ -124,14 +124,8 @@ static PyObject *build_tables(PyObject *self, PyObject *args) {
         Py_END_ALLOW_THREADS
         PyMem_RawFree(word_probs);
     }
-    PyBuffer_Release(&probs);
-    PyBuffer_Release(&symbols);
-    PyBuffer_Release(&payload);
-    PyBuffer_Release(&lengths);
-    if (problem != NULL) {
-        PyErr_SetString(PyExc_ValueError, problem);
-        return NULL;
-    }
+    if (!release(problem, (Py_buffer *[]){&probs, &symbols, &payload, &lengths}, 4)) return NULL;
+    if (word_probs == NULL) return PyErr_NoMemory();
     return PyLong_FromSsize_t(total);
 }
 
@@ -183,15 +177,7 @@ static PyObject *encode_lanes(PyObject *self, PyObject *args) {
         num_codes = encode(ranks.buf, n, first_child.buf, num_children.buf, num_words, lane_size, codes.buf, lanes.buf);
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&ranks);
-    PyBuffer_Release(&first_child);
-    PyBuffer_Release(&num_children);
-    PyBuffer_Release(&codes);
-    PyBuffer_Release(&lanes);
-    if (problem != NULL) {
-        PyErr_SetString(PyExc_ValueError, problem);
-        return NULL;
-    }
+    if (!release(problem, (Py_buffer *[]){&ranks, &first_child, &num_children, &codes, &lanes}, 5)) return NULL;
     return PyLong_FromSsize_t(num_codes);
 }
 
@@ -216,15 +202,7 @@ static PyObject *decode_chunk(PyObject *self, PyObject *args) {
                         kind);
         Py_END_ALLOW_THREADS
     }
-    PyBuffer_Release(&codes);
-    PyBuffer_Release(&payload);
-    PyBuffer_Release(&lengths);
-    PyBuffer_Release(&raw);
-    PyBuffer_Release(&out);
-    if (problem != NULL) {
-        PyErr_SetString(PyExc_ValueError, problem);
-        return NULL;
-    }
+    if (!release(problem, (Py_buffer *[]){&codes, &payload, &lengths, &raw, &out}, 5)) return NULL;
     return PyBool_FromLong(status == 0);
 }
 

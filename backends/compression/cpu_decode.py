@@ -148,8 +148,8 @@ class ScratchPool:
             return Scratch(self.max_chunk, self.max_chunk)
 
 
-def decode_chunk(job: DecodeJob, chunk: int, scratches: ScratchPool | None) -> None:
-    """Verify and decode one chunk into job.out; `scratches`: None for the C decoder."""
+def checked_chunk(job: DecodeJob, chunk: int) -> tuple[int, int, np.ndarray, np.ndarray]:
+    """(first element, end element, codewords, raw bytes) of a chunk whose stored checksums match."""
     lo, hi, c0, c1 = chunk_bounds(job.record, job.offsets, chunk)
     stored = job.checks[chunk]
     codes = job.codes[c0:c1]
@@ -158,6 +158,12 @@ def decode_chunk(job: DecodeJob, chunk: int, scratches: ScratchPool | None) -> N
     raw = job.raw[lo:hi]
     if job.checksum(raw) != stored[1]:
         raise CorruptWeightsError(f"{job.where}: raw sign/mantissa chunk {chunk} fails its checksum")
+    return lo, hi, codes, raw
+
+
+def decode_chunk(job: DecodeJob, chunk: int, scratches: ScratchPool | None) -> None:
+    """Verify and decode one chunk into job.out; `scratches`: None for the C decoder."""
+    lo, hi, codes, raw = checked_chunk(job, chunk)
     if not expand_chunk(codes, job.tables, raw, job.out[lo:hi], job.record.kind, scratches):
         raise CorruptWeightsError(f"{job.where}: codewords of chunk {chunk} do not decode to its size")
 

@@ -16,7 +16,7 @@ import torch
 
 from backends.compression.container import map_file
 from backends.compression.cpu_decode import (
-    DecodeJob, DecodeTables, ScratchPool, book_key, expand_chunk, load_plain, native_decoder, prepare_job,
+    DecodeTables, ScratchPool, book_key, checked_chunk, expand_chunk, load_plain, native_decoder, prepare_job,
     read_records, rebuild_tables,
 )
 from backends.compression.layout import (
@@ -121,7 +121,8 @@ def load_compressed_resident(path: Path | str, device: torch.device | str) -> di
         tables, payload, lengths = books[key]
         # checks the parts' sizes; the host output is never written
         job, _ = prepare_job(mapped, name, record, tables, out=torch.empty(0, dtype=torch.int16))
-        _verify_chunks(job)
+        for chunk in range(record.num_chunks):
+            checked_chunk(job, chunk)
         result[name] = CompressedTensor(
             record=record,
             codes=torch.from_numpy(job.codes.view(np.int16).copy()).to(device),
@@ -131,12 +132,3 @@ def load_compressed_resident(path: Path | str, device: torch.device | str) -> di
             tables=tables,
         )
     return result
-
-
-def _verify_chunks(job: DecodeJob) -> None:
-    for chunk in range(job.record.num_chunks):
-        lo, hi, c0, c1 = chunk_bounds(job.record, job.offsets, chunk)
-        if job.checksum(job.codes[c0:c1].view(np.uint8)) != job.checks[chunk, 0]:
-            raise CorruptWeightsError(f"{job.where}: compressed chunk {chunk} fails its checksum")
-        if job.checksum(job.raw[lo:hi]) != job.checks[chunk, 1]:
-            raise CorruptWeightsError(f"{job.where}: raw sign/mantissa chunk {chunk} fails its checksum")

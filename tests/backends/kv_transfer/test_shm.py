@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,21 @@ def stacked_sink(num_blocks: int = 64, seed: int = 2) -> TorchPagedKV:
         k.copy_(rk)
         v.copy_(rv)
     return TorchPagedKV(list(zip(cache.k, cache.v)))
+
+
+@contextlib.asynccontextmanager
+async def served(src: TorchPagedKV, *files: SharedKVFile) -> AsyncIterator[tuple[int, TcpKVConnector]]:
+    """(port of a server for `src`, a client); both closed afterwards, and `files` too."""
+    server = TcpKVConnector()
+    _, port = await server.serve(src, "127.0.0.1", 0)
+    client = TcpKVConnector()
+    try:
+        yield port, client
+    finally:
+        await client.close()
+        await server.close()
+        for file in files:
+            file.close()
 
 
 def test_shared_file_is_zeroed_private_and_nameless() -> None:
@@ -88,10 +104,7 @@ async def test_same_host_pull_copies_through_shared_memory(dtype: torch.dtype, s
     src, shared = shared_source(dtype=dtype)
     dst = stacked_sink() if stacked and dtype == torch.float32 else make_kv(64, dtype, seed=2)
     before = snapshot(dst)
-    server = TcpKVConnector()
-    _, port = await server.serve(src, "127.0.0.1", 0)
-    client = TcpKVConnector()
-    try:
+    async with served(src, shared) as (port, client):
         src.holds.hold("t", src_ids)
         result = await client.pull(remote(port, "t", len(src_ids)), dst, dst_ids)
         assert result.shared_memory and result.released
@@ -99,10 +112,6 @@ async def test_same_host_pull_copies_through_shared_memory(dtype: torch.dtype, s
         assert_blocks_equal(src, src_ids, dst, dst_ids)
         assert_untouched(dst, before, dst_ids)
         assert src.holds.lookup("t") is None
-    finally:
-        await client.close()
-        await server.close()
-        shared.close()
 
 
 async def test_partial_pull_and_release_modes() -> None:
@@ -129,20 +138,13 @@ async def test_client_that_cannot_map_the_region_gets_the_tcp_stream() -> None:
     src, shared = shared_source()
     src.region = SharedRegion("/proc/999999999/fd/3", shared.region.nonce, shared.region.offset, 64)
     dst = make_kv(64, seed=2)
-    server = TcpKVConnector()
-    _, port = await server.serve(src, "127.0.0.1", 0)
-    client = TcpKVConnector()
-    try:
+    async with served(src, shared) as (port, client):
         for transfer_id in ("a", "b"):
             src.holds.hold(transfer_id, SRC_IDS)
             result = await client.pull(remote(port, transfer_id, len(SRC_IDS)), dst, DST_IDS)
             assert not result.shared_memory and result.released
             assert_blocks_equal(src, SRC_IDS, dst, DST_IDS)
         assert not client._mappings.wanted("127.0.0.1", port)
-    finally:
-        await client.close()
-        await server.close()
-        shared.close()
 
 
 @pytest.mark.parametrize("path", ["/etc/passwd", "/proc/self/fd/0/../../environ", "relative/path"])
@@ -154,18 +156,11 @@ async def test_paths_other_than_a_process_descriptor_are_never_opened(path: str,
     real_open = os.open
     monkeypatch.setattr(os, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k))
     dst = make_kv(64, seed=2)
-    server = TcpKVConnector()
-    _, port = await server.serve(src, "127.0.0.1", 0)
-    client = TcpKVConnector()
-    try:
+    async with served(src, shared) as (port, client):
         src.holds.hold("t", SRC_IDS)
         result = await client.pull(remote(port, "t", len(SRC_IDS)), dst, DST_IDS)
         assert not result.shared_memory and path not in opened
         assert_blocks_equal(src, SRC_IDS, dst, DST_IDS)
-    finally:
-        await client.close()
-        await server.close()
-        shared.close()
 
 
 async def test_a_region_of_another_cache_is_not_copied_from() -> None:
@@ -174,19 +169,11 @@ async def test_a_region_of_another_cache_is_not_copied_from() -> None:
     other, other_file = shared_source(seed=5)
     src.region = SharedRegion(other.region.path, shared.region.nonce, shared.region.offset, 64)
     dst = make_kv(64, seed=2)
-    server = TcpKVConnector()
-    _, port = await server.serve(src, "127.0.0.1", 0)
-    client = TcpKVConnector()
-    try:
+    async with served(src, shared, other_file) as (port, client):
         src.holds.hold("t", SRC_IDS)
         result = await client.pull(remote(port, "t", len(SRC_IDS)), dst, DST_IDS)
         assert not result.shared_memory
         assert_blocks_equal(src, SRC_IDS, dst, DST_IDS)
-    finally:
-        await client.close()
-        await server.close()
-        shared.close()
-        other_file.close()
 
 
 class CountingSource:
@@ -267,15 +254,12 @@ async def test_blocks_stay_pinned_until_the_client_is_done(ending: str) -> None:
 async def test_a_failing_copy_is_a_clean_error_and_keeps_the_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     src, shared = shared_source()
     dst = make_kv(64, seed=2)
-    server = TcpKVConnector()
-    _, port = await server.serve(src, "127.0.0.1", 0)
-    client = TcpKVConnector()
 
     def broken(*_: object) -> int:
         raise MemoryError("simulated")
 
     monkeypatch.setattr("backends.kv_transfer.shm.copy_blocks", broken)
-    try:
+    async with served(src, shared) as (port, client):
         src.holds.hold("t", SRC_IDS)
         with pytest.raises(KVTransferError) as info:
             await client.pull(remote(port, "t", len(SRC_IDS)), dst, DST_IDS)
@@ -285,7 +269,3 @@ async def test_a_failing_copy_is_a_clean_error_and_keeps_the_hold(monkeypatch: p
         result = await client.pull(remote(port, "t", len(SRC_IDS)), dst, DST_IDS)
         assert result.shared_memory
         assert_blocks_equal(src, SRC_IDS, dst, DST_IDS)
-    finally:
-        await client.close()
-        await server.close()
-        shared.close()
