@@ -5,12 +5,15 @@ Wraps the model folder's Hugging Face tokenizer; detokenization of outputs lives
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import jinja2
 from tokenizers import Tokenizer
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from backends.models.config import read_config_json
 from backends.server.errors import invalid_param
 from backends.server.protocol import GenerateRequest, RequestKind
 
@@ -27,7 +30,7 @@ class PromptTokenizer:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> PromptTokenizer:
-        return cls(AutoTokenizer.from_pretrained(str(model_dir)))
+        return cls(AutoTokenizer.from_pretrained(str(model_dir), **_plain_config(Path(model_dir))))
 
     @property
     def backend(self) -> Tokenizer:
@@ -53,3 +56,23 @@ class PromptTokenizer:
             raise invalid_param("messages", f"The chat template refused the messages: {exc}") from exc
         # The template already wrote the special tokens (BOS, role markers): add none.
         return tuple(self._hf(text, add_special_tokens=False)["input_ids"])
+
+
+def _plain_config(model_dir: Path) -> dict[str, Any]:
+    """AutoTokenizer's `config` argument, when a plain one will do: AutoTokenizer picks the class from
+    tokenizer_config.json's `tokenizer_class` and the config's model_type and name, and given no config
+    it reads them through the model's config class, whose import costs 1.5 s of a worker start (see
+    backends.models.config). A plain PretrainedConfig of config.json carries the same three. Not when
+    tokenizer_config.json names no class or custom code: AutoTokenizer then looks the class up by the
+    config class itself."""
+    try:
+        with open(model_dir / "tokenizer_config.json", encoding="utf-8") as file:
+            tokenizer_config = json.load(file)
+        data = read_config_json(model_dir)
+    except (OSError, ValueError):
+        return {}
+    if not tokenizer_config.get("tokenizer_class") or "auto_map" in tokenizer_config or not data.get("model_type"):
+        return {}
+    config = PretrainedConfig(**data)
+    config._name_or_path = str(model_dir)   # what AutoConfig sets: AutoTokenizer matches model ids on it
+    return {"config": config}

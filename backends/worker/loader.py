@@ -18,8 +18,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from backends.worker.gguf_convert import convert_gguf
-
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_SPEC = "smollm2"
@@ -54,6 +52,13 @@ def resolve_model(spec: str, cache_dir: Path | None = None) -> Path:
     if path.is_file() and path.suffix == ".gguf":
         return _converted(path, models_dir / _gguf_cache_key(path))
     raise FileNotFoundError(f"model {spec!r} is neither 'smollm2', an HF folder nor a .gguf file")
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """gguf_convert, imported only when a GGUF is converted: it pulls in the gguf package and
+    transformers' model classes, ~1.1 s of every worker start otherwise."""
+    from backends.worker.gguf_convert import convert_gguf as convert
+    convert(gguf_path, out_dir)
 
 
 def _gguf_cache_key(path: Path) -> str:

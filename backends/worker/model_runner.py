@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from backends.attention.base import AttentionContext, AttentionShape, StepLayout, create_backend
 from backends.models import model_class
+from backends.models.config import load_model_config
 from backends.worker.batch import ForwardBatch
 from backends.worker.kv_cache import KVCache, KVCacheSpec
 from backends.worker.loader import load_weights
@@ -34,7 +34,7 @@ class ModelRunner:
             raise ValueError("block_size must be positive")
         self.device = torch.device(device)
         self.dtype = dtype
-        self.config = AutoConfig.from_pretrained(str(model_dir))
+        self.config = load_model_config(Path(model_dir))
         self.model = self._load_model(Path(model_dir), keep_weights_compressed)
         attn = self.model.layers[0].self_attn
         self.block_size = block_size
@@ -141,6 +141,8 @@ def _materialize_empty(model: torch.nn.Module, dtype: torch.dtype, device: torch
         for name, param in list(module.named_parameters(recurse=False)):
             if id(param) not in done:
                 target = dtype if param.is_floating_point() else param.dtype
-                done[id(param)] = torch.nn.Parameter(torch.empty_like(param, dtype=target, device=device),
+                # torch.empty, not empty_like: empty_like of a meta tensor goes through torch._refs,
+                # whose first call imports sympy (0.42 s of a worker start)
+                done[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=target, device=device),
                                                      requires_grad=param.requires_grad)
             setattr(module, name, done[id(param)])
