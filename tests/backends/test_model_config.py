@@ -15,7 +15,6 @@ from transformers import AutoConfig, AutoTokenizer
 
 from backends.models import model_class
 from backends.models.config import load_model_config
-from backends.models.layers import rope_inv_freq
 from backends.server.tokenization import PromptTokenizer
 from tests.backends.test_model_forward import _TINY, TINY_MODELS
 
