@@ -8,14 +8,15 @@ import argparse
 import gc
 import logging
 from collections.abc import Sequence
-
-import uvloop
-from aiohttp import web
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from backends.attention.base import AttentionBackendName
 from backends.engine.config import EngineConfig
-from backends.server.app import create_app
 from backends.server.config import ServerConfig, WorkerRole
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 DEFAULT_MODEL = "smollm2"
 
@@ -115,6 +116,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config, engine_config = build_configs(args)
+    if not engine_config.keep_weights_compressed:
+        from backends.worker.loader import prefetch_weights
+        prefetch_weights(Path(engine_config.model_dir))   # read while the server's modules import
+    # Imported only now: aiohttp and transformers take ~1.1 s to import, the prefetch's time to read.
+    import uvloop
+    from aiohttp import web
+
+    from backends.server.app import create_app
+
     app = create_app(server_config, engine_config)
     app.on_startup.append(_freeze_gc)
     web.run_app(

@@ -11,6 +11,9 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -95,11 +98,53 @@ def _make_readable(folder: Path) -> None:
         path.chmod(0o644)
 
 
+# Weights being read ahead by prefetch_weights, by resolved folder, until load_weights takes them.
+_prefetched: dict[Path, Future] = {}
+_prefetched_lock = threading.Lock()
+
+
+def prefetch_weights(folder: Path) -> None:
+    """Start reading `folder`'s weights on a background thread, for the next load_weights(folder).
+
+    A worker calls this before its slow imports (aiohttp, transformers, the tokenizer: ~1.3 s of
+    interpreter work on one core): the file is then read, and a compressed file decoded, on the
+    cores those leave idle. The compressed decoder releases the GIL and runs on one core fewer than
+    the machine has, so the imports keep theirs. Errors surface from load_weights, as they would
+    have without the prefetch."""
+    key = Path(folder).resolve()
+    future: Future = Future()
+    with _prefetched_lock:
+        if key in _prefetched:
+            return
+        _prefetched[key] = future
+    threads = max(1, (os.cpu_count() or 1) - 1)
+
+    def run() -> None:
+        start = time.perf_counter()
+        try:
+            future.set_result(_read_weights(key, None, threads))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever takes the weights
+            future.set_exception(exc)
+        else:
+            log.info("weights of %s read ahead in %.2f s", key, time.perf_counter() - start)
+
+    threading.Thread(target=run, name="weights-prefetch", daemon=True).start()
+
+
 def load_weights(folder: Path, keep_compressed_on: torch.device | None = None) -> dict[str, Any]:
     """Every tensor of every *.safetensors file in `folder`, by name, on CPU. `keep_compressed_on`: the
     matrices of switchyard-compressed files come back as CompressedTensor on that device instead
-    (expanded on demand); a folder without compressed files is then refused."""
-    files = sorted(Path(folder).glob("*.safetensors"))
+    (expanded on demand); a folder without compressed files is then refused. Takes what
+    prefetch_weights read (waiting for it) when that was asked for this folder."""
+    with _prefetched_lock:
+        future = _prefetched.pop(Path(folder).resolve(), None)
+    if future is not None and keep_compressed_on is None:
+        return future.result()
+    return _read_weights(Path(folder), keep_compressed_on, None)
+
+
+def _read_weights(folder: Path, keep_compressed_on: torch.device | None, num_threads: int | None) -> dict[str, Any]:
+    files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
     weights: dict[str, Any] = {}
@@ -115,9 +160,19 @@ def load_weights(folder: Path, keep_compressed_on: torch.device | None = None) -
                 weights.update(load_compressed_resident(path, keep_compressed_on))
             else:
                 from backends.compression import load_compressed_file
-                weights.update(load_compressed_file(path))
+                weights.update(load_compressed_file(path, num_threads))
         else:
+            _read_ahead(path)   # load_file maps the file: it is read when the model copies from it
             weights.update(load_file(str(path)))
     if keep_compressed_on is not None and not any_compressed:
         raise ValueError(f"{folder} holds no compressed weights to keep compressed (see `switchyard compress`)")
     return weights
+
+
+def _read_ahead(path: Path) -> None:
+    """Ask the kernel to read a file into the page cache in the background."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)

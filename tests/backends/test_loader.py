@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from backends.worker import loader
@@ -85,3 +86,22 @@ def test_killed_conversion_leaves_no_half_cache(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(loader, "convert_gguf", dies_midway)  # a finished cache is never redone
     assert resolve_model(str(gguf), cache_dir=tmp_path / "cache") == first
     assert (first / "config.json").is_file() and [p.name for p in models.iterdir()] == [first.name]
+
+
+def test_prefetched_weights_are_the_weights(smollm2_dir: Path) -> None:
+    loader.prefetch_weights(smollm2_dir)
+    assert smollm2_dir.resolve() in loader._prefetched
+    ahead = load_weights(smollm2_dir)          # takes the prefetch
+    assert not loader._prefetched
+    again = load_weights(smollm2_dir)          # reads anew
+    assert ahead.keys() == again.keys() and ahead
+    for name, tensor in again.items():
+        assert ahead[name] is not tensor and torch.equal(ahead[name], tensor), name
+
+
+def test_a_failed_prefetch_raises_from_load_weights(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    loader.prefetch_weights(tmp_path)
+    assert tmp_path.resolve() in loader._prefetched
+    with pytest.raises(SafetensorError, match="deserializing header"):
+        load_weights(tmp_path)

@@ -1,12 +1,13 @@
 """Shared inputs for the compression tests: adversarial tensors and a tiny model folder."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 
 def bits_tensor(bits: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -64,3 +65,20 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "tokenizer").mkdir()
     (folder / "tokenizer" / "vocab.txt").write_text("a\nb\n")
     return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(fp32 source folder, bf16 folder, compressed bf16 folder) of the bundled model."""
+    from backends.compression import CastDtype, compress_folder
+    from backends.worker.loader import resolve_model
+    src = resolve_model("smollm2")
+    root = tmp_path_factory.mktemp("smollm2")
+    stats = compress_folder(src, root / "compressed", CastDtype.BF16)
+    assert sum(s.stored_bytes for s in stats) <= 0.70 * sum(s.original_bytes for s in stats)
+    bf16 = root / "bf16"
+    shutil.copytree(src, bf16, ignore=shutil.ignore_patterns("*.safetensors"))
+    for file in src.glob("*.safetensors"):
+        tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(str(file)).items()}
+        save_file(tensors, str(bf16 / file.name))
+    return src, bf16, root / "compressed"

