@@ -180,6 +180,10 @@ def bench_worker_starts(work: Path, rounds: int) -> None:
     print("\n| worker start to /health, weights evicted (s) | median | runs |\n|---|---|---|")
     for label, runs in times.items():
         print(f"| SmolLM2 {label} | {statistics.median(runs):.2f} | {' '.join(f'{t:.2f}' for t in runs)} |")
+    # each round starts both back to back, so a round's difference is free of the machine's slower drifts
+    diffs = sorted(c - b for b, c in zip(times["bf16"], times["compressed"]))
+    print(f"| compressed - bf16, same round | {statistics.median(diffs):+.2f} | "
+          f"{sum(d <= 0 for d in diffs)} of {len(diffs)} rounds <= 0; {diffs[0]:+.2f} .. {diffs[-1]:+.2f} |")
 
 
 def bench_resident(work: Path, repeats: int) -> None:

@@ -13,6 +13,10 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <nmmintrin.h>
+#define HAVE_SSE42_CRC 1
+#endif
 
 #define NUM_CODEWORDS 65536
 #define BLOCK 4096          /* symbols merged at a time: the buffer stays in L1 */
@@ -181,6 +185,121 @@ static PyObject *encode_lanes(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(num_codes);
 }
 
+/* CRC-32C (Castagnoli, reflected, the value of the `crc32c` package): the SSE4.2 instruction where
+ * the CPU has it, else a byte-wise table. */
+static uint32_t crc_table[256];
+static int crc_hardware;
+
+static void crc_init(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
+        crc_table[i] = c;
+    }
+#ifdef HAVE_SSE42_CRC
+    __builtin_cpu_init();
+    crc_hardware = __builtin_cpu_supports("sse4.2");
+#endif
+}
+
+#ifdef HAVE_SSE42_CRC
+__attribute__((target("sse4.2"))) static uint32_t crc_update_hw(uint32_t crc, const uint8_t *p, size_t n) {
+    uint64_t c = crc;
+    for (; n >= 8; p += 8, n -= 8) {
+        uint64_t word;
+        memcpy(&word, p, 8);
+        c = _mm_crc32_u64(c, word);
+    }
+    crc = (uint32_t)c;
+    for (; n > 0; p++, n--) crc = _mm_crc32_u8(crc, *p);
+    return crc;
+}
+#endif
+
+static uint32_t crc32c_table(const uint8_t *p, size_t n) {
+    uint32_t crc = 0xFFFFFFFFu;
+    for (; n > 0; p++, n--) crc = crc_table[(crc ^ *p) & 0xFFu] ^ (crc >> 8);
+    return ~crc;
+}
+
+static uint32_t crc32c_of(const uint8_t *p, size_t n) {
+#ifdef HAVE_SSE42_CRC
+    if (crc_hardware) return ~crc_update_hw(0xFFFFFFFFu, p, n);
+#endif
+    return crc32c_table(p, n);
+}
+
+/* Chunks [first, end) of one tensor, each checked against its two stored CRC-32Cs (codes, raw bytes)
+ * and decoded, all without the GIL: one call per range rather than a few Python calls per chunk, so
+ * a decoding thread barely contends for the GIL with the interpreter's other threads. Chunk c has
+ * elements [c * chunk_size, min(+chunk_size, n)) and lanes [c * lanes_per_chunk, ...), whose
+ * codewords start at lane_offsets[lane]. Returns -1, or 3 * chunk + (0: codes checksum, 1: raw
+ * checksum, 2: codewords do not decode to the chunk's size) for the first bad chunk. */
+static Py_ssize_t decode_range(const uint8_t *codes, Py_ssize_t num_codes, const uint64_t *payload,
+                               const uint8_t *lengths, Py_ssize_t num_words, const uint8_t *raw, uint16_t *out,
+                               Py_ssize_t n, int kind, const int64_t *lane_offsets, Py_ssize_t num_lanes,
+                               Py_ssize_t lanes_per_chunk, Py_ssize_t chunk_size, const uint32_t *checks,
+                               Py_ssize_t first, Py_ssize_t end) {
+    for (Py_ssize_t c = first; c < end; c++) {
+        Py_ssize_t lo = c * chunk_size, hi = lo + chunk_size < n ? lo + chunk_size : n;
+        Py_ssize_t lane_lo = c * lanes_per_chunk;
+        Py_ssize_t lane_hi = lane_lo + lanes_per_chunk < num_lanes ? lane_lo + lanes_per_chunk : num_lanes;
+        int64_t c0 = lane_offsets[lane_lo], c1 = lane_offsets[lane_hi];
+        if (c0 < 0 || c1 < c0 || c1 > num_codes) return 3 * c;
+        if (crc32c_of(codes + 2 * c0, (size_t)(2 * (c1 - c0))) != checks[2 * c]) return 3 * c;
+        if (crc32c_of(raw + lo, (size_t)(hi - lo)) != checks[2 * c + 1]) return 3 * c + 1;
+        if (c1 - c0 > hi - lo || decode(codes + 2 * c0, c1 - c0, payload, lengths, num_words, raw + lo, out + lo,
+                                        hi - lo, kind) != 0)
+            return 3 * c + 2;
+    }
+    return -1;
+}
+
+static PyObject *decode_chunks(PyObject *self, PyObject *args) {
+    Py_buffer codes, payload, lengths, raw, out, offsets, checks;
+    Py_ssize_t num_words, lanes_per_chunk, chunk_size, first, end;
+    int kind;
+    if (!PyArg_ParseTuple(args, "y*y*y*ny*w*iy*nny*nn:decode_chunks", &codes, &payload, &lengths, &num_words, &raw,
+                          &out, &kind, &offsets, &lanes_per_chunk, &chunk_size, &checks, &first, &end))
+        return NULL;
+    const char *problem = NULL;
+    Py_ssize_t n = raw.len, num_lanes = offsets.len / 8 - 1;
+    Py_ssize_t num_chunks = chunk_size > 0 ? (n + chunk_size - 1) / chunk_size : 0;
+    if (payload.len != NUM_CODEWORDS * 8 || lengths.len != NUM_CODEWORDS) problem = "tables must cover 65536 codewords";
+    else if (num_words < 0 || num_words > NUM_CODEWORDS) problem = "num_words out of range";
+    else if (codes.len % 2 != 0) problem = "codes must be whole uint16 codewords";
+    else if (out.len != 2 * n) problem = "out must hold one 16-bit value per raw byte";
+    else if (kind != KIND_BF16 && kind != KIND_FP16) problem = "unknown kind";
+    else if (offsets.len % 8 != 0 || num_lanes < 0) problem = "lane offsets must be int64, one more than the lanes";
+    else if (chunk_size < 1 || lanes_per_chunk < 1) problem = "chunk_size and lanes_per_chunk must be positive";
+    else if ((num_lanes + lanes_per_chunk - 1) / lanes_per_chunk != num_chunks) problem = "lanes do not cover the chunks";
+    else if (checks.len != 8 * num_chunks) problem = "checks must be two uint32 per chunk";
+    else if (first < 0 || end < first || end > num_chunks) problem = "chunk range out of bounds";
+    else if ((uintptr_t)payload.buf % 8 || (uintptr_t)out.buf % 2 || (uintptr_t)offsets.buf % 8 || (uintptr_t)checks.buf % 4)
+        problem = "misaligned buffer";
+    Py_ssize_t bad = -1;
+    if (problem == NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        bad = decode_range(codes.buf, codes.len / 2, payload.buf, lengths.buf, num_words, raw.buf, out.buf, n, kind,
+                           offsets.buf, num_lanes, lanes_per_chunk, chunk_size, checks.buf, first, end);
+        Py_END_ALLOW_THREADS
+    }
+    if (!release(problem, (Py_buffer *[]){&codes, &payload, &lengths, &raw, &out, &offsets, &checks}, 7)) return NULL;
+    return PyLong_FromSsize_t(bad);
+}
+
+static PyObject *crc32c_py(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    int table = 0;
+    if (!PyArg_ParseTuple(args, "y*|p:crc32c", &data, &table)) return NULL;
+    uint32_t crc;
+    Py_BEGIN_ALLOW_THREADS
+    crc = table ? crc32c_table(data.buf, (size_t)data.len) : crc32c_of(data.buf, (size_t)data.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&data);
+    return PyLong_FromUnsignedLong(crc);
+}
+
 static PyObject *decode_chunk(PyObject *self, PyObject *args) {
     Py_buffer codes, payload, lengths, raw, out;
     Py_ssize_t num_words;
@@ -224,10 +343,23 @@ static PyMethodDef methods[] = {
      "greedy longest match through the dictionary tree (int64 first_child / num_children per word);\n"
      "`lanes` gets each lane's codeword count. Returns the number of codewords, or -1 when the ranks\n"
      "or the tree are inconsistent."},
+    {"decode_chunks", decode_chunks, METH_VARARGS,
+     "decode_chunks(codes, payload, lengths, num_words, raw, out, kind, lane_offsets, lanes_per_chunk, chunk_size,\n"
+     "              checks, first, end) -> int\n\n"
+     "Check and decode chunks [first, end) of one tensor (its whole codes, raw bytes and output; int64\n"
+     "lane_offsets [num_lanes + 1]; uint32 checks [num_chunks, 2]: the CRC-32C of each chunk's codes and raw\n"
+     "bytes) without the GIL. -1 when all are good, else 3 * chunk + 0 (codes checksum), 1 (raw checksum)\n"
+     "or 2 (codewords do not decode to the chunk's size) for the first bad one."},
+    {"crc32c", crc32c_py, METH_VARARGS,
+     "crc32c(data, table=False) -> int: the CRC-32C decode_chunks checks, by the instruction where the CPU\n"
+     "has one or (table=True, as on other CPUs) by the byte-wise table. For tests."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "C inner loops of the weight compressor and decoder.",
                                     -1, methods};
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    crc_init();
+    return PyModule_Create(&module);
+}

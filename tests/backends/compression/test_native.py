@@ -2,6 +2,7 @@
 path and as the weights it was given, and a refusal (never a write out of bounds) on bad codewords."""
 from __future__ import annotations
 
+import crc32c
 import numpy as np
 import pytest
 import torch
@@ -228,3 +229,52 @@ def test_parts_lie_in_the_documented_order(source_folder, tmp_path) -> None:
     by_offset = sorted(spans, key=lambda name: spans[name][2])
     assert [rank[name] for name in by_offset] == sorted(rank[name] for name in by_offset)
     assert {rank[name] for name in spans} == {0, 1, 2, 3, 4}
+
+
+@needs_native
+@pytest.mark.parametrize("table", [False, True])
+def test_c_crc32c_is_the_packages(table: bool) -> None:
+    """decode_chunks checks chunks with its own CRC-32C: the SSE4.2 instruction here, the byte-wise
+    table on other CPUs; both must give the `crc32c` package's values (the compressor's)."""
+    rng = np.random.default_rng(7)
+    data = rng.integers(0, 256, 70_000, dtype=np.uint8)
+    for size in (0, 1, 7, 8, 9, 63, 4096, 65_537):
+        for offset in (0, 1, 5):
+            piece = data[offset:offset + size]
+            assert native_decoder.crc32c(piece, table) == crc32c.crc32c(piece), (size, offset)
+
+
+@needs_native
+def test_decode_chunks_rejects_inconsistent_layouts() -> None:
+    tables = decode_tables(np.arange(4, dtype=np.uint64), np.ones(4, np.uint8))
+    codes, raw, out = np.zeros(8, "<u2"), np.zeros(8, np.uint8), np.zeros(8, np.uint16)
+    offsets, checks = np.array([0, 4, 8], np.int64), np.zeros(4, "<u4")    # 2 lanes, 2 chunks of 4
+
+    def call(**changes):
+        args = dict(codes=codes, payload=tables.payload, lengths=tables.lengths, num_words=4, raw=raw, out=out,
+                    kind=0, offsets=offsets, lanes_per_chunk=1, chunk_size=4, checks=checks, first=0, end=2)
+        args.update(changes)
+        return native_decoder.decode_chunks(*args.values())
+
+    with pytest.raises(ValueError, match="range"):
+        call(end=3)
+    with pytest.raises(ValueError, match="range"):
+        call(first=2, end=1)
+    with pytest.raises(ValueError, match="two uint32 per chunk"):
+        call(checks=checks[:3])
+    with pytest.raises(ValueError, match="do not cover"):
+        call(lanes_per_chunk=2)
+    with pytest.raises(ValueError, match="positive"):
+        call(chunk_size=0)
+    assert call() == 0                        # zero checksums: chunk 0's codes fail first
+    good = checks.copy()
+    good[0::2] = [crc32c.crc32c(codes[:4].view(np.uint8)), crc32c.crc32c(codes[4:].view(np.uint8))]
+    good[1::2] = [crc32c.crc32c(raw[:4]), crc32c.crc32c(raw[4:])]
+    assert call(checks=good) == -1
+    np.testing.assert_array_equal(out, 0)     # codeword 0 is symbol 0, raw bytes 0
+    good[3] ^= 1
+    assert call(checks=good) == 3 * 1 + 1     # chunk 1's raw bytes
+    assert call(checks=good, end=1) == -1     # outside the range: not looked at
+    wrong = np.array([0, 3, 8], np.int64)     # chunk 0 gets 3 codewords for 4 symbols
+    good[0::2] = [crc32c.crc32c(codes[:3].view(np.uint8)), crc32c.crc32c(codes[3:].view(np.uint8))]
+    assert call(offsets=wrong, checks=good, end=1) == 2
