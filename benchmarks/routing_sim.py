@@ -34,7 +34,8 @@ from gateway.load import Lease, LoadTracker, OutputLengthEstimator  # noqa: E402
 from policies.base import DecisionReason, EndpointState, Policy, RequestFacts  # noqa: E402
 from policies.registry import PolicyName, make_policy  # noqa: E402
 
-TRACE = pathlib.Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+# shared/ sits beside the checkout (…/main and …/shared); --trace names any other copy.
+TRACE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 BLOCK_TOKENS = 512  # the trace's block size
 MODEL = "sim"
 
@@ -229,6 +230,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="also print one JSON line per policy")
     args = parser.parse_args()
+    if not args.trace.is_file():
+        parser.error(f"no trace at {args.trace}: pass --trace PATH (Mooncake's conversation trace, JSONL)")
 
     requests = load_trace(args.trace, args.limit)
     duration_s = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)

@@ -187,10 +187,19 @@ def parse_config(text: str, environ: Mapping[str, str], base_dir: Path = Path(".
     try:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"invalid YAML: {exc}") from exc
+        raise ConfigError(f"invalid YAML: {exc}{_quote_hint(text, exc)}") from exc
     # Expanded after parsing, in string values only: comments are left alone and an environment
     # value can never change the YAML's structure.
     return _build_gateway(_mapping(_expand_tree(raw, environ), "config"), base_dir)
+
+
+def _quote_hint(text: str, exc: yaml.YAMLError) -> str:
+    """Inside `[...]` or `{...}` an unquoted `${X}` is YAML syntax, not a string: say how to quote it."""
+    mark = getattr(exc, "problem_mark", None)
+    lines = text.splitlines()
+    if mark is None or mark.line >= len(lines) or "${" not in lines[mark.line]:
+        return ""
+    return "\n(a `${...}` inside [...] or {...} must be quoted: `{name: \"${X:-a}\"}`)"
 
 
 def _expand_tree(value: Any, environ: Mapping[str, str]) -> Any:

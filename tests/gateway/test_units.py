@@ -175,6 +175,19 @@ def test_env_values_fill_typed_fields_and_comments_are_not_expanded() -> None:
         parse_config(text, {"PORT": "eighty"})
 
 
+def test_env_is_expanded_after_parsing_and_quoted_in_flow_collections() -> None:
+    """docs/configuration.md: a value cannot change the structure, and `${...}` in `{...}` must be quoted."""
+    with_policy = "models: {m: {providers: [p], policy: {name: %s}}}\nproviders: {p: {endpoints: [\"http://h:1\"]}}\n"
+    policy = with_policy % '"${POLICY:-power_of_two}"'
+    assert parse_config(policy, {}).models["m"].policy.name == "power_of_two"
+    assert parse_config(policy, {"POLICY": "least_requests"}).models["m"].policy.name == "least_requests"
+    tricky = "x: 1\n  # {not: structure}"  # would add a key or a comment if expanded before parsing
+    config = parse_config(MINIMAL + "redis_url: ${URL}\n", {"URL": tricky})
+    assert config.redis_url == tricky
+    with pytest.raises(ConfigError, match=r"must be quoted"):
+        parse_config(with_policy % "${POLICY:-a}", {})
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     ([], "usage: switchyard"),
     (["frobnicate"], "usage: switchyard"),
