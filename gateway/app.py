@@ -15,6 +15,7 @@ from aiohttp import web
 
 from cache.prefix_index import PrefixIndex
 from gateway import api
+from gateway.access import make_access_middleware
 from gateway.auth import Authenticator
 from gateway.breaker import CircuitState
 from gateway.config import GatewayConfig
@@ -41,7 +42,9 @@ def create_app(config: GatewayConfig) -> web.Application:
     _check_policies(config)
     for provider in config.providers.values():  # a kind's own checks (e.g. a missing pool) fail here too
         make_provider(provider)
-    app = web.Application(middlewares=[make_error_middleware(RequestIds())], client_max_size=config.max_body_bytes)
+    access = make_access_middleware(Authenticator.from_config(config.api_keys), config.limits)
+    app = web.Application(middlewares=[make_error_middleware(RequestIds()), access],
+                          client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app.add_routes(api.routes())
     app.cleanup_ctx.append(_services_ctx)
@@ -76,7 +79,6 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
     background = BackgroundTasks()
     app[SERVICES] = Services(
         config=config, dispatcher=dispatcher, registry=registry, store=store,
-        auth=Authenticator.from_config(config.api_keys),
         counter=TokenCounter({name: m.tokenizer for name, m in config.models.items()}),
         estimator=OutputLengthEstimator(), metrics=metrics, tracing=tracing, background=background)
     registry.start(session)
@@ -107,6 +109,7 @@ def ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:
     if tls is None:
         return None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2  # whatever the system's OpenSSL policy allows
     context.load_cert_chain(str(tls.cert_file), str(tls.key_file))
     return context
 
@@ -114,7 +117,12 @@ def ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:
 async def serve(config: GatewayConfig) -> None:
     """Run the gateway until cancelled (the CLI runs this on uvloop)."""
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream leg.
-    runner = web.AppRunner(create_app(config), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
+    # idle_timeout_s bounds a connection that never completes a request header (aiohttp's keep-alive
+    # timer runs from the connection's start and is not reset by partial data): no slowloris.
+    limits = config.limits
+    runner = web.AppRunner(create_app(config), access_log=None, handler_cancellation=True, shutdown_timeout=5.0,
+                           keepalive_timeout=limits.idle_timeout_s, max_line_size=limits.max_header_bytes,
+                           max_field_size=limits.max_header_bytes, max_headers=limits.max_headers)
     await runner.setup()
     site = web.TCPSite(runner, config.listen.host, config.listen.port, ssl_context=ssl_context(config),
                        backlog=1024, reuse_address=True)

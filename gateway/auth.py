@@ -24,7 +24,8 @@ class ApiKey:
     key_sha256: bytes = field(repr=False)  # sha256 digest of the secret (the secret itself is never kept)
     max_requests_per_min: int | None = None  # None: unlimited
     max_tokens_per_min: int | None = None    # prompt + completion tokens; None: unlimited
-    admin: bool = False                    # may read any key's usage
+    admin: bool = False                    # may read any key's usage, and /metrics
+    max_concurrent_requests: int | None = None  # generation requests in flight on one replica; None: unlimited
 
     @property
     def limits(self) -> RateLimits:
@@ -90,7 +91,7 @@ def _api_key(entry: ApiKeyConfig) -> ApiKey:
         raise ValueError(f"api key {entry.key_id!r}: a sha256 digest is 64 hex digits")
     return ApiKey(key_id=entry.key_id, key_sha256=bytes.fromhex(digest_hex),
                   max_requests_per_min=entry.max_requests_per_min, max_tokens_per_min=entry.max_tokens_per_min,
-                  admin=entry.admin)
+                  admin=entry.admin, max_concurrent_requests=entry.max_concurrent_requests)
 
 
 def _bearer_token(authorization: str | None) -> str | None:

@@ -64,7 +64,20 @@ class ApiKeyConfig:
     key_sha256: str | None = None        # or its sha256 hex digest, so no secret sits in the file
     max_requests_per_min: int | None = None  # None: unlimited
     max_tokens_per_min: int | None = None    # prompt + completion tokens; None: unlimited
-    admin: bool = False                  # may read any key's usage at /v1/usage?key_id=...
+    admin: bool = False                  # may read any key's usage at /v1/usage?key_id=..., and /metrics
+    max_concurrent_requests: int | None = None  # generation requests (streams included) in flight per replica
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    """What protects the process from one client: every limit answers with an OpenAI-style error."""
+    max_header_bytes: int = 8190         # one header line (the request line too); longer: 400
+    max_headers: int = 100               # header fields per request; more: 400
+    max_messages: int = 2048             # chat messages per request; more: 400
+    max_output_tokens: int = 32768       # ceiling on max_tokens / max_completion_tokens; higher: 400
+    idle_timeout_s: float = 60.0         # a connection without a complete request header is closed (slowloris)
+    body_timeout_s: float = 30.0         # reading one request body; slower: 408
+    metrics_public: bool = False         # /metrics without a key even when keys are configured
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +163,7 @@ class GatewayConfig:
     api_keys: tuple[ApiKeyConfig, ...] = ()   # empty: no authentication
     redis_url: str | None = None         # shared state across replicas; None: in-process store
     max_body_bytes: int = 1 << 20        # larger request bodies get 413
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     keepalive_s: float = 5.0             # SSE comment interval while the first token is awaited
     retries: RetryConfig = field(default_factory=RetryConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
@@ -296,6 +310,7 @@ def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
         listen=_build_listen(_mapping(raw.get("listen"), "listen"), base_dir),
         models=models, providers=providers, api_keys=keys, redis_url=redis_url,
         max_body_bytes=max_body,
+        limits=_limits(raw.get("limits")),
         keepalive_s=_typed(raw, "keepalive_s", float, 5.0, "config"),
         retries=_simple(RetryConfig, raw.get("retries"), "retries"),
         breaker=_simple(BreakerConfig, raw.get("breaker"), "breaker"),
@@ -305,6 +320,15 @@ def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
         ready=_enum(ReadyRequirement, raw.get("ready", "each_model"), "ready"),
         log_level=str(raw.get("log_level", "WARNING")).upper(),
     )
+
+
+def _limits(raw: Any) -> LimitsConfig:
+    limits = _simple(LimitsConfig, raw, "limits")
+    for name in LimitsConfig.__dataclass_fields__:
+        value = getattr(limits, name)
+        if not isinstance(value, bool) and value <= 0:
+            raise ConfigError(f"limits.{name}: must be positive")
+    return limits
 
 
 def _build_listen(raw: Mapping[str, Any], base_dir: Path) -> ListenConfig:
@@ -391,4 +415,5 @@ def _build_key(index: int, raw: Any) -> ApiKeyConfig:
         max_requests_per_min=_typed(raw, "max_requests_per_min", int, None, where),
         max_tokens_per_min=_typed(raw, "max_tokens_per_min", int, None, where),
         admin=_typed(raw, "admin", bool, False, where),
+        max_concurrent_requests=_typed(raw, "max_concurrent_requests", int, None, where),
     )

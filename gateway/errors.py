@@ -52,6 +52,10 @@ class NotFound(GatewayError):
     status, error_type, code = 404, "invalid_request_error", "not_found"
 
 
+class RequestTimeout(GatewayError):
+    status, error_type, code = 408, "invalid_request_error", "request_timeout"
+
+
 class PayloadTooLarge(GatewayError):
     status, error_type, code = 413, "invalid_request_error", "request_too_large"
 
@@ -76,7 +80,8 @@ def error_response(error: GatewayError) -> web.Response:
 
 
 _HTTP_TO_ERROR: dict[int, type[GatewayError]] = {
-    400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 413: PayloadTooLarge, 429: RateLimited,
+    400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound, 408: RequestTimeout, 413: PayloadTooLarge,
+    429: RateLimited,
 }
 
 

@@ -11,7 +11,6 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.load import OutputLengthEstimator
@@ -53,7 +52,6 @@ class Services:
     dispatcher: Dispatcher                             # upstream legs, fallback, relay
     registry: UpstreamRegistry                         # endpoints, breakers, pollers
     store: StateStore                                  # rate limits, sessions, usage (memory or Redis)
-    auth: Authenticator | None                         # None: no API keys configured
     counter: TokenCounter                              # prompt token counts per model
     estimator: OutputLengthEstimator                   # expected output length per model
     metrics: Metrics                                   # Prometheus registry of this app

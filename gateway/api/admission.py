@@ -1,5 +1,6 @@
-"""Admission for the generation endpoints: API key check (401), rate limit charged before dispatch
-(429 with Retry-After), and settling the charge and per-key usage once the response is known.
+"""Admission for the generation endpoints: the rate limit charged before dispatch (429 with
+Retry-After), and settling the charge and per-key usage once the response is known. Who the caller
+is was settled before, by the access middleware.
 
 The counting itself lives in the state store (R); this module only speaks its interface.
 """
@@ -10,24 +11,13 @@ import math
 from collections.abc import Coroutine
 from typing import Any
 
-from aiohttp import web
 
 from gateway.auth import ApiKey
-from gateway.errors import RateLimited, Unauthorized
+from gateway.errors import RateLimited
 from gateway.services import Services
 from gateway.streaming import StreamUsage
 
 log = logging.getLogger(__name__)
-
-
-async def authenticate(services: Services, request: web.Request) -> ApiKey | None:
-    """The caller's key; None when no keys are configured (open gateway)."""
-    if services.auth is None:
-        return None
-    key = services.auth.authenticate(request.headers.get("Authorization"))
-    if key is None:
-        raise Unauthorized("Incorrect or missing API key: send `Authorization: Bearer <key>`")
-    return key
 
 
 async def charge_rate_limit(services: Services, key: ApiKey | None, num_tokens: int) -> int:

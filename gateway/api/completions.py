@@ -5,6 +5,7 @@ Unknown body fields pass through untouched; nothing reaches an upstream before v
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping
 from enum import Enum
@@ -14,10 +15,11 @@ import orjson
 from aiohttp import web
 
 from cache.block_hash import block_hashes
-from gateway.api.admission import authenticate, charge_rate_limit, settle, settle_now
-from gateway.config import ModelConfig
+from gateway.access import caller_key
+from gateway.api.admission import charge_rate_limit, settle, settle_now
+from gateway.config import LimitsConfig, ModelConfig
 from gateway.dispatch import RoutedRequest
-from gateway.errors import BadRequest, GatewayError, NotFound
+from gateway.errors import BadRequest, GatewayError, NotFound, RequestTimeout
 from gateway.services import SERVICES, Services
 from gateway.state import MemoryStore
 from gateway.streaming import StreamUsage
@@ -44,9 +46,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _handle(request: web.Request, surface: Surface) -> web.StreamResponse:
     started_s = time.perf_counter()
     services = request.app[SERVICES]
-    key = await authenticate(services, request) if services.auth is not None else None
-    raw = await request.read()
-    body = parse_body(raw, surface)
+    key = caller_key(request)
+    raw = await _read_body(request, services.config.limits.body_timeout_s)
+    body = parse_body(raw, surface, services.config.limits)
     model = services.config.models.get(body["model"])
     if model is None:
         raise NotFound(f"The model {body['model']!r} does not exist", param="model", code="model_not_found")
@@ -99,7 +101,16 @@ def _count_prompt(services: Services, model: ModelConfig, body: Mapping[str, Any
 
 # --- validation ------------------------------------------------------------------------------------
 
-def parse_body(raw: bytes, surface: Surface) -> dict[str, Any]:
+async def _read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The whole body, or 408 for a client that sends it too slowly to hold a connection with it."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise RequestTimeout(f"The request body did not arrive within {timeout_s:g} s") from None
+
+
+def parse_body(raw: bytes, surface: Surface, limits: LimitsConfig) -> dict[str, Any]:
     if not raw:
         raise BadRequest("The request body is empty; expected a JSON object")
     try:
@@ -112,7 +123,7 @@ def parse_body(raw: bytes, surface: Surface) -> dict[str, Any]:
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
     if surface is Surface.CHAT:
-        _check_messages(body.get("messages"))
+        _check_messages(body.get("messages"), limits.max_messages)
     else:
         _check_prompt(body.get("prompt"))
     _check_type(body, "stream", bool)
@@ -121,6 +132,9 @@ def parse_body(raw: bytes, surface: Surface) -> dict[str, Any]:
         value = _check_type(body, name, int)
         if value is not None and value < 1:
             raise BadRequest(f"'{name}' must be at least 1", param=name)
+        if value is not None and name != "n" and value > limits.max_output_tokens:
+            raise BadRequest(f"'{name}' is {value}, above this gateway's ceiling of {limits.max_output_tokens}",
+                             param=name)
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
         _check_type(body, name, (int, float))
     return body
@@ -136,9 +150,12 @@ def _check_type(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...
     return value
 
 
-def _check_messages(messages: Any) -> None:
+def _check_messages(messages: Any, max_messages: int) -> None:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' is required and must be a non-empty array", param="messages")
+    if len(messages) > max_messages:
+        raise BadRequest(f"'messages' has {len(messages)} entries; at most {max_messages} are accepted",
+                         param="messages")
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRequest(f"messages[{index}] must be an object with a string 'role'", param=f"messages[{index}]")

@@ -4,13 +4,11 @@ from __future__ import annotations
 import orjson
 from aiohttp import web
 
-from gateway.api.admission import authenticate
 from gateway.services import SERVICES
 
 
 async def list_models(request: web.Request) -> web.Response:
     services = request.app[SERVICES]
-    await authenticate(services, request)
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "switchyard"}
             for name in services.config.models]
     return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")

@@ -6,14 +6,14 @@ import dataclasses
 import orjson
 from aiohttp import web
 
-from gateway.api.admission import authenticate
+from gateway.access import caller_key
 from gateway.errors import BadRequest, Forbidden
 from gateway.services import SERVICES
 
 
 async def get_usage(request: web.Request) -> web.Response:
     services = request.app[SERVICES]
-    key = await authenticate(services, request)
+    key = caller_key(request)
     if key is None:
         raise BadRequest("usage is tracked per API key and no keys are configured")
     key_id = request.query.get("key_id", key.key_id)

@@ -1,0 +1,62 @@
+"""Who may call what: the API-key middleware. With keys configured, every route needs one except the
+probes (`/health`, `/ready`) and, when the config says so, `/metrics`; `/metrics` otherwise needs an
+admin key. It also caps each key's generation requests in flight on this replica.
+
+It decides access only; rate limits and usage stay with admission (they need the request's tokens).
+"""
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from gateway.auth import ApiKey, Authenticator
+from gateway.config import LimitsConfig
+from gateway.errors import Forbidden, RateLimited, Unauthorized
+
+API_KEY: web.RequestKey[ApiKey] = web.RequestKey("switchyard_api_key", ApiKey)
+
+PROBES = frozenset({"/health", "/ready"})
+METRICS = "/metrics"
+GENERATION = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def caller_key(request: web.Request) -> ApiKey | None:
+    """The authenticated key of this request; None when no keys are configured."""
+    return request.get(API_KEY)
+
+
+def make_access_middleware(auth: Authenticator | None,
+                           limits: LimitsConfig) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    in_flight: dict[str, int] = {}  # key_id -> generation requests now being served by this app
+
+    @web.middleware
+    async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        if auth is None or path in PROBES or (path == METRICS and limits.metrics_public):
+            return await handler(request)
+        key = auth.authenticate(request.headers.get("Authorization"))
+        if key is None:
+            raise Unauthorized("Incorrect or missing API key: send `Authorization: Bearer <key>`")
+        if path == METRICS and not key.admin:
+            raise Forbidden("/metrics needs an admin key (or `limits.metrics_public: true`)")
+        request[API_KEY] = key
+        cap = key.max_concurrent_requests
+        if cap is None or path not in GENERATION:
+            return await handler(request)
+        if in_flight.get(key.key_id, 0) >= cap:
+            raise RateLimited(f"Key {key.key_id!r} already has {cap} requests in flight; retry when one ends",
+                              code="concurrency_limit_exceeded", headers={"Retry-After": "1"})
+        in_flight[key.key_id] = in_flight.get(key.key_id, 0) + 1
+        try:
+            return await handler(request)
+        finally:
+            remaining = in_flight[key.key_id] - 1
+            if remaining:
+                in_flight[key.key_id] = remaining
+            else:
+                del in_flight[key.key_id]
+
+    return access_middleware
