@@ -20,6 +20,7 @@ from gateway.auth import Authenticator
 from gateway.breaker import CircuitState
 from gateway.config import GatewayConfig
 from gateway.dispatch import DispatchParts, Dispatcher
+from gateway.drain import DRAIN, Drain
 from gateway.errors import make_error_middleware
 from gateway.fallback import Retrier, RetryBudget
 from gateway.load import LoadTracker, OutputLengthEstimator
@@ -43,9 +44,11 @@ def create_app(config: GatewayConfig) -> web.Application:
     for provider in config.providers.values():  # a kind's own checks (e.g. a missing pool) fail here too
         make_provider(provider)
     access = make_access_middleware(Authenticator.from_config(config.api_keys), config.limits)
-    app = web.Application(middlewares=[make_error_middleware(RequestIds()), access],
+    drain = Drain()
+    app = web.Application(middlewares=[make_error_middleware(RequestIds()), drain.middleware(), access],
                           client_max_size=config.max_body_bytes)
     app[CONFIG] = config
+    app[DRAIN] = drain
     app.add_routes(api.routes())
     app.cleanup_ctx.append(_services_ctx)
     return app
@@ -120,7 +123,8 @@ async def serve(config: GatewayConfig) -> None:
     # idle_timeout_s bounds a connection that never completes a request header (aiohttp's keep-alive
     # timer runs from the connection's start and is not reset by partial data): no slowloris.
     limits = config.limits
-    runner = web.AppRunner(create_app(config), access_log=None, handler_cancellation=True, shutdown_timeout=5.0,
+    app = create_app(config)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=5.0,
                            keepalive_timeout=limits.idle_timeout_s, max_line_size=limits.max_header_bytes,
                            max_field_size=limits.max_header_bytes, max_headers=limits.max_headers)
     await runner.setup()
@@ -136,5 +140,10 @@ async def serve(config: GatewayConfig) -> None:
         loop.add_signal_handler(signum, stop.set)
     try:
         await stop.wait()
+        app[DRAIN].start()
+        log.warning("draining: %d requests in flight", app[DRAIN].num_in_flight)
+        if not await app[DRAIN].wait_idle(config.drain_timeout_s):
+            log.warning("drain timeout after %.0f s: %d requests cut", config.drain_timeout_s,
+                        app[DRAIN].num_in_flight)
     finally:
         await runner.cleanup()

@@ -165,6 +165,7 @@ class GatewayConfig:
     max_body_bytes: int = 1 << 20        # larger request bodies get 413
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     keepalive_s: float = 5.0             # SSE comment interval while the first token is awaited
+    drain_timeout_s: float = 30.0        # on SIGTERM: how long requests in flight may take to finish
     retries: RetryConfig = field(default_factory=RetryConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     pollers: PollerConfig = field(default_factory=PollerConfig)
@@ -312,6 +313,7 @@ def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
         max_body_bytes=max_body,
         limits=_limits(raw.get("limits")),
         keepalive_s=_typed(raw, "keepalive_s", float, 5.0, "config"),
+        drain_timeout_s=_typed(raw, "drain_timeout_s", float, 30.0, "config"),
         retries=_simple(RetryConfig, raw.get("retries"), "retries"),
         breaker=_simple(BreakerConfig, raw.get("breaker"), "breaker"),
         pollers=_simple(PollerConfig, raw.get("pollers"), "pollers"),

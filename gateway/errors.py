@@ -74,6 +74,11 @@ class NoUpstreamAvailable(GatewayError):
     status, error_type, code = 503, "upstream_error", "no_upstream_available"
 
 
+class ShuttingDown(GatewayError):
+    """The replica is draining (SIGTERM): it finishes what it has and takes nothing new."""
+    status, error_type, code = 503, "server_error", "shutting_down"
+
+
 def error_response(error: GatewayError) -> web.Response:
     return web.Response(status=error.status, body=orjson.dumps(error.body()),
                         content_type="application/json", headers=error.headers)

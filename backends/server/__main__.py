@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "memory (~33%% less) and expand each just before it runs (slower steps on CPU); "
                         "--dtype must match the compressed dtype")
     p.add_argument("--debug-endpoints", action="store_true", help="serve /debug/* (tests only)")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM: how long requests in flight and held KV blocks may take to finish")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -121,21 +123,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         prefetch_weights(Path(engine_config.model_dir))   # read while the server's modules import
     # Imported only now: aiohttp and transformers take ~1.1 s to import, the prefetch's time to read.
     import uvloop
-    from aiohttp import web
 
     from backends.server.app import create_app
+    from backends.server.drain import serve
 
     app = create_app(server_config, engine_config)
     app.on_startup.append(_freeze_gc)
-    web.run_app(
-        app,
-        host=args.host,
-        port=args.port,
-        loop=uvloop.new_event_loop(),
-        handler_cancellation=True,   # a client that goes away cancels its handler: its sequence aborts
-        access_log=None,
-        print=lambda msg: logging.getLogger("backends.server").info("%s", msg.strip()),
-    )
+    # handler_cancellation (in serve): a client that goes away cancels its handler, so its sequence aborts.
+    uvloop.run(serve(app, args.host, args.port, args.drain_timeout_s))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from aiohttp import web
 from backends.engine.config import EngineConfig
 from backends.server import disagg, openai_routes, ops_routes
 from backends.server.config import ServerConfig
+from backends.server.drain import DRAIN, Drain
 from backends.server.errors import APIError, ErrorType, error_body
 from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
 from backends.server.metrics import EngineCollector, ServerMetrics
@@ -29,8 +30,10 @@ def create_app(
     config: ServerConfig, engine_config: EngineConfig, engine_factory: EngineFactory | None = None
 ) -> web.Application:
     """A worker app; the engine starts in the app's start-up and shuts down in its cleanup."""
-    app = web.Application(client_max_size=config.max_request_bytes, middlewares=[error_middleware])
+    drain = Drain()
+    app = web.Application(client_max_size=config.max_request_bytes, middlewares=[error_middleware, drain.middleware()])
     app[CONFIG_KEY] = config
+    app[DRAIN] = drain
     app[TOKENIZER_KEY] = PromptTokenizer.from_model_dir(config.model_dir)
     app.cleanup_ctx.append(_engine_ctx(engine_config, engine_factory or _default_factory(config)))
     app.cleanup_ctx.append(disagg.kv_transfer_ctx(config))   # after the engine: it serves the engine's KV

@@ -6,6 +6,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.config import ReadyRequirement
+from gateway.drain import DRAIN
 from gateway.services import SERVICES
 
 
@@ -17,13 +18,16 @@ async def ready(request: web.Request) -> web.Response:
     services = request.app[SERVICES]
     requirement = services.config.ready
     per_model = {name: services.registry.is_ready(model.providers) for name, model in services.config.models.items()}
-    if requirement is ReadyRequirement.NONE:
+    if request.app[DRAIN].draining:
+        is_ready = False
+    elif requirement is ReadyRequirement.NONE:
         is_ready = True
     elif requirement is ReadyRequirement.ANY_MODEL:
         is_ready = any(per_model.values())
     else:
         is_ready = all(per_model.values())
-    body = {"status": "ready" if is_ready else "not_ready", "models": per_model}
+    status = "draining" if request.app[DRAIN].draining else "ready" if is_ready else "not_ready"
+    body = {"status": status, "models": per_model}
     return web.Response(status=200 if is_ready else 503, body=orjson.dumps(body), content_type="application/json")
 
 

@@ -1,0 +1,86 @@
+"""A worker's graceful shutdown: on SIGTERM it answers new generation requests with 503
+`shutting_down` and /health with 503 (the gateway's poller stops routing to it) while the listener
+stays open; the requests in flight finish, blocks held for a decode worker are pulled or expire, and
+only then does the server close. It never cancels a request itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+
+from aiohttp import web
+
+from backends.server.errors import APIError, ErrorType
+from backends.server.keys import ENGINE_KEY
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# Routes a draining worker still serves: probes, scrapes and the gateway's pollers.
+_ALWAYS = frozenset({"/metrics", "/load", "/kv_events"})
+_POLL_S = 0.05
+
+
+class Drain:
+    """Counts the HTTP requests in flight; `draining` turns new ones away."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.num_in_flight = 0
+
+    def middleware(self) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+        @web.middleware
+        async def drain_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if request.path in _ALWAYS:
+                return await handler(request)
+            if self.draining:
+                raise APIError("This worker is shutting down; retry the request on another worker.",
+                               status=HTTPStatus.SERVICE_UNAVAILABLE, error_type=ErrorType.UNAVAILABLE,
+                               code="shutting_down")
+            self.num_in_flight += 1
+            try:
+                return await handler(request)
+            finally:
+                self.num_in_flight -= 1
+
+        return drain_middleware
+
+
+DRAIN: web.AppKey[Drain] = web.AppKey("switchyard_worker_drain", Drain)
+
+
+async def serve(app: web.Application, host: str, port: int, drain_timeout_s: float) -> None:
+    """Serve until SIGTERM or SIGINT, then drain for at most `drain_timeout_s` and close."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    log.info("serving on http://%s:%d", host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+        drain = app[DRAIN]
+        drain.draining = True
+        log.info("draining: %d requests in flight", drain.num_in_flight)
+        deadline = time.monotonic() + drain_timeout_s
+        while not _idle(app) and time.monotonic() < deadline:
+            await asyncio.sleep(_POLL_S)
+        if not _idle(app):
+            log.warning("drain timeout after %.0f s: %d requests cut", drain_timeout_s, drain.num_in_flight)
+    finally:
+        await runner.cleanup()
+
+
+def _idle(app: web.Application) -> bool:
+    """No request in flight and no block held for a decode worker's pull."""
+    if app[DRAIN].num_in_flight:
+        return False
+    engine = app.get(ENGINE_KEY)
+    return engine is None or getattr(engine.load_report(), "num_held_blocks", 0) == 0
