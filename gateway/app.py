@@ -19,10 +19,11 @@ from gateway.access import make_access_middleware
 from gateway.auth import Authenticator
 from gateway.breaker import CircuitState
 from gateway.config import GatewayConfig
-from gateway.dispatch import DispatchParts, Dispatcher
+from gateway.dispatch import Dispatcher
 from gateway.drain import DRAIN, Drain
 from gateway.errors import make_error_middleware
 from gateway.fallback import Retrier, RetryBudget
+from gateway.legs import Legs
 from gateway.load import LoadTracker, OutputLengthEstimator
 from gateway.metrics import Metrics
 from gateway.providers import make_provider
@@ -73,12 +74,11 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
                                     auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
     store: StateStore = make_store(config.redis_url)
     retrier = Retrier(config.retries, RetryBudget(config.retries))
-    dispatcher = Dispatcher(DispatchParts(
-        session=session, registry=registry,
+    dispatcher = Dispatcher(
+        Legs(session, registry, tracker, prefix_index, store, metrics, tracing),
         providers={name: make_provider(p) for name, p in config.providers.items()},
         policies={name: make_policy(PolicyName(m.policy.name), m.policy.options) for name, m in config.models.items()},
-        tracker=tracker, prefix_index=prefix_index, retrier=retrier, store=store, metrics=metrics, tracing=tracing,
-        keepalive_s=config.keepalive_s))
+        retrier=retrier, metrics=metrics, keepalive_s=config.keepalive_s)
     background = BackgroundTasks()
     app[SERVICES] = Services(
         config=config, dispatcher=dispatcher, registry=registry, store=store,

@@ -1,61 +1,85 @@
-"""Walks a request along its model's provider chain: each provider makes an attempt (one leg, or prefill
-then decode) with the building blocks in legs.py; failures before the first byte are retried with
-backoff and a budget; when a provider has nothing left, the next one in the chain is tried.
+"""Walks a request along its model's provider chain: each provider serves it with its own legs (one, or
+prefill then decode); failures before the first byte are retried with backoff and a budget; when a
+provider has nothing left, the next one in the chain is tried.
 
 It never parses client input (the API handlers do), never decides scores (the policies do) and
 never speaks a wire format (the providers do).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from aiohttp import web
 
 from gateway.errors import GatewayError, NoUpstreamAvailable, UpstreamsFailed
-from gateway.fallback import RetryableFailure
-from gateway.legs import (Attempts, DispatchParts, Job, LegOutcome, LegRunner, ProviderExhausted,
-                          RoutedRequest)
+from gateway.fallback import Retrier, RetryableFailure
+from gateway.legs import Legs
+from gateway.metrics import Metrics
+from gateway.providers import Provider, ProviderRun
+from gateway.request import Outcome, Progress, ProviderExhausted, RoutedRequest
 from gateway.streaming import ClientGone, ClientStream, StreamUsage, error_event
-
-__all__ = ["DispatchParts", "Dispatcher", "LegOutcome", "RoutedRequest"]
+from policies.base import Policy
 
 
 class Dispatcher:
-    def __init__(self, parts: DispatchParts) -> None:
-        self._parts = parts
-        self._legs = LegRunner(parts)
+    def __init__(self, legs: Legs, providers: Mapping[str, Provider], policies: Mapping[str, Policy],
+                 retrier: Retrier, metrics: Metrics, keepalive_s: float) -> None:
+        self.legs = legs
+        self.providers = providers      # by provider name
+        self._policies = policies       # by model name
+        self._retrier = retrier
+        self.metrics = metrics
+        self._keepalive_s = keepalive_s   # SSE keepalive interval while the first token is awaited
 
-    async def dispatch(self, request: web.Request, routed: RoutedRequest) -> LegOutcome:
-        client = ClientStream(request, self._parts.keepalive_s) if routed.stream else None
-        job = Job(routed, Attempts(), client)
+    async def dispatch(self, request: web.Request, routed: RoutedRequest) -> Outcome:
+        client = ClientStream(request, self._keepalive_s) if routed.stream else None
+        progress = Progress(routed, client, self._policies[routed.model.name])
         try:
-            return await self._parts.retrier.run(lambda: self._attempt(job))
+            return await self._retrier.run(_ChainWalk(self, progress))
         except ClientGone:
             # The client left mid-stream; the upstream leg is already closed. aiohttp ignores the rest.
             assert client is not None and client.response is not None
-            return LegOutcome(client.response, None, StreamUsage())
+            return Outcome(client.response, None, StreamUsage())
         except (RetryableFailure, _NothingToTry) as exc:
-            error = _final_error(routed, job.attempts, exc)
+            error = _final_error(progress, exc)
             if client is None or not client.prepared:
                 raise error from None
             await client.fail(error_event(error.message, error.error_type, str(error.code)))
-            return LegOutcome(await client.finish(), None, StreamUsage())
+            return Outcome(await client.finish(), None, StreamUsage())
         finally:
             if client is not None:
                 await client.close()
 
-    async def _attempt(self, job: Job) -> LegOutcome:
-        """One try: the current provider, or the next ones in the chain when it has nothing left."""
-        chain, attempts = job.routed.model.providers, job.attempts
-        for index in range(attempts.provider_index, len(chain)):
-            name = chain[index]
-            if index != attempts.provider_index:
-                self._parts.metrics.on_fallback(job.routed.facts.model, chain[attempts.provider_index], name)
-                attempts.provider_index = index
+
+class _ChainWalk:
+    """One request's walk along its chain; each call is one try: the current provider, or the next
+    ones when it has nothing left."""
+
+    __slots__ = ("_dispatcher", "_progress", "_index", "_run")
+
+    def __init__(self, dispatcher: Dispatcher, progress: Progress) -> None:
+        self._dispatcher = dispatcher
+        self._progress = progress
+        self._index = 0                         # the provider being tried
+        self._run: ProviderRun | None = None    # its run for this request, once started
+
+    async def __call__(self) -> Outcome:
+        dispatcher, progress = self._dispatcher, self._progress
+        chain = progress.request.model.providers
+        while self._index < len(chain):
+            name = chain[self._index]
+            if self._run is None:
+                self._run = dispatcher.providers[name].start(progress, dispatcher.legs)
             try:
-                return await self._parts.providers[name].attempt(self._legs, job)
+                return await self._run()
             except ProviderExhausted as exc:
-                attempts.log.append(f"{name}: {exc.description}")
-                if job.client is not None and job.client.data_started:
+                progress.log.append(f"{name}: {exc.description}")
+                if progress.client_has_data:
                     raise _NothingToTry() from None  # the client has part of an answer: no other provider
+            self._index += 1
+            self._run = None
+            if self._index < len(chain):
+                dispatcher.metrics.on_fallback(progress.request.facts.model, name, chain[self._index])
         raise _NothingToTry()
 
 
@@ -63,12 +87,11 @@ class _NothingToTry(Exception):
     """No candidate endpoint is left in any provider of the chain."""
 
 
-def _final_error(routed: RoutedRequest, attempts: Attempts, exc: Exception) -> GatewayError:
-    tried = "; ".join(attempts.log) or "nothing"
+def _final_error(progress: Progress, exc: Exception) -> GatewayError:
+    model, tried = progress.request.facts.model, "; ".join(progress.log) or "nothing"
     headers = {}
-    if attempts.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, round(attempts.retry_after_s)))
-    if attempts.tried or attempts.num_failures:
-        return UpstreamsFailed(f"all upstreams failed for model {routed.facts.model!r}; tried: {tried}",
-                               headers=headers)
-    return NoUpstreamAvailable(f"no upstream available for model {routed.facts.model!r}: {tried}", headers=headers)
+    if progress.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(progress.retry_after_s)))
+    if progress.tried or progress.num_failures:
+        return UpstreamsFailed(f"all upstreams failed for model {model!r}; tried: {tried}", headers=headers)
+    return NoUpstreamAvailable(f"no upstream available for model {model!r}: {tried}", headers=headers)

@@ -1,8 +1,7 @@
-"""The building blocks providers compose into an attempt: choose an endpoint in a pool, run one upstream
-leg under a load lease, its breaker and the first-byte deadline, relay a whole or streamed answer.
+"""What a provider drives its legs with (`Legs`): choose an endpoint in a pool, send one leg under a load
+lease, its breaker and the first-byte deadline, and relay a whole or streamed answer to the client.
 
-It never walks the provider chain or retries (dispatch.py does) and never speaks a wire format
-(providers do).
+It never walks the provider chain or retries (dispatch.py does) and never builds a wire body (providers do).
 """
 from __future__ import annotations
 
@@ -10,11 +9,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
-from enum import Enum
-from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -22,18 +18,16 @@ from aiohttp import web
 
 from cache.prefix_index import PrefixIndex
 from gateway.breaker import CircuitBreaker, eligible
-from gateway.config import ModelConfig
-from gateway.fallback import Retrier, RetryableFailure
+from gateway.config import Pool
+from gateway.fallback import RetryableFailure
 from gateway.load import Lease, LoadTracker
 from gateway.metrics import Metrics
+from gateway.request import Leg, Outcome, Progress, Wire
 from gateway.state import StateStore
 from gateway.streaming import ClientGone, ClientStream, SseCounter, StreamUsage, apply_usage, error_event
 from gateway.tracing import REQUEST_ID_HEADER, Tracing
 from gateway.upstreams import Endpoint, UpstreamRegistry
-from policies.base import Decision, EndpointState, Policy, RequestFacts
-
-if TYPE_CHECKING:
-    from gateway.providers.base import Provider
+from policies.base import Decision, EndpointState, Policy
 
 log = logging.getLogger(__name__)
 
@@ -41,213 +35,136 @@ T = TypeVar("T")
 MAX_ERROR_BODY = 64 * 1024
 CONNECT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
 
-
-class LegKind(str, Enum):
-    SINGLE = "single"        # the whole request in one leg
-    PREFILL = "prefill"      # disaggregated leg 1: the prompt's KV and the first token
-    DECODE = "decode"        # disaggregated leg 2: the rest of the output, from the transferred KV
+# Reads one leg's upstream response: (response, the first-byte deadline, the leg's lease) -> the result.
+ResponseReader = Callable[[aiohttp.ClientResponse, asyncio.Timeout, Lease], Awaitable[T]]
 
 
-@dataclass(frozen=True, slots=True)
-class LegRequest:
-    path: str                       # API path, e.g. "/v1/chat/completions"
-    body: Mapping[str, Any]         # the leg's body as parsed (the client's, or the leg's rewrite of it)
-    stream: bool                    # the leg streams SSE
-    headers: Mapping[str, str]      # x-request-id, traceparent: forwarded upstream
+class Legs:
+    """The gateway's upstream side as providers see it; one per app."""
 
-
-@dataclass(frozen=True, slots=True)
-class RoutedRequest:
-    model: ModelConfig                  # the client's model, resolved from config
-    api_path: str                       # "/v1/chat/completions" or "/v1/completions"
-    body: Mapping[str, Any]             # the parsed client body
-    raw: bytes                          # the client body as received (forwarded when unchanged)
-    stream: bool                        # the client asked for SSE
-    facts: RequestFacts                 # what the policy sees
-    request_id: str                     # x-request-id, forwarded upstream
-    started_s: float                    # time.perf_counter() when the request arrived (for TTFT)
-    session_id: str | None              # the state store's key for the x-session-affinity session
-
-
-@dataclass(slots=True)
-class LegOutcome:
-    response: web.StreamResponse        # what the handler returns
-    endpoint_id: str | None             # where it was served (None: an error was relayed or sent)
-    usage: StreamUsage                  # tokens, as counted or reported
-
-
-@dataclass(slots=True)
-class Attempts:
-    """One request's progress along its chain (mutable, private to a dispatch)."""
-    provider_index: int = 0                                   # the provider being tried
-    tried: set[str] = field(default_factory=set)              # endpoints that failed (or served) this request
-    log: list[str] = field(default_factory=list)              # what was tried and why it failed
-    retry_after_s: float | None = None                        # the last upstream Retry-After
-    num_failures: int = 0                                     # failed legs
-    scratch: dict[str, Any] = field(default_factory=dict)     # provider-private state kept across retries
-
-
-@dataclass(frozen=True, slots=True)
-class Job:
-    routed: RoutedRequest               # the request
-    attempts: Attempts                  # its progress
-    client: ClientStream | None         # the SSE client (None: a non-streaming request)
-
-
-class ProviderExhausted(Exception):
-    """The provider has nothing (left) to try for this request: the dispatcher moves to the next one."""
-
-    def __init__(self, description: str) -> None:
-        super().__init__(description)
-        self.description = description
-
-
-@dataclass(frozen=True, slots=True)
-class LegTarget:
-    provider: Provider                  # speaks the wire format
-    endpoint: Endpoint                  # where the leg goes
-    kind: LegKind                       # for metrics
-    leg: LegRequest                     # path, parsed body, headers
-    body: bytes                         # the encoded upstream body
-    num_prompt_tokens: int              # the lease's prefill tokens
-    num_output_tokens: int              # the lease's decode tokens
-
-
-@dataclass(frozen=True, slots=True)
-class DispatchParts:
-    session: aiohttp.ClientSession      # the app's one pooled client session
-    registry: UpstreamRegistry          # endpoints and their breakers
-    providers: Mapping[str, Provider]   # provider implementations by provider name
-    policies: Mapping[str, Policy]      # routing policy by model name
-    tracker: LoadTracker                # in-flight load leases per endpoint
-    prefix_index: PrefixIndex           # which endpoint caches which blocks
-    retrier: Retrier                    # retries before the first byte
-    store: StateStore                   # session assignments
-    metrics: Metrics                    # counters and histograms
-    tracing: Tracing                    # spans per decision and leg
-    keepalive_s: float                  # SSE keepalive interval while the first token is awaited
-
-
-ResponseHandler = Callable[[aiohttp.ClientResponse, asyncio.Timeout, Lease], Awaitable[T]]
-
-
-class LegRunner:
-    def __init__(self, parts: DispatchParts) -> None:
-        self.parts = parts
+    def __init__(self, session: aiohttp.ClientSession, registry: UpstreamRegistry, tracker: LoadTracker,
+                 prefix_index: PrefixIndex, store: StateStore, metrics: Metrics, tracing: Tracing) -> None:
+        self._session = session
+        self._registry = registry
+        self._tracker = tracker
+        self._prefix_index = prefix_index
+        self._store = store
+        self.metrics = metrics
+        self.tracing = tracing
 
     # --- choosing ----------------------------------------------------------------------------------
 
-    def choose(self, job: Job, pool: Sequence[Endpoint], policy: Policy) -> tuple[Endpoint, Decision] | None:
+    def _candidates(self, progress: Progress, pool: Sequence[Endpoint]) -> list[CircuitBreaker]:
+        return [b for b in eligible([e.breaker for e in pool]) if b.endpoint_id not in progress.tried]
+
+    def has_candidate(self, progress: Progress, pool: Sequence[Endpoint]) -> bool:
+        """Some healthy endpoint of `pool` admits traffic and was not tried: a policy would pick one."""
+        endpoints = self._registry.endpoints
+        return any(endpoints[b.endpoint_id].healthy for b in self._candidates(progress, pool))
+
+    def choose(self, progress: Progress, pool: Sequence[Endpoint],
+               policy: Policy) -> tuple[Endpoint, Decision] | None:
         """The policy's pick among the pool's endpoints whose circuit admits traffic, minus those tried."""
-        facts = job.routed.facts
-        with self.parts.tracing.span("routing_decision"):
-            candidates = [b for b in eligible([e.breaker for e in pool]) if b.endpoint_id not in job.attempts.tried]
+        facts = progress.request.facts
+        with self.tracing.span("routing_decision"):
+            candidates = self._candidates(progress, pool)
             if not candidates:
                 return None
-            matched = self.parts.prefix_index.matched_blocks(facts.block_hashes) if facts.block_hashes else {}
+            matched = self._prefix_index.matched_blocks(facts.block_hashes) if facts.block_hashes else {}
             decision = policy.select(facts, [self._state(b.endpoint_id, matched) for b in candidates])
         if decision is None:
             return None
-        return self.parts.registry.endpoints[decision.endpoint_id], decision
+        return self._registry.endpoints[decision.endpoint_id], decision
 
     def _state(self, endpoint_id: str, matched: Mapping[str, int]) -> EndpointState:
-        endpoint = self.parts.registry.endpoints[endpoint_id]
-        num_requests, num_prefill, num_decode = self.parts.tracker.snapshot(endpoint_id)
+        endpoint = self._registry.endpoints[endpoint_id]
+        num_requests, num_prefill, num_decode = self._tracker.snapshot(endpoint_id)
         return EndpointState(endpoint_id, endpoint.healthy, num_requests, num_prefill, num_decode,
-                             matched.get(endpoint_id, 0), self.parts.tracker.kv_free_fraction(endpoint_id))
+                             matched.get(endpoint_id, 0), self._tracker.kv_free_fraction(endpoint_id))
 
-    def leg_headers(self, job: Job, span: Any, provider_name: str, endpoint_id: str, decision: Decision) -> dict[str, str]:
-        """x-request-id and, when tracing, the span's attributes and `traceparent`."""
-        headers = {REQUEST_ID_HEADER: job.routed.request_id}
+    def pool(self, provider_name: str, pool: Pool = Pool.MAIN) -> list[Endpoint]:
+        """One of a provider's pools of endpoints."""
+        return self._registry.pool(provider_name, pool)
+
+    async def pin_session(self, progress: Progress, decision: Decision) -> None:
+        """Record the session's endpoint before the leg starts, so concurrent turns (on any replica) agree."""
+        request = progress.request
+        if request.session_id is None or decision.endpoint_id == request.facts.session_endpoint:
+            return
+        await self._store.set_session(request.session_id, decision.endpoint_id, request.model.session_ttl_s)
+        if decision.session_moved_from is not None:
+            self.metrics.on_session_move(request.facts.model)
+            log.info("session %s moved %s -> %s", request.facts.session_key, decision.session_moved_from,
+                     decision.endpoint_id)
+
+    def leg_headers(self, progress: Progress, span: Any, wire: Wire, endpoint_id: str,
+                    decision: Decision) -> dict[str, str]:
+        """The wire's headers, x-request-id and, when tracing, the span's attributes and `traceparent`."""
+        headers = {**wire.headers, REQUEST_ID_HEADER: progress.request.request_id}
         if span is not None:
             span.set_attribute("switchyard.endpoint", endpoint_id)
-            span.set_attribute("switchyard.provider", provider_name)
+            span.set_attribute("switchyard.provider", wire.provider_name)
             span.set_attribute("switchyard.decision", decision.reason.value)
-            self.parts.tracing.inject_headers(headers)
+            self.tracing.inject_headers(headers)
         return headers
 
-    def record_failure(self, job: Job, provider_name: str, endpoint_id: str, failure: RetryableFailure) -> None:
-        attempts = job.attempts
-        attempts.num_failures += 1
-        attempts.log.append(f"{provider_name}@{endpoint_id}: {failure.description}")
+    def record_failure(self, progress: Progress, provider_name: str, endpoint_id: str | None,
+                       failure: RetryableFailure) -> None:
+        """A failed leg of `progress` (at `endpoint_id`, None: the provider's pair of legs): logged for the
+        final error, counted, keepalive re-armed."""
+        progress.num_failures += 1
+        where = provider_name if endpoint_id is None else f"{provider_name}@{endpoint_id}"
+        progress.log.append(f"{where}: {failure.description}")
         if failure.retry_after_s is not None:
-            attempts.retry_after_s = failure.retry_after_s
-        self.parts.metrics.on_upstream_error(provider_name, failure.description.split(":")[0])
-        if job.client is not None:
-            job.client.arm_keepalive()
+            progress.retry_after_s = failure.retry_after_s
+        self.metrics.on_upstream_error(provider_name, failure.description.split(":")[0])
+        if progress.client is not None:
+            progress.client.arm_keepalive()
 
     # --- one leg -----------------------------------------------------------------------------------
 
-    async def run(self, target: LegTarget, on_response: ResponseHandler[T]) -> T:
-        """Send one leg under a lease; connect errors and a missed first-byte deadline become
-        `RetryableFailure` (and count against the endpoint's breaker)."""
-        endpoint, timeouts = target.endpoint, target.provider.config.timeouts
+    async def send(self, progress: Progress, leg: Leg, read: ResponseReader[T]) -> T:
+        """Send one leg under a lease and hand its response to `read`. Connect errors and a missed
+        first-byte deadline become `RetryableFailure` (counted against the endpoint's breaker); any
+        `RetryableFailure` marks the endpoint tried and is recorded in `progress`."""
+        endpoint, wire = leg.endpoint, leg.wire
         endpoint.breaker.on_attempt()
         started = time.perf_counter()
-        with self.parts.tracker.lease(endpoint.endpoint_id, target.num_prompt_tokens, target.num_output_tokens) as lease:
-            try:
-                async with asyncio.timeout(timeouts.first_byte_s) as first_byte_deadline:
-                    async with target.provider.open(self.parts.session, endpoint.endpoint_id, target.leg,
-                                                    target.body) as response:
-                        result = await on_response(response, first_byte_deadline, lease)
-            except ClientGone:
-                raise
-            except TimeoutError:
-                endpoint.breaker.on_failure()
-                raise RetryableFailure(f"timeout: no first byte within {timeouts.first_byte_s}s") from None
-            except CONNECT_ERRORS as exc:
-                endpoint.breaker.on_failure()
-                raise RetryableFailure(f"connection error: {type(exc).__name__}") from None
-        self.parts.metrics.observe_upstream(target.provider.config.name, target.kind.value,
-                                            time.perf_counter() - started)
+        try:
+            with self._tracker.lease(endpoint.endpoint_id, leg.num_prompt_tokens, leg.num_output_tokens) as lease:
+                try:
+                    async with asyncio.timeout(wire.first_byte_s) as first_byte_deadline:
+                        async with self._session.post(endpoint.endpoint_id + leg.path, data=leg.body,
+                                                      headers=leg.headers, timeout=wire.timeout) as response:
+                            result = await read(response, first_byte_deadline, lease)
+                except ClientGone:
+                    raise
+                except TimeoutError:
+                    endpoint.breaker.on_failure()
+                    raise RetryableFailure(f"timeout: no first byte within {wire.first_byte_s}s") from None
+                except CONNECT_ERRORS as exc:
+                    endpoint.breaker.on_failure()
+                    raise RetryableFailure(f"connection error: {type(exc).__name__}") from None
+        except RetryableFailure as failure:
+            progress.tried.add(endpoint.endpoint_id)
+            self.record_failure(progress, wire.provider_name, endpoint.endpoint_id, failure)
+            raise
+        self.metrics.observe_upstream(wire.provider_name, leg.kind.value, time.perf_counter() - started)
         return result
 
-    async def run_routed(self, job: Job, target: LegTarget, on_response: ResponseHandler[T], policy: Policy) -> T:
-        """`run`, plus what every routed leg owes the request: a failure marks the endpoint tried and is
-        recorded; the policy always hears that the request left the endpoint."""
-        endpoint_id = target.endpoint.endpoint_id
-        try:
-            return await self.run(target, on_response)
-        except RetryableFailure as failure:
-            job.attempts.tried.add(endpoint_id)
-            self.record_failure(job, target.provider.config.name, endpoint_id, failure)
-            raise
-        finally:
-            policy.on_request_end(endpoint_id)
+    # --- answers -----------------------------------------------------------------------------------
 
-    async def single_leg(self, job: Job, provider: Provider, endpoint: Endpoint, decision: Decision,
-                         policy: Policy) -> LegOutcome:
-        """The whole request as one leg to `endpoint`, relayed to the client as it comes."""
-        routed, attempts, metrics = job.routed, job.attempts, self.parts.metrics
-        if attempts.tried:
-            metrics.on_retry(routed.facts.model)
-        attempts.tried.add(endpoint.endpoint_id)
-        metrics.on_decision(routed.facts.model, decision.reason.value)
-        if routed.session_id is not None and decision.endpoint_id != routed.facts.session_endpoint:
-            # Recorded before the leg starts, so concurrent turns of the session (on any replica) agree.
-            await self.parts.store.set_session(routed.session_id, decision.endpoint_id, routed.model.session_ttl_s)
-            if decision.session_moved_from is not None:
-                metrics.on_session_move(routed.facts.model)
-                log.info("session %s moved %s -> %s", routed.facts.session_key, decision.session_moved_from,
-                         decision.endpoint_id)
-        with self.parts.tracing.span("upstream_attempt") as span:
-            headers = self.leg_headers(job, span, provider.config.name, endpoint.endpoint_id, decision)
-            target = LegTarget(provider, endpoint, LegKind.SINGLE,
-                               LegRequest(routed.api_path, routed.body, routed.stream, headers),
-                               provider.encode_body(routed.body, routed.raw),
-                               routed.facts.num_prompt_tokens, routed.facts.num_expected_output_tokens)
-            return await self.run_routed(job, target, partial(self._single_answer, job, endpoint), policy)
-
-    async def _single_answer(self, job: Job, endpoint: Endpoint, response: aiohttp.ClientResponse,
-                             first_byte_deadline: asyncio.Timeout, lease: Lease) -> LegOutcome:
+    async def relay(self, progress: Progress, endpoint: Endpoint, response: aiohttp.ClientResponse,
+                    first_byte_deadline: asyncio.Timeout, lease: Lease) -> Outcome:
+        """A `ResponseReader` for a leg that is the whole request: its answer goes to the client as it comes."""
         if response.status != 200:
-            return await self.non_200(response, endpoint.breaker, job.client)
-        if job.client is None:
+            return await self.non_200(response, endpoint.breaker, progress.client)
+        if progress.client is None:
             outcome = await self._relay_whole(response, endpoint)
             endpoint.breaker.on_success()
             return outcome
         first = await self.first_chunk(response, first_byte_deadline, lease)
-        return await self.relay_stream(job, response, first, lease, endpoint)
+        return await self.relay_stream(progress, response, first, lease, endpoint)
 
     async def first_chunk(self, response: aiohttp.ClientResponse, first_byte_deadline: asyncio.Timeout,
                           lease: Lease) -> bytes:
@@ -259,15 +176,13 @@ class LegRunner:
         lease.prefill_done()
         return first
 
-    # --- answers -----------------------------------------------------------------------------------
-
     async def non_200(self, response: aiohttp.ClientResponse, breaker: CircuitBreaker,
-                      client: ClientStream | None) -> LegOutcome:
+                      client: ClientStream | None) -> Outcome:
         body = await response.content.read(MAX_ERROR_BODY)
         return await self.answer_error(response, body, breaker, client)
 
     async def answer_error(self, response: aiohttp.ClientResponse, body: bytes, breaker: CircuitBreaker,
-                           client: ClientStream | None) -> LegOutcome:
+                           client: ClientStream | None) -> Outcome:
         """429/5xx: retryable (the breaker counts it); any other status is the client's: relayed as it is."""
         status = response.status
         if status == 429 or status >= 500:
@@ -277,11 +192,11 @@ class LegRunner:
         breaker.on_success()
         if client is not None and client.prepared:
             await client.fail(b"data: " + body.replace(b"\n", b" ") + b"\n\n")
-            return LegOutcome(await client.finish(), None, StreamUsage())
+            return Outcome(await client.finish(), None, StreamUsage())
         relayed = web.Response(status=status, body=body, content_type=response.content_type or "application/json")
-        return LegOutcome(relayed, None, StreamUsage())
+        return Outcome(relayed, None, StreamUsage())
 
-    async def _relay_whole(self, response: aiohttp.ClientResponse, endpoint: Endpoint) -> LegOutcome:
+    async def _relay_whole(self, response: aiohttp.ClientResponse, endpoint: Endpoint) -> Outcome:
         body = await response.read()
         usage = StreamUsage()
         try:  # orjson on the whole body is as fast as scanning it for the usage key (measured)
@@ -291,19 +206,19 @@ class LegRunner:
         except orjson.JSONDecodeError:
             pass
         relayed = web.Response(body=body, content_type=response.content_type or "application/json")
-        return LegOutcome(relayed, endpoint.endpoint_id, usage)
+        return Outcome(relayed, endpoint.endpoint_id, usage)
 
-    async def relay_stream(self, job: Job, response: aiohttp.ClientResponse, first: bytes, lease: Lease,
-                           endpoint: Endpoint) -> LegOutcome:
+    async def relay_stream(self, progress: Progress, response: aiohttp.ClientResponse, first: bytes, lease: Lease,
+                           endpoint: Endpoint) -> Outcome:
         """Relay SSE bytes as they arrive; after the first byte a failure ends the stream with an error event."""
-        client, model = job.client, job.routed.facts.model
+        client, model = progress.client, progress.request.facts.model
         assert client is not None
         counter = SseCounter()
         lease.on_output_tokens(counter.feed(first))
         is_first_data = not client.data_started
         await client.send_first(first, response.headers.get("Content-Type", "text/event-stream"))
         if is_first_data:
-            self.parts.metrics.observe_ttft(model, time.perf_counter() - job.routed.started_s)
+            self.metrics.observe_ttft(model, time.perf_counter() - progress.request.started_s)
         write = client.writer()
         try:
             while chunk := await response.content.readany():
@@ -318,13 +233,13 @@ class LegRunner:
             raise
         except (TimeoutError, *CONNECT_ERRORS) as exc:
             endpoint.breaker.on_failure()
-            self.parts.metrics.on_stream_error(model)
+            self.metrics.on_stream_error(model)
             log.warning("upstream %s failed mid-stream: %r", endpoint.endpoint_id, exc)
             await client.fail(error_event(f"upstream {endpoint.endpoint_id} failed mid-stream: "
                                           f"{type(exc).__name__}"), mid_event=counter.mid_event)
-            return LegOutcome(await client.finish(), endpoint.endpoint_id, counter.usage)
+            return Outcome(await client.finish(), endpoint.endpoint_id, counter.usage)
         endpoint.breaker.on_success()
-        return LegOutcome(await client.finish(), endpoint.endpoint_id, counter.usage)
+        return Outcome(await client.finish(), endpoint.endpoint_id, counter.usage)
 
 
 def error_message(body: bytes) -> str:

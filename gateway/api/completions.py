@@ -1,13 +1,19 @@
-"""POST /v1/chat/completions and /v1/completions: validate, authenticate, charge the rate limit,
-build the routing facts, dispatch, then settle limits and usage in the background.
+"""POST /v1/chat/completions and /v1/completions: parse, count the prompt, admit (the rate limit),
+route, relay; the rate-limit charge is settled on every way out. Who the caller is was settled by the
+access middleware.
 
+The rate limit is a step here, not a middleware: it charges the prompt's token count, which needs the
+parsed body and the model's tokenizer; a middleware would have to parse and count the body twice.
 Unknown body fields pass through untouched; nothing reaches an upstream before validation passes.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -16,16 +22,18 @@ from aiohttp import web
 
 from cache.block_hash import block_hashes
 from gateway.access import caller_key
-from gateway.api.admission import charge_rate_limit, settle, settle_now
+from gateway.auth import ApiKey
 from gateway.config import LimitsConfig, ModelConfig
-from gateway.dispatch import RoutedRequest
-from gateway.errors import BadRequest, GatewayError, NotFound, RequestTimeout
+from gateway.errors import BadRequest, GatewayError, NotFound, RateLimited, RequestTimeout
+from gateway.request import Outcome, RoutedRequest
 from gateway.services import SERVICES, Services
 from gateway.state import MemoryStore
 from gateway.streaming import StreamUsage
 from gateway.tokenize import PromptTokens
 from gateway.tracing import request_id_var
 from policies.base import RequestFacts
+
+log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-session-affinity"
 
@@ -46,13 +54,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _handle(request: web.Request, surface: Surface) -> web.StreamResponse:
     started_s = time.perf_counter()
     services = request.app[SERVICES]
-    key = caller_key(request)
     raw = await _read_body(request, services.config.limits.body_timeout_s)
     body = parse_body(raw, surface, services.config.limits)
     model = services.config.models.get(body["model"])
     if model is None:
         raise NotFound(f"The model {body['model']!r} does not exist", param="model", code="model_not_found")
-    stream = body.get("stream", False)
     with services.tracing.span("request") as span:
         if span is not None:
             span.set_attribute("switchyard.model", model.name)
@@ -60,7 +66,7 @@ async def _handle(request: web.Request, surface: Surface) -> web.StreamResponse:
         prompt = _count_prompt(services, model, body, surface)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         num_expected = services.estimator.estimate(model.name, max_tokens)
-        charged = await charge_rate_limit(services, key, prompt.num_tokens + num_expected) if key is not None else 0
+        charge = await charge_rate_limit(services, caller_key(request), prompt.num_tokens + num_expected)
         session_key = request.headers.get(SESSION_HEADER) or None
         session_id = f"{model.name}\x00{session_key}" if session_key else None
         session_endpoint = await services.store.get_session(session_id) if session_id else None
@@ -68,35 +74,85 @@ async def _handle(request: web.Request, surface: Surface) -> web.StreamResponse:
             model=model.name, num_prompt_tokens=prompt.num_tokens, num_expected_output_tokens=num_expected,
             block_hashes=tuple(block_hashes(prompt.token_ids, model.block_size)) if prompt.token_ids else (),
             session_key=session_key, session_endpoint=session_endpoint, block_size=model.block_size)
-        routed = RoutedRequest(model, surface.value, body, raw, stream, facts, request_id_var.get(), started_s,
-                               session_id)
-        outcome = None
-        status = 499  # the client went away
-        try:
-            outcome = await services.dispatcher.dispatch(request, routed)
-            status = outcome.response.status
-        except GatewayError as exc:
-            status = exc.status
-            raise
-        finally:
-            # Runs on errors and cancellation too: the charge is settled to what was really used.
-            if key is not None:
-                usage = outcome.usage if outcome is not None else StreamUsage()
-                settling = settle(services, key, charged, prompt.num_tokens, usage)
-                if isinstance(services.store, MemoryStore):
-                    await settle_now(settling)  # in-process: never suspends, no task needed
-                else:
-                    services.background.spawn(settling)
-            services.metrics.on_request(model.name, status)
+        routed = RoutedRequest(model, surface.value, body, raw, body.get("stream", False), facts,
+                               request_id_var.get(), started_s, session_id)
+        outcome = await _dispatch(services, request, routed, charge)
     if outcome.endpoint_id is not None:
         services.estimator.observe(model.name, outcome.usage.num_output_tokens)
     return outcome.response
+
+
+async def _dispatch(services: Services, request: web.Request, routed: RoutedRequest,
+                    charge: Charge | None) -> Outcome:
+    """The dispatcher's outcome; on errors and cancellation too, the charge is settled to what was really
+    used and the request is counted."""
+    outcome = None
+    status = 499  # the client went away
+    try:
+        outcome = await services.dispatcher.dispatch(request, routed)
+        status = outcome.response.status
+        return outcome
+    except GatewayError as exc:
+        status = exc.status
+        raise
+    finally:
+        if charge is not None:
+            usage = outcome.usage if outcome is not None else StreamUsage()
+            await settle(services, charge, routed.facts.num_prompt_tokens, usage)
+        services.metrics.on_request(routed.model.name, status)
 
 
 def _count_prompt(services: Services, model: ModelConfig, body: Mapping[str, Any], surface: Surface) -> PromptTokens:
     if surface is Surface.CHAT:
         return services.counter.count_chat(model.name, body["messages"])
     return services.counter.count_prompt(model.name, body["prompt"])
+
+
+# --- admission: the rate limit -------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    key: ApiKey                          # the caller's key (its limits and usage)
+    num_tokens: int                      # tokens charged up front (0: the key has no token limit to charge)
+
+
+async def charge_rate_limit(services: Services, key: ApiKey | None, num_tokens: int) -> Charge | None:
+    """Charge one request and `num_tokens` (prompt + expected output); None: no key, nothing to settle."""
+    if key is None:
+        return None
+    limits = key.limits
+    if limits.unlimited:
+        return Charge(key, 0)
+    decision = await services.store.rate_limit(key.key_id, limits, num_tokens)
+    if not decision.allowed:
+        retry_after = max(1, math.ceil(decision.retry_after_s or 1.0))
+        raise RateLimited(f"Rate limit exceeded for key {key.key_id!r}; retry after {retry_after}s",
+                          headers={"Retry-After": str(retry_after)})
+    return Charge(key, num_tokens)
+
+
+async def settle(services: Services, charge: Charge, num_prompt_tokens: int, usage: StreamUsage) -> None:
+    """After the response (or the error, or the cancellation): correct the charge to what was really
+    used and record usage. In-process the store never suspends, so it runs inline (no task); with Redis
+    it runs in the background so the response does not wait for it."""
+    settling = _settle(services, charge, num_prompt_tokens, usage)
+    if not isinstance(services.store, MemoryStore):
+        services.background.spawn(settling)
+        return
+    try:
+        await settling
+    except Exception as exc:  # the response is already decided: settling must not change it
+        log.warning("settling the rate limit failed: %r", exc)
+
+
+async def _settle(services: Services, charge: Charge, num_prompt_tokens: int, usage: StreamUsage) -> None:
+    key_id = charge.key.key_id
+    num_prompt = usage.num_prompt_tokens if usage.num_prompt_tokens is not None else num_prompt_tokens
+    actual = num_prompt + usage.num_output_tokens if usage.num_output_tokens or usage.exact else 0
+    if charge.num_tokens and actual != charge.num_tokens:
+        await services.store.charge_tokens(key_id, actual - charge.num_tokens)
+    if usage.num_output_tokens or usage.exact:
+        await services.store.record_usage(key_id, num_prompt, usage.num_cached_tokens, usage.num_output_tokens)
 
 
 # --- validation ------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 from gateway.config import ProviderConfig, ProviderKind
-from gateway.providers.base import LegRequest, Provider
+from gateway.providers.base import Provider, ProviderRun
 from gateway.providers.openai import OpenAIProvider
 from gateway.providers.switchyard_pd import SwitchyardPdProvider
 
@@ -19,4 +19,4 @@ def make_provider(config: ProviderConfig) -> Provider:
     return PROVIDER_KINDS[config.kind](config)
 
 
-__all__ = ["LegRequest", "Provider", "PROVIDER_KINDS", "make_provider"]
+__all__ = ["Provider", "ProviderRun", "PROVIDER_KINDS", "make_provider"]

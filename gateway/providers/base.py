@@ -1,35 +1,27 @@
-"""What a provider kind offers the dispatcher: one attempt at serving a routed request (one leg, or
-several, composed from the building blocks in gateway/legs.py), plus its upstream wire details
-(URL layout, auth header, model name). A provider does not walk the chain or retry.
+"""What a provider kind offers the dispatcher. A provider owns its legs: it chooses endpoints, builds
+and sends each leg through `Legs` (gateway/legs.py), and keeps whatever it must remember between tries
+of one request in the run it returns. It does not walk the chain or retry (the dispatcher does).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol
-
-import aiohttp
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol
 
 from gateway.config import ProviderConfig
-from gateway.legs import Job, LegOutcome, LegRequest, LegRunner
+from gateway.request import Outcome, Progress
 
-__all__ = ["LegRequest", "Provider"]
+if TYPE_CHECKING:
+    from gateway.legs import Legs
+
+# One try at serving the request; the dispatcher calls it again after a `RetryableFailure`.
+ProviderRun = Callable[[], Awaitable[Outcome]]
 
 
 class Provider(Protocol):
     config: ProviderConfig
 
-    async def attempt(self, legs: LegRunner, job: Job) -> LegOutcome:
-        """Serve `job` once. Raises `RetryableFailure` when a leg failed before the client got a byte
-        (the dispatcher retries, here or further down the chain) and `ProviderExhausted` when this
-        provider has no endpoint left to try for the request."""
-        ...
-
-    def encode_body(self, body: Mapping[str, Any], raw: bytes) -> bytes:
-        """The upstream body: `raw` (the client's bytes) unless this provider changes something (model name)."""
-        ...
-
-    def open(self, session: aiohttp.ClientSession, endpoint_id: str, leg: LegRequest,
-             body: bytes) -> AbstractAsyncContextManager[aiohttp.ClientResponse]:
-        """Send one leg; the context manager closes the upstream connection on exit."""
+    def start(self, progress: Progress, legs: Legs) -> ProviderRun:
+        """Begin serving `progress.request` with this provider. Each call of the returned run raises
+        `RetryableFailure` when a leg failed before the client got a byte (the dispatcher retries, here
+        or further down the chain) and `ProviderExhausted` when no endpoint is left to try."""
         ...

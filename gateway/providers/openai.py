@@ -6,42 +6,62 @@ provider's key as `Authorization: Bearer`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import AbstractAsyncContextManager
+from functools import partial
 from typing import Any
 
 import aiohttp
 import orjson
 
 from gateway.config import ConfigError, ProviderConfig
-from gateway.legs import Job, LegOutcome, LegRequest, LegRunner, ProviderExhausted
+from gateway.legs import Legs
+from gateway.providers.base import ProviderRun
+from gateway.request import Leg, LegKind, Outcome, Progress, ProviderExhausted, Wire
+
+
+def openai_wire(config: ProviderConfig) -> Wire:
+    """Content-Type and the provider's key on every leg; the total limit covers the whole leg, the
+    first-byte limit is enforced by `Legs.send`."""
+    auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    timeouts = config.timeouts
+    return Wire(config.name, {"Content-Type": "application/json", **auth},
+                aiohttp.ClientTimeout(total=timeouts.total_s, sock_connect=timeouts.connect_s,
+                                      connect=timeouts.connect_s),
+                timeouts.first_byte_s)
+
+
+def upstream_body(config: ProviderConfig, body: Mapping[str, Any], raw: bytes) -> bytes:
+    """`raw` (the client's bytes) unless the provider renames the model upstream."""
+    model = config.upstream_model
+    if model is None or body.get("model") == model:
+        return raw
+    return orjson.dumps({**body, "model": model})
 
 
 class OpenAIProvider:
-    def __init__(self, config: ProviderConfig, *, pools_checked: bool = False) -> None:
-        if config.prefill_endpoints and not pools_checked:
+    def __init__(self, config: ProviderConfig) -> None:
+        if config.prefill_endpoints:
             raise ConfigError(f"providers.{config.name}.prefill_endpoints: only for kind switchyard-pd")
         self.config = config
-        self._auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        # The total limit covers the whole leg; first-byte is enforced by the dispatcher.
-        self._timeout = aiohttp.ClientTimeout(total=config.timeouts.total_s, sock_connect=config.timeouts.connect_s,
-                                              connect=config.timeouts.connect_s)
+        self._wire = openai_wire(config)
 
-    async def attempt(self, legs: LegRunner, job: Job) -> LegOutcome:
+    def start(self, progress: Progress, legs: Legs) -> ProviderRun:
+        return partial(self._serve, progress, legs)
+
+    async def _serve(self, progress: Progress, legs: Legs) -> Outcome:
         """One leg to the endpoint the model's policy picks among this provider's untried endpoints."""
-        policy = legs.parts.policies[job.routed.model.name]
-        chosen = legs.choose(job, legs.parts.registry.pool(self.config.name), policy)
+        request, metrics = progress.request, legs.metrics
+        chosen = legs.choose(progress, legs.pool(self.config.name), progress.policy)
         if chosen is None:
             raise ProviderExhausted("no eligible endpoint left")
         endpoint, decision = chosen
-        return await legs.single_leg(job, self, endpoint, decision, policy)
-
-    def encode_body(self, body: Mapping[str, Any], raw: bytes) -> bytes:
-        model = self.config.upstream_model
-        if model is None or body.get("model") == model:
-            return raw
-        return orjson.dumps({**body, "model": model})
-
-    def open(self, session: aiohttp.ClientSession, endpoint_id: str, leg: LegRequest,
-             body: bytes) -> AbstractAsyncContextManager[aiohttp.ClientResponse]:
-        headers = {"Content-Type": "application/json", **leg.headers, **self._auth}
-        return session.post(endpoint_id + leg.path, data=body, headers=headers, timeout=self._timeout)
+        if progress.tried:
+            metrics.on_retry(request.facts.model)
+        progress.tried.add(endpoint.endpoint_id)
+        metrics.on_decision(request.facts.model, decision.reason.value)
+        await legs.pin_session(progress, decision)
+        with legs.tracing.span("upstream_attempt") as span:
+            headers = legs.leg_headers(progress, span, self._wire, endpoint.endpoint_id, decision)
+            leg = Leg(self._wire, endpoint, LegKind.SINGLE, request.api_path,
+                      upstream_body(self.config, request.body, request.raw), headers,
+                      request.facts.num_prompt_tokens, request.facts.num_expected_output_tokens)
+            return await legs.send(progress, leg, partial(legs.relay, progress, endpoint))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -18,10 +17,11 @@ from aiohttp import web
 
 from gateway.config import ConfigError, Pool, ProviderConfig
 from gateway.fallback import RetryableFailure
-from gateway.legs import (MAX_ERROR_BODY, Job, LegKind, LegOutcome, LegRequest, LegRunner, LegTarget,
-                          ProviderExhausted, error_code, error_message)
+from gateway.legs import MAX_ERROR_BODY, Legs, error_code, error_message
 from gateway.load import Lease
-from gateway.providers.openai import OpenAIProvider
+from gateway.providers.base import ProviderRun
+from gateway.providers.openai import openai_wire
+from gateway.request import Leg, LegKind, Outcome, Progress, ProviderExhausted
 from gateway.streaming import DONE_EVENT, StreamUsage, error_event
 from gateway.upstreams import Endpoint
 from policies.base import Decision
@@ -57,101 +57,112 @@ class SwitchyardPdProvider:
         if not config.prefill_endpoints:
             raise ConfigError(f"providers.{config.name}.prefill_endpoints: required for kind switchyard-pd")
         self.config = config
-        self._wire = OpenAIProvider(config, pools_checked=True)
+        self.wire = openai_wire(config)
         # Prefill: least queued prompt tokens, after prefix hits where the pool reports its KV events.
         prefill_costs = {"prefill_weight": 1.0, "decode_weight": 0.0}
-        self._prefill_policy = make_policy(PolicyName.PREFIX_AWARE, prefill_costs) if config.offers_kv_events \
+        self.prefill_policy = make_policy(PolicyName.PREFIX_AWARE, prefill_costs) if config.offers_kv_events \
             else make_policy(PolicyName.LEAST_TOKENS, prefill_costs)
         # Decode: least output tokens in flight, among the workers with KV headroom.
-        self._decode_policy = make_policy(PolicyName.LEAST_TOKENS, {
+        self.decode_policy = make_policy(PolicyName.LEAST_TOKENS, {
             "prefill_weight": 0.0, "decode_weight": 1.0, "min_kv_free_fraction": _MIN_KV_FREE_FRACTION})
 
-    def encode_body(self, body: Mapping[str, Any], raw: bytes) -> bytes:
-        return self._wire.encode_body(body, raw)
+    def start(self, progress: Progress, legs: Legs) -> ProviderRun:
+        return _PdRun(self, progress, legs)
 
-    def open(self, session: aiohttp.ClientSession, endpoint_id: str, leg: LegRequest,
-             body: bytes) -> AbstractAsyncContextManager[aiohttp.ClientResponse]:
-        return self._wire.open(session, endpoint_id, leg, body)
 
-    # --- the attempt -------------------------------------------------------------------------------
+class _PdRun:
+    """One request on one disaggregated provider. A prefill whose KV is held survives a failed decode
+    leg, so that the retry only redoes the decode."""
 
-    async def attempt(self, legs: LegRunner, job: Job) -> LegOutcome:
+    __slots__ = ("_provider", "_config", "_progress", "_legs", "_held")
+
+    def __init__(self, provider: SwitchyardPdProvider, progress: Progress, legs: Legs) -> None:
+        self._provider = provider
+        self._config = provider.config
+        self._progress = progress
+        self._legs = legs
+        self._held: PrefillResult | None = None   # the prefill whose KV a decode leg may still claim
+
+    async def __call__(self) -> Outcome:
         """Prefill (unless a held prefill survives from a failed decode leg), then decode."""
-        body, scratch, name = job.routed.body, job.attempts.scratch, self.config.name
+        progress, legs, provider = self._progress, self._legs, self._provider
+        body = progress.request.body
         if body.get("n", 1) != 1 or _is_prompt_batch(body.get("prompt")):
             raise ProviderExhausted("n > 1 and prompt batches are not disaggregated")
-        if job.attempts.num_failures:
-            legs.parts.metrics.on_retry(job.routed.facts.model)
-        held: PrefillResult | None = scratch.get(name)
+        if progress.num_failures:
+            legs.metrics.on_retry(progress.request.facts.model)
+        decode_pool = legs.pool(self._config.name, Pool.MAIN)
+        held = self._held
         if held is None:
-            if legs.choose(job, legs.parts.registry.pool(name, Pool.MAIN), self._decode_policy) is None:
-                self._fall_back(legs, job, "decode_pool_unavailable")
-            chosen = legs.choose(job, legs.parts.registry.pool(name, Pool.PREFILL), self._prefill_policy)
+            if not legs.has_candidate(progress, decode_pool):
+                raise self._fall_back("decode_pool_unavailable")
+            chosen = legs.choose(progress, legs.pool(self._config.name, Pool.PREFILL), provider.prefill_policy)
             if chosen is None:
-                self._fall_back(legs, job, "prefill_pool_unavailable")
-            prefilled = await self._prefill(legs, job, *chosen)
-            if isinstance(prefilled, LegOutcome):
+                raise self._fall_back("prefill_pool_unavailable")
+            prefilled = await self._prefill(*chosen)
+            if isinstance(prefilled, Outcome):
                 return prefilled  # the prefill worker rejected the request (a 4xx, relayed)
             held = prefilled
             if held.kv_transfer_params is None or held.finish_reason == "stop" or _max_tokens(body) == 1:
-                return await self._answer_prefill_only(legs, job, held)
-            if job.client is not None:
-                await job.client.send_first(_chunk(job, held, {"role": "assistant", "content": held.text}, None),
-                                            "text/event-stream")
-                legs.parts.metrics.observe_ttft(job.routed.facts.model, time.perf_counter() - job.routed.started_s)
-            scratch[name] = held
-        chosen = legs.choose(job, legs.parts.registry.pool(name, Pool.MAIN), self._decode_policy)
+                return await self._answer_prefill_only(held)
+            if progress.client is not None:
+                first = _chunk(progress, held, {"role": "assistant", "content": held.text}, None)
+                await progress.client.send_first(first, "text/event-stream")
+                legs.metrics.observe_ttft(progress.request.facts.model,
+                                          time.perf_counter() - progress.request.started_s)
+            self._held = held
+        chosen = legs.choose(progress, decode_pool, provider.decode_policy)
         if chosen is None:
-            self._fall_back(legs, job, "decode_pool_exhausted")
+            raise self._fall_back("decode_pool_exhausted")
         try:
-            return await self._decode(legs, job, held, *chosen)
+            return await self._decode(held, *chosen)
         except KvTransferFailed as exc:
-            return await self._redo(legs, job, exc)
+            return await self._redo(exc)
 
-    def _fall_back(self, legs: LegRunner, job: Job, cause: str) -> None:
-        """Hand the request to the next provider (the dispatcher cannot once the client has a token)."""
-        if job.client is None or not job.client.data_started:
-            legs.parts.metrics.on_pd_fallback(job.routed.facts.model, self.config.name, cause)
-        raise ProviderExhausted(cause.replace("_", " "))
+    def _fall_back(self, cause: str) -> ProviderExhausted:
+        """The error that hands the request to the next provider (the dispatcher cannot once the client
+        has a token)."""
+        if not self._progress.client_has_data:
+            self._legs.metrics.on_pd_fallback(self._progress.request.facts.model, self._config.name, cause)
+        return ProviderExhausted(cause.replace("_", " "))
 
-    async def _redo(self, legs: LegRunner, job: Job, exc: KvTransferFailed) -> LegOutcome:
+    async def _redo(self, exc: KvTransferFailed) -> Outcome:
         """The held KV is lost: start over with a new prefill, unless the client already has a token."""
-        job.attempts.scratch.pop(self.config.name, None)
-        legs.parts.metrics.on_pd_redo(job.routed.facts.model, exc.code)
+        progress, name = self._progress, self._config.name
+        self._held = None
+        self._legs.metrics.on_pd_redo(progress.request.facts.model, exc.code)
         if exc.code == _KV_TRANSFER_MISMATCH:
-            log.error("provider %s: %s (do the prefill and decode pools run the same model?)", self.config.name, exc)
-        client = job.client
+            log.error("provider %s: %s (do the prefill and decode pools run the same model?)", name, exc)
+        client = progress.client
         if client is not None and client.data_started:
             await client.fail(error_event(f"disaggregated decode failed: {exc}", code=exc.code))
-            return LegOutcome(await client.finish(), None, StreamUsage())
+            return Outcome(await client.finish(), None, StreamUsage())
         failure = RetryableFailure(str(exc))
-        job.attempts.num_failures += 1
-        job.attempts.log.append(f"{self.config.name}: {exc}")
+        self._legs.record_failure(progress, name, None, failure)
         raise failure
 
     # --- leg 1: prefill ----------------------------------------------------------------------------
 
-    async def _prefill(self, legs: LegRunner, job: Job, endpoint: Endpoint,
-                       decision: Decision) -> PrefillResult | LegOutcome:
-        routed = job.routed
-        body = {k: v for k, v in routed.body.items() if k not in ("max_completion_tokens", "stream_options")}
+    async def _prefill(self, endpoint: Endpoint, decision: Decision) -> PrefillResult | Outcome:
+        progress, legs, wire = self._progress, self._legs, self._provider.wire
+        request = progress.request
+        body = {k: v for k, v in request.body.items() if k not in ("max_completion_tokens", "stream_options")}
         body.update(max_tokens=1, stream=False)
-        if _max_tokens(routed.body) != 1:   # else the one token is the answer: nothing to hold
+        if _max_tokens(request.body) != 1:   # else the one token is the answer: nothing to hold
             body["kv_transfer_params"] = {"do_remote_decode": True}
-        if self.config.upstream_model is not None:
-            body["model"] = self.config.upstream_model
-        legs.parts.metrics.on_decision(routed.facts.model, decision.reason.value)
-        with legs.parts.tracing.span("prefill_leg") as span:
-            headers = legs.leg_headers(job, span, self.config.name, endpoint.endpoint_id, decision)
-            target = LegTarget(self._wire, endpoint, LegKind.PREFILL, LegRequest(routed.api_path, body, False, headers),
-                               orjson.dumps(body), routed.facts.num_prompt_tokens, 0)
-            return await legs.run_routed(job, target, partial(self._read_prefill, legs, job, endpoint),
-                                         self._prefill_policy)
+        if self._config.upstream_model is not None:
+            body["model"] = self._config.upstream_model
+        legs.metrics.on_decision(request.facts.model, decision.reason.value)
+        with legs.tracing.span("prefill_leg") as span:
+            headers = legs.leg_headers(progress, span, wire, endpoint.endpoint_id, decision)
+            leg = Leg(wire, endpoint, LegKind.PREFILL, request.api_path, orjson.dumps(body), headers,
+                      request.facts.num_prompt_tokens, 0)
+            return await legs.send(progress, leg, partial(self._read_prefill, endpoint))
 
-    async def _read_prefill(self, legs: LegRunner, job: Job, endpoint: Endpoint, response: aiohttp.ClientResponse,
-                            first_byte_deadline: Any, lease: Lease) -> PrefillResult | LegOutcome:
+    async def _read_prefill(self, endpoint: Endpoint, response: aiohttp.ClientResponse,
+                            first_byte_deadline: Any, lease: Lease) -> PrefillResult | Outcome:
         if response.status != 200:
-            return await legs.non_200(response, endpoint.breaker, job.client)
+            return await self._legs.non_200(response, endpoint.breaker, self._progress.client)
         payload = orjson.loads(await response.read())
         try:
             choice = payload["choices"][0]
@@ -165,37 +176,38 @@ class SwitchyardPdProvider:
         endpoint.breaker.on_success()
         return result
 
-    async def _answer_prefill_only(self, legs: LegRunner, job: Job, held: PrefillResult) -> LegOutcome:
+    async def _answer_prefill_only(self, held: PrefillResult) -> Outcome:
         """The first token ended the request (or max_tokens is 1): no decode leg."""
+        progress = self._progress
         usage = _usage(held.usage, held.usage.get("completion_tokens", 1))
         finish_reason = held.finish_reason or "length"
-        if job.client is None:
-            return LegOutcome(_json_response(held.payload), held.endpoint_id, _stream_usage(usage))
-        client = job.client
-        events = _chunk(job, held, {"role": "assistant", "content": held.text}, None) + \
-            _chunk(job, held, {}, finish_reason)
-        if (job.routed.body.get("stream_options") or {}).get("include_usage"):
-            events += b"data: " + orjson.dumps({**_chunk_base(job, held), "choices": [], "usage": usage}) + b"\n\n"
+        if progress.client is None:
+            return Outcome(_json_response(held.payload), held.endpoint_id, _stream_usage(usage))
+        client = progress.client
+        events = _chunk(progress, held, {"role": "assistant", "content": held.text}, None) + \
+            _chunk(progress, held, {}, finish_reason)
+        if (progress.request.body.get("stream_options") or {}).get("include_usage"):
+            events += b"data: " + orjson.dumps({**_chunk_base(progress, held), "choices": [], "usage": usage}) \
+                + b"\n\n"
         await client.send_first(events + DONE_EVENT, "text/event-stream")
-        legs.parts.metrics.observe_ttft(job.routed.facts.model, time.perf_counter() - job.routed.started_s)
-        return LegOutcome(await client.finish(), held.endpoint_id, _stream_usage(usage))
+        self._legs.metrics.observe_ttft(progress.request.facts.model,
+                                        time.perf_counter() - progress.request.started_s)
+        return Outcome(await client.finish(), held.endpoint_id, _stream_usage(usage))
 
     # --- leg 2: decode -----------------------------------------------------------------------------
 
-    async def _decode(self, legs: LegRunner, job: Job, held: PrefillResult, endpoint: Endpoint,
-                      decision: Decision) -> LegOutcome:
-        routed = job.routed
+    async def _decode(self, held: PrefillResult, endpoint: Endpoint, decision: Decision) -> Outcome:
+        progress, legs, wire = self._progress, self._legs, self._provider.wire
+        request = progress.request
         params = {**(held.kv_transfer_params or {}), "response_id": held.payload.get("id")}
-        body = {**routed.body, "kv_transfer_params": params}
-        if self.config.upstream_model is not None:
-            body["model"] = self.config.upstream_model
-        with legs.parts.tracing.span("decode_leg") as span:
-            headers = legs.leg_headers(job, span, self.config.name, endpoint.endpoint_id, decision)
-            target = LegTarget(self._wire, endpoint, LegKind.DECODE,
-                               LegRequest(routed.api_path, body, routed.stream, headers), orjson.dumps(body),
-                               0, routed.facts.num_expected_output_tokens)
-            outcome = await legs.run_routed(job, target, partial(self._read_decode, legs, job, held, endpoint),
-                                            self._decode_policy)
+        body = {**request.body, "kv_transfer_params": params}
+        if self._config.upstream_model is not None:
+            body["model"] = self._config.upstream_model
+        with legs.tracing.span("decode_leg") as span:
+            headers = legs.leg_headers(progress, span, wire, endpoint.endpoint_id, decision)
+            leg = Leg(wire, endpoint, LegKind.DECODE, request.api_path, orjson.dumps(body), headers,
+                      0, request.facts.num_expected_output_tokens)
+            outcome = await legs.send(progress, leg, partial(self._read_decode, held, endpoint))
         if outcome.endpoint_id is not None:  # prompt and cached tokens are the prefill's to report
             outcome.usage.num_prompt_tokens = held.usage.get("prompt_tokens", outcome.usage.num_prompt_tokens)
             outcome.usage.num_cached_tokens = _cached(held.usage)
@@ -203,25 +215,26 @@ class SwitchyardPdProvider:
                 outcome.usage.num_output_tokens += 1  # the first token came from the prefill
         return outcome
 
-    async def _read_decode(self, legs: LegRunner, job: Job, held: PrefillResult, endpoint: Endpoint,
-                           response: aiohttp.ClientResponse, first_byte_deadline: Any, lease: Lease) -> LegOutcome:
+    async def _read_decode(self, held: PrefillResult, endpoint: Endpoint, response: aiohttp.ClientResponse,
+                           first_byte_deadline: Any, lease: Lease) -> Outcome:
+        legs, client = self._legs, self._progress.client
         if response.status != 200:
             body = await response.content.read(MAX_ERROR_BODY)
             code = error_code(body)
             if code in (_KV_TRANSFER_FAILED, _KV_TRANSFER_MISMATCH):
                 raise KvTransferFailed(code, error_message(body))
-            return await legs.answer_error(response, body, endpoint.breaker, job.client)
-        if job.client is None:
+            return await legs.answer_error(response, body, endpoint.breaker, client)
+        if client is None:
             payload = orjson.loads(await response.read())
             endpoint.breaker.on_success()
             return _join(held, payload, endpoint.endpoint_id)
         first = await legs.first_chunk(response, first_byte_deadline, lease)
-        return await legs.relay_stream(job, response, first, lease, endpoint)
+        return await legs.relay_stream(self._progress, response, first, lease, endpoint)
 
 
 # --- the client's view -------------------------------------------------------------------------------
 
-def _join(held: PrefillResult, payload: dict[str, Any], endpoint_id: str) -> LegOutcome:
+def _join(held: PrefillResult, payload: dict[str, Any], endpoint_id: str) -> Outcome:
     """First token text + decode text; prompt/cached usage from the prefill, completion from the decode."""
     try:
         choice = payload["choices"][0]
@@ -236,7 +249,7 @@ def _join(held: PrefillResult, payload: dict[str, Any], endpoint_id: str) -> Leg
     decode_usage = payload.get("usage") or {}
     usage = _usage(held.usage, decode_usage.get("completion_tokens", held.usage.get("completion_tokens", 1)))
     payload.update(id=held.payload.get("id", payload.get("id")), usage=usage)
-    return LegOutcome(_json_response(payload), endpoint_id, _stream_usage(usage))
+    return Outcome(_json_response(payload), endpoint_id, _stream_usage(usage))
 
 
 def _usage(prefill_usage: Mapping[str, Any], num_completion: int) -> dict[str, Any]:
@@ -259,8 +272,8 @@ def _json_response(payload: Mapping[str, Any]) -> web.Response:
     return web.Response(body=orjson.dumps(payload), content_type="application/json")
 
 
-def _chunk_base(job: Job, held: PrefillResult) -> dict[str, Any]:
-    chat = job.routed.api_path.endswith("chat/completions")
+def _chunk_base(progress: Progress, held: PrefillResult) -> dict[str, Any]:
+    chat = progress.request.api_path.endswith("chat/completions")
     return {"id": held.payload.get("id"), "object": "chat.completion.chunk" if chat else "text_completion",
             "created": held.payload.get("created", int(time.time())), "model": held.payload.get("model")}
 
@@ -270,15 +283,15 @@ def _first_token_ids(held: PrefillResult) -> list[int]:
     return ids if isinstance(ids, list) else []
 
 
-def _chunk(job: Job, held: PrefillResult, delta: Mapping[str, Any], finish_reason: str | None) -> bytes:
+def _chunk(progress: Progress, held: PrefillResult, delta: Mapping[str, Any], finish_reason: str | None) -> bytes:
     """One SSE event as the upstream would stream it: chat `delta`, completions `text`."""
-    if job.routed.api_path.endswith("chat/completions"):
+    if progress.request.api_path.endswith("chat/completions"):
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
     else:
         choice = {"index": 0, "text": delta.get("content", ""), "finish_reason": finish_reason}
     if "role" in delta and _first_token_ids(held):  # the first chunk carries the prefill's token
         choice["token_ids"] = _first_token_ids(held)
-    return b"data: " + orjson.dumps({**_chunk_base(job, held), "choices": [choice]}) + b"\n\n"
+    return b"data: " + orjson.dumps({**_chunk_base(progress, held), "choices": [choice]}) + b"\n\n"
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:

@@ -1,0 +1,92 @@
+"""The records that describe one generation request on its way through the gateway: what the client
+asked for (`RoutedRequest`), how serving it goes (`Progress`), one upstream call (`Leg`, sent the way a
+provider's `Wire` says) and what comes back (`Outcome`).
+
+Types only: no I/O, no decisions.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway.config import ModelConfig
+from gateway.streaming import ClientStream, StreamUsage
+from gateway.upstreams import Endpoint
+from policies.base import Policy, RequestFacts
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedRequest:
+    model: ModelConfig                  # the client's model, resolved from config
+    api_path: str                       # "/v1/chat/completions" or "/v1/completions"
+    body: Mapping[str, Any]             # the parsed client body
+    raw: bytes                          # the client body as received (forwarded when unchanged)
+    stream: bool                        # the client asked for SSE
+    facts: RequestFacts                 # what the policy sees
+    request_id: str                     # x-request-id, forwarded upstream
+    started_s: float                    # time.perf_counter() when the request arrived (for TTFT)
+    session_id: str | None              # the state store's key for the x-session-affinity session
+
+
+@dataclass(slots=True)
+class Progress:
+    """How serving one request goes, across retries and providers (mutable, private to one dispatch)."""
+    request: RoutedRequest                                    # what is being served
+    client: ClientStream | None                               # the SSE client (None: a non-streaming request)
+    policy: Policy                                            # the model's routing policy
+    tried: set[str] = field(default_factory=set)              # endpoints that failed (or served) this request
+    log: list[str] = field(default_factory=list)              # what was tried and why it failed
+    retry_after_s: float | None = None                        # the last upstream Retry-After
+    num_failures: int = 0                                     # failed legs
+
+    @property
+    def client_has_data(self) -> bool:
+        """Part of an answer reached the client: nothing can be retried or handed on any more."""
+        return self.client is not None and self.client.data_started
+
+
+class LegKind(str, Enum):
+    SINGLE = "single"        # the whole request in one leg
+    PREFILL = "prefill"      # disaggregated leg 1: the prompt's KV and the first token
+    DECODE = "decode"        # disaggregated leg 2: the rest of the output, from the transferred KV
+
+
+@dataclass(frozen=True, slots=True)
+class Wire:
+    """How a provider's upstream calls go out (built once per provider)."""
+    provider_name: str                  # for metrics and the failure log
+    headers: Mapping[str, str]          # Content-Type and the provider's Authorization
+    timeout: aiohttp.ClientTimeout      # connect and whole-leg limits (first byte: `first_byte_s`)
+    first_byte_s: float                 # request sent -> first body byte
+
+
+@dataclass(frozen=True, slots=True)
+class Leg:
+    wire: Wire                          # the provider's way of calling upstream
+    endpoint: Endpoint                  # where the leg goes
+    kind: LegKind                       # for metrics
+    path: str                           # API path appended to the endpoint's URL
+    body: bytes                         # the encoded upstream body
+    headers: Mapping[str, str]          # the wire's headers plus x-request-id and traceparent
+    num_prompt_tokens: int              # the lease's prefill tokens
+    num_output_tokens: int              # the lease's decode tokens
+
+
+@dataclass(slots=True)
+class Outcome:
+    response: web.StreamResponse        # what the handler returns
+    endpoint_id: str | None             # where it was served (None: an error was relayed or sent)
+    usage: StreamUsage                  # tokens, as counted or reported
+
+
+class ProviderExhausted(Exception):
+    """The provider has nothing (left) to try for this request: the dispatcher moves to the next one."""
+
+    def __init__(self, description: str) -> None:
+        super().__init__(description)
+        self.description = description
