@@ -177,7 +177,6 @@ class Simulation:
         worker.num_decoding -= 1
         flight.lease.release()
         self.estimator.observe(MODEL, flight.request.num_output_tokens)
-        self.policy.on_request_end(worker.endpoint_id)
         self.finished.append(flight)
 
     def _store_blocks(self, worker: Worker, block_hashes: tuple[int, ...]) -> None:

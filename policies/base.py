@@ -53,10 +53,6 @@ class Policy(Protocol):
         """Choose one of `endpoints` (the gateway's remaining candidates); None: none is usable."""
         ...
 
-    def on_request_end(self, endpoint_id: str) -> None:
-        """Hook called when a request routed to `endpoint_id` ends; policies may ignore it."""
-        ...
-
 
 @dataclass(frozen=True, slots=True)
 class TokenWeights:

@@ -34,6 +34,3 @@ class LeastRequestsPolicy:
     def select(self, request: RequestFacts, endpoints: Sequence[EndpointState]) -> Decision | None:
         chosen = pick_least(endpoints, _num_requests, self._rng)
         return None if chosen is None else Decision(chosen.endpoint_id, DecisionReason.BALANCED, None)
-
-    def on_request_end(self, endpoint_id: str) -> None:
-        pass

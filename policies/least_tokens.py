@@ -43,6 +43,3 @@ class LeastTokensPolicy:
             candidates = roomy or endpoints
         chosen = pick_least(candidates, self._weights.cost, self._rng)
         return None if chosen is None else Decision(chosen.endpoint_id, DecisionReason.BALANCED, None)
-
-    def on_request_end(self, endpoint_id: str) -> None:
-        pass

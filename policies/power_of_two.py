@@ -44,6 +44,3 @@ class PowerOfTwoPolicy:
         a, b = healthy[i], healthy[j]  # already a random order, so a tie keeps a random one
         chosen = b if self._weights.cost(b) < self._weights.cost(a) else a
         return Decision(chosen.endpoint_id, DecisionReason.BALANCED, None)
-
-    def on_request_end(self, endpoint_id: str) -> None:
-        pass

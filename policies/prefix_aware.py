@@ -62,9 +62,6 @@ class PrefixAwarePolicy:
         reason = DecisionReason.PREFIX_HIT if chosen.num_matched_blocks > 0 else DecisionReason.BALANCED
         return Decision(chosen.endpoint_id, reason, None)
 
-    def on_request_end(self, endpoint_id: str) -> None:
-        pass
-
     def _negative_score(self, endpoint: EndpointState, block_size: int) -> float:
         return (self._alpha_prefill * endpoint.num_prefill_tokens
                 + self._alpha_decode * endpoint.num_decode_tokens

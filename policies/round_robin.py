@@ -28,6 +28,3 @@ class RoundRobinPolicy:
         chosen = healthy[self._next % len(healthy)]
         self._next += 1
         return Decision(chosen.endpoint_id, DecisionReason.BALANCED, None)
-
-    def on_request_end(self, endpoint_id: str) -> None:
-        pass

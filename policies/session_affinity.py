@@ -94,9 +94,6 @@ class SessionAffinityPolicy:
             return Decision(chosen, DecisionReason.AFFINITY_NEW, None)
         return Decision(chosen, DecisionReason.AFFINITY_MOVED, home)
 
-    def on_request_end(self, endpoint_id: str) -> None:
-        pass
-
     def _update_ring(self, endpoints: Sequence[EndpointState]) -> None:
         """Add endpoints the ring has not seen; ids seen before stay, so a session's ring home
         does not move when a candidate is left out of one call (already tried, unhealthy)."""
