@@ -17,10 +17,11 @@ import torch
 from backends.engine.config import EngineConfig
 from backends.engine.engine import EngineStats, LLMEngine
 from backends.engine.errors import EngineRequestError
+from backends.engine.kv_connector import KVTransferParams
 from backends.engine.kv_events import KVEventBatch
-from backends.engine.outputs import FinishReason, SequenceOutput
+from backends.engine.outputs import FinishReason, LoadReport, SequenceOutput
 from backends.engine.sampling_params import SamplingParams
-from backends.engine.sequence import Sequence
+from backends.kv_transfer.base import SharedRegion
 
 __all__ = ["AsyncEngine", "EngineRequestError", "EngineStats", "LoadReport"]
 log = logging.getLogger(__name__)
@@ -29,22 +30,11 @@ _IDLE_POLL_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
-class LoadReport:
-    num_running: int                  # sequences admitted (prefilling or decoding)
-    num_waiting: int                  # sequences queued for admission (or for remote KV)
-    num_prefill_tokens_pending: int   # prompt/recompute tokens not yet in the KV cache
-    num_decode_tokens_pending: int    # sum over live sequences of max_tokens still to come
-    num_free_blocks: int              # free KV blocks, evictable cached ones included
-    num_total_blocks: int             # KV blocks in all
-    num_cached_blocks: int            # blocks reusable by prefix hash (in use or not)
-    block_size: int                   # tokens per block
-
-
-@dataclass(frozen=True, slots=True)
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    kv_transfer: KVTransferParams | None   # its part in a KV transfer (disaggregated legs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +57,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._inbox: list[_Command] = []
         self._stopping = False
+        self._woken = False
         self._streams: dict[str, asyncio.Queue[SequenceOutput]] = {}
         self._report: LoadReport | None = None
         self._stats: EngineStats | None = None
@@ -99,17 +90,18 @@ class AsyncEngine:
             queue.put_nowait(SequenceOutput(request_id, (), None, FinishReason.ABORT, 0, 0, "engine shut down"))
 
     # --- requests -----------------------------------------------------------------------------
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                 ) -> AsyncIterator[SequenceOutput]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 kv_transfer: KVTransferParams | None = None) -> AsyncIterator[SequenceOutput]:
         """Stream a sequence's outputs; raises EngineRequestError at once for a bad request.
-        Closing or cancelling the iterator aborts the sequence."""
+        Closing or cancelling the iterator aborts the sequence. A decode leg's outputs are the
+        tokens after `kv_transfer.first_token_ids`."""
         engine = self._require_started()
         if request_id in self._streams:
             raise EngineRequestError(f"request id {request_id!r} is already running")
-        engine.validate(prompt_token_ids, params)
+        engine.validate(prompt_token_ids, params, kv_transfer)
         queue: asyncio.Queue[SequenceOutput] = asyncio.Queue()
         self._streams[request_id] = queue
-        self._post(_Add(request_id, list(prompt_token_ids), params))
+        self._post(_Add(request_id, list(prompt_token_ids), params, kv_transfer))
         return self._stream(request_id, queue)
 
     async def _stream(self, request_id: str, queue: asyncio.Queue[SequenceOutput]
@@ -150,6 +142,21 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine.start() has not run")
         return self._engine.kv_events.since(since, limit)
 
+    def kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (K, V) cache tensors [num_blocks, block_size, num_kv_heads, head_dim]."""
+        cache = self._require_started().runner.kv_cache  # type: ignore[attr-defined]
+        return list(zip(cache.k, cache.v, strict=True))
+
+    def kv_region(self) -> SharedRegion | None:
+        """Where the cache lies in shared memory (EngineConfig.kv_shared_memory), if it does."""
+        return self._require_started().runner.kv_cache.shared_region  # type: ignore[attr-defined, no-any-return]
+
+    def wake(self) -> None:
+        """Any thread: the KV connector has news (finished transfers); step soon, even if idle."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify()
+
     # --- the step thread ----------------------------------------------------------------------
     def _require_started(self) -> LLMEngine:
         if self._engine is None:
@@ -168,11 +175,12 @@ class AsyncEngine:
         assert engine is not None
         while True:
             with self._cond:
-                while not self._inbox and not engine.has_unfinished() and not self._stopping:
+                while not self._inbox and not engine.has_unfinished() and not self._woken and not self._stopping:
                     self._cond.wait()
                 if self._stopping:
                     return
                 commands, self._inbox = self._inbox, []
+                woken, self._woken = self._woken, False
             steps_before = engine.num_steps
             try:
                 outputs, acks = self._apply(engine, commands)
@@ -180,11 +188,11 @@ class AsyncEngine:
                     self._publish()
                     for ack in acks:
                         self._call_in_loop(_resolve, ack)
-                if engine.has_unfinished():
+                if engine.has_unfinished() or woken:
                     outputs.extend(engine.step())
             except Exception:  # boundary: a bug outside a step; fail everything live, keep serving
                 log.exception("engine loop failed; aborting all sequences")
-                outputs = self._abort_all(engine)
+                outputs = engine.abort_all("engine loop failed")
             self._publish()
             if outputs:
                 self._call_in_loop(self._deliver, outputs)
@@ -194,7 +202,7 @@ class AsyncEngine:
     def _nap(self) -> None:
         """Nothing could run (all live sequences wait on blocks or remote KV): wait for news."""
         with self._cond:
-            if not self._inbox and not self._stopping:
+            if not self._inbox and not self._woken and not self._stopping:
                 self._cond.wait(timeout=_IDLE_POLL_S)
 
     def _apply(self, engine: LLMEngine, commands: list[_Command]
@@ -204,7 +212,8 @@ class AsyncEngine:
         for command in commands:
             if isinstance(command, _Add):
                 try:
-                    engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+                    engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                       command.kv_transfer)
                 except EngineRequestError as exc:
                     outputs.append(SequenceOutput(command.request_id, (), None, FinishReason.ABORT,
                                                   len(command.prompt_token_ids), 0, str(exc)))
@@ -216,27 +225,11 @@ class AsyncEngine:
                     acks.append(command.done)
         return outputs, acks
 
-    def _abort_all(self, engine: LLMEngine) -> list[SequenceOutput]:
-        outputs = []
-        for seq in self._abortable(engine):
-            final = engine.abort_request(seq.request_id, "engine loop failed")
-            if final is not None:
-                outputs.append(final)
-        return outputs
-
-    def _abortable(self, engine: LLMEngine) -> list[Sequence]:
-        """Engine thread: the live sequences a failure of the engine loop may abort (free)."""
-        sched = engine.scheduler
-        return list(sched.running) + list(sched.waiting) + list(sched.awaiting_kv.values())
-
     def _publish(self) -> None:
         """Snapshot load and stats in the engine thread, so readers never race its dicts."""
         engine = self._engine
         assert engine is not None
-        sched, bm = engine.scheduler, engine.block_manager
-        self._report = LoadReport(sched.num_running, sched.num_waiting, sched.num_prefill_tokens_pending(),
-                                  sched.num_decode_tokens_pending(), bm.num_free_blocks, bm.num_total_blocks,
-                                  bm.num_cached_blocks, bm.block_size)
+        self._report = engine.load_report()
         self._stats = engine.stats()
 
     def _call_in_loop(self, fn: Callable[..., object], *args: object) -> None:

@@ -1,7 +1,8 @@
 """The synchronous engine: one `step()` = schedule -> runner.execute -> sample -> append -> finish.
 
 Single-threaded by contract (the AsyncEngine's background thread owns it). Knows nothing of
-HTTP or asyncio; the model runner is injected or built from the config.
+HTTP or asyncio; the model runner and the optional KV connector are injected (the runner may be
+built from the config).
 """
 from __future__ import annotations
 
@@ -17,15 +18,16 @@ import torch
 from backends.engine.block_manager import BlockManager
 from backends.engine.config import EngineConfig
 from backends.engine.errors import EngineRequestError
+from backends.engine.kv_connector import KVConnector, KVTransferParams
 from backends.engine.kv_events import KVEventRing
-from backends.engine.outputs import FinishReason, SequenceOutput
+from backends.engine.outputs import FinishReason, LoadReport, SequenceOutput
 from backends.engine.sampling_params import SamplingParams
 from backends.engine.scheduler import ScheduledSeq, Scheduler
 from backends.engine.sequence import Sequence
 from backends.worker.batch import ForwardBatch
 from backends.worker.sampler import MAX_LOGPROBS, SampleRow, sample
 
-__all__ = ["EngineRequestError", "EngineStats", "LLMEngine", "ModelRunnerLike"]
+__all__ = ["EngineRequestError", "EngineStats", "LLMEngine", "LoadReport", "ModelRunnerLike"]
 log = logging.getLogger(__name__)
 
 
@@ -88,8 +90,9 @@ def eos_token_ids(hf_config: Any, model_dir: Path | None) -> tuple[int, ...]:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunnerLike | None = None,
-                 model_dir: Path | None = None) -> None:
+                 model_dir: Path | None = None, kv_connector: KVConnector | None = None) -> None:
         self.config = config
+        self.kv_connector = kv_connector
         if runner is None:
             model_dir = model_dir or resolve_model_dir(config)
             runner = build_runner(config, model_dir)
@@ -106,11 +109,12 @@ class LLMEngine:
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
                                           config.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.watermark_blocks)
+                                   self.max_model_len, config.watermark_blocks, kv_connector)
         self._counts = dict.fromkeys(("prompt", "cached", "generated", "finished", "failed", "steps"), 0)
 
     # --- requests -----------------------------------------------------------------------------
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 kv_transfer: KVTransferParams | None = None) -> None:
         """Raise EngineRequestError for a request that can never run; pure, any thread."""
         n = len(prompt_token_ids)
         if n == 0:
@@ -121,19 +125,33 @@ class LLMEngine:
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
             raise EngineRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
         _validate_params(params)
+        first = () if kv_transfer is None else kv_transfer.first_token_ids
+        if any(not 0 <= t < self.vocab_size for t in first):
+            raise EngineRequestError(f"first token ids must be in [0, {self.vocab_size})")
+        if n + len(first) > self.max_model_len:
+            raise EngineRequestError("prompt and first tokens exceed the context")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    remote_kv: bool = False) -> None:
-        self.validate(prompt_token_ids, params)
+                    kv_transfer: KVTransferParams | None = None) -> None:
+        """Queue a sequence; with `kv_transfer.first_token_ids` (a decode leg) it goes on after them,
+        so the sampler's step index continues where the prefill worker left off."""
+        self.validate(prompt_token_ids, params, kv_transfer)
         if self.scheduler.get(request_id) is not None:
             raise EngineRequestError(f"request id {request_id!r} is already running")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self.scheduler.add(Sequence(request_id, tuple(prompt_token_ids), params, seed, remote_kv=remote_kv))
+        seq = Sequence(request_id, tuple(prompt_token_ids), params, seed, kv_transfer=kv_transfer)
+        for token in () if kv_transfer is None else kv_transfer.first_token_ids:
+            seq.append_token(token)
+        self.scheduler.add(seq)
 
     def abort_request(self, request_id: str, error: str | None = None) -> SequenceOutput | None:
         """Cancel now and free its blocks; the final output, or None if unknown (idempotent)."""
         seq = self.scheduler.abort(request_id, error)
         return None if seq is None else self._final(seq)
+
+    def abort_all(self, error: str) -> list[SequenceOutput]:
+        """Abort every live sequence but those waiting for a KV load (their own request ends them)."""
+        return [self._final(seq) for seq in self.scheduler.abort_all(error)]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -147,9 +165,17 @@ class LLMEngine:
         return EngineStats(c["prompt"], c["cached"], c["generated"], self.scheduler.num_preemptions,
                            c["finished"], c["failed"], c["steps"])
 
+    def load_report(self) -> LoadReport:
+        sched, bm = self.scheduler, self.block_manager
+        return LoadReport(sched.num_running, sched.num_waiting, sched.num_prefill_tokens_pending(),
+                          sched.num_decode_tokens_pending(), bm.num_free_blocks, bm.num_total_blocks,
+                          bm.num_cached_blocks, bm.block_size, bm.num_held_blocks)
+
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[SequenceOutput]:
         out = self.scheduler.schedule()
+        if self.kv_connector is not None:
+            self.kv_connector.start_load_kv()
         outputs = [self._final(seq) for seq in out.failed]
         if out.is_empty:
             return outputs

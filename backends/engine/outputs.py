@@ -1,4 +1,4 @@
-"""What the engine hands back to the server after each step, one record per live sequence."""
+"""What the engine hands back to the server: one record per live sequence after each step, and its load."""
 from __future__ import annotations
 
 import enum
@@ -27,3 +27,17 @@ class SequenceOutput:
     num_prompt_tokens: int                    # prompt length as the engine counted it
     num_cached_tokens: int                    # prompt tokens served from the prefix cache
     error: str | None = None                  # set with ABORT when the engine failed the sequence
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReport:
+    """The engine's load as the gateway polls it (GET /load, verbatim) and /metrics reads it."""
+    num_running: int                  # sequences admitted (prefilling or decoding)
+    num_waiting: int                  # sequences queued for admission (or for remote KV)
+    num_prefill_tokens_pending: int   # prompt/recompute tokens not yet in the KV cache
+    num_decode_tokens_pending: int    # sum over live sequences of max_tokens still to come
+    num_free_blocks: int              # free KV blocks, evictable cached ones included
+    num_total_blocks: int             # KV blocks in all
+    num_cached_blocks: int            # blocks reusable by prefix hash (in use or not)
+    block_size: int                   # tokens per block
+    num_held_blocks: int = 0          # blocks of finished sequences kept for a KV transfer (neither free nor leaked)

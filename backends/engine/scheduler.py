@@ -2,7 +2,9 @@
 
 Per step, within a token budget and `max_num_seqs`: running decodes first (one token each),
 then chunked prefill of admitted sequences, then admission of waiting ones by free blocks.
-Preempts by recompute (newest first) when blocks run out. Never runs the model or samples.
+Preempts by recompute (newest first) when blocks run out. Consults the optional KV connector for
+KV from outside the pool (a sequence waits for its load in WAITING_FOR_REMOTE_KV) and for blocks to
+keep after a sequence finishes. Never runs the model, samples, or does I/O.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from backends.engine.block_manager import BlockManager
+from backends.engine.kv_connector import KVConnector
 from backends.engine.outputs import FinishReason
 from backends.engine.sequence import Sequence, SequenceStatus
 from backends.worker.batch import ForwardBatch, SeqChunk
@@ -39,16 +42,19 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, watermark_blocks: int = 1) -> None:
+                 max_model_len: int, watermark_blocks: int = 1, kv_connector: KVConnector | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.watermark_blocks = watermark_blocks
+        self.kv_connector = kv_connector
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []             # admission order; preemption takes the tail
-        self.awaiting_kv: dict[str, Sequence] = {}
+        self.waiting_for_remote_kv: dict[str, Sequence] = {}
         self._seqs: dict[str, Sequence] = {}
+        self._held: dict[str, int] = {}               # finished, blocks kept for a transfer: request id -> hold handle
+        self._loading_finished: dict[str, Sequence] = {}   # finished while a load still wrote its blocks
         self.num_preemptions = 0
 
     # --- queries ------------------------------------------------------------------------------
@@ -60,7 +66,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.awaiting_kv)
+        return len(self.waiting) + len(self.waiting_for_remote_kv)
 
     @property
     def num_running(self) -> int:
@@ -82,18 +88,21 @@ class Scheduler:
         self._seqs[seq.request_id] = seq
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None,
-               hold_blocks: bool = False) -> int | None:
-        """End seq and free its blocks (or pin them under a returned handle)."""
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """End seq and free its blocks, unless the KV connector keeps them for a while."""
         if seq.is_finished:
-            return None
+            return
+        was_loading = seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV
         self._detach(seq)
-        handle = self.block_manager.hold(seq) if hold_blocks else None
-        self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.error = error
-        return handle
+        if self.kv_connector is None or not self.kv_connector.request_finished(seq):
+            self.block_manager.free(seq)
+        elif was_loading:           # a load still writes these blocks: free them once it ends
+            self._loading_finished[seq.request_id] = seq
+        else:
+            self._held[seq.request_id] = self.block_manager.hold(seq)
 
     def abort(self, request_id: str, error: str | None = None) -> Sequence | None:
         """Cancel at once, freeing blocks; None if unknown or already finished (idempotent)."""
@@ -103,17 +112,41 @@ class Scheduler:
         self.finish(seq, FinishReason.ABORT, error)
         return seq
 
-    def remote_kv_ready(self, request_id: str, num_computed_tokens: int) -> bool:
-        """The prompt KV of a remote_kv sequence has been written for its first tokens."""
-        seq = self.awaiting_kv.pop(request_id, None)
-        if seq is None:
-            return False
-        seq.num_computed_tokens = max(seq.num_computed_tokens, min(num_computed_tokens, seq.num_tokens - 1))
-        seq.remote_kv = False              # the KV has arrived; a later recompute is local
-        self.block_manager.cache_computed_blocks(seq)
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-        return True
+    def abort_all(self, error: str) -> list[Sequence]:
+        """Abort every live sequence but those waiting for a load: only their own request ends
+        them, so that a failure of the engine loop cannot free blocks a load still writes."""
+        live = [s for s in self._seqs.values() if s.status is not SequenceStatus.WAITING_FOR_REMOTE_KV]
+        for seq in live:
+            self.finish(seq, FinishReason.ABORT, error)
+        return live
+
+    def _update_from_connector(self, plan: _StepPlan) -> None:
+        """Apply the connector's finished transfers: kept blocks go, loaded sequences run."""
+        assert self.kv_connector is not None
+        finished = self.kv_connector.get_finished()
+        for request_id in finished.sent:
+            handle = self._held.pop(request_id, None)
+            if handle is not None:
+                self.block_manager.release(handle)
+        for result in finished.loaded:
+            done = self._loading_finished.pop(result.request_id, None)
+            if done is not None:
+                self.block_manager.free(done)
+                continue
+            seq = self.waiting_for_remote_kv.get(result.request_id)
+            if seq is None:
+                continue
+            if result.error is not None:     # the load is over, so its blocks are free to go
+                self.finish(seq, FinishReason.ABORT, result.error)
+                plan.failed.append(seq)
+                continue
+            del self.waiting_for_remote_kv[result.request_id]
+            seq.num_computed_tokens = min(seq.num_computed_tokens + seq.num_external_tokens, seq.num_tokens - 1)
+            seq.num_external_tokens = 0
+            seq.kv_transfer = None       # the KV has arrived; a later recompute is local
+            self.block_manager.cache_computed_blocks(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
 
     def _detach(self, seq: Sequence) -> None:
         self._seqs.pop(seq.request_id, None)
@@ -121,8 +154,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        elif seq.status is SequenceStatus.AWAITING_REMOTE_KV:
-            self.awaiting_kv.pop(seq.request_id, None)
+        elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
+            self.waiting_for_remote_kv.pop(seq.request_id, None)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -141,6 +174,8 @@ class Scheduler:
     # --- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan(self.max_num_batched_tokens)
+        if self.kv_connector is not None:
+            self._update_from_connector(plan)
         self._schedule_decodes(plan)
         self._schedule_prefill_chunks(plan)
         if not plan.preempted:
@@ -196,21 +231,31 @@ class Scheduler:
                 plan.failed.append(seq)
                 continue
             # Alone in the engine, a sequence may use every block; otherwise keep the watermark.
-            watermark = self.watermark_blocks if (self.running or self.awaiting_kv) else 0
+            watermark = self.watermark_blocks if (self.running or self.waiting_for_remote_kv) else 0
             num_cached = bm.allocate(seq, watermark)
             if num_cached is None:
                 return
             self.waiting.popleft()
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
-            if seq.remote_kv:
-                seq.status = SequenceStatus.AWAITING_REMOTE_KV
-                self.awaiting_kv[seq.request_id] = seq
+            if self._load_external(seq):
                 continue
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, plan.budget)
             plan.add(seq, n, seq.num_computed_tokens + n == seq.num_tokens)
+
+    def _load_external(self, seq: Sequence) -> bool:
+        """Admitted seq has KV for the connector to load: it waits for that in its own state."""
+        connector = self.kv_connector
+        num_external = None if connector is None else connector.get_num_new_matched_tokens(seq, seq.num_computed_tokens)
+        if connector is None or num_external is None:
+            return False
+        seq.num_external_tokens = num_external
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+        self.waiting_for_remote_kv[seq.request_id] = seq
+        connector.update_state_after_alloc(seq, num_external)
+        return True
 
     def _chunk(self, s: ScheduledSeq) -> SeqChunk:
         seq, start = s.seq, s.seq.num_computed_tokens

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from backends.engine.kv_connector import KVTransferParams
 from backends.engine.outputs import FinishReason
 from backends.engine.sampling_params import SamplingParams
 from cache.block_hash import ROOT_HASH, hash_block_tokens
@@ -15,7 +16,7 @@ from cache.block_hash import ROOT_HASH, hash_block_tokens
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"                  # queued, holds no blocks
-    AWAITING_REMOTE_KV = "awaiting_kv"   # holds blocks whose prompt KV is written from outside
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"   # holds blocks a KV connector is loading into
     RUNNING = "running"                  # holds blocks; prefilling or decoding
     FINISHED = "finished"                # done; blocks freed or held under a handle
 
@@ -27,12 +28,13 @@ class Sequence:
     params: SamplingParams
     seed: int                                   # resolved sampling seed (random when params.seed is None)
     arrival_s: float = 0.0                      # monotonic arrival time
-    remote_kv: bool = False                     # prompt KV will be written from outside (disaggregated decode)
+    kv_transfer: KVTransferParams | None = None # its part in a KV transfer (disaggregated legs); None: none
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0                # tokens whose KV is in the cache
     num_cached_tokens: int = 0                  # prompt tokens served by the prefix cache at first admission
     num_registered_blocks: int = 0              # leading full blocks already offered to the prefix cache
+    num_external_tokens: int = 0                # tokens past num_computed_tokens a KV connector is loading
     num_preemptions: int = 0
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None

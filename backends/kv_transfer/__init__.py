@@ -1,10 +1,23 @@
-"""KV transfer between workers: the `KVConnector` interface and switchyard's TCP implementation."""
-from backends.kv_transfer.base import (ChecksumKind, KVBlockSink, KVBlockSource, KVConnector, KVDtype,
-                                       KVErrorCode, KVLayerReader, KVLayerWriter, KVLayout,
-                                       KVTransferConfig, KVTransferError, PullResult, ReleaseMode,
-                                       RemoteBlocks, prefill_kv_transfer_params)
+"""KV transfer between workers: the `KVTransport` interface and switchyard's TCP implementation."""
+from backends.kv_transfer.base import (
+                                       ChecksumKind,
+                                       KVBlockSink,
+                                       KVBlockSource,
+                                       KVDtype,
+                                       KVErrorCode,
+                                       KVLayerReader,
+                                       KVLayerWriter,
+                                       KVLayout,
+                                       KVTransferConfig,
+                                       KVTransferError,
+                                       KVTransport,
+                                       PullResult,
+                                       ReleaseMode,
+                                       RemoteBlocks,
+                                       prefill_kv_transfer_params,
+)
 from backends.kv_transfer.tcp import TcpKVConnector
 
-__all__ = ["ChecksumKind", "KVBlockSink", "KVBlockSource", "KVConnector", "KVDtype", "KVErrorCode",
-           "KVLayerReader", "KVLayerWriter", "KVLayout", "KVTransferConfig", "KVTransferError",
+__all__ = ["ChecksumKind", "KVBlockSink", "KVBlockSource", "KVDtype", "KVErrorCode",
+           "KVLayerReader", "KVLayerWriter", "KVLayout", "KVTransferConfig", "KVTransferError", "KVTransport",
            "PullResult", "ReleaseMode", "RemoteBlocks", "TcpKVConnector", "prefill_kv_transfer_params"]

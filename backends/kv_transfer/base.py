@@ -1,8 +1,8 @@
-"""The KV transfer contract: the `KVConnector` interface, the cache-side protocols it talks
+"""The KV transfer contract: the `KVTransport` interface, the cache-side protocols it talks
 through, the records that cross the prefill/decode boundary, and the one error type.
 
 Transport-neutral: no sockets, no torch, no engine imports. TCP lives in `tcp*.py`; another
-transport (NIXL, Mooncake, NCCL) implements `KVConnector` against the same protocols.
+transport (NIXL, Mooncake, NCCL) implements `KVTransport` against the same protocols.
 """
 from __future__ import annotations
 
@@ -262,8 +262,9 @@ class KVBlockSink(Protocol):
         ...
 
 
-class KVConnector(abc.ABC):
-    """One per worker: a prefill worker serves its held blocks, a decode worker pulls them."""
+class KVTransport(abc.ABC):
+    """One per worker: a prefill worker serves its held blocks, a decode worker pulls them.
+    (The engine-side `KVConnector` in backends/engine/kv_connector.py drives it.)"""
 
     @abc.abstractmethod
     async def serve(self, source: KVBlockSource, host: str, port: int) -> tuple[str, int]:

@@ -8,15 +8,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from backends.kv_transfer.base import (KVBlockSink, KVBlockSource, KVConnector, KVTransferConfig,
-                                       PullResult, RemoteBlocks)
+from backends.kv_transfer.base import (
+    KVBlockSink,
+    KVBlockSource,
+    KVTransferConfig,
+    KVTransport,
+    PullResult,
+    RemoteBlocks,
+)
 from backends.kv_transfer.shm import SharedMappings, SharedPull
 from backends.kv_transfer.tcp_client import pull_blocks, release_blocks
 from backends.kv_transfer.tcp_server import TcpKVServer
 from backends.kv_transfer.torch_cache import TorchPagedKV
 
 
-class TcpKVConnector(KVConnector):
+class TcpKVConnector(KVTransport):
     def __init__(self, config: KVTransferConfig | None = None) -> None:
         self.config = config or KVTransferConfig()
         self._server: TcpKVServer | None = None

@@ -12,6 +12,7 @@ from http import HTTPStatus
 from aiohttp import web
 
 from backends.engine.config import EngineConfig
+from backends.engine.pd_connector import PDConnector
 from backends.server import disagg, openai_routes, ops_routes
 from backends.server.config import ServerConfig
 from backends.server.drain import DRAIN, Drain
@@ -35,7 +36,9 @@ def create_app(
     app[CONFIG_KEY] = config
     app[DRAIN] = drain
     app[TOKENIZER_KEY] = PromptTokenizer.from_model_dir(config.model_dir)
-    app.cleanup_ctx.append(_engine_ctx(engine_config, engine_factory or _default_factory(config)))
+    # Every role serves some disaggregated leg; a plain request finds nothing for the connector to do.
+    app[disagg.PD_CONNECTOR_KEY] = connector = PDConnector(config.kv_hold_timeout_s)
+    app.cleanup_ctx.append(_engine_ctx(engine_config, engine_factory or _default_factory(connector)))
     app.cleanup_ctx.append(disagg.kv_transfer_ctx(config))   # after the engine: it serves the engine's KV
     app.router.add_routes([
         web.post("/v1/completions", openai_routes.completions),
@@ -51,12 +54,13 @@ def create_app(
     return app
 
 
-def _default_factory(config: ServerConfig) -> EngineFactory:
+def _default_factory(connector: PDConnector) -> EngineFactory:
     def factory(engine_config: EngineConfig) -> WorkerEngine:
         # torch and the model load only when serving
-        from backends.engine.disagg_engine import DisaggAsyncEngine
+        from backends.engine.async_engine import AsyncEngine
+        from backends.engine.engine import LLMEngine
 
-        return DisaggAsyncEngine(engine_config, hold_timeout_s=config.kv_hold_timeout_s)
+        return AsyncEngine(engine_config, lambda c: LLMEngine(c, kv_connector=connector))
 
     return factory
 

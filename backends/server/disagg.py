@@ -8,20 +8,26 @@ import dataclasses
 import logging
 import socket
 import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import aclosing
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import aclosing, contextmanager
+from dataclasses import dataclass
+from functools import partial
 from http import HTTPStatus
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 from aiohttp import web
 
-from backends.engine.outputs import FinishReason, SequenceOutput
-from backends.engine.sampling_params import SamplingParams
-from backends.kv_transfer.base import (KVConnector, KVErrorCode, KVTransferConfig, KVTransferError,
-                                       RemoteBlocks, prefill_kv_transfer_params)
+from backends.engine.kv_connector import KVTransferParams
+from backends.engine.outputs import FinishReason
+from backends.engine.pd_connector import PDConnector
+from backends.kv_transfer.base import (
+    KVErrorCode,
+    KVTransferConfig,
+    KVTransport,
+    RemoteBlocks,
+    prefill_kv_transfer_params,
+)
 from backends.server.config import ServerConfig, WorkerRole
 from backends.server.errors import APIError, ErrorType, invalid_param
 from backends.server.generation import GenerationDelta, SequenceSpec, generate_deltas
@@ -33,45 +39,16 @@ log = logging.getLogger(__name__)
 
 KV_TRANSFER_FAILED = "kv_transfer_failed"       # 503: pull broke, timed out, or unknown/expired transfer id
 KV_TRANSFER_MISMATCH = "kv_transfer_mismatch"   # 400: prompt length or KV layout differs between workers
-_MAX_DEBUG_RECORDS = 256
 _MISMATCH_CODES = (KVErrorCode.LAYOUT_MISMATCH, KVErrorCode.BAD_REQUEST)
 
-
-class DisaggEngine(Protocol):
-    """The part of `DisaggAsyncEngine` the legs use (besides `WorkerEngine`)."""
-
-    block_size: int
-    max_model_len: int
-
-    def generate_prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                         ) -> AsyncIterator[SequenceOutput]: ...
-
-    def generate_remote(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                        first_token_ids: Sequence[int], pull: Callable[[Any], Any]) -> AsyncIterator[SequenceOutput]: ...
-
-    def hold(self, transfer_id: str) -> Any: ...
-
-    def release_transfer(self, transfer_id: str) -> bool: ...
-
-    def lookup(self, transfer_id: str) -> Sequence[int] | None: ...
-
-    def kv_layers(self) -> list[Any]: ...
-
-    def kv_region(self) -> Any: ...
-
-    async def abort(self, request_id: str) -> None: ...
+PD_CONNECTOR_KEY = web.AppKey("pd_connector", PDConnector)
 
 
 @dataclass(frozen=True, slots=True)
 class KVTransferState:
-    connector: KVConnector                  # pulls (decode legs) and, for prefill/both, the listener
-    kv: Any                                 # TorchPagedKV over the engine's cache: the pull's sink
+    transport: KVTransport                  # pulls (decode legs) and, for prefill/both, the listener
     engine_id: str                          # stable id of this worker process (remote_engine_id)
     address: tuple[str, int] | None         # advertised listener (host, port); None: decode role
-    debug: bool                             # record digests of received blocks for /debug/kv_digest
-    received: OrderedDict[str, dict[str, Any]] = field(default_factory=OrderedDict)  # debug records
-    totals: dict[str, float] = field(default_factory=lambda: {"pulls": 0, "bytes": 0, "seconds": 0.0,
-                                                              "shared_memory_pulls": 0})
 
 
 KV_STATE_KEY = web.AppKey("kv_transfer", KVTransferState)
@@ -85,43 +62,31 @@ class DecodeLeg:
     response_id: str | None             # the id the client sees (the prefill response's)
 
 
-def kv_transfer_params(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    params = body.get("kv_transfer_params")
-    if params is None:
-        return None
-    if not isinstance(params, dict):
-        raise invalid_param("kv_transfer_params", "`kv_transfer_params` must be an object.")
-    if params.get("do_remote_decode") is True or params.get("do_remote_prefill") is True:
-        return params
-    return None   # neither leg asked for (vLLM sends such params on plain requests): serve normally
-
-
 # --- the listener ---------------------------------------------------------------------------------
 
 def kv_transfer_ctx(config: ServerConfig) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        engine = app[ENGINE_KEY]
-        if not hasattr(engine, "kv_layers"):   # an engine without disaggregation: legs get a 400
-            yield
-            return
+        engine, connector = app[ENGINE_KEY], app[PD_CONNECTOR_KEY]
         from backends.kv_transfer.tcp import TcpKVConnector
         from backends.kv_transfer.torch_cache import TorchPagedKV
-        from backends.worker.kv_adapter import EngineKVSource
+        from backends.worker.kv_adapter import EngineKVSource, block_digests
 
         kv = TorchPagedKV(engine.kv_layers(), region=engine.kv_region())
-        connector = TcpKVConnector(KVTransferConfig(idle_timeout_s=config.kv_idle_timeout_s,
+        transport = TcpKVConnector(KVTransferConfig(idle_timeout_s=config.kv_idle_timeout_s,
                                                     shared_memory=config.kv_shared_memory))
+        digest = partial(block_digests, engine.kv_layers()) if config.debug_endpoints else None
+        connector.attach(transport, kv, engine.wake, digest)
         address = None
         if config.role is not WorkerRole.DECODE:
-            host, port = await connector.serve(EngineKVSource(kv, engine), config.kv_host, config.kv_port)
+            host, port = await transport.serve(EngineKVSource(kv, connector), config.kv_host, config.kv_port)
             address = (config.kv_advertise_host or _advertised(host), port)
             log.info("KV transfer listener on %s:%d (holds expire after %.1f s)", host, port, config.kv_hold_timeout_s)
-        app[KV_STATE_KEY] = KVTransferState(connector, kv, f"{config.role.value}-{uuid.uuid4().hex[:12]}",
-                                            address, config.debug_endpoints)
+        app[KV_STATE_KEY] = KVTransferState(transport, f"{config.role.value}-{uuid.uuid4().hex[:12]}", address)
         try:
             yield
         finally:
             await connector.close()
+            await transport.close()
 
     return ctx
 
@@ -148,27 +113,27 @@ async def prefill_leg(request: web.Request, kind: RequestKind, req: GenerateRequ
         raise invalid_param("kv_transfer_params", "A decode-role worker does not serve prefill legs.")
     if req.stream:
         raise invalid_param("stream", "A prefill leg (do_remote_decode) must not stream.")
-    engine: DisaggEngine = app[ENGINE_KEY]  # type: ignore[assignment]
-    tokenizer, metrics = app[TOKENIZER_KEY], app[METRICS_KEY]
+    engine, tokenizer, metrics = app[ENGINE_KEY], app[TOKENIZER_KEY], app[METRICS_KEY]
     one = dataclasses.replace(req, max_tokens=1, params=dataclasses.replace(
         req.params, min_tokens=min(req.params.min_tokens, 1)))
     params = resolve_max_tokens(one, len(prompt_ids), engine.max_model_len)
-    spec = SequenceSpec(request_id, prompt_ids, params, req.skip_special_tokens, arrival_s, continues_elsewhere=True)
+    spec = SequenceSpec(request_id, prompt_ids, params, req.skip_special_tokens, arrival_s, continues_elsewhere=True,
+                        kv_transfer=KVTransferParams(do_remote_decode=True))
     builder = ResponseBuilder(kind, request_id, req.model, tokenizer.backend, return_token_ids=req.return_token_ids)
-    async with aclosing(generate_deltas(_PrefillEngine(engine), tokenizer.backend, spec, metrics)) as deltas:
+    async with aclosing(generate_deltas(engine, tokenizer.backend, spec, metrics)) as deltas:
         collected = [delta async for delta in deltas]
     body = builder.final(collected)
-    body["kv_transfer_params"] = _held_params(state, engine, request_id, collected)
+    body["kv_transfer_params"] = _held_params(state, app[PD_CONNECTOR_KEY], request_id, collected)
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
-def _held_params(state: KVTransferState, engine: DisaggEngine, request_id: str,
+def _held_params(state: KVTransferState, connector: PDConnector, request_id: str,
                  collected: list[GenerationDelta]) -> dict[str, Any] | None:
-    hold = engine.hold(request_id)
+    hold = connector.hold(request_id)
     if hold is None:
         return None
     if not collected or collected[-1].finish_reason is not FinishReason.LENGTH:
-        engine.release_transfer(request_id)   # a stop string ended it: no decode leg will come
+        connector.release_transfer(request_id)   # a stop string ended it: no decode leg will come
         return None
     assert state.address is not None
     params = prefill_kv_transfer_params(state.engine_id, *state.address, request_id, hold.block_ids)
@@ -177,38 +142,42 @@ def _held_params(state: KVTransferState, engine: DisaggEngine, request_id: str,
     return params
 
 
-class _PrefillEngine:
-    def __init__(self, engine: DisaggEngine) -> None:
-        self._engine = engine
-
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                 ) -> AsyncIterator[SequenceOutput]:
-        return self._engine.generate_prefill(request_id, prompt_token_ids, params)
-
-    async def abort(self, request_id: str) -> None:
-        await self._engine.abort(request_id)
-
-
 # --- leg 2: decode --------------------------------------------------------------------------------
 
 def decode_leg(app: web.Application, kind: RequestKind, req: GenerateRequest, prompt_ids: tuple[int, ...],
-               params_in: Mapping[str, Any], request_id: str, arrival_s: float
-               ) -> tuple[_DecodeEngine, SequenceSpec, ResponseBuilder]:
-    """What the ordinary response path runs for a decode leg: an engine view that pulls the KV first,
-    a spec whose context ends with the first token(s), and a builder that counts them in usage."""
-    state = _state(app)
-    engine: DisaggEngine = app[ENGINE_KEY]  # type: ignore[assignment]
-    tokenizer = app[TOKENIZER_KEY]
-    leg = parse_decode_leg(params_in, len(prompt_ids), engine.block_size, min(tokenizer.vocab_size, app[ENGINE_KEY].vocab_size))
+               params_in: Mapping[str, Any], request_id: str, arrival_s: float) -> tuple[SequenceSpec, ResponseBuilder]:
+    """What the ordinary response path runs for a decode leg: a spec whose context ends with the first
+    token(s) and whose KV the engine's connector pulls, and a builder that counts them in usage."""
+    _state(app)
+    engine, tokenizer = app[ENGINE_KEY], app[TOKENIZER_KEY]
+    leg = parse_decode_leg(params_in, len(prompt_ids), engine.block_size, min(tokenizer.vocab_size, engine.vocab_size))
     params = resolve_max_tokens(req, len(prompt_ids), engine.max_model_len)
     if len(leg.first_token_ids) >= params.max_tokens:
         raise invalid_param("max_tokens", "max_tokens leaves nothing to decode after the first token.")
     spec = SequenceSpec(request_id, prompt_ids + leg.first_token_ids, params, req.skip_special_tokens, arrival_s,
-                        num_prior_output_tokens=len(leg.first_token_ids))
+                        num_prior_output_tokens=len(leg.first_token_ids),
+                        kv_transfer=KVTransferParams(remote=leg.remote, first_token_ids=leg.first_token_ids))
     builder = ResponseBuilder(kind, leg.response_id or request_id, req.model, tokenizer.backend,
                               return_token_ids=req.return_token_ids,
                               num_prior_completion_tokens=len(leg.first_token_ids))
-    return _DecodeEngine(engine, state, leg), spec, builder
+    return spec, builder
+
+
+@contextmanager
+def kv_load_errors(app: web.Application, request_id: str) -> Iterator[None]:
+    """A decode leg whose pull failed: the engine's error becomes kv_transfer_failed (503) or
+    kv_transfer_mismatch (400), the codes the gateway acts on."""
+    try:
+        yield
+    except APIError:
+        exc = app[PD_CONNECTOR_KEY].take_load_error(request_id)
+        if exc is None:
+            raise
+        if exc.code in _MISMATCH_CODES:
+            raise APIError(f"KV transfer refused: {exc}", param="kv_transfer_params",
+                           code=KV_TRANSFER_MISMATCH) from None
+        raise APIError(f"KV transfer failed: {exc}", status=HTTPStatus.SERVICE_UNAVAILABLE,
+                       error_type=ErrorType.UNAVAILABLE, code=KV_TRANSFER_FAILED) from None
 
 
 def parse_decode_leg(params: Mapping[str, Any], num_prompt_tokens: int, block_size: int, vocab_size: int) -> DecodeLeg:
@@ -233,60 +202,16 @@ def parse_decode_leg(params: Mapping[str, Any], num_prompt_tokens: int, block_si
     return DecodeLeg(remote, held, tuple(first), response_id)
 
 
-class _DecodeEngine:
-    """`GeneratingEngine` for a decode leg: admission, pull, release, then the engine's outputs."""
-
-    def __init__(self, engine: DisaggEngine, state: KVTransferState, leg: DecodeLeg) -> None:
-        self._engine = engine
-        self._state = state
-        self._leg = leg
-
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                 ) -> AsyncIterator[SequenceOutput]:
-        k = len(self._leg.first_token_ids)
-        return self._engine.generate_remote(request_id, prompt_token_ids[:-k], params, prompt_token_ids[-k:], self._pull)
-
-    async def abort(self, request_id: str) -> None:
-        await self._engine.abort(request_id)
-
-    async def _pull(self, admission: Any) -> None:
-        state, remote = self._state, self._leg.remote
-        start = admission.num_cached_tokens // self._engine.block_size
-        local = admission.block_ids[start:]
-        try:
-            if local:
-                result = await state.connector.pull(remote, state.kv, local, start)
-                state.totals.update(pulls=state.totals["pulls"] + 1, bytes=state.totals["bytes"] + result.num_bytes,
-                                    seconds=state.totals["seconds"] + result.elapsed_s,
-                                    shared_memory_pulls=state.totals["shared_memory_pulls"] + result.shared_memory)
-            else:   # every prompt block was in our prefix cache: only the release is left
-                await state.connector.release(remote)
-        except KVTransferError as exc:
-            log.warning("KV pull of %s from %s:%d failed: %s", remote.transfer_id, remote.host, remote.port, exc)
-            if exc.code in _MISMATCH_CODES:
-                raise APIError(f"KV transfer refused: {exc}", param="kv_transfer_params",
-                               code=KV_TRANSFER_MISMATCH) from None
-            raise APIError(f"KV transfer failed: {exc}", status=HTTPStatus.SERVICE_UNAVAILABLE,
-                           error_type=ErrorType.UNAVAILABLE, code=KV_TRANSFER_FAILED) from None
-        if state.debug:
-            from backends.worker.kv_adapter import block_digests
-
-            state.received[remote.transfer_id] = {"start_block": start,
-                                                  "digests": block_digests(self._engine.kv_layers(), local)}
-            while len(state.received) > _MAX_DEBUG_RECORDS:
-                state.received.popitem(last=False)
-
-
 # --- debug ----------------------------------------------------------------------------------------
 
 async def kv_digest(request: web.Request) -> web.Response:
     """GET /debug/kv_digest?transfer_id=X: digests of the blocks held (prefill) or received (decode)."""
-    state = _state(request.app)
+    _state(request.app)
     transfer_id = request.query.get("transfer_id", "")
-    engine: DisaggEngine = request.app[ENGINE_KEY]  # type: ignore[assignment]
+    connector = request.app[PD_CONNECTOR_KEY]
     from backends.worker.kv_adapter import block_digests
 
-    held = engine.lookup(transfer_id)
-    body = {"held": None if held is None else block_digests(engine.kv_layers(), held),
-            "received": state.received.get(transfer_id), "totals": state.totals}
+    held = connector.lookup(transfer_id)
+    body = {"held": None if held is None else block_digests(request.app[ENGINE_KEY].kv_layers(), held),
+            "received": connector.received.get(transfer_id), "totals": connector.totals}
     return web.Response(body=orjson.dumps(body), content_type="application/json")

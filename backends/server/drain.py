@@ -83,4 +83,4 @@ def _idle(app: web.Application) -> bool:
     if app[DRAIN].num_in_flight:
         return False
     engine = app.get(ENGINE_KEY)
-    return engine is None or getattr(engine.load_report(), "num_held_blocks", 0) == 0
+    return engine is None or engine.load_report().num_held_blocks == 0

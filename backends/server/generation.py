@@ -15,25 +15,17 @@ from typing import Protocol
 
 from tokenizers import Tokenizer
 
-from backends.engine.async_engine import EngineRequestError
+from backends.engine.errors import EngineRequestError
+from backends.engine.kv_connector import KVTransferParams
 from backends.engine.outputs import FinishReason, SequenceOutput, TokenLogprob
 from backends.engine.sampling_params import SamplingParams
 from backends.server.detokenizer import StopStringDetokenizer
 from backends.server.errors import APIError, ErrorType
+from backends.server.keys import WorkerEngine
 
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 10.0
-
-
-class GeneratingEngine(Protocol):
-    """The part of `AsyncEngine` this module uses."""
-
-    def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[SequenceOutput]: ...
-
-    async def abort(self, request_id: str) -> None: ...
 
 
 class TokenTimingObserver(Protocol):
@@ -65,10 +57,11 @@ class SequenceSpec:
                                       # worker sampled and sent (stop strings may span them and ours)
     continues_elsewhere: bool = False # a prefill leg: at a length finish, hold back text that may begin a
                                       # stop string; the decode leg, seeded with the same tokens, sends it
+    kv_transfer: KVTransferParams | None = None   # a disaggregated leg's part in the KV transfer
 
 
 async def generate_deltas(
-    engine: GeneratingEngine,
+    engine: WorkerEngine,
     tokenizer: Tokenizer,
     spec: SequenceSpec,
     timing: TokenTimingObserver,
@@ -118,15 +111,16 @@ def _detokenizer(tokenizer: Tokenizer, spec: SequenceSpec) -> StopStringDetokeni
     return detok
 
 
-def _start(engine: GeneratingEngine, spec: SequenceSpec) -> AsyncIterator[SequenceOutput]:
+def _start(engine: WorkerEngine, spec: SequenceSpec) -> AsyncIterator[SequenceOutput]:
     try:
-        return engine.generate(spec.request_id, list(spec.prompt_token_ids), spec.params)
+        prompt = spec.prompt_token_ids[:len(spec.prompt_token_ids) - spec.num_prior_output_tokens]
+        return engine.generate(spec.request_id, list(prompt), spec.params, spec.kv_transfer)
     except EngineRequestError as exc:   # refused at once (prompt too long for the context...)
         raise APIError(str(exc) or "The engine refused the request.", param="prompt",
                        code="invalid_value") from exc
 
 
-async def _abort(engine: GeneratingEngine, request_id: str) -> None:
+async def _abort(engine: WorkerEngine, request_id: str) -> None:
     """Abort and wait until the blocks are free, but never hang a handler on a stuck engine."""
     try:
         await asyncio.wait_for(engine.abort(request_id), ABORT_TIMEOUT_S)

@@ -1,16 +1,24 @@
-"""Typed application state of a worker app (`web.AppKey`s) and the engine surface the server uses."""
+"""Typed application state of a worker app (`web.AppKey`s) and the one engine surface the server uses."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
-from backends.engine.outputs import SequenceOutput
+from backends.engine.kv_connector import KVTransferParams
+from backends.engine.kv_events import KVEventBatch
+from backends.engine.outputs import LoadReport, SequenceOutput
 from backends.engine.sampling_params import SamplingParams
+from backends.kv_transfer.base import SharedRegion
 from backends.server.config import ServerConfig
 from backends.server.metrics import ServerMetrics
 from backends.server.tokenization import PromptTokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+    from backends.engine.engine import EngineStats
 
 
 class WorkerEngine(Protocol):
@@ -25,16 +33,23 @@ class WorkerEngine(Protocol):
     async def shutdown(self) -> None: ...
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        kv_transfer: KVTransferParams | None = None,
     ) -> AsyncIterator[SequenceOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
-    def load_report(self) -> Any: ...
+    def load_report(self) -> LoadReport: ...
 
-    def stats(self) -> Any: ...
+    def stats(self) -> EngineStats: ...
 
-    def kv_events(self, since: int, limit: int = 1000) -> Any: ...
+    def kv_events(self, since: int, limit: int = 1000) -> KVEventBatch: ...
+
+    def kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def kv_region(self) -> SharedRegion | None: ...
+
+    def wake(self) -> None: ...
 
 
 CONFIG_KEY = web.AppKey("config", ServerConfig)

@@ -16,9 +16,16 @@ from aiohttp import web
 
 from backends.server import disagg
 from backends.server.errors import APIError
-from backends.server.generation import GeneratingEngine, GenerationDelta, SequenceSpec, generate_deltas
-from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY
-from backends.server.protocol import GenerateRequest, ParseContext, RequestKind, parse_request, resolve_max_tokens
+from backends.server.generation import GenerationDelta, SequenceSpec, generate_deltas
+from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
+from backends.server.protocol import (
+    GenerateRequest,
+    ParseContext,
+    RequestKind,
+    kv_transfer_params,
+    parse_request,
+    resolve_max_tokens,
+)
 from backends.server.responses import ResponseBuilder
 
 log = logging.getLogger(__name__)
@@ -66,21 +73,22 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
     ctx = ParseContext(app[CONFIG_KEY].served_model_names, min(tokenizer.vocab_size, engine.vocab_size))
     body = await read_json(request)
     req = parse_request(kind, body, ctx)
-    kv_params = disagg.kv_transfer_params(body)
+    kv_params = kv_transfer_params(body)
     prompt_ids = tokenizer.encode_request(req)
     request_id = _ID_PREFIX[kind] + uuid.uuid4().hex
     if kv_params is not None and kv_params.get("do_remote_decode") is True:
         return await disagg.prefill_leg(request, kind, req, prompt_ids, request_id, arrival_s)
     if kv_params is not None:
-        leg_engine, spec, builder = disagg.decode_leg(app, kind, req, prompt_ids, kv_params, request_id, arrival_s)
-        return await respond(request, req, leg_engine, spec, builder)
+        spec, builder = disagg.decode_leg(app, kind, req, prompt_ids, kv_params, request_id, arrival_s)
+        with disagg.kv_load_errors(app, request_id):
+            return await respond(request, req, engine, spec, builder)
     params = resolve_max_tokens(req, len(prompt_ids), engine.max_model_len)
     spec = SequenceSpec(request_id, prompt_ids, params, req.skip_special_tokens, arrival_s)
     builder = ResponseBuilder(kind, request_id, req.model, tokenizer.backend, return_token_ids=req.return_token_ids)
     return await respond(request, req, engine, spec, builder)
 
 
-async def respond(request: web.Request, req: GenerateRequest, engine: GeneratingEngine, spec: SequenceSpec,
+async def respond(request: web.Request, req: GenerateRequest, engine: WorkerEngine, spec: SequenceSpec,
                   builder: ResponseBuilder) -> web.StreamResponse:
     """Generate `spec` on `engine` and answer: SSE chunks or one JSON body."""
     tokenizer, metrics = request.app[TOKENIZER_KEY], request.app[METRICS_KEY]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -88,6 +89,18 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
         return_token_ids=_opt_bool(body, "return_token_ids") or False,
         skip_special_tokens=_default(_opt_bool(body, "skip_special_tokens"), True),
     )
+
+
+def kv_transfer_params(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The body's `kv_transfer_params` when they ask for a disaggregated leg (disagg.py serves it)."""
+    params = body.get("kv_transfer_params")
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise invalid_param("kv_transfer_params", "`kv_transfer_params` must be an object.")
+    if params.get("do_remote_decode") is True or params.get("do_remote_prefill") is True:
+        return params
+    return None   # neither leg asked for (vLLM sends such params on plain requests): serve normally
 
 
 def resolve_max_tokens(req: GenerateRequest, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:

@@ -1,7 +1,7 @@
 """The worker's paged KV cache as the KV transfer layer sees it: a `KVBlockSource` over the engine's
 holds (readers pin their blocks so a release mid-send cannot recycle them) and block digests for tests.
 
-Event-loop only; the hold table and the pins belong to `DisaggAsyncEngine`.
+Event-loop only; the hold table and the pins belong to `PDConnector` (backends/engine/pd_connector.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from backends.kv_transfer.torch_cache import TorchPagedKV, byte_view
 
 
 class HoldTable(Protocol):
-    """What `DisaggAsyncEngine` offers the transfer layer."""
+    """What `PDConnector` offers the transfer layer."""
 
     def lookup(self, transfer_id: str) -> Sequence[int] | None: ...
 

@@ -1,5 +1,6 @@
 """Scheduler: token budget, decode-first mixed steps, chunked prefill, admission, preemption,
-cancellation, oversized sequences, remote KV admission; plus the block-accounting property test."""
+cancellation, oversized sequences, the KV connector (loads, kept blocks); plus the block-accounting
+property test."""
 from __future__ import annotations
 
 from collections import Counter
@@ -9,20 +10,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backends.engine.block_manager import BlockManager
+from backends.engine.kv_connector import KVTransferParams
 from backends.engine.outputs import FinishReason
 from backends.engine.sampling_params import SamplingParams
 from backends.engine.scheduler import Scheduler, SchedulerOutput
 from backends.engine.sequence import Sequence, SequenceStatus
+from tests.backends.engine.fake_connector import PREFILL, REMOTE, FakeConnector
 
 
 def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 16,
-         max_model_len: int = 1000, watermark: int = 0) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_model_len, watermark)
+         max_model_len: int = 1000, watermark: int = 0, connector: FakeConnector | None = None) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, max_model_len, watermark, connector)
 
 
-def seq(rid: str, prompt_len: int, max_tokens: int = 4, base: int = 0, remote_kv: bool = False) -> Sequence:
+def seq(rid: str, prompt_len: int, max_tokens: int = 4, base: int = 0,
+        kv_transfer: KVTransferParams | None = None) -> Sequence:
     return Sequence(rid, tuple(range(base, base + prompt_len)), SamplingParams(max_tokens=max_tokens),
-                    seed=0, remote_kv=remote_kv)
+                    seed=0, kv_transfer=kv_transfer)
 
 
 def step(s: Scheduler, token: int = 7) -> SchedulerOutput:
@@ -146,24 +150,73 @@ def test_duplicate_request_id_rejected() -> None:
         s.add(seq("x", 2))
 
 
-def test_remote_kv_admission_runs_only_the_last_token() -> None:
-    s = make(budget=100)
-    s.add(seq("r", 9, remote_kv=True))
+def test_remote_kv_admission_waits_for_the_load_then_runs_only_the_last_token() -> None:
+    c = FakeConnector()
+    s = make(budget=100, connector=c)
+    s.add(seq("r", 9, kv_transfer=REMOTE))
     out = s.schedule()
     assert out.is_empty and s.num_waiting == 1 and len(s.get("r").block_table) == 3
-    assert s.remote_kv_ready("r", 9) and not s.remote_kv_ready("r", 9)
+    assert s.get("r").status is SequenceStatus.WAITING_FOR_REMOTE_KV and list(c.loads) == ["r"]
+    assert s.schedule().is_empty   # still loading
+    assert c.finish_load("r") and not c.finish_load("r")
     assert plan(step(s)) == [("r", 1, True)]
     assert s.block_manager.num_cached_blocks == 2
 
 
-def test_finish_with_hold_keeps_blocks_until_release() -> None:
-    s = make(num_blocks=8)
-    s.add(seq("p", 9, max_tokens=1))
+def test_a_failed_load_fails_the_sequence_and_frees_its_blocks() -> None:
+    c = FakeConnector()
+    s = make(num_blocks=8, connector=c)
+    s.add(seq("r", 9, kv_transfer=REMOTE))
+    s.schedule()
+    c.finish_load("r", error="peer closed")
     out = s.schedule()
-    s.postprocess(out)
-    handle = s.finish(s.get("p"), FinishReason.LENGTH, hold_blocks=True)
-    assert handle is not None and s.block_manager.num_used_blocks == 3
-    assert s.block_manager.release(handle) and s.block_manager.num_used_blocks == 0
+    (failed,) = out.failed
+    assert failed.request_id == "r" and failed.error == "peer closed" and failed.finish_reason is FinishReason.ABORT
+    assert s.block_manager.num_used_blocks == 0 and not s.has_unfinished()
+
+
+def test_abort_during_a_load_frees_blocks_only_once_the_load_ends() -> None:
+    c = FakeConnector()
+    s = make(num_blocks=8, connector=c)
+    s.add(seq("r", 9, kv_transfer=REMOTE))
+    s.schedule()
+    assert s.abort("r") is not None and not s.has_unfinished()
+    assert s.block_manager.num_used_blocks == 3   # the load may still write them
+    assert s.abort_all("loop failed") == []
+    c.finish_load("r")
+    assert s.schedule().is_empty and s.block_manager.num_used_blocks == 0
+
+
+def test_abort_all_spares_sequences_waiting_for_a_load() -> None:
+    c = FakeConnector()
+    s = make(connector=c)
+    s.add(seq("r", 9, kv_transfer=REMOTE))
+    s.add(seq("x", 5, base=50))
+    s.schedule()
+    assert [x.request_id for x in s.abort_all("loop failed")] == ["x"]
+    assert s.get("r") is not None and s.get("r").status is SequenceStatus.WAITING_FOR_REMOTE_KV
+
+
+def test_prefill_leg_keeps_its_blocks_until_the_connector_sent_them() -> None:
+    c = FakeConnector()
+    s = make(num_blocks=8, connector=c)
+    s.add(seq("p", 9, max_tokens=1, kv_transfer=PREFILL))
+    step(s)
+    assert s.get("p") is None and c.kept["p"] and s.block_manager.num_held_blocks == 3
+    assert s.block_manager.num_used_blocks == 3
+    assert c.release("p")
+    s.schedule()
+    assert s.block_manager.num_used_blocks == 0 and s.block_manager.num_held_blocks == 0
+
+
+def test_prefill_leg_that_stops_or_aborts_keeps_nothing() -> None:
+    c = FakeConnector()
+    s = make(num_blocks=8, connector=c)
+    s.add(seq("p", 9, max_tokens=1, kv_transfer=PREFILL))
+    s.add(seq("q", 5, max_tokens=1, base=50, kv_transfer=PREFILL))
+    s.finish(s.get("p"), FinishReason.STOP)
+    s.abort("q")
+    assert not c.kept and s.block_manager.num_used_blocks == 0
 
 
 # --- property test ---------------------------------------------------------------------------
@@ -174,50 +227,52 @@ OPS = st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99), st.integers(1, 
 KINDS = ((30, "add"), (75, "step"), (80, "fail_step"), (87, "abort"), (93, "remote_ready"), (100, "release"))
 
 
-def _check_refs(s: Scheduler, handles: list[int]) -> None:
+def _check_refs(s: Scheduler, c: FakeConnector) -> None:
     bm = s.block_manager
     bm.check_invariants()
-    live = [x for x in list(s.running) + list(s.waiting) + list(s.awaiting_kv.values())]
+    loading, kept = c.block_owners()
+    owners = {id(x): x for x in [*s.running, *s.waiting, *s.waiting_for_remote_kv.values(), *loading]}
     expected: Counter[int] = Counter()
-    for x in live:
+    for x in owners.values():
         expected.update(x.block_table)
-    for h in handles:
-        expected.update(bm.held_blocks(h) or ())
+    for blocks in kept:
+        expected.update(blocks)
     assert all(bm.ref_count(b) == expected[b] for b in range(bm.num_total_blocks))
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, num_blocks=st.integers(4, 12), budget=st.integers(1, 12), caching=st.booleans())
 def test_blocks_always_accounted_for(ops: list[tuple], num_blocks: int, budget: int, caching: bool) -> None:
-    s = Scheduler(BlockManager(num_blocks, 2, caching), 4, budget, 24, watermark_blocks=1)
-    handles: list[int] = []
+    c = FakeConnector()
+    s = Scheduler(BlockManager(num_blocks, 2, caching), 4, budget, 24, watermark_blocks=1, kv_connector=c)
     ids: list[str] = []
     for selector, arg, n, max_tokens, flag in ops:
         kind = next(name for bound, name in KINDS if selector < bound)
         if kind == "add":
             rid = f"r{len(ids)}"
             ids.append(rid)
-            s.add(Sequence(rid, tuple([arg % 3] * n), SamplingParams(max_tokens=max_tokens), 0,
-                           remote_kv=flag and arg % 3 == 0))
+            # a decode leg loads its prompt's KV; a prefill leg keeps its blocks when it finishes by length
+            kv = (REMOTE if arg % 3 == 0 else PREFILL) if flag else None
+            s.add(Sequence(rid, tuple([arg % 3] * n), SamplingParams(max_tokens=max_tokens), 0, kv_transfer=kv))
         elif kind == "step":
-            out = step(s, token=arg % 3)
-            live = [x.seq for x in out.scheduled if not x.seq.is_finished]
-            if live and flag and arg % 4 == 0:     # a disaggregated prefill pins its blocks
-                handles.append(s.finish(live[0], FinishReason.LENGTH, hold_blocks=True))
+            step(s, token=arg % 3)
         elif kind == "fail_step":       # the runner raised: the step's sequences are failed
             for sch in s.schedule().scheduled:
                 s.finish(sch.seq, FinishReason.ABORT, "boom")
         elif kind == "abort" and ids:
             s.abort(ids[arg % len(ids)])
         elif kind == "remote_ready" and ids:
-            s.remote_kv_ready(ids[arg % len(ids)], n)
-        elif kind == "release" and handles:
-            s.block_manager.release(handles.pop(arg % len(handles)))
-        _check_refs(s, handles)
+            c.finish_load(ids[arg % len(ids)], "pull failed" if n == 8 else None)
+        elif kind == "release" and c.kept:
+            c.release(sorted(c.kept)[arg % len(c.kept)])
+        _check_refs(s, c)
     for rid in ids:
         s.abort(rid)
-    for h in handles:
-        s.block_manager.release(h)
+    for rid in list(c.loads):
+        c.finish_load(rid)
+    for rid in list(c.kept):
+        c.release(rid)
+    s.schedule()
     bm = s.block_manager
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_total_blocks and bm.num_used_blocks == 0

@@ -1,0 +1,67 @@
+"""The interface the scheduler consults about KV that lives outside the device pool (as vLLM v1's
+`KVConnectorBase_V1`): tokens a connector can load, the load's outcome, and blocks to keep when a
+sequence finishes. Prefill-to-decode transfer is one connector (pd_connector.py); KV tiers keyed by
+`Sequence.block_hash` (cache/block_hash.py) are meant to be others. No torch, no sockets here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from backends.kv_transfer.base import RemoteBlocks
+
+if TYPE_CHECKING:
+    from backends.engine.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferParams:
+    """A request's part in a KV transfer, parsed from `kv_transfer_params` by the server."""
+    do_remote_decode: bool = False           # prefill leg: keep the prompt's blocks for a decode worker's pull
+    remote: RemoteBlocks | None = None       # decode leg: where the prompt's KV is held (do_remote_prefill)
+    first_token_ids: tuple[int, ...] = ()    # decode leg: tokens the prefill worker sampled (decoding follows them)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """An asynchronous load that ended, successfully or not (the connector to the engine thread)."""
+    request_id: str          # the sequence whose blocks were written
+    error: str | None        # None: every external token's KV is in the blocks; else why not
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedTransfers:
+    """What a connector finished since its last report (vLLM: finished_sending / finished_recving)."""
+    sent: tuple[str, ...] = ()              # finished sequences whose kept blocks the connector no longer needs
+    loaded: tuple[LoadResult, ...] = ()     # sequences whose load ended: they may run (or fail)
+
+
+class KVConnector(Protocol):
+    """Consulted by `Scheduler` in the engine thread; a connector does its I/O elsewhere and reports
+    back through `get_finished`. A sequence waits for a load in `SequenceStatus.WAITING_FOR_REMOTE_KV`."""
+
+    # --- scheduler side: bookkeeping only, during schedule() and finish() --------------------------
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int | None:
+        """Tokens past the `num_computed_tokens` found in the local prefix cache whose KV this
+        connector will load asynchronously; None when it loads nothing for seq (0: a load that
+        copies nothing but must still run, e.g. to release a remote hold)."""
+        ...
+
+    def update_state_after_alloc(self, seq: Sequence, num_external_tokens: int) -> None:
+        """seq now has blocks for all its tokens; record the load that fills them."""
+        ...
+
+    def request_finished(self, seq: Sequence) -> bool:
+        """seq has finished (its finish_reason and error are set; its blocks are still in
+        `block_table`). True: do not free its blocks yet; they go once `get_finished` names seq,
+        in `sent` (kept for a transfer) or in `loaded` (a load into them was still running)."""
+        ...
+
+    # --- worker side: I/O ---------------------------------------------------------------------------
+    def start_load_kv(self) -> None:
+        """Start the loads recorded since the last call (called once per engine step)."""
+        ...
+
+    def get_finished(self) -> FinishedTransfers:
+        """Transfers that ended since the last call (called at the start of each engine step)."""
+        ...
