@@ -1,12 +1,12 @@
 """API keys, rate limits shared by two gateway replicas on one Redis, a Redis outage mid-run, usage."""
 from __future__ import annotations
 
-import asyncio
 import hashlib
 
 import aiohttp
 
 from tests.gateway.conftest import gateway_config
+from tests.support.wait import await_until
 
 CHAT = "/v1/chat/completions"
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
@@ -52,7 +52,7 @@ async def test_keys_are_required_and_checked(start_fakes, start_gateway) -> None
 async def test_rate_limit_is_shared_by_replicas_and_survives_a_redis_outage(start_fakes, start_gateway,
                                                                            redis_server) -> None:
     (fake,) = start_fakes("a")
-    config = keyed_config(fake.url, redis_server.url, 6)
+    config = {**keyed_config(fake.url, redis_server.url, 6), "log_level": "INFO"}  # the store logs its switches
     env = {"TEAM_A_KEY": "a-secret"}
     replicas = [start_gateway(config, env=env), start_gateway(config, env=env)]
     async with aiohttp.ClientSession() as client:
@@ -69,7 +69,8 @@ async def test_rate_limit_is_shared_by_replicas_and_survives_a_redis_outage(star
         assert during == [200] * 8
 
         redis_server.start()  # an empty Redis: the limits start over, shared again
-        await asyncio.sleep(2.5)  # the stores probe Redis and switch back
+        await await_until(lambda: all("shared state store is back" in r.log() for r in replicas),
+                          "both replicas' stores to probe Redis and switch back")
         statuses = [(await call(client, replicas[i % 2].url, "a-secret")).status for i in range(8)]
     assert statuses[:6] == [200] * 6 and statuses[6:] == [429, 429]
     assert all(r.alive for r in replicas)

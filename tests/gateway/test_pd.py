@@ -5,8 +5,7 @@ kv_transfer_params and claims the held transfer from the fake prefill over HTTP.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 from tests.gateway.conftest import metric
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_proc import GatewayProcess
+from tests.support.wait import await_until
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -59,10 +59,17 @@ class Pd:
         self.prefill = start_fakes("prefill", *prefill)
         self.decode = start_fakes("decode", *decode)
         self.both = start_fakes("both", *both)
-        self.gateway = GatewayProcess(pd_config(self.prefill, self.decode, self.both, **config), workdir)
+        try:
+            self.gateway = GatewayProcess(pd_config(self.prefill, self.decode, self.both, **config), workdir)
+        except BaseException:
+            self._stop_fakes()  # else a gateway that fails to start leaves the fakes running
+            raise
 
     def stop(self) -> None:
         self.gateway.stop()
+        self._stop_fakes()
+
+    def _stop_fakes(self) -> None:
         for fake in self.prefill + self.decode + self.both:
             fake.stop()
 
@@ -80,23 +87,26 @@ async def post(url: str, body: dict[str, Any], path: str = CHAT) -> tuple[int, d
             return response.status, orjson.loads(await response.read())
 
 
-async def stream(url: str, body: dict[str, Any], path: str = CHAT) -> list[tuple[float, bytes]]:
-    """The SSE data events with their arrival times (time.monotonic())."""
-    events: list[tuple[float, bytes]] = []
+async def stream(url: str, body: dict[str, Any], path: str = CHAT,
+                 on_first: Callable[[], None] | None = None) -> list[bytes]:
+    """The SSE data events; `on_first` runs as soon as the first one has arrived."""
+    events: list[bytes] = []
     async with aiohttp.ClientSession() as client:
         async with client.post(url + path, json={**body, "stream": True}) as response:
             assert response.status == 200
             tail = b""
             async for chunk in response.content.iter_any():
-                now = time.monotonic()
                 *done, tail = (tail + chunk).split(b"\n\n")
-                events.extend((now, e[6:]) for e in done if e.startswith(b"data: "))
+                events.extend(e[6:] for e in done if e.startswith(b"data: "))
+                if events and on_first is not None:
+                    on_first()
+                    on_first = None
     return events
 
 
-def stream_text(events: list[tuple[float, bytes]]) -> str:
+def stream_text(events: list[bytes]) -> str:
     text = ""
-    for _, data in events:
+    for data in events:
         if data == b"[DONE]":
             continue
         for choice in orjson.loads(data).get("choices", []):
@@ -105,28 +115,32 @@ def stream_text(events: list[tuple[float, bytes]]) -> str:
 
 
 async def wait_idle(gateway: GatewayProcess, urls: list[str]) -> None:
-    """Every lease of these endpoints is back to zero (the in-flight gauges)."""
-    for _ in range(50):
-        if all(metric(gateway, "switchyard_inflight_requests", endpoint=u) == 0
-               and metric(gateway, "switchyard_inflight_tokens", endpoint=u) == 0 for u in urls):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("leases were not released")
+    """Every lease of these endpoints is back to zero (the in-flight gauges). The deadline stays below the
+    legs' 30 s total timeout, so a lease that only that timeout would end does not pass."""
+    await await_until(lambda: all(metric(gateway, "switchyard_inflight_requests", endpoint=u) == 0
+                                  and metric(gateway, "switchyard_inflight_tokens", endpoint=u) == 0 for u in urls),
+                      "the leases to be released", timeout_s=10)
+
+
+async def wait_load_report(gateway: GatewayProcess, url: str, report: dict[str, int]) -> None:
+    """The load poller has fed `report` (as the fake's /load answers it) into the gateway's gauges."""
+    num_tokens = report["num_prefill_tokens_pending"] + report["num_decode_tokens_pending"]
+    await await_until(lambda: metric(gateway, "switchyard_inflight_tokens", endpoint=url) == num_tokens,
+                      f"the load report of {url} to reach the gateway")
 
 
 # --- the happy path (one gateway for the module) ---------------------------------------------------
 
 async def test_stream_sends_the_first_token_before_the_decode_leg_answers(pd: Pd) -> None:
-    started = time.monotonic()
-    body = {**BODY, "fake": {"decode": {"stall_s": 1.0}}}
-    events = await stream(pd.gateway.url, body)
-    first = orjson.loads(events[0][1])
+    # The decode leg is held until the client has the first token: a gateway that waited for the
+    # decode leg before relaying the first token never gets an answer from it (it times out).
+    body = {**BODY, "fake": {"decode": {"stall_gate": "first-token-out"}}}
+    events = await stream(pd.gateway.url, body, on_first=lambda: pd.decode[0].release("first-token-out"))
+    first = orjson.loads(events[0])
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "first "}
-    assert events[0][0] - started < 0.8  # not held back by the decode leg's 1 s stall
-    assert events[1][0] - events[0][0] > 0.8
     assert stream_text(events) == "first tok1 tok2 tok3 "
-    assert events[-1][1] == b"[DONE]"
-    ids = {orjson.loads(data)["id"] for _, data in events[:-1]}
+    assert events[-1] == b"[DONE]"
+    ids = {orjson.loads(data)["id"] for data in events[:-1]}
     assert len(ids) == 1 and ids.pop().startswith("cmpl-xfer-p1-")  # one id: the prefill's, kept by the decode
     decode_body = pd.decode[0].stats()["last_body"]
     assert decode_body["max_tokens"] == 50 and decode_body["stream"] is True
@@ -137,7 +151,7 @@ async def test_stream_sends_the_first_token_before_the_decode_leg_answers(pd: Pd
 
 async def test_completions_stream_and_non_streaming_join_with_merged_usage(pd: Pd) -> None:
     events = await stream(pd.gateway.url, {"model": "m", "prompt": "hi", "max_tokens": 9}, COMPLETIONS)
-    assert orjson.loads(events[0][1])["choices"][0]["text"] == "first "
+    assert orjson.loads(events[0])["choices"][0]["text"] == "first "
     assert stream_text(events) == "first tok1 tok2 tok3 "
     status, answer = await post(pd.gateway.url, {**BODY, "fake": {"decode": {"chunks": 4}}})
     assert status == 200
@@ -161,8 +175,8 @@ async def test_no_decode_leg_when_the_prefill_finished(pd: Pd, fake: dict[str, A
     assert status == 200 and answer["choices"][0]["message"]["content"] == "first "
     assert "kv_transfer_params" not in answer
     events = await stream(pd.gateway.url, {**body, "stream_options": {"include_usage": True}})
-    assert stream_text(events) == "first " and events[-1][1] == b"[DONE]"
-    assert orjson.loads(events[-2][1])["usage"]["completion_tokens"] == 1
+    assert stream_text(events) == "first " and events[-1] == b"[DONE]"
+    assert orjson.loads(events[-2])["usage"]["completion_tokens"] == 1
     assert pd.decode[0].stats()["num_requests"] == decode_hits
     if not fake:   # max_tokens 1: a plain one-token request, nothing held for a decode leg that never comes
         assert "kv_transfer_params" not in pd.prefill[0].stats()["last_body"]
@@ -180,18 +194,21 @@ async def test_kv_transfer_failed_redoes_the_request_with_a_new_prefill(pd: Pd) 
     pd.decode[0].control(behaviour={"status": 400, "code": "kv_transfer_mismatch"}, times=1)
     events = await stream(pd.gateway.url, BODY)
     assert stream_text(events[:-2]) == "first "
-    assert orjson.loads(events[-2][1])["error"]["code"] == "kv_transfer_mismatch"
-    assert events[-1][1] == b"[DONE]"
+    assert orjson.loads(events[-2])["error"]["code"] == "kv_transfer_mismatch"
+    assert events[-1] == b"[DONE]"
 
 
 async def test_leases_follow_each_pool_and_return_to_zero_on_cancel(pd: Pd) -> None:
     p_url, d_url = pd.prefill[0].url, pd.decode[0].url
-    body = {**BODY, "max_tokens": 500, "fake": {"decode": {"chunks": 200, "chunk_delay_s": 0.05}}}
+    # The decode leg streams one token, then is held (never let go) until the client is cancelled.
+    body = {**BODY, "max_tokens": 500, "fake": {"decode": {"chunks": 200, "chunk_gate": "lease-test"}}}
     task = asyncio.create_task(stream(pd.gateway.url, body))
-    await asyncio.sleep(0.8)
+    await await_until(lambda: pd.decode[0].num_waiting("lease-test") == 1, "the decode leg to be mid-stream")
     gw = pd.gateway
-    assert metric(gw, "switchyard_inflight_requests", endpoint=d_url) == 1  # the decode lease...
-    assert metric(gw, "switchyard_inflight_requests", endpoint=p_url) == 0  # ...the prefill's is released
+    # The decode lease is held, the prefill's released (it could not be by the end of the stream: there is none).
+    await await_until(lambda: metric(gw, "switchyard_inflight_requests", endpoint=d_url) == 1
+                      and metric(gw, "switchyard_inflight_requests", endpoint=p_url) == 0,
+                      "only the decode lease to be held while the decode leg streams")
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     await wait_idle(gw, [p_url, d_url])
@@ -206,7 +223,7 @@ async def test_prefill_failure_is_retried_on_another_prefill_worker(tmp_path: Pa
         bad, good = pair.prefill
         bad.control(behaviour={"status": 500})
         good.control(load_report=BUSY)  # so the policy tries `bad` first, every time
-        await asyncio.sleep(0.4)
+        await wait_load_report(pair.gateway, good.url, BUSY)
         for request_stream in (False, True, False):
             if request_stream:
                 assert stream_text(await stream(pair.gateway.url, BODY)) == "first tok1 tok2 tok3 "
@@ -227,9 +244,9 @@ async def test_decode_failure_is_retried_on_another_decode_worker(tmp_path: Path
         bad, good = pair.decode
         bad.control(behaviour={"status": 502})
         good.control(load_report=BUSY)
-        await asyncio.sleep(0.4)
+        await wait_load_report(pair.gateway, good.url, BUSY)
         events = await stream(pair.gateway.url, BODY)  # the first token is out before the decode fails
-        assert stream_text(events) == "first tok1 tok2 tok3 " and events[-1][1] == b"[DONE]"
+        assert stream_text(events) == "first tok1 tok2 tok3 " and events[-1] == b"[DONE]"
         status, answer = await post(pair.gateway.url, BODY)
         assert status == 200 and answer["choices"][0]["message"]["content"] == "first tok1 tok2 tok3 "
         assert bad.stats()["num_requests"] == 2 and good.stats()["num_requests"] == 2
@@ -247,9 +264,17 @@ async def test_dead_decode_pool_falls_back_to_the_next_provider(tmp_path: Path) 
         # Right away (the decode leg fails, or health already noticed): the unified provider answers.
         status, answer = await post(pair.gateway.url, BODY)
         assert status == 200 and answer["choices"][0]["message"]["content"] == "tok0 tok1 tok2 "
-        await asyncio.sleep(0.6)  # health checks mark the decode pool down: no prefill leg is even sent
+
+        async def served_without_a_prefill_leg() -> bool:
+            prefills = pair.prefill[0].stats()["num_requests"]
+            status, answer = await post(pair.gateway.url, BODY)
+            assert status == 200 and answer["choices"][0]["message"]["content"] == "tok0 tok1 tok2 "
+            return pair.prefill[0].stats()["num_requests"] == prefills
+
+        # Once health checks mark the decode pool down, no prefill leg is even sent ...
+        await await_until(served_without_a_prefill_leg, "requests to be served without a prefill leg")
         prefills = pair.prefill[0].stats()["num_requests"]
-        assert stream_text(await stream(pair.gateway.url, BODY)) == "tok0 tok1 tok2 "
+        assert stream_text(await stream(pair.gateway.url, BODY)) == "tok0 tok1 tok2 "  # ... streams included
         assert pair.prefill[0].stats()["num_requests"] == prefills
         gw = pair.gateway
         assert metric(gw, "switchyard_pd_fallbacks_total", cause="decode_pool_unavailable") >= 1
@@ -268,8 +293,8 @@ async def test_decode_pool_broken_after_the_first_token_ends_the_stream(tmp_path
         assert metric(pair.gateway, "switchyard_pd_fallbacks_total", cause="decode_pool_exhausted") == 1
         events = await stream(pair.gateway.url, BODY)  # the first token is out: an error event ends it
         assert stream_text(events[:-2]) == "first "
-        assert orjson.loads(events[-2][1])["error"]["type"] == "upstream_error"
-        assert events[-1][1] == b"[DONE]"
+        assert orjson.loads(events[-2])["error"]["type"] == "upstream_error"
+        assert events[-1] == b"[DONE]"
         assert pair.both[0].stats()["num_requests"] == 1
     finally:
         pair.stop()

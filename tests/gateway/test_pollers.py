@@ -2,13 +2,12 @@
 endpoint), `/load` into the load tracker (least_tokens avoids a worker busy with others' work)."""
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 import orjson
 
 from cache.block_hash import ROOT_HASH, block_hashes
 from tests.gateway.conftest import gateway_config, metric
+from tests.support.wait import await_until
 
 PROMPT_IDS = list(range(100, 164))  # 4 blocks of 16 token ids
 
@@ -28,7 +27,8 @@ async def test_kv_events_steer_prefix_aware_routing(start_fakes, start_gateway) 
     parents = [ROOT_HASH, *hashes[:-1]]
     fakes[2].control(kv_events=[{"seq": i + 1, "type": "stored", "block_hash": h, "parent_hash": p}
                                 for i, (h, p) in enumerate(zip(hashes, parents))])
-    await asyncio.sleep(0.6)  # a few poll intervals
+    # The poller asks for events after the last one it applied: once it asks from 4, all four are indexed.
+    await await_until(lambda: (fakes[2].stats()["kv_since"] or 0) >= len(hashes), "the kv events to be applied")
     async with aiohttp.ClientSession() as client:
         homes = [await served_by(client, gateway.url, {"model": "m", "prompt": PROMPT_IDS}) for _ in range(4)]
         other = await served_by(client, gateway.url, {"model": "m", "prompt": list(range(500, 564))})
@@ -48,8 +48,8 @@ async def test_load_reports_steer_least_tokens(start_fakes, start_gateway) -> No
     config = gateway_config({"p": [busy.url, idle.url]}, policy="least_tokens")
     config["providers"]["p"]["offers_load"] = True
     gateway = start_gateway(config)
-    await asyncio.sleep(0.6)
-    assert metric(gateway, "switchyard_inflight_tokens", endpoint=busy.url) == 59_000
+    await await_until(lambda: metric(gateway, "switchyard_inflight_tokens", endpoint=busy.url) == 59_000,
+                      "the busy worker's load report to reach the gateway")
     async with aiohttp.ClientSession() as client:
         homes = [await served_by(client, gateway.url, {"model": "m", "prompt": "hi"}) for _ in range(6)]
     assert homes == ["idle"] * 6

@@ -2,7 +2,7 @@
 during a stall, non-streaming relay with the model renamed, request ids, mid-stream failure."""
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -18,16 +18,18 @@ def chat_body(**extra: Any) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": "hello"}], **extra}
 
 
-async def read_events(response: aiohttp.ClientResponse) -> list[tuple[float, bytes]]:
-    """(arrival time, event) for every SSE event or comment, as the client sees them."""
-    events: list[tuple[float, bytes]] = []
+async def read_events(response: aiohttp.ClientResponse,
+                      on_event: Callable[[bytes], None] | None = None) -> list[bytes]:
+    """Every SSE event or comment, as the client sees them; `on_event` runs as each one arrives."""
+    events: list[bytes] = []
     buffer = b""
     async for chunk in response.content.iter_any():
-        now = time.monotonic()
         buffer += chunk
         while b"\n\n" in buffer:
             event, buffer = buffer.split(b"\n\n", 1)
-            events.append((now, event))
+            events.append(event)
+            if on_event is not None:
+                on_event(event)
     return events
 
 
@@ -40,28 +42,43 @@ def one_upstream(start_fakes, start_gateway):
 
 async def test_stream_is_relayed_chunk_by_chunk(one_upstream) -> None:
     fake, gateway = one_upstream
-    body = chat_body(stream=True, fake={"chunks": 4, "chunk_delay_s": 0.4})
+    # The upstream sends chunk i+1 only once chunk i has reached the client: a gateway that held
+    # chunks back would never see the next one, and the stream would end in a timeout instead.
+    body = chat_body(stream=True, fake={"chunks": 4, "chunk_gate": "next"})
+
+    def release_next(event: bytes) -> None:
+        if event.startswith(b"data: {"):
+            fake.release("next")
+
     async with aiohttp.ClientSession() as client:
         async with client.post(gateway.url + CHAT, json=body) as response:
             assert response.status == 200
             assert response.headers["Content-Type"].startswith("text/event-stream")
-            events = await read_events(response)
-    data = [(t, e) for t, e in events if e.startswith(b"data: {")]
-    assert [orjson.loads(e[6:])["choices"][0]["delta"]["content"] for _, e in data] == [f"tok{i} " for i in range(4)]
-    assert events[-1][1] == b"data: [DONE]"
-    # Chunk i reached the client well before the upstream even sent chunk i+1 (it waits 0.4 s).
-    for (t_i, _), (t_next, _) in zip(data, data[1:]):
-        assert t_next - t_i > 0.25
+            events = await read_events(response, release_next)
+    data = [e for e in events if e.startswith(b"data: {")]
+    assert [orjson.loads(e[6:])["choices"][0]["delta"]["content"] for e in data] == [f"tok{i} " for i in range(4)]
+    assert events[-1] == b"data: [DONE]"
     assert fake.stats()["models"] == ["p-upstream"]  # the model was renamed upstream
 
 
 async def test_keepalives_while_the_first_token_is_awaited(one_upstream) -> None:
     fake, gateway = one_upstream
-    body = chat_body(stream=True, fake={"chunks": 2, "stall_s": 1.0})
+    # The upstream answers only once the client has had three keepalives (without them it would
+    # wait until the gateway's first-byte timeout, and the stream would hold no data).
+    body = chat_body(stream=True, fake={"chunks": 2, "stall_gate": "keepalives-seen"})
+    num_keepalives = 0
+
+    def answer_after_three_keepalives(event: bytes) -> None:
+        nonlocal num_keepalives
+        if event == b": keepalive":
+            num_keepalives += 1
+            if num_keepalives == 3:
+                fake.release("keepalives-seen")
+
     async with aiohttp.ClientSession() as client:
         async with client.post(gateway.url + CHAT, json=body) as response:
-            events = [e for _, e in await read_events(response)]
-    first_data = next(i for i, e in enumerate(events) if e.startswith(b"data: {"))
+            events = await read_events(response, answer_after_three_keepalives)
+    first_data = next((i for i, e in enumerate(events) if e.startswith(b"data: {")), len(events))
     assert first_data >= 3 and all(e == b": keepalive" for e in events[:first_data])
     assert events[-1] == b"data: [DONE]" and b": keepalive" not in events[first_data:]
 
@@ -91,7 +108,7 @@ async def test_mid_stream_reset_ends_with_error_event_and_is_not_retried(start_f
     async with aiohttp.ClientSession() as client:
         async with client.post(gateway.url + CHAT, json=body) as response:
             assert response.status == 200
-            events = [e for _, e in await read_events(response)]
+            events = await read_events(response)
     contents = [e for e in events if e.startswith(b"data: {\"id\"")]
     assert len(contents) == 2
     error = orjson.loads(events[-2][6:])

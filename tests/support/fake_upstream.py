@@ -4,6 +4,10 @@ Behaviour per request comes from the body's `"fake"` object (unknown fields pass
 or the `x-fake` header (JSON), else from the process default (CLI `--behaviour JSON` or POST /control).
 Fields: status, retry_after, stall_s (before headers), first_chunk_delay_s, chunks, chunk_delay_s,
 reset_after (abort the connection after that many chunks), die (exit the process), usage.
+Gates hold a request at the same three points until the test lets it go, so a test orders events
+without a clock: stall_gate, first_chunk_gate, chunk_gate (before every chunk after the first) name
+a gate; each pass takes one permit (POST /control {"release": {name: n}}); GET /stats reports how
+many requests wait at each gate.
 GET /stats reports what it received, so tests can count upstream hits.
 PD mode (`--role prefill|decode`) follows docs/disaggregation.md; see `_pd_prefill` / `_pd_decode`.
 """
@@ -18,12 +22,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 from aiohttp import web
+
+from tests.support.wait import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,7 +58,25 @@ class FakeState:
         self.last_body: dict[str, Any] = {}
         self.load_report: dict[str, Any] | None = None
         self.kv_events: list[dict[str, Any]] = []
+        self.kv_since: int | None = None  # `since` of the last GET /kv_events: the poller has applied up to it
+        self.gates: dict[str, asyncio.Semaphore] = {}  # gate name -> permits the test released
+        self.waiting: Counter[str] = Counter()          # gate name -> requests held there now
         self.fast_bodies: dict[bool, bytes] = {}  # canned non-streaming answers, by "is chat"
+
+
+def _gate(state: FakeState, name: str) -> asyncio.Semaphore:
+    return state.gates.setdefault(name, asyncio.Semaphore(0))
+
+
+async def _pass(state: FakeState, name: str | None) -> None:
+    """Wait for one permit of gate `name` (None: no gate)."""
+    if name is None:
+        return
+    state.waiting[name] += 1
+    try:
+        await _gate(state, name).acquire()
+    finally:
+        state.waiting[name] -= 1
 
 
 def _chunk(state: FakeState, model: str, index: int, chat: bool) -> bytes:
@@ -102,6 +127,7 @@ async def _scripted(request: web.Request, state: FakeState, body: dict[str, Any]
         os._exit(3)
     if behaviour.get("stall_s"):
         await asyncio.sleep(behaviour["stall_s"])
+    await _pass(state, behaviour.get("stall_gate"))
     status = behaviour.get("status", 200)
     if status != 200:
         headers = {"Retry-After": str(behaviour["retry_after"])} if "retry_after" in behaviour else {}
@@ -115,18 +141,22 @@ async def _scripted(request: web.Request, state: FakeState, body: dict[str, Any]
     if not body.get("stream"):
         if behaviour.get("first_chunk_delay_s"):
             await asyncio.sleep(behaviour["first_chunk_delay_s"])
+        await _pass(state, behaviour.get("first_chunk_gate"))
         return web.Response(body=_full(state, model, num_chunks, chat, behaviour.get("usage", True)),
                             content_type="application/json")
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     if behaviour.get("first_chunk_delay_s"):
         await asyncio.sleep(behaviour["first_chunk_delay_s"])
+    await _pass(state, behaviour.get("first_chunk_gate"))
     for i in range(num_chunks):
         if behaviour.get("reset_after") is not None and i == behaviour["reset_after"]:
             request.transport.abort()
             return response
         if i and behaviour.get("chunk_delay_s"):
             await asyncio.sleep(behaviour["chunk_delay_s"])
+        if i:
+            await _pass(state, behaviour.get("chunk_gate"))
         await response.write(_chunk(state, model, i, chat))
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
@@ -155,6 +185,7 @@ async def _pd_leg(request: web.Request, state: FakeState, body: dict[str, Any]) 
         os._exit(3)
     if behaviour.get("stall_s"):
         await asyncio.sleep(behaviour["stall_s"])
+    await _pass(state, behaviour.get("stall_gate"))
     if behaviour.get("status", 200) != 200:
         return _error(behaviour["status"], f"fake {behaviour['status']} from {state.name}",
                       behaviour.get("code", str(behaviour["status"])))
@@ -233,6 +264,8 @@ async def _pd_stream(request: web.Request, state: FakeState, body: dict[str, Any
     for i in range(1, num_chunks + 1):
         if i > 1 and behaviour.get("chunk_delay_s"):
             await asyncio.sleep(behaviour["chunk_delay_s"])
+        if i > 1:
+            await _pass(state, behaviour.get("chunk_gate"))
         event = orjson.loads(_chunk(state, body.get("model", ""), i, chat)[6:])
         event["id"] = response_id
         await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
@@ -258,6 +291,7 @@ async def load(request: web.Request) -> web.Response:
 async def kv_events(request: web.Request) -> web.Response:
     state: FakeState = request.app["state"]
     since = int(request.query.get("since", "0"))
+    state.kv_since = since
     events = [e for e in state.kv_events if e["seq"] > since]  # the workers' semantics: seq > since
     next_seq = events[-1]["seq"] if events else since
     return web.json_response({"events": events, "next": next_seq, "reset": False})
@@ -268,12 +302,14 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response({"name": state.name, "num_requests": state.num_requests, "arrivals": state.arrivals,
                               "held": sorted(state.held), "num_transfers": state.num_transfers,
                               "request_ids": state.request_ids, "models": state.models,
-                              "last_headers": state.last_headers, "last_body": state.last_body})
+                              "last_headers": state.last_headers, "last_body": state.last_body,
+                              "waiting": {name: n for name, n in state.waiting.items() if n},
+                              "kv_since": state.kv_since})
 
 
 async def control(request: web.Request) -> web.Response:
     """POST {"behaviour": {...}, "times": N (then back to {}), "healthy": bool, "load_report": {...},
-    "kv_events": [...], "reset_stats": true}."""
+    "kv_events": [...], "reset_stats": true, "release": {gate: permits}}."""
     state: FakeState = request.app["state"]
     body = await request.json()
     if "behaviour" in body:
@@ -286,6 +322,9 @@ async def control(request: web.Request) -> web.Response:
         state.kv_events.extend(body["kv_events"])
     if body.get("reset_stats"):
         state.num_requests, state.request_ids, state.models = 0, [], []
+    for name, permits in body.get("release", {}).items():
+        for _ in range(permits):
+            _gate(state, name).release()
     return web.json_response({"ok": True})
 
 
@@ -356,6 +395,14 @@ class FakeUpstream:
                                          headers={"Content-Type": "application/json"})
         urllib.request.urlopen(request, timeout=5).read()
 
+    def release(self, gate: str, permits: int = 1) -> None:
+        """Let `permits` requests (or chunks) past `gate`; permits not yet needed are kept for later ones."""
+        self.control(release={gate: permits})
+
+    def num_waiting(self, gate: str) -> int:
+        """Requests held at `gate` right now."""
+        return self.stats()["waiting"].get(gate, 0)
+
     @property
     def alive(self) -> bool:
         return self._proc.poll() is None
@@ -377,16 +424,15 @@ class FakeUpstream:
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 20.0, ok_status: int = 200) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def answers() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"process for {url} exited with {proc.returncode}")
         with contextlib.suppress(OSError):
             with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == ok_status:
-                    return
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} not up after {timeout_s}s")
+                return response.status == ok_status
+        return False
+
+    wait_until(answers, f"{url} to answer {ok_status}", timeout_s=timeout_s)
 
 
 @contextlib.contextmanager

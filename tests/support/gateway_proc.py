@@ -5,7 +5,6 @@ import os
 import ssl
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 import yaml
 
 from tests.support.fake_upstream import REPO_ROOT, free_port
+from tests.support.wait import wait_until
 
 
 class GatewayProcess:
@@ -39,18 +39,19 @@ class GatewayProcess:
         self._wait(wait_path)
 
     def _wait(self, path: str, timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def answers() -> bool:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"gateway exited with {self._proc.returncode}:\n{self.log()}")
             try:
                 with urllib.request.urlopen(self.url + path, timeout=1, context=self._ssl) as response:
-                    if response.status == 200:
-                        return
+                    return response.status == 200
             except (OSError, urllib.error.HTTPError):
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"gateway {self.url}{path} not ready after {timeout_s}s:\n{self.log()}")
+                return False
+
+        try:
+            wait_until(answers, f"gateway {self.url}{path} to answer 200", timeout_s=timeout_s)
+        except AssertionError as exc:
+            raise TimeoutError(f"{exc}:\n{self.log()}") from None
 
     def log(self) -> str:
         if not self._log.closed:
@@ -60,6 +61,13 @@ class GatewayProcess:
     @property
     def alive(self) -> bool:
         return self._proc.poll() is None
+
+    def send_signal(self, signum: int) -> None:
+        self._proc.send_signal(signum)
+
+    def wait_exit(self, timeout_s: float = 60.0) -> int:
+        """The exit code, once the process has ended by itself."""
+        return self._proc.wait(timeout_s)
 
     def stop(self) -> None:
         if self._proc.poll() is None:

@@ -1,13 +1,28 @@
 """Fixtures: one real redis-server per test session, and each store kind with a fresh key namespace."""
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 
 from gateway.state import MemoryStore, RedisOptions, RedisStore, StateStore
 from tests.support.redis_proc import RedisProc, redis_server_path
+
+
+class FakeClock:
+    """A clock for MemoryStore that moves only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    async def advance(self, seconds: float) -> None:
+        self.now_s += seconds
+
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisProc]:
@@ -31,4 +46,21 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
     server: RedisProc = request.getfixturevalue("redis_server")
     redis = redis_store(server.url)
     yield redis
+    await redis.close()
+
+
+Wait = Callable[[float], Awaitable[None]]   # lets this many seconds pass for a store
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def clocked_store(request: pytest.FixtureRequest) -> AsyncIterator[tuple[StateStore, Wait]]:
+    """A store and how to let time pass for it: MemoryStore runs on a FakeClock that the test moves,
+    Redis reads its own clock, so there the time really has to pass."""
+    if request.param == "memory":
+        clock = FakeClock()
+        yield MemoryStore(clock=clock), clock.advance
+        return
+    server: RedisProc = request.getfixturevalue("redis_server")
+    redis = redis_store(server.url)
+    yield redis, asyncio.sleep
     await redis.close()

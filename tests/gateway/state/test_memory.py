@@ -2,14 +2,7 @@
 from __future__ import annotations
 
 from gateway.state import BreakerState, MemoryStore, RateLimits
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_s = 1000.0
-
-    def __call__(self) -> float:
-        return self.now_s
+from tests.gateway.state.conftest import FakeClock
 
 
 async def test_expired_entries_are_swept_by_later_writes() -> None:

@@ -1,18 +1,18 @@
-"""The rate-limit table (burst, refill, tokens, debt, retry_after), run against MemoryStore and a real
-Redis: both must give the same answers, which are derived by hand from the token-bucket rule."""
+"""The rate-limit table (burst, refill, tokens, debt, retry_after), derived by hand from the token-bucket
+rule: MemoryStore, on a clock the test moves, gives exactly those answers; a real Redis, which reads its
+own clock, gives exactly what the rule (`bucket`) gives at the times it read, so both answer the same."""
 from __future__ import annotations
 
 import asyncio
-import math
+import uuid
 from dataclasses import dataclass
 
 import pytest
+from redis import asyncio as aioredis
 
-from gateway.state import RateLimits, StateStore
-
-# Slack for time that passes between the steps (a loaded 2-core CI box): buckets refill meanwhile,
-# so remaining counts may be a little higher and retry_after a little lower than the exact figure.
-LAG_S = 0.1
+from gateway.state import MemoryStore, RateLimits, RedisOptions, RedisStore, StateStore, bucket
+from tests.gateway.state.conftest import FakeClock
+from tests.support.redis_proc import RedisProc
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class Step:
     retry_after_s: float = 0.0             # expected, when denied
     remaining_requests: int | None = None  # expected right after the step
     remaining_tokens: int | None = None
-    sleep_s: float = 0.0                   # wait this long before the step
+    wait_s: float = 0.0                    # this much time passes before the step
     charge: bool = False                   # settle with charge_tokens instead of asking
     key_id: str = "k1"
 
@@ -33,15 +33,15 @@ CASES = {
         Step(0, True, remaining_requests=1),
         Step(0, True, remaining_requests=0),
         Step(0, False, retry_after_s=1 / 3, remaining_requests=0),
-        Step(0, True, remaining_requests=0, sleep_s=0.36),
-        Step(0, False, retry_after_s=(1 - 0.08) / 3, remaining_requests=0),  # slept 0.36 s: 1.08 refilled
+        Step(0, True, remaining_requests=0, wait_s=0.36),
+        Step(0, False, retry_after_s=(1 - 0.08) / 3, remaining_requests=0),  # 0.36 s later: 1.08 refilled
     ]),
     "tokens: estimate charged up front": (RateLimits(None, 100, window_s=1.0), [
         Step(60, True, remaining_tokens=40),
         Step(60, False, retry_after_s=0.2, remaining_tokens=40),
         Step(40, True, remaining_tokens=0),
         Step(1, False, retry_after_s=0.01, remaining_tokens=0),
-        Step(20, True, remaining_tokens=5, sleep_s=0.25),
+        Step(20, True, remaining_tokens=5, wait_s=0.25),
     ]),
     "a cost above the limit passes when full and leaves debt": (RateLimits(None, 100, window_s=1.0), [
         Step(250, True, remaining_tokens=0),
@@ -79,33 +79,80 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-async def test_rate_limit_table(store: StateStore, case: str) -> None:
+async def test_rate_limit_table(case: str) -> None:
     limits, steps = CASES[case]
-    token_slack = _slack(limits.max_tokens_per_window, limits.window_s)
-    request_slack = _slack(limits.max_requests_per_window, limits.window_s)
+    clock = FakeClock()
+    store = MemoryStore(clock=clock)
     for i, step in enumerate(steps):
         where = f"step {i}: {step}"
-        if step.sleep_s:
-            await asyncio.sleep(step.sleep_s)
+        await clock.advance(step.wait_s)
         if step.charge:
             await store.charge_tokens(step.key_id, step.cost)
             continue
         got = await store.rate_limit(step.key_id, limits, step.cost)
         assert got.allowed is step.allowed, where
-        if step.allowed:
-            assert got.retry_after_s == 0.0, where
-        else:
-            assert step.retry_after_s - LAG_S <= got.retry_after_s <= step.retry_after_s + 1e-6, (where, got)
-        _assert_near(got.remaining_requests, step.remaining_requests, request_slack, where)
-        _assert_near(got.remaining_tokens, step.remaining_tokens, token_slack, where)
+        assert got.retry_after_s == pytest.approx(step.retry_after_s, abs=1e-9), (where, got)
+        assert (got.remaining_requests, got.remaining_tokens) == (step.remaining_requests, step.remaining_tokens), \
+            (where, got)
 
 
-async def test_waiting_retry_after_is_enough(store: StateStore) -> None:
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+async def test_redis_answers_as_the_bucket_rule(redis_server: RedisProc, case: str) -> None:
+    """The same steps on Redis, with real waits: each answer is exactly what `bucket` computes from the
+    levels Redis held before the step, at the time Redis read (its Lua script stores both per key)."""
+    limits, steps = CASES[case]
+    prefix = f"test-{uuid.uuid4().hex[:12]}:"
+    store = RedisStore(RedisOptions(url=redis_server.url, key_prefix=prefix))
+    admin = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        for i, step in enumerate(steps):
+            where = f"step {i}: {step}"
+            key = f"{prefix}rl:{step.key_id}"
+            before = await _stored(admin, key)
+            await asyncio.sleep(step.wait_s)
+            if step.charge:
+                await store.charge_tokens(step.key_id, step.cost)
+            else:
+                got = await store.rate_limit(step.key_id, limits, step.cost)
+            after = await _stored(admin, key)
+            if limits.unlimited:
+                assert got.allowed and after is None, where  # nothing counted
+                continue
+            assert after is not None and (before is not None or not step.charge), where
+            levels_before = None if before is None else before[0]
+            levels_after, now_s = after
+            if step.charge:
+                want_levels = bucket.charge(levels_before, limits, step.cost, now_s)
+            else:
+                want_levels, want = bucket.take(levels_before, limits, step.cost, now_s)
+                assert got == want, where
+            assert (levels_after.num_requests, levels_after.num_tokens) == \
+                (want_levels.num_requests, want_levels.num_tokens), where
+    finally:
+        await store.close()
+        await admin.aclose()
+
+
+async def _stored(admin: aioredis.Redis, key: str) -> tuple[bucket.Levels, float] | None:
+    """What the Lua script stored for a key (None: nothing yet): the levels as its next call reads them,
+    and the clock reading its last call computed with."""
+    fields = await admin.hgetall(key)
+    if not fields:
+        return None
+    levels = bucket.Levels(float(fields["r"]), float(fields["k"]), float(fields["at"]))
+    # `at` is TIME's seconds and microseconds written as "%.6f": combined as the script combines
+    # them, they give the very float the script computed with.
+    seconds, micros = fields["at"].split(".")
+    return levels, int(seconds) + int(micros) / 1000000
+
+
+async def test_waiting_retry_after_is_enough(clocked_store) -> None:
+    store, wait = clocked_store
     limits = RateLimits(2, 50, window_s=0.5)
     assert (await store.rate_limit("k", limits, 50)).allowed
     denied = await store.rate_limit("k", limits, 30)
     assert not denied.allowed and denied.retry_after_s > 0.2
-    await asyncio.sleep(denied.retry_after_s + 0.01)
+    await wait(denied.retry_after_s)
     assert (await store.rate_limit("k", limits, 30)).allowed
 
 
@@ -119,14 +166,3 @@ async def test_reset_times_report_until_full(store: StateStore) -> None:
 async def test_negative_cost_is_a_programming_error(store: StateStore) -> None:
     with pytest.raises(ValueError):
         await store.rate_limit("k", RateLimits(1, 1), -1)
-
-
-def _slack(limit: int | None, window_s: float) -> int:
-    return 0 if limit is None else math.ceil(LAG_S * limit / window_s) + 1
-
-
-def _assert_near(got: int | None, want: int | None, slack: int, where: str) -> None:
-    if want is None:
-        assert got is None, where
-    else:
-        assert got is not None and want <= got <= want + slack, (where, got, want)

@@ -3,23 +3,51 @@ one limit atomically, one round trip per limit check, keys that expire) against 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 from redis import asyncio as aioredis
 
-from gateway.state import BreakerState, RateLimits, RedisOptions, RedisStore, StateStore, Usage
+from gateway.state import BreakerState, MemoryStore, RateLimits, RedisOptions, RedisStore, StateStore, Usage
+from tests.gateway.state.conftest import FakeClock
 from tests.support.redis_proc import RedisProc
+from tests.support.wait import await_until
 
 
-async def test_session_ttl_expires_and_is_refreshed_by_use(store: StateStore) -> None:
+async def test_session_ttl_expires_and_is_refreshed_by_use() -> None:
+    clock = FakeClock()
+    store = MemoryStore(clock=clock)
     assert await store.get_session("s") is None
     await store.set_session("s", "http://a:1", ttl_s=0.4)
     assert await store.get_session("s") == "http://a:1"
     for _ in range(3):  # 0.75 s in all, longer than the TTL: every read pushes the expiry out again
-        await asyncio.sleep(0.25)
+        await clock.advance(0.25)
         assert await store.get_session("s") == "http://a:1"
-    await asyncio.sleep(0.55)
+    await clock.advance(0.4)
     assert await store.get_session("s") is None
+
+
+async def test_redis_session_ttl_expires_and_is_refreshed_by_use(redis_server: RedisProc) -> None:
+    prefix = f"test-{uuid.uuid4().hex[:12]}:"
+    store = RedisStore(RedisOptions(url=redis_server.url, key_prefix=prefix))
+    admin = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    key = f"{prefix}session:s"
+    try:
+        assert await store.get_session("s") is None
+        await store.set_session("s", "http://a:1", ttl_s=30)
+        await admin.pexpire(key, 1000)                  # as if 29 of its 30 s had passed
+        assert await store.get_session("s") == "http://a:1"
+        assert await admin.pttl(key) > 1000             # the read pushed the expiry out to 30 s again
+        await store.set_session("s", "http://a:1", ttl_s=0.05)
+
+        async def expired() -> bool:                    # EXISTS, not a read: a read would refresh it
+            return not await admin.exists(key)
+
+        await await_until(expired, "the session to expire")
+        assert await store.get_session("s") is None
+    finally:
+        await store.close()
+        await admin.aclose()
 
 
 async def test_session_reassignment_replaces_endpoint(store: StateStore) -> None:
@@ -41,22 +69,30 @@ async def test_usage_counters_add_up(store: StateStore) -> None:
 
 async def test_breaker_state_is_shared_with_expiry(store: StateStore) -> None:
     assert await store.get_breaker("http://a:1") is None
-    await store.set_breaker("http://a:1", BreakerState.OPEN, ttl_s=0.3)
+    await store.set_breaker("http://a:1", BreakerState.OPEN, ttl_s=30)
     assert await store.get_breaker("http://a:1") is BreakerState.OPEN
-    await asyncio.sleep(0.4)
-    assert await store.get_breaker("http://a:1") is None
+    await store.set_breaker("http://a:1", BreakerState.OPEN, ttl_s=0.05)  # set again, to expire soon
+
+    async def expired() -> bool:
+        return await store.get_breaker("http://a:1") is None
+
+    await await_until(expired, "the breaker state to expire")
 
 
 async def test_inflight_sums_live_replicas_and_forgets_dead_ones(store: StateStore) -> None:
     await store.publish_inflight("r1", "http://a:1", 100, ttl_s=30)
-    await store.publish_inflight("r2", "http://a:1", 40, ttl_s=0.3)
+    await store.publish_inflight("r2", "http://a:1", 40, ttl_s=30)
     await store.publish_inflight("r3", "http://b:2", 7, ttl_s=30)
     assert await store.sum_inflight("http://a:1") == 140
     assert await store.sum_inflight("http://a:1", exclude_replica_id="r1") == 40
     await store.publish_inflight("r1", "http://a:1", 60, ttl_s=30)   # republish replaces
     assert await store.sum_inflight("http://a:1") == 100
-    await asyncio.sleep(0.4)                                          # r2 stopped publishing: gone
-    assert await store.sum_inflight("http://a:1") == 60
+    await store.publish_inflight("r2", "http://a:1", 40, ttl_s=0.05)  # r2's last report, then it stops publishing
+
+    async def r2_gone() -> bool:
+        return await store.sum_inflight("http://a:1") == 60
+
+    await await_until(r2_gone, "r2's tokens to expire")
     assert await store.sum_inflight("http://b:2") == 7
     assert await store.sum_inflight("http://none:3") == 0
 
@@ -64,15 +100,16 @@ async def test_inflight_sums_live_replicas_and_forgets_dead_ones(store: StateSto
 async def test_two_replicas_share_one_limit_atomically(redis_server: RedisProc) -> None:
     prefix = f"test-{uuid.uuid4().hex[:12]}:"
     replicas = [RedisStore(RedisOptions(url=redis_server.url, key_prefix=prefix)) for _ in range(2)]
-    limits = RateLimits(5, 1000, window_s=60.0)
+    day_s = 86_400.0   # a day's window: what refills while the test runs (~0.01 token/s) never tips a decision
+    limits = RateLimits(5, 1000, window_s=day_s)
     try:
         # 20 concurrent requests spread over both replicas: exactly the limit passes, not limit x replicas.
         decisions = await asyncio.gather(*(replicas[i % 2].rate_limit("team", limits, 10) for i in range(20)))
         assert sum(d.allowed for d in decisions) == 5
         # A settlement made by one replica is seen by the other.
         await replicas[0].charge_tokens("team", 940)   # 50 + 940 = 990 spent
-        assert (await replicas[1].rate_limit("team", RateLimits(None, 1000, 60.0), 11)).allowed is False
-        assert (await replicas[1].rate_limit("team", RateLimits(None, 1000, 60.0), 10)).allowed is True
+        assert (await replicas[1].rate_limit("team", RateLimits(None, 1000, day_s), 11)).allowed is False
+        assert (await replicas[1].rate_limit("team", RateLimits(None, 1000, day_s), 10)).allowed is True
     finally:
         for replica in replicas:
             await replica.close()
@@ -101,12 +138,18 @@ async def test_redis_keys_expire_once_full_again(redis_server: RedisProc) -> Non
     store = RedisStore(RedisOptions(url=redis_server.url, key_prefix=prefix))
     admin = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
     try:
+        # A TTL counts down from when it is set: bracket that by the time this test took (not a limit on it).
+        started = time.monotonic()
         await store.rate_limit("k", RateLimits(10, None, window_s=2.0), 0)
         ttl_ms = await admin.pttl(f"{prefix}rl:k")
+        elapsed_ms = (time.monotonic() - started) * 1000
         # 1 of 10 requests missing refills in 0.2 s, kept one more window to settle charges: 2.2 s.
-        assert 2000 < ttl_ms <= 2200
+        assert 2200 - elapsed_ms - 1 <= ttl_ms <= 2201
+        started = time.monotonic()
         await store.set_session("s", "http://a:1", ttl_s=5)
-        assert 4000 < await admin.pttl(f"{prefix}session:s") <= 5000
+        ttl_ms = await admin.pttl(f"{prefix}session:s")
+        elapsed_ms = (time.monotonic() - started) * 1000
+        assert 5000 - elapsed_ms - 1 <= ttl_ms <= 5000
     finally:
         await store.close()
         await admin.aclose()
