@@ -67,6 +67,13 @@ class WorkerProcess:
             self._log.flush()
         return self.log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
 
+    def send_signal(self, signum: int) -> None:
+        self._proc.send_signal(signum)
+
+    def wait_exit(self, timeout_s: float = 120.0) -> int:
+        """The exit code, once the process has ended by itself."""
+        return self._proc.wait(timeout_s)
+
     def stop(self, timeout_s: float = 30.0) -> int:
         """Terminate (then kill) the process; its exit code."""
         if self._proc.poll() is None:
