@@ -5,10 +5,11 @@ increments counters. No module-level registry: two apps in one process do not sh
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -41,6 +42,17 @@ class _EndpointCollector(Collector):
         yield circuit
 
 
+class _RuntimeCollector(Collector):
+    """asyncio tasks alive at scrape time: a count that grows under steady load is a leak."""
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        try:
+            num_tasks = len(asyncio.all_tasks())
+        except RuntimeError:  # scraped outside the loop (a test rendering directly)
+            num_tasks = 0
+        yield GaugeMetricFamily("switchyard_asyncio_tasks", "asyncio tasks alive in the gateway", value=num_tasks)
+
+
 class Metrics:
     """The gateway's counters and histograms; `child(...)` lookups are cached dict hits."""
 
@@ -68,6 +80,8 @@ class Metrics:
         self._stream_errors = Counter("switchyard_stream_errors", "Streams ended by an upstream failure after the "
                                       "first byte", ["model"], registry=r)
         r.register(_EndpointCollector(endpoint_rows))
+        r.register(_RuntimeCollector())
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, CPU seconds
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:

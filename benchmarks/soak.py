@@ -1,0 +1,294 @@
+"""Soak: a long steady load through the gateway, then a shorter one to real workers, watching for leaks.
+
+Phase 1 sends mixed streaming and non-streaming chat requests (Poisson arrivals at `--rate`, half
+with one of 500 `x-session-affinity` keys, all with an API key whose limits live in Redis) through a
+gateway on Redis to two fake upstreams. Phase 2 does the same at a lower rate to a real worker on the
+bundled model. Each phase samples the gateway's RSS, open file descriptors and asyncio tasks (its
+/metrics) and the Redis key count, and prints them at the end of the warm-up and at the end, with
+the growth between; the baseline is the warm-up sample of the same run. After the load, the task
+count must fall back to what an idle gateway holds.
+
+    .venv/bin/python benchmarks/soak.py [--duration-s 600 --rate 200] [--worker-duration-s 60 --worker-rate 2]
+    .venv/bin/python benchmarks/soak.py --duration-s 20 --rate 50 --no-workers   # quick look
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gateway_bench import MODEL, run_upstream  # noqa: E402
+
+from tests.support.fake_upstream import free_port  # noqa: E402
+
+API_KEY = "sk-soak"
+NUM_SESSIONS = 500
+SAMPLE_EVERY_S = 5.0
+
+
+@dataclass
+class Sample:
+    at_s: float          # seconds since the load started
+    rss_mb: float        # gateway resident set size
+    open_fds: int        # gateway open file descriptors
+    tasks: int           # gateway asyncio tasks alive
+    redis_keys: int      # DBSIZE
+
+
+@dataclass
+class Tally:
+    num_ok: int = 0
+    num_errors: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    latency_ms: list[float] = field(default_factory=list)
+
+
+# --- processes -----------------------------------------------------------------------------------
+
+def start_redis(workdir: Path) -> tuple[subprocess.Popen, int]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed (make test installs it; or apt-get install -y redis-server)")
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(workdir)], stdout=subprocess.DEVNULL)
+    return proc, port
+
+
+def start_gateway(workdir: Path, providers: dict, model: str, redis_port: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    config = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "redis_url": f"redis://127.0.0.1:{redis_port}/0",
+        "api_keys": [{"key_id": "soak", "key": API_KEY, "max_requests_per_min": 10_000_000,
+                      "max_tokens_per_min": 10_000_000_000, "admin": True}],
+        "models": {model: {"providers": list(providers), "policy": {"name": "session_affinity"}}},
+        "providers": providers,
+        "log_level": "WARNING",
+    }
+    path = workdir / f"gateway-{port}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = (workdir / f"gateway-{port}.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "gateway", "--config", str(path)], cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/ready", proc, 120)
+    return proc, url
+
+
+def start_worker(workdir: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = (workdir / f"worker-{port}.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "backends.server", "--port", str(port), "--max-num-seqs", "16"],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", proc, 600)
+    return proc, url
+
+
+def wait_http(url: str, proc: subprocess.Popen | multiprocessing.Process, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = proc.poll() is None if isinstance(proc, subprocess.Popen) else proc.is_alive()
+        if not alive:
+            raise SystemExit(f"{url}: the process exited while starting")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+# --- sampling ------------------------------------------------------------------------------------
+
+async def sample(client, gateway_url: str, redis, started: float) -> Sample:
+    async with client.get(gateway_url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        text = await response.text()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return Sample(at_s=time.monotonic() - started, rss_mb=values["process_resident_memory_bytes"] / 2**20,
+                  open_fds=int(values["process_open_fds"]), tasks=int(values["switchyard_asyncio_tasks"]),
+                  redis_keys=await redis.dbsize())
+
+
+# --- load ----------------------------------------------------------------------------------------
+
+def request_body(model: str, rng: random.Random, max_tokens: int) -> tuple[dict, bool]:
+    stream = rng.random() < 0.5
+    body = {"model": model, "max_tokens": max_tokens, "stream": stream,
+            "messages": [{"role": "user", "content": f"Tell me about switchyard number {rng.randrange(10_000)}."}]}
+    return body, stream
+
+
+async def one(client, url: str, body: dict, stream: bool, headers: dict, tally: Tally) -> None:
+    started = time.perf_counter()
+    try:
+        async with client.post(url + "/v1/chat/completions", json=body, headers=headers) as response:
+            data = await response.read()
+            done = not stream or data.rstrip().endswith(b"data: [DONE]")
+            if response.status == 200 and done:
+                tally.num_ok += 1
+                tally.latency_ms.append((time.perf_counter() - started) * 1e3)
+                return
+            cause = f"status {response.status}" if response.status != 200 else "stream without [DONE]"
+    except Exception as exc:  # a load generator counts every failure, whatever it is
+        cause = type(exc).__name__
+    tally.num_errors += 1
+    tally.errors[cause] = tally.errors.get(cause, 0) + 1
+
+
+async def run_phase(name: str, gateway_url: str, model: str, redis_port: int, rate: float, duration_s: float,
+                    max_tokens: int, seed: int) -> dict:
+    import aiohttp
+    import redis.asyncio as aioredis
+
+    rng = random.Random(seed)
+    tally = Tally()
+    samples: list[Sample] = []
+    redis = aioredis.Redis(port=redis_port)
+    # One connection for the samples, the load on its own pool: closing the pool after the load lets
+    # the gateway's per-connection tasks and sockets go, so "after load" compares with "idle".
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as probe:
+        idle = await sample(probe, gateway_url, redis, time.monotonic())
+        started = time.monotonic()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as client:
+            in_flight: set[asyncio.Task] = set()
+            next_sample = started + SAMPLE_EVERY_S
+            next_send = started
+            while (now := time.monotonic()) < started + duration_s:
+                if now >= next_sample:
+                    samples.append(await sample(probe, gateway_url, redis, started))
+                    next_sample += SAMPLE_EVERY_S
+                if now < next_send:
+                    await asyncio.sleep(min(next_send, next_sample) - now)
+                    continue
+                body, stream = request_body(model, rng, max_tokens)
+                headers = {"Authorization": f"Bearer {API_KEY}"}
+                if rng.random() < 0.5:
+                    headers["x-session-affinity"] = f"session-{rng.randrange(NUM_SESSIONS)}"
+                task = asyncio.create_task(one(client, gateway_url, body, stream, headers, tally))
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+                next_send += rng.expovariate(rate)
+            samples.append(await sample(probe, gateway_url, redis, started))
+            if in_flight:
+                await asyncio.wait(in_flight, timeout=120)
+        settled = idle
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # connections close, background work (settling) winds down
+            settled = await sample(probe, gateway_url, redis, started)
+            if settled.tasks <= idle.tasks and settled.open_fds <= idle.open_fds:
+                break
+            await asyncio.sleep(0.5)
+    key_kinds: dict[str, int] = {}
+    async for key in redis.scan_iter(count=1000):
+        kind = key.decode(errors="replace").split(":")[:2]
+        key_kinds[":".join(kind)] = key_kinds.get(":".join(kind), 0) + 1
+    await redis.aclose()
+    warm = next((s for s in samples if s.at_s >= min(60.0, duration_s * 0.2)), samples[0])
+    return {"name": name, "rate": rate, "duration_s": duration_s, "tally": tally, "idle": idle, "warm": warm,
+            "end": samples[-1], "settled": settled,
+            "key_kinds": dict(sorted(key_kinds.items(), key=lambda kv: -kv[1])[:8])}
+
+
+def growth(before: float, after: float) -> str:
+    return f"{(after / before - 1) * 100:+.1f}%" if before else "n/a"
+
+
+def report(result: dict) -> bool:
+    tally: Tally = result["tally"]
+    warm, end, idle, settled = result["warm"], result["end"], result["idle"], result["settled"]
+    sent = tally.num_ok + tally.num_errors
+    lat = sorted(tally.latency_ms) or [0.0]
+    print(f"\n## {result['name']}: {sent} requests in {result['duration_s']:.0f} s "
+          f"({sent / result['duration_s']:.0f}/s offered {result['rate']:.0f}/s), {tally.num_errors} errors "
+          f"{tally.errors or ''}; latency p50 {statistics.median(lat):.1f} ms, "
+          f"p99 {lat[int(0.99 * (len(lat) - 1))]:.1f} ms")
+    print(f"{'':14}{'idle':>10}{'warm-up':>10}{'end':>10}{'growth':>10}{'after load':>12}")
+    ok = tally.num_errors == 0
+    for label, attr, limit in (("RSS (MB)", "rss_mb", 5.0), ("open fds", "open_fds", 5.0),
+                               ("asyncio tasks", "tasks", None), ("Redis keys", "redis_keys", 5.0)):
+        w, e = getattr(warm, attr), getattr(end, attr)
+        print(f"{label:14}{getattr(idle, attr):>10.1f}{w:>10.1f}{e:>10.1f}{growth(w, e):>10}"
+              f"{getattr(settled, attr):>12.1f}")
+        if limit is not None and w and (e / w - 1) * 100 > limit:
+            ok = False
+    ok = ok and settled.tasks <= idle.tasks
+    print(f"Redis keys by kind at the end: {result['key_kinds']}")
+    print("(open fds after the load include the gateway's pooled upstream connections)")
+    print(f"target (growth under 5% after warm-up, zero errors, tasks back to idle): {'met' if ok else 'NOT met'}")
+    return ok
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration-s", type=float, default=600.0)
+    parser.add_argument("--rate", type=float, default=200.0, help="requests/s to the fake upstreams")
+    parser.add_argument("--worker-duration-s", type=float, default=60.0)
+    parser.add_argument("--worker-rate", type=float, default=2.0, help="requests/s to the real worker")
+    parser.add_argument("--no-workers", action="store_true", help="skip the real-worker phase")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    import uvloop
+
+    workdir = Path(tempfile.mkdtemp(prefix="switchyard-soak-"))
+    procs: list = []
+    ok = True
+    try:
+        redis_proc, redis_port = start_redis(workdir)
+        procs.append(redis_proc)
+        ports = [free_port(), free_port()]
+        for port in ports:
+            upstream = multiprocessing.Process(target=run_upstream, args=(port, 0.002), daemon=True)
+            upstream.start()
+            procs.append(upstream)
+            wait_http(f"http://127.0.0.1:{port}/health", upstream, 30)
+        providers = {"fakes": {"kind": "openai", "endpoints": [f"http://127.0.0.1:{p}" for p in ports]}}
+        gateway, url = start_gateway(workdir, providers, MODEL, redis_port)
+        procs.append(gateway)
+        print(f"gateway pid {gateway.pid}, Redis on {redis_port}, logs in {workdir}; "
+              f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}")
+        ok &= report(uvloop.run(run_phase("fake upstreams", url, MODEL, redis_port, args.rate, args.duration_s,
+                                          16, args.seed)))
+        if not args.no_workers:
+            worker, worker_url = start_worker(workdir)
+            procs.append(worker)
+            providers = {"workers": {"kind": "openai", "endpoints": [worker_url], "offers_load": True,
+                                     "offers_kv_events": True}}
+            gateway2, url2 = start_gateway(workdir, providers, "smollm2", redis_port)
+            procs.append(gateway2)
+            ok &= report(uvloop.run(run_phase("real worker", url2, "smollm2", redis_port, args.worker_rate,
+                                              args.worker_duration_s, 16, args.seed + 1)))
+    finally:
+        for proc in reversed(procs):
+            proc.terminate() if isinstance(proc, subprocess.Popen) else proc.kill()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
