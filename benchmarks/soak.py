@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gateway_bench import MODEL, run_upstream  # noqa: E402
 
-from tests.support.fake_upstream import free_port  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
 
 API_KEY = "sk-soak"
 NUM_SESSIONS = 500

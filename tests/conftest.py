@@ -1,11 +1,14 @@
 """Shared fixtures: the bundled SmolLM2 converted once (the real model, not a stand-in), its transformers
-reference, and the `gpu` marker's skip when CUDA is absent."""
+reference, the one real redis-server launcher, and the `gpu` marker's skip when CUDA is absent."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.support.redis_proc import RedisProc
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -31,3 +34,11 @@ def hf_smollm2(smollm2_dir: Path) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisProc]:
+    """A real redis-server of the test's own on a free port (make test installs it; missing, the test fails).
+    Tests kill, pause and restart it on the same port to stage outages."""
+    with RedisProc() as proc:
+        yield proc

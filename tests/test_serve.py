@@ -12,7 +12,8 @@ from pathlib import Path
 
 import openai
 
-from tests.support.worker_proc import REPO_ROOT, free_port
+from tests.support.ports import free_port
+from tests.support.worker_proc import REPO_ROOT
 
 SWITCHYARD = Path(REPO_ROOT) / ".venv" / "bin" / "switchyard"
 

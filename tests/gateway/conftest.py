@@ -1,61 +1,14 @@
 """Fixtures for the gateway's integration tests: real redis-server, fake upstream and gateway processes."""
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.fake_upstream import FakeUpstream, free_port
+from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_proc import GatewayProcess
-from tests.support.wait import wait_until
-
-
-class RedisServer:
-    """A throwaway redis-server on a free port; `kill()` and `start()` simulate an outage."""
-
-    def __init__(self, workdir: Path) -> None:
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        if not Path(binary).exists():
-            pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
-        self._binary = binary
-        self._workdir = workdir
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._proc: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    def start(self) -> None:
-        self._proc = subprocess.Popen(
-            [self._binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self._workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(self._answers_ping, f"redis-server on port {self.port} to answer PING", timeout_s=10)
-
-    def _answers_ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def kill(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    try:
-        yield server
-    finally:
-        server.kill()
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import aiohttp
-import pytest
 import trustme
 
 from gateway.api import routes
@@ -152,7 +151,7 @@ def _raw_status(base_url: str, headers: dict[str, str]) -> int:
     import orjson
     host, port = base_url.removeprefix("http://").split(":")
     body = orjson.dumps(CHAT)
-    lines = [f"POST /v1/chat/completions HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
+    lines = ["POST /v1/chat/completions HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
              f"Content-Length: {len(body)}", "Connection: close", *(f"{k}: {v}" for k, v in headers.items())]
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode() + body)
@@ -164,8 +163,6 @@ async def test_slow_clients_cannot_hold_a_connection(start_fakes, start_gateway)
     (fake,) = start_fakes("a")
     gateway = start_gateway(gateway_config({"p": [fake.url]}, limits={"idle_timeout_s": 1.0, "body_timeout_s": 1.0}))
     host, port = gateway.url.removeprefix("http://").split(":")
-    loop = asyncio.get_running_loop()
-
     # Slowloris: a header a few bytes at a time, never finished. The gateway closes the connection.
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
@@ -199,7 +196,6 @@ async def test_slow_clients_cannot_hold_a_connection(start_fakes, start_gateway)
     assert b'"code":"request_timeout"' in response
     assert fake.stats()["num_requests"] == 0
     assert gateway.alive
-    del loop
 
 
 async def test_concurrent_requests_per_key(start_fakes, start_gateway) -> None:

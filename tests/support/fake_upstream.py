@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -30,15 +29,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from tests.support.ports import free_port
 from tests.support.wait import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeState:

@@ -12,7 +12,8 @@ from typing import Any
 
 import yaml
 
-from tests.support.fake_upstream import REPO_ROOT, free_port
+from tests.support.fake_upstream import REPO_ROOT
+from tests.support.ports import free_port
 from tests.support.wait import wait_until
 
 

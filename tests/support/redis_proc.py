@@ -9,15 +9,11 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from types import TracebackType
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.support.ports import free_port
+from tests.support.wait import wait_until
 
 
 def redis_server_path() -> str | None:
@@ -53,15 +49,20 @@ class RedisProc:
             [self._executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self._dir),
              "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(log_file)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self._start_timeout_s
-        while not self._pings():
-            if self._proc.poll() is not None:
+        proc = self._proc
+
+        def up() -> bool:
+            if proc.poll() is not None:
                 log = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
-                raise RuntimeError(f"redis-server exited with {self._proc.returncode} on port {self.port}:\n{log}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"redis-server did not answer PING on port {self.port}")
-            time.sleep(0.01)
+                raise RuntimeError(f"redis-server exited with {proc.returncode} on port {self.port}:\n{log}")
+            return self._pings()
+
+        try:
+            wait_until(up, f"redis-server on port {self.port} to answer PING", timeout_s=self._start_timeout_s,
+                       interval_s=0.01)
+        except AssertionError:
+            self.kill()
+            raise
         return self
 
     def kill(self) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,15 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.ports import free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_STARTUP_TIMEOUT_S = 300.0   # the first start converts the bundled GGUF
 _LOG_TAIL_CHARS = 20_000
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class WorkerProcess:

