@@ -1,0 +1,43 @@
+"""gateway/breaker.py: the circuit breaker's state machine, and never ejecting every endpoint."""
+from __future__ import annotations
+
+from gateway.breaker import CircuitBreaker, CircuitState, eligible
+from gateway.config import BreakerConfig
+from tests.support.clock import ManualClock
+
+
+def test_breaker_state_machine() -> None:
+    clock = ManualClock()
+    changes: list[CircuitState] = []
+    breaker = CircuitBreaker("e", BreakerConfig(failure_threshold=3, cooldown_s=10), clock,
+                             on_change=lambda _, state: changes.append(state))
+    for _ in range(2):
+        breaker.on_attempt()
+        breaker.on_failure()
+    breaker.on_success()  # a success resets the consecutive count
+    for _ in range(3):
+        assert breaker.allows()
+        breaker.on_failure()
+    assert breaker.state is CircuitState.OPEN and not breaker.allows()
+    clock.now += 10
+    assert breaker.state is CircuitState.HALF_OPEN and breaker.allows()
+    breaker.on_attempt()
+    assert not breaker.allows()  # one probe at a time
+    breaker.on_failure()  # the probe failed: open again for a full cool-down
+    assert breaker.state is CircuitState.OPEN
+    clock.now += 10
+    breaker.on_attempt()
+    breaker.on_success()
+    assert breaker.state is CircuitState.CLOSED
+    assert changes == [CircuitState.OPEN, CircuitState.HALF_OPEN, CircuitState.OPEN, CircuitState.HALF_OPEN,
+                       CircuitState.CLOSED]
+
+
+def test_never_every_breaker_is_ejected() -> None:
+    clock = ManualClock()
+    breakers = [CircuitBreaker(name, BreakerConfig(failure_threshold=1, cooldown_s=60), clock) for name in "abc"]
+    for b in breakers:
+        clock.now += 1
+        b.on_failure()
+    assert [b.endpoint_id for b in eligible(breakers)] == ["a"]  # the least recently failed stays
+    assert eligible([]) == []
