@@ -10,8 +10,12 @@ import importlib
 import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import torch
+
+# What a backend's `prepare` builds once per step and its `attend` reads in every layer.
+MetadataT = TypeVar("MetadataT")
 
 
 class AttentionBackendName(str, enum.Enum):
@@ -45,10 +49,10 @@ class StepLayout:
 
     @property
     def seq_lens(self) -> tuple[int, ...]:
-        return tuple(c + q for c, q in zip(self.context_lens, self.query_lens))
+        return tuple(c + q for c, q in zip(self.context_lens, self.query_lens, strict=True))
 
 
-class AttentionBackend(ABC):
+class AttentionBackend(ABC, Generic[MetadataT]):
     """Attention over a paged KV cache; subclasses differ only in kernels."""
 
     name: AttentionBackendName
@@ -57,16 +61,17 @@ class AttentionBackend(ABC):
         self.shape = shape
 
     @abstractmethod
-    def prepare(self, layout: StepLayout) -> object:
+    def prepare(self, layout: StepLayout) -> MetadataT:
         """Backend-specific index tensors for one step (built once, reused by every layer)."""
 
     @abstractmethod
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: object) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               metadata: MetadataT) -> torch.Tensor:
         """[num_tokens, num_heads, head_dim] output for q of the same shape; the new K/V are already cached."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                metadata: object) -> torch.Tensor:
+                metadata: MetadataT) -> torch.Tensor:
         """Write this step's k/v ([num_tokens, num_kv_heads, head_dim]) at their slots, then attend."""
         write_kv(k, v, k_cache, v_cache, slot_mapping)
         return self.attend(q, k_cache, v_cache, metadata)
@@ -83,7 +88,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 @dataclass(frozen=True, slots=True)
 class AttentionContext:
     """What a model's attention layers need in one step: the backend, its metadata, the cache tensors."""
-    backend: AttentionBackend
+    backend: AttentionBackend[Any]
     metadata: object                    # from backend.prepare
     slot_mapping: torch.Tensor          # [num_tokens] int64, same as the layout's
     k_caches: list[torch.Tensor]        # per layer [num_blocks, block_size, num_kv_heads, head_dim]
@@ -117,7 +122,7 @@ def default_backend_name(device: torch.device, dtype: torch.dtype) -> AttentionB
 
 
 def create_backend(name: AttentionBackendName | str | None, shape: AttentionShape,
-                   device: torch.device) -> AttentionBackend:
+                   device: torch.device) -> AttentionBackend[Any]:
     """The named backend (or the default for `device`); a GPU backend on a CPU device is an error."""
     chosen = default_backend_name(device, shape.dtype) if name is None else AttentionBackendName(name)
     if chosen is not AttentionBackendName.SDPA and device.type != "cuda":

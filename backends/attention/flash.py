@@ -1,4 +1,5 @@
-"""flash_attn on CUDA (fp16/bf16): `flash_attn_varlen_func` for steps with prefill, `flash_attn_with_kvcache` for pure decode.
+"""flash_attn on CUDA (fp16/bf16): `flash_attn_varlen_func` for steps with prefill, `flash_attn_with_kvcache`
+for pure decode.
 
 flash-attn 2 reads paged K/V through `block_table` only when block_size is a multiple of 256; with smaller
 blocks this backend gathers each sequence's K/V into contiguous varlen tensors first (one index_select).
@@ -27,7 +28,7 @@ class FlashMetadata:
     decode_only: bool                   # every chunk has one token
 
 
-class FlashAttentionBackend(AttentionBackend):
+class FlashAttentionBackend(AttentionBackend[FlashMetadata]):
     name = AttentionBackendName.FLASH
 
     def prepare(self, layout: StepLayout) -> FlashMetadata:
@@ -62,6 +63,7 @@ class FlashAttentionBackend(AttentionBackend):
         if metadata.block_tables is not None:
             k, v = k_cache, v_cache
         else:
+            assert metadata.key_slots is not None   # prepare gathers whenever it cannot page
             flat = (-1, *k_cache.shape[2:])  # [num_slots, num_kv_heads, head_dim]
             k = k_cache.view(flat).index_select(0, metadata.key_slots)
             v = v_cache.view(flat).index_select(0, metadata.key_slots)

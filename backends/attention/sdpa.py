@@ -12,8 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from backends.attention.base import AttentionBackend, AttentionBackendName, StepLayout
-
+from backends.attention.base import AttentionBackend, AttentionBackendName, AttentionShape, StepLayout
 
 _MAX_PADDING = 1.5       # a decode group's padded blocks may be this many times its real blocks ...
 _MIN_WASTE_BLOCKS = 16   # ... or exceed them by this many (a separate SDPA call costs more than that)
@@ -41,7 +40,7 @@ class SDPAMetadata:
     identity: bool                   # one group whose real rows are exactly the step's tokens, in order
 
 
-class SDPABackend(AttentionBackend):
+class SDPABackend(AttentionBackend[SDPAMetadata]):
     name = AttentionBackendName.SDPA
 
     def prepare(self, layout: StepLayout) -> SDPAMetadata:
@@ -52,7 +51,7 @@ class SDPABackend(AttentionBackend):
         decodes = [i for i, q in enumerate(layout.query_lens) if q == 1]
         prefills = [i for i, q in enumerate(layout.query_lens) if q > 1]
         buckets = [*self._length_buckets(layout, decodes), prefills] if decodes else [prefills]
-        groups = tuple(self._group(layout, members, starts) for members in buckets if members)
+        groups = tuple(padded_group(self.shape, layout, members, starts) for members in buckets if members)
         only = groups[0]
         identity = len(groups) == 1 and only.real_rows is None and (
             len(layout.query_lens) == 1 or only.max_query_len == 1)
@@ -68,80 +67,90 @@ class SDPABackend(AttentionBackend):
         real = 0
         for i in sorted(decodes, key=blocks.__getitem__):
             padded = (len(buckets[-1]) + 1) * blocks[i] if buckets else 0
-            if not buckets or (padded > _MAX_PADDING * (real + blocks[i]) and padded - real - blocks[i] > _MIN_WASTE_BLOCKS):
+            too_padded = padded > _MAX_PADDING * (real + blocks[i]) and padded - real - blocks[i] > _MIN_WASTE_BLOCKS
+            if not buckets or too_padded:
                 buckets.append([])
                 real = 0
             buckets[-1].append(i)
             real += blocks[i]
         return [sorted(bucket) for bucket in buckets]   # step order within a group (see `identity`)
 
-    def _group(self, layout: StepLayout, members: Sequence[int], starts: Sequence[int]) -> PaddedGroup:
-        bs, dev = self.shape.block_size, layout.device
-        n = len(members)
-        q_lens = [layout.query_lens[i] for i in members]
-        ctx = [layout.context_lens[i] for i in members]
-        max_q = max(q_lens)
-        blocks_needed = [-(-(c + q) // bs) for c, q in zip(ctx, q_lens)]
-        max_blocks = max(blocks_needed)
-        query_index, real_rows, out_tokens, block_ids = [], [], [], []
-        for row, (i, q_len, nb) in enumerate(zip(members, q_lens, blocks_needed)):
-            start = starts[i]
-            query_index += [start + min(j, q_len - 1) for j in range(max_q)]
-            real_rows += range(row * max_q, row * max_q + q_len)
-            out_tokens += range(start, start + q_len)
-            block_ids += list(layout.block_tables[i][:nb]) + [0] * (max_blocks - nb)
-        plain_prompt = n == 1 and ctx[0] == 0 and max_q > 1
-        mask = None if plain_prompt else self._mask(ctx, max_q, max_blocks * bs, dev)
-        buf_shape = (n * max_blocks, bs, self.shape.num_kv_heads, self.shape.head_dim)
-        all_real = len(real_rows) == n * max_q
-        as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
-        return PaddedGroup(
-            num_seqs=n, max_query_len=max_q, max_blocks=max_blocks,
-            query_index=as_index(query_index), real_rows=None if all_real else as_index(real_rows),
-            out_tokens=as_index(out_tokens), block_ids=as_index(block_ids), mask=mask,
-            k_buffer=torch.empty(buf_shape, dtype=self.shape.dtype, device=dev),
-            v_buffer=torch.empty(buf_shape, dtype=self.shape.dtype, device=dev))
-
-    def _mask(self, ctx: list[int], max_q: int, num_keys: int, dev: torch.device) -> torch.Tensor:
-        """Query j of a chunk sits at position ctx + j and sees keys 0..ctx + j (its own new K/V included)."""
-        keys = torch.arange(num_keys, device=dev).view(1, 1, -1)
-        last_key = torch.tensor(ctx, device=dev).view(-1, 1, 1) + torch.arange(max_q, device=dev).view(1, -1, 1)
-        mask = torch.zeros((len(ctx), max_q, num_keys), dtype=self.shape.dtype, device=dev)
-        return mask.masked_fill_(keys > last_key, float("-inf")).unsqueeze(1)  # [n, 1, max_q, keys]
-
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                metadata: SDPAMetadata) -> torch.Tensor:
         if metadata.identity:
-            return self._attend_group(q, k_cache, v_cache, metadata.groups[0], gather_queries=False)
+            return attend_group(self.shape, q, k_cache, v_cache, metadata.groups[0], gather_queries=False)
         out = q.new_empty(q.shape)
         for group in metadata.groups:
-            rows = self._attend_group(q, k_cache, v_cache, group, gather_queries=True)
+            rows = attend_group(self.shape, q, k_cache, v_cache, group, gather_queries=True)
             if group.real_rows is not None:
                 rows = rows.index_select(0, group.real_rows)
             out.index_copy_(0, group.out_tokens, rows)
         return out
 
-    def _attend_group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      group: PaddedGroup, gather_queries: bool) -> torch.Tensor:
-        """[num_seqs * max_query_len, num_heads, head_dim] for the group's padded query rows."""
-        n, max_q = group.num_seqs, group.max_query_len
-        kv_heads, head_dim = self.shape.num_kv_heads, self.shape.head_dim
-        heads = self.shape.num_heads
-        if gather_queries:
-            q = q.index_select(0, group.query_index)
-        k_buf = torch.index_select(k_cache, 0, group.block_ids, out=group.k_buffer)
-        v_buf = torch.index_select(v_cache, 0, group.block_ids, out=group.v_buffer)
-        keys = group.max_blocks * self.shape.block_size
-        k = k_buf.view(n, keys, kv_heads, head_dim).transpose(1, 2)  # [n, kv_heads, keys, head_dim]
-        v = v_buf.view(n, keys, kv_heads, head_dim).transpose(1, 2)
-        if max_q == 1:
-            # Decode: the heads sharing a KV head become that head's query rows, [n, kv_heads, g, head_dim],
-            # so K/V are read once per KV head and the mask [n, 1, 1, keys] broadcasts.
-            q = q.reshape(n, kv_heads, heads // kv_heads, head_dim)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=self.shape.scale)
-            return out.reshape(n, heads, head_dim)
-        q = q.reshape(n, max_q, heads, head_dim).transpose(1, 2)  # [n, heads, max_q, head_dim]
-        # One prompt without context needs no mask: top-left causal is exact, padded keys come last.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, is_causal=group.mask is None,
-                                             scale=self.shape.scale, enable_gqa=heads != kv_heads)
-        return out.transpose(1, 2).reshape(n * max_q, heads, head_dim)
+
+def padded_group(shape: AttentionShape, layout: StepLayout, members: Sequence[int],
+                 starts: Sequence[int]) -> PaddedGroup:
+    """The step's chunks `members` (their first tokens at `starts`) padded into one group."""
+    bs, dev = shape.block_size, layout.device
+    n = len(members)
+    q_lens = [layout.query_lens[i] for i in members]
+    ctx = [layout.context_lens[i] for i in members]
+    max_q = max(q_lens)
+    blocks_needed = [-(-(c + q) // bs) for c, q in zip(ctx, q_lens, strict=True)]
+    max_blocks = max(blocks_needed)
+    query_index: list[int] = []
+    real_rows: list[int] = []
+    out_tokens: list[int] = []
+    block_ids: list[int] = []
+    for row, (i, q_len, nb) in enumerate(zip(members, q_lens, blocks_needed, strict=True)):
+        start = starts[i]
+        query_index += [start + min(j, q_len - 1) for j in range(max_q)]
+        real_rows += range(row * max_q, row * max_q + q_len)
+        out_tokens += range(start, start + q_len)
+        block_ids += list(layout.block_tables[i][:nb]) + [0] * (max_blocks - nb)
+    plain_prompt = n == 1 and ctx[0] == 0 and max_q > 1
+    mask = None if plain_prompt else _causal_mask(ctx, max_q, max_blocks * bs, shape.dtype, dev)
+    buf_shape = (n * max_blocks, bs, shape.num_kv_heads, shape.head_dim)
+    all_real = len(real_rows) == n * max_q
+    as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+    return PaddedGroup(
+        num_seqs=n, max_query_len=max_q, max_blocks=max_blocks,
+        query_index=as_index(query_index), real_rows=None if all_real else as_index(real_rows),
+        out_tokens=as_index(out_tokens), block_ids=as_index(block_ids), mask=mask,
+        k_buffer=torch.empty(buf_shape, dtype=shape.dtype, device=dev),
+        v_buffer=torch.empty(buf_shape, dtype=shape.dtype, device=dev))
+
+
+def _causal_mask(ctx: list[int], max_q: int, num_keys: int, dtype: torch.dtype,
+                 dev: torch.device) -> torch.Tensor:
+    """Query j of a chunk sits at position ctx + j and sees keys 0..ctx + j (its own new K/V included)."""
+    keys = torch.arange(num_keys, device=dev).view(1, 1, -1)
+    last_key = torch.tensor(ctx, device=dev).view(-1, 1, 1) + torch.arange(max_q, device=dev).view(1, -1, 1)
+    mask = torch.zeros((len(ctx), max_q, num_keys), dtype=dtype, device=dev)
+    return mask.masked_fill_(keys > last_key, float("-inf")).unsqueeze(1)  # [n, 1, max_q, keys]
+
+
+def attend_group(shape: AttentionShape, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 group: PaddedGroup, gather_queries: bool) -> torch.Tensor:
+    """[num_seqs * max_query_len, num_heads, head_dim] for the group's padded query rows."""
+    n, max_q = group.num_seqs, group.max_query_len
+    kv_heads, head_dim = shape.num_kv_heads, shape.head_dim
+    heads = shape.num_heads
+    if gather_queries:
+        q = q.index_select(0, group.query_index)
+    k_buf = torch.index_select(k_cache, 0, group.block_ids, out=group.k_buffer)
+    v_buf = torch.index_select(v_cache, 0, group.block_ids, out=group.v_buffer)
+    keys = group.max_blocks * shape.block_size
+    k = k_buf.view(n, keys, kv_heads, head_dim).transpose(1, 2)  # [n, kv_heads, keys, head_dim]
+    v = v_buf.view(n, keys, kv_heads, head_dim).transpose(1, 2)
+    if max_q == 1:
+        # Decode: the heads sharing a KV head become that head's query rows, [n, kv_heads, g, head_dim],
+        # so K/V are read once per KV head and the mask [n, 1, 1, keys] broadcasts.
+        q = q.reshape(n, kv_heads, heads // kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=shape.scale)
+        return out.reshape(n, heads, head_dim)
+    q = q.reshape(n, max_q, heads, head_dim).transpose(1, 2)  # [n, heads, max_q, head_dim]
+    # One prompt without context needs no mask: top-left causal is exact, padded keys come last.
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, is_causal=group.mask is None,
+                                         scale=shape.scale, enable_gqa=heads != kv_heads)
+    return out.transpose(1, 2).reshape(n * max_q, heads, head_dim)

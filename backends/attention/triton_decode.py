@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.attention.base import AttentionBackendName, StepLayout
-from backends.attention.sdpa import PaddedGroup, SDPABackend
+from backends.attention.base import AttentionBackend, AttentionBackendName, StepLayout
+from backends.attention.sdpa import PaddedGroup, attend_group, padded_group
 
 
 @triton.jit
@@ -89,7 +89,7 @@ class TritonMetadata:
     decode_only_in_order: bool     # every chunk is a decode: kernel output is the step output
 
 
-class TritonDecodeBackend(SDPABackend):
+class TritonDecodeBackend(AttentionBackend[TritonMetadata]):
     name = AttentionBackendName.TRITON
 
     def prepare(self, layout: StepLayout) -> TritonMetadata:
@@ -108,21 +108,22 @@ class TritonDecodeBackend(SDPABackend):
             decode = DecodeRows(token_index=torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=dev),
                                 block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
                                 seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev))
-        prefill = self._group(layout, prefills, starts) if prefills else None
+        prefill = padded_group(self.shape, layout, prefills, starts) if prefills else None
         return TritonMetadata(decode=decode, prefill=prefill, decode_only_in_order=not prefills)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                metadata: TritonMetadata) -> torch.Tensor:
-        decode = metadata.decode
+        decode, group = metadata.decode, metadata.prefill
         if metadata.decode_only_in_order:
+            assert decode is not None
             return paged_decode(q, k_cache, v_cache, decode.block_tables, decode.seq_lens, self.shape.scale)
         out = q.new_empty(q.shape)
         if decode is not None:
             rows = paged_decode(q.index_select(0, decode.token_index), k_cache, v_cache,
                                 decode.block_tables, decode.seq_lens, self.shape.scale)
             out.index_copy_(0, decode.token_index, rows)
-        group = metadata.prefill
-        rows = self._attend_group(q, k_cache, v_cache, group, gather_queries=True)
+        assert group is not None   # not decode-only: some chunk is a prefill
+        rows = attend_group(self.shape, q, k_cache, v_cache, group, gather_queries=True)
         if group.real_rows is not None:
             rows = rows.index_select(0, group.real_rows)
         out.index_copy_(0, group.out_tokens, rows)
