@@ -4,8 +4,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:   # the model modules are imported on first use, by name
+    from backends.models.llama import LlamaForCausalLM
 
 _MODELS = MappingProxyType({
     "LlamaForCausalLM": "backends.models.llama:LlamaForCausalLM",
@@ -19,8 +21,9 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(_MODELS)
 
 
-def model_class(architectures: Sequence[str] | None) -> type[nn.Module]:
-    """The class for the first supported name in a config's `architectures`."""
+def model_class(architectures: Sequence[str] | None) -> type[LlamaForCausalLM]:
+    """The class for the first supported name in a config's `architectures`; every one so far is the Llama
+    decoder or a subclass of it (a model of another shape would bring its own interface here)."""
     for name in architectures or ():
         if name in _MODELS:
             module_name, class_name = _MODELS[name].split(":")

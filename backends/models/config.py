@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Protocol
 
 # Fields the models read with no default of their own, or whose default differs between the config
 # classes (num_key_value_heads: Llama's is num_attention_heads, Mistral's 8, Qwen's 32;
@@ -24,6 +24,19 @@ REQUIRED_FIELDS = ("architectures", "hidden_size", "intermediate_size", "num_att
 # Architectures whose config class derives a missing head_dim as hidden_size // num_attention_heads, as
 # the models do; others (Qwen3: 128) must state it.
 HEAD_DIM_DERIVED = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+
+
+class ModelConfig(Protocol):
+    """The fields the models read without a default; the optional ones (num_key_value_heads, head_dim,
+    attention_bias, mlp_bias, tie_word_embeddings, rope_*) through getattr. Both what load_model_config
+    returns, a SimpleNamespace of config.json and transformers' config object, carry them as attributes."""
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_hidden_layers: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
 
 
 def read_config_json(model_dir: Path) -> dict[str, Any]:
@@ -39,12 +52,12 @@ def states_everything(data: dict[str, Any]) -> bool:
     return all(field in data for field in REQUIRED_FIELDS) and has_theta and has_head_dim
 
 
-def load_model_config(model_dir: Path) -> Any:
+def load_model_config(model_dir: Path) -> ModelConfig:
     """The config's fields as attributes: a plain namespace when config.json states them all, else
     transformers' config object."""
     data = read_config_json(model_dir)
     if states_everything(data):
         return SimpleNamespace(**data)
-    from transformers import AutoConfig   # the slow import, only for configs that rely on class defaults
+    from transformers import AutoConfig  # the slow import, only for configs that rely on class defaults
 
     return AutoConfig.from_pretrained(str(model_dir))

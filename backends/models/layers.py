@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.models.config import ModelConfig
+
 # On CPU in float32 every matrix multiply goes through oneDNN with the weight packed once at load
 # (`torch.ops.mkldnn._reorder_linear_weight`), which replaces the plain copy. Measured on the 2-core
 # EPYC, the 30 layers of SmolLM2 (425 MB): at 2-8 rows (decode batches) 1.5-2.6x faster than MKL's sgemm
@@ -112,8 +114,9 @@ class Linear(nn.Module):
             if biases is None:
                 raise KeyError("checkpoint lacks a bias this layer needs")
             self.bias.copy_(torch.cat(biases, 0))
-        if scratch is not None and not any(isinstance(w, torch.Tensor) for w in weights):
-            self._keep_compressed(weights, scratch)
+        compressed = [w for w in weights if not isinstance(w, torch.Tensor)]
+        if scratch is not None and len(compressed) == len(weights):
+            self._keep_compressed(compressed, scratch)
             return
         fused = torch.cat([dense(w) for w in weights], 0)
         if can_pack(self.weight):
@@ -148,7 +151,8 @@ class LMHead(nn.Module):
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        # A Tensor, not just a Parameter: a tied head takes nn.Embedding's weight, which torch types as Tensor.
+        self.weight: torch.Tensor = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +179,7 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rope_inv_freq(config: object, head_dim: int) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, head_dim: int) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] for the config's rope theta and scaling (default, linear, llama3)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))

@@ -12,13 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.attention.base import AttentionContext
+from backends.models.config import ModelConfig
 from backends.models.layers import (
     CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, apply_rotary, dense, rope_inv_freq,
 )
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: object, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads = config.num_attention_heads
@@ -35,7 +36,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
         qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
         v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:   # both or neither
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
         qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass
         out = attn(self.layer, qk[:, :heads], qk[:, heads:], v)  # [num_tokens, heads, head_dim]
@@ -43,7 +44,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: object) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate_size = config.intermediate_size
@@ -57,7 +58,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: object, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, layer, qkv_bias, o_bias, qk_norm)
@@ -72,7 +73,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Token ids + positions in, hidden states out; `compute_logits` only for the rows that need them."""
 
-    def __init__(self, config: object, *, qkv_bias: bool | None = None, o_bias: bool | None = None,
+    def __init__(self, config: ModelConfig, *, qkv_bias: bool | None = None, o_bias: bool | None = None,
                  qk_norm: bool = False) -> None:
         super().__init__()
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -93,7 +94,12 @@ class LlamaForCausalLM(nn.Module):
         # A plain attribute, not a buffer: `.to(bfloat16)` must not round it. Built on the CPU (the model
         # may be constructed on the meta device) and moved to the device of the first positions it sees.
         with torch.device("cpu"):
-            self.inv_freq = rope_inv_freq(config, self.layers[0].self_attn.head_dim)
+            self.inv_freq = rope_inv_freq(config, self.decoder_layer(0).self_attn.head_dim)
+
+    def decoder_layer(self, index: int) -> LlamaDecoderLayer:
+        layer = self.layers[index]
+        assert isinstance(layer, LlamaDecoderLayer)   # nn.ModuleList hands out untyped Modules
+        return layer
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [num_tokens, 1, head_dim // 2], computed in float32 as the reference does."""
@@ -120,30 +126,30 @@ class LlamaForCausalLM(nn.Module):
         `keep_compressed`: the decoder layers' projections given compressed stay compressed, expanded
         just before each runs (the embedding, norms and LM head are expanded once)."""
         scratch = ExpandScratch() if keep_compressed else None
-        for i, layer in enumerate(self.layers):
-            prefix = f"model.layers.{i}"
+        for i in range(len(self.layers)):
+            prefix, layer = f"model.layers.{i}", self.decoder_layer(i)
             attn, mlp = layer.self_attn, layer.mlp
             qkv = [f"{prefix}.self_attn.{p}_proj" for p in "qkv"]
             attn.qkv_proj.load([weights[f"{n}.weight"] for n in qkv], _maybe(weights, [f"{n}.bias" for n in qkv]),
                                scratch)
             attn.o_proj.load([weights[f"{prefix}.self_attn.o_proj.weight"]],
                              _maybe(weights, [f"{prefix}.self_attn.o_proj.bias"]), scratch)
-            if attn.q_norm is not None:
-                attn.q_norm.weight.copy_(weights[f"{prefix}.self_attn.q_norm.weight"])
-                attn.k_norm.weight.copy_(weights[f"{prefix}.self_attn.k_norm.weight"])
+            if attn.q_norm is not None and attn.k_norm is not None:
+                attn.q_norm.weight.copy_(dense(weights[f"{prefix}.self_attn.q_norm.weight"]))
+                attn.k_norm.weight.copy_(dense(weights[f"{prefix}.self_attn.k_norm.weight"]))
             gate_up = [f"{prefix}.mlp.{p}_proj" for p in ("gate", "up")]
             mlp.gate_up_proj.load([weights[f"{n}.weight"] for n in gate_up],
                                   _maybe(weights, [f"{n}.bias" for n in gate_up]), scratch)
             mlp.down_proj.load([weights[f"{prefix}.mlp.down_proj.weight"]],
                                _maybe(weights, [f"{prefix}.mlp.down_proj.bias"]), scratch)
-            layer.input_layernorm.weight.copy_(weights[f"{prefix}.input_layernorm.weight"])
-            layer.post_attention_layernorm.weight.copy_(weights[f"{prefix}.post_attention_layernorm.weight"])
+            layer.input_layernorm.weight.copy_(dense(weights[f"{prefix}.input_layernorm.weight"]))
+            layer.post_attention_layernorm.weight.copy_(dense(weights[f"{prefix}.post_attention_layernorm.weight"]))
         embed = dense(weights["model.embed_tokens.weight"])
         self.embed_tokens.weight.copy_(embed)
-        self.norm.weight.copy_(weights["model.norm.weight"])
+        self.norm.weight.copy_(dense(weights["model.norm.weight"]))
         tied = getattr(self.config, "tie_word_embeddings", False)  # then a stored lm_head.weight is ignored
         self.lm_head.load(embed if tied else dense(weights["lm_head.weight"]))
 
 
-def _maybe(weights: Mapping[str, torch.Tensor], names: list[str]) -> list[torch.Tensor] | None:
-    return [weights[n] for n in names] if all(n in weights for n in names) else None
+def _maybe(weights: Mapping[str, torch.Tensor | CompressedWeight], names: list[str]) -> list[torch.Tensor] | None:
+    return [dense(weights[n]) for n in names] if all(n in weights for n in names) else None

@@ -1,9 +1,10 @@
 """Qwen2: the Llama decoder with biases on q/k/v (none on o_proj)."""
 from __future__ import annotations
 
+from backends.models.config import ModelConfig
 from backends.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: object) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, qkv_bias=True, o_bias=False)

@@ -1,9 +1,10 @@
 """Qwen3: the Llama decoder with per-head RMSNorm on q and k before rotary (biases per `attention_bias`)."""
 from __future__ import annotations
 
+from backends.models.config import ModelConfig
 from backends.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: object) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, qk_norm=True)

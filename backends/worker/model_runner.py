@@ -14,6 +14,7 @@ import torch
 from backends.attention.base import AttentionContext, AttentionShape, StepLayout, create_backend
 from backends.models import model_class
 from backends.models.config import load_model_config
+from backends.models.llama import LlamaForCausalLM
 from backends.worker.batch import ForwardBatch
 from backends.worker.kv_cache import KVCache, KVCacheSpec
 from backends.worker.loader import load_weights
@@ -36,7 +37,7 @@ class ModelRunner:
         self.dtype = dtype
         self.config = load_model_config(Path(model_dir))
         self.model = self._load_model(Path(model_dir), keep_weights_compressed)
-        attn = self.model.layers[0].self_attn
+        attn = self.model.decoder_layer(0).self_attn
         self.block_size = block_size
         self.num_blocks = num_blocks or self._blocks_for_memory(kv_cache_memory_gb, attn.num_kv_heads, attn.head_dim)
         if self.num_blocks <= 0:
@@ -52,7 +53,7 @@ class ModelRunner:
         log.info("model %s on %s (%s), %d KV blocks of %d tokens, attention %s", model_dir, self.device,
                  dtype, self.num_blocks, block_size, self.attention.name.value)
 
-    def _load_model(self, model_dir: Path, keep_compressed: bool) -> torch.nn.Module:
+    def _load_model(self, model_dir: Path, keep_compressed: bool) -> LlamaForCausalLM:
         """`keep_compressed`: the decoder layers' matrices of a compressed folder stay compressed on the
         device and are expanded just before each layer runs (less memory, more work per step)."""
         with torch.device("meta"):   # shapes only: nothing is allocated until _materialize_empty
