@@ -42,7 +42,8 @@ def alphabet_probabilities(symbols: np.ndarray, counts: np.ndarray) -> tuple[np.
     return symbols.astype(np.uint8), counts.astype(np.float64) / float(counts.sum())
 
 
-def _levels(probs: np.ndarray, threshold: float, max_words: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
+def _levels(probs: np.ndarray, threshold: float,
+            max_words: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None:
     """The dictionary's levels as (parent index in previous level, symbol rank, probability).
 
     A word of depth d+1 exists when its parent exists and p[rank] >= threshold / p(parent): since
@@ -102,7 +103,7 @@ def build_codebook(symbols: np.ndarray, probs: np.ndarray, threshold: float, lin
     if levels is None:
         raise ValueError(f"threshold {threshold!r} gives more than {MAX_CODEWORDS} codewords")
     sizes = [lvl[0].size for lvl in levels]
-    offsets = np.cumsum([0] + sizes)
+    offsets = np.cumsum([0, *sizes])
     total = int(offsets[-1])
     payload = np.zeros(total, np.uint64)
     lengths = np.zeros(total, np.uint8)
@@ -151,20 +152,22 @@ def encode_many(streams: list[tuple[np.ndarray, Codebook]], lane_size: int) -> l
     if native is not None:
         return [_encode_native(ranks, book, lane_size) for ranks, book in streams]
     word_base = np.cumsum([0] + [book.num_words for _, book in streams])
-    first_child = np.concatenate([book.first_child + base for (_, book), base in zip(streams, word_base)])
+    # word_base has one entry more than streams: the end of the last dictionary
+    first_child = np.concatenate([book.first_child + base
+                                  for (_, book), base in zip(streams, word_base, strict=False)])
     num_children = np.concatenate([book.num_children for _, book in streams]).astype(np.int32)
     lanes_per_stream = [-(-ranks.size // lane_size) for ranks, _ in streams]
     width = lane_size + MAX_WORD_SYMBOLS          # each lane padded with a rank no word has as child
     padded = np.full((sum(lanes_per_stream), width), _END_OF_LANE, np.int32)  # [lanes, width]
     lane_base = np.repeat(word_base[:-1], lanes_per_stream).astype(np.int64)
     row = 0
-    for (ranks, _), num_lanes in zip(streams, lanes_per_stream):
+    for (ranks, _), num_lanes in zip(streams, lanes_per_stream, strict=True):
         lanes = np.full(num_lanes * lane_size, _END_OF_LANE, np.int32)
         lanes[:ranks.size] = ranks
         padded[row:row + num_lanes, :lane_size] = lanes.reshape(num_lanes, lane_size)
         row += num_lanes
     lane_len = np.concatenate([np.minimum(lane_size, ranks.size - np.arange(n) * lane_size)
-                               for (ranks, _), n in zip(streams, lanes_per_stream)])
+                               for (ranks, _), n in zip(streams, lanes_per_stream, strict=True)])
     flat = padded.reshape(-1)
     cur = np.arange(padded.shape[0], dtype=np.int64) * width       # flat position of each lane's parse
     end = cur + lane_len
@@ -195,6 +198,7 @@ def encode_many(streams: list[tuple[np.ndarray, Codebook]], lane_size: int) -> l
 
 
 def _encode_native(ranks: np.ndarray, book: Codebook, lane_size: int) -> tuple[np.ndarray, np.ndarray]:
+    assert native is not None   # encode_many calls this only when the extension is built
     ranks = np.ascontiguousarray(ranks, np.uint8)
     codes = np.empty(ranks.size, np.uint16)
     lanes = np.empty(-(-ranks.size // lane_size), np.uint16)

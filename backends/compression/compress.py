@@ -110,7 +110,7 @@ def compress_tensors(items: list[tuple[torch.Tensor, FloatKind]], shared: list[S
         prepared.append((record, raw, rank_of[symbols], chosen.book))
     encoded = codebook.encode_many([(ranks, book) for _, _, ranks, book in prepared], LANE_SIZE)
     return [_with_checks(record, raw, codes, lanes, checksum)
-            for (record, raw, _, _), (codes, lanes) in zip(prepared, encoded)]
+            for (record, raw, _, _), (codes, lanes) in zip(prepared, encoded, strict=True)]
 
 
 def _with_checks(record: CompressedRecord, raw: np.ndarray, codes: np.ndarray, lanes: np.ndarray,
@@ -149,7 +149,7 @@ def compress_file(src: Path, dst: Path, cast: CastDtype | None,
         if not pending:
             return
         results = compress_tensors([(tensor, kind) for _, tensor, kind in pending], shared, checksum)
-        for (name, tensor, _), (record, parts) in zip(pending, results):
+        for (name, tensor, _), (record, parts) in zip(pending, results, strict=True):
             records[name] = record
             aligned4.append(numpy_entry(part_name(name, Part.CHECKS), parts[Part.CHECKS]))
             lanes_parts.append(numpy_entry(part_name(name, Part.LANES), parts[Part.LANES]))
@@ -165,7 +165,7 @@ def compress_file(src: Path, dst: Path, cast: CastDtype | None,
             on_tensor(stat)
 
     with safe_open(str(src), framework="pt") as f:
-        for name in f.keys():
+        for name in f.keys():  # noqa: SIM118 - safe_open has keys() but is not iterable
             tensor = f.get_tensor(name)
             if cast is not None and tensor.is_floating_point():
                 tensor = tensor.to(cast.torch_dtype)

@@ -61,7 +61,7 @@ def write_safetensors(path: Path, entries: list[Entry], metadata: dict[str, str]
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for entry in entries:
-            f.write(memoryview(entry.data).cast("B"))
+            f.write(entry.data.data.cast("B"))
 
 
 @dataclass(frozen=True, slots=True)

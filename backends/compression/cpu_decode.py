@@ -11,8 +11,8 @@ from __future__ import annotations
 import mmap
 import os
 import queue
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +25,6 @@ from backends.compression.layout import (
     CRC32C, DATA_CHECKSUMS, FORMAT_KEY, NUM_CHECKS, TENSORS_KEY, Checksum, CompressedRecord, CorruptWeightsError,
     FloatKind, Part, PlainRecord, book_checksum, chunk_bounds, lane_offsets, part_name, records_from_json,
 )
-
 from backends.compression.native import native as native_decoder
 
 _OUT_DTYPES = {FloatKind.BF16: torch.bfloat16, FloatKind.FP16: torch.float16}
@@ -172,6 +171,7 @@ def decode_chunk_range(job: DecodeJob, first: int, end: int) -> None:
     """Verify and decode chunks [first, end) into job.out in one call into C (CRC-32C files only), which
     holds the GIL once per range instead of a few times per chunk: a loader thread then barely slows
     the interpreter's other threads (a worker reads its weights ahead while it imports)."""
+    assert native_decoder is not None   # callers decode whole ranges only with the C decoder
     bad = native_decoder.decode_chunks(job.codes, job.tables.payload, job.tables.lengths, job.tables.num_words,
                                        job.raw, job.out, _NATIVE_KINDS[job.record.kind], job.offsets,
                                        job.record.lanes_per_chunk, job.record.chunk_size, job.checks, first, end)
@@ -189,6 +189,7 @@ def expand_chunk(codes: np.ndarray, tables: DecodeTables, raw: np.ndarray, out: 
     if codes.size > raw.size:     # every codeword stands for at least one symbol
         return False
     if scratches is None:
+        assert native_decoder is not None   # no scratches: the caller chose the C decoder
         return native_decoder.decode_chunk(codes, tables.payload, tables.lengths, tables.num_words, raw, out,
                                            _NATIVE_KINDS[kind])
     scratch = scratches.take()
@@ -222,6 +223,7 @@ def build_tables(symbols: np.ndarray, probs: np.ndarray, threshold: float, nativ
     if not native:
         book = codebook.build_codebook(symbols, probs, threshold, links=False)
         return decode_tables(book.payload, book.lengths)
+    assert native_decoder is not None   # `native` is true only where the extension is built
     payload = np.empty(codebook.MAX_CODEWORDS, np.uint64)
     lengths = np.empty(codebook.MAX_CODEWORDS, np.uint8)
     num_words = native_decoder.build_tables(np.ascontiguousarray(probs, np.float64),
@@ -282,7 +284,7 @@ def load_plain(mapped: MappedFile, name: str, record: PlainRecord) -> torch.Tens
 
 def data_checksum(mapped: MappedFile) -> Checksum:
     """The checksum of the file's chunks and plain tensors, by its format version."""
-    checksum = DATA_CHECKSUMS.get(mapped.metadata.get(FORMAT_KEY))
+    checksum = DATA_CHECKSUMS.get(mapped.metadata.get(FORMAT_KEY, ""))
     if checksum is None:
         raise CorruptWeightsError(f"{mapped.path}: unsupported {FORMAT_KEY} {mapped.metadata.get(FORMAT_KEY)!r}")
     return checksum

@@ -99,7 +99,8 @@ class CompressedTensor:
                 raise CorruptWeightsError(f"compressed tensor {list(self.shape)}: chunk {chunk} does not decode")
 
 
-def load_compressed_resident(path: Path | str, device: torch.device | str) -> dict[str, CompressedTensor | torch.Tensor]:
+def load_compressed_resident(path: Path | str,
+                             device: torch.device | str) -> dict[str, CompressedTensor | torch.Tensor]:
     """Verify every chunk's stored checksums, then place the tensors on `device` still compressed.
 
     Plain tensors come back as ordinary tensors on `device`; compressed ones as CompressedTensor, to

@@ -26,7 +26,7 @@ def decode_lanes_kernel(codes_ptr, lane_start_ptr, payload_ptr, lengths_ptr, raw
         at = start + j
         ok = ok & (at < numel)
         raw = tl.load(raw_ptr + at, mask=ok, other=0).to(tl.int32)
-        if IS_BF16:
+        if IS_BF16:  # noqa: SIM108 - an `if` on a constexpr: Triton compiles only the branch taken
             bits = ((raw & 0x80) << 8) | (sym << 7) | (raw & 0x7F)
         else:
             bits = (sym << 8) | raw
