@@ -8,7 +8,7 @@ import enum
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 
 class KvEventType(str, enum.Enum):
@@ -47,12 +47,12 @@ class KvEventBatch:
         return cls(tuple(KvEvent.from_mapping(e) for e in events), next_seq, reset)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 class _EndpointBlocks:
-    __slots__ = ("bit", "lru", "last_seq")
+    __slots__ = ("bit", "last_seq", "lru")
 
     def __init__(self, bit: int) -> None:
         self.bit = bit                                      # this endpoint's bit in holder masks

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,7 +55,8 @@ class GGUFLlamaMeta:
     eos_token_id: int | None   # tokenizer.ggml.eos_token_id
 
 
-def _field(reader: GGUFReader, key: str, default: object = None) -> object:
+# Any: gguf's `contents()` is untyped (an int, float, str or list by the field's GGUF type).
+def _field(reader: GGUFReader, key: str, default: object = None) -> Any:
     field = reader.fields.get(key)
     if field is None:
         return default
@@ -99,7 +101,7 @@ def build_config(meta: GGUFLlamaMeta, tied: bool) -> LlamaConfig:
         num_key_value_heads=meta.num_kv_heads,
         head_dim=meta.head_dim,
         rms_norm_eps=meta.rms_norm_eps,
-        rope_theta=meta.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": meta.rope_theta},  # config.json as rope_theta= wrote it
         max_position_embeddings=meta.context_length,
         tie_word_embeddings=tied,
         bos_token_id=meta.bos_token_id,

