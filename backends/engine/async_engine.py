@@ -149,7 +149,7 @@ class AsyncEngine:
 
     def kv_region(self) -> SharedRegion | None:
         """Where the cache lies in shared memory (EngineConfig.kv_shared_memory), if it does."""
-        return self._require_started().runner.kv_cache.shared_region  # type: ignore[attr-defined, no-any-return]
+        return self._require_started().runner.kv_cache.shared_region  # type: ignore[attr-defined]
 
     def wake(self) -> None:
         """Any thread: the KV connector has news (finished transfers); step soon, even if idle."""

@@ -21,13 +21,8 @@ from aiohttp import web
 from backends.engine.kv_connector import KVTransferParams
 from backends.engine.outputs import FinishReason
 from backends.engine.pd_connector import PDConnector
-from backends.kv_transfer.base import (
-    KVErrorCode,
-    KVTransferConfig,
-    KVTransport,
-    RemoteBlocks,
-    prefill_kv_transfer_params,
-)
+from backends.kv_transfer.base import (KVErrorCode, KVTransferConfig, KVTransport, RemoteBlocks,
+                                       prefill_kv_transfer_params)
 from backends.server.config import ServerConfig, WorkerRole
 from backends.server.errors import APIError, ErrorType, invalid_param
 from backends.server.generation import GenerationDelta, SequenceSpec, generate_deltas

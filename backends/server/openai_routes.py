@@ -18,14 +18,8 @@ from backends.server import disagg
 from backends.server.errors import APIError
 from backends.server.generation import GenerationDelta, SequenceSpec, generate_deltas
 from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
-from backends.server.protocol import (
-    GenerateRequest,
-    ParseContext,
-    RequestKind,
-    kv_transfer_params,
-    parse_request,
-    resolve_max_tokens,
-)
+from backends.server.protocol import (GenerateRequest, ParseContext, RequestKind, kv_transfer_params, parse_request,
+                                      resolve_max_tokens)
 from backends.server.responses import ResponseBuilder
 
 log = logging.getLogger(__name__)

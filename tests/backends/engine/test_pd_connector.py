@@ -18,15 +18,8 @@ from backends.engine.kv_connector import KVTransferParams
 from backends.engine.outputs import FinishReason
 from backends.engine.pd_connector import PDConnector
 from backends.engine.sampling_params import SamplingParams
-from backends.kv_transfer.base import (
-    KVBlockSink,
-    KVBlockSource,
-    KVErrorCode,
-    KVTransferError,
-    KVTransport,
-    PullResult,
-    RemoteBlocks,
-)
+from backends.kv_transfer.base import (KVBlockSink, KVBlockSource, KVErrorCode, KVTransferError, KVTransport,
+                                       PullResult, RemoteBlocks)
 from backends.kv_transfer.torch_cache import TorchPagedKV
 from backends.worker.model_runner import ModelRunner
 from tests.backends.engine.runner_view import RunnerView
