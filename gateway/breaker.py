@@ -21,8 +21,17 @@ class CircuitState(IntEnum):
 class CircuitBreaker:
     """One endpoint's breaker. Not thread-safe: it lives on the event loop."""
 
-    __slots__ = ("endpoint_id", "_config", "_clock", "_failures", "_opened_at", "_last_failure_at",
-                 "_probe_in_flight", "_state", "_on_change")
+    __slots__ = (
+        "_clock",
+        "_config",
+        "_failures",
+        "_last_failure_at",
+        "_on_change",
+        "_opened_at",
+        "_probe_in_flight",
+        "_state",
+        "endpoint_id",
+    )
 
     def __init__(self, endpoint_id: str, config: BreakerConfig, clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[str, CircuitState], None] | None = None) -> None:

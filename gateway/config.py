@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -278,7 +278,7 @@ def _simple(cls: type, raw: Any, where: str) -> Any:
     """Build a dataclass of scalar fields, each typed like its default."""
     raw = _mapping(raw, where)
     defaults = cls()
-    names = set(cls.__dataclass_fields__)
+    names = {f.name for f in fields(cls)}
     _known(raw, names, where)
     kwargs = {}
     for name in names:
@@ -290,7 +290,8 @@ def _simple(cls: type, raw: Any, where: str) -> Any:
 
 def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
     _known(raw, set(GatewayConfig.__dataclass_fields__), "config")
-    providers = {name: _build_provider(name, body) for name, body in _mapping(raw.get("providers"), "providers").items()}
+    providers = {name: _build_provider(name, body)
+                 for name, body in _mapping(raw.get("providers"), "providers").items()}
     models = {name: _build_model(name, body, base_dir) for name, body in _mapping(raw.get("models"), "models").items()}
     for model in models.values():
         for provider in model.providers:

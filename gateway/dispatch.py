@@ -55,7 +55,7 @@ class _ChainWalk:
     """One request's walk along its chain; each call is one try: the current provider, or the next
     ones when it has nothing left."""
 
-    __slots__ = ("_dispatcher", "_progress", "_index", "_run")
+    __slots__ = ("_dispatcher", "_index", "_progress", "_run")
 
     def __init__(self, dispatcher: Dispatcher, progress: Progress) -> None:
         self._dispatcher = dispatcher

@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from gateway.errors import ShuttingDown
 
@@ -38,7 +39,7 @@ class Drain:
             return False
         return True
 
-    def middleware(self) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    def middleware(self) -> Middleware:
         @web.middleware
         async def drain_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
             if request.path in _ALWAYS:

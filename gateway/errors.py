@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from gateway.tracing import REQUEST_ID_HEADER, RequestIds, request_id_var
 
@@ -104,7 +105,7 @@ def _from_http_exception(exc: web.HTTPException) -> GatewayError:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def make_error_middleware(request_ids: RequestIds) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def make_error_middleware(request_ids: RequestIds) -> Middleware:
     """The request boundary: request id in, OpenAI-style errors out, unexpected errors logged."""
 
     @web.middleware

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, stop_any
+from tenacity.stop import stop_base
 from tenacity.wait import wait_base, wait_exponential_jitter
 
 from gateway.config import RetryConfig
@@ -81,21 +82,28 @@ class _RetryAfterWait(wait_base):
         return delay
 
 
+class _StopWhenBudgetSpent(stop_base):
+    """Stops retrying when the budget refuses one more retry (each call spends one if it can)."""
+
+    def __init__(self, budget: RetryBudget) -> None:
+        self._budget = budget
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return not self._budget.try_spend()
+
+
 class Retrier:
     """Runs an attempt function until it succeeds, the attempts or the budget run out."""
 
     def __init__(self, config: RetryConfig, budget: RetryBudget) -> None:
         self._budget = budget
         self._template = AsyncRetrying(
-            stop=stop_any(stop_after_attempt(config.max_attempts), self._budget_spent),
+            stop=stop_any(stop_after_attempt(config.max_attempts), _StopWhenBudgetSpent(budget)),
             wait=_RetryAfterWait(config),
             retry=retry_if_exception_type(RetryableFailure),
             sleep=asyncio.sleep,
             reraise=True,
         )
-
-    def _budget_spent(self, retry_state: RetryCallState) -> bool:
-        return not self._budget.try_spend()
 
     async def run(self, attempt: Callable[[], Awaitable[T]]) -> T:
         """Raises the last RetryableFailure when every allowed attempt failed."""

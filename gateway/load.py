@@ -32,7 +32,7 @@ class LoadReport:
     def from_mapping(cls, body: Mapping[str, Any]) -> LoadReport:
         """Parse a worker's `/load` JSON body; raises ValueError when a field is missing or bad."""
         values: dict[str, int] = {}
-        for name in cls.__slots__:  # type: ignore[attr-defined]
+        for name in cls.__slots__:
             value = body.get(name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"load report field {name!r} must be a non-negative int, got {value!r}")
@@ -46,8 +46,16 @@ class LoadReport:
 
 class _EndpointLoad:
     """Mutable counts for one endpoint: the sum of its open leases, plus other sources' load."""
-    __slots__ = ("num_requests", "num_prefill_tokens", "num_decode_tokens", "other_requests",
-                 "other_prefill_tokens", "other_decode_tokens", "report_time_s", "kv_free_fraction")
+    __slots__ = (
+        "kv_free_fraction",
+        "num_decode_tokens",
+        "num_prefill_tokens",
+        "num_requests",
+        "other_decode_tokens",
+        "other_prefill_tokens",
+        "other_requests",
+        "report_time_s",
+    )
 
     def __init__(self) -> None:
         self.num_requests = 0          # open leases
@@ -63,7 +71,7 @@ class _EndpointLoad:
 class Lease:
     """One request's share of an endpoint's load. Use as a (async) context manager, or call
     `release()` in a `finally`; release is idempotent and gives back exactly what remains."""
-    __slots__ = ("endpoint_id", "_load", "_prefill_tokens", "_decode_tokens", "_released")
+    __slots__ = ("_decode_tokens", "_load", "_prefill_tokens", "_released", "endpoint_id")
 
     def __init__(self, endpoint_id: str, load: _EndpointLoad, num_prompt_tokens: int,
                  num_expected_output_tokens: int) -> None:

@@ -59,7 +59,8 @@ class Metrics:
     def __init__(self, endpoint_rows: Callable[[], Iterable[EndpointRow]]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self._requests = Counter("switchyard_requests", "Requests by model and HTTP status", ["model", "status"], registry=r)
+        self._requests = Counter("switchyard_requests", "Requests by model and HTTP status", ["model", "status"],
+                                 registry=r)
         self._errors = Counter("switchyard_upstream_errors", "Failed upstream legs by provider and cause",
                                ["provider", "cause"], registry=r)
         self._retries = Counter("switchyard_retries", "Upstream legs retried, by model", ["model"], registry=r)
@@ -76,7 +77,8 @@ class Metrics:
                                ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self._decisions = Counter("switchyard_routing_decisions", "Routing decisions by reason",
                                   ["model", "reason"], registry=r)
-        self._moves = Counter("switchyard_session_moves", "Sessions re-homed to another endpoint", ["model"], registry=r)
+        self._moves = Counter("switchyard_session_moves", "Sessions re-homed to another endpoint", ["model"],
+                              registry=r)
         self._stream_errors = Counter("switchyard_stream_errors", "Streams ended by an upstream failure after the "
                                       "first byte", ["model"], registry=r)
         r.register(_EndpointCollector(endpoint_rows))

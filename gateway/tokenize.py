@@ -58,7 +58,7 @@ class ModelTokenizer:
             return self.count_text(text)
         try:
             text = self._template.render(messages=messages, add_generation_prompt=True, **self._specials)
-        except Exception as exc:  # a template rejecting odd messages must not fail routing
+        except Exception as exc:  # noqa: BLE001 - a template rejecting odd messages must not fail routing
             log.debug("chat template failed (%s); counting plain text", exc)
             text = "\n".join(_message_text(m) for m in messages)
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 class Endpoint:
     """Runtime state of one upstream server (shared by every provider that lists its URL)."""
 
-    __slots__ = ("endpoint_id", "breaker", "healthy", "health_checked", "kv_since")
+    __slots__ = ("breaker", "endpoint_id", "health_checked", "healthy", "kv_since")
 
     def __init__(self, endpoint_id: str, breaker: CircuitBreaker) -> None:
         self.endpoint_id = endpoint_id
@@ -108,21 +108,22 @@ class UpstreamRegistry:
     async def _loop(self, name: str, endpoint: Endpoint, interval_s: float,
                     poll: Callable[..., Awaitable[None]], session: aiohttp.ClientSession,
                     provider: ProviderConfig) -> None:
-        timeout = aiohttp.ClientTimeout(total=self._config.pollers.timeout_s)
+        client_timeout = aiohttp.ClientTimeout(total=self._config.pollers.timeout_s)
         while True:
             try:
-                await poll(endpoint, session, timeout, provider)
+                await poll(endpoint, session, client_timeout, provider)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # a poller must survive any upstream misbehaviour
+            except Exception as exc:  # noqa: BLE001 - a poller must survive any upstream misbehaviour
                 log.debug("%s poll of %s failed: %r", name, endpoint.endpoint_id, exc)
                 if name == "health":
                     endpoint.healthy = False
             await asyncio.sleep(interval_s)
 
-    async def _poll_health(self, endpoint: Endpoint, session: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout,
-                           provider: ProviderConfig) -> None:
-        async with session.get(endpoint.endpoint_id + (provider.health_path or ""), timeout=timeout) as response:
+    async def _poll_health(self, endpoint: Endpoint, session: aiohttp.ClientSession,
+                           client_timeout: aiohttp.ClientTimeout, provider: ProviderConfig) -> None:
+        url = endpoint.endpoint_id + (provider.health_path or "")
+        async with session.get(url, timeout=client_timeout) as response:
             await response.read()
             healthy = response.status == 200
         if healthy != endpoint.healthy:
@@ -130,15 +131,16 @@ class UpstreamRegistry:
         endpoint.healthy = healthy
         endpoint.health_checked = endpoint.health_checked or healthy
 
-    async def _poll_load(self, endpoint: Endpoint, session: aiohttp.ClientSession, timeout: aiohttp.ClientTimeout,
-                         provider: ProviderConfig) -> None:
-        payload = await _get_json(session, f"{endpoint.endpoint_id}/load", timeout)
+    async def _poll_load(self, endpoint: Endpoint, session: aiohttp.ClientSession,
+                         client_timeout: aiohttp.ClientTimeout, provider: ProviderConfig) -> None:
+        payload = await _get_json(session, f"{endpoint.endpoint_id}/load", client_timeout)
         self._tracker.reconcile(endpoint.endpoint_id, LoadReport.from_mapping(payload))
 
     async def _poll_kv_events(self, endpoint: Endpoint, session: aiohttp.ClientSession,
-                              timeout: aiohttp.ClientTimeout, provider: ProviderConfig) -> None:
+                              client_timeout: aiohttp.ClientTimeout, provider: ProviderConfig) -> None:
         while True:  # drain: a busy worker can have more than one page of events
-            payload = await _get_json(session, f"{endpoint.endpoint_id}/kv_events?since={endpoint.kv_since}", timeout)
+            url = f"{endpoint.endpoint_id}/kv_events?since={endpoint.kv_since}"
+            payload = await _get_json(session, url, client_timeout)
             batch = KvEventBatch.from_mapping(payload)
             self._prefix_index.apply_batch(endpoint.endpoint_id, batch)
             next_since = batch.next_seq
@@ -148,8 +150,9 @@ class UpstreamRegistry:
             endpoint.kv_since = next_since
 
 
-async def _get_json(session: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout) -> Mapping[str, object]:
-    async with session.get(url, timeout=timeout) as response:
+async def _get_json(session: aiohttp.ClientSession, url: str,
+                    client_timeout: aiohttp.ClientTimeout) -> Mapping[str, object]:
+    async with session.get(url, timeout=client_timeout) as response:
         body = await response.read()
         if response.status != 200:
             raise RuntimeError(f"GET {url}: HTTP {response.status}")

@@ -17,7 +17,7 @@ from policies.least_tokens import LeastTokensConfig, LeastTokensPolicy
 
 @dataclass(frozen=True, slots=True)
 class PrefixAwareConfig:
-    alpha: float = 0.5            # weight of one in-flight token against one cached prompt token (0.5: best in routing_sim)
+    alpha: float = 0.5            # one in-flight token's weight against one cached prompt token (best in routing_sim)
     load_factor: float = 1.5      # only endpoints with load <= load_factor x mean load compete
     prefill_weight: float = 1.0   # load = weighted tokens in flight (also the fallback's weights)
     decode_weight: float = 1.0

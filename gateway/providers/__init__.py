@@ -19,4 +19,4 @@ def make_provider(config: ProviderConfig) -> Provider:
     return PROVIDER_KINDS[config.kind](config)
 
 
-__all__ = ["Provider", "ProviderRun", "PROVIDER_KINDS", "make_provider"]
+__all__ = ["PROVIDER_KINDS", "Provider", "ProviderRun", "make_provider"]

@@ -74,7 +74,7 @@ class _PdRun:
     """One request on one disaggregated provider. A prefill whose KV is held survives a failed decode
     leg, so that the retry only redoes the decode."""
 
-    __slots__ = ("_provider", "_config", "_progress", "_legs", "_held")
+    __slots__ = ("_config", "_held", "_legs", "_progress", "_provider")
 
     def __init__(self, provider: SwitchyardPdProvider, progress: Progress, legs: Legs) -> None:
         self._provider = provider

@@ -85,7 +85,8 @@ class RedisStore:
                            num_completion_tokens: int) -> None:
         key = self._key("usage", key_id)
         pipe = self._redis.pipeline(transaction=True)
-        for field, amount in zip(_USAGE_FIELDS, (1, num_prompt_tokens, num_cached_tokens, num_completion_tokens)):
+        amounts = (1, num_prompt_tokens, num_cached_tokens, num_completion_tokens)
+        for field, amount in zip(_USAGE_FIELDS, amounts, strict=True):
             pipe.hincrby(key, field, amount)
         await self._run(pipe.execute())
 
