@@ -141,7 +141,7 @@ async def settle(services: Services, charge: Charge, num_prompt_tokens: int, usa
         return
     try:
         await settling
-    except Exception as exc:  # the response is already decided: settling must not change it
+    except Exception as exc:  # noqa: BLE001 - the response is already decided: settling must not change it
         log.warning("settling the rate limit failed: %r", exc)
 
 
@@ -200,7 +200,7 @@ def _check_type(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
         expected = kind.__name__ if isinstance(kind, type) else "number"
         raise BadRequest(f"'{name}' must be of type {expected}", param=name)
     return value
