@@ -36,9 +36,9 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.compression import compress_folder, load_compressed_file  # noqa: E402
-from backends.compression.compress import compressible_kind  # noqa: E402
-from backends.compression.layout import split_symbols  # noqa: E402
+from backends.compression import compress_folder, load_compressed_file
+from backends.compression.compress import compressible_kind
+from backends.compression.layout import split_symbols
 
 
 def minilm_folder() -> Path | None:

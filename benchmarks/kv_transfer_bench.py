@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from backends.kv_transfer import (ChecksumKind, KVTransferConfig, ReleaseMode,  # noqa: E402
+from backends.kv_transfer import (ChecksumKind, KVTransferConfig, ReleaseMode,
                                   RemoteBlocks, TcpKVConnector)
-from backends.kv_transfer.shm import SharedKVFile  # noqa: E402
-from backends.kv_transfer.torch_cache import TorchPagedKV  # noqa: E402
+from backends.kv_transfer.shm import SharedKVFile
+from backends.kv_transfer.torch_cache import TorchPagedKV
 
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; block 16; bf16
 NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DTYPE = 30, 16, 3, 64, torch.bfloat16

@@ -27,12 +27,12 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import orjson  # noqa: E402
+import orjson
 
-from cache.prefix_index import PrefixIndex  # noqa: E402
-from gateway.load import Lease, LoadTracker, OutputLengthEstimator  # noqa: E402
-from policies.base import DecisionReason, EndpointState, Policy, RequestFacts  # noqa: E402
-from policies.registry import PolicyName, make_policy  # noqa: E402
+from cache.prefix_index import PrefixIndex
+from gateway.load import Lease, LoadTracker, OutputLengthEstimator
+from policies.base import DecisionReason, EndpointState, Policy, RequestFacts
+from policies.registry import PolicyName, make_policy
 
 # shared/ sits beside the checkout (…/main and …/shared); --trace names any other copy.
 TRACE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

@@ -28,7 +28,6 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import orjson
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
