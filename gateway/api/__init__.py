@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway.api import completions, models, ops, usage
+from gateway.api import completions, models, openapi, ops, usage
 
 
 def routes() -> list[web.RouteDef]:
@@ -15,4 +15,5 @@ def routes() -> list[web.RouteDef]:
         web.get("/health", ops.health),
         web.get("/ready", ops.ready),
         web.get("/metrics", ops.metrics),
+        web.get("/openapi.json", openapi.handler()),
     ]
