@@ -221,14 +221,20 @@ def _check_messages(messages: Any, max_messages: int) -> None:
                              param=f"messages[{index}].content")
 
 
+MAX_TOKEN_ID = 2**32 - 1  # block hashes pack ids as uint32 (cache/block_hash.py); no vocabulary comes near
+
+
 def _check_prompt(prompt: Any) -> None:
     if isinstance(prompt, str) and prompt:
         return
     if isinstance(prompt, list) and prompt and (
             all(isinstance(p, str) for p in prompt)
-            or all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in prompt)
-            or all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-                   for p in prompt)):
+            or all(_is_token_id(p) for p in prompt)
+            or all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt)):
         return
-    raise BadRequest("'prompt' is required: a non-empty string, array of strings or array of token ids",
-                     param="prompt")
+    raise BadRequest("'prompt' is required: a non-empty string, array of strings or array of token ids "
+                     f"(integers in [0, {MAX_TOKEN_ID}])", param="prompt")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID

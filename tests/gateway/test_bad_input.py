@@ -68,6 +68,9 @@ CASES = [
      _json({"model": "m", "messages": MESSAGES, "temperature": "hot"}), 400, "temperature"),
     ("missing prompt", "/v1/completions", _json({"model": "m"}), 400, "prompt"),
     ("prompt wrong type", "/v1/completions", _json({"model": "m", "prompt": {"a": 1}}), 400, "prompt"),
+    # A full block (16 ids) is hashed as uint32s for the prefix index: these were 500s (OverflowError).
+    ("token id above uint32", "/v1/completions", _json({"model": "m", "prompt": [2**32] * 16}), 400, "prompt"),
+    ("negative token id in a batch", "/v1/completions", _json({"model": "m", "prompt": [[-1] * 16]}), 400, "prompt"),
     ("oversized body", "/v1/chat/completions",
      _json({"model": "m", "messages": [{"role": "user", "content": "x" * (2 * MAX_BODY)}]}), 413, None),
 ]
