@@ -1,7 +1,6 @@
 """Who may call what: the API-key middleware. With keys configured, every route needs one except the
-probes (`/health`, `/ready`), the API's description (`/openapi.json`) and, when the config says so,
-`/metrics`; `/metrics` otherwise needs an admin key. It also caps each key's generation requests in
-flight on this replica.
+probes (`/health`, `/ready`) and, when the config says so, `/metrics`; `/metrics` otherwise needs an
+admin key. It also caps each key's generation requests in flight on this replica.
 
 It decides access only; rate limits and usage stay with admission (they need the request's tokens).
 """
@@ -10,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from gateway.auth import ApiKey, Authenticator
 from gateway.config import LimitsConfig
@@ -18,9 +18,6 @@ from gateway.errors import Forbidden, RateLimited, Unauthorized
 API_KEY: web.RequestKey[ApiKey] = web.RequestKey("switchyard_api_key", ApiKey)
 
 PROBES = frozenset({"/health", "/ready"})
-# The OpenAPI document describes the API, not this deployment (no models, keys or endpoints): a client
-# needs it to build its calls before it holds a key, and it is the same document anyone can read in docs/.
-PUBLIC = PROBES | {"/openapi.json"}
 METRICS = "/metrics"
 GENERATION = frozenset({"/v1/chat/completions", "/v1/completions"})
 
@@ -33,13 +30,13 @@ def caller_key(request: web.Request) -> ApiKey | None:
 
 
 def make_access_middleware(auth: Authenticator | None,
-                           limits: LimitsConfig) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+                           limits: LimitsConfig) -> Middleware:
     in_flight: dict[str, int] = {}  # key_id -> generation requests now being served by this app
 
     @web.middleware
     async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
-        if auth is None or path in PUBLIC or (path == METRICS and limits.metrics_public):
+        if auth is None or path in PROBES or (path == METRICS and limits.metrics_public):
             return await handler(request)
         key = auth.authenticate(request.headers.get("Authorization"))
         if key is None:

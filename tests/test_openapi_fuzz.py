@@ -126,7 +126,7 @@ def test_gateway_surface(start_fakes: Callable[..., list[FakeUpstream]],  # noqa
     config = gateway_config({"a": [fakes[0].url], "b": [fakes[1].url]},
                             api_keys=[{"key_id": "fuzz", "key": API_KEY, "admin": True}])
     gateway = start_gateway(config)
-    served = fetch_json(gateway.url + "/openapi.json")   # public: no key
+    served = fetch_json(gateway.url + "/openapi.json", {"Authorization": f"Bearer {API_KEY}"})
     assert served == yaml.safe_load((REPO_ROOT / "docs/openapi/gateway.yaml").read_text())
     document = copy.deepcopy(served)
     # The configured model, so that valid bodies reach routing and the upstreams; negative cases still
