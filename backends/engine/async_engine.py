@@ -10,7 +10,6 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -43,7 +42,7 @@ class _Abort:
     done: asyncio.Future[None] | None   # resolved once the blocks are freed
 
 
-_Command = Union[_Add, _Abort]
+_Command = _Add | _Abort
 
 
 class AsyncEngine:

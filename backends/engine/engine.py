@@ -191,7 +191,7 @@ class LLMEngine:
                 self.scheduler.finish(s.seq, FinishReason.ABORT, f"engine step failed: {exc!r}")
                 outputs.append(self._final(s.seq))
             return outputs
-        for s, token, logprob in zip(sampled, result.token_ids, result.logprobs):
+        for s, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
             outputs.append(self._append(s, token, logprob))
         return outputs
 
@@ -214,9 +214,9 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
-            if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-                return FinishReason.STOP
+        stops = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if stops and seq.num_output_tokens >= p.min_tokens:
+            return FinishReason.STOP
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
@@ -236,7 +236,7 @@ def _validate_params(p: SamplingParams) -> None:
         (0.0 < p.top_p <= 1.0, "top_p must be in (0, 1]"),
         (0.0 <= p.min_p <= 1.0, "min_p must be in [0, 1]"),
         (p.repetition_penalty > 0.0, "repetition_penalty must be > 0"),
-        (0 <= p.min_tokens, "min_tokens must be >= 0"),
+        (p.min_tokens >= 0, "min_tokens must be >= 0"),
         (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]"),
     )
     for ok, message in checks:

@@ -275,7 +275,7 @@ class Scheduler:
 class _StepPlan:
     """Scratch state of one schedule() call."""
 
-    __slots__ = ("budget", "scheduled", "preempted", "failed", "_ids")
+    __slots__ = ("_ids", "budget", "failed", "preempted", "scheduled")
 
     def __init__(self, budget: int) -> None:
         self.budget = budget

@@ -71,7 +71,8 @@ class KVLayout:
             raise ValueError(f"bad KV layout {data!r}: {exc}") from None
         if not all(type(v) is int and v > 0 for v in ints):
             raise ValueError(f"bad KV layout {data!r}: sizes must be positive integers")
-        return cls(*ints, dtype=dtype)
+        num_layers, block_size, num_kv_heads, head_dim = ints
+        return cls(num_layers, block_size, num_kv_heads, head_dim, dtype)
 
 
 class ChecksumKind(str, enum.Enum):

@@ -7,6 +7,7 @@ blocks pinned while they are copied (docs/kv_transfer.md, "Shared memory").
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import mmap
@@ -74,14 +75,15 @@ def stacked_bytes(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.
     storage = flat.untyped_storage()
     if storage.data_ptr() + storage.nbytes() < base + 2 * len(layers) * stride:
         return None
-    return torch.empty(0, dtype=torch.uint8).set_(storage, flat.storage_offset(),
-                                                  (len(layers), 2, num_blocks, block_bytes))
+    shape = (len(layers), 2, num_blocks, block_bytes)
+    strides = (2 * num_blocks * block_bytes, num_blocks * block_bytes, block_bytes, 1)  # contiguous
+    return torch.empty(0, dtype=torch.uint8).set_(storage, flat.storage_offset(), shape, strides)
 
 
 def joint_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(first source id, first destination id, length) of the runs where both id lists ascend by one."""
     runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_ids, dst_ids):
+    for s, d in zip(src_ids, dst_ids, strict=True):
         if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
@@ -114,10 +116,8 @@ class SharedMappings:
 
     def close(self) -> None:
         for mapping, _ in self._maps.values():
-            try:
+            with contextlib.suppress(BufferError):  # a copy still holds a view; the mapping goes when it does
                 mapping.close()
-            except BufferError:
-                pass   # a copy still holds a view; the mapping goes when it does
         self._maps.clear()
 
 

@@ -156,9 +156,8 @@ class _PullProtocol(asyncio.BufferedProtocol):
         elif ftype is FrameType.DONE and self._stage is _Stage.LAYERS \
                 and self._next_layer == self._request.layout.num_layers:
             self._on_done(meta)
-        elif ftype is FrameType.DONE and self._stage is _Stage.AWAIT_DONE:
-            self._finish(released=meta.get("released") is True)
-        elif ftype is FrameType.RELEASED and self._stage is _Stage.AWAIT_RELEASED:
+        elif (ftype is FrameType.DONE and self._stage is _Stage.AWAIT_DONE) \
+                or (ftype is FrameType.RELEASED and self._stage is _Stage.AWAIT_RELEASED):
             self._finish(released=meta.get("released") is True)
         else:
             raise KVTransferError(KVErrorCode.PROTOCOL, f"unexpected {ftype.name} frame while {self._stage.value}")
@@ -172,8 +171,8 @@ class _PullProtocol(asyncio.BufferedProtocol):
         if diff is not None:
             raise KVTransferError(KVErrorCode.LAYOUT_MISMATCH, f"KV cache layouts differ: {diff}")
         if meta.get("num_blocks") != self._request.num_blocks:
-            raise KVTransferError(KVErrorCode.PROTOCOL,
-                                  f"BEGIN announces {meta.get('num_blocks')} blocks, asked for {self._request.num_blocks}")
+            raise KVTransferError(KVErrorCode.PROTOCOL, f"BEGIN announces {meta.get('num_blocks')} blocks, "
+                                                        f"asked for {self._request.num_blocks}")
         if "shared_memory" in meta:
             self._on_shared_begin(meta)
             return

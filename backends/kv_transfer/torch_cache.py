@@ -48,7 +48,7 @@ class DictBlockHolds:
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A flat writable memoryview of a contiguous CPU tensor's bytes (any dtype, bf16 included)."""
     assert tensor.is_contiguous() and tensor.device.type == "cpu"
-    return memoryview(tensor.view(torch.uint8).reshape(-1).numpy())
+    return tensor.view(torch.uint8).reshape(-1).numpy().data
 
 
 def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:

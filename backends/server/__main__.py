@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config, engine_config = build_configs(args)
-    if not engine_config.keep_weights_compressed:
+    if engine_config.model_dir is not None and not engine_config.keep_weights_compressed:
         from backends.worker.loader import prefetch_weights
         prefetch_weights(Path(engine_config.model_dir))   # read while the server's modules import
     # Imported only now: aiohttp and transformers take ~1.1 s to import, the prefetch's time to read.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Protocol
@@ -65,7 +65,7 @@ async def generate_deltas(
     tokenizer: Tokenizer,
     spec: SequenceSpec,
     timing: TokenTimingObserver,
-) -> AsyncIterator[GenerationDelta]:
+) -> AsyncGenerator[GenerationDelta, None]:
     """Yield text deltas for one sequence until it finishes; abort it in the engine otherwise.
 
     Raises APIError (400) when the engine refuses the request; close the iterator with

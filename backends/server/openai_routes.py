@@ -67,6 +67,7 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
     ctx = ParseContext(app[CONFIG_KEY].served_model_names, min(tokenizer.vocab_size, engine.vocab_size))
     body = await read_json(request)
     req = parse_request(kind, body, ctx)
+    assert isinstance(body, dict)  # parse_request refused anything else
     kv_params = kv_transfer_params(body)
     prompt_ids = tokenizer.encode_request(req)
     request_id = _ID_PREFIX[kind] + uuid.uuid4().hex

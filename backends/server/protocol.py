@@ -227,7 +227,8 @@ def _parse_stream_options(body: dict[str, Any], stream: bool) -> bool:
     return include
 
 
-def _parse_sampling(body: dict[str, Any], vocab_size: int, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _parse_sampling(body: dict[str, Any], vocab_size: int, max_tokens: int | None,
+                    logprobs: int | None) -> SamplingParams:
     seed = _opt_int(body, "seed", _SEED_MIN, _SEED_MAX)
     return SamplingParams(
         max_tokens=max_tokens or 1,
