@@ -6,13 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
 import openai
 
 from tests.support.ports import free_port
+from tests.support.wait import wait_until
 from tests.support.worker_proc import REPO_ROOT
 
 SWITCHYARD = Path(REPO_ROOT) / ".venv" / "bin" / "switchyard"
@@ -46,21 +46,22 @@ def alive(pid: int) -> bool:
 def test_serve_answers_the_openai_sdk_and_sigint_stops_everything(tmp_path: Path) -> None:
     port = free_port()
     log = (tmp_path / "serve.log").open("wb")
+    # No prefix cache: the streamed request below then runs exactly the steps the first one ran.
     proc = subprocess.Popen([str(SWITCHYARD), "serve", "--port", str(port), "--worker-arg=--threads=1",
-                             "--worker-arg=--num-blocks=64"], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+                             "--worker-arg=--num-blocks=64", "--worker-arg=--no-prefix-caching"],
+                            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     children: set[int] = set()
+
+    def ready() -> bool:
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
-            time.sleep(0.3)
+        wait_until(ready, "switchyard serve to be ready", timeout_s=240)
         children = children_of(proc.pid)
         assert len(children) >= 3   # prefill worker, decode worker, gateway
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
@@ -70,7 +71,10 @@ def test_serve_answers_the_openai_sdk_and_sigint_stops_everything(tmp_path: Path
         stream = client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0,
             stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.choices[0].message.content
+        # exact: the same request alone again, without prefix cache, so every worker step repeats the
+        # first request's shapes through the same kernels on the same machine (--threads=1 everywhere)
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert streamed == reply.choices[0].message.content
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()
     finally:

@@ -55,6 +55,7 @@ def compression(work: Path) -> None:
     want = load_compressed_file(file)
     for name, item in load_compressed_resident(file, "cpu").items():
         got = item.decompress(use_triton=True) if isinstance(item, CompressedTensor) else item
+        # exact: both decoders are lossless
         assert torch.equal(got.reshape(-1).view(torch.uint8), want[name].reshape(-1).view(torch.uint8)), name
         assert torch.equal(got.reshape(-1).view(torch.uint8), weights[name].reshape(-1).view(torch.uint8)), name
         print(f"compression {name}: triton decode == original bits")
@@ -67,7 +68,7 @@ def compression(work: Path) -> None:
     first.decompress(buffer[5:5 + n1].view(first.shape), use_triton=True)
     second.decompress(buffer[5 + n1:5 + n1 + n2].view(second.shape), use_triton=True)
     want = torch.cat([weights["trained_like.weight"].reshape(-1), weights["all_exponents.weight"].reshape(-1)])
-    assert torch.equal(buffer[5:5 + n1 + n2].view(torch.int16), want.view(torch.int16))
+    assert torch.equal(buffer[5:5 + n1 + n2].view(torch.int16), want.view(torch.int16))   # exact: lossless
     assert (buffer[:5] == 7.0).all() and (buffer[5 + n1 + n2:] == 7.0).all()
     print("compression row slices: triton decode == original bits, nothing past the slice")
 

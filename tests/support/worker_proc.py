@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.ports import free_port
+from tests.support.wait import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_STARTUP_TIMEOUT_S = 300.0   # the first start converts the bundled GGUF
@@ -85,20 +86,24 @@ class WorkerProcess:
     def wait_healthy(self) -> None:
         """Block until /health answers 200; stop the process and fail the test if it never does."""
         try:
-            while time.monotonic() < self._startup_deadline_s:
-                if self._proc.poll() is not None:
-                    pytest.fail(f"worker exited with code {self._proc.returncode} while starting:\n{self.log()}")
-                try:
-                    with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                        if response.status == 200:
-                            return
-                except (OSError, urllib.error.HTTPError):
-                    pass
-                time.sleep(0.1)
-            pytest.fail(f"worker {self.url} not healthy before its start-up deadline:\n{self.log()}")
+            remaining_s = max(0.0, self._startup_deadline_s - time.monotonic())
+            try:
+                wait_until(self._healthy, f"worker {self.url} to answer /health", timeout_s=remaining_s,
+                           interval_s=0.05)
+            except AssertionError as exc:
+                pytest.fail(f"{exc}; its log:\n{self.log()}")
         except BaseException:
             self.stop()
             raise
+
+    def _healthy(self) -> bool:
+        if self._proc.poll() is not None:
+            pytest.fail(f"worker exited with code {self._proc.returncode} while starting:\n{self.log()}")
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                return response.status == 200
+        except (OSError, urllib.error.HTTPError):
+            return False
 
 
 @contextmanager

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 def assert_bit_equal(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape, name
-    assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
+    assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name   # lossless codec
 
 
 def _load_folder(folder: Path) -> dict[str, torch.Tensor]:

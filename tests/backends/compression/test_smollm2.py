@@ -22,7 +22,7 @@ def test_every_tensor_round_trips_bit_exact(smollm2_folders: tuple[Path, Path, P
     assert got.keys() == want.keys()
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
-        assert torch.equal(got[name].view(torch.int16), tensor.view(torch.int16)), name
+        assert torch.equal(got[name].view(torch.int16), tensor.view(torch.int16)), name   # exact: lossless codec
 
 
 def test_runner_logits_identical_to_uncompressed_bf16(smollm2_folders: tuple[Path, Path, Path]) -> None:
@@ -36,6 +36,7 @@ def test_runner_logits_identical_to_uncompressed_bf16(smollm2_folders: tuple[Pat
         runner = runner_module.ModelRunner(folder, dtype=torch.bfloat16, device="cpu", num_blocks=4, block_size=16)
         logits.append(runner.execute(batch))
     assert logits[0].shape == (1, runner.vocab_size) and torch.isfinite(logits[0]).all()
+    # exact: identical weights (lossless codec), one batch, same shapes, same kernels, in one process
     assert torch.equal(logits[0].view(torch.int32), logits[1].view(torch.int32))
 
 
@@ -60,6 +61,7 @@ def test_weights_kept_compressed_give_the_same_logits_in_less_memory(smollm2_fol
         runners.append(runner)
     for ours, want in zip(logits[1], logits[0]):
         assert torch.isfinite(want).all()
+        # exact: the expanded buffer holds the same bf16 matrices, so the same matmuls run on the same shapes
         assert torch.equal(ours.view(torch.int16), want.view(torch.int16))
     dense_layers, kept_layers = (list(r.model.layers.modules()) for r in runners)
     kept = [m for m in kept_layers if isinstance(m, layers.Linear)]
@@ -93,4 +95,4 @@ def test_weights_kept_compressed_on_cuda_match_the_expanded_runner(smollm2_folde
         logits.append([runner.execute(batch).cpu() for batch in steps])
     for ours, want in zip(logits[1], logits[0]):
         assert torch.isfinite(want).all()
-        assert torch.equal(ours.view(torch.int16), want.view(torch.int16))
+        assert torch.equal(ours.view(torch.int16), want.view(torch.int16))   # exact: as on the CPU above

@@ -1,5 +1,6 @@
 """One real ModelRunner shared by the engine tests, seen through a view that can use fewer of
-its KV blocks (to force preemption), record each step, or raise on chosen steps (worker faults)."""
+its KV blocks (to force preemption), record each step, raise on chosen steps (worker faults), or
+call a hook as each step starts, in the thread that runs it."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,8 +21,10 @@ class RunnerView:
         self.num_blocks = num_blocks or runner.num_blocks
         self.steps: list[tuple[ForwardBatch, torch.Tensor]] = []
         self.fail_if: Callable[[ForwardBatch], bool] = lambda batch: False
+        self.on_step: Callable[[ForwardBatch], None] = lambda batch: None
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        self.on_step(batch)
         if self.fail_if(batch):
             raise RuntimeError("injected runner fault")
         logits = self.inner.execute(batch)

@@ -11,6 +11,7 @@ from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, Te
 
 from backends.engine.sampling_params import SamplingParams
 from backends.worker.sampler import SampleRow, apply_penalties, filtered_probs, sample, step_seed, step_uniform
+from tests.backends.numerics import choice
 
 V = 12
 EOS = (2,)
@@ -141,6 +142,8 @@ def test_seeded_rows_identical_alone_and_in_any_batch() -> None:
                       row(seed=9, top_k=4, min_p=0.1, logprobs=2)]
         batch = torch.cat([others[:2], logits, others[2:3]])
         got = sample(batch, [neighbours[0], neighbours[1], target_k, neighbours[2]]).token_ids[2]
+        # exact: the same logits row; every sampler op works row by row, over 256 candidates in both
+        # batches, on rows too small (500) for PyTorch to split one across threads
         assert got == alone[k]
     assert len(set(alone)) > 3            # the step index really changes the draw
 
@@ -176,4 +179,15 @@ def test_cuda_sampling_matches_cpu() -> None:
                 repetition_penalty=1.1, prompt=(1, 2, 3), logprobs=2 if i % 3 == 0 else None) for i in range(16)]
     rows[0] = row(temperature=0.0)
     cpu, gpu = sample(logits, rows), sample(logits.cuda(), rows)
-    assert cpu.token_ids == gpu.token_ids
+    # The devices sum over the vocabulary (softmax, logsumexp, cumsum) in different orders: each sum of
+    # V float32 terms lies within V * 2^-24 of exact (relative), which moving every logit by
+    # T * V * 2^-24 covers. Equal draws are required where that cannot change the draw: nearly everywhere.
+    clear = []
+    for i, r in enumerate(rows):
+        tolerance = max(r.params.temperature, 1.0) * logits.shape[1] * 2.0 ** -24
+        c = choice(logits[i], r.params, r.seed, r.prompt_token_ids, r.output_token_ids, EOS, tolerance)
+        assert cpu.token_ids[i] == c.token_id
+        if c.clear:
+            assert gpu.token_ids[i] == cpu.token_ids[i], i
+        clear.append(c.clear)
+    assert sum(clear) >= 0.8 * len(clear), clear

@@ -33,7 +33,7 @@ def snapshot(kv: TorchPagedKV) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def assert_blocks_equal(src: TorchPagedKV, src_ids: Sequence[int], dst: TorchPagedKV, dst_ids: Sequence[int]) -> None:
-    """Byte-for-byte: every layer's K and V of src blocks == dst blocks, in order."""
+    """Byte-for-byte (exact: a transfer copies bytes): every layer's K and V of src blocks == dst blocks, in order."""
     for layer, ((sk, sv), (dk, dv)) in enumerate(zip(src.layers, dst.layers)):
         for name, s, d in (("K", sk, dk), ("V", sv, dv)):
             want = s[list(src_ids)].view(torch.uint8)
@@ -42,6 +42,7 @@ def assert_blocks_equal(src: TorchPagedKV, src_ids: Sequence[int], dst: TorchPag
 
 
 def assert_untouched(dst: TorchPagedKV, before: list[tuple[torch.Tensor, torch.Tensor]], written: Sequence[int]) -> None:
+    """Byte-for-byte (exact: nothing wrote them): the blocks outside `written` are as they were."""
     written_set = set(written)
     others = [b for b in range(dst.num_blocks) if b not in written_set]
     for (k, v), (k0, v0) in zip(dst.layers, before):

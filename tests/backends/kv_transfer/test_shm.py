@@ -18,6 +18,8 @@ from backends.kv_transfer.shm import SharedKVFile, joint_runs, stacked_bytes
 from backends.kv_transfer.torch_cache import TorchPagedKV
 from backends.worker.kv_cache import KVCache, KVCacheSpec
 
+from tests.support.wait import await_until
+
 from .conftest import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, assert_blocks_equal, assert_untouched, make_kv, remote, snapshot
 
 SRC_IDS = [17, 3, 40, 41, 42, 9]
@@ -211,6 +213,19 @@ class CountingSource:
         return Counted()
 
 
+async def server_waits_for_the_client(server: TcpKVConnector) -> None:
+    """Until the server's one connection task is suspended reading the client's answer to BEGIN (it has
+    done all it does in between): a server that unpinned before that answer would have done so by now."""
+    def reading_the_answer() -> bool:
+        (task,) = server._server._connections   # type: ignore[union-attr]
+        names, coro = [], task.get_coro()
+        while coro is not None and hasattr(coro, "cr_code"):   # the chain of awaits, outermost first
+            names.append(coro.cr_code.co_name)
+            coro = coro.cr_await
+        return "_offer_shared" in names and "readexactly" in names[names.index("_offer_shared"):]
+    await await_until(reading_the_answer, "the server to wait for the client's answer to BEGIN")
+
+
 async def read_frame(reader: asyncio.StreamReader) -> tuple[FrameType, dict]:
     header = decode_header(await reader.readexactly(HEADER_SIZE))
     return header.frame_type, decode_json_meta(header.frame_type, await reader.readexactly(header.meta_len))
@@ -230,8 +245,9 @@ async def test_blocks_stay_pinned_until_the_client_is_done(ending: str) -> None:
         ftype, begin = await read_frame(reader)
         assert ftype is FrameType.BEGIN and begin["block_ids"] == SRC_IDS
         assert SharedRegion.from_wire(begin["shared_memory"]) == shared.region
-        await asyncio.sleep(0.05)
-        assert source.open_readers == 1          # pinned while the client copies
+        assert source.open_readers == 1          # pinned while the client copies ...
+        await server_waits_for_the_client(server)
+        assert source.open_readers == 1          # ... and still, with the server waiting for its answer
         if ending == "copied":
             writer.write(encode_json_frame(FrameType.COPIED, {"transfer_id": "t", "release": True}))
             assert await read_frame(reader) == (FrameType.DONE, {"transfer_id": "t", "released": True})
@@ -240,11 +256,7 @@ async def test_blocks_stay_pinned_until_the_client_is_done(ending: str) -> None:
             ftype, error = await read_frame(reader)
             assert ftype is FrameType.ERROR and error["code"] == KVErrorCode.PROTOCOL.value
         writer.close()
-        for _ in range(100):
-            if source.open_readers == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert source.open_readers == 0
+        await await_until(lambda: source.open_readers == 0, "the server to unpin the blocks")
         assert (kv.holds.lookup("t") is None) == (ending == "copied")   # otherwise the hold is kept
     finally:
         await server.close()

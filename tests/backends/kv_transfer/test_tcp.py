@@ -11,6 +11,8 @@ from backends.kv_transfer import (ChecksumKind, KVErrorCode, KVTransferConfig, K
                                   ReleaseMode, TcpKVConnector)
 from backends.kv_transfer.torch_cache import TorchPagedKV
 
+from tests.support.wait import DEFAULT_TIMEOUT_S, await_until
+
 from .conftest import (FaultyProxy, ProxyMode, assert_blocks_equal, assert_untouched, make_kv, remote,
                        snapshot)
 
@@ -168,10 +170,9 @@ async def test_connection_cut_midway_fails_fast_and_the_server_serves_on(served)
     proxy = FaultyProxy(port, ProxyMode.CUT, at=5000)
     await proxy.start()
     try:
-        started = time.monotonic()
         with pytest.raises(KVTransferError) as info:
             await TcpKVConnector().pull(remote(proxy.port, "cut"), make_kv(64, seed=2), DST_IDS)
-        assert time.monotonic() - started < 3.0  # not the 10 s idle timeout: the close is seen at once
+        # PEER_CLOSED, not TIMEOUT: the close itself ended the pull, not the 10 s idle timeout after it
         assert info.value.code is KVErrorCode.PEER_CLOSED and "layer 1 payload" in str(info.value)
     finally:
         await proxy.close()
@@ -188,7 +189,8 @@ async def test_stalled_peer_hits_the_idle_timeout(served) -> None:
         with pytest.raises(KVTransferError) as info:
             await TcpKVConnector(KVTransferConfig(idle_timeout_s=0.3)).pull(
                 remote(proxy.port, "stall"), make_kv(64, seed=2), DST_IDS)
-        assert 0.3 <= time.monotonic() - started < 3.0
+        assert time.monotonic() - started >= 0.3   # it waited the idle timeout out (a lower bound the code keeps)
+        # the idle check ("no bytes for"), not the 300 s total timeout ("took over")
         assert info.value.code is KVErrorCode.TIMEOUT and "no bytes for" in str(info.value)
     finally:
         await proxy.close()
@@ -216,7 +218,7 @@ async def test_garbage_gets_a_protocol_error_and_the_server_serves_on(served) ->
     src, _, port = served
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-    reply = await asyncio.wait_for(reader.read(), 2.0)  # an ERROR frame, then close
+    reply = await asyncio.wait_for(reader.read(), DEFAULT_TIMEOUT_S)  # an ERROR frame, then close
     writer.close()
     assert reply[:4] == b"SYKV" and b"bad magic" in reply
     await pull_and_check(src, port, make_kv(64, seed=2), KVTransferConfig(), "g", SRC_IDS, DST_IDS)
@@ -233,10 +235,8 @@ async def test_server_drops_a_client_that_stops_reading() -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(encode_json_frame(FrameType.PULL, request.to_wire()))
         # Never read: the server's drain stalls, and 0.3 s without progress later it gives up.
-        deadline = time.monotonic() + 5.0
-        while server._server._connections and time.monotonic() < deadline:  # type: ignore[union-attr]
-            await asyncio.sleep(0.1)
-        assert not server._server._connections  # type: ignore[union-attr]
+        await await_until(lambda: not server._server._connections,  # type: ignore[union-attr]
+                          "the server to drop the connection")
         writer.close()
         assert src.holds.lookup("big") is not None
         dst = make_kv(2048, torch.float32, seed=2)
@@ -258,6 +258,7 @@ async def test_cuda_caches_through_pinned_staging() -> None:
         src.holds.hold("g", SRC_IDS)
         await TcpKVConnector().pull(remote(port, "g"), dst, DST_IDS)
         for (sk, sv), (dk, dv) in zip(src.layers, dst.layers):
+            # exact: the pull copies bytes
             assert torch.equal(sk[SRC_IDS].view(torch.uint8).cpu(), dk[DST_IDS].view(torch.uint8).cpu())
             assert torch.equal(sv[SRC_IDS].view(torch.uint8).cpu(), dv[DST_IDS].view(torch.uint8).cpu())
     finally:
