@@ -15,9 +15,9 @@ from backends.models.config import ModelConfig
 # EPYC, the 30 layers of SmolLM2 (425 MB): at 2-8 rows (decode batches) 1.5-2.6x faster than MKL's sgemm
 # in any layout, the LM head at 2-32 rows 2-3x; a whole one-sequence decode step is as fast on 2 threads
 # and ~1.35x slower on 1 (docs/benchmarks.md, "oneDNN-packed matmuls").
-# And each row's result is bit-identical whatever the number of rows (MKL's is not), so the matmuls
-# do not make a sequence's logits depend on what else is in its batch. Elsewhere (CUDA, half precision):
-# plain layouts.
+# Rows are not guaranteed bit-identical across batch sizes: they were on the AVX2 EPYC, not on an
+# AVX-512 one, so nothing may rely on it (tests compare within float32 rounding, tests/backends/numerics.py).
+# Elsewhere (CUDA, half precision): plain layouts.
 _PACK_ROWS_HINT = 32   # the batch size oneDNN is told to pack for (4 and 32 measured alike at 1-8 rows)
 
 
