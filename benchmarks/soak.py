@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,8 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gateway_bench import MODEL, run_upstream  # noqa: E402
+from gateway_bench import MODEL, run_upstream, wait_http  # noqa: E402
 
+from gateway.serve import wait_healthy  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 API_KEY = "sk-soak"
@@ -89,7 +89,7 @@ def start_gateway(workdir: Path, providers: dict, model: str, redis_port: int) -
     proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "gateway", "--config", str(path)], cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/ready", proc, 120)
+    wait_healthy(proc, url + "/ready", "gateway", 120)
     return proc, url
 
 
@@ -99,24 +99,8 @@ def start_worker(workdir: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "backends.server", "--port", str(port), "--max-num-seqs", "16"],
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", proc, 600)
+    wait_healthy(proc, url + "/health", "worker", 600)
     return proc, url
-
-
-def wait_http(url: str, proc: subprocess.Popen | multiprocessing.Process, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        alive = proc.poll() is None if isinstance(proc, subprocess.Popen) else proc.is_alive()
-        if not alive:
-            raise SystemExit(f"{url}: the process exited while starting")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{url} did not answer within {timeout_s:.0f} s")
 
 
 # --- sampling ------------------------------------------------------------------------------------
@@ -266,7 +250,7 @@ def main() -> None:
             upstream = multiprocessing.Process(target=run_upstream, args=(port, 0.002), daemon=True)
             upstream.start()
             procs.append(upstream)
-            wait_http(f"http://127.0.0.1:{port}/health", upstream, 30)
+            wait_http(f"http://127.0.0.1:{port}/health", 30)
         providers = {"fakes": {"kind": "openai", "endpoints": [f"http://127.0.0.1:{p}" for p in ports]}}
         gateway, url = start_gateway(workdir, providers, MODEL, redis_port)
         procs.append(gateway)

@@ -28,7 +28,7 @@ def soak_setup(tmp_path):
             upstream = multiprocessing.Process(target=soak.run_upstream, args=(port, 0.001), daemon=True)
             upstream.start()
             procs.append(upstream)
-            soak.wait_http(f"http://127.0.0.1:{port}/health", upstream, 30)
+            soak.wait_http(f"http://127.0.0.1:{port}/health", 30)
         providers = {"fakes": {"kind": "openai", "endpoints": [f"http://127.0.0.1:{p}" for p in ports]}}
         gateway, url = soak.start_gateway(tmp_path, providers, soak.MODEL, redis_port)
         procs.append(gateway)
