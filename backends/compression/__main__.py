@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     cast = CastDtype(args.cast) if args.cast else None
-    bar = tqdm(total=_count_tensors(src), unit="tensor", desc="compressing")
+    # A bar on a terminal only: redirected to a log, the per-tensor lines are the whole record.
+    bar = tqdm(total=_count_tensors(src), unit="tensor", desc="compressing", disable=not sys.stderr.isatty())
 
     def report(stat: TensorStats) -> None:
         ratio = stat.stored_bytes / stat.original_bytes if stat.original_bytes else 1.0

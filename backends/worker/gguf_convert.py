@@ -6,6 +6,7 @@ q_proj/k_proj. It writes only into the folder it is given; atomicity is the call
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 def convert_tensors(reader: GGUFReader, meta: GGUFLlamaMeta) -> dict[str, torch.Tensor]:
     """Dequantize every used tensor to float32 under its HF name, q/k rows un-permuted."""
     out: dict[str, torch.Tensor] = {}
-    for tensor in tqdm(reader.tensors, desc="converting GGUF", unit="tensor"):
+    for tensor in tqdm(reader.tensors, desc="converting GGUF", unit="tensor", disable=not sys.stderr.isatty()):
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue

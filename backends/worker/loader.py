@@ -10,6 +10,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -149,21 +151,25 @@ def _read_weights(folder: Path, keep_compressed_on: torch.device | None, num_thr
         raise FileNotFoundError(f"no *.safetensors in {folder}")
     weights: dict[str, Any] = {}
     any_compressed = False
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-        if COMPRESSED_FORMAT_KEY in metadata:
-            # switchyard's compressed weight format (written by backends/compression)
-            any_compressed = True
-            if keep_compressed_on is not None:
-                from backends.compression import load_compressed_resident
-                weights.update(load_compressed_resident(path, keep_compressed_on))
+    # A bar on a terminal only: a worker's log gets no progress lines.
+    with tqdm(total=sum(p.stat().st_size for p in files), desc="loading weights", unit="B", unit_scale=True,
+              disable=not sys.stderr.isatty()) as bar:
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                metadata = f.metadata() or {}
+            if COMPRESSED_FORMAT_KEY in metadata:
+                # switchyard's compressed weight format (written by backends/compression)
+                any_compressed = True
+                if keep_compressed_on is not None:
+                    from backends.compression import load_compressed_resident
+                    weights.update(load_compressed_resident(path, keep_compressed_on))
+                else:
+                    from backends.compression import load_compressed_file
+                    weights.update(load_compressed_file(path, num_threads))
             else:
-                from backends.compression import load_compressed_file
-                weights.update(load_compressed_file(path, num_threads))
-        else:
-            _read_ahead(path)   # load_file maps the file: it is read when the model copies from it
-            weights.update(load_file(str(path)))
+                _read_ahead(path)   # load_file maps the file: it is read when the model copies from it
+                weights.update(load_file(str(path)))
+            bar.update(path.stat().st_size)
     if keep_compressed_on is not None and not any_compressed:
         raise ValueError(f"{folder} holds no compressed weights to keep compressed (see `switchyard compress`)")
     return weights
