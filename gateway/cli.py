@@ -47,6 +47,7 @@ _COMMANDS: Mapping[str, Callable[[Sequence[str]], None]] = MappingProxyType({
     "gateway": _run_gateway,
     "worker": lambda args: _exec_module("backends.server", args),
     "compress": lambda args: _exec_module("backends.compression", args),
+    "make-draft": lambda args: _exec_module("backends.spec.make_draft", args),
     "serve": _run_serve,
 })
 
