@@ -1,6 +1,7 @@
 """Who may call what: the API-key middleware. With keys configured, every route needs one except the
-probes (`/health`, `/ready`) and, when the config says so, `/metrics`; `/metrics` otherwise needs an
-admin key. It also caps each key's generation requests in flight on this replica.
+probes (`/health`, `/ready`), the status page's static HTML (`/status`: it holds no data; its script asks
+for a key) and, when the config says so, `/metrics` and `/status.json`; these two otherwise need an admin
+key. It also caps each key's generation requests in flight on this replica.
 
 It decides access only; rate limits and usage stay with admission (they need the request's tokens).
 """
@@ -18,7 +19,8 @@ from gateway.errors import Forbidden, RateLimited, Unauthorized
 API_KEY: web.RequestKey[ApiKey] = web.RequestKey("switchyard_api_key", ApiKey)
 
 PROBES = frozenset({"/health", "/ready"})
-METRICS = "/metrics"
+STATUS_PAGE = "/status"
+ADMIN = frozenset({"/metrics", "/status.json"})   # what a scrape or the status page reads
 GENERATION = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -36,13 +38,13 @@ def make_access_middleware(auth: Authenticator | None,
     @web.middleware
     async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
-        if auth is None or path in PROBES or (path == METRICS and limits.metrics_public):
+        if auth is None or path in PROBES or path == STATUS_PAGE or (path in ADMIN and limits.metrics_public):
             return await handler(request)
         key = auth.authenticate(request.headers.get("Authorization"))
         if key is None:
             raise Unauthorized("Incorrect or missing API key: send `Authorization: Bearer <key>`")
-        if path == METRICS and not key.admin:
-            raise Forbidden("/metrics needs an admin key (or `limits.metrics_public: true`)")
+        if path in ADMIN and not key.admin:
+            raise Forbidden(f"{path} needs an admin key (or `limits.metrics_public: true`)")
         request[API_KEY] = key
         cap = key.max_concurrent_requests
         if cap is None or path not in GENERATION:

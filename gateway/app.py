@@ -14,7 +14,7 @@ import aiohttp
 from aiohttp import web
 
 from cache.prefix_index import PrefixIndex
-from gateway import api
+from gateway import api, status
 from gateway.access import make_access_middleware
 from gateway.auth import Authenticator
 from gateway.breaker import CircuitState
@@ -51,6 +51,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     app[CONFIG] = config
     app[DRAIN] = drain
     app.add_routes(api.routes())
+    app.add_routes(status.routes())
     app.cleanup_ctx.append(_services_ctx)
     return app
 

@@ -62,6 +62,14 @@ class UpstreamRegistry:
             num_requests, num_prefill, num_decode = self._tracker.snapshot(endpoint.endpoint_id)
             yield endpoint.endpoint_id, num_requests, num_prefill, num_decode, endpoint.breaker.state
 
+    def kv_free_fraction(self, endpoint_id: str) -> float | None:
+        """For the status page: free KV from the endpoint's last fresh /load report; None without one."""
+        return self._tracker.kv_free_fraction(endpoint_id)
+
+    def num_indexed_blocks(self, endpoint_id: str) -> int:
+        """For the status page: prefix-cache blocks the gateway's index holds for the endpoint."""
+        return self._prefix_index.num_blocks(endpoint_id)
+
     def pool(self, provider_name: str, pool: Pool = Pool.MAIN) -> list[Endpoint]:
         return self.pools.get((provider_name, pool), [])
 

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from backends.engine.config import EngineConfig
 from backends.engine.pd_connector import PDConnector
-from backends.server import disagg, openai_routes, openapi, ops_routes
+from backends.server import disagg, openai_routes, openapi, ops_routes, status
 from backends.server.config import ServerConfig
 from backends.server.drain import DRAIN, Drain
 from backends.server.errors import APIError, ErrorType, error_body
@@ -49,6 +49,7 @@ def create_app(
         web.get("/load", ops_routes.load),
         web.get("/kv_events", ops_routes.kv_events),
         web.get("/openapi.json", openapi.handler()),
+        *status.routes(),
     ])
     if config.debug_endpoints:
         app.router.add_get("/debug/kv_digest", disagg.kv_digest)
