@@ -21,7 +21,7 @@ API_KEY: web.RequestKey[ApiKey] = web.RequestKey("switchyard_api_key", ApiKey)
 PROBES = frozenset({"/health", "/ready"})
 STATUS_PAGE = "/status"
 ADMIN = frozenset({"/metrics", "/status.json"})   # what a scrape or the status page reads
-GENERATION = frozenset({"/v1/chat/completions", "/v1/completions"})
+GENERATION = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -40,9 +40,9 @@ def make_access_middleware(auth: Authenticator | None,
         path = request.path
         if auth is None or path in PROBES or path == STATUS_PAGE or (path in ADMIN and limits.metrics_public):
             return await handler(request)
-        key = auth.authenticate(request.headers.get("Authorization"))
+        key = auth.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))
         if key is None:
-            raise Unauthorized("Incorrect or missing API key: send `Authorization: Bearer <key>`")
+            raise Unauthorized("Incorrect or missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
         if path in ADMIN and not key.admin:
             raise Forbidden(f"{path} needs an admin key (or `limits.metrics_public: true`)")
         request[API_KEY] = key

@@ -16,6 +16,7 @@ from aiohttp import web
 from cache.prefix_index import PrefixIndex
 from gateway import api, status
 from gateway.access import make_access_middleware
+from gateway.api import messages
 from gateway.auth import Authenticator
 from gateway.breaker import CircuitState
 from gateway.config import GatewayConfig
@@ -46,7 +47,8 @@ def create_app(config: GatewayConfig) -> web.Application:
         make_provider(provider)
     access = make_access_middleware(Authenticator.from_config(config.api_keys), config.limits)
     drain = Drain()
-    app = web.Application(middlewares=[make_error_middleware(RequestIds()), drain.middleware(), access],
+    error_middleware = make_error_middleware(RequestIds(), {messages.ROUTE: messages.error_response})
+    app = web.Application(middlewares=[error_middleware, drain.middleware(), access],
                           client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[DRAIN] = drain

@@ -59,10 +59,10 @@ class Authenticator:
     def __len__(self) -> int:
         return len(self._by_digest)
 
-    def authenticate(self, authorization: str | None) -> ApiKey | None:
-        """The key named by an `Authorization: Bearer <key>` header value, or None (missing, malformed
-        or unknown: answer 401)."""
-        secret = _bearer_token(authorization)
+    def authenticate(self, authorization: str | None, api_key: str | None = None) -> ApiKey | None:
+        """The key named by an `Authorization: Bearer <key>` header value or else by an `x-api-key` one
+        (as Anthropic's SDK sends it), or None (missing, malformed or unknown: answer 401)."""
+        secret = _bearer_token(authorization) or (api_key.strip() if api_key else None)
         if secret is None:
             return None
         digest = hash_secret(secret)

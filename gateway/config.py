@@ -25,6 +25,7 @@ class ConfigError(ValueError):
 class ProviderKind(str, Enum):
     OPENAI = "openai"          # any OpenAI-compatible server: our workers, vLLM, SGLang, hosted APIs
     SWITCHYARD_PD = "switchyard-pd"  # disaggregated: a prefill pool then a decode pool (docs/disaggregation.md)
+    ANTHROPIC = "anthropic"    # an Anthropic-compatible Messages API (chat requests translated both ways)
 
 
 class Pool(str, Enum):
@@ -93,7 +94,7 @@ class ProviderConfig:
     kind: ProviderKind                   # picks the implementation in gateway.providers
     endpoints: tuple[str, ...]           # base URLs (scheme://host:port, no /v1); the decode pool for switchyard-pd
     upstream_model: str | None = None    # the model name sent upstream; None: the client's name
-    api_key: str | None = None           # sent as `Authorization: Bearer` upstream
+    api_key: str | None = None           # sent as `Authorization: Bearer` upstream (`x-api-key` for anthropic)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     offers_load: bool = False            # endpoints serve GET /load (switchyard workers)
     offers_kv_events: bool = False       # endpoints serve GET /kv_events?since=N

@@ -17,7 +17,7 @@ from gateway.legs import Legs
 from gateway.metrics import Metrics
 from gateway.providers import Provider, ProviderRun
 from gateway.request import Outcome, Progress, ProviderExhausted, RoutedRequest
-from gateway.streaming import ClientGone, ClientStream, StreamUsage, error_event
+from gateway.streaming import ClientGone, ClientStream, SseResponseFactory, StreamUsage, error_event
 from policies.base import Policy
 
 
@@ -31,8 +31,10 @@ class Dispatcher:
         self.metrics = metrics
         self._keepalive_s = keepalive_s   # SSE keepalive interval while the first token is awaited
 
-    async def dispatch(self, request: web.Request, routed: RoutedRequest) -> Outcome:
-        client = ClientStream(request, self._keepalive_s) if routed.stream else None
+    async def dispatch(self, request: web.Request, routed: RoutedRequest,
+                       sse_response: SseResponseFactory | None = None) -> Outcome:
+        """`sse_response`: how a streamed answer's response is built (None: OpenAI's SSE as relayed)."""
+        client = ClientStream(request, self._keepalive_s, sse_response) if routed.stream else None
         progress = Progress(routed, client, self._policies[routed.model.name])
         try:
             return await self._retrier.run(_ChainWalk(self, progress))

@@ -1,4 +1,5 @@
-"""The gateway's error hierarchy and the one middleware that turns errors into OpenAI-style JSON.
+"""The gateway's error hierarchy and the one middleware that turns errors into OpenAI-style JSON (or, on
+a route of another API, that API's shape).
 
 Handlers raise `GatewayError` subclasses; nothing else in the gateway builds an error body.
 The middleware is also the request boundary: it sets the request id and logs unexpected errors.
@@ -7,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from types import MappingProxyType
 
 import orjson
 from aiohttp import web
@@ -105,33 +107,41 @@ def _from_http_exception(exc: web.HTTPException) -> GatewayError:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def make_error_middleware(request_ids: RequestIds) -> Middleware:
-    """The request boundary: request id in, OpenAI-style errors out, unexpected errors logged."""
+# Renders an error as a response; a route of another API (POST /v1/messages) has its own shape.
+ErrorRenderer = Callable[[GatewayError], web.Response]
+
+
+def make_error_middleware(request_ids: RequestIds,
+                          renderers: Mapping[str, ErrorRenderer] = MappingProxyType({})) -> Middleware:
+    """The request boundary: request id in, OpenAI-style errors out (or the shape `renderers` gives
+    the request's path), unexpected errors logged."""
 
     @web.middleware
     async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         request_id = request.headers.get(REQUEST_ID_HEADER) or request_ids.new()
-        return await _handle(request, handler, request_id)
+        return await _handle(request, handler, request_id, renderers)
 
     return error_middleware
 
 
-async def _handle(request: web.Request, handler: Handler, request_id: str) -> web.StreamResponse:
+async def _handle(request: web.Request, handler: Handler, request_id: str,
+                  renderers: Mapping[str, ErrorRenderer]) -> web.StreamResponse:
     token = request_id_var.set(request_id)
     try:
         try:
             response = await handler(request)
         except GatewayError as exc:
-            response = error_response(exc)
+            response = renderers.get(request.path, error_response)(exc)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            response = error_response(_from_http_exception(exc))
+            response = renderers.get(request.path, error_response)(_from_http_exception(exc))
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            response = error_response(GatewayError("internal gateway error", code="internal_error"))
+            error = GatewayError("internal gateway error", code="internal_error")
+            response = renderers.get(request.path, error_response)(error)
         if not response.prepared:
             response.headers[REQUEST_ID_HEADER] = request_id
         return response

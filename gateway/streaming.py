@@ -104,13 +104,20 @@ class _SseResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
+# Builds the client's response from `status=` and `headers=`; another API surface passes one whose
+# `write` re-encodes the OpenAI events it is given (gateway/api/messages.py).
+SseResponseFactory = Callable[..., web.StreamResponse]
+
+
 class ClientStream:
     """One client's SSE response. Headers go out with the first data or the first keepalive;
     until data has gone out, the dispatcher may still retry elsewhere."""
 
-    def __init__(self, request: web.Request, keepalive_s: float) -> None:
+    def __init__(self, request: web.Request, keepalive_s: float,
+                 new_response: SseResponseFactory | None = None) -> None:
         self._request = request
         self._keepalive_s = keepalive_s
+        self._new_response: SseResponseFactory = new_response or _SseResponse
         self._lock = asyncio.Lock()
         self.response: web.StreamResponse | None = None
         self.data_started = False
@@ -144,7 +151,7 @@ class ClientStream:
 
     async def _ensure_prepared(self, status: int, content_type: str) -> None:
         if self.response is None:
-            response = _SseResponse(status=status, headers={
+            response = self._new_response(status=status, headers={
                 "Content-Type": content_type, "Cache-Control": "no-cache",
                 REQUEST_ID_HEADER: request_id_var.get()})
             await response.prepare(self._request)

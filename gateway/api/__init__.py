@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway.api import completions, models, openapi, ops, usage
+from gateway.api import completions, messages, models, openapi, ops, usage
 
 
 def routes() -> list[web.RouteDef]:
     return [
         web.post("/v1/chat/completions", completions.chat_completions),
         web.post("/v1/completions", completions.completions),
+        web.post(messages.ROUTE, messages.create_message),
         web.get("/v1/models", models.list_models),
         web.get("/v1/usage", usage.get_usage),
         web.get("/health", ops.health),

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -28,7 +28,7 @@ from gateway.errors import BadRequest, GatewayError, NotFound, RateLimited, Requ
 from gateway.request import Outcome, RoutedRequest
 from gateway.services import SERVICES, Services
 from gateway.state import MemoryStore
-from gateway.streaming import StreamUsage
+from gateway.streaming import SseResponseFactory, StreamUsage
 from gateway.tokenize import PromptTokens
 from gateway.tracing import request_id_var
 from policies.base import RequestFacts
@@ -54,8 +54,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _handle(request: web.Request, surface: Surface) -> web.StreamResponse:
     started_s = time.perf_counter()
     services = request.app[SERVICES]
-    raw = await _read_body(request, services.config.limits.body_timeout_s)
+    raw = await read_body(request, services.config.limits.body_timeout_s)
     body = parse_body(raw, surface, services.config.limits)
+    return (await serve(request, surface, body, raw, started_s)).response
+
+
+async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any], raw: bytes, started_s: float,
+                sse_response: Callable[[RoutedRequest], SseResponseFactory] | None = None) -> Outcome:
+    """Count, admit, route and dispatch a validated body (`raw`: its bytes as forwarded upstream). Another
+    API surface translated into this one passes `sse_response` to re-encode a streamed answer."""
+    services = request.app[SERVICES]
     model = services.config.models.get(body["model"])
     if model is None:
         raise NotFound(f"The model {body['model']!r} does not exist", param="model", code="model_not_found")
@@ -76,20 +84,21 @@ async def _handle(request: web.Request, surface: Surface) -> web.StreamResponse:
             session_key=session_key, session_endpoint=session_endpoint, block_size=model.block_size)
         routed = RoutedRequest(model, surface.value, body, raw, body.get("stream", False), facts,
                                request_id_var.get(), started_s, session_id)
-        outcome = await _dispatch(services, request, routed, charge)
+        new_response = sse_response(routed) if sse_response is not None and routed.stream else None
+        outcome = await _dispatch(services, request, routed, charge, new_response)
     if outcome.endpoint_id is not None:
         services.estimator.observe(model.name, outcome.usage.num_output_tokens)
-    return outcome.response
+    return outcome
 
 
 async def _dispatch(services: Services, request: web.Request, routed: RoutedRequest,
-                    charge: Charge | None) -> Outcome:
+                    charge: Charge | None, sse_response: SseResponseFactory | None) -> Outcome:
     """The dispatcher's outcome; on errors and cancellation too, the charge is settled to what was really
     used and the request is counted."""
     outcome = None
     status = 499  # the client went away
     try:
-        outcome = await services.dispatcher.dispatch(request, routed)
+        outcome = await services.dispatcher.dispatch(request, routed, sse_response)
         status = outcome.response.status
         return outcome
     except GatewayError as exc:
@@ -157,7 +166,7 @@ async def _settle(services: Services, charge: Charge, num_prompt_tokens: int, us
 
 # --- validation ------------------------------------------------------------------------------------
 
-async def _read_body(request: web.Request, timeout_s: float) -> bytes:
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
     """The whole body, or 408 for a client that sends it too slowly to hold a connection with it."""
     try:
         async with asyncio.timeout(timeout_s):
@@ -175,6 +184,12 @@ def parse_body(raw: bytes, surface: Surface, limits: LimitsConfig) -> dict[str, 
         raise BadRequest(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object")
+    check_body(body, surface, limits)
+    return body
+
+
+def check_body(body: Mapping[str, Any], surface: Surface, limits: LimitsConfig) -> None:
+    """The fields the gateway reads (or caps) have the right types and bounds."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
@@ -193,7 +208,6 @@ def parse_body(raw: bytes, surface: Surface, limits: LimitsConfig) -> dict[str, 
                              param=name)
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
         _check_type(body, name, (int, float))
-    return body
 
 
 def _check_type(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

@@ -5,6 +5,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 from gateway.config import ProviderConfig, ProviderKind
+from gateway.providers.anthropic import AnthropicProvider
 from gateway.providers.base import Provider, ProviderRun
 from gateway.providers.openai import OpenAIProvider
 from gateway.providers.switchyard_pd import SwitchyardPdProvider
@@ -12,6 +13,7 @@ from gateway.providers.switchyard_pd import SwitchyardPdProvider
 PROVIDER_KINDS: Mapping[ProviderKind, Callable[[ProviderConfig], Provider]] = MappingProxyType({
     ProviderKind.OPENAI: OpenAIProvider,
     ProviderKind.SWITCHYARD_PD: SwitchyardPdProvider,
+    ProviderKind.ANTHROPIC: AnthropicProvider,
 })
 
 

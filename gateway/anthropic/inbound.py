@@ -1,0 +1,292 @@
+"""Anthropic clients over the OpenAI-style dispatch: a Messages request becomes a chat completions body,
+and the chat answer (whole or streamed) and errors come back in Anthropic's shapes.
+
+Pure: no I/O. Bad requests raise `BadRequest` (the /v1/messages route renders it in Anthropic's shape).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import date
+from typing import Any, TypeGuard
+
+import orjson
+
+from gateway.anthropic import FIRST_VERSION
+from gateway.anthropic.sse import SseEvent, SseFramer, named_event
+from gateway.errors import BadRequest
+
+ROLES = frozenset({"user", "assistant"})
+# OpenAI finish_reason -> Anthropic stop_reason ("stop" may become "stop_sequence": see `stop_reason`).
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
+                "function_call": "tool_use", "content_filter": "refusal"}
+# HTTP status -> Anthropic error type; any other 4xx is invalid_request_error, any other 5xx api_error.
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+# OpenAI error `type` -> Anthropic's, for errors that arrive inside a stream (no status to go by).
+STREAM_ERROR_TYPES = {"invalid_request_error": "invalid_request_error", "authentication_error": "authentication_error",
+                      "permission_error": "permission_error", "rate_limit_error": "rate_limit_error"}
+
+
+@dataclass(frozen=True, slots=True)
+class MessageHeader:
+    """What every answer to one Messages request carries besides the upstream's text."""
+    message_id: str                       # "msg_..." (the gateway makes one per request)
+    model: str                            # the model name the client sent
+    stop_sequences: tuple[str, ...]       # the client's, to tell a stop sequence from the end of a turn
+    num_input_tokens: int = 0             # the gateway's prompt count (message_start), until usage corrects it
+
+
+# --- the request -------------------------------------------------------------------------------------
+
+def check_version(value: str | None) -> None:
+    """`anthropic-version` may be absent; a present one is a YYYY-MM-DD date from FIRST_VERSION on."""
+    if value is None:
+        return
+    try:
+        valid = date.fromisoformat(value.strip()).isoformat() == value.strip() and value.strip() >= FIRST_VERSION
+    except ValueError:
+        valid = False
+    if not valid:
+        raise BadRequest(f"anthropic-version: {value!r} is not a valid version; expected a date such as "
+                         f"2023-06-01 (from {FIRST_VERSION} on)", param="anthropic-version")
+
+
+def to_chat_body(body: Any) -> dict[str, Any]:
+    """A validated Messages request as an OpenAI chat completions body (usage asked for when streaming)."""
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("model: field required (a non-empty string)", param="model")
+    max_tokens = body.get("max_tokens")
+    if not _is_int(max_tokens) or max_tokens < 1:
+        raise BadRequest("max_tokens: field required (an integer of at least 1)", param="max_tokens")
+    if body.get("tools"):
+        raise BadRequest("tools: tool use is not supported by this gateway", param="tools")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages: field required (a non-empty array)", param="messages")
+    chat_messages = []
+    if body.get("system") is not None:
+        chat_messages.append({"role": "system", "content": _text(body["system"], "system")})
+    for index, message in enumerate(messages):
+        where = f"messages.{index}"
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise BadRequest(f"{where}: an object with role 'user' or 'assistant'", param=f"{where}.role")
+        chat_messages.append({"role": message["role"], "content": _text(message.get("content"), f"{where}.content")})
+    chat: dict[str, Any] = {"model": model, "messages": chat_messages, "max_tokens": max_tokens}
+    for name in ("temperature", "top_p"):
+        if body.get(name) is not None:
+            chat[name] = _number(body, name)
+    if body.get("top_k") is not None:   # vLLM's extension, which switchyard workers accept too
+        if not _is_int(body["top_k"]) or body["top_k"] < 0:
+            raise BadRequest("top_k: a non-negative integer", param="top_k")
+        chat["top_k"] = body["top_k"]
+    stop = _stop_sequences(body.get("stop_sequences"))
+    if stop:
+        chat["stop"] = list(stop)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream: a boolean", param="stream")
+    if stream:
+        chat.update(stream=True, stream_options={"include_usage": True})
+    return chat
+
+
+def stop_sequences(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """The request's stop sequences (after `to_chat_body` validated them)."""
+    return _stop_sequences(body.get("stop_sequences"))
+
+
+def _stop_sequences(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise BadRequest("stop_sequences: an array of non-empty strings", param="stop_sequences")
+    return tuple(value)
+
+
+def _text(content: Any, where: str) -> str:
+    """A string, or text blocks joined by newlines (as the workers join OpenAI text parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for index, block in enumerate(content):
+            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+                kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+                raise BadRequest(f"{where}.{index}: only text content blocks are supported, not {kind!r}",
+                                 param=f"{where}.{index}")
+            texts.append(block["text"])
+        return "\n".join(texts)
+    raise BadRequest(f"{where}: a string or a non-empty array of text blocks", param=where)
+
+
+def _number(body: Mapping[str, Any], name: str) -> float:
+    value = body[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"{name}: a number", param=name)
+    return value
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# --- the answer --------------------------------------------------------------------------------------
+
+def stop_reason(choice: Mapping[str, Any], stop_sequences: tuple[str, ...]) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) of an OpenAI choice. vLLM-style upstreams (switchyard workers too)
+    name the stop string that ended the output in the choice's `stop_reason`."""
+    finish = choice.get("finish_reason")
+    if finish is None:
+        return None, None
+    matched = choice.get("stop_reason")
+    if finish == "stop" and isinstance(matched, str) and matched in stop_sequences:
+        return "stop_sequence", matched
+    return STOP_REASONS.get(finish, "end_turn"), None
+
+
+def usage(openai_usage: Any, num_input_tokens: int, num_output_tokens: int) -> dict[str, int]:
+    """Anthropic usage from an OpenAI usage object (or the fallbacks when there is none). As Anthropic
+    counts, input_tokens excludes the prompt tokens read from the prefix cache; no prompt is ever written
+    to the cache at a price, so cache_creation_input_tokens is 0."""
+    cached = 0
+    if isinstance(openai_usage, dict):
+        prompt, completion = openai_usage.get("prompt_tokens"), openai_usage.get("completion_tokens")
+        num_input_tokens = prompt if _is_int(prompt) else num_input_tokens
+        num_output_tokens = completion if _is_int(completion) else num_output_tokens
+        details = openai_usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and _is_int(details.get("cached_tokens")):
+            cached = min(details["cached_tokens"], num_input_tokens)
+    return {"input_tokens": num_input_tokens - cached, "output_tokens": num_output_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+def to_message(completion: Any, header: MessageHeader) -> dict[str, Any]:
+    """A whole OpenAI chat completion as an Anthropic message."""
+    choices = completion.get("choices") if isinstance(completion, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    message = choice.get("message")
+    text = message.get("content") if isinstance(message, dict) else None
+    text = text if isinstance(text, str) else ""
+    reason, sequence = stop_reason(choice, header.stop_sequences)
+    return {"id": header.message_id, "type": "message", "role": "assistant", "model": header.model,
+            "content": [{"type": "text", "text": text}], "stop_reason": reason, "stop_sequence": sequence,
+            "usage": usage(completion.get("usage") if isinstance(completion, dict) else None,
+                           header.num_input_tokens, 0)}
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": error_type(status), "message": message}}
+
+
+def error_from_openai(status: int, body: bytes) -> dict[str, Any]:
+    """An upstream's OpenAI-style error (relayed as it was) in Anthropic's shape."""
+    return error_body(status, _openai_message(body))
+
+
+def _openai_message(body: bytes) -> str:
+    try:
+        message = orjson.loads(body)["error"]["message"]
+        if isinstance(message, str):
+            return message
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        pass
+    return body[:500].decode(errors="replace")
+
+
+# --- the stream --------------------------------------------------------------------------------------
+
+class MessageEvents:
+    """OpenAI chat chunks in, Anthropic stream events out: message_start, content_block_start and ping
+    before the first text, a content_block_delta per chunk of text, then content_block_stop,
+    message_delta (stop reason and usage) and message_stop at [DONE]. A keepalive comment becomes a
+    ping; an error event becomes `event: error` and ends the stream."""
+
+    __slots__ = ("_ended", "_framer", "_header", "_num_deltas", "_started", "_stop", "_usage")
+
+    def __init__(self, header: MessageHeader) -> None:
+        self._header = header
+        self._framer = SseFramer()
+        self._started = False          # message_start went out
+        self._ended = False            # message_stop or an error went out: nothing more follows
+        self._stop: tuple[str | None, str | None] = (None, None)  # (stop_reason, stop_sequence)
+        self._usage: Any = None        # the upstream's usage object, when it sends one
+        self._num_deltas = 0           # text chunks relayed (output tokens when no usage comes)
+
+    def feed(self, chunk: bytes) -> bytes:
+        out = b""
+        for event in self._framer.feed(chunk):
+            if not self._ended:
+                out += self._translate(event)
+        return out
+
+    def close(self) -> bytes:
+        """The end of the upstream's stream: a started message that did not end is ended now."""
+        if self._ended or not self._started:
+            return b""
+        return self._end()
+
+    def _translate(self, event: SseEvent) -> bytes:
+        if event.data is None:
+            return named_event({"type": "ping"})
+        if event.data == b"[DONE]":
+            return self._start() + self._end()
+        try:
+            payload = orjson.loads(event.data)
+        except orjson.JSONDecodeError:
+            return b""
+        if not isinstance(payload, dict):
+            return b""
+        if isinstance(payload.get("error"), dict) and not payload.get("choices"):
+            return self._error(payload["error"])
+        out = self._start()
+        if isinstance(payload.get("usage"), dict):
+            self._usage = payload["usage"]
+        choices = payload.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            choice = choices[0]
+            delta = choice.get("delta")
+            text = delta.get("content") if isinstance(delta, dict) else None
+            if isinstance(text, str) and text:
+                self._num_deltas += 1
+                out += named_event({"type": "content_block_delta", "index": 0,
+                                    "delta": {"type": "text_delta", "text": text}})
+            if choice.get("finish_reason") is not None:
+                self._stop = stop_reason(choice, self._header.stop_sequences)
+        return out
+
+    def _start(self) -> bytes:
+        if self._started:
+            return b""
+        self._started = True
+        header = self._header
+        message: dict[str, Any] = {
+            "id": header.message_id, "type": "message", "role": "assistant", "model": header.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": usage(None, header.num_input_tokens, 0)}
+        return (named_event({"type": "message_start", "message": message})
+                + named_event({"type": "content_block_start", "index": 0,
+                               "content_block": {"type": "text", "text": ""}})
+                + named_event({"type": "ping"}))
+
+    def _end(self) -> bytes:
+        self._ended = True
+        reason, sequence = self._stop
+        return (named_event({"type": "content_block_stop", "index": 0})
+                + named_event({"type": "message_delta", "delta": {"stop_reason": reason or "end_turn",
+                                                                   "stop_sequence": sequence},
+                               "usage": usage(self._usage, self._header.num_input_tokens, self._num_deltas)})
+                + named_event({"type": "message_stop"}))
+
+    def _error(self, error: Mapping[str, Any]) -> bytes:
+        self._ended = True
+        kind = "overloaded_error" if error.get("code") == "no_upstream_available" else \
+            STREAM_ERROR_TYPES.get(str(error.get("type")), "api_error")
+        message = error.get("message") if isinstance(error.get("message"), str) else "upstream error"
+        return named_event({"type": "error", "error": {"type": kind, "message": message}})

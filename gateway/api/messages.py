@@ -1,0 +1,96 @@
+"""POST /v1/messages: Anthropic's Messages API over the same admission, routing and dispatch as chat
+completions (`completions.serve`): session affinity, rate limits, retries and fallback apply unchanged.
+The translation is gateway/anthropic/inbound.py; this module only wires it to the request and response.
+Every error on this route, the access middleware's included, has Anthropic's shape (`error_response`).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.anthropic import inbound
+from gateway.anthropic.inbound import MessageEvents, MessageHeader
+from gateway.api.completions import Surface, check_body, read_body, serve
+from gateway.errors import BadRequest, GatewayError
+from gateway.request import RoutedRequest
+from gateway.services import SERVICES
+from gateway.streaming import SseResponseFactory
+
+ROUTE = "/v1/messages"
+VERSION_HEADER = "anthropic-version"
+
+
+async def create_message(request: web.Request) -> web.StreamResponse:
+    started_s = time.perf_counter()
+    services = request.app[SERVICES]
+    inbound.check_version(request.headers.get(VERSION_HEADER))
+    raw = await read_body(request, services.config.limits.body_timeout_s)
+    body = _decode(raw)
+    chat = inbound.to_chat_body(body)
+    check_body(chat, Surface.CHAT, services.config.limits)
+    header = MessageHeader(f"msg_{uuid.uuid4().hex}", chat["model"], inbound.stop_sequences(body))
+    outcome = await serve(request, Surface.CHAT, chat, orjson.dumps(chat), started_s,
+                          partial(_sse_response, header))
+    return _translated(outcome.response, header)
+
+
+def _decode(raw: bytes) -> Any:
+    if not raw:
+        raise BadRequest("The request body is empty; expected a JSON object")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"The request body is not valid JSON: {exc}") from None
+
+
+def _translated(response: web.StreamResponse, header: MessageHeader) -> web.StreamResponse:
+    """A whole answer (or an upstream's relayed error) in Anthropic's shape; a stream went out translated."""
+    if response.prepared or not isinstance(response, web.Response) or not isinstance(response.body, bytes):
+        return response
+    status = response.status
+    if status != 200:
+        body = inbound.error_from_openai(status, response.body)
+    else:
+        try:
+            body = inbound.to_message(orjson.loads(response.body), header)
+        except orjson.JSONDecodeError:
+            status, body = 502, inbound.error_body(502, "the upstream's answer is not JSON")
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json",
+                        headers={k: v for k, v in response.headers.items() if k.lower() == "retry-after"})
+
+
+def _sse_response(header: MessageHeader, routed: RoutedRequest) -> SseResponseFactory:
+    """The streamed response's factory: message_start carries the gateway's prompt count."""
+    events = MessageEvents(replace(header, num_input_tokens=routed.facts.num_prompt_tokens))
+    return partial(MessageEventsResponse, events)
+
+
+class MessageEventsResponse(web.StreamResponse):
+    """The client's SSE response: whatever the dispatch writes (OpenAI chunks, keepalives, error events)
+    leaves as Anthropic events."""
+
+    _send_headers_immediately = False   # the status line and headers leave with the first events
+
+    def __init__(self, events: MessageEvents, *, status: int, headers: dict[str, str]) -> None:
+        super().__init__(status=status, headers=headers)
+        self._events = events
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        out = self._events.feed(bytes(data))
+        if out:
+            await super().write(out)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await super().write_eof(self._events.close() + data)   # close() is empty once the message ended
+
+
+def error_response(error: GatewayError) -> web.Response:
+    """The error middleware's renderer for this route."""
+    return web.Response(status=error.status, body=orjson.dumps(inbound.error_body(error.status, error.message)),
+                        content_type="application/json", headers=error.headers)

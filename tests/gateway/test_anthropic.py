@@ -1,0 +1,343 @@
+"""The Anthropic Messages API on the gateway (POST /v1/messages) and the `anthropic` provider kind, in one
+process: the real gateway app under aiohttp's TestServer, the official `anthropic` and `openai` SDKs as
+clients, and two scripted in-process upstreams: an OpenAI-compatible one, and a fake Anthropic API (a
+third-party service that cannot run here). Real workers: tests/clients/test_anthropic_sdk.py.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anthropic
+import openai
+import orjson
+import pytest
+import yaml
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from gateway.app import create_app
+from gateway.config import parse_config
+
+KEY = "sk-test-key"
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+# --- scripted upstreams ------------------------------------------------------------------------------
+
+@dataclass
+class Upstream:
+    """An OpenAI chat upstream (`kind="openai"`) or a fake Anthropic Messages API (`kind="anthropic"`)."""
+    kind: str
+    answers: list[tuple[int, str]] = field(default_factory=list)  # (status, error type) to answer next
+    stream_error: str | None = None              # anthropic: open the next stream with this error event
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[Any] = field(default_factory=list)
+    server: TestServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return str(self.server.make_url("")).rstrip("/")
+
+
+async def _openai_answer(request: web.Request, upstream: Upstream, body: dict[str, Any]) -> web.StreamResponse:
+    """'Hello there' in two pieces; a stop string in the request is reported as matched (as vLLM does)."""
+    stop = body.get("stop") or []
+    end = {"finish_reason": "stop", "stop_reason": stop[0]} if stop else {"finish_reason": "stop"}
+    usage = {"prompt_tokens": 20, "completion_tokens": 2, "total_tokens": 22,
+             "prompt_tokens_details": {"cached_tokens": 16}}
+    if not body.get("stream"):
+        return web.json_response({"id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello there"},
+                                               **end}], "usage": usage})
+    chunks = [{"delta": {"role": "assistant", "content": ""}, "finish_reason": None},
+              {"delta": {"content": "Hello"}, "finish_reason": None}, {"delta": {"content": " there"}, **end}]
+    events = b"".join(b"data: " + orjson.dumps({"id": "c", "object": "chat.completion.chunk", "model": body["model"],
+                                                "choices": [{"index": 0, **c}]}) + b"\n\n" for c in chunks)
+    if (body.get("stream_options") or {}).get("include_usage"):
+        events += b"data: " + orjson.dumps({"id": "c", "choices": [], "usage": usage}) + b"\n\n"
+    return await _stream(request, events + b"data: [DONE]\n\n")
+
+
+async def _anthropic_answer(request: web.Request, upstream: Upstream, body: dict[str, Any]) -> web.StreamResponse:
+    usage = {"input_tokens": 5, "output_tokens": 2, "cache_read_input_tokens": 32, "cache_creation_input_tokens": 0}
+    if not body.get("stream"):
+        return web.json_response({"id": "msg_up", "type": "message", "role": "assistant", "model": body["model"],
+                                  "content": [{"type": "text", "text": "Bonjour toi"}], "stop_reason": "end_turn",
+                                  "stop_sequence": None, "usage": usage})
+    if upstream.stream_error is not None:
+        error, upstream.stream_error = upstream.stream_error, None
+        return await _stream(request, _named({"type": "error", "error": {"type": error, "message": "busy"}}))
+    message = {"id": "msg_up", "type": "message", "role": "assistant", "model": body["model"], "content": [],
+               "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 1}}
+    events = [{"type": "message_start", "message": message},
+              {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+              {"type": "ping"},
+              {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Bonjour"}},
+              {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": " toi"}},
+              {"type": "content_block_stop", "index": 0},
+              {"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+               "usage": {"output_tokens": 2}},
+              {"type": "message_stop"}]
+    return await _stream(request, b"".join(_named(e) for e in events))
+
+
+def _named(event: dict[str, Any]) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
+
+
+async def _stream(request: web.Request, data: bytes) -> web.StreamResponse:
+    """`data` in 7-byte writes: events arrive cut anywhere, as they may over TCP."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for start in range(0, len(data), 7):
+        await response.write(data[start:start + 7])
+    await response.write_eof()
+    return response
+
+
+def _upstream_app(upstream: Upstream) -> web.Application:
+    async def generate(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        upstream.bodies.append(body)
+        upstream.headers.append(request.headers.copy())
+        if upstream.answers:
+            status, kind = upstream.answers.pop(0)
+            error = {"type": "error", "error": {"type": kind, "message": f"scripted {status}"}} \
+                if upstream.kind == "anthropic" else \
+                {"error": {"message": f"scripted {status}", "type": kind, "param": None, "code": kind}}
+            return web.json_response(error, status=status)
+        answer = _anthropic_answer if upstream.kind == "anthropic" else _openai_answer
+        return await answer(request, upstream, body)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    path = "/v1/messages" if upstream.kind == "anthropic" else "/v1/chat/completions"
+    app = web.Application()
+    app.add_routes([web.get("/health", health), web.post(path, generate)])
+    return app
+
+
+Start = Callable[..., Awaitable[Any]]
+
+
+@pytest.fixture
+async def start() -> AsyncIterator[Start]:
+    """start("openai" | "anthropic") -> Upstream, or start(config dict) -> TestClient of the gateway app."""
+    servers: list[TestServer | TestClient] = []
+
+    async def start_one(what: str | dict[str, Any]) -> Any:
+        if isinstance(what, str):
+            upstream = Upstream(kind=what)
+            upstream.server = TestServer(_upstream_app(upstream))
+            await upstream.server.start_server()
+            servers.append(upstream.server)
+            return upstream
+        client = TestClient(TestServer(create_app(parse_config(yaml.safe_dump(what), {}))))
+        await client.start_server()
+        servers.append(client)
+        return client
+
+    yield start_one
+    for server in reversed(servers):
+        await server.close()
+
+
+def _config(providers: dict[str, Any], chain: list[str] | None = None, **extra: Any) -> dict[str, Any]:
+    return {"models": {"m": {"providers": chain or list(providers), "policy": {"name": "round_robin"}}},
+            "providers": providers, "pollers": {"health_interval_s": 0.05},
+            "retries": {"backoff_initial_s": 0.001, "backoff_jitter_s": 0.001}, **extra}
+
+
+def _sdk(client: TestClient, api_key: str = KEY) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=str(client.make_url("")).rstrip("/"), api_key=api_key, max_retries=0)
+
+
+def _openai_sdk(client: TestClient) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=KEY, max_retries=0)
+
+
+# --- POST /v1/messages -------------------------------------------------------------------------------
+
+async def test_a_message_is_translated_both_ways(start: Start) -> None:
+    upstream = await start("openai")
+    client = await start(_config({"p": {"kind": "openai", "endpoints": [upstream.url]}}))
+    message = await _sdk(client).messages.create(
+        model="m", max_tokens=50, system=[{"type": "text", "text": "Be brief."}], metadata={"user_id": "u1"},
+        extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 40},   # this SDK version has no arguments for them
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
+                  {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again"}])
+    assert message.id.startswith("msg_") and message.type == "message" and message.role == "assistant"
+    assert message.model == "m" and message.content[0].type == "text" and message.content[0].text == "Hello there"
+    assert message.stop_reason == "end_turn" and message.stop_sequence is None
+    assert (message.usage.input_tokens, message.usage.cache_read_input_tokens, message.usage.output_tokens,
+            message.usage.cache_creation_input_tokens) == (4, 16, 2, 0)
+    assert upstream.bodies[-1] == {
+        "model": "m", "max_tokens": 50, "temperature": 0.5, "top_p": 0.9, "top_k": 40,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"},
+                     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again"}]}
+
+
+async def test_a_stream_has_anthropics_events_and_usage(start: Start) -> None:
+    upstream = await start("openai")
+    client = await start(_config({"p": {"kind": "openai", "endpoints": [upstream.url]}}))
+    async with _sdk(client).messages.stream(model="m", max_tokens=50, system="Be brief.", messages=HELLO) as stream:
+        events = [event async for event in stream]
+        final = await stream.get_final_message()
+    types = [e.type for e in events if e.type in ("message_start", "content_block_start", "content_block_delta",
+                                                   "content_block_stop", "message_delta", "message_stop")]
+    assert types == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
+                     "content_block_stop", "message_delta", "message_stop"]
+    assert final.content[0].text == "Hello there" and final.stop_reason == "end_turn"
+    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens, final.usage.output_tokens) == (4, 16, 2)
+    assert upstream.bodies[-1]["stream"] is True and upstream.bodies[-1]["stream_options"] == {"include_usage": True}
+    # the raw bytes: every event is named after its type, a ping follows the first block's start
+    raw = await client.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HELLO, "stream": True})
+    text = (await raw.read()).decode()
+    assert raw.headers["Content-Type"].startswith("text/event-stream")
+    assert "event: ping\ndata: {\"type\":\"ping\"}" in text and "[DONE]" not in text
+    assert text.rstrip().endswith('event: message_stop\ndata: {"type":"message_stop"}')
+
+
+async def test_stop_sequences_are_reported(start: Start) -> None:
+    upstream = await start("openai")
+    client = await start(_config({"p": {"kind": "openai", "endpoints": [upstream.url]}}))
+    sdk = _sdk(client)
+    message = await sdk.messages.create(model="m", max_tokens=50, messages=HELLO, stop_sequences=["END", "STOP"])
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "END")
+    assert upstream.bodies[-1]["stop"] == ["END", "STOP"]
+    async with sdk.messages.stream(model="m", max_tokens=50, messages=HELLO, stop_sequences=["END"]) as stream:
+        final = await stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "END")
+
+
+async def test_errors_have_anthropics_shape_and_status(start: Start) -> None:
+    upstream = await start("openai")
+    client = await start(_config({"p": {"kind": "openai", "endpoints": [upstream.url]}},
+                                 api_keys=[{"key_id": "k", "key": KEY, "max_requests_per_min": 12}]))
+    sdk = _sdk(client)
+    cases: list[tuple[dict[str, Any], type[anthropic.APIStatusError], str]] = [
+        ({"model": "m", "messages": HELLO}, anthropic.BadRequestError, "invalid_request_error"),  # no max_tokens
+        ({"model": "nope", "max_tokens": 5, "messages": HELLO}, anthropic.NotFoundError, "not_found_error"),
+        ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
+         anthropic.BadRequestError, "invalid_request_error"),
+        ({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+         anthropic.BadRequestError, "invalid_request_error"),
+        ({"model": "m", "max_tokens": 10**9, "messages": HELLO}, anthropic.BadRequestError, "invalid_request_error"),
+    ]
+    for body, error, kind in cases:
+        with pytest.raises(error) as caught:
+            await sdk.post("/v1/messages", body=body, cast_to=anthropic.types.Message)
+        assert caught.value.body == {"type": "error", "error": {"type": kind, "message": caught.value.body["error"]["message"]}}
+    with pytest.raises(anthropic.AuthenticationError) as auth_error:
+        await _sdk(client, api_key="wrong").messages.create(model="m", max_tokens=5, messages=HELLO)
+    assert auth_error.value.body["error"]["type"] == "authentication_error"
+    raw = await client.post("/v1/messages", data=b"{not json", headers={"x-api-key": KEY})
+    assert raw.status == 400 and (await raw.json())["error"]["type"] == "invalid_request_error"
+    raw = await client.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HELLO},
+                            headers={"x-api-key": KEY, "anthropic-version": "1999-01-01"})
+    assert raw.status == 400 and "anthropic-version" in (await raw.json())["error"]["message"]
+    upstream.answers = [(400, "invalid_request_error")]    # the upstream's own 400, relayed in Anthropic's shape
+    with pytest.raises(anthropic.BadRequestError) as relayed:
+        await sdk.messages.create(model="m", max_tokens=5, messages=HELLO)
+    assert relayed.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": "scripted 400"}}
+    upstream.answers = [(503, "busy")] * 8                 # every try fails: the gateway's 502, Anthropic's shape
+    with pytest.raises(anthropic.InternalServerError) as failed:
+        await sdk.messages.create(model="m", max_tokens=5, messages=HELLO)
+    assert failed.value.status_code == 502 and failed.value.body["error"]["type"] == "api_error"
+    upstream.answers = []
+    sdk_bearer = anthropic.AsyncAnthropic(base_url=str(client.make_url("")).rstrip("/"), auth_token=KEY,
+                                          max_retries=0)        # Authorization: Bearer works here too
+    assert (await sdk_bearer.messages.create(model="m", max_tokens=5, messages=HELLO)).content[0].text
+    with pytest.raises(anthropic.RateLimitError) as limited:  # the key's 12 requests a minute are spent
+        for _ in range(12):
+            await sdk.messages.create(model="m", max_tokens=5, messages=HELLO)
+    assert limited.value.body["error"]["type"] == "rate_limit_error"
+
+
+async def test_messages_fall_back_and_keep_session_affinity(start: Start) -> None:
+    down, first, second = await start("openai"), await start("openai"), await start("openai")
+    providers = {"down": {"kind": "openai", "endpoints": [down.url]},
+                 "up": {"kind": "openai", "endpoints": [first.url, second.url]}}
+    config = _config(providers)
+    config["models"]["m"]["policy"] = {"name": "session_affinity"}
+    client = await start(config)
+    down.answers = [(503, "busy")] * 100
+    sdk = _sdk(client)
+    for _ in range(4):
+        message = await sdk.messages.create(model="m", max_tokens=5, messages=HELLO,
+                                            extra_headers={"x-session-affinity": "agent-7"})
+        assert message.content[0].text == "Hello there"
+    assert down.bodies   # tried first, then the chain's next provider answered
+    assert sorted((len(first.bodies), len(second.bodies))) == [0, 4]   # one endpoint for the session
+
+
+# --- the `anthropic` provider kind -------------------------------------------------------------------
+
+async def test_chat_falls_back_to_an_anthropic_upstream(start: Start) -> None:
+    down, claude = await start("openai"), await start("anthropic")
+    client = await start(_config({"down": {"kind": "openai", "endpoints": [down.url]},
+                                  "claude": {"kind": "anthropic", "endpoints": [claude.url], "api_key": "sk-ant",
+                                             "upstream_model": "claude-x", "health_path": None}}))
+    down.answers = [(503, "busy")] * 100
+    sdk = _openai_sdk(client)
+    reply = await sdk.chat.completions.create(
+        model="m", max_tokens=30, temperature=1.5, stop="\n\n",
+        messages=[{"role": "system", "content": "Be French."}, {"role": "user", "content": "Hello"}])
+    assert reply.choices[0].message.content == "Bonjour toi" and reply.choices[0].finish_reason == "stop"
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (37, 2)
+    assert reply.usage.prompt_tokens_details.cached_tokens == 32
+    assert claude.bodies[-1] == {"model": "claude-x", "max_tokens": 30, "temperature": 1.0, "system": "Be French.",
+                                 "stop_sequences": ["\n\n"], "messages": [{"role": "user", "content": "Hello"}]}
+    headers = claude.headers[-1]
+    assert headers["x-api-key"] == "sk-ant" and headers["anthropic-version"] == "2023-06-01"
+    assert "Authorization" not in headers
+
+    stream = await sdk.chat.completions.create(model="m", max_tokens=30, messages=HELLO, stream=True,
+                                               stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Bonjour toi"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2
+    assert claude.bodies[-1]["stream"] is True
+
+
+async def test_anthropic_upstream_errors_are_retried_or_relayed(start: Start) -> None:
+    first, second = await start("anthropic"), await start("anthropic")
+    client = await start(_config({"claude": {"kind": "anthropic", "endpoints": [first.url, second.url],
+                                             "health_path": None}}))
+    sdk = _openai_sdk(client)
+    first.answers = [(529, "overloaded_error")]     # round robin: the first request tries `first` first
+    reply = await sdk.chat.completions.create(model="m", max_tokens=5, messages=HELLO)
+    assert reply.choices[0].message.content == "Bonjour toi" and len(first.bodies) == len(second.bodies) == 1
+    second.stream_error = "overloaded_error"        # a 200 that opens with an error event: nothing sent yet
+    stream = await sdk.chat.completions.create(model="m", max_tokens=5, messages=HELLO, stream=True)
+    assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == "Bonjour toi"
+    first.answers, second.answers = [(400, "invalid_request_error")], [(400, "invalid_request_error")]
+    with pytest.raises(openai.BadRequestError) as caught:
+        await sdk.chat.completions.create(model="m", max_tokens=5, messages=HELLO)
+    assert caught.value.body["message"] == "scripted 400" and caught.value.body["code"] == "invalid_request_error"
+    # what has no Messages API form is handed on (here: to nothing, so 503)
+    with pytest.raises(openai.APIStatusError) as untranslatable:
+        await sdk.chat.completions.create(model="m", max_tokens=5, messages=[{"role": "tool", "content": "x"}])
+    assert untranslatable.value.status_code == 503 and "no Messages API form" in str(untranslatable.value.message)
+
+
+async def test_messages_through_an_anthropic_upstream(start: Start) -> None:
+    """Both translations in a row: Anthropic in, OpenAI dispatch, Anthropic out and back."""
+    claude = await start("anthropic")
+    client = await start(_config({"claude": {"kind": "anthropic", "endpoints": [claude.url], "health_path": None}}))
+    sdk = _sdk(client)
+    message = await sdk.messages.create(model="m", max_tokens=9, system="S", messages=HELLO, stop_sequences=["x"])
+    assert message.content[0].text == "Bonjour toi" and message.stop_reason == "end_turn"
+    assert (message.usage.input_tokens, message.usage.cache_read_input_tokens) == (5, 32)
+    assert claude.bodies[-1] == {"model": "m", "max_tokens": 9, "system": "S", "stop_sequences": ["x"],
+                                 "messages": HELLO}
+    async with sdk.messages.stream(model="m", max_tokens=9, messages=HELLO) as stream:
+        final = await stream.get_final_message()
+    assert final.content[0].text == "Bonjour toi" and final.stop_reason == "max_tokens"
+    assert (final.usage.output_tokens, final.usage.cache_read_input_tokens) == (2, 32)
