@@ -36,6 +36,7 @@ class StopStringDetokenizer:
         self._text = ""        # output text so far, cut before the stop string once one matched
         self._num_sent = 0     # characters of _text already handed out by take()/finish()
         self._stopped = False
+        self._matched_stop: str | None = None   # the stop string that cut the text
 
     @property
     def text(self) -> str:
@@ -45,6 +46,11 @@ class StopStringDetokenizer:
     @property
     def stopped(self) -> bool:
         return self._stopped
+
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the text (None: none did)."""
+        return self._matched_stop
 
     def push(self, token_id: int) -> bool:
         """Add one output token; True when its text completed a stop string (push no more)."""
@@ -58,6 +64,7 @@ class StopStringDetokenizer:
         self._text += chunk
         cut = self._find_stop(search_from)
         if cut is not None:
+            self._matched_stop = next(s for s in self._stop if self._text.startswith(s, cut))
             self._text = self._text[:cut]
             self._stopped = True
         return self._stopped

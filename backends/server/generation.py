@@ -44,6 +44,7 @@ class GenerationDelta:
     finish_reason: FinishReason | None          # set on the last delta only
     num_prompt_tokens: int                      # prompt length as the engine counted it
     num_cached_tokens: int                      # prompt tokens served from the prefix cache
+    stop_string: str | None = None              # the stop string that ended the output (vLLM's stop_reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +154,7 @@ def _to_delta(out: SequenceOutput, detok: StopStringDetokenizer, continues: bool
         finish_reason=finish,
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
+        stop_string=detok.matched_stop,
     )
 
 

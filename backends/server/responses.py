@@ -1,7 +1,8 @@
 """OpenAI response bodies and stream chunks for completions and chat, built from generation deltas.
 
 Pure formatting: dicts ready for orjson; no I/O, no engine. Field names follow the OpenAI API;
-`token_ids` on a choice is the one extension (asked for with `return_token_ids`).
+the extensions on a choice are `token_ids` (asked for with `return_token_ids`) and, on the last one,
+vLLM's `stop_reason` (the stop string that ended the output, else null).
 """
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ class ResponseBuilder:
             choice["text"] = delta.text
         choice["logprobs"] = self._logprobs(delta.logprobs)
         choice["finish_reason"] = delta.finish_reason.value if delta.finish_reason else None
+        if delta.finish_reason:
+            choice["stop_reason"] = delta.stop_string
         if self._return_token_ids:
             choice["token_ids"] = list(delta.token_ids)
         self._num_chunks += 1
@@ -97,6 +100,7 @@ class ResponseBuilder:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(logprobs)
         choice["finish_reason"] = finish.value if finish else None
+        choice["stop_reason"] = next((d.stop_string for d in reversed(deltas) if d.finish_reason), None)
         if self._return_token_ids:
             choice["token_ids"] = token_ids
         body = self._envelope([choice], stream=False)

@@ -74,6 +74,17 @@ def test_stop_strings(smollm2_tokenizer: PreTrainedTokenizerBase, text: str, sto
     assert consumed == expected_consumed
 
 
+def test_the_stop_string_that_matched_is_named(smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
+    """What the worker reports as `stop_reason` (vLLM's field): the earliest match, or None."""
+    ids = smollm2_tokenizer.encode("aaaa bbbb aaaa STOP here END and more")
+    for stops, matched in ((["END", "a S"], "a S"), (["END"], "END"), (["zzz"], None)):
+        detok = StopStringDetokenizer(smollm2_tokenizer.backend_tokenizer, stops)
+        for token_id in ids:
+            if detok.push(token_id):
+                break
+        assert detok.matched_stop == matched
+
+
 def test_stop_spanning_tokens_is_held_back(smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
     ids = smollm2_tokenizer.encode("one two three four")
     assert len(ids) >= 4

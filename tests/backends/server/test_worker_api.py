@@ -313,7 +313,7 @@ async def test_stop_string_cuts_text_and_aborts(worker_url: str, prompt_ids: lis
         status, out = await post(session, f"{worker_url}/v1/completions", body)
         assert status == 200, out
         choice = out["choices"][0]
-        assert (choice["text"], choice["finish_reason"]) == (full[:cut], "stop")
+        assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (full[:cut], "stop", stop)
         assert_same_tokens(choice["token_ids"], ref_tokens[:num_stop_tokens],
                            hf_greedy[pick].choices[:num_stop_tokens], "up to the stop")   # every position clear
         assert out["usage"]["completion_tokens"] == num_stop_tokens
