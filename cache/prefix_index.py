@@ -1,6 +1,7 @@
-"""Which endpoint holds which KV blocks, kept from the workers' KV events (stored/removed block
-hashes). Bounded: an LRU of at most `max_blocks_per_endpoint` hashes per endpoint. Pure: the
-gateway polls `/kv_events` and feeds the events in; no I/O here.
+"""Which endpoint holds which KV blocks. Precise: kept from an engine's KV events (our workers'
+`/kv_events`, vLLM's ZMQ stream). Approximate: for an endpoint without events, from the blocks the
+gateway itself routed there (`record_routed`). Bounded: an LRU of at most `max_blocks` hashes per
+endpoint (settable per endpoint: an estimate of its KV capacity). Pure: no I/O here.
 """
 from __future__ import annotations
 
@@ -52,12 +53,14 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 
 class _EndpointBlocks:
-    __slots__ = ("bit", "last_seq", "lru")
+    __slots__ = ("approximate", "bit", "last_seq", "lru", "max_blocks")
 
-    def __init__(self, bit: int) -> None:
+    def __init__(self, bit: int, max_blocks: int) -> None:
+        self.approximate = False                            # fed by record_routed, not by events
         self.bit = bit                                      # this endpoint's bit in holder masks
         self.lru: OrderedDict[int, None] = OrderedDict()    # block hash -> None, oldest first
         self.last_seq = -1                                  # highest event seq applied
+        self.max_blocks = max_blocks                        # LRU bound (the endpoint's KV capacity)
 
 
 class PrefixIndex:
@@ -87,6 +90,53 @@ class PrefixIndex:
                 self._store(blocks, event.block_hash)
             else:
                 self._remove(blocks, event.block_hash)
+
+    def store(self, endpoint_id: str, block_hashes: Iterable[int]) -> None:
+        """Blocks now cached at `endpoint_id`, most recent last (events without sequence numbers:
+        vLLM's, whose stream the caller orders)."""
+        blocks = self._blocks(endpoint_id)
+        for block_hash in block_hashes:
+            self._store(blocks, block_hash)
+
+    def remove(self, endpoint_id: str, block_hashes: Iterable[int]) -> None:
+        """Blocks evicted at `endpoint_id`; unknown ones are ignored."""
+        blocks = self._endpoints.get(endpoint_id)
+        if blocks is not None:
+            for block_hash in block_hashes:
+                self._remove(blocks, block_hash)
+
+    def track_routed(self, endpoint_id: str, max_blocks: int) -> None:
+        """Put `endpoint_id` in approximate mode (it publishes no KV events): `record_routed` feeds
+        it, within an LRU of `max_blocks` (an estimate of its KV capacity)."""
+        self._blocks(endpoint_id).approximate = True
+        self.set_capacity(endpoint_id, max_blocks)
+
+    def record_routed(self, endpoint_id: str, block_hashes: Sequence[int]) -> None:
+        """A prompt with these blocks was sent to `endpoint_id`, which will cache them; a no-op
+        unless the endpoint is in approximate mode. Stored last block first, so the leading blocks
+        (shared by most prompts, and useless once lost because later hashes chain on them) are the
+        last the LRU evicts, as an engine's own free list does."""
+        blocks = self._endpoints.get(endpoint_id)
+        if blocks is None or not blocks.approximate:
+            return
+        for block_hash in reversed(block_hashes):
+            self._store(blocks, block_hash)
+
+    def is_approximate(self, endpoint_id: str) -> bool:
+        blocks = self._endpoints.get(endpoint_id)
+        return blocks is not None and blocks.approximate
+
+    def set_capacity(self, endpoint_id: str, max_blocks: int) -> None:
+        """Bound `endpoint_id`'s LRU at `max_blocks` (at least 1), evicting the oldest beyond it."""
+        blocks = self._blocks(endpoint_id)
+        blocks.max_blocks = max(1, max_blocks)
+        while len(blocks.lru) > blocks.max_blocks:
+            oldest, _ = blocks.lru.popitem(last=False)
+            self._unmark(oldest, blocks.bit)
+
+    def capacity(self, endpoint_id: str) -> int:
+        blocks = self._endpoints.get(endpoint_id)
+        return self._max_blocks if blocks is None else blocks.max_blocks
 
     def apply_batch(self, endpoint_id: str, batch: KvEventBatch) -> None:
         """Apply one `/kv_events` response, resetting first when the worker says so."""
@@ -164,7 +214,7 @@ class PrefixIndex:
                 bit = self._free_bits.pop()
             else:
                 bit, self._next_bit = self._next_bit, self._next_bit << 1
-            blocks = self._endpoints[endpoint_id] = _EndpointBlocks(bit)
+            blocks = self._endpoints[endpoint_id] = _EndpointBlocks(bit, self._max_blocks)
         return blocks
 
     def _store(self, blocks: _EndpointBlocks, block_hash: int) -> None:
@@ -173,7 +223,7 @@ class PrefixIndex:
             return
         blocks.lru[block_hash] = None
         self._holders[block_hash] = self._holders.get(block_hash, 0) | blocks.bit
-        if len(blocks.lru) > self._max_blocks:
+        if len(blocks.lru) > blocks.max_blocks:
             oldest, _ = blocks.lru.popitem(last=False)
             self._unmark(oldest, blocks.bit)
 

@@ -24,9 +24,11 @@ from gateway.dispatch import Dispatcher
 from gateway.drain import DRAIN, Drain
 from gateway.errors import make_error_middleware
 from gateway.fallback import Retrier, RetryBudget
+from gateway.kv_events import KvEventConsumer
 from gateway.legs import Legs
 from gateway.load import LoadTracker, OutputLengthEstimator
 from gateway.metrics import Metrics
+from gateway.prefix_index import configure_prefix_index
 from gateway.providers import make_provider
 from gateway.services import SERVICES, BackgroundTasks, Services
 from gateway.state import StateStore, make_store
@@ -69,6 +71,8 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
     tracing = Tracing(config.tracing)
     tracker = LoadTracker()
     prefix_index = PrefixIndex()
+    configure_prefix_index(prefix_index, config)
+    kv_events = KvEventConsumer(config, prefix_index)
     registry = UpstreamRegistry(config, tracker, prefix_index, on_circuit_change=_log_circuit_change)
     metrics = Metrics(registry.rows)
     # One pooled session for every upstream call; bodies are relayed as they come (no decompression),
@@ -88,9 +92,11 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
         counter=TokenCounter({name: m.tokenizer for name, m in config.models.items()}),
         estimator=OutputLengthEstimator(), metrics=metrics, tracing=tracing, background=background)
     registry.start(session)
+    kv_events.start()
     try:
         yield
     finally:
+        await kv_events.stop()
         await registry.stop()
         await background.drain()
         await session.close()

@@ -89,6 +89,12 @@ class TimeoutsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KvEventSource:
+    endpoint: str                        # vLLM's --kv-events-config endpoint, as written there (gateway/kv_events.py)
+    topic: str = ""                      # vLLM's `topic`: tells engines apart on one socket
+
+
+@dataclass(frozen=True, slots=True)
 class ProviderConfig:
     name: str                            # referenced by models' provider chains
     kind: ProviderKind                   # picks the implementation in gateway.providers
@@ -100,6 +106,9 @@ class ProviderConfig:
     offers_kv_events: bool = False       # endpoints serve GET /kv_events?since=N
     health_path: str | None = "/health"  # None: no health checks, endpoints assumed healthy
     prefill_endpoints: tuple[str, ...] = ()  # the prefill pool (switchyard-pd only; the kind checks it)
+    kv_event_sources: Mapping[str, KvEventSource] = field(default_factory=dict)  # endpoint URL -> vLLM KV events
+    offers_vllm_metrics: bool = False    # endpoints are vLLM: GET /metrics (Prometheus) is polled as load
+    kv_capacity_tokens: int = 262144     # endpoints without KV events: KV tokens each caches, unless a load report says
 
     def pools(self) -> dict[Pool, tuple[str, ...]]:
         """The provider's non-empty endpoint pools (pollers and breakers cover every one)."""
@@ -366,7 +375,32 @@ def _build_provider(name: str, raw: Any) -> ProviderConfig:
         offers_load=_typed(raw, "offers_load", bool, False, where),
         offers_kv_events=_typed(raw, "offers_kv_events", bool, False, where),
         health_path=raw.get("health_path", "/health") or None,
+        kv_event_sources=_kv_event_sources(raw.get("kv_event_sources"), endpoints + prefill, where),
+        offers_vllm_metrics=_typed(raw, "offers_vllm_metrics", bool, False, where),
+        kv_capacity_tokens=_positive(raw, "kv_capacity_tokens", 262144, where),
     )
+
+
+def _kv_event_sources(raw: Any, urls: tuple[str, ...], where: str) -> dict[str, KvEventSource]:
+    where = f"{where}.kv_event_sources"
+    sources = {}
+    for url, body in _mapping(raw, where).items():
+        if str(url).rstrip("/") not in urls:
+            raise ConfigError(f"{where}: {url!r} is not one of the provider's endpoints")
+        body = {"endpoint": body} if isinstance(body, str) else _mapping(body, f"{where}.{url}")
+        _known(body, {"endpoint", "topic"}, f"{where}.{url}")
+        endpoint = _typed(body, "endpoint", str, None, f"{where}.{url}")
+        if not endpoint or not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(f"{where}.{url}.endpoint: expected a ZMQ address like tcp://host:5557")
+        sources[str(url).rstrip("/")] = KvEventSource(endpoint, _typed(body, "topic", str, "", f"{where}.{url}"))
+    return sources
+
+
+def _positive(raw: Mapping[str, Any], name: str, default: int, where: str) -> int:
+    value: int = _typed(raw, name, int, default, where)
+    if value <= 0:
+        raise ConfigError(f"{where}.{name}: must be positive")
+    return value
 
 
 def _urls(value: Any, where: str) -> tuple[str, ...]:

@@ -74,6 +74,8 @@ class Legs:
             decision = policy.select(facts, [self._state(b.endpoint_id, matched) for b in candidates])
         if decision is None:
             return None
+        if facts.block_hashes:  # approximate prefix mode: remember what went where (a no-op for precise endpoints)
+            self._prefix_index.record_routed(decision.endpoint_id, facts.block_hashes)
         return self._registry.endpoints[decision.endpoint_id], decision
 
     def _state(self, endpoint_id: str, matched: Mapping[str, int]) -> EndpointState:

@@ -1,5 +1,6 @@
 """The endpoint registry (one `Endpoint` per upstream base URL, its breaker and last reports) and the
-background pollers that keep it fresh: health, the worker's `/load`, and `/kv_events` for the prefix index.
+background pollers that keep it fresh: health, the worker's `/load` (or vLLM's `/metrics`), and `/kv_events`
+for the prefix index.
 
 Pollers only observe; they never route. Each loop catches and logs its own errors (a boundary).
 """
@@ -17,6 +18,8 @@ from gateway.breaker import CircuitBreaker, CircuitState
 from gateway.config import GatewayConfig, Pool, ProviderConfig
 from gateway.load import LoadReport, LoadTracker
 from gateway.metrics import EndpointRow
+from gateway.prefix_index import index_block_size, on_load_report
+from gateway.vllm_metrics import load_report_from_metrics
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +108,7 @@ class UpstreamRegistry:
             ("health", provider.health_path is not None, pollers.health_interval_s, self._poll_health),
             ("load", provider.offers_load, pollers.load_interval_s, self._poll_load),
             ("kv_events", provider.offers_kv_events, pollers.kv_events_interval_s, self._poll_kv_events),
+            ("vllm_metrics", provider.offers_vllm_metrics, pollers.load_interval_s, self._poll_vllm_metrics),
         ]
 
     async def stop(self) -> None:
@@ -142,7 +146,19 @@ class UpstreamRegistry:
     async def _poll_load(self, endpoint: Endpoint, session: aiohttp.ClientSession,
                          client_timeout: aiohttp.ClientTimeout, provider: ProviderConfig) -> None:
         payload = await _get_json(session, f"{endpoint.endpoint_id}/load", client_timeout)
-        self._tracker.reconcile(endpoint.endpoint_id, LoadReport.from_mapping(payload))
+        self._on_report(endpoint.endpoint_id, LoadReport.from_mapping(payload))
+
+    async def _poll_vllm_metrics(self, endpoint: Endpoint, session: aiohttp.ClientSession,
+                                 client_timeout: aiohttp.ClientTimeout, provider: ProviderConfig) -> None:
+        async with session.get(f"{endpoint.endpoint_id}/metrics", timeout=client_timeout) as response:
+            text = await response.text()
+            if response.status != 200:
+                raise RuntimeError(f"GET {endpoint.endpoint_id}/metrics: HTTP {response.status}")
+        self._on_report(endpoint.endpoint_id, load_report_from_metrics(text))
+
+    def _on_report(self, endpoint_id: str, report: LoadReport) -> None:
+        self._tracker.reconcile(endpoint_id, report)
+        on_load_report(self._prefix_index, endpoint_id, report, index_block_size(self._config))
 
     async def _poll_kv_events(self, endpoint: Endpoint, session: aiohttp.ClientSession,
                               client_timeout: aiohttp.ClientTimeout, provider: ProviderConfig) -> None:

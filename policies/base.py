@@ -17,6 +17,7 @@ class DecisionReason(str, enum.Enum):
     AFFINITY_NEW = "affinity_new"      # a session without an assignment got its ring home
     AFFINITY_MOVED = "affinity_moved"  # the session's endpoint was unusable or over the load bound
     PREFIX_HIT = "prefix_hit"          # chosen where some of the prompt's leading blocks are cached
+    PREFIX_AFFINITY = "prefix_affinity"  # no session header: the ring home of a key from the prompt's prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +102,17 @@ def check_seed(seed: object) -> None:
     """Raise ValueError unless `seed` is None or an int."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"policy option 'seed' must be an integer, got {seed!r}")
+
+
+def prefix_affinity_key(block_hashes: Sequence[int], block_size: int, num_key_tokens: int) -> str | None:
+    """The affinity key of a request without `x-session-affinity`: the chained hash of its first
+    `num_key_tokens` tokens' blocks (of all its full blocks when shorter). A chained hash names the
+    whole prefix before it, so prompts that share those tokens (a conversation's turns, an agent's
+    system prompt and task) share the key; None: no full block, or derivation is off (0 tokens)."""
+    if num_key_tokens <= 0 or not block_hashes:
+        return None
+    num_blocks = min(len(block_hashes), max(1, num_key_tokens // block_size))
+    return f"prefix:{block_hashes[num_blocks - 1]:x}"
 
 
 ConfigT = TypeVar("ConfigT")

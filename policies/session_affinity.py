@@ -1,6 +1,8 @@
 """Session affinity by consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam
 2018): a session stays where it is while that endpoint's load is within `load_factor` x the mean,
-else it walks the hash ring to the first endpoint within the bound. No session key: least_tokens.
+else it walks the hash ring to the first endpoint within the bound. A request without a session key
+is keyed by its prompt's prefix (`prefix_affinity_key`), so clients that send no header still land
+where their prefix is warm; with neither (no full block, or `prefix_key_tokens: 0`): least_tokens.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies.base import (Decision, DecisionReason, EndpointState, RequestFacts, TokenWeights,
-                           check_number, check_seed, config_from_options, within_load_bound)
+                           check_number, check_seed, config_from_options, prefix_affinity_key,
+                           within_load_bound)
 from policies.least_tokens import LeastTokensConfig, LeastTokensPolicy
 
 # Past this many distinct endpoint ids the ring is rebuilt from the current candidates only,
@@ -26,9 +29,13 @@ class SessionAffinityConfig:
     prefill_weight: float = 1.0  # load = weighted tokens in flight + 1 (also the fallback's weights)
     decode_weight: float = 1.0
     seed: int | None = None      # seeds the fallback's tie-breaking RNG (tests)
+    prefix_key_tokens: int = 1024  # no session header: key by this many leading prompt tokens (0: off)
 
     def __post_init__(self) -> None:
         check_number("load_factor", self.load_factor, minimum=1.0)
+        check_number("prefix_key_tokens", self.prefix_key_tokens, minimum=0)
+        if not isinstance(self.prefix_key_tokens, int):
+            raise ValueError("policy option 'prefix_key_tokens' must be an integer")
         check_number("num_virtual_nodes", self.num_virtual_nodes, minimum=1)
         if not isinstance(self.num_virtual_nodes, int):
             raise ValueError("policy option 'num_virtual_nodes' must be an integer")
@@ -77,19 +84,30 @@ class SessionAffinityPolicy:
         return cls(config_from_options(SessionAffinityConfig, options))
 
     def select(self, request: RequestFacts, endpoints: Sequence[EndpointState]) -> Decision | None:
-        if request.session_key is None:
-            return self._fallback.select(request, endpoints)
+        key = request.session_key
+        if key is None:
+            key = prefix_affinity_key(request.block_hashes, request.block_size, self._config.prefix_key_tokens)
+            if key is None:
+                return self._fallback.select(request, endpoints)
+            return self._ring_home(key, endpoints, None, derived=True)
+        return self._ring_home(key, endpoints, request.session_endpoint, derived=False)
+
+    def _ring_home(self, key: str, endpoints: Sequence[EndpointState], home: str | None,
+                   derived: bool) -> Decision | None:
+        """`home` while it is within the load bound, else the first ring endpoint from `key` that is;
+        a derived key (no session) has no home and is never recorded."""
         within = {e.endpoint_id: e for e in within_load_bound(
             endpoints, self._weights, self._config.load_factor)}
         if not within:
             return None
-        home = request.session_endpoint
         if home is not None and home in within:
             return Decision(home, DecisionReason.AFFINITY_HIT, None)
         self._update_ring(endpoints)
-        chosen = self._ring.first(ring_hash(request.session_key), within)
+        chosen = self._ring.first(ring_hash(key), within)
         if chosen is None:  # unreachable: _update_ring put every candidate on the ring
             return None
+        if derived:
+            return Decision(chosen, DecisionReason.PREFIX_AFFINITY, None)
         if home is None:
             return Decision(chosen, DecisionReason.AFFINITY_NEW, None)
         return Decision(chosen, DecisionReason.AFFINITY_MOVED, home)
