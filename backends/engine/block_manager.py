@@ -107,6 +107,16 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free seq's trailing blocks past the first `num_tokens` tokens (the slots of rejected drafts).
+        Such blocks were never full of verified tokens, so none is cached or shared."""
+        keep = self.blocks_needed(num_tokens)
+        if len(seq.block_table) > keep:
+            extra = seq.block_table[keep:]
+            assert all(self._hash[b] is None and self._ref[b] == 1 for b in extra), "trimmed a shared block"
+            del seq.block_table[keep:]
+            self._decref(extra)
+
     def _num_missing(self, seq: Sequence, num_new_tokens: int) -> int:
         return max(0, self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
 

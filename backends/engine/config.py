@@ -29,6 +29,12 @@ class EngineConfig:
     torch_num_threads: int | None = None      # None: $SWITCHYARD_TORCH_THREADS, else all cores
     kv_shared_memory: bool = False            # CPU KV cache in shared memory (same-host KV transfer source)
     keep_weights_compressed: bool = False     # a compressed model's layer matrices stay compressed, expanded per use
+    speculative: str | None = None            # proposer: "ngram", "draft" or "eagle"; None: no speculation
+    num_speculative_tokens: int = 4           # drafts per sequence and step at most (K)
+    speculative_model: str | None = None      # the draft model's folder ("draft") or the EAGLE head's ("eagle")
+    spec_adaptive: bool = True                # each sequence's K follows its acceptance (0: plain decoding)
+    ngram_min: int = 2                        # prompt lookup: shortest n-gram matched
+    ngram_max: int = 4                        # prompt lookup: longest n-gram matched
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -37,6 +43,12 @@ class EngineConfig:
             raise ValueError("num_blocks must be positive")
         if self.watermark_blocks < 0:
             raise ValueError("watermark_blocks must be >= 0")
+        if self.speculative not in (None, "ngram", "draft", "eagle"):
+            raise ValueError(f"unknown speculative proposer {self.speculative!r} (ngram, draft or eagle)")
+        if self.speculative is not None and self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")
+        if self.speculative in ("draft", "eagle") and not self.speculative_model:
+            raise ValueError(f"--speculative {self.speculative} needs --speculative-model")
 
     def resolved_torch_threads(self) -> int:
         if self.torch_num_threads is not None:

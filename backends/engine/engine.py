@@ -23,9 +23,12 @@ from backends.engine.kv_events import KVEventRing
 from backends.engine.outputs import FinishReason, LoadReport, SequenceOutput
 from backends.engine.sampling_params import SamplingParams
 from backends.engine.scheduler import ScheduledSeq, Scheduler
-from backends.engine.sequence import Sequence
+from backends.engine.sequence import Sequence, SequenceStatus
+from backends.spec.adaptive import SpecPolicy
+from backends.spec.proposer import DraftRequest, Proposer
+from backends.spec.verify import Verified, verify
 from backends.worker.batch import ForwardBatch
-from backends.worker.sampler import MAX_LOGPROBS, SampleRow, sample
+from backends.worker.sampler import MAX_LOGPROBS, SampleRow
 
 __all__ = ["EngineRequestError", "EngineStats", "LLMEngine", "LoadReport", "ModelRunnerLike"]
 log = logging.getLogger(__name__)
@@ -40,6 +43,9 @@ class ModelRunnerLike(Protocol):
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor: ...
 
+    # Only with a proposer that wants the target's hidden states (the real ModelRunner has it).
+    def execute_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
@@ -50,6 +56,14 @@ class EngineStats:
     num_finished_sequences: int     # sequences ended for any reason
     num_failed_sequences: int       # sequences ended with an engine error
     num_steps: int                  # forward steps run
+    num_spec_proposed_tokens: int = 0   # drafts the target verified
+    num_spec_accepted_tokens: int = 0   # of those, accepted
+    num_spec_verifications: int = 0     # sequence-steps that verified at least one draft
+    speculative: str = ""               # the proposer's name ("" without speculation)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.num_spec_accepted_tokens / self.num_spec_proposed_tokens if self.num_spec_proposed_tokens else 0.0
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -90,7 +104,8 @@ def eos_token_ids(hf_config: Any, model_dir: Path | None) -> tuple[int, ...]:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunnerLike | None = None,
-                 model_dir: Path | None = None, kv_connector: KVConnector | None = None) -> None:
+                 model_dir: Path | None = None, kv_connector: KVConnector | None = None,
+                 proposer: Proposer | None = None) -> None:
         self.config = config
         self.kv_connector = kv_connector
         if runner is None:
@@ -110,7 +125,14 @@ class LLMEngine:
                                           config.enable_prefix_caching, self.kv_events)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.watermark_blocks, kv_connector)
-        self._counts = dict.fromkeys(("prompt", "cached", "generated", "finished", "failed", "steps"), 0)
+        if proposer is None and config.speculative is not None:
+            from backends.spec.factory import build_proposer
+            proposer = build_proposer(config, runner)
+        self.proposer = proposer
+        self.spec_policy = None if proposer is None else SpecPolicy(
+            config.num_speculative_tokens, proposer.cost_per_token, adaptive=config.spec_adaptive)
+        self._counts = dict.fromkeys(("prompt", "cached", "generated", "finished", "failed", "steps",
+                                      "spec_proposed", "spec_accepted", "spec_verifications"), 0)
 
     # --- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -147,11 +169,17 @@ class LLMEngine:
     def abort_request(self, request_id: str, error: str | None = None) -> SequenceOutput | None:
         """Cancel now and free its blocks; the final output, or None if unknown (idempotent)."""
         seq = self.scheduler.abort(request_id, error)
-        return None if seq is None else self._final(seq)
+        if seq is None:
+            return None
+        self._release_spec(request_id)
+        return self._final(seq)
 
     def abort_all(self, error: str) -> list[SequenceOutput]:
         """Abort every live sequence but those waiting for a KV load (their own request ends them)."""
-        return [self._final(seq) for seq in self.scheduler.abort_all(error)]
+        aborted = self.scheduler.abort_all(error)
+        for seq in aborted:
+            self._release_spec(seq.request_id)
+        return [self._final(seq) for seq in aborted]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -163,53 +191,131 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         c = self._counts
         return EngineStats(c["prompt"], c["cached"], c["generated"], self.scheduler.num_preemptions,
-                           c["finished"], c["failed"], c["steps"])
+                           c["finished"], c["failed"], c["steps"], c["spec_proposed"], c["spec_accepted"],
+                           c["spec_verifications"], "" if self.proposer is None else self.proposer.name)
 
     def load_report(self) -> LoadReport:
         sched, bm = self.scheduler, self.block_manager
         return LoadReport(sched.num_running, sched.num_waiting, sched.num_prefill_tokens_pending(),
                           sched.num_decode_tokens_pending(), bm.num_free_blocks, bm.num_total_blocks,
-                          bm.num_cached_blocks, bm.block_size, bm.num_held_blocks)
+                          bm.num_cached_blocks, bm.block_size, bm.num_held_blocks,
+                          self._counts["spec_proposed"], self._counts["spec_accepted"])
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[SequenceOutput]:
+        if self.proposer is not None:
+            self._propose()
         out = self.scheduler.schedule()
         if self.kv_connector is not None:
             self.kv_connector.start_load_kv()
         outputs = [self._final(seq) for seq in out.failed]
+        for seq in (*out.failed, *out.preempted):
+            self._release_spec(seq.request_id)
         if out.is_empty:
             return outputs
         self._counts["steps"] += 1
         try:
-            logits = self.runner.execute(out.batch)        # [num chunks wanting logits, vocab]
-            self.scheduler.postprocess(out)
+            hidden = None
+            if self.proposer is not None and self.proposer.wants_hidden:
+                logits, hidden = self.runner.execute_with_hidden(out.batch)
+            else:
+                logits = self.runner.execute(out.batch)  # [rows: 1 + drafts per chunk wanting logits, vocab]
             sampled = [s for s in out.scheduled if s.want_logits]
-            result = sample(logits, [self._row(s.seq) for s in sampled])
+            verified = iter(verify(logits, [self._row(s.seq) for s in sampled],
+                                   [s.seq.spec_token_ids[:s.num_spec_tokens] for s in sampled]))
+            rejected = [0] * len(out.scheduled)
+            finishing: list[tuple[Sequence, FinishReason]] = []
+            appended: list[SequenceOutput] = []
+            for i, s in enumerate(out.scheduled):
+                if s.want_logits:
+                    v = next(verified)
+                    rejected[i] = s.num_spec_tokens - v.num_accepted
+                    output = self._append(s, v)
+                    appended.append(output)
+                    if output.finish_reason is not None:
+                        finishing.append((s.seq, output.finish_reason))
+            self.scheduler.postprocess(out, rejected)
+            if hidden is not None:
+                self._observe(out, rejected, hidden)
         except Exception as exc:  # boundary: fail this step's sequences only, keep serving
             log.exception("engine step failed; failing its %d sequences", len(out.scheduled))
             for s in out.scheduled:
                 self.scheduler.finish(s.seq, FinishReason.ABORT, f"engine step failed: {exc!r}")
+                self._release_spec(s.seq.request_id)
                 outputs.append(self._final(s.seq))
             return outputs
-        for s, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
-            outputs.append(self._append(s, token, logprob))
+        outputs.extend(appended)
+        for seq, reason in finishing:
+            self.scheduler.finish(seq, reason)
+            self._counts["finished"] += 1
+            self._release_spec(seq.request_id)
         return outputs
+
+    def _propose(self) -> None:
+        """Ask the proposer for drafts for every decoding sequence; its K is the sequence's own."""
+        assert self.proposer is not None and self.spec_policy is not None
+        requests: list[DraftRequest] = []
+        seqs: list[Sequence] = []
+        for seq in self.scheduler.running:
+            seq.spec_token_ids = []
+            if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling or not seq.params.speculative:
+                continue
+            k = min(seq.spec.next_k(self.spec_policy), seq.params.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens)
+            if k > 0:
+                requests.append(DraftRequest(seq.request_id, seq.token_ids, k))
+                seqs.append(seq)
+        if not requests:
+            return
+        try:
+            drafts = self.proposer.propose(requests)
+        except Exception:  # boundary: a failing proposer costs speed, never a request
+            log.exception("speculative proposer %s failed; decoding without drafts this step", self.proposer.name)
+            return
+        for seq, request, draft in zip(seqs, requests, drafts, strict=True):
+            tokens = [int(t) for t in draft[:request.num_tokens]]
+            seq.spec_token_ids = tokens if all(0 <= t < self.vocab_size for t in tokens) else []
+
+    def _observe(self, out: Any, rejected: list[int], hidden: torch.Tensor) -> None:
+        """Hand the proposer the target's hidden states of the positions this step verified."""
+        assert self.proposer is not None
+        offset = 0
+        for i, (s, chunk) in enumerate(zip(out.scheduled, out.batch.chunks, strict=True)):
+            num_valid = s.num_new_tokens - rejected[i]
+            if not s.seq.is_finished and s.seq.status is SequenceStatus.RUNNING:
+                self.proposer.observe(s.seq.request_id, chunk.num_context_tokens, s.seq.token_ids,
+                                      hidden[offset:offset + num_valid])
+            offset += len(chunk.token_ids)
+
+    def _release_spec(self, request_id: str) -> None:
+        if self.proposer is not None:
+            self.proposer.free(request_id)
 
     def _row(self, seq: Sequence) -> SampleRow:
         return SampleRow(seq.params, seq.seed, seq.prompt_token_ids, seq.output_token_ids, self.eos_token_ids)
 
-    def _append(self, s: ScheduledSeq, token: int, logprob: Any) -> SequenceOutput:
+    def _append(self, s: ScheduledSeq, v: Verified) -> SequenceOutput:
+        """Append the step's tokens up to the first that ends the sequence (the caller finishes it)."""
         seq = s.seq
         if seq.num_output_tokens == 0:
             self._counts["prompt"] += seq.num_prompt_tokens
             self._counts["cached"] += seq.num_cached_tokens
-        seq.append_token(token)
-        self._counts["generated"] += 1
-        reason = self._finish_reason(seq, token)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self._counts["finished"] += 1
-        return SequenceOutput(seq.request_id, (token,), (logprob,) if seq.params.logprobs is not None else None,
+        if s.num_spec_tokens:
+            self._counts["spec_proposed"] += s.num_spec_tokens
+            self._counts["spec_accepted"] += v.num_accepted
+            self._counts["spec_verifications"] += 1
+            seq.spec.record(s.num_spec_tokens, v.num_accepted)
+        reason = None
+        count = 0
+        for token in v.token_ids:
+            seq.append_token(token)
+            count += 1
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                break
+        self._counts["generated"] += count
+        logprobs = v.logprobs[:count] if seq.params.logprobs is not None else None
+        return SequenceOutput(seq.request_id, v.token_ids[:count], logprobs,  # type: ignore[arg-type]
                               reason, seq.num_prompt_tokens, seq.num_cached_tokens)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:

@@ -41,3 +41,5 @@ class LoadReport:
     num_cached_blocks: int            # blocks reusable by prefix hash (in use or not)
     block_size: int                   # tokens per block
     num_held_blocks: int = 0          # blocks of finished sequences kept for a KV transfer (neither free nor leaked)
+    num_spec_proposed_tokens: int = 0 # speculative drafts the target verified, over the worker's life
+    num_spec_accepted_tokens: int = 0 # of those, accepted

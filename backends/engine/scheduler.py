@@ -26,6 +26,7 @@ class ScheduledSeq:
     seq: Sequence            # the sequence (engine-thread object, not a cross-boundary record)
     num_new_tokens: int      # tokens it runs this step
     want_logits: bool        # the chunk reaches its last token, so a token is sampled
+    num_spec_tokens: int = 0 # drafts verified after its last token (seq.spec_token_ids[:num_spec_tokens])
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,9 +191,13 @@ class Scheduler:
                 return
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling:
                 continue
+            # Drafts ride along only where budget and free blocks allow; they never preempt anyone.
+            k = min(len(seq.spec_token_ids), plan.budget - 1)
+            if k > 0 and not self.block_manager.can_append_slots(seq, 1 + k):
+                k = 0
             if self._make_room(seq, plan):
-                self.block_manager.append_slots(seq, 1)
-                plan.add(seq, 1, True)
+                self.block_manager.append_slots(seq, 1 + k)
+                plan.add(seq, 1 + k, True, k)
 
     def _make_room(self, seq: Sequence, plan: _StepPlan) -> bool:
         """Preempt newest unscheduled sequences until seq can grow by one token; False if seq
@@ -259,17 +264,24 @@ class Scheduler:
 
     def _chunk(self, s: ScheduledSeq) -> SeqChunk:
         seq, start = s.seq, s.seq.num_computed_tokens
-        end = start + s.num_new_tokens
-        table = seq.block_table[:self.block_manager.blocks_needed(end)]
-        return SeqChunk(tuple(seq.token_ids[start:end]), start, tuple(table), s.want_logits)
+        end = start + s.num_new_tokens - s.num_spec_tokens
+        table = seq.block_table[:self.block_manager.blocks_needed(end + s.num_spec_tokens)]
+        tokens = tuple(seq.token_ids[start:end]) + tuple(seq.spec_token_ids[:s.num_spec_tokens])
+        return SeqChunk(tokens, start, tuple(table), s.want_logits, 1 + s.num_spec_tokens)
 
-    def postprocess(self, out: SchedulerOutput) -> None:
-        """After the runner wrote the step's KV: advance progress and publish full blocks."""
-        for s in out.scheduled:
-            if s.seq.is_finished:
+    def postprocess(self, out: SchedulerOutput, num_rejected: list[int] | None = None) -> None:
+        """After the runner wrote the step's KV and the step's tokens were appended: advance progress
+        and publish full blocks. `num_rejected[i]`: drafts of scheduled[i] the target rejected; their
+        KV slots are given back (the next step overwrites them)."""
+        for i, s in enumerate(out.scheduled):
+            seq = s.seq
+            if seq.is_finished:
                 continue
-            s.seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_computed_blocks(s.seq)
+            rejected = num_rejected[i] if num_rejected is not None else 0
+            seq.num_computed_tokens = min(seq.num_computed_tokens + s.num_new_tokens - rejected, seq.num_tokens)
+            if s.num_spec_tokens:
+                self.block_manager.trim(seq, seq.num_tokens)
+            self.block_manager.cache_computed_blocks(seq)
 
 
 class _StepPlan:
@@ -284,8 +296,8 @@ class _StepPlan:
         self.failed: list[Sequence] = []
         self._ids: set[int] = set()
 
-    def add(self, seq: Sequence, num_new_tokens: int, want_logits: bool) -> None:
-        self.scheduled.append(ScheduledSeq(seq, num_new_tokens, want_logits))
+    def add(self, seq: Sequence, num_new_tokens: int, want_logits: bool, num_spec_tokens: int = 0) -> None:
+        self.scheduled.append(ScheduledSeq(seq, num_new_tokens, want_logits, num_spec_tokens))
         self._ids.add(id(seq))
         self.budget -= num_new_tokens
 

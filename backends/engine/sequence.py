@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from backends.engine.kv_connector import KVTransferParams
 from backends.engine.outputs import FinishReason
 from backends.engine.sampling_params import SamplingParams
+from backends.spec.adaptive import SpecState
 from cache.block_hash import ROOT_HASH, hash_block_tokens
 
 
@@ -39,6 +40,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the coming step
+    spec: SpecState = field(default_factory=SpecState)        # its drafts' acceptance (adaptive K)
     _block_hashes: list[int] = field(default_factory=list)
     _all_tokens: list[int] = field(default_factory=list)
 

@@ -60,6 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a model folder from `switchyard compress`: keep the layers' matrices compressed in "
                         "memory (~33%% less) and expand each just before it runs (slower steps on CPU); "
                         "--dtype must match the compressed dtype")
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument("--speculative", choices=["ngram", "draft", "eagle"], default=None,
+                      help="draft tokens with prompt lookup, a draft model, or an EAGLE head; the target verifies them")
+    spec.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per sequence and step at most")
+    spec.add_argument("--speculative-model", default=None,
+                      help="the draft model's folder (--speculative draft; see `switchyard make-draft`) or the "
+                           "EAGLE head's (--speculative eagle; see `switchyard train-draft`)")
+    spec.add_argument("--no-adaptive-speculation", action="store_true",
+                      help="always draft K tokens (default: each sequence's K follows its acceptance)")
+    spec.add_argument("--ngram-min", type=int, default=2, help="prompt lookup: shortest n-gram matched")
+    spec.add_argument("--ngram-max", type=int, default=4, help="prompt lookup: longest n-gram matched")
     p.add_argument("--debug-endpoints", action="store_true", help="serve /debug/* (tests only)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM: how long requests in flight and held KV blocks may take to finish")
@@ -88,6 +99,12 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         kv_shared_memory=(not args.no_kv_shared_memory and args.role != WorkerRole.DECODE.value
                           and args.device == "cpu"),
         keep_weights_compressed=args.keep_weights_compressed,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_model=args.speculative_model,
+        spec_adaptive=not args.no_adaptive_speculation,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
     )
     server_config = ServerConfig(
         model_dir=model_dir,

@@ -55,6 +55,19 @@ class EngineCollector(Collector):
                      stats.prefix_hit_rate)
         for name, field, documentation in _ENGINE_COUNTERS:
             yield CounterMetricFamily(f"{PREFIX}_{name}", documentation, value=getattr(stats, field))
+        if stats.speculative:
+            for name, value, documentation in (
+                    ("spec_proposed_tokens", stats.num_spec_proposed_tokens, "Draft tokens the target verified."),
+                    ("spec_accepted_tokens", stats.num_spec_accepted_tokens, "Draft tokens the target accepted."),
+                    ("spec_verifications", stats.num_spec_verifications,
+                     "Sequence-steps that verified at least one draft.")):
+                family = CounterMetricFamily(f"{PREFIX}_{name}", documentation, labels=["proposer"])
+                family.add_metric([stats.speculative], value)
+                yield family
+            rate = GaugeMetricFamily(f"{PREFIX}_spec_acceptance_rate",
+                                     "Accepted / proposed draft tokens, over the worker's life.", labels=["proposer"])
+            rate.add_metric([stats.speculative], stats.spec_acceptance_rate)
+            yield rate
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

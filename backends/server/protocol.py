@@ -245,6 +245,7 @@ def _parse_sampling(body: dict[str, Any], vocab_size: int, max_tokens: int | Non
         repetition_penalty=_default(_opt_float(body, "repetition_penalty", 0.0, 10.0, low_open=True), 1.0),
         logprobs=logprobs,
         stop=_parse_stop(body.get("stop")),
+        speculative=_default(_opt_bool(body, "speculative"), True),
     )
 
 

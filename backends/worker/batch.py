@@ -15,6 +15,7 @@ class SeqChunk:
     num_context_tokens: int        # tokens before these whose KV is already in the cache
     block_table: tuple[int, ...]   # physical block ids covering context + new tokens, in order
     want_logits: bool = True       # False for a prefill chunk that does not end the prompt
+    num_logits: int = 1            # with want_logits: logits for this many last tokens (1 + drafts to verify)
 
 
 @dataclass(frozen=True, slots=True)

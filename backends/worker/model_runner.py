@@ -78,9 +78,15 @@ class ModelRunner:
         return int(gb * 2**30) // spec.bytes_per_block
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        """float32 logits [chunks with want_logits, vocab] for the last token of each such chunk, in order."""
+        """float32 logits [rows, vocab]: for each chunk with want_logits, its last `num_logits` tokens, in order."""
+        return self.execute_with_hidden(batch)[0]
+
+    def execute_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits of `execute`, and the final (normed) hidden states of every token [num_tokens, hidden]
+        in batch order (speculative proposers that read the target's features)."""
         if not batch.chunks:
-            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+            empty = torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+            return empty, torch.empty(0, int(self.config.hidden_size), dtype=self.dtype, device=self.device)
         token_ids, positions, slots, logits_rows = self._flatten(batch)
         layout = StepLayout(
             query_lens=tuple(len(c.token_ids) for c in batch.chunks),
@@ -93,8 +99,8 @@ class ModelRunner:
                                        k_caches=self.kv_cache.k, v_caches=self.kv_cache.v)
             hidden = self.model(token_ids, positions, context)  # [num_tokens, hidden]
             if logits_rows.numel() == 0:
-                return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-            return self.model.compute_logits(hidden.index_select(0, logits_rows)).float()
+                return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device), hidden
+            return self.model.compute_logits(hidden.index_select(0, logits_rows)).float(), hidden
 
     def _flatten(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """token ids, positions, cache slots ([num_tokens] each) and the rows to take logits from."""
@@ -111,7 +117,10 @@ class ModelRunner:
             positions.extend(range(start, end))
             slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
             if chunk.want_logits:
-                logits_rows.append(len(token_ids) - 1)
+                if not 1 <= chunk.num_logits <= len(chunk.token_ids):
+                    raise ValueError(f"chunk {index} wants logits for {chunk.num_logits} of its "
+                                     f"{len(chunk.token_ids)} tokens")
+                logits_rows.extend(range(len(token_ids) - chunk.num_logits, len(token_ids)))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)  # noqa: E731
         return as_tensor(token_ids), as_tensor(positions), as_tensor(slots), as_tensor(logits_rows)
 
