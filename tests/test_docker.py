@@ -15,7 +15,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "docker" / "compose.yaml"
-ENV = {**os.environ, "SWITCHYARD_API_KEY": "sk-test", "REDIS_URL": "redis://redis:6379/0"}
+ENV = {**os.environ, "SWITCHYARD_API_KEY": "sk-test", "SWITCHYARD_METRICS_KEY": "sk-metrics-test",
+       "REDIS_URL": "redis://redis:6379/0"}
 
 
 @pytest.fixture(scope="module")
