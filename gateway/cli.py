@@ -17,26 +17,49 @@ def _exec_module(module: str, args: Sequence[str]) -> None:
     os.execv(sys.executable, [sys.executable, "-m", module, *args])
 
 
-def _run_gateway(args: Sequence[str]) -> None:
+def gateway_parser() -> argparse.ArgumentParser:
+    """`switchyard gateway`'s flags (docker/compose.yaml's command lines are checked against it)."""
     parser = argparse.ArgumentParser(prog="switchyard gateway", description="Run the OpenAI-compatible gateway.")
     parser.add_argument("--config", required=True, help="YAML config file (see docs/configuration.md)")
-    options = parser.parse_args(args)
+    parser.add_argument("--workers", type=_workers_arg, default=1, metavar="N|auto",
+                        help="processes serving the port (SO_REUSEPORT); N > 1 needs redis_url. auto: the "
+                             "cores, at most 4, with redis_url; 1 without (default: 1)")
+    parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # one of --workers N
+    return parser
+
+
+def _run_gateway(args: Sequence[str]) -> None:
+    options = gateway_parser().parse_args(args)
     from gateway.config import ConfigError, load_config
     from gateway.tracing import configure_logging
+    from gateway.workers import WorkersError, resolve_workers, run_workers
     try:
         config = load_config(options.config)
-    except ConfigError as exc:
+        num_workers = resolve_workers(options.workers, config.redis_url)
+    except (ConfigError, WorkersError) as exc:
         raise SystemExit(f"switchyard gateway: {exc}") from None
     configure_logging(config.log_level)
+    if num_workers > 1 and not options.reuse_port:
+        raise SystemExit(run_workers(options.config, num_workers, config.drain_timeout_s))
     import uvloop
 
     from gateway.app import serve
     try:
-        uvloop.run(serve(config))
+        uvloop.run(serve(config, reuse_port=options.reuse_port))
     except KeyboardInterrupt:
         pass
     except ConfigError as exc:  # a provider kind's own checks run when the app is built
         raise SystemExit(f"switchyard gateway: {exc}") from None
+
+
+def _workers_arg(value: str) -> int | None:
+    """`--workers N` or `--workers auto` (None: resolved from the config)."""
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {value!r}") from None
 
 
 def _run_serve(args: Sequence[str]) -> None:
@@ -48,6 +71,7 @@ _COMMANDS: Mapping[str, Callable[[Sequence[str]], None]] = MappingProxyType({
     "worker": lambda args: _exec_module("backends.server", args),
     "compress": lambda args: _exec_module("backends.compression", args),
     "make-draft": lambda args: _exec_module("backends.spec.make_draft", args),
+    "train-draft": lambda args: _exec_module("backends.spec.train_draft", args),
     "serve": _run_serve,
 })
 

@@ -1,6 +1,10 @@
 """Token-aware load accounting per endpoint: leases count each request's prefill and decode tokens
-in flight and give back exactly what they took (counts never drift or go negative); the workers'
-own load reports are blended in; `OutputLengthEstimator` predicts output lengths per model.
+in flight and give back exactly what they took (counts never drift or go negative); the leases of
+peer processes (`--workers N`, other replicas, shared through the state store by load_share.py) and
+the workers' own load reports are blended in; `OutputLengthEstimator` predicts output lengths per model.
+
+The estimate at an endpoint = our leases (exact, now) + the peers' leases (as last published, while
+fresh) + what the worker's last report saw beyond all of those (direct clients), while fresh.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from typing import Any
 # A worker report older than this no longer adds load from other sources (its worker may be
 # gone, or the load it saw has finished).
 DEFAULT_REPORT_TTL_S = 5.0
+# Peers' leases read longer ago than this are dropped (the sharing task stopped or the store is down).
+DEFAULT_PEER_TTL_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +60,8 @@ class _EndpointLoad:
         "other_decode_tokens",
         "other_prefill_tokens",
         "other_requests",
+        "peer_time_s",
+        "peers",
         "report_time_s",
     )
 
@@ -61,11 +69,13 @@ class _EndpointLoad:
         self.num_requests = 0          # open leases
         self.num_prefill_tokens = 0    # their prompt tokens not yet prefilled
         self.num_decode_tokens = 0     # their expected output tokens not yet streamed
-        self.other_requests = 0        # from the last report: requests not ours (peers, direct)
+        self.other_requests = 0        # from the last report: requests neither ours nor peers' (direct clients)
         self.other_prefill_tokens = 0
         self.other_decode_tokens = 0
         self.report_time_s = -math.inf  # when the last report arrived (tracker clock)
         self.kv_free_fraction: float | None = None
+        self.peers = (0, 0, 0)          # the peers' leases: (requests, prefill tokens, decode tokens)
+        self.peer_time_s = -math.inf    # when they were last read (tracker clock)
 
 
 class Lease:
@@ -131,9 +141,10 @@ class LoadTracker:
     mutation is a plain synchronous step, so cancellation cannot interrupt one half-done."""
 
     def __init__(self, report_ttl_s: float = DEFAULT_REPORT_TTL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, peer_ttl_s: float = DEFAULT_PEER_TTL_S) -> None:
         self._loads: dict[str, _EndpointLoad] = {}
         self._report_ttl_s = report_ttl_s
+        self._peer_ttl_s = peer_ttl_s
         self._clock = clock
 
     def lease(self, endpoint_id: str, num_prompt_tokens: int,
@@ -144,15 +155,22 @@ class LoadTracker:
 
     def snapshot(self, endpoint_id: str) -> tuple[int, int, int]:
         """(num_requests, num_prefill_tokens, num_decode_tokens) in flight at `endpoint_id`:
-        our open leases plus, while the last worker report is fresh, the load it saw beyond ours."""
+        our open leases, plus the peers' while fresh, plus what the last fresh worker report saw beyond."""
         load = self._loads.get(endpoint_id)
         if load is None:
             return (0, 0, 0)
-        if self._clock() - load.report_time_s > self._report_ttl_s:
-            return (load.num_requests, load.num_prefill_tokens, load.num_decode_tokens)
-        return (load.num_requests + load.other_requests,
-                load.num_prefill_tokens + load.other_prefill_tokens,
-                load.num_decode_tokens + load.other_decode_tokens)
+        num_requests, num_prefill, num_decode = load.num_requests, load.num_prefill_tokens, load.num_decode_tokens
+        now_s = self._clock()
+        if now_s - load.peer_time_s <= self._peer_ttl_s:
+            peer_requests, peer_prefill, peer_decode = load.peers
+            num_requests += peer_requests
+            num_prefill += peer_prefill
+            num_decode += peer_decode
+        if now_s - load.report_time_s <= self._report_ttl_s:
+            num_requests += load.other_requests
+            num_prefill += load.other_prefill_tokens
+            num_decode += load.other_decode_tokens
+        return (num_requests, num_prefill, num_decode)
 
     def local_snapshot(self, endpoint_id: str) -> tuple[int, int, int]:
         """Only this gateway's own leases (what it publishes to peers through the state store)."""
@@ -169,17 +187,26 @@ class LoadTracker:
         return load.kv_free_fraction
 
     def reconcile(self, endpoint_id: str, report: LoadReport | Mapping[str, Any]) -> None:
-        """Blend in the worker's own view: whatever it has beyond our leases (other replicas,
-        direct clients) is added to our counts until the report goes stale. Our own leases stay
-        exact, so a late or lost report can never make a count drift or go negative."""
+        """Blend in the worker's own view: whatever it has beyond our leases and the peers' (direct
+        clients) is added to our counts until the report goes stale. Our own leases stay exact, so a
+        late or lost report can never make a count drift or go negative."""
         if not isinstance(report, LoadReport):
             report = LoadReport.from_mapping(report)
         load = self._load(endpoint_id)
-        load.other_requests = max(0, report.num_running + report.num_waiting - load.num_requests)
-        load.other_prefill_tokens = max(0, report.num_prefill_tokens_pending - load.num_prefill_tokens)
-        load.other_decode_tokens = max(0, report.num_decode_tokens_pending - load.num_decode_tokens)
+        peer_requests, peer_prefill, peer_decode = (
+            load.peers if self._clock() - load.peer_time_s <= self._peer_ttl_s else (0, 0, 0))
+        load.other_requests = max(0, report.num_running + report.num_waiting - load.num_requests - peer_requests)
+        load.other_prefill_tokens = max(0, report.num_prefill_tokens_pending - load.num_prefill_tokens - peer_prefill)
+        load.other_decode_tokens = max(0, report.num_decode_tokens_pending - load.num_decode_tokens - peer_decode)
         load.kv_free_fraction = report.kv_free_fraction
         load.report_time_s = self._clock()
+
+    def set_peer_load(self, endpoint_id: str, num_requests: int, num_prefill_tokens: int,
+                      num_decode_tokens: int) -> None:
+        """The other gateway processes' leases at `endpoint_id`, summed, as just read from the store."""
+        load = self._load(endpoint_id)
+        load.peers = (max(0, num_requests), max(0, num_prefill_tokens), max(0, num_decode_tokens))
+        load.peer_time_s = self._clock()
 
     def forget(self, endpoint_id: str) -> None:
         """Drop an endpoint removed from the config; its open leases still release safely."""

@@ -6,6 +6,7 @@ increments counters. No module-level registry: two apps in one process do not sh
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -51,6 +52,8 @@ class _RuntimeCollector(Collector):
         except RuntimeError:  # scraped outside the loop (a test rendering directly)
             num_tasks = 0
         yield GaugeMetricFamily("switchyard_asyncio_tasks", "asyncio tasks alive in the gateway", value=num_tasks)
+        # Which process answered: with `--workers N` a scrape reaches one of N processes on the port.
+        yield GaugeMetricFamily("switchyard_process_id", "The answering gateway process's pid", value=os.getpid())
 
 
 class Metrics:

@@ -35,6 +35,8 @@ class ServePlan:
     num_both_workers: int = 0             # unified workers (a fallback provider when PD pools exist)
     worker_args: tuple[str, ...] = ()     # extra flags for every worker (e.g. --dtype bfloat16)
     gateway: Mapping[str, Any] = field(default_factory=dict)  # merged into the generated gateway config
+    gateway_workers: int | None = None    # gateway processes on the port; None: auto (cores up to 4 with
+                                          # gateway.redis_url, else 1: processes share state through Redis)
 
 
 def free_port() -> int:
@@ -52,6 +54,8 @@ def parse_plan(argv: Sequence[str]) -> ServePlan:
     parser.add_argument("--prefill-workers", type=int, dest="num_prefill_workers")
     parser.add_argument("--decode-workers", type=int, dest="num_decode_workers")
     parser.add_argument("--both-workers", type=int, dest="num_both_workers")
+    parser.add_argument("--gateway-workers", type=int, dest="gateway_workers",
+                        help="gateway processes on the port (N > 1 needs gateway.redis_url; default: auto)")
     parser.add_argument("--worker-arg", action="append", dest="worker_args", default=None,
                         help="extra flag for every worker, repeatable (e.g. --worker-arg=--dtype=bfloat16)")
     options = vars(parser.parse_args(argv))
@@ -68,6 +72,9 @@ def parse_plan(argv: Sequence[str]) -> ServePlan:
     plan = ServePlan(**raw)
     if plan.num_prefill_workers + plan.num_decode_workers + plan.num_both_workers == 0:
         raise SystemExit("switchyard serve: no workers requested")
+    if plan.gateway_workers is not None and plan.gateway_workers > 1 and not plan.gateway.get("redis_url"):
+        raise SystemExit("switchyard serve: gateway_workers > 1 needs gateway.redis_url (the processes share "
+                         "sessions, rate limits and load through Redis)")
     if (plan.num_prefill_workers == 0) != (plan.num_decode_workers == 0):
         raise SystemExit("switchyard serve: prefill and decode workers come in pools of at least one each")
     return plan
@@ -184,7 +191,9 @@ def main(argv: Sequence[str]) -> None:
         pools = start_workers(sup, plan)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="switchyard-gateway-", delete=False) as fh:
             yaml.safe_dump(gateway_config(plan, model_dir, pools), fh)
-        gateway = sup.start("gateway", [sys.executable, "-m", "gateway.cli", "gateway", "--config", fh.name])
+        workers = "auto" if plan.gateway_workers is None else str(plan.gateway_workers)
+        gateway = sup.start("gateway", [sys.executable, "-m", "gateway.cli", "gateway", "--config", fh.name,
+                                        "--workers", workers])
         scheme = "https" if plan.gateway.get("listen", {}).get("tls") else "http"
         if scheme == "http":
             wait_healthy(gateway, f"http://{plan.host}:{plan.port}/health", "gateway", timeout_s=60)

@@ -18,10 +18,10 @@ from tests.support.wait import wait_until
 
 
 class GatewayProcess:
-    """`python -m gateway.cli gateway --config FILE`; `url` is its base URL."""
+    """`python -m gateway.cli gateway --config FILE [args]`; `url` is its base URL."""
 
     def __init__(self, config: dict[str, Any], workdir: Path, env: dict[str, str] | None = None,
-                 wait_path: str = "/ready", ca_file: str | None = None) -> None:
+                 wait_path: str = "/ready", ca_file: str | None = None, args: tuple[str, ...] = ()) -> None:
         config = dict(config)
         listen = dict(config.get("listen") or {})
         listen.setdefault("host", "127.0.0.1")
@@ -35,7 +35,7 @@ class GatewayProcess:
         self._log = self.log_path.open("wb")
         self._ssl = ssl.create_default_context(cafile=ca_file) if ca_file else None
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "gateway", "--config", str(self.config_path)],
+            [sys.executable, "-m", "gateway.cli", "gateway", "--config", str(self.config_path), *args],
             cwd=REPO_ROOT, env={**os.environ, **(env or {})}, stdout=self._log, stderr=subprocess.STDOUT)
         self._wait(wait_path)
 
@@ -58,6 +58,10 @@ class GatewayProcess:
         if not self._log.closed:
             self._log.flush()
         return self.log_path.read_text(errors="replace")
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     @property
     def alive(self) -> bool:

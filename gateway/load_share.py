@@ -1,0 +1,74 @@
+"""Shares in-flight load between gateway processes (`--workers N`, and replicas on other hosts) through
+the state store: every `interval_s` each process publishes its own leases per endpoint and reads back
+the sum of the other processes' (`LoadTracker.set_peer_load`). Routing never waits for it: a policy
+sees its own leases exactly and the peers' as of the last read (at most `interval_s` old).
+
+Why not only the workers' `/load` reports: not every engine offers one (a fake, a hosted API, vLLM's
+/metrics has no token counts), and a report is a poll interval old for *all* load, ours included.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterable
+
+from gateway.load import LoadTracker
+from gateway.state import StateStore
+
+log = logging.getLogger(__name__)
+
+# The three counts a lease holds, each published under its own store key.
+_COUNTS = ("requests", "prefill", "decode")
+
+
+def replica_id() -> str:
+    """This process's name in the store: host, pid and a random part (pids repeat across hosts)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
+
+
+class LoadSharer:
+    """The background task that publishes this process's leases and reads the peers'."""
+
+    def __init__(self, tracker: LoadTracker, store: StateStore, endpoint_ids: Callable[[], Iterable[str]],
+                 interval_s: float) -> None:
+        self._tracker = tracker
+        self._store = store
+        self._endpoint_ids = endpoint_ids
+        self._interval_s = interval_s
+        self._ttl_s = max(1.0, 4 * interval_s)  # a process that stops publishing drops out after this
+        self.replica_id = replica_id()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.share_once()
+            except Exception as exc:  # noqa: BLE001 - a store outage must not end the sharing for good
+                log.debug("sharing in-flight load failed: %r", exc)
+            await asyncio.sleep(self._interval_s)
+
+    async def share_once(self) -> None:
+        """Publish our leases at every endpoint, then read the peers' sums back."""
+        endpoint_ids = list(self._endpoint_ids())
+        await asyncio.gather(*(
+            self._store.publish_inflight(self.replica_id, f"{endpoint_id}#{name}", value, self._ttl_s)
+            for endpoint_id in endpoint_ids
+            for name, value in zip(_COUNTS, self._tracker.local_snapshot(endpoint_id), strict=True)))
+        sums = await asyncio.gather(*(
+            self._store.sum_inflight(f"{endpoint_id}#{name}", exclude_replica_id=self.replica_id)
+            for endpoint_id in endpoint_ids for name in _COUNTS))
+        for i, endpoint_id in enumerate(endpoint_ids):
+            self._tracker.set_peer_load(endpoint_id, *sums[3 * i:3 * i + 3])
