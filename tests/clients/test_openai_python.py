@@ -1,0 +1,58 @@
+"""The OpenAI Python SDK, unchanged, against the running gateway: sync, async and streaming, each session
+pinned with `x-session-affinity` (conftest.same_worker checks it reached routing)."""
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from tests.clients.conftest import MODEL, SESSION_HEADER, System, same_worker
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "Name a colour."}]
+
+
+def test_sync_client(system: System) -> None:
+    client = openai.OpenAI(base_url=system.openai_base_url, api_key=system.api_key, max_retries=0,
+                           default_headers={SESSION_HEADER: "py-sync"})
+    with same_worker(system, 2):
+        replies = [client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
+                   for _ in range(2)]
+    for reply in replies:
+        assert reply.choices[0].message.content and reply.choices[0].finish_reason in ("stop", "length")
+        assert 0 < reply.usage.completion_tokens <= 8 and reply.usage.prompt_tokens > 5
+    completion = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0)
+    assert completion.choices[0].text and completion.usage.completion_tokens <= 4
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_async_client(system: System) -> None:
+    async def ask() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=system.openai_base_url, api_key=system.api_key, max_retries=0,
+                                    default_headers={SESSION_HEADER: "py-async"})
+        replies = await asyncio.gather(*(client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=8, temperature=0) for _ in range(3)))
+        await client.close()
+        return [r.choices[0].message.content or "" for r in replies]
+
+    with same_worker(system, 3):
+        texts = asyncio.run(ask())
+    assert all(texts)
+
+
+def test_streaming(system: System) -> None:
+    client = openai.OpenAI(base_url=system.openai_base_url, api_key=system.api_key, max_retries=0)
+    with same_worker(system, 2):
+        for _ in range(2):
+            stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True},
+                                                    extra_headers={SESSION_HEADER: "py-stream"})
+            chunks = list(stream)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text
+            assert chunks[-1].usage is not None and 0 < chunks[-1].usage.completion_tokens <= 8
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=system.openai_base_url, api_key="wrong", max_retries=0).chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=2)
