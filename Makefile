@@ -16,10 +16,11 @@ PYTEST_ARGS ?=
 # Debian packages each command needs, as command:package. `make test` needs redis-server (the tests start
 # real Redis servers), docker-compose (tests/test_docker.py validates docker/compose.yaml with it), a C
 # compiler (the compressed-weight extension; tests/backends/compression checks that it was built),
-# chromium (tests/test_status_page.py loads the /status pages in headless Chromium) and promtool
-# (tests/test_grafana.py parses the dashboard's PromQL and docker/prometheus.yml with it).
+# chromium (tests/test_status_page.py loads the /status pages in headless Chromium), promtool
+# (tests/test_grafana.py parses the dashboard's PromQL and docker/prometheus.yml with it), and node, npm
+# and curl (tests/clients run the OpenAI Node SDK and curl against a running gateway).
 TEST_SYSTEM_PACKAGES ?= redis-server:redis-server docker-compose:docker-compose cc:gcc chromium:chromium \
-	promtool:prometheus
+	promtool:prometheus node:nodejs npm:npm curl:curl
 SERVE_SYSTEM_PACKAGES ?=
 
 # Installs the packages whose command is missing: with apt-get when run as root, otherwise it prints the
