@@ -10,7 +10,6 @@ import msgpack
 import orjson
 import zmq
 
-from cache.block_hash import block_hashes
 from tests.gateway.conftest import gateway_config, metric
 from tests.support.ports import free_port
 from tests.support.wait import await_until
@@ -97,8 +96,8 @@ async def test_vllm_kv_events_over_zmq_steer_routing(start_fakes, start_gateway)
                 return homes == (b.name, c.name) and \
                     metric(gateway, "switchyard_routing_decisions_total", reason="prefix_hit") == hits + 2
             await await_until(routed_by_events, "the engines' KV events to steer routing", interval_s=0.05)
-            homes_b = [await served_by(client, gateway.url, prompt_b + [9, 9, 9]) for _ in range(3)]
-            homes_c = [await served_by(client, gateway.url, prompt_c + [9, 9, 9]) for _ in range(3)]
+            homes_b = [await served_by(client, gateway.url, [*prompt_b, 9, 9, 9]) for _ in range(3)]
+            homes_c = [await served_by(client, gateway.url, [*prompt_c, 9, 9, 9]) for _ in range(3)]
     finally:
         context.destroy(linger=0)
     assert homes_b == ["b"] * 3 and homes_c == ["c"] * 3
