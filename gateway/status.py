@@ -6,6 +6,7 @@ behind its collector), so the page never disagrees with a scrape. Read-only: it 
 from __future__ import annotations
 
 import math
+import socket
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -47,6 +48,7 @@ def snapshot(services: Services) -> dict[str, Any]:
     now_s = time.time()
     return {
         "kind": "gateway",
+        "host": socket.gethostname(),   # which replica answered (behind a load balancer, each poll may differ)
         "time_s": now_s,
         "uptime_s": now_s - start_s if start_s else None,
         "endpoints": _endpoints(services),

@@ -6,6 +6,7 @@ registry), so the two agree. Read-only: it never touches the engine's queues.
 from __future__ import annotations
 
 import math
+import socket
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -50,6 +51,7 @@ def snapshot(app: web.Application) -> dict[str, Any]:
     used = report.num_total_blocks - report.num_free_blocks     # as kv_blocks_used in /metrics
     return {
         "kind": "worker",
+        "host": socket.gethostname(),
         "time_s": time.time(),
         "models": list(config.served_model_names),
         "role": config.role.value,
