@@ -2,8 +2,8 @@
 
 A bounded, seeded campaign: every operation, positive and negative bodies, MAX_EXAMPLES each, no
 shrinking, no stateful phase. Every response must be a non-5xx that conforms to the document (status
-code, content type, body), every 4xx must be in OpenAI's error shape, and the processes must still be
-alive and healthy afterwards. All failures are collected and reported together.
+code, content type, body), every 4xx must be in OpenAI's error shape (Anthropic's on /v1/messages), and
+the processes must still be alive and healthy afterwards. All failures are collected and reported together.
 """
 from __future__ import annotations
 
@@ -91,7 +91,8 @@ def _fuzz(operation: schemathesis.APIOperation, mode: GenerationMode, base_url: 
         except FailureGroup as group:
             problems.extend(str(exc) for exc in group.exceptions)
         if 400 <= response.status_code < 600:
-            problems.extend(_error_shape_problems(response))
+            anthropic = operation.path == "/v1/messages"
+            problems.extend(_anthropic_error_problems(response) if anthropic else _error_shape_problems(response))
         if problems:
             request = response.request
             body = request.body.decode(errors="replace") if isinstance(request.body, bytes) else request.body
@@ -110,6 +111,19 @@ def _error_shape_problems(response: schemathesis.Response) -> list[str]:
     if not isinstance(error, dict) or set(error) != {"message", "type", "param", "code"}:
         return [f"error object has keys {sorted(error) if isinstance(error, dict) else error!r}, "
                 "expected exactly message, type, param, code"]
+    if not isinstance(error["message"], str) or not isinstance(error["type"], str):
+        return ["error message and type must be strings"]
+    return []
+
+
+def _anthropic_error_problems(response: schemathesis.Response) -> list[str]:
+    try:
+        body = response.json()
+        error = body["error"]
+    except (ValueError, KeyError, TypeError):
+        return ["error response is not JSON with an 'error' object"]
+    if body.get("type") != "error" or not isinstance(error, dict) or set(error) != {"type", "message"}:
+        return [f"not Anthropic's error shape {{'type': 'error', 'error': {{'type', 'message'}}}}: {body!r}"]
     if not isinstance(error["message"], str) or not isinstance(error["type"], str):
         return ["error message and type must be strings"]
     return []
