@@ -61,7 +61,7 @@ def subscriber_address(source: KvEventSource, endpoint_id: str) -> tuple[str, bo
     return endpoint, True
 
 
-class _Stream:
+class EngineStream:
     """One engine's events: its block map and the last sequence number seen."""
     __slots__ = ("block_map", "endpoint_id", "last_seq")
 
@@ -98,7 +98,7 @@ class KvEventConsumer:
                 socket.bind(plan.address)
             else:
                 socket.connect(plan.address)
-            streams = {topic.encode(): _Stream(endpoint_id, VllmBlockMap(self._block_size))
+            streams = {topic.encode(): EngineStream(endpoint_id, VllmBlockMap(self._block_size))
                        for topic, endpoint_id in plan.topics.items()}
             self._tasks.append(asyncio.create_task(self._consume(plan, socket, streams)))
         log.info("consuming KV events on %d socket(s)", len(self._plans))
@@ -113,7 +113,7 @@ class KvEventConsumer:
             self._context = None
 
     async def _consume(self, plan: SocketPlan, socket: zmq.asyncio.Socket,
-                       streams: Mapping[bytes, _Stream]) -> None:
+                       streams: Mapping[bytes, EngineStream]) -> None:
         while True:
             frames = await socket.recv_multipart()
             try:
@@ -121,7 +121,7 @@ class KvEventConsumer:
             except Exception as exc:  # noqa: BLE001 - one bad message must not stop the stream
                 log.warning("KV event on %s skipped: %r", plan.address, exc)
 
-    def apply_frames(self, frames: list[bytes], streams: Mapping[bytes, _Stream]) -> None:
+    def apply_frames(self, frames: list[bytes], streams: Mapping[bytes, EngineStream]) -> None:
         """Apply one multipart message (topic, sequence, payload) to the index."""
         if len(frames) != 3 or len(frames[1]) != 8:
             raise ValueError(f"expected 3 frames (topic, 8-byte seq, payload), got {len(frames)}")
@@ -137,7 +137,7 @@ class KvEventConsumer:
         stream.last_seq = seq
         apply_batch(self._index, stream.endpoint_id, stream.block_map, frames[2])
 
-    def _clear(self, stream: _Stream) -> None:
+    def _clear(self, stream: EngineStream) -> None:
         self._index.reset(stream.endpoint_id)
         stream.block_map.clear()
 
