@@ -5,9 +5,10 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
-from policies.base import DecisionReason
+from policies.base import DecisionReason, prefix_affinity_key
 from policies.registry import PolicyName, make_policy
 from policies.session_affinity import ring_hash
 from tests.policies.helpers import ep, facts, fleet
@@ -132,3 +133,52 @@ def test_choice_is_always_healthy_and_within_bound(loads, healthy, key, home, lo
     assert (d.session_moved_from is None) == (d.reason is not DecisionReason.AFFINITY_MOVED)
     if d.reason is DecisionReason.AFFINITY_MOVED:
         assert d.session_moved_from == session_endpoint != d.endpoint_id
+
+
+# --- requests without x-session-affinity: a key derived from the prompt's prefix -------------------
+
+@pytest.mark.parametrize(("hashes", "block_size", "num_key_tokens", "expected"), [
+    ((11, 12, 13, 14), 16, 32, "prefix:c"),      # the 2nd chained hash names the first 32 tokens
+    ((11, 12, 13, 14), 16, 1024, "prefix:e"),    # shorter prompt: all its full blocks
+    ((11, 12, 13, 14), 16, 8, "prefix:b"),       # less than a block: the first block
+    ((11, 12, 13, 14), 512, 1024, "prefix:c"),   # the block size comes with the hashes
+    ((), 16, 1024, None),                        # no full block: no key
+    ((11, 12), 16, 0, None),                     # derivation off
+])
+def test_prefix_affinity_key(hashes, block_size, num_key_tokens, expected) -> None:
+    assert prefix_affinity_key(hashes, block_size, num_key_tokens) == expected
+
+
+def test_headerless_requests_follow_their_prefix() -> None:
+    p, endpoints = policy(prefix_key_tokens=32), fleet(8)
+    ids = [e.endpoint_id for e in endpoints]
+    homes = set()
+    for conversation in range(20):
+        head = (conversation, 1000 + conversation)  # two leading blocks of this conversation
+        turns = [p.select(facts(hashes=head + tail), endpoints) for tail in ((), (5,), (5, 6, 7))]
+        expected = ring_order(f"prefix:{head[1]:x}", ids)[0]
+        assert [(d.endpoint_id, d.reason, d.session_moved_from) for d in turns] == \
+            [(expected, DecisionReason.PREFIX_AFFINITY, None)] * 3
+        homes.add(expected)
+    assert len(homes) > 3  # prefixes spread over the ring
+
+
+def test_headerless_without_blocks_or_with_derivation_off_balances() -> None:
+    endpoints = [ep("a", decode=50), ep("b", decode=10), ep("c", decode=30)]
+    assert policy().select(facts(), endpoints).reason is DecisionReason.BALANCED
+    d = policy(prefix_key_tokens=0).select(facts(hashes=(1, 2, 3)), endpoints)
+    assert (d.endpoint_id, d.reason) == ("b", DecisionReason.BALANCED)
+    with pytest.raises(ValueError):
+        policy(prefix_key_tokens=-1)
+    with pytest.raises(ValueError):
+        policy(prefix_key_tokens=1.5)
+
+
+def test_a_derived_key_respects_the_load_bound() -> None:
+    p = policy(prefix_key_tokens=16)
+    ids = [f"http://w{i}:8000" for i in range(4)]
+    home = ring_order("prefix:7", ids)[0]
+    endpoints = [ep(i, decode=10_000 if i == home else 0) for i in ids]
+    d = p.select(facts(hashes=(7,)), endpoints)
+    assert d.endpoint_id == ring_order("prefix:7", [i for i in ids if i != home])[0]
+    assert (d.reason, d.session_moved_from) == (DecisionReason.PREFIX_AFFINITY, None)
