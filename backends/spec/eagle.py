@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,6 +24,9 @@ from backends.models.config import ModelConfig, load_model_config
 from backends.models.layers import Linear, LMHead, rope_inv_freq
 from backends.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from backends.spec.proposer import DraftRequest
+
+if TYPE_CHECKING:
+    from backends.worker.model_runner import ModelRunner
 
 # Hidden states of one request that wait for the head (observed, not yet run) before a catch-up runs
 # them at once, so a sequence that stops asking for drafts does not pile them up.
@@ -188,6 +192,13 @@ class EagleProposer:
             num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
             block_size=block_size, scale=attn.head_dim ** -0.5, dtype=self.dtype), self.device)
         self._states: dict[str, _RequestState] = {}
+
+    @classmethod
+    def for_target(cls, head_dir: Path, target: ModelRunner) -> EagleProposer:
+        """A head beside `target`: its model (embeddings, LM head, dtype, device), attention backend, block
+        size, and as many KV blocks (tokens) as its cache, which cost 1/num_layers of its KV memory."""
+        return cls(head_dir, target.model, num_blocks=target.num_blocks, block_size=target.block_size,
+                   attention_backend=target.attention.name.value)
 
     # --- the Proposer interface ------------------------------------------------------------------
     def observe(self, request_id: str, start: int, token_ids: Sequence[int], hidden: torch.Tensor) -> None:
