@@ -232,7 +232,8 @@ async def test_errors_have_anthropics_shape_and_status(start: Start) -> None:
     for body, error, kind in cases:
         with pytest.raises(error) as caught:
             await sdk.post("/v1/messages", body=body, cast_to=anthropic.types.Message)
-        assert caught.value.body == {"type": "error", "error": {"type": kind, "message": caught.value.body["error"]["message"]}}
+        answer = caught.value.body
+        assert answer == {"type": "error", "error": {"type": kind, "message": answer["error"]["message"]}}
     with pytest.raises(anthropic.AuthenticationError) as auth_error:
         await _sdk(client, api_key="wrong").messages.create(model="m", max_tokens=5, messages=HELLO)
     assert auth_error.value.body["error"]["type"] == "authentication_error"
@@ -244,7 +245,8 @@ async def test_errors_have_anthropics_shape_and_status(start: Start) -> None:
     upstream.answers = [(400, "invalid_request_error")]    # the upstream's own 400, relayed in Anthropic's shape
     with pytest.raises(anthropic.BadRequestError) as relayed:
         await sdk.messages.create(model="m", max_tokens=5, messages=HELLO)
-    assert relayed.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": "scripted 400"}}
+    assert relayed.value.body == {"type": "error",
+                                  "error": {"type": "invalid_request_error", "message": "scripted 400"}}
     upstream.answers = [(503, "busy")] * 8                 # every try fails: the gateway's 502, Anthropic's shape
     with pytest.raises(anthropic.InternalServerError) as failed:
         await sdk.messages.create(model="m", max_tokens=5, messages=HELLO)
