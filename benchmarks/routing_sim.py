@@ -1,8 +1,12 @@
 """Replay the Mooncake conversation trace against simulated workers and compare routing policies:
 prefix-cache hit rate, simulated TTFT (mean/p90/p99) and load imbalance, one table, seeded.
 
-Routing uses the real parts: `policies.make_policy`, `cache.prefix_index.PrefixIndex` fed by the
-simulated workers' KV events, `gateway.load.LoadTracker` leases and `OutputLengthEstimator`.
+Routing uses the real parts: `policies.make_policy`, `cache.prefix_index.PrefixIndex`, `gateway.load.LoadTracker`
+leases and `OutputLengthEstimator`. The index is fed one of two ways (issue 17): *precise*, by the simulated
+workers' KV events (stored/evicted blocks, as our workers' `/kv_events` or vLLM's ZMQ stream tell), or
+*approximate*, by the gateway's own routing decisions (`record_routed`: the blocks it sent where), in an LRU
+of the worker's capacity, as an endpoint without events gets. `session_affinity` runs with the trace's
+conversation as `x-session-affinity`, and without any header (the key derived from the prompt's prefix).
 Worker model (deliberately simple, stated so the numbers can be read):
   - each worker prefills one request at a time, FIFO; prefill time = overhead + uncached prompt
     tokens / prefill rate, slowed by `decode_interference` per sequence decoding there;
@@ -97,11 +101,17 @@ def load_trace(path: pathlib.Path, limit: int | None) -> list[TraceRequest]:
 class Simulation:
     """One policy over the whole trace: a heap of timed events, processed in order."""
 
-    def __init__(self, policy: Policy, config: SimConfig) -> None:
+    def __init__(self, policy: Policy, config: SimConfig, approximate: bool = False,
+                 send_session_key: bool = True, approx_capacity_blocks: int | None = None) -> None:
         self.policy = policy
         self.config = config
         self.workers = [Worker(f"http://worker-{i}:8000") for i in range(config.num_workers)]
         self.index = PrefixIndex(max_blocks_per_endpoint=4 * config.cache_blocks)
+        self.approximate = approximate            # the index learns from routing, not from the workers' events
+        self.send_session_key = send_session_key  # False: requests carry no x-session-affinity
+        if approximate:
+            for worker in self.workers:  # the capacity a load report states (default: the true one)
+                self.index.track_routed(worker.endpoint_id, approx_capacity_blocks or config.cache_blocks)
         self.tracker = LoadTracker()
         self.estimator = OutputLengthEstimator()
         self.sessions: dict[str, str] = {}
@@ -124,15 +134,17 @@ class Simulation:
     def _on_arrive(self, now: float, request: TraceRequest) -> None:
         matched = self.index.matched_blocks(request.block_hashes)
         expected = self.estimator.estimate(MODEL, None)
-        session_endpoint = self.sessions.get(request.session_key) if request.session_key else None
+        session_key = request.session_key if self.send_session_key else None
+        session_endpoint = self.sessions.get(session_key) if session_key else None
         facts = RequestFacts(MODEL, request.num_prompt_tokens, expected, request.block_hashes,
-                             request.session_key, session_endpoint, BLOCK_TOKENS)
+                             session_key, session_endpoint, BLOCK_TOKENS)
         states = [EndpointState(w.endpoint_id, True, *self.tracker.snapshot(w.endpoint_id),
                                 matched.get(w.endpoint_id, 0), None) for w in self.workers]
         decision = self.policy.select(facts, states)
         assert decision is not None
-        if request.session_key is not None:
-            self.sessions[request.session_key] = decision.endpoint_id
+        if session_key is not None:
+            self.sessions[session_key] = decision.endpoint_id
+        self.index.record_routed(decision.endpoint_id, request.block_hashes)  # a no-op unless approximate
         self.num_moved += decision.reason is DecisionReason.AFFINITY_MOVED
         worker_index = next(i for i, w in enumerate(self.workers) if w.endpoint_id == decision.endpoint_id)
         lease = self.tracker.lease(decision.endpoint_id, request.num_prompt_tokens, expected)
@@ -195,7 +207,8 @@ class Simulation:
                 events.append({"seq": worker.next_seq, "type": "removed", "block_hash": evicted,
                                "parent_hash": None})
                 worker.next_seq += 1
-        self.index.apply(worker.endpoint_id, events)
+        if not self.approximate:
+            self.index.apply(worker.endpoint_id, events)
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -228,6 +241,9 @@ def main() -> None:
                         help="offered prefill load / fleet prefill capacity, with no cache hits")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="also print one JSON line per policy")
+    parser.add_argument("--approx-capacity", type=int, default=None,
+                        help="blocks the approximate index assumes per worker (default: --cache-blocks)")
+    parser.add_argument("--only", nargs="*", help="run only the rows whose label contains one of these words")
     args = parser.parse_args()
     if not args.trace.is_file():
         parser.error(f"no trace at {args.trace}: pass --trace PATH (Mooncake's conversation trace, JSONL)")
@@ -241,28 +257,39 @@ def main() -> None:
     print(f"{len(requests)} requests over {duration_s:.0f} s; {args.workers} workers, "
           f"{args.cache_blocks} cached blocks each, prefill {config.prefill_tokens_per_s:.0f} tok/s "
           f"per worker (utilization {args.utilization} without hits); seed {args.seed}")
-    policies: list[tuple[str, PolicyName, dict[str, Any]]] = [
-        ("round_robin", PolicyName.ROUND_ROBIN, {}),
-        ("least_requests", PolicyName.LEAST_REQUESTS, {"seed": args.seed}),
-        ("least_tokens", PolicyName.LEAST_TOKENS, {"seed": args.seed}),
-        ("power_of_two", PolicyName.POWER_OF_TWO, {"seed": args.seed}),
-        ("session_affinity", PolicyName.SESSION_AFFINITY, {"seed": args.seed}),
-        ("prefix_aware", PolicyName.PREFIX_AWARE, {"seed": args.seed}),
+    seed = {"seed": args.seed}
+    # (label, policy, options, approximate index, requests carry x-session-affinity)
+    policies: list[tuple[str, PolicyName, dict[str, Any], bool, bool]] = [
+        ("round_robin", PolicyName.ROUND_ROBIN, {}, False, True),
+        ("least_requests", PolicyName.LEAST_REQUESTS, seed, False, True),
+        ("least_tokens", PolicyName.LEAST_TOKENS, seed, False, True),
+        ("power_of_two", PolicyName.POWER_OF_TWO, seed, False, True),
+        ("session_affinity", PolicyName.SESSION_AFFINITY, seed, False, True),
+        ("session_aff. no hdr", PolicyName.SESSION_AFFINITY, seed, False, False),
+        ("prefix_aware precise", PolicyName.PREFIX_AWARE, seed, False, True),
+        ("prefix_aware approx", PolicyName.PREFIX_AWARE, seed, True, True),
     ]
-    header = (f"{'policy':<18}{'hit rate':>9}{'TTFT mean':>11}{'p50':>8}{'p90':>8}{'p99':>8}"
+    if args.only:
+        policies = [p for p in policies if any(word in p[0] for word in args.only)]
+    header = (f"{'policy':<22}{'hit rate':>9}{'TTFT mean':>11}{'p50':>8}{'p90':>8}{'p99':>8}"
               f"{'busy max/mean':>15}{'reqs max/mean':>15}{'moved':>7}{'wall':>7}")
     print(header)
     print("-" * len(header))
-    for label, name, options in policies:
+    hit_rates: dict[str, float] = {}
+    for label, name, options, approximate, send_session_key in policies:
         start = time.perf_counter()
-        sim = Simulation(make_policy(name, options), config)
+        sim = Simulation(make_policy(name, options), config, approximate, send_session_key, args.approx_capacity)
         sim.run(requests)
         row = summarize(label, sim, time.perf_counter() - start)
-        print(f"{label:<18}{row['hit_rate']:>9.1%}{row['ttft_mean_s']:>10.2f}s{row['ttft_p50_s']:>7.2f}s"
+        print(f"{label:<22}{row['hit_rate']:>9.1%}{row['ttft_mean_s']:>10.2f}s{row['ttft_p50_s']:>7.2f}s"
               f"{row['ttft_p90_s']:>7.2f}s{row['ttft_p99_s']:>7.2f}s{row['busy_imbalance']:>15.2f}"
               f"{row['request_imbalance']:>15.2f}{row['moved']:>7}{row['wall_s']:>6.1f}s")
         if args.json:
             print(orjson.dumps(row).decode())
+        hit_rates[label] = row["hit_rate"]
+    if "prefix_aware precise" in hit_rates and "prefix_aware approx" in hit_rates:
+        print(f"approximate reaches {hit_rates['prefix_aware approx'] / hit_rates['prefix_aware precise']:.1%} "
+              "of precise's hit rate")
 
 
 if __name__ == "__main__":
