@@ -119,8 +119,16 @@ class PrefixIndex:
         blocks = self._endpoints.get(endpoint_id)
         if blocks is None or not blocks.approximate:
             return
+        lru, holders, bit = blocks.lru, self._holders, blocks.bit  # `_store` inlined: once per block per request
         for block_hash in reversed(block_hashes):
-            self._store(blocks, block_hash)
+            if block_hash in lru:
+                lru.move_to_end(block_hash)
+                continue
+            lru[block_hash] = None
+            holders[block_hash] = holders.get(block_hash, 0) | bit
+            if len(lru) > blocks.max_blocks:
+                oldest, _ = lru.popitem(last=False)
+                self._unmark(oldest, bit)
 
     def is_approximate(self, endpoint_id: str) -> bool:
         blocks = self._endpoints.get(endpoint_id)
