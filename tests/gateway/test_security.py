@@ -63,6 +63,8 @@ async def test_every_route_but_the_probes_needs_a_key(start_fakes, start_gateway
                 status, body = await fetch(client, method, gateway.url + path, secret, json=CHAT)
                 if open_route:
                     assert status == 200, (path, body)
+                elif path == "/v1/messages":    # Anthropic's API, Anthropic's error shape
+                    assert status == 401 and body["error"]["type"] == "authentication_error", body
                 else:
                     assert_openai_error(body, 401, status)
         status, body = await fetch(client, "GET", gateway.url + "/metrics", SECRET_A)
@@ -71,6 +73,10 @@ async def test_every_route_but_the_probes_needs_a_key(start_fakes, start_gateway
             assert response.status == 200 and "switchyard_requests_total" in await response.text()
         status, body = await fetch(client, "GET", gateway.url + "/v1/models", SECRET_B)
         assert status == 200 and [m["id"] for m in body["data"]] == ["m"]
+        async with client.get(gateway.url + "/v1/models", headers={"x-api-key": SECRET_B}) as response:
+            assert response.status == 200   # x-api-key (as Anthropic's SDK sends keys) is a key too
+        async with client.get(gateway.url + "/v1/models", headers={"x-api-key": WRONG_SECRET}) as response:
+            assert response.status == 401
 
 
 async def test_metrics_can_be_made_public(start_fakes, start_gateway) -> None:
