@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import pathlib
+import random
 import statistics
 import sys
 import time
@@ -78,7 +79,6 @@ class Worker:
     queue: deque[InFlight] = field(default_factory=deque)
     busy: bool = False
     lru: OrderedDict[int, None] = field(default_factory=OrderedDict)
-    next_seq: int = 0           # KV event sequence number
     num_decoding: int = 0
     prefill_busy_s: float = 0.0
     num_requests: int = 0
@@ -99,19 +99,25 @@ def load_trace(path: pathlib.Path, limit: int | None) -> list[TraceRequest]:
 
 
 class Simulation:
-    """One policy over the whole trace: a heap of timed events, processed in order."""
+    """One policy over the whole trace: a heap of timed events, processed in order. With several
+    gateway processes (`policies`, one each), each request reaches a random one; load is shared (leases
+    or /load), a precise index too (every process hears the events), an approximate one is not."""
 
-    def __init__(self, policy: Policy, config: SimConfig, approximate: bool = False,
-                 send_session_key: bool = True, approx_capacity_blocks: int | None = None) -> None:
-        self.policy = policy
+    def __init__(self, policies: list[Policy], config: SimConfig, approximate: bool = False,
+                 send_session_key: bool = True, approx_capacity_blocks: int | None = None, seed: int = 0) -> None:
+        self.policies = policies
         self.config = config
         self.workers = [Worker(f"http://worker-{i}:8000") for i in range(config.num_workers)]
         self.index = PrefixIndex(max_blocks_per_endpoint=4 * config.cache_blocks)
         self.approximate = approximate            # the index learns from routing, not from the workers' events
         self.send_session_key = send_session_key  # False: requests carry no x-session-affinity
+        self.indexes = [self.index]
         if approximate:
-            for worker in self.workers:  # the capacity a load report states (default: the true one)
-                self.index.track_routed(worker.endpoint_id, approx_capacity_blocks or config.cache_blocks)
+            self.indexes = [PrefixIndex() for _ in policies]
+            for index in self.indexes:
+                for worker in self.workers:  # the capacity a load report states (default: the true one)
+                    index.track_routed(worker.endpoint_id, approx_capacity_blocks or config.cache_blocks)
+        self._rng = random.Random(seed)           # which gateway process a request reaches
         self.tracker = LoadTracker()
         self.estimator = OutputLengthEstimator()
         self.sessions: dict[str, str] = {}
@@ -132,7 +138,9 @@ class Simulation:
         heapq.heappush(self._events, (at_s, self._seq, kind, payload))
 
     def _on_arrive(self, now: float, request: TraceRequest) -> None:
-        matched = self.index.matched_blocks(request.block_hashes)
+        gateway = self._rng.randrange(len(self.policies))
+        index = self.indexes[gateway] if self.approximate else self.index
+        matched = index.matched_blocks(request.block_hashes)
         expected = self.estimator.estimate(MODEL, None)
         session_key = request.session_key if self.send_session_key else None
         session_endpoint = self.sessions.get(session_key) if session_key else None
@@ -140,11 +148,11 @@ class Simulation:
                              session_key, session_endpoint, BLOCK_TOKENS)
         states = [EndpointState(w.endpoint_id, True, *self.tracker.snapshot(w.endpoint_id),
                                 matched.get(w.endpoint_id, 0), None) for w in self.workers]
-        decision = self.policy.select(facts, states)
+        decision = self.policies[gateway].select(facts, states)
         assert decision is not None
         if session_key is not None:
             self.sessions[session_key] = decision.endpoint_id
-        self.index.record_routed(decision.endpoint_id, request.block_hashes)  # a no-op unless approximate
+        index.record_routed(decision.endpoint_id, request.block_hashes)  # a no-op unless approximate
         self.num_moved += decision.reason is DecisionReason.AFFINITY_MOVED
         worker_index = next(i for i, w in enumerate(self.workers) if w.endpoint_id == decision.endpoint_id)
         lease = self.tracker.lease(decision.endpoint_id, request.num_prompt_tokens, expected)
@@ -192,24 +200,20 @@ class Simulation:
         self.finished.append(flight)
 
     def _store_blocks(self, worker: Worker, block_hashes: tuple[int, ...]) -> None:
-        """Cache the request's blocks on the worker and tell the index, as a worker's KV events do."""
-        events = []
+        """Cache the request's blocks on the worker and, precise, tell the index as the worker's KV
+        events do (stored, then evicted, in order)."""
+        tell = not self.approximate
         for block_hash in block_hashes:
             if block_hash in worker.lru:
                 worker.lru.move_to_end(block_hash)
                 continue
             worker.lru[block_hash] = None
-            events.append({"seq": worker.next_seq, "type": "stored", "block_hash": block_hash,
-                           "parent_hash": None})
-            worker.next_seq += 1
+            if tell:
+                self.index.store(worker.endpoint_id, (block_hash,))
             if len(worker.lru) > self.config.cache_blocks:
                 evicted, _ = worker.lru.popitem(last=False)
-                events.append({"seq": worker.next_seq, "type": "removed", "block_hash": evicted,
-                               "parent_hash": None})
-                worker.next_seq += 1
-        if not self.approximate:
-            self.index.apply(worker.endpoint_id, events)
-
+                if tell:
+                    self.index.remove(worker.endpoint_id, (evicted,))
 
 def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
@@ -241,6 +245,8 @@ def main() -> None:
                         help="offered prefill load / fleet prefill capacity, with no cache hits")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="also print one JSON line per policy")
+    parser.add_argument("--gateways", type=int, default=1,
+                        help="gateway processes (switchyard gateway --workers N), each request to a random one")
     parser.add_argument("--approx-capacity", type=int, default=None,
                         help="blocks the approximate index assumes per worker (default: --cache-blocks)")
     parser.add_argument("--only", nargs="*", help="run only the rows whose label contains one of these words")
@@ -268,20 +274,22 @@ def main() -> None:
         ("session_aff. no hdr", PolicyName.SESSION_AFFINITY, seed, False, False),
         ("prefix_aware precise", PolicyName.PREFIX_AWARE, seed, False, True),
         ("prefix_aware approx", PolicyName.PREFIX_AWARE, seed, True, True),
+        ("prefix_aware approx+key", PolicyName.PREFIX_AWARE, {**seed, "prefix_key_tokens": 1024}, True, True),
     ]
     if args.only:
         policies = [p for p in policies if any(word in p[0] for word in args.only)]
-    header = (f"{'policy':<22}{'hit rate':>9}{'TTFT mean':>11}{'p50':>8}{'p90':>8}{'p99':>8}"
+    header = (f"{'policy':<25}{'hit rate':>9}{'TTFT mean':>11}{'p50':>8}{'p90':>8}{'p99':>8}"
               f"{'busy max/mean':>15}{'reqs max/mean':>15}{'moved':>7}{'wall':>7}")
     print(header)
     print("-" * len(header))
     hit_rates: dict[str, float] = {}
     for label, name, options, approximate, send_session_key in policies:
         start = time.perf_counter()
-        sim = Simulation(make_policy(name, options), config, approximate, send_session_key, args.approx_capacity)
+        sim = Simulation([make_policy(name, options) for _ in range(args.gateways)], config, approximate,
+                         send_session_key, args.approx_capacity, args.seed)
         sim.run(requests)
         row = summarize(label, sim, time.perf_counter() - start)
-        print(f"{label:<22}{row['hit_rate']:>9.1%}{row['ttft_mean_s']:>10.2f}s{row['ttft_p50_s']:>7.2f}s"
+        print(f"{label:<25}{row['hit_rate']:>9.1%}{row['ttft_mean_s']:>10.2f}s{row['ttft_p50_s']:>7.2f}s"
               f"{row['ttft_p90_s']:>7.2f}s{row['ttft_p99_s']:>7.2f}s{row['busy_imbalance']:>15.2f}"
               f"{row['request_imbalance']:>15.2f}{row['moved']:>7}{row['wall_s']:>6.1f}s")
         if args.json:

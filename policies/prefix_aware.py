@@ -1,6 +1,8 @@
 """Cache-aware routing (after sgl-router's cache_aware policy): among the endpoints within a load
-bound, maximize prompt tokens already cached there minus `alpha` x tokens in flight; when no
-candidate holds any of the prompt's leading blocks, fall back to least_tokens.
+bound, maximize prompt tokens already cached there minus `alpha` x tokens in flight. When no candidate
+holds any of the prompt's leading blocks: with `prefix_key_tokens`, the ring home (within the bound) of a
+key from the prompt's prefix, so gateway processes whose indexes differ still agree where a new prefix
+goes; otherwise least_tokens.
 """
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from typing import Any
 
 from policies.base import (Decision, DecisionReason, EndpointState, RequestFacts, TokenWeights,
                            check_number, check_seed, config_from_options, pick_least,
-                           within_load_bound)
+                           prefix_affinity_key, within_load_bound)
 from policies.least_tokens import LeastTokensConfig, LeastTokensPolicy
+from policies.session_affinity import HashRing, ring_hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,9 +25,15 @@ class PrefixAwareConfig:
     prefill_weight: float = 1.0   # load = weighted tokens in flight (also the fallback's weights)
     decode_weight: float = 1.0
     seed: int | None = None       # seeds the tie-breaking RNG (tests)
+    prefix_key_tokens: int = 0    # cold prompt: the ring home of its first N tokens' key (0: least_tokens)
+    num_virtual_nodes: int = 100  # ring points per endpoint, for prefix_key_tokens
 
     def __post_init__(self) -> None:
         check_number("alpha", self.alpha, minimum=0.0)
+        for name in ("prefix_key_tokens", "num_virtual_nodes"):
+            check_number(name, getattr(self, name), minimum=0 if name == "prefix_key_tokens" else 1)
+            if not isinstance(getattr(self, name), int):
+                raise ValueError(f"policy option {name!r} must be an integer")
         check_number("load_factor", self.load_factor, minimum=1.0)
         TokenWeights(self.prefill_weight, self.decode_weight)
         check_seed(self.seed)
@@ -42,6 +51,7 @@ class PrefixAwarePolicy:
         self._fallback = LeastTokensPolicy(LeastTokensConfig(
             prefill_weight=config.prefill_weight, decode_weight=config.decode_weight,
             seed=None if config.seed is None else config.seed + 1))
+        self._ring = HashRing((), config.num_virtual_nodes)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> PrefixAwarePolicy:
@@ -49,11 +59,9 @@ class PrefixAwarePolicy:
 
     def select(self, request: RequestFacts, endpoints: Sequence[EndpointState]) -> Decision | None:
         within = within_load_bound(endpoints, self._weights, self._config.load_factor)
-        for endpoint in within:
-            if endpoint.num_matched_blocks > 0:
-                break
-        else:
-            return self._fallback.select(request, endpoints)
+        best = max((e.num_matched_blocks for e in within), default=0)
+        if best == 0 or best < self._num_key_blocks(request):
+            return self._cold(request, endpoints, within)
         # The block size comes with the request's hashes, so it can never disagree with them.
         block_size = request.block_size
         chosen = pick_least(within, lambda e: self._negative_score(e, block_size), self._rng)
@@ -61,6 +69,24 @@ class PrefixAwarePolicy:
             return None
         reason = DecisionReason.PREFIX_HIT if chosen.num_matched_blocks > 0 else DecisionReason.BALANCED
         return Decision(chosen.endpoint_id, reason, None)
+
+    def _num_key_blocks(self, request: RequestFacts) -> int:
+        """Blocks behind the prefix key (0: no key): a prompt none of whose candidates holds that many
+        is routed by its key, since no index this process has knows where its own prefix went."""
+        if not self._config.prefix_key_tokens:
+            return 0
+        return min(len(request.block_hashes), max(1, self._config.prefix_key_tokens // request.block_size))
+
+    def _cold(self, request: RequestFacts, endpoints: Sequence[EndpointState],
+              within: Sequence[EndpointState]) -> Decision | None:
+        key = prefix_affinity_key(request.block_hashes, request.block_size, self._config.prefix_key_tokens)
+        if key is None or not within:
+            return self._fallback.select(request, endpoints)
+        self._ring = self._ring.grown(endpoints)
+        chosen = self._ring.first(ring_hash(key), {e.endpoint_id: e for e in within})
+        if chosen is None:  # unreachable: `grown` put every candidate on the ring
+            return None
+        return Decision(chosen, DecisionReason.PREFIX_AFFINITY, None)
 
     def _negative_score(self, endpoint: EndpointState, block_size: int) -> float:
         return (self._alpha_prefill * endpoint.num_prefill_tokens

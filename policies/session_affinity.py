@@ -53,12 +53,28 @@ class HashRing:
 
     def __init__(self, endpoint_ids: Sequence[str], num_virtual_nodes: int) -> None:
         self.endpoint_ids = frozenset(endpoint_ids)
+        self._num_virtual_nodes = num_virtual_nodes
         points = sorted((ring_hash(f"{eid}#{i}"), eid)
                         for eid in self.endpoint_ids for i in range(num_virtual_nodes))
         self._points = [p for p, _ in points]
         self._owners = [eid for _, eid in points]
 
-    def first(self, key_hash: int, accept: Mapping[str, EndpointState]) -> str | None:
+    def grown(self, endpoints: Sequence[EndpointState]) -> HashRing:
+        """This ring, or a new one with the endpoints it has not seen added; ids seen before stay, so a
+        key's ring home does not move when a candidate is left out of one call (already tried, unhealthy)."""
+        known = self.endpoint_ids
+        for endpoint in endpoints:
+            if endpoint.endpoint_id not in known:
+                break
+        else:
+            return self
+        ids = {e.endpoint_id for e in endpoints}
+        union = ids | known
+        if len(union) > MAX_RING_ENDPOINTS:
+            union = ids
+        return HashRing(sorted(union), self._num_virtual_nodes)
+
+    def first(self, key_hash: int, accept: Mapping[str, object]) -> str | None:
         """The first endpoint clockwise from `key_hash` whose id is in `accept`."""
         start = bisect.bisect_right(self._points, key_hash)
         n = len(self._owners)
@@ -102,27 +118,12 @@ class SessionAffinityPolicy:
             return None
         if home is not None and home in within:
             return Decision(home, DecisionReason.AFFINITY_HIT, None)
-        self._update_ring(endpoints)
+        self._ring = self._ring.grown(endpoints)
         chosen = self._ring.first(ring_hash(key), within)
-        if chosen is None:  # unreachable: _update_ring put every candidate on the ring
+        if chosen is None:  # unreachable: `grown` put every candidate on the ring
             return None
         if derived:
             return Decision(chosen, DecisionReason.PREFIX_AFFINITY, None)
         if home is None:
             return Decision(chosen, DecisionReason.AFFINITY_NEW, None)
         return Decision(chosen, DecisionReason.AFFINITY_MOVED, home)
-
-    def _update_ring(self, endpoints: Sequence[EndpointState]) -> None:
-        """Add endpoints the ring has not seen; ids seen before stay, so a session's ring home
-        does not move when a candidate is left out of one call (already tried, unhealthy)."""
-        known = self._ring.endpoint_ids
-        for endpoint in endpoints:
-            if endpoint.endpoint_id not in known:
-                break
-        else:
-            return
-        ids = {e.endpoint_id for e in endpoints}
-        union = ids | known
-        if len(union) > MAX_RING_ENDPOINTS:
-            union = ids
-        self._ring = HashRing(sorted(union), self._config.num_virtual_nodes)

@@ -41,3 +41,25 @@ def test_equal_hits_share_the_load() -> None:
     endpoints = [ep("a", matched=4), ep("b", matched=4), ep("c")]
     picks = {policy.select(facts(hashes=(1, 2, 3, 4)), endpoints).endpoint_id for _ in range(50)}
     assert picks == {"a", "b"}
+
+
+def test_prefix_key_routes_prompts_no_index_knows_by_their_ring_home() -> None:
+    """With prefix_key_tokens, a prompt whose key blocks no candidate holds goes to its key's ring home
+    (the same in every gateway process, whatever its own index saw); a deeper match is scored as usual."""
+    from policies.session_affinity import HashRing, ring_hash
+    policy = make_policy(PolicyName.PREFIX_AWARE, {"seed": 0, "prefix_key_tokens": 32})  # 2 blocks of 16
+    ids = [f"http://w{i}:8000" for i in range(6)]
+    ring = HashRing(ids, 100)
+    for conversation in range(10):
+        hashes = (7, 100 + conversation, 5, 6)  # block 7: a system prompt cached everywhere
+        home = ring.first(ring_hash(f"prefix:{100 + conversation:x}"), dict.fromkeys(ids))
+        shallow = [ep(i, matched=1) for i in ids]
+        d = policy.select(facts(hashes=hashes), shallow)
+        assert (d.endpoint_id, d.reason) == (home, DecisionReason.PREFIX_AFFINITY)
+        deep = [ep(i, matched=3 if i == ids[conversation % 6] else 1) for i in ids]
+        d = policy.select(facts(hashes=hashes), deep)
+        assert (d.endpoint_id, d.reason) == (ids[conversation % 6], DecisionReason.PREFIX_HIT)
+    off = make_policy(PolicyName.PREFIX_AWARE, {"seed": 0})
+    assert off.select(facts(hashes=(7, 8)), [ep(i, matched=1) for i in ids]).reason is DecisionReason.PREFIX_HIT
+    with pytest.raises(ValueError):
+        make_policy(PolicyName.PREFIX_AWARE, {"prefix_key_tokens": -1})
