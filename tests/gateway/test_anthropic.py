@@ -32,6 +32,7 @@ class Upstream:
     kind: str
     answers: list[tuple[int, str]] = field(default_factory=list)  # (status, error type) to answer next
     stream_error: str | None = None              # anthropic: open the next stream with this error event
+    break_stream: bool = False                   # openai: cut the connection after the first text chunk
     bodies: list[dict[str, Any]] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)
     server: TestServer | None = None
@@ -56,6 +57,13 @@ async def _openai_answer(request: web.Request, upstream: Upstream, body: dict[st
               {"delta": {"content": "Hello"}, "finish_reason": None}, {"delta": {"content": " there"}, **end}]
     events = b"".join(b"data: " + orjson.dumps({"id": "c", "object": "chat.completion.chunk", "model": body["model"],
                                                 "choices": [{"index": 0, **c}]}) + b"\n\n" for c in chunks)
+    if upstream.break_stream:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(events.split(b"\n\n")[0] + b"\n\n" + events.split(b"\n\n")[1] + b"\n\n")
+        assert request.transport is not None
+        request.transport.abort()
+        return response
     if (body.get("stream_options") or {}).get("include_usage"):
         events += b"data: " + orjson.dumps({"id": "c", "choices": [], "usage": usage}) + b"\n\n"
     return await _stream(request, events + b"data: [DONE]\n\n")
@@ -200,6 +208,23 @@ async def test_a_stream_has_anthropics_events_and_usage(start: Start) -> None:
     assert raw.headers["Content-Type"].startswith("text/event-stream")
     assert "event: ping\ndata: {\"type\":\"ping\"}" in text and "[DONE]" not in text
     assert text.rstrip().endswith('event: message_stop\ndata: {"type":"message_stop"}')
+
+
+async def test_a_stream_cut_upstream_ends_with_an_error_event(start: Start) -> None:
+    upstream = await start("openai")
+    client = await start(_config({"p": {"kind": "openai", "endpoints": [upstream.url]}}))
+    upstream.break_stream = True
+    raw = await client.post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HELLO, "stream": True})
+    assert raw.status == 200
+    events = [e for e in (await raw.read()).decode().split("\n\n") if e]
+    assert [e.split("\n")[0] for e in events] == [
+        "event: message_start", "event: content_block_start", "event: ping", "event: content_block_delta",
+        "event: error"]
+    assert '"type":"api_error"' in events[-1] and "failed mid-stream" in events[-1]
+    with pytest.raises(anthropic.APIStatusError, match="failed mid-stream"):
+        async with _sdk(client).messages.stream(model="m", max_tokens=5, messages=HELLO) as stream:
+            async for _ in stream:
+                pass
 
 
 async def test_stop_sequences_are_reported(start: Start) -> None:
