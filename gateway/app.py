@@ -75,15 +75,16 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
     configure_prefix_index(prefix_index, config)
     kv_events = KvEventConsumer(config, prefix_index)
     registry = UpstreamRegistry(config, tracker, prefix_index, on_circuit_change=_log_circuit_change)
-    metrics = Metrics(registry.rows)
+    metrics = Metrics(registry.rows, registry.poll_failure_rows)
     # One pooled session for every upstream call; bodies are relayed as they come (no decompression),
     # and upstream cookies are never kept or sent (a dummy jar skips the per-request cookie filtering).
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
                                     auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
     store: StateStore = make_store(config.redis_url)
     retrier = Retrier(config.retries, RetryBudget(config.retries))
+    legs = Legs(session, registry, tracker, prefix_index, store, metrics, tracing)
     dispatcher = Dispatcher(
-        Legs(session, registry, tracker, prefix_index, store, metrics, tracing),
+        legs,
         providers={name: make_provider(p) for name, p in config.providers.items()},
         policies={name: make_policy(PolicyName(m.policy.name), m.policy.options) for name, m in config.models.items()},
         retrier=retrier, metrics=metrics, keepalive_s=config.keepalive_s)
@@ -107,6 +108,7 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
         await kv_events.stop()
         await registry.stop()
         await background.drain()
+        legs.close()
         await session.close()
         await store.close()
         tracing.shutdown()

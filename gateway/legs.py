@@ -26,6 +26,7 @@ from gateway.request import Leg, Outcome, Progress, Wire
 from gateway.state import StateStore
 from gateway.streaming import ClientGone, ClientStream, SseCounter, StreamUsage, apply_usage, error_event
 from gateway.tracing import REQUEST_ID_HEADER, Tracing
+from gateway.upstream_http import UpstreamClient
 from gateway.upstreams import Endpoint, UpstreamRegistry
 from policies.base import Decision, EndpointState, Policy
 
@@ -44,13 +45,17 @@ class Legs:
 
     def __init__(self, session: aiohttp.ClientSession, registry: UpstreamRegistry, tracker: LoadTracker,
                  prefix_index: PrefixIndex, store: StateStore, metrics: Metrics, tracing: Tracing) -> None:
-        self._session = session
+        self._client = UpstreamClient(session)  # plain http endpoints; https through `session`
         self._registry = registry
         self._tracker = tracker
         self._prefix_index = prefix_index
         self._store = store
         self.metrics = metrics
         self.tracing = tracing
+
+    def close(self) -> None:
+        """Close the pooled upstream connections (app cleanup)."""
+        self._client.close()
 
     # --- choosing ----------------------------------------------------------------------------------
 
@@ -136,8 +141,8 @@ class Legs:
             with self._tracker.lease(endpoint.endpoint_id, leg.num_prompt_tokens, leg.num_output_tokens) as lease:
                 try:
                     async with asyncio.timeout(wire.first_byte_s) as first_byte_deadline:
-                        async with self._session.post(endpoint.endpoint_id + leg.path, data=leg.body,
-                                                      headers=leg.headers, timeout=wire.timeout) as response:
+                        async with self._client.post(endpoint.endpoint_id + leg.path, data=leg.body,
+                                                     headers=leg.headers, timeout=wire.timeout) as response:
                             result = await read(response, first_byte_deadline, lease)
                 except ClientGone:
                     raise

@@ -1,0 +1,370 @@
+"""The upstream HTTP/1.1 client of the hot path: one POST per leg over pooled keep-alive connections, the
+response read as it arrives. It does only what a leg needs (Content-Length, chunked or read-to-close bodies,
+no redirects, no cookies, no decompression), which costs a fraction of aiohttp's general client per request
+(docs/gateway_performance.md). `https://` endpoints go through aiohttp's client (the `fallback` session).
+
+The response offers the part of `aiohttp.ClientResponse` the legs use: `status`, `headers`, `content_type`,
+`content.readany()`, `content.read(n)` and `read()`. A connection goes back to the pool only when its
+response was read to the end; anything else (an error, a cancellation, a body left unread) closes it.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from multidict import CIMultiDict
+
+MAX_HEADER_BYTES = 64 * 1024     # a response head larger than this is a protocol error
+MAX_BUFFER_BYTES = 256 * 1024    # stop reading the socket while this much is unread (backpressure)
+MAX_IDLE_S = 10.0                # an idle pooled connection older than this is closed, not reused
+MAX_IDLE_PER_HOST = 256          # idle connections kept per host:port
+
+
+class UpstreamProtocolError(aiohttp.ClientPayloadError):
+    """The upstream's bytes are not HTTP/1.1 as expected (a payload error: legs count it as a connection error)."""
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection: bytes arrive into `buffer`; one reader waits for more at a time."""
+
+    __slots__ = ("_paused", "_waiter", "buffer", "closed_exc", "eof", "idle_since_s", "transport")
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.eof = False
+        self.closed_exc: BaseException | None = None
+        self.idle_since_s = 0.0
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if len(self.buffer) > MAX_BUFFER_BYTES and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = True
+        if exc is not None and self.closed_exc is None:
+            self.closed_exc = exc
+        self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        """End the connection with `exc` for whoever reads next (the total timeout)."""
+        if self.closed_exc is None:
+            self.closed_exc = exc
+        self.eof = True
+        if self.transport is not None:
+            self.transport.abort()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def take(self, num_bytes: int) -> bytes:
+        data = bytes(self.buffer[:num_bytes])
+        del self.buffer[:num_bytes]
+        if self._paused and len(self.buffer) <= MAX_BUFFER_BYTES // 2 and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    async def more(self) -> None:
+        """Wait for more bytes; raises once the connection ended without them."""
+        if self.closed_exc is not None:
+            raise self.closed_exc
+        if self.eof:
+            raise aiohttp.ServerDisconnectedError()
+        self._waiter = asyncio.get_running_loop().create_future()
+        await self._waiter
+        if self.closed_exc is not None:
+            raise self.closed_exc
+
+    @property
+    def reusable(self) -> bool:
+        return (not self.eof and self.closed_exc is None and not self.buffer and self.transport is not None
+                and not self.transport.is_closing())
+
+
+class _Body:
+    """The response body as `aiohttp.StreamReader`'s `readany`/`read(n)`: decoded bytes as they arrive."""
+
+    __slots__ = ("_chunk_left", "_conn", "_left", "_mode", "_pending", "done")
+
+    def __init__(self, conn: _Connection, mode: str, length: int) -> None:
+        self._conn = conn
+        self._mode = mode          # "length", "chunked" or "close"
+        self._left = length        # "length": body bytes still to come
+        self._chunk_left = 0       # "chunked": bytes left of the current chunk (0: a size line is next)
+        self._pending = b""        # decoded bytes handed back by read(n)
+        self.done = mode == "length" and length == 0
+
+    async def readany(self) -> bytes:
+        if self._pending:
+            data, self._pending = self._pending, b""
+            return data
+        while not self.done:
+            data = self._decode()
+            if data:
+                return data
+            if self.done:
+                break
+            try:
+                await self._conn.more()
+            except aiohttp.ServerDisconnectedError:
+                if self._mode != "close":
+                    raise aiohttp.ClientPayloadError("upstream closed the connection mid-body") from None
+                self.done = True
+        return b""
+
+    async def read(self, max_bytes: int = -1) -> bytes:
+        if max_bytes < 0:
+            parts = []
+            while chunk := await self.readany():
+                parts.append(chunk)
+            return b"".join(parts)
+        data = await self.readany()
+        if len(data) > max_bytes:
+            data, self._pending = data[:max_bytes], data[max_bytes:]
+        return data
+
+    def _decode(self) -> bytes:
+        """Decoded body bytes from what is buffered now (b"" when more must arrive first)."""
+        conn = self._conn
+        if self._mode == "length":
+            take = min(self._left, len(conn.buffer))
+            self._left -= take
+            self.done = self._left == 0
+            return conn.take(take) if take else b""
+        if self._mode == "close":
+            if conn.buffer:
+                return conn.take(len(conn.buffer))
+            if conn.eof and conn.closed_exc is None:
+                self.done = True
+            return b""
+        parts = []
+        buffer = conn.buffer
+        while True:
+            if self._chunk_left:
+                take = min(self._chunk_left, len(buffer))
+                if not take:
+                    break
+                parts.append(conn.take(take))
+                self._chunk_left -= take
+                if self._chunk_left:
+                    break
+                self._chunk_left = -1  # the CRLF after the chunk's data is next
+            if self._chunk_left == -1:
+                if len(buffer) < 2:
+                    break
+                if buffer[:2] != b"\r\n":
+                    raise UpstreamProtocolError("chunked body: no CRLF after a chunk")
+                conn.take(2)
+                self._chunk_left = 0
+            end = buffer.find(b"\r\n")
+            if end < 0:
+                if len(buffer) > 1024:
+                    raise UpstreamProtocolError("chunked body: chunk size line too long")
+                break
+            try:
+                size = int(bytes(buffer[:end]).split(b";", 1)[0], 16)
+            except ValueError:
+                raise UpstreamProtocolError("chunked body: bad chunk size") from None
+            if size == 0:  # the last chunk, then trailers (if any) and a blank line
+                close = buffer.find(b"\r\n\r\n", end)
+                if close < 0:
+                    break
+                conn.take(close + 4)
+                self.done = True
+                break
+            conn.take(end + 2)
+            self._chunk_left = size
+        return b"".join(parts)
+
+
+class UpstreamResponse:
+    """One leg's response: the status and headers, and the body as it arrives (`content`)."""
+
+    __slots__ = ("_keep_alive", "content", "content_type", "headers", "status")
+
+    def __init__(self, status: int, headers: CIMultiDict[str], content: _Body, keep_alive: bool) -> None:
+        self.status = status
+        self.headers = headers
+        self.content = content
+        self._keep_alive = keep_alive
+        raw_type = headers.get("Content-Type")
+        self.content_type = raw_type.split(";", 1)[0].strip().lower() if raw_type else "application/octet-stream"
+
+    async def read(self) -> bytes:
+        return await self.content.read()
+
+
+def _parse_head(head: bytes) -> tuple[int, CIMultiDict[str], bool]:
+    """(status, headers, HTTP/1.1 keep-alive) from the bytes before the blank line."""
+    lines = head.decode("latin-1").split("\r\n")
+    status_line = lines[0]
+    if not status_line.startswith("HTTP/1.") or len(status_line) < 12:
+        raise UpstreamProtocolError(f"bad status line {status_line[:40]!r}")
+    try:
+        status = int(status_line[9:12])
+    except ValueError:
+        raise UpstreamProtocolError(f"bad status line {status_line[:40]!r}") from None
+    headers: CIMultiDict[str] = CIMultiDict()
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise UpstreamProtocolError(f"bad header line {line[:40]!r}")
+        headers.add(name.strip(), value.strip())
+    connection = headers.get("Connection", "").lower()
+    keep_alive = "close" not in connection if status_line.startswith("HTTP/1.1") else "keep-alive" in connection
+    return status, headers, keep_alive
+
+
+class _Exchange:
+    """`async with client.post(...) as response`: sends the request, reads the head, and on exit pools or
+    closes the connection."""
+
+    __slots__ = ("_body", "_client", "_conn", "_deadline", "_headers", "_key", "_response", "_target", "_timeout")
+
+    def __init__(self, client: UpstreamClient, key: tuple[str, int], target: bytes, body: bytes,
+                 headers: Mapping[str, str], timeout: aiohttp.ClientTimeout) -> None:
+        self._client = client
+        self._key = key
+        self._target = target
+        self._body = body
+        self._headers = headers
+        self._timeout = timeout
+        self._conn: _Connection | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._response: UpstreamResponse | None = None
+
+    async def __aenter__(self) -> UpstreamResponse:
+        conn = self._conn = await self._client.acquire(self._key, self._timeout.sock_connect or self._timeout.connect)
+        if self._timeout.total:
+            self._deadline = asyncio.get_running_loop().call_later(
+                self._timeout.total, conn.fail, TimeoutError(f"upstream leg over {self._timeout.total}s"))
+        head = [b"POST ", self._target, b" HTTP/1.1\r\nHost: ", self._client.host_header(self._key),
+                b"\r\nContent-Length: ", str(len(self._body)).encode(), b"\r\n"]
+        for name, value in self._headers.items():
+            head.append(f"{name}: {value}\r\n".encode("latin-1"))
+        head.append(b"\r\n")
+        head.append(self._body)
+        assert conn.transport is not None
+        conn.transport.write(b"".join(head))
+        while (end := conn.buffer.find(b"\r\n\r\n")) < 0:
+            if len(conn.buffer) > MAX_HEADER_BYTES:
+                raise UpstreamProtocolError("response head too large")
+            await conn.more()
+        status, headers, keep_alive = _parse_head(conn.take(end + 4)[:-4])
+        if 100 <= status < 200:
+            raise UpstreamProtocolError(f"unexpected informational status {status}")
+        if status in (204, 304):
+            body = _Body(conn, "length", 0)
+        elif "chunked" in headers.get("Transfer-Encoding", "").lower():
+            body = _Body(conn, "chunked", 0)
+        elif (length := headers.get("Content-Length")) is not None:
+            try:
+                body = _Body(conn, "length", int(length))
+            except ValueError:
+                raise UpstreamProtocolError(f"bad Content-Length {length!r}") from None
+        else:
+            body, keep_alive = _Body(conn, "close", 0), False
+        self._response = UpstreamResponse(status, headers, body, keep_alive)
+        return self._response
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        conn, response = self._conn, self._response
+        if conn is None:
+            return
+        if exc is None and response is not None and response._keep_alive and response.content.done \
+                and conn.reusable:
+            self._client.release(self._key, conn)
+        elif conn.transport is not None:
+            conn.transport.abort()
+
+
+class UpstreamClient:
+    """Pooled keep-alive connections per host:port; `post` is a drop-in for the legs' `session.post`."""
+
+    def __init__(self, fallback: aiohttp.ClientSession) -> None:
+        self._fallback = fallback
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._targets: dict[str, tuple[tuple[str, int], bytes] | None] = {}  # url -> (host:port, target)
+        self._host_headers: dict[tuple[str, int], bytes] = {}
+
+    def post(self, url: str, *, data: bytes, headers: Mapping[str, str], timeout: aiohttp.ClientTimeout) -> Any:
+        target = self._targets.get(url)
+        if target is None and url not in self._targets:
+            target = self._targets[url] = _split(url)
+        if target is None:  # https or anything unusual: aiohttp's client
+            return self._fallback.post(url, data=data, headers=headers, timeout=timeout)
+        key, path = target
+        return _Exchange(self, key, path, data, headers, timeout)
+
+    def host_header(self, key: tuple[str, int]) -> bytes:
+        header = self._host_headers.get(key)
+        if header is None:
+            host, port = key
+            header = self._host_headers[key] = f"{host}:{port}".encode("idna")
+        return header
+
+    async def acquire(self, key: tuple[str, int], connect_timeout_s: float | None) -> _Connection:
+        idle = self._idle.get(key)
+        now_s = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if conn.reusable and now_s - conn.idle_since_s < MAX_IDLE_S:
+                return conn
+            if conn.transport is not None:
+                conn.transport.close()
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(connect_timeout_s):
+            _, conn = await loop.create_connection(_Connection, key[0], key[1])
+        return conn
+
+    def release(self, key: tuple[str, int], conn: _Connection) -> None:
+        idle = self._idle.setdefault(key, [])
+        if len(idle) >= MAX_IDLE_PER_HOST:
+            assert conn.transport is not None
+            conn.transport.close()
+            return
+        conn.idle_since_s = time.monotonic()
+        idle.append(conn)
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                if conn.transport is not None:
+                    conn.transport.close()
+        self._idle.clear()
+
+
+def _split(url: str) -> tuple[tuple[str, int], bytes] | None:
+    """((host, port), request target) of a plain http:// URL; None for anything else."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname or parts.username or parts.password:
+        return None
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return (parts.hostname, parts.port or 80), target.encode("ascii")
