@@ -19,18 +19,31 @@ class KvEventType(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class KvEvent:
-    seq: int                  # the worker's event sequence number (increasing, from 0 after a reset)
-    type: KvEventType         # stored or removed
+    """One event of a worker's `GET /kv_events`, as the worker sends it: its
+    backends/engine/kv_events.KVEvent serialized verbatim, so the field names here ARE the wire
+    names (tests/cache/test_prefix_index.py holds the two dataclasses to the same fields)."""
+
+    seq_no: int               # the worker's event sequence number (from 1, increasing; anew after a reset)
+    kind: KvEventType         # stored or removed
     block_hash: int           # cache.block_hash chained hash of the block
-    parent_hash: int | None   # the previous block's hash; None for a prompt's first block
+    parent_hash: int | None   # the previous block's hash (cache.block_hash.ROOT_HASH for a first block);
+                              # None on removed. The index ignores it: a chained hash already names its prefix.
+    num_tokens: int           # tokens in the block (the worker's block size for stored blocks)
 
     @classmethod
     def from_mapping(cls, body: Mapping[str, Any]) -> KvEvent:
         """Parse one event of `GET /kv_events`; raises ValueError on a malformed one."""
-        seq, block_hash, parent = body.get("seq"), body.get("block_hash"), body.get("parent_hash")
-        if not _is_int(seq) or not _is_int(block_hash) or not (parent is None or _is_int(parent)):
+        seq_no, block_hash = body.get("seq_no"), body.get("block_hash")
+        parent, num_tokens = body.get("parent_hash"), body.get("num_tokens")
+        if not (_is_int(seq_no) and _is_int(block_hash) and (parent is None or _is_int(parent))
+                and _is_int(num_tokens)):
             raise ValueError(f"malformed KV event: {body!r}")
-        return cls(seq, KvEventType(body.get("type")), block_hash, parent)
+        return cls(seq_no, KvEventType(body.get("kind")), block_hash, parent, num_tokens)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The event as a worker's JSON has it (for fakes and tests that stand in for a worker)."""
+        return {"seq_no": self.seq_no, "kind": self.kind.value, "block_hash": self.block_hash,
+                "parent_hash": self.parent_hash, "num_tokens": self.num_tokens}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +54,15 @@ class KvEventBatch:
 
     @classmethod
     def from_mapping(cls, body: Mapping[str, Any]) -> KvEventBatch:
-        """Parse the JSON body of `GET {endpoint}/kv_events?since=N`."""
+        """Parse the JSON body of `GET {endpoint}/kv_events?since=N`: {"events": [...], "next": N, "reset": bool}."""
         events, next_seq, reset = body.get("events"), body.get("next"), body.get("reset", False)
         if not isinstance(events, list) or not _is_int(next_seq) or not isinstance(reset, bool):
-            raise ValueError("malformed KV event batch")
+            raise ValueError(f"malformed KV event batch: keys {sorted(body)!r}")
         return cls(tuple(KvEvent.from_mapping(e) for e in events), next_seq, reset)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The batch as a worker's JSON has it."""
+        return {"events": [e.to_mapping() for e in self.events], "next": self.next_seq, "reset": self.reset}
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -83,10 +100,10 @@ class PrefixIndex:
         for event in events:
             if not isinstance(event, KvEvent):
                 event = KvEvent.from_mapping(event)
-            if event.seq <= blocks.last_seq:
+            if event.seq_no <= blocks.last_seq:
                 continue
-            blocks.last_seq = event.seq
-            if event.type is KvEventType.STORED:
+            blocks.last_seq = event.seq_no
+            if event.kind is KvEventType.STORED:
                 self._store(blocks, event.block_hash)
             else:
                 self._remove(blocks, event.block_hash)

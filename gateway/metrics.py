@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.breaker import CircuitState
@@ -20,6 +20,8 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 # One row per endpoint at scrape time: (endpoint_id, num_requests, num_prefill_tokens, num_decode_tokens, circuit)
 EndpointRow = tuple[str, int, int, int, CircuitState]
+# One row per endpoint, poller and cause that failed: (endpoint_id, poller, cause, failures so far)
+PollFailureRow = tuple[str, str, str, int]
 
 
 class _EndpointCollector(Collector):
@@ -43,6 +45,20 @@ class _EndpointCollector(Collector):
         yield circuit
 
 
+class _PollFailureCollector(Collector):
+    def __init__(self, rows: Callable[[], Iterable[PollFailureRow]]) -> None:
+        self._rows = rows
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        failures = CounterMetricFamily("switchyard_poll_failures", "Failed background polls of an endpoint by "
+                                       "poller (health, load, kv_events, vllm_metrics) and cause (unreachable, "
+                                       "bad_response: an HTTP error or a body that does not parse)",
+                                       labels=["endpoint", "poller", "cause"])
+        for endpoint, poller, cause, count in self._rows():
+            failures.add_metric([endpoint, poller, cause], count)
+        yield failures
+
+
 class _RuntimeCollector(Collector):
     """asyncio tasks alive at scrape time: a count that grows under steady load is a leak."""
 
@@ -59,7 +75,8 @@ class _RuntimeCollector(Collector):
 class Metrics:
     """The gateway's counters and histograms; `child(...)` lookups are cached dict hits."""
 
-    def __init__(self, endpoint_rows: Callable[[], Iterable[EndpointRow]]) -> None:
+    def __init__(self, endpoint_rows: Callable[[], Iterable[EndpointRow]],
+                 poll_failure_rows: Callable[[], Iterable[PollFailureRow]] = tuple) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self._requests = Counter("switchyard_requests", "Requests by model and HTTP status", ["model", "status"],
@@ -85,6 +102,7 @@ class Metrics:
         self._stream_errors = Counter("switchyard_stream_errors", "Streams ended by an upstream failure after the "
                                       "first byte", ["model"], registry=r)
         r.register(_EndpointCollector(endpoint_rows))
+        r.register(_PollFailureCollector(poll_failure_rows))
         r.register(_RuntimeCollector())
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, CPU seconds
         self._children: dict[tuple[Any, ...], Any] = {}

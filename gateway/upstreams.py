@@ -2,7 +2,10 @@
 background pollers that keep it fresh: health, the worker's `/load` (or vLLM's `/metrics`), and `/kv_events`
 for the prefix index.
 
-Pollers only observe; they never route. Each loop catches and logs its own errors (a boundary).
+Pollers only observe; they never route. Each loop catches and logs its own errors (a boundary): a bad
+answer (an HTTP error, a body that does not parse) is a warning once per endpoint and poller until that
+poller succeeds again; an unreachable endpoint is the health poller's to report. Every failure is
+counted (switchyard_poll_failures_total).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from cache.prefix_index import KvEventBatch, PrefixIndex
 from gateway.breaker import CircuitBreaker, CircuitState
 from gateway.config import GatewayConfig, Pool, ProviderConfig
 from gateway.load import LoadReport, LoadTracker
-from gateway.metrics import EndpointRow
+from gateway.metrics import EndpointRow, PollFailureRow
 from gateway.prefix_index import index_block_size, on_load_report
 from gateway.vllm_metrics import load_report_from_metrics
 
@@ -27,7 +30,8 @@ log = logging.getLogger(__name__)
 class Endpoint:
     """Runtime state of one upstream server (shared by every provider that lists its URL)."""
 
-    __slots__ = ("breaker", "endpoint_id", "health_checked", "healthy", "kv_since")
+    __slots__ = ("breaker", "endpoint_id", "failing_polls", "health_checked", "healthy", "kv_since",
+                 "poll_failures")
 
     def __init__(self, endpoint_id: str, breaker: CircuitBreaker) -> None:
         self.endpoint_id = endpoint_id
@@ -35,6 +39,8 @@ class Endpoint:
         self.healthy = True              # optimistic until a health check says otherwise
         self.health_checked = False      # a health check has succeeded at least once (for /ready)
         self.kv_since = 0                # the `next` cursor of /kv_events
+        self.poll_failures: dict[tuple[str, str], int] = {}  # (poller, cause) -> failures so far
+        self.failing_polls: set[str] = set()  # pollers whose bad answer was logged, not yet followed by a success
 
 
 class UpstreamRegistry:
@@ -64,6 +70,12 @@ class UpstreamRegistry:
         for endpoint in self.endpoints.values():
             num_requests, num_prefill, num_decode = self._tracker.snapshot(endpoint.endpoint_id)
             yield endpoint.endpoint_id, num_requests, num_prefill, num_decode, endpoint.breaker.state
+
+    def poll_failure_rows(self) -> Iterable[PollFailureRow]:
+        """For the metrics collector: failed polls per endpoint, poller and cause."""
+        for endpoint in self.endpoints.values():
+            for (poller, cause), count in endpoint.poll_failures.items():
+                yield endpoint.endpoint_id, poller, cause, count
 
     def kv_free_fraction(self, endpoint_id: str) -> float | None:
         """For the status page: free KV from the endpoint's last fresh /load report; None without one."""
@@ -127,9 +139,13 @@ class UpstreamRegistry:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a poller must survive any upstream misbehaviour
-                log.debug("%s poll of %s failed: %r", name, endpoint.endpoint_id, exc)
+                _on_poll_failure(name, endpoint, exc)
                 if name == "health":
                     endpoint.healthy = False
+            else:
+                if name in endpoint.failing_polls:
+                    endpoint.failing_polls.discard(name)
+                    log.info("%s poll of %s succeeds again", name, endpoint.endpoint_id)
             await asyncio.sleep(interval_s)
 
     async def _poll_health(self, endpoint: Endpoint, session: aiohttp.ClientSession,
@@ -172,6 +188,20 @@ class UpstreamRegistry:
                 endpoint.kv_since = next_since
                 return
             endpoint.kv_since = next_since
+
+
+def _on_poll_failure(name: str, endpoint: Endpoint, exc: Exception) -> None:
+    """Count the failure; warn about a bad answer once until the poller succeeds again (a mismatched
+    contract fails every poll, and must not go unnoticed nor flood the log)."""
+    unreachable = isinstance(exc, (aiohttp.ClientConnectionError, TimeoutError))
+    key = (name, "unreachable" if unreachable else "bad_response")
+    endpoint.poll_failures[key] = endpoint.poll_failures.get(key, 0) + 1
+    if unreachable or name in endpoint.failing_polls:
+        log.debug("%s poll of %s failed: %r", name, endpoint.endpoint_id, exc)
+        return
+    endpoint.failing_polls.add(name)
+    log.warning("%s poll of %s failed: %r (repeats are logged at debug level until it succeeds; "
+                "counted in switchyard_poll_failures_total)", name, endpoint.endpoint_id, exc)
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str,

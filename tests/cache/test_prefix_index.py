@@ -1,22 +1,26 @@
 """PrefixIndex against a plain reference model (a bounded LRU list per endpoint, the leading run
-counted naively), plus event parsing, reset, duplicate delivery and memory bounds."""
+counted naively), plus event parsing, reset, duplicate delivery and memory bounds. Events are written
+as a worker's `GET /kv_events` sends them (`test_the_worker_route_feeds_the_index` pins that format)."""
 from __future__ import annotations
 
+import dataclasses
+
+import orjson
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cache.block_hash import block_hashes
+from cache.block_hash import ROOT_HASH, block_hashes
 from cache.prefix_index import KvEvent, KvEventBatch, KvEventType, PrefixIndex
 
 ENDPOINTS = ("a", "b", "c")
 
 
-def stored(seq: int, h: int, parent: int | None = None) -> dict:
-    return {"seq": seq, "type": "stored", "block_hash": h, "parent_hash": parent}
+def stored(seq_no: int, h: int, parent: int = ROOT_HASH) -> dict:
+    return {"seq_no": seq_no, "kind": "stored", "block_hash": h, "parent_hash": parent, "num_tokens": 16}
 
 
-def removed(seq: int, h: int) -> dict:
-    return {"seq": seq, "type": "removed", "block_hash": h, "parent_hash": None}
+def removed(seq_no: int, h: int) -> dict:
+    return {"seq_no": seq_no, "kind": "removed", "block_hash": h, "parent_hash": None, "num_tokens": 16}
 
 
 def test_leading_run_only() -> None:
@@ -37,7 +41,8 @@ def test_real_prompt_hashes_share_a_prefix() -> None:
     system = list(range(100, 164))  # 4 blocks of 16 shared by both prompts
     first = block_hashes(system + list(range(500, 532)), 16)
     second = block_hashes(system + list(range(900, 932)), 16)
-    index.apply("a", [stored(i, h) for i, h in enumerate(first)])
+    parents = [ROOT_HASH, *first[:-1]]
+    index.apply("a", [stored(i + 1, h, p) for i, (h, p) in enumerate(zip(first, parents, strict=True))])
     assert index.num_matched_blocks("a", second) == 4
     assert index.matched_blocks(second) == {"a": 4}
 
@@ -62,11 +67,13 @@ def test_remove_reset_and_duplicate_delivery() -> None:
 
 
 @pytest.mark.parametrize("bad", [
-    {"seq": "1", "type": "stored", "block_hash": 1},
-    {"seq": 1, "type": "evicted", "block_hash": 1},
-    {"seq": 1, "type": "stored", "block_hash": None},
-    {"seq": 1, "type": "stored", "block_hash": 1, "parent_hash": "x"},
-    {"seq": True, "type": "stored", "block_hash": 1},
+    {**stored(1, 1), "seq_no": "1"},
+    {**stored(1, 1), "kind": "evicted"},
+    {**stored(1, 1), "block_hash": None},
+    {**stored(1, 1), "parent_hash": "x"},
+    {**stored(1, 1), "seq_no": True},
+    {**stored(1, 1), "num_tokens": None},
+    {"seq": 1, "type": "stored", "block_hash": 1, "parent_hash": None},  # the names this parser once read
 ])
 def test_malformed_events_are_rejected(bad: dict) -> None:
     with pytest.raises(ValueError):
@@ -76,9 +83,59 @@ def test_malformed_events_are_rejected(bad: dict) -> None:
 
 
 def test_event_parsing() -> None:
-    assert KvEvent.from_mapping(stored(3, 5, 4)) == KvEvent(3, KvEventType.STORED, 5, 4)
+    assert KvEvent.from_mapping(stored(3, 5, 4)) == KvEvent(3, KvEventType.STORED, 5, 4, 16)
+    assert KvEvent.from_mapping(stored(1, 5)).parent_hash == ROOT_HASH
+    assert KvEvent.from_mapping(removed(4, 5)) == KvEvent(4, KvEventType.REMOVED, 5, None, 16)
+    for event in (stored(3, 5, 4), removed(4, 5)):
+        assert KvEvent.from_mapping(event).to_mapping() == event
+    batch = {"events": [stored(1, 5), removed(2, 5)], "next": 2, "reset": True}
+    assert KvEventBatch.from_mapping(batch).to_mapping() == batch
     with pytest.raises(ValueError):
         KvEventBatch.from_mapping({"events": {}, "next": 0})
+
+
+async def test_the_worker_route_feeds_the_index() -> None:
+    """The contract with our workers: a real BlockManager's events, served by the worker's own
+    `/kv_events` handler, parse here with the worker's field names and semantics (a first block's
+    parent is ROOT_HASH; an evicted block leaves the index)."""
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from backends.engine.block_manager import BlockManager
+    from backends.engine.kv_events import KVEvent, KVEventBatch, KVEventRing
+    from backends.engine.sampling_params import SamplingParams
+    from backends.engine.sequence import Sequence
+    from backends.server import ops_routes
+    from backends.server.keys import ENGINE_KEY
+
+    assert [f.name for f in dataclasses.fields(KvEvent)] == [f.name for f in dataclasses.fields(KVEvent)]
+    ring = KVEventRing(64)
+    manager = BlockManager(4, 16, events=ring)
+    first, second = list(range(100, 149)), list(range(500, 549))  # 3 full blocks and one token each
+    for request_id, tokens in (("first", first), ("second", second)):  # the second evicts the first's blocks
+        sequence = Sequence(request_id, tuple(tokens), SamplingParams(), seed=0)
+        manager.allocate(sequence)
+        sequence.num_computed_tokens = sequence.num_tokens
+        manager.cache_computed_blocks(sequence)
+        manager.free(sequence)
+
+    class Engine:  # the one method of the worker's engine surface the route calls, on the real ring
+        def kv_events(self, since: int, limit: int = 1000) -> KVEventBatch:
+            return ring.since(since, limit)
+
+    app = web.Application()
+    app[ENGINE_KEY] = Engine()  # type: ignore[misc]
+    response = await ops_routes.kv_events(make_mocked_request("GET", "/kv_events?since=0", app=app))
+    batch = KvEventBatch.from_mapping(orjson.loads(response.body))
+    assert [(e.kind, e.parent_hash) for e in batch.events[:3]] == [
+        (KvEventType.STORED, ROOT_HASH), *[(KvEventType.STORED, h) for h in block_hashes(first, 16)[:2]]]
+    assert {e.kind for e in batch.events} == {KvEventType.STORED, KvEventType.REMOVED}
+    assert batch.next_seq == batch.events[-1].seq_no == ring.last_seq_no and not batch.reset
+    index = PrefixIndex()
+    index.apply_batch("w", batch)
+    assert index.num_matched_blocks("w", block_hashes(second, 16)) == 3
+    assert index.num_matched_blocks("w", block_hashes(first, 16)) == 0
+    assert index.last_seq("w") == ring.last_seq_no
 
 
 operations = st.lists(st.tuples(st.sampled_from(ENDPOINTS + ("reset",)), st.sampled_from(ENDPOINTS),
@@ -99,7 +156,8 @@ def test_matches_reference_model(ops, queries, cap) -> None:
             continue
         seq = seqs.get(kind, 0)
         seqs[kind] = seq + 1
-        index.apply(kind, [{"seq": seq, "type": event_type, "block_hash": h, "parent_hash": None}])
+        index.apply(kind, [{"seq_no": seq, "kind": event_type, "block_hash": h, "parent_hash": None,
+                            "num_tokens": 16}])
         lru = model[kind]
         if h in lru:
             lru.remove(h)

@@ -1,11 +1,12 @@
 """The pollers feed routing: `/kv_events` into the prefix index (prefix_aware routes to the cached
-endpoint), `/load` into the load tracker (least_tokens avoids a worker busy with others' work)."""
+endpoint), `/load` into the load tracker (least_tokens avoids a worker busy with others' work). A poll
+whose answer does not parse is a warning (once) and a counted failure, never a silent debug line."""
 from __future__ import annotations
 
 import aiohttp
 import orjson
 
-from cache.block_hash import ROOT_HASH, block_hashes
+from cache.block_hash import block_hashes
 from tests.gateway.conftest import gateway_config, metric
 from tests.support.wait import await_until
 
@@ -24,9 +25,7 @@ async def test_kv_events_steer_prefix_aware_routing(start_fakes, start_gateway) 
     config["providers"]["p"]["offers_kv_events"] = True
     gateway = start_gateway(config)
     hashes = block_hashes(PROMPT_IDS, 16)
-    parents = [ROOT_HASH, *hashes[:-1]]
-    fakes[2].control(kv_events=[{"seq": i + 1, "type": "stored", "block_hash": h, "parent_hash": p}
-                                for i, (h, p) in enumerate(zip(hashes, parents))])
+    fakes[2].control(kv_stored=hashes)  # events exactly as a worker writes them (seq_no 1..4)
     # The poller asks for events after the last one it applied: once it asks from 4, all four are indexed.
     await await_until(lambda: (fakes[2].stats()["kv_since"] or 0) >= len(hashes), "the kv events to be applied")
     async with aiohttp.ClientSession() as client:
@@ -35,6 +34,21 @@ async def test_kv_events_steer_prefix_aware_routing(start_fakes, start_gateway) 
     assert homes == ["c"] * 4
     assert metric(gateway, "switchyard_routing_decisions_total", reason="prefix_hit") == 4
     assert other in {"a", "b", "c"}
+    assert metric(gateway, "switchyard_poll_failures_total", poller="kv_events") == 0
+
+
+async def test_a_malformed_kv_events_poll_is_a_warning_and_a_counted_failure(start_fakes, start_gateway) -> None:
+    fake, = start_fakes("a")
+    # The field names the gateway once expected, which no worker sends: every poll of them fails.
+    fake.control(kv_events=[{"seq": 1, "type": "stored", "block_hash": 7, "parent_hash": None}])
+    config = gateway_config({"p": [fake.url]}, policy="prefix_aware")
+    config["providers"]["p"]["offers_kv_events"] = True
+    gateway = start_gateway(config)
+    failed = {"poller": "kv_events", "cause": "bad_response", "endpoint": fake.url}
+    await await_until(lambda: metric(gateway, "switchyard_poll_failures_total", **failed) >= 3,
+                      "three failed kv_events polls to be counted")
+    warnings = [line for line in gateway.log().splitlines() if f"kv_events poll of {fake.url} failed" in line]
+    assert len(warnings) == 1 and "WARNING" in warnings[0] and "malformed KV event" in warnings[0], warnings
 
 
 async def test_load_reports_steer_least_tokens(start_fakes, start_gateway) -> None:

@@ -9,6 +9,9 @@ without a clock: stall_gate, first_chunk_gate, chunk_gate (before every chunk af
 a gate; each pass takes one permit (POST /control {"release": {name: n}}); GET /stats reports how
 many requests wait at each gate.
 GET /stats reports what it received, so tests can count upstream hits.
+GET /kv_events answers as a worker does (backends/server/ops_routes.py); its events are built by
+cache.prefix_index.KvEvent, the parser's own schema, so the fake cannot drift from what the gateway reads
+(tests/cache/test_prefix_index.py holds that schema to the worker's).
 PD mode (`--role prefill|decode`) follows docs/disaggregation.md; see `_pd_prefill` / `_pd_decode`.
 """
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from cache.block_hash import ROOT_HASH
+from cache.prefix_index import KvEvent, KvEventType
 from tests.support.ports import free_port
 from tests.support.wait import wait_until
 
@@ -283,12 +288,31 @@ async def load(request: web.Request) -> web.Response:
 
 
 async def kv_events(request: web.Request) -> web.Response:
+    """The workers' semantics: the events with seq_no > since; `next` is the last one's seq_no. A raw
+    event without an integer seq_no (a malformed one a test planted) is always served."""
     state: FakeState = request.app["state"]
     since = int(request.query.get("since", "0"))
     state.kv_since = since
-    events = [e for e in state.kv_events if e["seq"] > since]  # the workers' semantics: seq > since
-    next_seq = events[-1]["seq"] if events else since
-    return web.json_response({"events": events, "next": next_seq, "reset": False})
+    events = [e for e in state.kv_events if (n := _seq_no(e)) is None or n > since]
+    seq_nos = [n for n in map(_seq_no, events) if n is not None]
+    return web.json_response({"events": events, "next": max(seq_nos, default=since), "reset": False})
+
+
+def _seq_no(event: dict[str, Any]) -> int | None:
+    seq_no = event.get("seq_no")
+    return seq_no if isinstance(seq_no, int) else None
+
+
+def _append_kv_events(state: FakeState, kind: KvEventType, block_hashes: list[int], block_size: int) -> None:
+    """Events for blocks as a worker emits them: stored blocks form one chain (the first one's parent
+    is ROOT_HASH), removed ones have no parent; seq_no goes on from the last."""
+    seq_no = max((n for n in map(_seq_no, state.kv_events) if n is not None), default=0)
+    parent: int | None = ROOT_HASH if kind is KvEventType.STORED else None
+    for block_hash in block_hashes:
+        seq_no += 1
+        state.kv_events.append(KvEvent(seq_no, kind, block_hash, parent, block_size).to_mapping())
+        if kind is KvEventType.STORED:
+            parent = block_hash
 
 
 async def stats(request: web.Request) -> web.Response:
@@ -303,7 +327,8 @@ async def stats(request: web.Request) -> web.Response:
 
 async def control(request: web.Request) -> web.Response:
     """POST {"behaviour": {...}, "times": N (then back to {}), "healthy": bool, "load_report": {...},
-    "kv_events": [...], "reset_stats": true, "release": {gate: permits}}."""
+    "kv_stored": [block hashes of one prompt, in order], "kv_removed": [block hashes], "kv_block_size": 16,
+    "kv_events": [raw events, served verbatim], "reset_stats": true, "release": {gate: permits}}."""
     state: FakeState = request.app["state"]
     body = await request.json()
     if "behaviour" in body:
@@ -314,6 +339,9 @@ async def control(request: web.Request) -> web.Response:
         state.load_report = body["load_report"]
     if "kv_events" in body:
         state.kv_events.extend(body["kv_events"])
+    for key, kind in (("kv_stored", KvEventType.STORED), ("kv_removed", KvEventType.REMOVED)):
+        if key in body:
+            _append_kv_events(state, kind, body[key], body.get("kv_block_size", 16))
     if body.get("reset_stats"):
         state.num_requests, state.request_ids, state.models = 0, [], []
     for name, permits in body.get("release", {}).items():
