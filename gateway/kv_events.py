@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from cache.prefix_index import PrefixIndex
 from gateway.config import GatewayConfig, KvEventSource
+from gateway.prefix_index import index_block_size
 
 if TYPE_CHECKING:
     import zmq.asyncio
@@ -77,17 +78,20 @@ class KvEventConsumer:
     def __init__(self, config: GatewayConfig, index: PrefixIndex) -> None:
         self._plans = plan_sockets(config)
         self._index = index
-        # Our hashes use the models' block size; with several, the smallest (vLLM's must be a multiple).
-        self._block_size = min((m.block_size for m in config.models.values()), default=16)
+        self._block_size = index_block_size(config)  # vLLM's block size must be a multiple of it
         self._tasks: list[asyncio.Task[None]] = []
         self._context: zmq.asyncio.Context | None = None
 
     def start(self) -> None:
         if not self._plans:
             return
-        import zmq.asyncio  # the kv-events extra; only needed when a provider names event sources
+        try:  # the kv-events extra; only needed when a provider names event sources
+            import zmq.asyncio
 
-        from cache.vllm_events import VllmBlockMap
+            from cache.vllm_events import VllmBlockMap
+        except ImportError as exc:
+            raise RuntimeError(f"kv_event_sources need pyzmq and msgpack: pip install 'switchyard[kv-events]' "
+                               f"({exc})") from exc
         self._context = zmq.asyncio.Context()
         for plan in self._plans:
             socket = self._context.socket(zmq.SUB)
@@ -114,8 +118,13 @@ class KvEventConsumer:
 
     async def _consume(self, plan: SocketPlan, socket: zmq.asyncio.Socket,
                        streams: Mapping[bytes, EngineStream]) -> None:
+        import zmq  # present: start() imported it
         while True:
-            frames = await socket.recv_multipart()
+            try:
+                frames = await socket.recv_multipart()
+            except zmq.ZMQError as exc:  # the socket is gone (shutdown): nothing more will come
+                log.warning("KV event socket %s closed: %r", plan.address, exc)
+                return
             try:
                 self.apply_frames(frames, streams)
             except Exception as exc:  # noqa: BLE001 - one bad message must not stop the stream
