@@ -8,7 +8,7 @@ import pytest
 from cache.block_hash import block_hashes
 from cache.prefix_index import PrefixIndex
 from cache.vllm_events import VllmBlockMap
-from gateway.config import KvEventSource, parse_config
+from gateway.config import ConfigError, KvEventSource, parse_config
 from gateway.kv_events import EngineStream, KvEventConsumer, plan_sockets, subscriber_address
 
 
@@ -77,3 +77,24 @@ def test_sequence_restart_gaps_and_clears() -> None:
         consumer.apply_frames([b"a", b"\x00", b""], streams)
     with pytest.raises(ValueError):
         consumer.apply_frames([b"a", (2).to_bytes(8, "big"), b"\xc1"], streams)
+
+
+@pytest.mark.parametrize(("sources", "message"), [
+    ("{http://127.0.0.1:9999: 'tcp://*:5557'}", "not one of the provider's endpoints"),
+    ("{http://127.0.0.1:8001: 'http://x:5557'}", "ZMQ address"),
+    ("{http://127.0.0.1:8001: {endpoint: 'tcp://*:5557', topics: [a]}}", "unknown field"),
+    ("{http://127.0.0.1:8001: {topic: a}}", "ZMQ address"),
+    ("[tcp://*:5557]", "expected a mapping"),
+])
+def test_bad_kv_event_sources_fail_at_load(sources: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(config(sources), {})
+
+
+def test_provider_prefix_options() -> None:
+    cfg = parse_config(config("{http://127.0.0.1:8001: 'ipc:///tmp/kv'}"), {})
+    provider = cfg.providers["v"]
+    assert provider.kv_event_sources == {"http://127.0.0.1:8001": KvEventSource("ipc:///tmp/kv", "")}
+    assert (provider.kv_capacity_tokens, provider.offers_vllm_metrics) == (262144, False)
+    with pytest.raises(ConfigError, match="kv_capacity_tokens"):
+        parse_config(config("{}").replace("kv_event_sources: {}", "kv_capacity_tokens: 0"), {})
