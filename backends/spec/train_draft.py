@@ -44,7 +44,8 @@ class Sample:
     kind: str                 # STRUCTURED | PROSE
     token_ids: torch.Tensor   # [n] int64: prompt then the target's answer
     num_prompt_tokens: int    # leading tokens that are the prompt
-    hidden: torch.Tensor      # [n, hidden] float32: the target's final normed hidden states
+    hidden: torch.Tensor      # [n - 1, hidden] float32: the target's final normed hidden states (not the last
+                              # token's: generation ends before running it)
 
 
 def default_head_dir(model_dir: Path) -> Path:
@@ -53,40 +54,35 @@ def default_head_dir(model_dir: Path) -> Path:
 
 # --- the target's text and hidden states --------------------------------------------------------
 def generate(model: Any, tokenizer: Any, prompts: Sequence[Prompt], max_new_tokens: int,
-             sample: bool, seed: int) -> list[tuple[str, list[int], int]]:
-    """(kind, prompt + answer token ids, prompt length) per prompt, in one batched generate."""
+             sample: bool, seed: int) -> list[Sample]:
+    """The target's answers to `prompts` in one batched generate, with the final normed hidden states it
+    computed on the way (a hook on the final norm: no second forward)."""
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False,
                                            add_generation_prompt=True) for p in prompts]
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    normed: list[torch.Tensor] = []   # per forward, [batch, new positions, hidden]
+    hook = model.model.norm.register_forward_hook(lambda _m, _i, out: normed.append(out.detach().float()))
     torch.manual_seed(seed)
-    with torch.inference_mode():
-        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=sample,
-                             temperature=0.7 if sample else None, top_p=0.95 if sample else None,
-                             top_k=None, pad_token_id=tokenizer.pad_token_id)
+    try:
+        with torch.inference_mode():   # left padding: generate derives positions from the attention mask
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=sample,
+                                 temperature=0.7 if sample else None, top_p=0.95 if sample else None,
+                                 top_k=None, pad_token_id=tokenizer.pad_token_id)
+    finally:
+        hook.remove()
+    hidden = torch.cat(normed, dim=1)   # [batch, width + steps - 1, hidden]: every token but the last
     width = batch["input_ids"].shape[1]
-    results = []
+    samples = []
     for row, prompt in enumerate(prompts):
-        mask = batch["attention_mask"][row].bool()
-        prompt_ids = batch["input_ids"][row][mask].tolist()   # left padding removed
+        pad = int((batch["attention_mask"][row] == 0).sum())
+        prompt_ids = batch["input_ids"][row, pad:].tolist()
         answer = out[row, width:].tolist()
         if tokenizer.eos_token_id in answer:
             answer = answer[:answer.index(tokenizer.eos_token_id) + 1]
-        results.append((prompt.kind, prompt_ids + answer, len(prompt_ids)))
-    return results
-
-
-def with_hidden(model: Any, texts: list[tuple[str, list[int], int]]) -> list[Sample]:
-    """Each text's final normed hidden states, from right-padded batches (positions 0.. as the engine's)."""
-    width = max(len(ids) for _, ids, _ in texts)
-    ids = torch.zeros(len(texts), width, dtype=torch.long)
-    mask = torch.zeros(len(texts), width, dtype=torch.long)
-    for row, (_, tokens, _) in enumerate(texts):
-        ids[row, :len(tokens)] = torch.tensor(tokens)
-        mask[row, :len(tokens)] = 1
-    with torch.inference_mode():
-        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
-    return [Sample(kind, torch.tensor(tokens), n, hidden[row, :len(tokens)].clone())
-            for row, (kind, tokens, n) in enumerate(texts)]
+        ids = prompt_ids + answer
+        samples.append(Sample(prompt.kind, torch.tensor(ids), len(prompt_ids),
+                              hidden[row, pad:pad + len(ids) - 1].clone()))
+    return samples
 
 
 def collect(model: Any, tokenizer: Any, prompts: Sequence[Prompt], *, batch_size: int, max_new_tokens: int,
@@ -96,8 +92,7 @@ def collect(model: Any, tokenizer: Any, prompts: Sequence[Prompt], *, batch_size
     for start in range(0, len(prompts), batch_size):
         if samples and deadline_s is not None and time.monotonic() > deadline_s:
             break
-        texts = generate(model, tokenizer, prompts[start:start + batch_size], max_new_tokens, sample, seed + start)
-        samples += with_hidden(model, texts)
+        samples += generate(model, tokenizer, prompts[start:start + batch_size], max_new_tokens, sample, seed + start)
         log.info("generated %d texts, %d tokens", len(samples), sum(len(s.token_ids) for s in samples))
     return samples
 
@@ -207,11 +202,12 @@ def train(head: TrainableHead, samples: list[Sample], lm_rows: torch.Tensor, emb
     while steps == 0 or time.monotonic() < deadline_s:
         batch = _batch(samples, rng, tokens_per_batch)
         tokens, hidden = _pad([s.token_ids for s in batch]), _pad([s.hidden for s in batch])
-        mask = torch.zeros(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.bool)
-        for row, s in enumerate(batch):   # rows whose targets are answer tokens (p + 2 >= prompt length)
-            mask[row, max(0, s.num_prompt_tokens - 2):len(s.token_ids) - 1] = True
-        out = head(F.embedding(tokens[:, 1:], embed), hidden[:, :-1])[mask]   # [rows, hidden]
-        target = hidden[:, 1:][mask]
+        width = tokens.shape[1]   # hidden is one shorter
+        mask = torch.zeros(tokens.shape[0], width - 2, dtype=torch.bool)
+        for row, s in enumerate(batch):   # prompt positions too: their hidden states are the target's as well
+            mask[row, :len(s.token_ids) - 2] = True
+        out = head(F.embedding(tokens[:, 1:width - 1], embed), hidden[:, :width - 2])[mask]   # [rows, hidden]
+        target = hidden[:, 1:width - 1][mask]
         with torch.no_grad():
             target_p = torch.softmax(target @ lm_rows.T, dim=-1)
         hidden_loss = F.smooth_l1_loss(out, target)
@@ -292,7 +288,7 @@ def acceptance(head_dir: Path, model_dir: Path, samples: list[Sample], num_specu
         proposer.observe(str(i), 0, s.token_ids[:m + 1].tolist(), s.hidden[:m])
         pos[i] = m
     while True:
-        live = [i for i, s in enumerate(samples) if pos[i] + k < len(s.token_ids)]
+        live = [i for i, s in enumerate(samples) if pos[i] + k + 1 < len(s.token_ids)]
         if not live:
             break
         drafts = proposer.propose([DraftRequest(str(i), samples[i].token_ids[:pos[i] + 1].tolist(), k) for i in live])
@@ -328,8 +324,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="head folder (default: $SWITCHYARD_CACHE/eagle/<model>-head)")
     p.add_argument("--budget-minutes", type=float, default=20.0, help="wall-clock budget of the whole run")
     p.add_argument("--max-samples", type=int, default=None, help="training texts at most (default: the budget's)")
-    p.add_argument("--max-new-tokens", type=int, default=192, help="answer length per training text")
-    p.add_argument("--batch-size", type=int, default=16, help="texts generated per batch")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="answer length per training text")
+    p.add_argument("--batch-size", type=int, default=8, help="texts generated per batch")
     p.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts measured (default all 12)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="K of the acceptance measurement")
     p.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head drafts among (0: all)")
@@ -362,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                          sample=False, seed=args.seed, deadline_s=None)
     samples = collect(model, tokenizer, train_prompts, batch_size=args.batch_size,
                       max_new_tokens=args.max_new_tokens, sample=True, seed=args.seed,
-                      deadline_s=began + 0.45 * budget_s)
+                      deadline_s=began + 0.5 * budget_s)
     config = read_config_json(model_dir)
     vocab = config["vocab_size"]
     draft_ids = draft_vocabulary(samples, args.draft_vocab, vocab) if 0 < args.draft_vocab < vocab else None

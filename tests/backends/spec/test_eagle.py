@@ -14,15 +14,19 @@ from backends.models.config import read_config_json
 from backends.models.llama import LlamaForCausalLM
 from backends.spec.eagle import EagleProposer, load_eagle_head, read_head_weights
 from backends.spec.proposer import DraftRequest
+from backends.worker.model_runner import ModelRunner
 
 DRAFT_VOCAB = 64   # the test heads draft among this many tokens (d2t), so draft argmaxes have wide margins
 
 
 @pytest.fixture(scope="module")
-def target(smollm2_dir: Path) -> LlamaForCausalLM:
-    from backends.worker.model_runner import ModelRunner
+def runner(smollm2_dir: Path) -> ModelRunner:
+    return ModelRunner(smollm2_dir, dtype=torch.float32, device="cpu", num_blocks=96, block_size=16)
 
-    return ModelRunner(smollm2_dir, dtype=torch.float32, device="cpu", num_blocks=1).model
+
+@pytest.fixture(scope="module")
+def target(runner: ModelRunner) -> LlamaForCausalLM:
+    return runner.model
 
 
 def write_head(folder: Path, smollm2_dir: Path, *, eagle1: bool, fmt: str, d2t: bool, seed: int = 0) -> Path:
@@ -218,3 +222,47 @@ def test_train_draft_writes_a_loadable_head(tmp_path: Path, target: LlamaForCaus
     verifications = sum(v["verifications"] for k, v in report["acceptance"].items() if k != "cost_per_token")
     assert verifications > 0
     assert json.loads((out / "train_report.json").read_text())["acceptance"] == report["acceptance"]
+
+
+def test_engine_greedy_with_an_eagle_head_equals_plain_decoding(tmp_path: Path, smollm2_dir: Path, runner: ModelRunner,
+                                                                hf_smollm2, hf_smollm2_f64) -> None:
+    """Concurrent requests, then two that hit the prefix cache (the head starts past position 0), drafting
+    every step (adaptive K off): the tokens of plain decoding, judged where float32 rounding cannot decide."""
+    from transformers import AutoTokenizer
+
+    from backends.engine.config import EngineConfig
+    from backends.engine.engine import LLMEngine
+    from backends.engine.sampling_params import SamplingParams
+    from tests.backends.engine.runner_view import RunnerView
+    from tests.backends.engine.test_engine_model import make_engine, run_all, tokens
+    from tests.backends.engine.test_speculative import STRUCTURED, greedy_reference
+    from tests.backends.numerics import assert_same_tokens
+
+    folder = write_head(tmp_path / "head", smollm2_dir, eagle1=True, fmt="safetensors", d2t=True)
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    waves = [{f"s{i}": tok(text)["input_ids"] for i, text in enumerate(STRUCTURED)},
+             {f"again{i}": tok(STRUCTURED[i])["input_ids"] + tok(" Once more:")["input_ids"] for i in (0, 1)}]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    # The engines share the runner's KV tensors: plain (no prefix cache) runs every wave first, so
+    # that nothing overwrites the blocks the speculative engine's prefix cache holds.
+    plain, _ = make_engine(runner, smollm2_dir, 96, enable_prefix_caching=False)
+    proposer = EagleProposer(folder, runner.model, num_blocks=96)
+    fast = LLMEngine(EngineConfig(model_dir=str(smollm2_dir), num_blocks=96, speculative="eagle",
+                                  speculative_model=str(folder), spec_adaptive=False, num_speculative_tokens=3),
+                     RunnerView(runner, 96), smollm2_dir, proposer=proposer)
+    want, got = [], []
+    for engine, outs in ((plain, want), (fast, got)):
+        for prompts in waves:
+            for rid, prompt in prompts.items():
+                engine.add_request(rid, prompt, greedy)
+            outs.append(run_all(engine))
+    for prompts, w, g in zip(waves, want, got, strict=True):
+        refs, _ = greedy_reference(hf_smollm2, hf_smollm2_f64, list(prompts.values()),
+                                   [tokens(w[r]) for r in prompts], plain.eos_token_ids, greedy)
+        for rid, ref in zip(prompts, refs, strict=True):
+            assert_same_tokens(tokens(g[rid]), tokens(w[rid]), ref, rid)
+    stats = fast.stats()
+    assert stats.num_spec_proposed_tokens > 0 and stats.num_cached_prompt_tokens > 0, stats
+    assert not proposer._states, "finished requests left drafting state"
+    proposer.blocks.check_invariants()
+    assert proposer.blocks.num_free_blocks == proposer.blocks.num_total_blocks
