@@ -42,6 +42,7 @@ PROMPTS = [
     "Write a haiku about the sea. The sea is wide and deep, and every wave that reaches the shore tells a story",
     "List three colors:",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Quote it exactly. Passage: the quick brown fox jumps over the lazy dog.\nQuote: the quick brown fox",
 ]
 CHATS = [[{"role": "user", "content": "Say hello to a friend in one sentence."}],
          [{"role": "user", "content": "What is two plus two? Explain briefly, please."}]]
@@ -50,7 +51,8 @@ CHATS = [[{"role": "user", "content": "Say hello to a friend in one sentence."}]
 class Cluster:
     def __init__(self, workdir: Path) -> None:
         roles = {"p1": "prefill", "p2": "both", "d1": "decode", "d2": "decode", "d3": "decode"}
-        extra = {"d3": ["--no-kv-shared-memory"]}
+        # D2 decodes with drafts (prompt lookup): its legs must equal the unified worker's as D1's do.
+        extra = {"d3": ["--no-kv-shared-memory"], "d2": ["--speculative", "ngram"]}
         self.workers = {name: WorkerProcess(["--role", role, *COMMON, *extra.get(name, [])], log_dir=workdir,
                                             wait=False)
                         for name, role in roles.items()}
@@ -245,6 +247,23 @@ async def test_direct_legs_equal_unified_and_kv_is_byte_identical(cluster: Clust
     assert totals["d3"]["pulls"] > 0 and totals["d3"]["shared_memory_pulls"] == 0, totals
     # The repeated prompts hit the decode worker's prefix cache: later pulls skip those blocks.
     await assert_drained(cluster, ["p1", "d1"])
+
+
+async def test_speculative_decode_leg_equals_unified(cluster: Cluster, references) -> None:
+    before = await get(f"{cluster.url('d2')}/load")
+    for ref in references:
+        status, pre = await post(cluster.url("p1"), {**ref.body, "max_tokens": 1,
+                                                     "kv_transfer_params": {"do_remote_decode": True}}, ref.chat)
+        assert status == 200, pre
+        kv = pre["kv_transfer_params"]
+        status, dec = await post(cluster.url("d2"), {**ref.body, "kv_transfer_params": {**kv, "response_id": pre["id"]}},
+                                 ref.chat)
+        assert status == 200, dec
+        ids = kv["first_token_ids"] + dec["choices"][0]["token_ids"]
+        ref.check(ids, text_of(pre["choices"][0]) + text_of(dec["choices"][0]), "decode leg with drafts")
+    after = await get(f"{cluster.url('d2')}/load")
+    assert after["num_spec_accepted_tokens"] > before["num_spec_accepted_tokens"], after
+    await assert_drained(cluster, ["p1", "d2"])
 
 
 async def test_gateway_equals_unified_alone_and_concurrent(cluster: Cluster, references) -> None:

@@ -24,9 +24,12 @@ class RunnerView:
         self.on_step: Callable[[ForwardBatch], None] = lambda batch: None
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.execute_with_hidden(batch)[0]
+
+    def execute_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         self.on_step(batch)
         if self.fail_if(batch):
             raise RuntimeError("injected runner fault")
-        logits = self.inner.execute(batch)
+        logits, hidden = self.inner.execute_with_hidden(batch)
         self.steps.append((batch, logits.clone()))
-        return logits
+        return logits, hidden
