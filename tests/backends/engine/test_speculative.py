@@ -99,7 +99,7 @@ def test_max_tokens_and_eos_inside_an_accepted_run(smollm2_runner, smollm2_dir, 
                                                   tokenize) -> None:
     prompt = tokenize(STRUCTURED[2])
     full = SamplingParams(max_tokens=40, temperature=0.0)
-    plain, want, fast, got, _ = run_pair(smollm2_runner, smollm2_dir, {"full": prompt}, {"full": full},
+    plain, want, _, got, _ = run_pair(smollm2_runner, smollm2_dir, {"full": prompt}, {"full": full},
                                          speculative="ngram", num_speculative_tokens=4)
     reference = tokens(want["full"])
     refs, _ = greedy_reference(hf_smollm2, hf_smollm2_f64, [prompt], [reference], plain.eos_token_ids, full)
