@@ -233,7 +233,8 @@ class Legs:
                 if num_new:
                     lease.on_output_tokens(num_new)
                 try:
-                    await write(chunk)  # `client.send` without a coroutine per chunk
+                    if write(chunk):  # one transport write per chunk; True: the client's buffer is full
+                        await client.drain()
                 except ConnectionResetError as exc:
                     raise ClientGone() from exc
         except ClientGone:

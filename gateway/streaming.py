@@ -7,15 +7,17 @@ went away: `ClientGone` propagates so the dispatcher closes the upstream at once
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
+from aiohttp.http_writer import StreamWriter
 
 from gateway.tracing import REQUEST_ID_HEADER, request_id_var
 
 KEEPALIVE = b": keepalive\n\n"
+WRITE_BUFFER_HIGH = 64 * 1024  # the relay waits for the client above this many unsent bytes (aiohttp's own limit)
 DONE_EVENT = b"data: [DONE]\n\n"
 
 
@@ -43,6 +45,12 @@ class SseCounter:
 
     def feed(self, chunk: bytes) -> int:
         """Returns the number of new content events in `chunk` (for shrinking the lease)."""
+        if not self._tail and chunk.startswith(b"data: {") and chunk.find(b"\n\n") == len(chunk) - 2 \
+                and b'"usage"' not in chunk:
+            # Exactly one whole JSON event without usage (an engine's usual token chunk): two scans.
+            if not self.usage.exact:
+                self.usage.num_output_tokens += 1
+            return 1
         if not self._tail and chunk.endswith(b"\n\n") and b"\n\n\n" not in chunk \
                 and b'"usage"' not in chunk and b"data: [DONE]" not in chunk:
             # Whole events, none of them usage or [DONE] (the common token chunk): count the
@@ -168,11 +176,31 @@ class ClientStream:
             except ConnectionResetError as exc:
                 raise ClientGone() from exc
 
-    def writer(self) -> Callable[[bytes], Awaitable[None]]:
-        """The response's own write, for a relay loop (after `send_first`); it raises
-        ConnectionResetError where `send` raises ClientGone."""
+    def writer(self) -> Callable[[bytes], bool]:
+        """A synchronous write for a relay loop (after `send_first`): frames the chunk for the client's
+        transfer encoding and hands it to the transport in one call, without aiohttp's per-write coroutine
+        and bookkeeping. Returns True when the client's socket buffer is full: then `await drain()`.
+        Raises ConnectionResetError where `send` raises ClientGone."""
         assert self.response is not None
-        return self.response.write
+        transport = self._request.transport
+        chunked = self._payload_writer().chunked
+
+        def write(chunk: bytes) -> bool:
+            if transport is None or transport.is_closing():
+                raise ConnectionResetError("the client closed its connection")
+            transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+            return transport.get_write_buffer_size() > WRITE_BUFFER_HIGH
+
+        return write
+
+    async def drain(self) -> None:
+        """Wait until the client has read enough of what `writer` queued."""
+        await self._payload_writer().drain()
+
+    def _payload_writer(self) -> StreamWriter:
+        writer = self._request._payload_writer  # the connection's writer, which the response wrote its head to
+        assert isinstance(writer, StreamWriter) and writer._compress is None
+        return writer
 
     async def send(self, chunk: bytes) -> None:
         try:
