@@ -1,0 +1,137 @@
+"""The lean upstream client (gateway/upstream_http.py) against real servers on loopback: an aiohttp app for the
+well-formed cases, and a raw asyncio server that writes exact bytes for framing and failure cases."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway.upstream_http import UpstreamClient
+
+TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=2)
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[UpstreamClient]:
+    async with aiohttp.ClientSession() as session:
+        upstream = UpstreamClient(session)
+        yield upstream
+        upstream.close()
+
+
+async def _raw_server(answer: Callable[[bytes], list[bytes]]) -> tuple[asyncio.Server, str, list[int]]:
+    """Answers each request head with `answer(head)`'s pieces, each a separate write; counts connections."""
+    connections: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                for piece in answer(head):
+                    if piece == b"<close>":
+                        writer.close()
+                        return
+                    writer.write(piece)
+                    await writer.drain()
+                    await asyncio.sleep(0)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}/v1/x", connections
+
+
+async def test_chunked_split_anywhere_with_trailers_and_reuse(client: UpstreamClient) -> None:
+    events = [b"data: {\"n\": %d}\n\n" % i for i in range(5)]
+    wire = b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in events) + b"0\r\nX-Trailer: 1\r\n\r\n"
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\nTransfer-Encoding: chunked\r\n\r\n"
+    pieces = [head + wire[:3]] + [wire[i:i + 5] for i in range(3, len(wire), 5)]
+    server, url, connections = await _raw_server(lambda _: pieces)
+    async with server:
+        for _ in range(2):
+            async with client.post(url, data=b"{}", headers={"Content-Type": "application/json"},
+                                   timeout=TIMEOUT) as response:
+                assert response.status == 200 and response.content_type == "text/event-stream"
+                body = b""
+                while chunk := await response.content.readany():
+                    body += chunk
+            assert body == b"".join(events)
+    assert len(connections) == 1  # the connection went back to the pool and was reused
+
+
+async def test_content_length_and_read_to_close(client: UpstreamClient) -> None:
+    answers = iter([[b"HTTP/1.1 429 Too Many\r\nRetry-After: 3\r\nContent-Length: 11\r\n\r\nhello", b" world"],
+                    [b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n{\"a\":", b" 1}", b"<close>"]])
+    server, url, connections = await _raw_server(lambda _: next(answers))
+    async with server:
+        async with client.post(url, data=b"x", headers={}, timeout=TIMEOUT) as response:
+            assert response.status == 429 and response.headers["retry-after"] == "3"
+            assert await response.content.read(5) == b"hello"
+            assert await response.read() == b" world"
+        async with client.post(url, data=b"x", headers={}, timeout=TIMEOUT) as response:
+            assert await response.read() == b'{"a": 1}'
+    assert len(connections) == 1
+
+
+async def test_cut_mid_body_is_a_payload_error(client: UpstreamClient) -> None:
+    server, url, _ = await _raw_server(
+        lambda _: [b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial", b"<close>"])
+    async with server, client.post(url, data=b"x", headers={}, timeout=TIMEOUT) as response:
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await response.read()
+
+
+async def test_garbage_head_and_closed_before_answer_are_errors(client: UpstreamClient) -> None:
+    answers = iter([[b"SMTP ready\r\n\r\n"], [b"<close>"]])
+    server, url, _ = await _raw_server(lambda _: next(answers))
+    async with server:
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with client.post(url, data=b"x", headers={}, timeout=TIMEOUT):
+                pass
+        with pytest.raises(aiohttp.ClientConnectionError):
+            async with client.post(url, data=b"x", headers={}, timeout=TIMEOUT):
+                pass
+
+
+async def test_total_timeout_aborts_a_stalled_body(client: UpstreamClient) -> None:
+    stall = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b"first")
+        await stall.wait()
+        return response
+
+    app = web.Application()
+    app.add_routes([web.post("/v1/x", slow)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with client.post(f"http://127.0.0.1:{port}/v1/x", data=b"x", headers={},
+                               timeout=aiohttp.ClientTimeout(total=0.3)) as response:
+            assert await response.content.readany() == b"first"
+            with pytest.raises(TimeoutError):
+                await response.content.readany()
+    finally:
+        stall.set()
+        await runner.cleanup()
+
+
+async def test_https_goes_through_aiohttp(client: UpstreamClient) -> None:
+    """aiohttp's own connector error (the lean client would raise a bare ConnectionRefusedError)."""
+    from tests.support.ports import free_port
+
+    with pytest.raises(aiohttp.ClientConnectorError):
+        async with client.post(f"https://127.0.0.1:{free_port()}/v1/x", data=b"x", headers={}, timeout=TIMEOUT):
+            pass
