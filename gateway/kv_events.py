@@ -99,7 +99,13 @@ class KvEventConsumer:
             for topic in plan.topics:
                 socket.setsockopt(zmq.SUBSCRIBE, topic.encode())
             if plan.bind:
-                socket.bind(plan.address)
+                try:
+                    socket.bind(plan.address)
+                except zmq.ZMQError as exc:
+                    raise RuntimeError(
+                        f"cannot bind the KV event socket {plan.address} ({exc}): vLLM's publisher connects to one "
+                        "address, so only one gateway process can receive it; with several (--workers N, "
+                        "replicas) let vLLM bind (endpoint tcp://*:PORT) and every process connects") from exc
             else:
                 socket.connect(plan.address)
             streams = {topic.encode(): EngineStream(endpoint_id, VllmBlockMap(self._block_size))

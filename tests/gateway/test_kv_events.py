@@ -10,6 +10,7 @@ from cache.prefix_index import PrefixIndex
 from cache.vllm_events import VllmBlockMap
 from gateway.config import ConfigError, KvEventSource, parse_config
 from gateway.kv_events import EngineStream, KvEventConsumer, plan_sockets, subscriber_address
+from tests.support.ports import free_port
 
 
 @pytest.mark.parametrize(("endpoint", "url", "expected"), [
@@ -98,3 +99,16 @@ def test_provider_prefix_options() -> None:
     assert (provider.kv_capacity_tokens, provider.offers_vllm_metrics) == (262144, False)
     with pytest.raises(ConfigError, match="kv_capacity_tokens"):
         parse_config(config("{}").replace("kv_event_sources: {}", "kv_capacity_tokens: 0"), {})
+
+
+async def test_a_second_process_binding_the_same_address_fails_clearly() -> None:
+    port = free_port()
+    cfg = parse_config(config(f"{{http://127.0.0.1:8001: 'tcp://127.0.0.1:{port}'}}"), {})
+    first, second = KvEventConsumer(cfg, PrefixIndex()), KvEventConsumer(cfg, PrefixIndex())
+    first.start()
+    try:
+        with pytest.raises(RuntimeError, match="only one gateway process"):
+            second.start()
+    finally:
+        await first.stop()
+        await second.stop()
