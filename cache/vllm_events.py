@@ -38,6 +38,8 @@ class VllmEvent:
     token_ids: tuple[int, ...]             # STORED: the tokens of all its blocks, in order
     block_size: int                        # STORED: vLLM's tokens per block (0 otherwise)
     medium: str | None                     # "GPU" (or None): the engine's own cache; "CPU" etc.: an offload tier
+    num_plain_blocks: int = 0              # STORED: leading blocks hashed from tokens alone (no LoRA, media,
+                                           # cache salt in vLLM's extra keys): only those can match our hashes
 
 
 # Positional field order of vLLM's array-like events, after the tag (vllm/distributed/kv_events.py).
@@ -89,7 +91,22 @@ def _decode_event(raw: Any) -> VllmEvent | None:
         token_ids = tuple(array("I", tokens))
     except (TypeError, OverflowError):
         raise ValueError(f"malformed {tag}: token ids must be integers in [0, 2**32)") from None
-    return VllmEvent(kind, tuple(hashes), parent, token_ids, block_size, medium)
+    return VllmEvent(kind, tuple(hashes), parent, token_ids, block_size, medium, _num_plain_blocks(fields, len(hashes)))
+
+
+def _num_plain_blocks(fields: dict[str, Any], num_blocks: int) -> int:
+    """Leading blocks whose vLLM hash covers their tokens only. A LoRA adapter, a multimodal input or a
+    cache salt changes vLLM's hash (and what the cache can be reused for); our request-side hashes know
+    none of them, so such blocks must not be mapped onto ours."""
+    if fields.get("lora_id") is not None or fields.get("lora_name") is not None:
+        return 0
+    extra = fields.get("extra_keys")
+    if not isinstance(extra, list):
+        return num_blocks
+    for i, keys in enumerate(extra[:num_blocks]):
+        if keys:
+            return i
+    return num_blocks
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -123,7 +140,8 @@ class VllmBlockMap:
     def stored(self, event: VllmEvent) -> list[int]:
         """Our hashes of a `BlockStored`'s blocks, recorded for later events. Stops at a block it cannot
         map: a parent it never saw (stored before we subscribed), a vLLM block size that is not a
-        multiple of ours, or a partial block (its tokens end mid-block of ours)."""
+        multiple of ours, a partial block (its tokens end mid-block of ours), or one hashed with extra
+        keys (LoRA, media, cache salt)."""
         if event.parent_block_hash is None:
             parent = ROOT_HASH
         else:
@@ -136,7 +154,7 @@ class VllmBlockMap:
             return []
         ours: list[int] = []
         tokens = event.token_ids
-        for i, vllm_hash in enumerate(event.block_hashes):
+        for i, vllm_hash in enumerate(event.block_hashes[:event.num_plain_blocks]):
             chunk = tokens[i * event.block_size:(i + 1) * event.block_size]
             if len(chunk) != event.block_size:
                 break

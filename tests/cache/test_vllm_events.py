@@ -119,3 +119,18 @@ def test_block_map_is_bounded() -> None:
 def test_malformed_batches_raise_value_error(payload: bytes) -> None:
     with pytest.raises(ValueError):
         decode_batch(payload)
+
+
+@pytest.mark.parametrize(("changes", "num_mapped"), [
+    ({}, 3),
+    ({"extra_keys": [None, None, None]}, 3),                      # as vLLM sends a plain prompt's
+    ({"lora_id": 7, "lora_name": "adapter"}, 0),                  # a LoRA's blocks are not the base model's
+    ({"extra_keys": [None, [["img-1", 0]], None]}, 1),            # an image from the 2nd block on
+    ({"extra_keys": [["salt"], ["salt"], ["salt"]]}, 0),          # a cache salt on every block
+])
+def test_blocks_hashed_with_extra_keys_are_not_mapped(changes: dict, num_mapped: int) -> None:
+    tokens = list(range(48))
+    event, _ = stored_event(tokens, 16)
+    event.update(changes)
+    ours = VllmBlockMap(block_size=16).stored(decode_batch(batch(event))[1][0])
+    assert ours == block_hashes(tokens, 16)[:num_mapped]
