@@ -283,7 +283,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--token-interval-ms", type=float, default=0.0, help="fake upstream delay per token")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--client-procs", type=int, default=2)
-    parser.add_argument("--rates", type=float, nargs="+", default=[200.0])
+    parser.add_argument("--rates", type=float, nargs="*", default=[200.0],
+                        help="open-loop rates (none: closed loop only)")
     parser.add_argument("--warmup-s", type=float, default=0.5, help="per round")
     parser.add_argument("--duration-s", type=float, default=12.0, help="measured, per phase and path")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds per phase")
@@ -517,7 +518,7 @@ def run_phases(args: argparse.Namespace, paths: list[BenchPath], profiler: Profi
                     print(f"{'+' + label:<12}" + _cells(added), flush=True)
     for path in paths:
         summary[path.label]["rss"] = peak_rss_mb(path.pids)
-    print_summary(summary, args.rates[-1])
+    print_summary(summary, args.rates[-1] if args.rates else 0.0)
 
 
 def print_summary(summary: dict[str, dict[str, float]], rate: float) -> None:

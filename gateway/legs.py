@@ -226,14 +226,18 @@ class Legs:
         await client.send_first(first, response.headers.get("Content-Type", "text/event-stream"))
         if is_first_data:
             self.metrics.observe_ttft(model, time.perf_counter() - progress.request.started_s)
-        write = client.writer()
+        fast_write = client.fast_writer()
+        assert client.response is not None
+        own_write = client.response.write
         try:
             while chunk := await response.content.readany():
                 num_new = counter.feed(chunk)
                 if num_new:
                     lease.on_output_tokens(num_new)
                 try:
-                    if write(chunk):  # one transport write per chunk; True: the client's buffer is full
+                    if fast_write is None:  # the response re-encodes what it writes
+                        await own_write(chunk)
+                    elif fast_write(chunk):  # one transport write; True: the client's buffer is full
                         await client.drain()
                 except ConnectionResetError as exc:
                     raise ClientGone() from exc

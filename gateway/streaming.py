@@ -176,12 +176,15 @@ class ClientStream:
             except ConnectionResetError as exc:
                 raise ClientGone() from exc
 
-    def writer(self) -> Callable[[bytes], bool]:
+    def fast_writer(self) -> Callable[[bytes], bool] | None:
         """A synchronous write for a relay loop (after `send_first`): frames the chunk for the client's
         transfer encoding and hands it to the transport in one call, without aiohttp's per-write coroutine
         and bookkeeping. Returns True when the client's socket buffer is full: then `await drain()`.
-        Raises ConnectionResetError where `send` raises ClientGone."""
+        Raises ConnectionResetError where `send` raises ClientGone. None when the response has a write of
+        its own (one that re-encodes the stream, e.g. /v1/messages): then the loop awaits `response.write`."""
         assert self.response is not None
+        if type(self.response).write is not web.StreamResponse.write:
+            return None
         transport = self._request.transport
         chunked = self._payload_writer().chunked
 
@@ -194,7 +197,7 @@ class ClientStream:
         return write
 
     async def drain(self) -> None:
-        """Wait until the client has read enough of what `writer` queued."""
+        """Wait until the client has read enough of what `fast_writer` queued."""
         await self._payload_writer().drain()
 
     def _payload_writer(self) -> StreamWriter:
