@@ -7,9 +7,12 @@ catch-up budget; its blocks all come back.
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,7 @@ from tests.backends.numerics import (
     logit_tolerance,
     teacher_forced_logits,
 )
+from tests.support.worker_proc import worker_process
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = ("The capital of France is Paris. The capital of Germany is",
@@ -222,3 +226,51 @@ def test_long_prompt_caught_up_across_steps(smollm2_dir: Path, hf_smollm2: torch
     want, ref = greedy(hf_smollm2, prompt, 3, tolerance)
     assert_drafts(got, want, ref, "after catching up")
     assert_all_freed(proposer, ["p"])
+
+
+# --- in a worker --------------------------------------------------------------------------------
+
+def complete(url: str, prompt: list[int], max_tokens: int) -> list[int]:
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())["choices"][0]["token_ids"]
+
+
+def spec_counter(url: str, name: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith(f'switchyard_{name}_total{{proposer="draft"}}'))
+
+
+def test_worker_with_a_draft_model_gives_the_targets_greedy_tokens(smollm2_dir: Path, hf_smollm2: torch.nn.Module,
+                                                                    prompts: list[list[int]], tolerance: float,
+                                                                    tmp_path: Path) -> None:
+    """`--speculative draft` end to end: concurrent greedy requests, drafts from an 8-layer cut of the
+    target (K fixed at 4, so some are accepted and some rejected), each output against transformers'
+    greedy tokens with EOS banned (as ignore_eos does)."""
+    make_draft(smollm2_dir, tmp_path / "d8", keep=8)
+    num_tokens = 24
+    ignore_eos = SamplingParams(temperature=0.0, ignore_eos=True)
+    eos = hf_smollm2.generation_config.eos_token_id
+    hf_smollm2.generation_config.eos_token_id = None
+    try:
+        with torch.inference_mode():
+            wants = [hf_smollm2.generate(torch.tensor([p]), max_new_tokens=num_tokens, do_sample=False,
+                                         suppress_tokens=[2])[0, len(p):].tolist() for p in prompts]
+    finally:
+        hf_smollm2.generation_config.eos_token_id = eos
+    refs = [choices(teacher_forced_logits(hf_smollm2, p, w), ignore_eos, None, (2,), tolerance)
+            for p, w in zip(prompts, wants, strict=True)]
+    assert_mostly_clear(refs, "transformers' greedy tokens")
+    args = ["--speculative", "draft", "--speculative-model", str(tmp_path / "d8"), "--num-speculative-tokens", "4",
+            "--no-adaptive-speculation"]
+    with worker_process(args) as url, ThreadPoolExecutor(len(prompts) * 2) as pool:
+        outs = list(pool.map(lambda p: complete(url, p, num_tokens), prompts * 2))
+        proposed, accepted = spec_counter(url, "spec_proposed_tokens"), spec_counter(url, "spec_accepted_tokens")
+    for i, got in enumerate(outs):
+        assert_same_tokens(got, wants[i % len(prompts)], refs[i % len(prompts)], f"request {i}")
+    assert 0 < accepted < proposed, (accepted, proposed)
