@@ -9,8 +9,9 @@ plain engine ("none") as the baseline of the same run.
     .venv/bin/python benchmarks/spec_bench.py [--rounds 3] [--max-tokens 128] [--threads 2]
         [--draft-dir DIR] [--eagle-dir DIR] [--proposers none,ngram,draft,eagle]
 
---draft-dir: a folder from `switchyard make-draft`; --eagle-dir: a head from `switchyard train-draft`
-(their default locations are used when they exist; a proposer without its folder is left out).
+--draft-dir: a folder from `switchyard make-draft` (default $SWITCHYARD_CACHE/drafts/<model>-draft);
+--eagle-dir: a head from `switchyard train-draft` (default: where it saves, $SWITCHYARD_CACHE/eagle/<model>-head).
+A proposer without its folder is left out, with the command that builds it.
 """
 from __future__ import annotations
 
@@ -66,10 +67,14 @@ class Result:
     verifications: int
 
 
-def default_dir(kind: str) -> Path:
+def default_dir(kind: str, model_dir: Path) -> Path:
+    """Where `switchyard train-draft` puts its head, and where to keep a `make-draft` folder."""
+    from backends.spec.train_draft import default_head_dir
     from backends.worker.loader import default_cache_dir
 
-    return default_cache_dir() / {"draft": "drafts/smollm2-draft", "eagle": "eagle/smollm2-eagle"}[kind]
+    if kind == "eagle":
+        return default_head_dir(model_dir)
+    return default_cache_dir() / "drafts" / f"{model_dir.name}-draft"
 
 
 def run_once(runner, model_dir: Path, prompts: list[list[int]], config, concurrency: int, max_tokens: int) -> Result:
@@ -121,7 +126,8 @@ def main() -> None:
     workloads = {"(a) structured": [chat(t) for t in STRUCTURED[:args.prompts]],
                  "(b) prose": [chat(t) for t in PROSE[:args.prompts]]}
     runner = ModelRunner(model_dir, dtype=torch.float32, device="cpu", num_blocks=512, block_size=16)
-    dirs = {"draft": args.draft_dir or default_dir("draft"), "eagle": args.eagle_dir or default_dir("eagle")}
+    dirs = {"draft": args.draft_dir or default_dir("draft", model_dir),
+            "eagle": args.eagle_dir or default_dir("eagle", model_dir)}
     configs: dict[str, EngineConfig] = {}
     for name in args.proposers.split(","):
         if name in dirs and not dirs[name].exists():
