@@ -37,6 +37,7 @@ from backends.spec.train_prompts import PROSE, STRUCTURED, Prompt, prompt_sets
 from backends.worker.loader import default_cache_dir, resolve_model
 
 log = logging.getLogger("switchyard.train_draft")
+EVAL_NEW_TOKENS = 96   # answer length of the held-out greedy texts the acceptance replays
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +327,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-samples", type=int, default=None, help="training texts at most (default: the budget's)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer length per training text")
     p.add_argument("--batch-size", type=int, default=8, help="texts generated per batch")
-    p.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts measured (default all 12)")
+    p.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts measured (default all 8)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="K of the acceptance measurement")
     p.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head drafts among (0: all)")
     p.add_argument("--tokens-per-batch", type=int, default=4096)
@@ -354,8 +355,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     train_prompts, held_out = prompt_sets(args.seed)
     held_out = held_out[:args.eval_prompts] if args.eval_prompts is not None else held_out
     train_prompts = train_prompts[:args.max_samples] if args.max_samples is not None else train_prompts
-    evaluation = collect(model, tokenizer, held_out, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                         sample=False, seed=args.seed, deadline_s=None)
+    evaluation = collect(model, tokenizer, held_out, batch_size=args.batch_size,
+                         max_new_tokens=min(args.max_new_tokens, EVAL_NEW_TOKENS), sample=False, seed=args.seed,
+                         deadline_s=None)
     samples = collect(model, tokenizer, train_prompts, batch_size=args.batch_size,
                       max_new_tokens=args.max_new_tokens, sample=True, seed=args.seed,
                       deadline_s=began + 0.5 * budget_s)
@@ -379,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     save_head(out_dir, head, config, draft_ids, report)
     report["acceptance"] = acceptance(out_dir, model_dir, evaluation, args.num_speculative_tokens)
     report["elapsed_s"] = round(time.monotonic() - began, 1)
+    report["cpu_s"] = round(time.process_time(), 1)   # this process's CPU time (all threads)
     (out_dir / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     print(f"head saved in {out_dir}; serve it with: "

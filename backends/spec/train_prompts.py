@@ -161,9 +161,8 @@ def prompt_sets(seed: int) -> tuple[list[Prompt], list[Prompt]]:
         else:
             train.append(Prompt(PROSE, _prose(rng, topics)))
     held = random.Random(seed + 1)
-    held_out = [Prompt(STRUCTURED, _json_edit(held)), Prompt(STRUCTURED, _json_edit(held)),
-                Prompt(STRUCTURED, _tool_call(held, eval_tools)), Prompt(STRUCTURED, _code(held, eval_functions)),
-                Prompt(STRUCTURED, _quote(held, eval_passages)), Prompt(STRUCTURED, _tool_call(held, eval_tools))]
-    held_out += [Prompt(PROSE, form.format(topic))
-                 for form, topic in zip(_PROSE_FORMS, eval_topics + eval_topics[:2], strict=True)]
-    return train, held_out
+    # interleaved, so that the first few (--eval-prompts) cover both kinds
+    structured = [Prompt(STRUCTURED, _json_edit(held)), Prompt(STRUCTURED, _tool_call(held, eval_tools)),
+                  Prompt(STRUCTURED, _code(held, eval_functions)), Prompt(STRUCTURED, _quote(held, eval_passages))]
+    prose = [Prompt(PROSE, form.format(topic)) for form, topic in zip(_PROSE_FORMS, eval_topics, strict=False)]
+    return train, [p for pair in zip(structured, prose, strict=True) for p in pair]
