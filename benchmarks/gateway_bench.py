@@ -135,8 +135,11 @@ def run_relay(port: int, upstreams: list[str]) -> None:
                 await response.write_eof()
                 return response
 
+        async def health(request: web.Request) -> web.Response:
+            return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+
         app = web.Application()
-        app.add_routes([web.post("/v1/chat/completions", relay)])
+        app.add_routes([web.post("/v1/chat/completions", relay), web.get("/health", health)])
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
@@ -229,10 +232,19 @@ def open_loop(urls: list[str], rate_per_s: float, warmup_s: float, duration_s: f
 
 # --- orchestration -------------------------------------------------------------------------------
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port not handed out before in this run (servers bind theirs seconds later; the kernel may
+    offer a port twice in between)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def wait_http(url: str, timeout_s: float) -> None:
@@ -361,7 +373,7 @@ def main() -> None:
                 stdout=subprocess.DEVNULL, stderr=ROUTER_LOG.open("wb")), f"http://127.0.0.1:{port}"))
         for label, process, url in starts:
             processes.append(process)
-            wait_http(url + ("/ready" if label == "gateway" else "/health"), 60)
+            wait_http(url + ("/ready" if label == "gateway" else "/health"), 180)  # slow starts on a loaded box
             paths.append(BenchPath(label, (url + "/v1/chat/completions",), process_tree(process.pid)))
         gateway_pid = next((p.pids[0] for p in paths if p.label == "gateway"), 0)
         run_phases(args, paths, Profiler(args.profile, gateway_pid, args.duration_s / args.rounds + args.warmup_s))
