@@ -267,7 +267,9 @@ def save_head(out_dir: Path, head: TrainableHead, target_config: dict[str, Any],
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
-    out_dir.chmod(0o755)
+    out_dir.chmod(0o755)   # mkdtemp's 0700 (and save_file's 0600): workers of other users read it too
+    for path in out_dir.iterdir():
+        path.chmod(0o644)
 
 
 # --- acceptance ------------------------------------------------------------------------------------
