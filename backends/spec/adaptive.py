@@ -4,7 +4,9 @@ Each sequence keeps decayed counts of draft tokens that the target checked and a
 per-token acceptance rate a, drafting K tokens yields (1 - a^(K+1)) / (1 - a) tokens for a step
 that costs 1 + K * (draft cost + verify cost) target steps; K is the value that maximises tokens
 per cost (0: plain decoding). A sequence whose K fell to 0 tries again (K = 1) after `probe_every`
-steps, so speculation comes back when the text turns repetitive.
+steps, so speculation comes back when the text turns repetitive, unless drafting would gain less
+than 10% even at an acceptance rate of 0.9 (a draft model nearly as costly as the target): such a
+proposer is never probed, since each probe would also pay for the draft's catch-up.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 _DECAY = 0.8          # weight of the past per verification (about the last 5 steps count)
 _PRIOR_CHECKED = 2.0  # a new sequence starts as if 2 drafts were checked ...
 _PRIOR_ACCEPTED = 1.4  # ... and 1.4 accepted (rate 0.7): optimistic, so speculation is tried
+_HIGH_RATE = 0.9       # a proposer that would not pay off at this acceptance is never probed
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,9 +26,16 @@ class SpecPolicy:
     probe_every: int = 16      # steps between retries once K fell to 0
     adaptive: bool = True      # False: always K = max_tokens
 
+    @property
+    def can_pay_off(self) -> bool:
+        """Whether drafting would gain at least 10% even at a 0.9 acceptance rate."""
+        return not self.adaptive or self._best(_HIGH_RATE)[1] >= 1.1
+
     def best_k(self, rate: float) -> int:
-        if not self.adaptive:
-            return self.max_tokens
+        return self.max_tokens if not self.adaptive else self._best(rate)[0]
+
+    def _best(self, rate: float) -> tuple[int, float]:
+        """The K with the most tokens per cost at this acceptance rate, and that ratio (K = 0: 1)."""
         best_k, best_value = 0, 1.0
         per_token = self.draft_cost + self.verify_cost
         for k in range(1, self.max_tokens + 1):
@@ -33,7 +43,7 @@ class SpecPolicy:
             value = expected / (1.0 + k * per_token)
             if value > best_value * 1.02:     # a K must beat the one below it clearly
                 best_k, best_value = k, value
-        return best_k
+        return best_k, best_value
 
 
 @dataclass(slots=True)
@@ -49,7 +59,7 @@ class SpecState:
 
     def next_k(self, policy: SpecPolicy) -> int:
         k = policy.best_k(self.rate)
-        if k > 0 or not policy.adaptive:
+        if k > 0 or not policy.adaptive or not policy.can_pay_off:
             return k
         self.idle_steps += 1
         if self.idle_steps >= policy.probe_every:

@@ -249,3 +249,9 @@ def test_k_shrinks_and_stops_when_acceptance_falls_then_probes_again() -> None:
         state.record(5, 5)
     assert state.next_k(policy) == 5
     assert SpecPolicy(max_tokens=3, draft_cost=5.0, adaptive=False).best_k(0.0) == 3
+    # A proposer nearly as costly as the target never pays off: it is not even probed.
+    costly = SpecPolicy(max_tokens=5, draft_cost=0.8, probe_every=2)
+    assert not costly.can_pay_off and policy.can_pay_off
+    assert [SpecState().next_k(costly) for _ in range(6)] == [0] * 6
+    idle = SpecState()
+    assert [idle.next_k(costly) for _ in range(6)] == [0] * 6
