@@ -221,7 +221,9 @@ class Legs:
         client, model = progress.client, progress.request.facts.model
         assert client is not None
         counter = SseCounter()
-        lease.on_output_tokens(counter.feed(first))
+        num_tokens = counter.feed(first)
+        lease.on_output_tokens(num_tokens)
+        first_token_s = last_token_s = time.perf_counter()   # meaningful once num_tokens > 0
         is_first_data = not client.data_started
         await client.send_first(first, response.headers.get("Content-Type", "text/event-stream"))
         if is_first_data:
@@ -234,6 +236,10 @@ class Legs:
                 num_new = counter.feed(chunk)
                 if num_new:
                     lease.on_output_tokens(num_new)
+                    last_token_s = time.perf_counter()
+                    if not num_tokens:
+                        first_token_s = last_token_s
+                    num_tokens += num_new
                 try:
                     if fast_write is None:  # the response re-encodes what it writes
                         await own_write(chunk)
@@ -251,6 +257,8 @@ class Legs:
                                           f"{type(exc).__name__}"), mid_event=counter.mid_event)
             return Outcome(await client.finish(), endpoint.endpoint_id, counter.usage)
         endpoint.breaker.on_success()
+        if is_first_data and num_tokens > 1:    # one figure per response: its mean inter-token latency
+            self.metrics.observe_itl(model, (last_token_s - first_token_s) / (num_tokens - 1))
         return Outcome(await client.finish(), endpoint.endpoint_id, counter.usage)
 
 

@@ -17,6 +17,8 @@ from prometheus_client.registry import Collector
 from gateway.breaker import CircuitState
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Mean gaps between a stream's output tokens (a CPU worker's decode step is 20-100 ms).
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 # One row per endpoint at scrape time: (endpoint_id, num_requests, num_prefill_tokens, num_decode_tokens, circuit)
 EndpointRow = tuple[str, int, int, int, CircuitState]
@@ -95,6 +97,8 @@ class Metrics:
                                  "the decode leg's KV transfer failed", ["model", "code"], registry=r)
         self._ttft = Histogram("switchyard_ttft_seconds", "Time to the first byte relayed to the client",
                                ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self._itl = Histogram("switchyard_itl_seconds", "Mean time between output tokens of each streamed response, "
+                              "after its first token", ["model"], buckets=_ITL_BUCKETS, registry=r)
         self._decisions = Counter("switchyard_routing_decisions", "Routing decisions by reason",
                                   ["model", "reason"], registry=r)
         self._moves = Counter("switchyard_session_moves", "Sessions re-homed to another endpoint", ["model"],
@@ -137,6 +141,9 @@ class Metrics:
 
     def observe_ttft(self, model: str, seconds: float) -> None:
         self._child(self._ttft, model).observe(seconds)
+
+    def observe_itl(self, model: str, seconds: float) -> None:
+        self._child(self._itl, model).observe(seconds)
 
     def on_decision(self, model: str, reason: str) -> None:
         self._child(self._decisions, model, reason).inc()

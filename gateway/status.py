@@ -97,6 +97,7 @@ def _model(samples: Samples, model: str) -> dict[str, Any]:
         "num_errors": sum(n for status, n in statuses.items() if not status.startswith("2")),
         "statuses": statuses,
         "ttft": histogram(samples, "switchyard_ttft_seconds", model=model),
+        "itl": histogram(samples, "switchyard_itl_seconds", model=model),
         "decisions": decisions,
         "num_session_moves": _sum(samples, "switchyard_session_moves_total", model=model),
         "num_retries": _sum(samples, "switchyard_retries_total", model=model),

@@ -178,6 +178,8 @@ def test_gateway_page_shows_what_metrics_shows(system: System, tmp_path: Path) -
     assert _int(fields[f"model:{MODEL}:errors"]) == requests - _sum(after, "switchyard_requests_total", model=MODEL,
                                                                       status="200")
     assert _int(fields[f"model:{MODEL}:ttft_count"]) == _one(after, "switchyard_ttft_seconds_count", model=MODEL)
+    streams = _one(after, "switchyard_itl_seconds_count", model=MODEL)
+    assert _int(fields[f"model:{MODEL}:itl_count"]) == streams >= 1     # the streamed request above
 
     circuits = after[("switchyard_circuit_state", ("endpoint",))]
     assert _int(fields["endpoints.count"]) == len(circuits) == 1
