@@ -30,6 +30,8 @@ class Verified:
 
 def expand_rows(row: SampleRow, drafts: Sequence[int]) -> list[SampleRow]:
     """The K + 1 sampler rows of one sequence: row i sees drafts[:i] as already generated."""
+    if not drafts:
+        return [row]            # plain decoding: no copy of the outputs
     out = list(row.output_token_ids)
     return [SampleRow(row.params, row.seed, row.prompt_token_ids, out + list(drafts[:i]), row.eos_token_ids)
             for i in range(len(drafts) + 1)]
