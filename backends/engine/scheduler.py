@@ -1,6 +1,7 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
-Per step, within a token budget and `max_num_seqs`: running decodes first (one token each),
+Per step, within a token budget and `max_num_seqs`: running decodes first (one token each, plus
+the drafts a proposer gave it where budget and free blocks allow),
 then chunked prefill of admitted sequences, then admission of waiting ones by free blocks.
 Preempts by recompute (newest first) when blocks run out. Consults the optional KV connector for
 KV from outside the pool (a sequence waits for its load in WAITING_FOR_REMOTE_KV) and for blocks to
