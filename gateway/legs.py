@@ -22,7 +22,7 @@ from gateway.config import Pool
 from gateway.fallback import RetryableFailure
 from gateway.load import Lease, LoadTracker
 from gateway.metrics import Metrics
-from gateway.request import Leg, Outcome, Progress, Wire
+from gateway.request import Leg, Outcome, Progress, ProviderExhausted, Wire
 from gateway.state import StateStore
 from gateway.streaming import ClientGone, ClientStream, SseCounter, StreamUsage, apply_usage, error_event
 from gateway.tracing import REQUEST_ID_HEADER, Tracing
@@ -82,6 +82,21 @@ class Legs:
         if facts.block_hashes:  # approximate prefix mode: remember what went where (a no-op for precise endpoints)
             self._prefix_index.record_routed(decision.endpoint_id, facts.block_hashes)
         return self._registry.endpoints[decision.endpoint_id], decision
+
+    async def take(self, progress: Progress, provider_name: str) -> tuple[Endpoint, Decision]:
+        """A single leg's endpoint from the provider's main pool: chosen, counted as tried (a retry if
+        not the first), its decision recorded and the session pinned to it; ProviderExhausted if none."""
+        chosen = self.choose(progress, self.pool(provider_name), progress.policy)
+        if chosen is None:
+            raise ProviderExhausted("no eligible endpoint left")
+        endpoint, decision = chosen
+        model = progress.request.facts.model
+        if progress.tried:
+            self.metrics.on_retry(model)
+        progress.tried.add(endpoint.endpoint_id)
+        self.metrics.on_decision(model, decision.reason.value)
+        await self.pin_session(progress, decision)
+        return endpoint, decision
 
     def _state(self, endpoint_id: str, matched: Mapping[str, int]) -> EndpointState:
         endpoint = self._registry.endpoints[endpoint_id]

@@ -22,7 +22,7 @@ from backends.engine.kv_connector import KVConnector, KVTransferParams
 from backends.engine.kv_events import KVEventRing
 from backends.engine.outputs import FinishReason, LoadReport, SequenceOutput
 from backends.engine.sampling_params import SamplingParams
-from backends.engine.scheduler import ScheduledSeq, Scheduler
+from backends.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from backends.engine.sequence import Sequence, SequenceStatus
 from backends.spec.adaptive import SpecPolicy
 from backends.spec.proposer import DraftRequest, Proposer
@@ -276,7 +276,7 @@ class LLMEngine:
             tokens = [int(t) for t in draft[:request.num_tokens]]
             seq.spec_token_ids = tokens if all(0 <= t < self.vocab_size for t in tokens) else []
 
-    def _observe(self, out: Any, rejected: list[int], hidden: torch.Tensor) -> None:
+    def _observe(self, out: SchedulerOutput, rejected: list[int], hidden: torch.Tensor) -> None:
         """Hand the proposer the target's hidden states of the positions this step verified."""
         assert self.proposer is not None
         offset = 0

@@ -48,22 +48,14 @@ class AnthropicProvider:
 
     async def _serve(self, progress: Progress, legs: Legs) -> Outcome:
         """One leg to the endpoint the model's policy picks among this provider's untried endpoints."""
-        request, metrics = progress.request, legs.metrics
+        request = progress.request
         if request.api_path != CHAT_PATH:
             raise ProviderExhausted("an anthropic provider serves chat completions only")
         try:
             body = to_messages_request(request.body, self.config.upstream_model or request.model.name)
         except Untranslatable as exc:
             raise ProviderExhausted(f"no Messages API form for {exc}") from None
-        chosen = legs.choose(progress, legs.pool(self.config.name), progress.policy)
-        if chosen is None:
-            raise ProviderExhausted("no eligible endpoint left")
-        endpoint, decision = chosen
-        if progress.tried:
-            metrics.on_retry(request.facts.model)
-        progress.tried.add(endpoint.endpoint_id)
-        metrics.on_decision(request.facts.model, decision.reason.value)
-        await legs.pin_session(progress, decision)
+        endpoint, decision = await legs.take(progress, self.config.name)
         with legs.tracing.span("upstream_attempt") as span:
             headers = legs.leg_headers(progress, span, self._wire, endpoint.endpoint_id, decision)
             leg = Leg(self._wire, endpoint, LegKind.SINGLE, MESSAGES_PATH, orjson.dumps(body), headers,

@@ -15,7 +15,7 @@ import orjson
 from gateway.config import ConfigError, ProviderConfig
 from gateway.legs import Legs
 from gateway.providers.base import ProviderRun
-from gateway.request import Leg, LegKind, Outcome, Progress, ProviderExhausted, Wire
+from gateway.request import Leg, LegKind, Outcome, Progress, Wire
 
 
 def openai_wire(config: ProviderConfig) -> Wire:
@@ -49,16 +49,8 @@ class OpenAIProvider:
 
     async def _serve(self, progress: Progress, legs: Legs) -> Outcome:
         """One leg to the endpoint the model's policy picks among this provider's untried endpoints."""
-        request, metrics = progress.request, legs.metrics
-        chosen = legs.choose(progress, legs.pool(self.config.name), progress.policy)
-        if chosen is None:
-            raise ProviderExhausted("no eligible endpoint left")
-        endpoint, decision = chosen
-        if progress.tried:
-            metrics.on_retry(request.facts.model)
-        progress.tried.add(endpoint.endpoint_id)
-        metrics.on_decision(request.facts.model, decision.reason.value)
-        await legs.pin_session(progress, decision)
+        request = progress.request
+        endpoint, decision = await legs.take(progress, self.config.name)
         with legs.tracing.span("upstream_attempt") as span:
             headers = legs.leg_headers(progress, span, self._wire, endpoint.endpoint_id, decision)
             leg = Leg(self._wire, endpoint, LegKind.SINGLE, request.api_path,
