@@ -1,9 +1,13 @@
-"""Serve SmolLM2 with a switchyard worker and measure it beside transformers' `generate`, in one run.
+"""A switchyard worker beside vLLM's CPU engine and transformers' `generate`, in one run.
 
-Reports single-stream TTFT and inter-token latency (p50/p90) and aggregate output tokens/s at
-several concurrencies, with and without a shared ~200-token system prompt. A script, not a test:
+The six scenarios of issue 18: 256-token prompts and 128 output tokens, streamed, at 1, 8 and 32
+concurrent clients, with unique prompts and with a shared 200-token prefix. The engines alternate
+(`--rounds` passes, the order flipping each pass) and the table gives each scenario's median over
+the passes. Prompts go in as token ids to /v1/completions, so both engines see the same tokens.
+vLLM comes from `make vllm-setup` (.venv-vllm); `--engines switchyard` leaves it out. A script,
+not a test:
 
-    .venv/bin/python benchmarks/worker_bench.py [--new-tokens 64] [--concurrency 1 8 32]
+    .venv/bin/python benchmarks/worker_bench.py [--rounds 2] [--concurrency 1 8 32] [--worker-args '--dtype bfloat16']
 """
 from __future__ import annotations
 
@@ -11,10 +15,15 @@ import argparse
 import asyncio
 import os
 import platform
+import random
+import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -26,20 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from backends.worker.loader import resolve_model  # noqa: E402
 
-TOPICS = ["the ocean", "volcanoes", "a lighthouse keeper", "bread baking", "the moon", "chess",
-          "honeybees", "trains", "rainforests", "glaciers", "jazz", "a old library", "robots",
-          "kites", "deserts", "owls"]
-SYSTEM = ("You are a meticulous assistant for a travel company. Answer in plain English, keep a "
-          "friendly tone, never invent prices, cite the policy section when you quote a rule, and "
-          "prefer short paragraphs. Policies: refunds within 14 days of booking; changes free up to "
-          "48 hours before departure; pets allowed on trains but not on buses; luggage limit 23 kg; "
-          "children under 4 travel free; seniors get 10 percent off weekday fares; group bookings of "
-          "ten or more get a dedicated agent; lost items are kept for 30 days; accessibility help must "
-          "be booked 24 hours ahead; loyalty points expire after two years; all times are local. "
-          "Night trains have sleeper cabins for two or four people; bicycles need a reservation in summer; "
-          "station lounges are open to first-class ticket holders; delays over an hour earn a 25 percent "
-          "refund and over two hours 50 percent; tickets bought on board cost five euros more; students "
-          "with a valid card get 15 percent off; and customer service answers within two working days.")
+MODEL = "smollm2"
 
 
 def pct(values: list[float], q: float) -> float:
@@ -55,43 +51,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# ---------------------------------------------------------------- transformers baseline
-def hf_baseline(model_dir: Path, prompts: list[str], new_tokens: int) -> dict[str, float]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
+# ---------------------------------------------------------------- workload
+@dataclass(frozen=True)
+class Scenario:
+    concurrency: int
+    shared: bool
 
+    @property
+    def name(self) -> str:
+        return f"{self.concurrency} concurrent, {'shared prefix' if self.shared else 'unique'}"
+
+    def num_requests(self) -> int:
+        return 4 if self.concurrency == 1 else max(self.concurrency, 16)
+
+
+def prompts(scenario: Scenario, vocab: list[int], prompt_tokens: int, shared_tokens: int, salt: str) -> list[list[int]]:
+    """Token-id prompts: random ordinary tokens, the first `shared_tokens` the same for all when shared.
+    `salt` keeps one pass's prompts from hitting the cache a previous pass filled."""
+    rng = random.Random(f"{scenario.name}/{salt}")
+    prefix = random.Random("shared-prefix").choices(vocab, k=shared_tokens) if scenario.shared else []
+    return [prefix + rng.choices(vocab, k=prompt_tokens - len(prefix)) for _ in range(scenario.num_requests())]
+
+
+def ordinary_vocab(model_dir: Path) -> list[int]:
+    """Ids of plain-word tokens (no specials, no byte pieces), so random prompts stay in-distribution."""
+    from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    class Clock(LogitsProcessor):
-        def __init__(self) -> None:
-            self.stamps: list[float] = []
-
-        def __call__(self, input_ids, scores):  # called once per generated token
-            self.stamps.append(time.perf_counter())
-            return scores
-
-    ttfts, itls, total_tokens, total_s = [], [], 0, 0.0
-    for text in prompts:
-        ids = tok(text, return_tensors="pt")
-        clock = Clock()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(**ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, logits_processor=[clock], pad_token_id=tok.eos_token_id)
-        t1 = time.perf_counter()
-        ttfts.append(clock.stamps[0] - t0)
-        itls.extend(b - a for a, b in zip(clock.stamps, clock.stamps[1:]))
-        total_tokens += out.shape[1] - ids["input_ids"].shape[1]
-        total_s += t1 - t0
-    return {"ttft_p50_ms": 1e3 * pct(ttfts, 50), "itl_p50_ms": 1e3 * pct(itls, 50),
-            "itl_p90_ms": 1e3 * pct(itls, 90), "tok_s": total_tokens / total_s}
+    special = set(tok.all_special_ids)
+    return [i for t, i in tok.get_vocab().items() if i not in special and t.lstrip("Ġ").isalpha() and len(t) > 2]
 
 
-# ---------------------------------------------------------------- switchyard worker
-async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[float, list[float], int]:
-    """One streaming request: (ttft_s, inter-token gaps, number of chunks with text)."""
+async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], new_tokens: int
+                     ) -> tuple[float, list[float], int]:
+    """One streaming completion: (ttft_s, gaps between text chunks, completion tokens)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps: list[float] = []
+    tokens = 0
     async with session.post(url, json=body) as resp:
         resp.raise_for_status()
         async for raw in resp.content:
@@ -99,106 +96,170 @@ async def stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> tu
             if not line.startswith(b"data:") or line == b"data: [DONE]":
                 continue
             chunk = orjson.loads(line[5:])
-            if chunk.get("choices"):
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
                 stamps.append(time.perf_counter())
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return stamps[0] - t0, gaps, len(stamps)
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])], tokens
 
 
-def chat_body(topic: str, new_tokens: int, shared_prefix: bool) -> dict:
-    messages = [{"role": "user", "content": f"Write a long story about {topic}."}]
-    if shared_prefix:
-        messages.insert(0, {"role": "system", "content": SYSTEM})
-    return {"model": "smollm2", "messages": messages, "max_tokens": new_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-
-
-async def run_level(base: str, concurrency: int, rounds: int, new_tokens: int, shared: bool) -> dict:
-    url = base + "/v1/chat/completions"
+async def run_scenario(base: str, scenario: Scenario, batch: list[list[int]], new_tokens: int) -> dict[str, float]:
+    url = base + "/v1/completions"
     ttfts: list[float] = []
     gaps: list[float] = []
     tokens = 0
+    todo = list(batch)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        # One warm-up request that also seeds the prefix cache for the shared-prefix runs.
-        await stream_one(session, url, chat_body("warm-up", 4, shared))
         t0 = time.perf_counter()
 
-        async def client(i: int) -> None:
+        async def client() -> None:
             nonlocal tokens
-            for r in range(rounds):
-                topic = TOPICS[(i + r * concurrency) % len(TOPICS)] + f" #{i}-{r}"
-                ttft, g, n = await stream_one(session, url, chat_body(topic, new_tokens, shared))
+            while todo:
+                ttft, g, n = await stream_one(session, url, todo.pop(), new_tokens)
                 ttfts.append(ttft)
                 gaps.extend(g)
                 tokens += n
 
-        await asyncio.gather(*(client(i) for i in range(concurrency)))
+        await asyncio.gather(*(client() for _ in range(scenario.concurrency)))
         wall = time.perf_counter() - t0
-    return {"ttft_p50_ms": 1e3 * pct(ttfts, 50), "ttft_p90_ms": 1e3 * pct(ttfts, 90),
-            "itl_p50_ms": 1e3 * pct(gaps, 50), "itl_p90_ms": 1e3 * pct(gaps, 90), "tok_s": tokens / wall}
+    return {"ttft_p50_ms": 1e3 * pct(ttfts, 50), "itl_p50_ms": 1e3 * pct(gaps, 50),
+            "itl_p90_ms": 1e3 * pct(gaps, 90), "tok_s": tokens / wall}
 
 
-def start_worker(port: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "backends.server", "--model", "smollm2", "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    deadline = time.time() + 300
-    import urllib.request
+# ---------------------------------------------------------------- the engines
+def wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout_s: float = 900) -> None:
+    deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"worker exited with {proc.returncode}")
+            raise SystemExit(f"{what} exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
-                    return proc
+                    return
         except OSError:
             time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("worker did not become healthy")
+    raise SystemExit(f"{what} did not become healthy in {timeout_s:.0f} s")
+
+
+def start_switchyard(port: int, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "backends.server", "--model", MODEL, "--port", str(port), *extra]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_vllm(port: int, python: str, model_dir: Path, log: Path) -> subprocess.Popen:
+    cores = os.cpu_count() or 1
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1"}
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
+           MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048"]
+    return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_engine(engine: str, args: argparse.Namespace, model_dir: Path, scenarios: list[Scenario],
+               vocab: list[int], salt: str) -> dict[Scenario, dict[str, float]]:
+    port = free_port()
+    if engine == "vllm":
+        proc = start_vllm(port, args.vllm_python, model_dir, Path(args.log_dir) / f"vllm-{salt}.log")
+    else:
+        proc = start_switchyard(port, args.worker_args.split())
+    base = f"http://127.0.0.1:{port}"
+    results = {}
+    try:
+        wait_healthy(proc, base, engine)
+        warm = Scenario(1, False)
+        asyncio.run(run_scenario(base, warm, prompts(warm, vocab, args.prompt_tokens, 0, "warm-up")[:2], 8))
+        for sc in scenarios:
+            batch = prompts(sc, vocab, args.prompt_tokens, args.shared_tokens, salt)
+            if sc.shared:   # the shared prefix is in the cache before the clock starts, on both engines
+                asyncio.run(run_scenario(base, Scenario(1, True), batch[:1], 1))
+            results[sc] = asyncio.run(run_scenario(base, sc, batch, args.new_tokens))
+            r = results[sc]
+            print(f"#   {engine:10s} {sc.name:28s} {r['tok_s']:7.1f} tok/s  TTFT p50 {r['ttft_p50_ms']:7.0f} ms  "
+                  f"ITL p50 {r['itl_p50_ms']:5.1f} ms", flush=True)
+    finally:
+        stop(proc)
+    return results
+
+
+# ---------------------------------------------------------------- transformers baseline
+def hf_baseline(model_dir: Path, batch: list[list[int]], new_tokens: int) -> dict[str, float]:
+    """Batch-1 greedy `generate` on the unique prompts: decode tok/s and TTFT."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ttfts, decode_s, decode_tokens = [], 0.0, 0
+    kwargs = dict(do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(torch.tensor([batch[0]]), max_new_tokens=4, min_new_tokens=4, **kwargs)   # warm-up
+        for ids in batch:
+            x = torch.tensor([ids])
+            t0 = time.perf_counter()
+            model.generate(x, max_new_tokens=1, min_new_tokens=1, **kwargs)
+            t1 = time.perf_counter()
+            model.generate(x, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+            t2 = time.perf_counter()
+            ttfts.append(t1 - t0)
+            decode_s += (t2 - t1) - (t1 - t0)
+            decode_tokens += new_tokens - 1
+    return {"ttft_p50_ms": 1e3 * pct(ttfts, 50), "tok_s": decode_tokens / decode_s}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=256)
+    ap.add_argument("--shared-tokens", type=int, default=200)
+    ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--hf-prompts", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--engines", nargs="+", default=["switchyard", "vllm"], choices=["switchyard", "vllm"])
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     ap.add_argument("--worker-args", default="", help="extra worker flags, e.g. '--dtype bfloat16'")
+    ap.add_argument("--log-dir", default="/tmp")
     args = ap.parse_args()
 
-    model_dir = resolve_model("smollm2")
-    print(f"# {time.strftime('%Y-%m-%d %H:%M')} | {platform.node()} | {platform.processor() or platform.machine()} "
-          f"| {os.cpu_count()} cores | torch {torch.__version__} | fp32 | new_tokens={args.new_tokens}")
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    print(f"# shared system prompt: {len(tok(SYSTEM)['input_ids'])} tokens")
+    model_dir = resolve_model(MODEL)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.machine())
+    flags = Path("/proc/cpuinfo").read_text()
+    isa = "AVX512-BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
+    print(f"# {time.strftime('%Y-%m-%d %H:%M')} | {cpu} ({isa}) | {os.cpu_count()} cores | torch {torch.__version__} "
+          f"| fp32 | {args.prompt_tokens}-token prompts, {args.new_tokens} out | worker args: {args.worker_args or '-'}")
+    vocab = ordinary_vocab(model_dir)
+    scenarios = [Scenario(c, s) for s in (False, True) for c in args.concurrency]
+    passes: dict[str, list[dict[Scenario, dict[str, float]]]] = {e: [] for e in args.engines}
+    for r in range(args.rounds):
+        for engine in (args.engines if r % 2 == 0 else args.engines[::-1]):
+            passes[engine].append(run_engine(engine, args, model_dir, scenarios, vocab, f"round{r}"))
 
-    hf_prompts = [tok.apply_chat_template(chat_body(t, 0, False)["messages"], tokenize=False,
-                                          add_generation_prompt=True) for t in TOPICS[: args.hf_prompts]]
-    hf = hf_baseline(model_dir, hf_prompts, args.new_tokens)
+    def med(engine: str, sc: Scenario, key: str) -> float:
+        return statistics.median(p[sc][key] for p in passes[engine])
 
-    rows = []
-    # The shared-prefix rows run twice: with the prefix cache, and on a worker without it (the baseline
-    # that shows what the cache saves on the very same prompts).
-    for label, flags, levels in (("switchyard worker", [], [(s, c) for s in (False, True) for c in args.concurrency]),
-                                 ("switchyard, prefix cache off", ["--no-prefix-caching"],
-                                  [(True, c) for c in args.concurrency if c <= 8])):
-        port = free_port()
-        proc = start_worker(port, args.worker_args.split() + flags)
-        try:
-            base = f"http://127.0.0.1:{port}"
-            for shared, c in levels:
-                rounds = 3 if c == 1 else 1
-                rows.append((label, c, shared, asyncio.run(run_level(base, c, rounds, args.new_tokens, shared))))
-        finally:
-            proc.terminate()
-            proc.wait(30)
-
-    print("\n| engine | concurrency | shared 200-tok prefix | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | ITL p90 ms | output tok/s | × HF batch-1 |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| transformers generate (baseline) | 1 | no | {hf['ttft_p50_ms']:.1f} | – | {hf['itl_p50_ms']:.1f} "
-          f"| {hf['itl_p90_ms']:.1f} | {hf['tok_s']:.1f} | 1.00 |")
-    for label, c, shared, r in rows:
-        print(f"| {label} | {c} | {'yes' if shared else 'no'} | {r['ttft_p50_ms']:.1f} | {r['ttft_p90_ms']:.1f} "
-              f"| {r['itl_p50_ms']:.1f} | {r['itl_p90_ms']:.1f} | {r['tok_s']:.1f} | {r['tok_s'] / hf['tok_s']:.2f} |")
+    print("\n| scenario | " + " | ".join(f"{e} out tok/s | {e} TTFT p50 ms | {e} ITL p50 ms" for e in args.engines)
+          + (" | switchyard / vllm tok/s | TTFT ratio |" if len(args.engines) == 2 else " |"))
+    print("|---" * (1 + 3 * len(args.engines) + (2 if len(args.engines) == 2 else 0)) + "|")
+    for sc in scenarios:
+        cells = [f"{med(e, sc, 'tok_s'):.1f} | {med(e, sc, 'ttft_p50_ms'):.0f} | {med(e, sc, 'itl_p50_ms'):.1f}"
+                 for e in args.engines]
+        ratio = ""
+        if len(args.engines) == 2:
+            ratio = (f" | {med('switchyard', sc, 'tok_s') / med('vllm', sc, 'tok_s'):.2f}"
+                     f" | {med('switchyard', sc, 'ttft_p50_ms') / med('vllm', sc, 'ttft_p50_ms'):.2f}")
+        print(f"| {sc.name} | " + " | ".join(cells) + ratio + " |")
+    if not args.no_hf:
+        hf = hf_baseline(model_dir, prompts(Scenario(1, False), vocab, args.prompt_tokens, 0, "hf")[:3], args.new_tokens)
+        print(f"\ntransformers generate, batch 1, fp32: {hf['tok_s']:.1f} decode tok/s, TTFT p50 {hf['ttft_p50_ms']:.0f} ms")
+    print(f"(medians over {args.rounds} passes per engine; TTFT ratio below 1 is switchyard faster)")
 
 
 if __name__ == "__main__":

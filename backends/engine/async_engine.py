@@ -1,7 +1,7 @@
 """The engine as the server sees it: `generate` streams, `abort`, load report, stats, KV events.
 
-The step loop runs in ONE background thread (torch releases the GIL) and sleeps on a condition
-when idle; outputs cross into the event loop with `call_soon_threadsafe` onto per-request queues.
+The step loop runs in ONE background thread, which also builds the engine (torch releases the GIL),
+and sleeps on a condition when idle; outputs cross into the event loop with `call_soon_threadsafe` onto per-request queues.
 """
 from __future__ import annotations
 
@@ -69,14 +69,19 @@ class AsyncEngine:
     async def start(self) -> None:
         """Load the model (off the event loop) and start the step thread."""
         self._loop = asyncio.get_running_loop()
-        torch.set_num_threads(self.config.resolved_torch_threads())
-        engine = await asyncio.to_thread(self._engine_factory, self.config)
-        self._engine = engine
+        built: asyncio.Future[LLMEngine] = self._loop.create_future()
+        self._thread = threading.Thread(target=self._main, args=(built,), name="switchyard-engine", daemon=True)
+        self._thread.start()
+        try:
+            engine = await built
+        except BaseException:   # the load failed, or start() was cancelled: the thread must not step
+            with self._cond:
+                self._stopping = True
+                self._cond.notify()
+            self._thread = None
+            raise
         self.max_model_len, self.block_size = engine.max_model_len, engine.block_size
         self.eos_token_ids, self.vocab_size = engine.eos_token_ids, engine.vocab_size
-        self._publish()
-        self._thread = threading.Thread(target=self._run, name="switchyard-engine", daemon=True)
-        self._thread.start()
 
     async def shutdown(self) -> None:
         with self._cond:
@@ -169,9 +174,25 @@ class AsyncEngine:
             self._inbox.append(command)
             self._cond.notify()
 
-    def _run(self) -> None:
-        engine = self._engine
-        assert engine is not None
+    def _main(self, built: asyncio.Future[LLMEngine]) -> None:
+        """The step thread's life: build the engine, then step it, all in this one thread.
+
+        The model must be built in the thread that runs it: a CPU model loaded in one thread and run
+        in another took 75 ms a decode step instead of 42 (SmolLM2, 2-core EPYC; docs/benchmarks.md),
+        the matmuls' prepacked oneDNN state being tied to the OpenMP team of the thread that made it.
+        """
+        torch.set_num_threads(self.config.resolved_torch_threads())
+        try:
+            engine = self._engine_factory(self.config)
+        except BaseException as exc:  # boundary: the load error goes to start()'s caller
+            self._call_in_loop(_fail, built, exc)
+            return
+        self._engine = engine
+        self._publish()
+        self._call_in_loop(_succeed, built, engine)
+        self._run(engine)
+
+    def _run(self, engine: LLMEngine) -> None:
         while True:
             with self._cond:
                 while not self._inbox and not engine.has_unfinished() and not self._woken and not self._stopping:
@@ -248,3 +269,13 @@ class AsyncEngine:
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _succeed(future: asyncio.Future[LLMEngine], engine: LLMEngine) -> None:
+    if not future.done():
+        future.set_result(engine)
+
+
+def _fail(future: asyncio.Future[LLMEngine], exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
