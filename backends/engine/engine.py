@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,7 +25,7 @@ from backends.engine.outputs import FinishReason, LoadReport, SequenceOutput
 from backends.engine.sampling_params import SamplingParams
 from backends.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from backends.engine.sequence import Sequence, SequenceStatus
-from backends.spec.adaptive import SpecPolicy
+from backends.spec.adaptive import SpecPolicy, StepCost
 from backends.spec.proposer import DraftRequest, Proposer
 from backends.spec.verify import Verified, verify
 from backends.worker.batch import ForwardBatch
@@ -131,6 +132,7 @@ class LLMEngine:
         self.proposer = proposer
         self.spec_policy = None if proposer is None else SpecPolicy(
             config.num_speculative_tokens, proposer.cost_per_token, adaptive=config.spec_adaptive)
+        self.step_cost = StepCost()
         self._counts = dict.fromkeys(("prompt", "cached", "generated", "finished", "failed", "steps",
                                       "spec_proposed", "spec_accepted", "spec_verifications"), 0)
 
@@ -214,6 +216,7 @@ class LLMEngine:
         if out.is_empty:
             return outputs
         self._counts["steps"] += 1
+        started = time.perf_counter()
         try:
             hidden = None
             if self.proposer is not None and self.proposer.wants_hidden:
@@ -223,6 +226,8 @@ class LLMEngine:
             sampled = [s for s in out.scheduled if s.want_logits]
             verified = iter(verify(logits, [self._row(s.seq) for s in sampled],
                                    [s.seq.spec_token_ids[:s.num_spec_tokens] for s in sampled]))
+            if self.proposer is not None:
+                self.step_cost.observe(out.batch.num_tokens, time.perf_counter() - started)
             rejected = [0] * len(out.scheduled)
             finishing: list[tuple[Sequence, FinishReason]] = []
             appended: list[SequenceOutput] = []
@@ -256,11 +261,12 @@ class LLMEngine:
         assert self.proposer is not None and self.spec_policy is not None
         requests: list[DraftRequest] = []
         seqs: list[Sequence] = []
+        verify_cost = self.step_cost.verify_cost(len(self.scheduler.running))   # a row's price in this step
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling or not seq.params.speculative:
                 continue
-            k = min(seq.spec.next_k(self.spec_policy), seq.params.max_tokens - seq.num_output_tokens - 1,
+            k = min(seq.spec.next_k(self.spec_policy, verify_cost), seq.params.max_tokens - seq.num_output_tokens - 1,
                     self.max_model_len - seq.num_tokens)
             if k > 0:
                 requests.append(DraftRequest(seq.request_id, seq.token_ids, k))

@@ -2,11 +2,18 @@
 
 Each sequence keeps decayed counts of draft tokens that the target checked and accepted. With a
 per-token acceptance rate a, drafting K tokens yields (1 - a^(K+1)) / (1 - a) tokens for a step
-that costs 1 + K * (draft cost + verify cost) target steps; K is the value that maximises tokens
-per cost (0: plain decoding). A sequence whose K fell to 0 tries again (K = 1) after `probe_every`
-steps, so speculation comes back when the text turns repetitive, unless drafting would gain less
-than 10% even at an acceptance rate of 0.9 (a draft model nearly as costly as the target): such a
-proposer is never probed, since each probe would also pay for the draft's catch-up.
+that costs 1 + K * (draft cost + verify cost) of the sequence's share of a plain step; K is the value
+that maximises tokens per cost (0: plain decoding).
+
+The verify cost is not a constant: it is what one more row adds to a step, against one sequence's
+share of that step. `StepCost` fits the engine's own step times as fixed + per_row * rows, so at batch
+1 on a CPU a row costs about 0.06 of a step (the step reads the weights; rows ride along), while in an
+8-sequence step it costs about half a sequence's share, and speculation stops paying.
+
+A sequence whose K fell to 0 tries again (K = 1) after `probe_every` steps, so speculation comes back
+when the text turns repetitive, unless drafting would gain less than 10% even at an acceptance rate
+of 0.9 (a draft model nearly as costly as the target, or a batch so big that rows are dear): then it
+is not probed, since each probe would also pay for the draft's catch-up.
 """
 from __future__ import annotations
 
@@ -22,22 +29,20 @@ _HIGH_RATE = 0.9       # a proposer that would not pay off at this acceptance is
 class SpecPolicy:
     max_tokens: int            # K at most (--num-speculative-tokens)
     draft_cost: float          # one drafted token, in target decode steps (the proposer's cost_per_token)
-    verify_cost: float = 0.06  # one more token in the target's forward, in decode steps (CPU, batch 1)
     probe_every: int = 16      # steps between retries once K fell to 0
     adaptive: bool = True      # False: always K = max_tokens
 
-    @property
-    def can_pay_off(self) -> bool:
+    def can_pay_off(self, verify_cost: float) -> bool:
         """Whether drafting would gain at least 10% even at a 0.9 acceptance rate."""
-        return not self.adaptive or self._best(_HIGH_RATE)[1] >= 1.1
+        return not self.adaptive or self._best(_HIGH_RATE, verify_cost)[1] >= 1.1
 
-    def best_k(self, rate: float) -> int:
-        return self.max_tokens if not self.adaptive else self._best(rate)[0]
+    def best_k(self, rate: float, verify_cost: float) -> int:
+        return self.max_tokens if not self.adaptive else self._best(rate, verify_cost)[0]
 
-    def _best(self, rate: float) -> tuple[int, float]:
+    def _best(self, rate: float, verify_cost: float) -> tuple[int, float]:
         """The K with the most tokens per cost at this acceptance rate, and that ratio (K = 0: 1)."""
         best_k, best_value = 0, 1.0
-        per_token = self.draft_cost + self.verify_cost
+        per_token = self.draft_cost + verify_cost
         for k in range(1, self.max_tokens + 1):
             expected = k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
             value = expected / (1.0 + k * per_token)
@@ -57,9 +62,10 @@ class SpecState:
     def rate(self) -> float:
         return self.accepted / self.checked if self.checked > 0 else 0.0
 
-    def next_k(self, policy: SpecPolicy) -> int:
-        k = policy.best_k(self.rate)
-        if k > 0 or not policy.adaptive or not policy.can_pay_off:
+    def next_k(self, policy: SpecPolicy, verify_cost: float) -> int:
+        """K for the next step; `verify_cost` from StepCost.verify_cost at the step's size."""
+        k = policy.best_k(self.rate, verify_cost)
+        if k > 0 or not policy.adaptive or not policy.can_pay_off(verify_cost):
             return k
         self.idle_steps += 1
         if self.idle_steps >= policy.probe_every:
@@ -75,3 +81,45 @@ class SpecState:
         self.checked = self.checked * _DECAY + judged
         self.accepted = self.accepted * _DECAY + num_accepted
         self.idle_steps = 0
+
+
+class StepCost:
+    """The engine's step time as fixed + per_row * rows, fitted online by decayed least squares.
+
+    `verify_cost(rows)` is what one more row adds to a step of `rows` rows, in units of one row's share
+    of it: per_row * rows / (fixed + per_row * rows). Until the steps seen vary enough in size to fit
+    the slope, the ratio per_row / fixed is the prior (0.06: SmolLM2 in fp32 on a 2-core CPU at batch 1,
+    docs/benchmarks.md).
+    """
+
+    def __init__(self, prior_row_ratio: float = 0.06, decay: float = 0.99) -> None:
+        self.prior_row_ratio = prior_row_ratio
+        self.decay = decay
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = self.decay
+        self._w = self._w * d + 1.0
+        self._x = self._x * d + rows
+        self._y = self._y * d + seconds
+        self._xx = self._xx * d + rows * rows
+        self._xy = self._xy * d + rows * seconds
+
+    def fit(self) -> tuple[float, float]:
+        """(fixed, per_row) seconds; the prior's shape scaled to the mean step when the slope is unknown."""
+        if self._w == 0.0:
+            return 1.0, self.prior_row_ratio
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if var_x >= 1.0:
+            per_row = (self._xy / self._w - mean_x * mean_y) / var_x
+            fixed = mean_y - per_row * mean_x
+            if per_row > 0.0 and fixed > 0.0:
+                return fixed, per_row
+        fixed = mean_y / (1.0 + self.prior_row_ratio * mean_x)
+        return fixed, fixed * self.prior_row_ratio
+
+    def verify_cost(self, rows: int) -> float:
+        fixed, per_row = self.fit()
+        rows = max(1, rows)
+        return per_row * rows / (fixed + per_row * rows)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from backends.engine.sampling_params import SamplingParams
-from backends.spec.adaptive import SpecPolicy, SpecState
+from backends.spec.adaptive import SpecPolicy, SpecState, StepCost
 from backends.spec.ngram import NgramProposer
 from backends.spec.proposer import DraftRequest
 from backends.spec.verify import verify
@@ -238,20 +238,41 @@ def test_ngram_proposes_what_followed_the_latest_match() -> None:
 
 def test_k_shrinks_and_stops_when_acceptance_falls_then_probes_again() -> None:
     policy = SpecPolicy(max_tokens=5, draft_cost=0.1, probe_every=4)
+    row = 0.06                             # a row's price at batch 1 on a CPU
     state = SpecState()
-    assert state.next_k(policy) > 0
+    assert state.next_k(policy, row) > 0
     for _ in range(8):
-        state.record(state.next_k(policy) or 1, 0)
-    assert state.next_k(policy) == 0
-    ks = [state.next_k(policy) for _ in range(4)]
+        state.record(state.next_k(policy, row) or 1, 0)
+    assert state.next_k(policy, row) == 0
+    ks = [state.next_k(policy, row) for _ in range(4)]
     assert ks == [0, 0, 1, 0], ks          # one probe (K = 1) every probe_every steps
     for _ in range(10):
         state.record(5, 5)
-    assert state.next_k(policy) == 5
-    assert SpecPolicy(max_tokens=3, draft_cost=5.0, adaptive=False).best_k(0.0) == 3
+    assert state.next_k(policy, row) == 5
+    assert SpecPolicy(max_tokens=3, draft_cost=5.0, adaptive=False).best_k(0.0, row) == 3
     # A proposer nearly as costly as the target never pays off: it is not even probed.
     costly = SpecPolicy(max_tokens=5, draft_cost=0.8, probe_every=2)
-    assert not costly.can_pay_off and policy.can_pay_off
-    assert [SpecState().next_k(costly) for _ in range(6)] == [0] * 6
+    assert not costly.can_pay_off(row) and policy.can_pay_off(row)
+    assert [SpecState().next_k(costly, row) for _ in range(6)] == [0] * 6
     idle = SpecState()
-    assert [idle.next_k(costly) for _ in range(6)] == [0] * 6
+    assert [idle.next_k(costly, row) for _ in range(6)] == [0] * 6
+    # Nor does a free proposer where a row costs most of a sequence's share of the step (a big batch).
+    assert not SpecPolicy(max_tokens=5, draft_cost=0.0).can_pay_off(0.8)
+
+
+def test_step_cost_fits_fixed_plus_per_row_and_prices_a_row_by_batch() -> None:
+    cost = StepCost(prior_row_ratio=0.06)
+    for _ in range(20):                    # one size only: the slope is the prior's, the scale the data's
+        cost.observe(1, 0.040)
+    fixed, per_row = cost.fit()
+    assert fixed + per_row == pytest.approx(0.040)
+    assert per_row / fixed == pytest.approx(0.06)
+    cost = StepCost(prior_row_ratio=0.06)
+    for rows in (1, 4, 8, 16, 32):         # 30 ms of weights, 5 ms a row: the fit recovers both
+        for _ in range(10):
+            cost.observe(rows, 0.030 + 0.005 * rows)
+    fixed, per_row = cost.fit()
+    assert (fixed, per_row) == (pytest.approx(0.030), pytest.approx(0.005))
+    assert cost.verify_cost(1) == pytest.approx(0.005 / 0.035)
+    assert cost.verify_cost(8) == pytest.approx(0.040 / 0.070)
+    assert cost.verify_cost(1) < cost.verify_cost(8) < cost.verify_cost(32) < 1.0
