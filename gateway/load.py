@@ -33,6 +33,10 @@ class LoadReport:
     num_total_blocks: int            # KV blocks in the worker's cache
     num_cached_blocks: int           # free blocks still holding reusable prefix-cache content
     block_size: int                  # tokens per KV block
+    # Optional (older workers and other engines leave them out): the worker's lifetime prompt tokens
+    # and, of those, the ones its prefix cache served.
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
 
     @classmethod
     def from_mapping(cls, body: Mapping[str, Any]) -> LoadReport:
@@ -40,6 +44,8 @@ class LoadReport:
         values: dict[str, int] = {}
         for name in cls.__slots__:
             value = body.get(name)
+            if value is None and name in _OPTIONAL_FIELDS:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"load report field {name!r} must be a non-negative int, got {value!r}")
             values[name] = value
@@ -48,6 +54,9 @@ class LoadReport:
     @property
     def kv_free_fraction(self) -> float | None:
         return self.num_free_blocks / self.num_total_blocks if self.num_total_blocks else None
+
+
+_OPTIONAL_FIELDS = frozenset({"num_prompt_tokens", "num_cached_prompt_tokens"})
 
 
 class _EndpointLoad:
@@ -62,6 +71,7 @@ class _EndpointLoad:
         "other_requests",
         "peer_time_s",
         "peers",
+        "prompt_tokens",
         "report_time_s",
     )
 
@@ -74,6 +84,7 @@ class _EndpointLoad:
         self.other_decode_tokens = 0
         self.report_time_s = -math.inf  # when the last report arrived (tracker clock)
         self.kv_free_fraction: float | None = None
+        self.prompt_tokens: tuple[int, int] | None = None   # last report's (prompt, cached) lifetime tokens
         self.peers = (0, 0, 0)          # the peers' leases: (requests, prefill tokens, decode tokens)
         self.peer_time_s = -math.inf    # when they were last read (tracker clock)
 
@@ -186,6 +197,12 @@ class LoadTracker:
             return None
         return load.kv_free_fraction
 
+    def prompt_tokens(self, endpoint_id: str) -> tuple[int, int] | None:
+        """(prompt, cached) tokens over the worker's life, from its last report that had them (any age:
+        they only grow); None when it never sent them (another engine, or no prompt yet)."""
+        load = self._loads.get(endpoint_id)
+        return None if load is None else load.prompt_tokens
+
     def reconcile(self, endpoint_id: str, report: LoadReport | Mapping[str, Any]) -> None:
         """Blend in the worker's own view: whatever it has beyond our leases and the peers' (direct
         clients) is added to our counts until the report goes stale. Our own leases stay exact, so a
@@ -199,6 +216,8 @@ class LoadTracker:
         load.other_prefill_tokens = max(0, report.num_prefill_tokens_pending - load.num_prefill_tokens - peer_prefill)
         load.other_decode_tokens = max(0, report.num_decode_tokens_pending - load.num_decode_tokens - peer_decode)
         load.kv_free_fraction = report.kv_free_fraction
+        if report.num_prompt_tokens:
+            load.prompt_tokens = (report.num_prompt_tokens, report.num_cached_prompt_tokens)
         load.report_time_s = self._clock()
 
     def set_peer_load(self, endpoint_id: str, num_requests: int, num_prefill_tokens: int,

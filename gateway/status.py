@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.breaker import CircuitState
 from gateway.services import SERVICES, Services
+from gateway.state import StoreUnavailable
 
 QUANTILES = (0.5, 0.9, 0.99)
 
@@ -37,12 +38,18 @@ def routes() -> list[web.RouteDef]:
 
 
 async def status_json(request: web.Request) -> web.Response:
-    body = orjson.dumps(snapshot(request.app[SERVICES]))
+    services = request.app[SERVICES]
+    try:
+        num_sessions: int | None = await services.store.count_sessions()
+    except StoreUnavailable:    # the page still shows everything else
+        num_sessions = None
+    body = orjson.dumps(snapshot(services, num_sessions))
     return web.Response(body=body, content_type="application/json", headers={"Cache-Control": "no-store"})
 
 
-def snapshot(services: Services) -> dict[str, Any]:
-    """Everything the page shows, as plain JSON; counts are cumulative (the page derives rates)."""
+def snapshot(services: Services, num_sessions: int | None) -> dict[str, Any]:
+    """Everything the page shows, as plain JSON; counts are cumulative (the page derives rates).
+    `num_sessions`: live sessions in the state store (all replicas), None when it could not be read."""
     samples = collect(services.metrics.registry)
     start_s = _value(samples, "process_start_time_seconds")
     now_s = time.time()
@@ -51,6 +58,7 @@ def snapshot(services: Services) -> dict[str, Any]:
         "host": socket.gethostname(),   # which replica answered (behind a load balancer, each poll may differ)
         "time_s": now_s,
         "uptime_s": now_s - start_s if start_s else None,
+        "num_sessions": num_sessions,
         "endpoints": _endpoints(services),
         "models": [_model(samples, name) for name in services.config.models],
         "providers": _providers(samples, services.config.providers),
@@ -73,6 +81,7 @@ def _endpoints(services: Services) -> list[dict[str, Any]]:
     for endpoint_id, num_requests, num_prefill, num_decode, state in registry.rows():
         endpoint = registry.endpoints[endpoint_id]
         kv_free = registry.kv_free_fraction(endpoint_id)
+        prompt = registry.prompt_tokens(endpoint_id)
         rows.append({
             "id": endpoint_id,
             "pools": pools[endpoint_id],
@@ -84,6 +93,9 @@ def _endpoints(services: Services) -> list[dict[str, Any]]:
             "num_decode_tokens": num_decode,
             "kv_used_fraction": None if kv_free is None else 1.0 - kv_free,
             "num_indexed_blocks": registry.num_indexed_blocks(endpoint_id),
+            # Cumulative, from the worker's /load (None: it does not report them); the page takes rates.
+            "num_prompt_tokens": None if prompt is None else prompt[0],
+            "num_cached_prompt_tokens": None if prompt is None else prompt[1],
         })
     return rows
 

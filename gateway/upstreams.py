@@ -81,6 +81,10 @@ class UpstreamRegistry:
         """For the status page: free KV from the endpoint's last fresh /load report; None without one."""
         return self._tracker.kv_free_fraction(endpoint_id)
 
+    def prompt_tokens(self, endpoint_id: str) -> tuple[int, int] | None:
+        """For the status page: the endpoint's lifetime (prompt, prefix-cached) tokens from /load, if it sends them."""
+        return self._tracker.prompt_tokens(endpoint_id)
+
     def num_indexed_blocks(self, endpoint_id: str) -> int:
         """For the status page: prefix-cache blocks the gateway's index holds for the endpoint."""
         return self._prefix_index.num_blocks(endpoint_id)

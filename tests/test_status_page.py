@@ -82,11 +82,16 @@ def _send_requests(gateway_url: str) -> None:
 
 
 def _idle(system: System) -> bool:
+    """Nothing in flight, and the gateway has polled the worker's /load since its last prompt."""
     gateway = _metrics(system.gateway + "/metrics", ADMIN_KEY)
     worker = _metrics(system.worker + "/metrics")
+    status, body = _get(system.gateway + "/status.json", ADMIN_KEY)
+    assert status == 200, body
+    (endpoint,) = orjson.loads(body)["endpoints"]
     return (sum(gateway.get(("switchyard_inflight_requests", ()), {}).values()) == 0
             and worker[("switchyard_num_requests_running", ())][()] == 0
-            and worker[("switchyard_num_requests_waiting", ())][()] == 0)
+            and worker[("switchyard_num_requests_waiting", ())][()] == 0
+            and endpoint["num_prompt_tokens"] == worker[("switchyard_prompt_tokens_total", ())][()])
 
 
 # --- what /metrics says -------------------------------------------------------------------------------
@@ -189,9 +194,15 @@ def test_gateway_page_shows_what_metrics_shows(system: System, tmp_path: Path) -
     assert fields[f"endpoint:{endpoint[0]}:health"] == "healthy"
     assert _int(fields[f"endpoint:{endpoint[0]}:requests"]) == _one(after, "switchyard_inflight_requests",
                                                                     endpoint=endpoint[0]) == 0
+    # The worker's prefix-cache hit rate, as its /load told the gateway (idle: the lifetime rate).
+    worker = _metrics(system.worker + "/metrics")
+    shown = fields[f"endpoint:{endpoint[0]}:prefix_hit"]
+    hit_rate = _one(worker, "switchyard_prefix_cache_hit_rate")
+    assert hit_rate > 0 and shown.endswith("%") and abs(float(shown[:-1]) - 100 * hit_rate) <= 0.05 + 1e-9
     for reason, name in (("affinity_new", "sessions.new"), ("affinity_hit", "sessions.hits")):
         assert _int(fields[name]) == _sum(after, "switchyard_routing_decisions_total", model=MODEL, reason=reason)
     assert _int(fields["sessions.new"]) == 2     # agent-0 and agent-1
+    assert _int(fields["sessions.live"]) == 2    # both still within the session TTL, counted in Redis
 
 
 @pytest.mark.slow

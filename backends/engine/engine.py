@@ -201,7 +201,8 @@ class LLMEngine:
         return LoadReport(sched.num_running, sched.num_waiting, sched.num_prefill_tokens_pending(),
                           sched.num_decode_tokens_pending(), bm.num_free_blocks, bm.num_total_blocks,
                           bm.num_cached_blocks, bm.block_size, bm.num_held_blocks,
-                          self._counts["spec_proposed"], self._counts["spec_accepted"])
+                          self._counts["spec_proposed"], self._counts["spec_accepted"], self._counts["prompt"],
+                          self._counts["cached"])
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[SequenceOutput]:

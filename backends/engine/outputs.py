@@ -43,3 +43,5 @@ class LoadReport:
     num_held_blocks: int = 0          # blocks of finished sequences kept for a KV transfer (neither free nor leaked)
     num_spec_proposed_tokens: int = 0 # speculative drafts the target verified, over the worker's life
     num_spec_accepted_tokens: int = 0 # of those, accepted
+    num_prompt_tokens: int = 0        # prompt tokens of sequences whose prefill completed, over the worker's life
+    num_cached_prompt_tokens: int = 0 # of those, served by the prefix cache (the gateway's hit rate per endpoint)

@@ -82,6 +82,10 @@ class StateStore(Protocol):
 
     async def set_session(self, session_key: str, endpoint_id: str, ttl_s: float) -> None: ...
 
+    async def count_sessions(self) -> int:
+        """Sessions not yet expired, over all replicas (for the status page)."""
+        ...
+
     async def record_usage(self, key_id: str, num_prompt_tokens: int, num_cached_tokens: int,
                            num_completion_tokens: int) -> None:
         """Add one request and its token counts to the key's usage counters."""

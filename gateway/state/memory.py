@@ -72,6 +72,10 @@ class MemoryStore:
         self._sessions[session_key] = _Expiring(endpoint_id, ttl_s, now_s + ttl_s)
         self._wrote(now_s)
 
+    async def count_sessions(self) -> int:
+        now_s = self._clock()
+        return sum(1 for entry in self._sessions.values() if entry.expires_s > now_s)
+
     async def record_usage(self, key_id: str, num_prompt_tokens: int, num_cached_tokens: int,
                            num_completion_tokens: int) -> None:
         old = self._usage.get(key_id, Usage())

@@ -66,11 +66,36 @@ expire(KEYS[1], r, k, rc, kc, w)
 return 1
 """
 
-# KEYS[1]: session hash {e: endpoint, ttl: ms}. Returns the endpoint and pushes its expiry out again.
-GET_SESSION = """
+# Sessions: KEYS[1] the session hash {e: endpoint, ttl: ms}; KEYS[2] the index of live sessions, a
+# sorted set of session keys scored by expiry (ms on Redis's clock), so they can be counted; expired
+# members are pruned on every write, so it holds only what lives.
+_NOW_MS = """
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# Returns the endpoint and pushes its expiry out again.
+GET_SESSION = _NOW_MS + """
 local v = redis.call('HMGET', KEYS[1], 'e', 'ttl')
-if v[1] then redis.call('PEXPIRE', KEYS[1], v[2]) end
+if v[1] then
+  redis.call('PEXPIRE', KEYS[1], v[2])
+  redis.call('ZADD', KEYS[2], now_ms + tonumber(v[2]), KEYS[1])
+end
 return v[1]
+"""
+
+# ARGV: endpoint, ttl_ms.
+SET_SESSION = _NOW_MS + """
+redis.call('HSET', KEYS[1], 'e', ARGV[1], 'ttl', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms)
+redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[2]), KEYS[1])
+"""
+
+# KEYS[1]: the index alone. Returns the live sessions.
+COUNT_SESSIONS = _NOW_MS + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms)
+return redis.call('ZCARD', KEYS[1])
 """
 
 # KEYS[1]: endpoint's in-flight hash {replica: "tokens:expires_ms"}. ARGV: replica, tokens, ttl_ms.

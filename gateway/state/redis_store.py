@@ -48,6 +48,8 @@ class RedisStore:
         self._rate_limit = self._redis.register_script(redis_scripts.RATE_LIMIT)
         self._charge = self._redis.register_script(redis_scripts.CHARGE)
         self._get_session = self._redis.register_script(redis_scripts.GET_SESSION)
+        self._set_session = self._redis.register_script(redis_scripts.SET_SESSION)
+        self._count_sessions = self._redis.register_script(redis_scripts.COUNT_SESSIONS)
         self._publish_inflight = self._redis.register_script(redis_scripts.PUBLISH_INFLIGHT)
         self._sum_inflight = self._redis.register_script(redis_scripts.SUM_INFLIGHT)
 
@@ -72,14 +74,18 @@ class RedisStore:
             await self._run(self._charge(keys=[self._key("rl", key_id)], args=[num_tokens]))
 
     async def get_session(self, session_key: str) -> str | None:
-        return await self._run(self._get_session(keys=[self._key("session", session_key)]))
+        return await self._run(self._get_session(keys=[self._key("session", session_key), self._sessions_index]))
 
     async def set_session(self, session_key: str, endpoint_id: str, ttl_s: float) -> None:
-        key, ttl_ms = self._key("session", session_key), _ms(ttl_s)
-        pipe = self._redis.pipeline(transaction=True)
-        pipe.hset(key, mapping={"e": endpoint_id, "ttl": ttl_ms})
-        pipe.pexpire(key, ttl_ms)
-        await self._run(pipe.execute())
+        await self._run(self._set_session(keys=[self._key("session", session_key), self._sessions_index],
+                                          args=[endpoint_id, _ms(ttl_s)]))
+
+    async def count_sessions(self) -> int:
+        return int(await self._run(self._count_sessions(keys=[self._sessions_index])))
+
+    @property
+    def _sessions_index(self) -> str:
+        return f"{self._prefix}sessions"
 
     async def record_usage(self, key_id: str, num_prompt_tokens: int, num_cached_tokens: int,
                            num_completion_tokens: int) -> None:

@@ -50,6 +50,9 @@ class ResilientStore:
         if not self._degraded:
             await self._call(lambda store: store.set_session(session_key, endpoint_id, ttl_s))
 
+    async def count_sessions(self) -> int:
+        return await self._call(lambda store: store.count_sessions())
+
     async def record_usage(self, key_id: str, num_prompt_tokens: int, num_cached_tokens: int,
                            num_completion_tokens: int) -> None:
         await self._call(lambda store: store.record_usage(

@@ -136,9 +136,19 @@ def test_reports_add_other_load_until_stale_and_never_subtract_ours() -> None:
     assert tracker.snapshot("never-seen") == (0, 0, 0)
 
 
+def test_prompt_token_counts_are_optional_and_kept_from_the_last_report_that_had_them() -> None:
+    tracker = LoadTracker()
+    tracker.reconcile("vllm", report())                 # another engine: no counts
+    assert tracker.prompt_tokens("vllm") is None and tracker.prompt_tokens("never-seen") is None
+    tracker.reconcile("a", report(num_prompt_tokens=1000, num_cached_prompt_tokens=640))
+    assert tracker.prompt_tokens("a") == (1000, 640)
+    tracker.reconcile("a", report())                    # a report without them keeps the last known
+    assert tracker.prompt_tokens("a") == (1000, 640)
+
+
 @pytest.mark.parametrize("bad", [report(num_running=-1), report(block_size="16"),
                                  {k: v for k, v in report().items() if k != "num_waiting"},
-                                 report(num_free_blocks=True)])
+                                 report(num_free_blocks=True), report(num_cached_prompt_tokens=-5)])
 def test_malformed_reports_are_rejected(bad: dict) -> None:
     with pytest.raises(ValueError):
         LoadTracker().reconcile("a", bad)

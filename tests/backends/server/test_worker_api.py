@@ -430,6 +430,9 @@ async def test_ops_endpoints(worker_url: str, prompt_ids: list[list[int]]) -> No
         status, _ = await post(session, f"{worker_url}/v1/completions",
                                {"model": MODEL, "prompt": prompt_ids[3] * 2, "max_tokens": 1})
         assert status == 200   # a prompt of two full blocks: the prefix cache stores them
+        status, _ = await post(session, f"{worker_url}/v1/completions",
+                               {"model": MODEL, "prompt": prompt_ids[3] * 2, "max_tokens": 1})
+        assert status == 200   # ... and serves them to the same prompt again
         async with session.get(f"{worker_url}/health") as resp:
             assert resp.status == 200
         async with session.get(f"{worker_url}/v1/models") as resp:
@@ -439,6 +442,13 @@ async def test_ops_endpoints(worker_url: str, prompt_ids: list[list[int]]) -> No
             report = await resp.json()
         assert report["num_total_blocks"] == NUM_BLOCKS and report["block_size"] == 16
         assert {"num_prefill_tokens_pending", "num_decode_tokens_pending", "num_cached_blocks"} <= set(report)
+        async with session.get(f"{worker_url}/metrics") as resp:
+            text = await resp.text()
+        for field, metric in (("num_prompt_tokens", "prompt_tokens_total"),
+                              ("num_cached_prompt_tokens", "prompt_cached_tokens_total")):
+            value = next(float(line.split()[-1]) for line in text.splitlines()
+                         if line.startswith(f"switchyard_{metric} "))
+            assert report[field] == value > 0, field    # the prompt above ran: both counters moved
         async with session.get(f"{worker_url}/kv_events?since=0") as resp:
             events = await resp.json()
         assert events["events"] and events["next"] >= events["events"][-1]["seq_no"] > 0

@@ -9,7 +9,7 @@ import uuid
 from redis import asyncio as aioredis
 
 from gateway.state import BreakerState, MemoryStore, RateLimits, RedisOptions, RedisStore, StateStore, Usage
-from tests.gateway.state.conftest import FakeClock
+from tests.gateway.state.conftest import FakeClock, Wait
 from tests.support.redis_proc import RedisProc
 from tests.support.wait import await_until
 
@@ -56,6 +56,22 @@ async def test_session_reassignment_replaces_endpoint(store: StateStore) -> None
     await store.set_session(session, "http://b:2", ttl_s=30)
     assert await store.get_session(session) == "http://b:2"
     assert await store.get_session("other") is None
+
+
+async def test_live_sessions_are_counted_until_they_expire(clocked_store: tuple[StateStore, Wait]) -> None:
+    store, wait = clocked_store
+    assert await store.count_sessions() == 0
+    await store.set_session("smollm2\x00a", "http://a:1", ttl_s=0.3)
+    await store.set_session("smollm2\x00b", "http://a:1", ttl_s=0.3)
+    await store.set_session("smollm2\x00c", "http://b:2", ttl_s=30)
+    await store.set_session("smollm2\x00c", "http://a:1", ttl_s=30)     # moved: still one session
+    assert await store.count_sessions() == 3
+    await wait(0.2)
+    assert await store.get_session("smollm2\x00a") == "http://a:1"       # a read keeps `a` alive for 0.3 s more
+    await wait(0.2)                                                       # `b` is 0.4 s old: gone
+    assert await store.count_sessions() == 2
+    await wait(0.4)
+    assert await store.count_sessions() == 1
 
 
 async def test_usage_counters_add_up(store: StateStore) -> None:
