@@ -1,7 +1,8 @@
 """The engine as the server sees it: `generate` streams, `abort`, load report, stats, KV events.
 
 The step loop runs in ONE background thread, which also builds the engine (torch releases the GIL),
-and sleeps on a condition when idle; outputs cross into the event loop with `call_soon_threadsafe` onto per-request queues.
+and sleeps on a condition when idle; outputs cross into the event loop with `call_soon_threadsafe`
+onto per-request queues.
 """
 from __future__ import annotations
 
@@ -184,7 +185,7 @@ class AsyncEngine:
         torch.set_num_threads(self.config.resolved_torch_threads())
         try:
             engine = self._engine_factory(self.config)
-        except BaseException as exc:  # boundary: the load error goes to start()'s caller
+        except BaseException as exc:  # noqa: BLE001 - the load error goes to start()'s caller
             self._call_in_loop(_fail, built, exc)
             return
         self._engine = engine

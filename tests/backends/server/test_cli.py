@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from backends.engine.config import EngineConfig
-from backends.server.__main__ import build_configs, build_parser
+from backends.server.__main__ import build_configs, build_parser, resolve_dtype
 from backends.server.config import ServerConfig, WorkerRole
 
 
@@ -59,3 +59,21 @@ def test_kv_shared_memory_flags(model_dir: Path, flags: list[str], engine_shm: b
 def test_bad_flags_exit(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
+
+
+@pytest.mark.parametrize(("avx512_bf16", "amx", "expected"), [(False, False, "float32"), (True, False, "bfloat16"),
+                                                              (False, True, "bfloat16")])
+def test_dtype_auto_follows_the_cpu(monkeypatch: pytest.MonkeyPatch, avx512_bf16: bool, amx: bool,
+                                    expected: str) -> None:
+    import torch
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert resolve_dtype("auto", "cpu") == expected
+    assert resolve_dtype("float32", "cpu") == "float32" and resolve_dtype("bfloat16", "cpu") == "bfloat16"
+
+
+def test_dtype_auto_reaches_the_engine_config(model_dir: Path) -> None:
+    import torch
+    _, engine = build_configs(build_parser().parse_args(["--model", str(model_dir), "--port", "1", "--dtype", "auto"]))
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert engine.dtype == ("bfloat16" if native else "float32")
