@@ -188,3 +188,35 @@ async def test_kv_events_and_load_report_follow_the_engine(engine: AsyncEngine) 
     assert not batch.reset and len(batch.events) >= 2 and batch.next_since == batch.events[-1].seq_no
     assert engine.kv_events(batch.next_since).events == ()
     assert engine.load_report().num_cached_blocks >= 2
+
+
+async def test_the_step_thread_builds_the_engine_and_a_failed_build_reaches_start(smollm2_dir: Path,
+                                                                                   view: RunnerView) -> None:
+    """The model is built in the thread that steps it (a CPU model built in another thread stepped ~1.8x
+    slower: docs/benchmarks.md, issue 18), and an error while building is start()'s to raise."""
+    builders: list[threading.Thread] = []
+
+    def build(config: EngineConfig) -> LLMEngine:
+        builders.append(threading.current_thread())
+        return LLMEngine(config, view, smollm2_dir)
+
+    config = EngineConfig(model_dir=str(smollm2_dir), num_blocks=NUM_BLOCKS, torch_num_threads=2)
+    eng = AsyncEngine(config, build)
+    await eng.start()
+    try:
+        assert builders == [eng._thread] and builders[0] is not threading.main_thread()
+        assert (await collect(eng.generate("r", [1, 2, 3], GREEDY)))[-1].finish_reason is FinishReason.LENGTH
+    finally:
+        await eng.shutdown()
+
+    def broken(config: EngineConfig) -> LLMEngine:
+        builders.append(threading.current_thread())
+        raise OSError("no such model")
+
+    failing = AsyncEngine(config, broken)
+    with pytest.raises(OSError, match="no such model"):
+        await failing.start()
+    builders[-1].join(timeout=DEFAULT_TIMEOUT_S)
+    assert not builders[-1].is_alive()                  # the step thread ended with the failed build
+    with pytest.raises(RuntimeError):
+        failing.generate("r", [1, 2, 3], GREEDY)        # nothing to step
