@@ -68,7 +68,7 @@ class AsyncEngine:
 
     # --- lifetime -----------------------------------------------------------------------------
     async def start(self) -> None:
-        """Load the model (off the event loop) and start the step thread."""
+        """Start the step thread, which builds the engine (off the event loop); returns once it is built."""
         self._loop = asyncio.get_running_loop()
         built: asyncio.Future[LLMEngine] = self._loop.create_future()
         self._thread = threading.Thread(target=self._main, args=(built,), name="switchyard-engine", daemon=True)

@@ -7,8 +7,8 @@ that maximises tokens per cost (0: plain decoding).
 
 The verify cost is not a constant: it is what one more row adds to a step, against one sequence's
 share of that step. `StepCost` fits the engine's own step times as fixed + per_row * rows, so at batch
-1 on a CPU a row costs about 0.06 of a step (the step reads the weights; rows ride along), while in an
-8-sequence step it costs about half a sequence's share, and speculation stops paying.
+1 on a CPU a row costs 0.04-0.06 of a step (the step reads the weights; rows ride along), while in an
+8-sequence step it costs a quarter to a half of a sequence's share, and only high acceptance pays.
 
 A sequence whose K fell to 0 tries again (K = 1) after `probe_every` steps, so speculation comes back
 when the text turns repetitive, unless drafting would gain less than 10% even at an acceptance rate
