@@ -50,5 +50,7 @@ async def test_short_soak_loses_nothing_and_leaks_no_task(soak_setup) -> None:
     assert tally.num_ok > 100 and tally.num_errors == 0, tally.errors
     assert result["settled"].tasks <= result["idle"].tasks  # every request's tasks ended
     kinds = result["key_kinds"]
-    assert set(kinds) <= {"switchyard:session", "switchyard:usage", "switchyard:rl", "switchyard:inflight"}, kinds
+    assert set(kinds) <= {"switchyard:session", "switchyard:sessions", "switchyard:usage", "switchyard:rl",
+                          "switchyard:inflight"}, kinds
     assert kinds["switchyard:session"] <= soak.NUM_SESSIONS
+    assert kinds.get("switchyard:sessions", 0) <= 1     # the live-session index: one sorted set
