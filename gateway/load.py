@@ -12,7 +12,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from types import TracebackType
 from typing import Any
 
@@ -56,7 +56,7 @@ class LoadReport:
         return self.num_free_blocks / self.num_total_blocks if self.num_total_blocks else None
 
 
-_OPTIONAL_FIELDS = frozenset({"num_prompt_tokens", "num_cached_prompt_tokens"})
+_OPTIONAL_FIELDS = frozenset(f.name for f in fields(LoadReport) if f.default is not MISSING)
 
 
 class _EndpointLoad:

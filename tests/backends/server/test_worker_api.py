@@ -157,12 +157,16 @@ async def wait_idle(session: aiohttp.ClientSession, url: str, timeout_s: float =
     return await await_until(idle, "the worker to be idle", timeout_s=timeout_s)
 
 
-async def num_generated(session: aiohttp.ClientSession, url: str) -> float:
-    """Tokens the worker's engine has sampled so far (its /metrics counter)."""
+async def worker_metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
+    """One unlabelled series of the worker's /metrics."""
     async with session.get(f"{url}/metrics") as resp:
         text = await resp.text()
-    return next(float(line.split()[-1]) for line in text.splitlines()
-                if line.startswith("switchyard_generation_tokens_total"))
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+async def num_generated(session: aiohttp.ClientSession, url: str) -> float:
+    """Tokens the worker's engine has sampled so far (its /metrics counter)."""
+    return await worker_metric(session, url, "switchyard_generation_tokens_total")
 
 
 async def test_greedy_alone_matches_transformers(worker_url: str, prompt_ids: list[list[int]],
@@ -442,12 +446,9 @@ async def test_ops_endpoints(worker_url: str, prompt_ids: list[list[int]]) -> No
             report = await resp.json()
         assert report["num_total_blocks"] == NUM_BLOCKS and report["block_size"] == 16
         assert {"num_prefill_tokens_pending", "num_decode_tokens_pending", "num_cached_blocks"} <= set(report)
-        async with session.get(f"{worker_url}/metrics") as resp:
-            text = await resp.text()
         for field, metric in (("num_prompt_tokens", "prompt_tokens_total"),
                               ("num_cached_prompt_tokens", "prompt_cached_tokens_total")):
-            value = next(float(line.split()[-1]) for line in text.splitlines()
-                         if line.startswith(f"switchyard_{metric} "))
+            value = await worker_metric(session, worker_url, f"switchyard_{metric}")
             assert report[field] == value > 0, field    # the prompt above ran: both counters moved
         async with session.get(f"{worker_url}/kv_events?since=0") as resp:
             events = await resp.json()
