@@ -16,6 +16,11 @@ class KVEventKind(str, enum.Enum):
     REMOVED = "removed"  # a cached block was evicted; its hash is no longer served
 
 
+# Where a block's KV lies (vLLM's `medium`): the device pool, or a tier behind the KV connector.
+DEVICE, CPU, DISK, STORE = "device", "cpu", "disk", "store"
+MEDIA = (DEVICE, CPU, DISK, STORE)   # fastest first
+
+
 @dataclass(frozen=True, slots=True)
 class KVEvent:
     seq_no: int                 # monotonically increasing from 1, per engine
@@ -23,6 +28,7 @@ class KVEvent:
     block_hash: int             # chained hash (cache.block_hash) of the block
     parent_hash: int | None     # hash of the previous block (ROOT_HASH for a first block); None on REMOVED
     num_tokens: int             # tokens in the block (always block_size for stored blocks)
+    medium: str = DEVICE        # where the block is (or was) stored: one of MEDIA
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +52,11 @@ class KVEventRing:
     def last_seq_no(self) -> int:
         return self._last_seq_no
 
-    def append(self, kind: KVEventKind, block_hash: int, parent_hash: int | None, num_tokens: int) -> None:
+    def append(self, kind: KVEventKind, block_hash: int, parent_hash: int | None, num_tokens: int,
+               medium: str = DEVICE) -> None:
         with self._lock:
             self._last_seq_no += 1
-            self._events.append(KVEvent(self._last_seq_no, kind, block_hash, parent_hash, num_tokens))
+            self._events.append(KVEvent(self._last_seq_no, kind, block_hash, parent_hash, num_tokens, medium))
 
     def since(self, since: int, limit: int = 1000) -> KVEventBatch:
         with self._lock:

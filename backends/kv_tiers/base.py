@@ -1,0 +1,81 @@
+"""What a KV tier below the device pool offers the tiered KV connector (backends/kv_tiers/connector.py):
+host RAM, local disk, a shared store. A tier keeps whole blocks (K and V of every layer, the bytes of
+`KVLayout.block_nbytes`) under their chained block hash (cache/block_hash.py), inside a namespace that
+names the model, dtype and block layout, so two models never share a block.
+
+Threads: `leading_hits` runs in the engine thread and must not wait on a disk (in-memory indexes;
+a remote store answers with one bounded round trip); `get` runs in the loader thread, `put` in the
+writer thread. A corrupt or missing block is a miss (`get` returns False and the tier forgets it),
+never an exception.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from backends.kv_transfer.base import KVLayout
+
+_MAGIC = b"SWKV"
+_HEADER = struct.Struct("<4sHHQQI")   # magic, version, reserved, block hash, payload bytes, crc32
+_VERSION = 1
+HEADER_BYTES = _HEADER.size
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    medium: str            # backends/engine/kv_events: CPU, DISK or STORE
+    num_blocks: int        # blocks this tier holds (for a shared store: those this worker put, -1 if unknown)
+    used_bytes: int
+    capacity_bytes: int    # 0: unbounded or unknown
+
+
+class KVTier(Protocol):
+    medium: str
+
+    def leading_hits(self, block_hashes: Sequence[int]) -> int:
+        """How many of `block_hashes`, from the first, this tier holds (engine thread)."""
+        ...
+
+    def get(self, block_hash: int, out: memoryview) -> bool:
+        """Copy the block into `out` (block_nbytes); False: missing or corrupt (loader thread)."""
+        ...
+
+    def put(self, block_hash: int, data: memoryview) -> bool:
+        """Keep a copy of the block; False: not kept (writer thread)."""
+        ...
+
+    def usage(self) -> TierUsage: ...
+
+    def close(self) -> None: ...
+
+
+def namespace(model_name: str, layout: KVLayout) -> str:
+    """A short name for (model, dtype, block layout): blocks are shared only within one namespace."""
+    ident = f"{model_name}|{layout.dtype.value}|{layout.num_layers}|{layout.block_size}|" \
+            f"{layout.num_kv_heads}|{layout.head_dim}"
+    return hashlib.blake2b(ident.encode(), digest_size=8).hexdigest()
+
+
+def frame(block_hash: int, payload: memoryview | bytes) -> bytes:
+    """The bytes a disk file or store value holds: a header with the block's hash and a checksum, then
+    the payload."""
+    return _HEADER.pack(_MAGIC, _VERSION, 0, block_hash, len(payload), zlib.crc32(payload)) + bytes(payload)
+
+
+def unframe(block_hash: int, data: memoryview | bytes, out: memoryview) -> bool:
+    """Check a framed block against its hash, size and checksum, copying the payload into `out`;
+    False (out unspecified) when anything disagrees."""
+    if len(data) != HEADER_BYTES + len(out):
+        return False
+    magic, version, _, stored_hash, size, crc = _HEADER.unpack_from(data)
+    if magic != _MAGIC or version != _VERSION or stored_hash != block_hash or size != len(out):
+        return False
+    payload = memoryview(data)[HEADER_BYTES:]
+    if zlib.crc32(payload) != crc:
+        return False
+    out[:] = payload
+    return True
