@@ -189,9 +189,13 @@ class AsyncEngine:
             self._call_in_loop(_fail, built, exc)
             return
         self._engine = engine
+        engine.set_wake(self.wake)
         self._publish()
         self._call_in_loop(_succeed, built, engine)
-        self._run(engine)
+        try:
+            self._run(engine)
+        finally:
+            engine.close()
 
     def _run(self, engine: LLMEngine) -> None:
         while True:

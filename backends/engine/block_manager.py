@@ -8,9 +8,22 @@ prefill: the KV stays pinned until a decode worker has pulled it).
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
+from typing import Protocol
 
 from backends.engine.kv_events import KVEventKind, KVEventRing
 from backends.engine.sequence import Sequence
+
+
+class BlockObserver(Protocol):
+    """Told of cached blocks' comings and goings while their KV is still in place (the KV tiers)."""
+
+    def block_cached(self, block_id: int, block_hash: int) -> None:
+        """The block's KV was computed and it is now reusable under block_hash."""
+        ...
+
+    def block_evicted(self, block_id: int, block_hash: int) -> None:
+        """The block is about to be reused for other KV; its content is still intact."""
+        ...
 
 
 class BlockManager:
@@ -29,6 +42,7 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         self._held: dict[int, list[int]] = {}
         self._next_handle = 1
+        self.observer: BlockObserver | None = None
 
     # --- counts -------------------------------------------------------------------------------
     @property
@@ -125,6 +139,8 @@ class BlockManager:
             block = self._free.popleft()
         else:
             block, _ = self._lru.popitem(last=False)
+            if self.observer is not None:
+                self.observer.block_evicted(block, self._hash[block])  # type: ignore[arg-type]
             self._uncache(block)
         self._ref[block] = 1
         return block
@@ -154,6 +170,8 @@ class BlockManager:
             self._hash_to_block[block_hash] = block
             self.events.append(KVEventKind.STORED, block_hash, seq.parent_hash(i, self.block_size),
                                self.block_size)
+            if self.observer is not None:
+                self.observer.block_cached(block, block_hash)
         seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
 
     # --- release ------------------------------------------------------------------------------

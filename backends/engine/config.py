@@ -35,6 +35,11 @@ class EngineConfig:
     spec_adaptive: bool = True                # each sequence's K follows its acceptance (0: plain decoding)
     ngram_min: int = 2                        # prompt lookup: shortest n-gram matched
     ngram_max: int = 4                        # prompt lookup: longest n-gram matched
+    kv_cpu_bytes: int = 0                     # host-RAM KV tier (0: none)
+    kv_disk_dir: str | None = None            # local-disk KV tier's folder (None: none)
+    kv_disk_bytes: int = 0                    # its size
+    kv_store: str | None = None               # shared KV store, "mooncake://HOST:PORT" (its master); None: none
+    kv_write_queue_blocks: int = 64           # evicted blocks waiting to be written down at most (then dropped)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -47,6 +52,12 @@ class EngineConfig:
             raise ValueError(f"unknown speculative proposer {self.speculative!r} (ngram, draft or eagle)")
         if self.speculative is not None and self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
+        if (self.kv_cpu_bytes or self.kv_disk_dir or self.kv_store) and not self.enable_prefix_caching:
+            raise ValueError("KV tiers keep blocks by prefix hash: they need prefix caching")
+        if self.kv_disk_dir and self.kv_disk_bytes <= 0:
+            raise ValueError("--kv-disk-dir needs a positive --kv-disk-gb")
+        if self.kv_cpu_bytes < 0 or self.kv_write_queue_blocks < 1:
+            raise ValueError("kv_cpu_bytes must be >= 0 and kv_write_queue_blocks >= 1")
         if self.speculative in ("draft", "eagle") and not self.speculative_model:
             raise ValueError(f"--speculative {self.speculative} needs --speculative-model")
 

@@ -12,11 +12,13 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from backends.engine.block_manager import BlockManager
+from backends.engine.connector_chain import ConnectorChain
 from backends.engine.config import EngineConfig
 from backends.engine.errors import EngineRequestError
 from backends.engine.kv_connector import KVConnector, KVTransferParams
@@ -30,6 +32,9 @@ from backends.spec.proposer import DraftRequest, Proposer
 from backends.spec.verify import Verified, verify
 from backends.worker.batch import ForwardBatch
 from backends.worker.sampler import MAX_LOGPROBS, SampleRow
+
+if TYPE_CHECKING:
+    from backends.kv_tiers.connector import TieredKVConnector
 
 __all__ = ["EngineRequestError", "EngineStats", "LLMEngine", "LoadReport", "ModelRunnerLike"]
 log = logging.getLogger(__name__)
@@ -124,6 +129,11 @@ class LLMEngine:
         self.kv_events = KVEventRing(config.max_kv_events)
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
                                           config.enable_prefix_caching, self.kv_events)
+        self.kv_tiers = self._build_tiers(runner, model_dir)
+        if self.kv_tiers is not None:
+            self.block_manager.observer = self.kv_tiers
+            kv_connector = self.kv_tiers if kv_connector is None else ConnectorChain(kv_connector, self.kv_tiers)
+            self.kv_connector = kv_connector
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.watermark_blocks, kv_connector)
         if proposer is None and config.speculative is not None:
@@ -135,6 +145,25 @@ class LLMEngine:
         self.step_cost = StepCost()
         self._counts = dict.fromkeys(("prompt", "cached", "generated", "finished", "failed", "steps",
                                       "spec_proposed", "spec_accepted", "spec_verifications"), 0)
+
+    def _build_tiers(self, runner: ModelRunnerLike, model_dir: Path | None) -> TieredKVConnector | None:
+        config = self.config
+        if not (config.kv_cpu_bytes or config.kv_disk_dir or config.kv_store):
+            return None
+        from backends.kv_tiers.factory import build_tiered_connector
+
+        name = (model_dir or Path(config.model_dir or "bundled")).name
+        return build_tiered_connector(config, runner.kv_cache, name, self.kv_events)  # type: ignore[attr-defined]
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """How a KV tier's loader thread gets the engine thread stepping when a load ends."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.wake = wake
+
+    def close(self) -> None:
+        """Stop the KV tiers' threads (the engine is not stepped after this)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
 
     # --- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -202,7 +231,8 @@ class LLMEngine:
                           sched.num_decode_tokens_pending(), bm.num_free_blocks, bm.num_total_blocks,
                           bm.num_cached_blocks, bm.block_size, bm.num_held_blocks,
                           self._counts["spec_proposed"], self._counts["spec_accepted"], self._counts["prompt"],
-                          self._counts["cached"])
+                          self._counts["cached"], () if self.kv_tiers is None else self.kv_tiers.load(),
+                          0 if self.kv_tiers is None else self.kv_tiers.num_dropped_writes)
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[SequenceOutput]:

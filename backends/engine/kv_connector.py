@@ -1,7 +1,8 @@
 """The interface the scheduler consults about KV that lives outside the device pool (as vLLM v1's
 `KVConnectorBase_V1`): tokens a connector can load, the load's outcome, and blocks to keep when a
-sequence finishes. Prefill-to-decode transfer is one connector (pd_connector.py); KV tiers keyed by
-`Sequence.block_hash` (cache/block_hash.py) are meant to be others. No torch, no sockets here.
+sequence finishes. Prefill-to-decode transfer is one connector (pd_connector.py); the KV tiers keyed
+by `Sequence.block_hash` (backends/kv_tiers/connector.py) are another; `ConnectorChain` consults
+several. No torch, no sockets here.
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ class KVTransferParams:
 class LoadResult:
     """An asynchronous load that ended, successfully or not (the connector to the engine thread)."""
     request_id: str          # the sequence whose blocks were written
-    error: str | None        # None: every external token's KV is in the blocks; else why not
+    error: str | None        # None: the load succeeded (see num_tokens); else why not (the sequence fails)
+    num_tokens: int | None = None   # a cache tier's load: the leading tokens it wrote, the rest are recomputed
+                                    # (prefix hits); None: a transfer that wrote every external token
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,18 @@ class SequenceOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class KVTierLoad:
+    """One KV tier below the device pool (backends/kv_tiers), as /load and /metrics report it."""
+    medium: str                  # backends/engine/kv_events: cpu, disk or store
+    num_blocks: int              # blocks it holds (a store: -1, shared and not counted here)
+    used_bytes: int
+    capacity_bytes: int          # 0: not known (a store)
+    num_restored_blocks: int     # blocks loaded back from it into the device pool, over the worker's life
+    num_written_blocks: int      # blocks written into it
+    up: bool = True              # a store: reachable now
+
+
+@dataclass(frozen=True, slots=True)
 class LoadReport:
     """The engine's load as the gateway polls it (GET /load, verbatim) and /metrics reads it."""
     num_running: int                  # sequences admitted (prefilling or decoding)
@@ -45,3 +57,5 @@ class LoadReport:
     num_spec_accepted_tokens: int = 0 # of those, accepted
     num_prompt_tokens: int = 0        # prompt tokens of sequences whose prefill completed, over the worker's life
     num_cached_prompt_tokens: int = 0 # of those, served by the prefix cache (the gateway's hit rate per endpoint)
+    kv_tiers: tuple[KVTierLoad, ...] = ()   # the KV tiers below the device pool, fastest first
+    num_kv_dropped_writes: int = 0    # evicted blocks not written down (the write queue was full)

@@ -143,7 +143,10 @@ class Scheduler:
                 plan.failed.append(seq)
                 continue
             del self.waiting_for_remote_kv[result.request_id]
-            seq.num_computed_tokens = min(seq.num_computed_tokens + seq.num_external_tokens, seq.num_tokens - 1)
+            loaded = seq.num_external_tokens if result.num_tokens is None else result.num_tokens
+            seq.num_computed_tokens = min(seq.num_computed_tokens + loaded, seq.num_tokens - 1)
+            if result.num_tokens is not None and seq.num_preemptions == 0:   # a tier's prefix hit
+                seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             seq.num_external_tokens = 0
             seq.kv_transfer = None       # the KV has arrived; a later recompute is local
             self.block_manager.cache_computed_blocks(seq)

@@ -56,6 +56,7 @@ class KVCache:
             stacked = self.shared.tensor
         else:
             stacked = torch.zeros((spec.num_layers, 2, spec.num_blocks, *block_shape), dtype=spec.dtype, device=device)
+        self.stacked = stacked   # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.k: list[torch.Tensor] = [stacked[i, 0] for i in range(spec.num_layers)]
         self.v: list[torch.Tensor] = [stacked[i, 1] for i in range(spec.num_layers)]
 

@@ -1,0 +1,220 @@
+"""`TieredKVConnector`: the KV tiers below the device pool (host RAM, local disk, a shared store) as a
+`KVConnector` (backends/engine/kv_connector.py), keyed by the chained block hash.
+
+Writing down: a cached block the device pool evicts is copied out (the engine thread, before the block
+is reused) into one of a bounded set of staging buffers and queued for the writer thread, which puts it
+in the first local tier; RAM spills what it evicts to disk. With a store, every newly cached block is
+also queued for it, so another worker can use a prefix as soon as it is computed. When no staging
+buffer is free the block is dropped: decode never waits on a tier.
+
+Reading back: on a device miss, the scheduler asks for the leading run of the sequence's next blocks
+held in any tier (in-memory indexes; the store answers one batched query). The sequence waits in
+WAITING_FOR_REMOTE_KV while the loader thread copies each block from the fastest tier holding it; a
+block missing or corrupt there ends the run, and the load reports only what it wrote: the rest is
+recomputed. No step waits on I/O.
+
+KV events: each tier's STORED and REMOVED carry its medium (backends/engine/kv_events.py).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from backends.engine.kv_connector import FinishedTransfers, LoadResult
+from backends.engine.kv_events import KVEventKind, KVEventRing
+from backends.engine.outputs import KVTierLoad
+from backends.engine.sequence import Sequence as EngineSequence
+from backends.kv_tiers.base import KVTier, TierUsage
+from backends.kv_tiers.block_io import BlockIO
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Load:
+    request_id: str
+    block_ids: tuple[int, ...]      # the sequence's blocks to fill, in order
+    block_hashes: tuple[int, ...]   # what each must hold
+
+
+class TieredKVConnector:
+    def __init__(self, block_io: BlockIO, block_size: int, local: Sequence[KVTier], store: KVTier | None,
+                 events: KVEventRing, write_queue_blocks: int = 64) -> None:
+        if write_queue_blocks < 1:
+            raise ValueError("write_queue_blocks must be at least 1")
+        self.block_io = block_io
+        self.block_size = block_size
+        self.local = tuple(local)
+        self.store = store
+        self.tiers = (*self.local, *(() if store is None else (store,)))   # fastest first
+        self.events = events
+        self.wake: Callable[[], None] = lambda: None   # the engine thread's: a load ended
+        # engine thread
+        self._plans: dict[str, tuple[int, ...]] = {}
+        self._new_loads: list[_Load] = []
+        self._loading: set[str] = set()
+        self._cancelled: set[str] = set()               # read by the loader thread
+        # loader thread -> engine thread
+        self._loaded: deque[LoadResult] = deque()
+        # write-behind: staging buffers, at most write_queue_blocks in flight
+        self._max_staging = write_queue_blocks
+        self._num_staging = 0
+        self._free_staging: deque[np.ndarray] = deque()
+        self._writes: queue.SimpleQueue[tuple[KVTier, int, np.ndarray] | None] = queue.SimpleQueue()
+        self._loads: queue.SimpleQueue[_Load | None] = queue.SimpleQueue()
+        # counters (each written by one thread)
+        self.restored: Counter[str] = Counter()   # blocks loaded back, by medium
+        self.written: Counter[str] = Counter()    # blocks a tier took, by medium
+        self.num_dropped_writes = 0               # evicted blocks not written down: no staging buffer free
+        self.num_load_errors = 0
+        self._threads = [threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True),
+                         threading.Thread(target=self._load_loop, name="kv-tier-loader", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    # --- BlockManager observer (engine thread) -----------------------------------------------------
+    def block_evicted(self, block_id: int, block_hash: int) -> None:
+        """The device pool is about to reuse a cached block: write it down unless a tier has it."""
+        if self.local and not any(t.leading_hits((block_hash,)) for t in self.local):
+            self._queue_write(self.local[0], block_id, block_hash)
+
+    def block_cached(self, block_id: int, block_hash: int) -> None:
+        """A block's KV was just computed (or restored) and cached: share it through the store."""
+        if self.store is not None:
+            self._queue_write(self.store, block_id, block_hash)
+
+    def _queue_write(self, tier: KVTier, block_id: int, block_hash: int) -> None:
+        try:
+            buf = self._free_staging.popleft()
+        except IndexError:
+            if self._num_staging >= self._max_staging:
+                self.num_dropped_writes += 1
+                return
+            buf = self.block_io.buffer()
+            self._num_staging += 1
+        self.block_io.read(block_id, buf)
+        self._writes.put((tier, block_hash, buf))
+
+    # --- KVConnector, scheduler side (engine thread) ------------------------------------------------
+    def get_num_new_matched_tokens(self, seq: EngineSequence, num_computed_tokens: int) -> int | None:
+        if seq.kv_transfer is not None and seq.kv_transfer.remote is not None:
+            return None                     # a decode leg: its prompt's KV comes from the prefill worker
+        bs = self.block_size
+        hashes = [seq.block_hash(i, bs) for i in range(num_computed_tokens // bs, (seq.num_tokens - 1) // bs)]
+        n = 0
+        while n < len(hashes) and any(t.leading_hits((hashes[n],)) for t in self.local):
+            n += 1
+        if self.store is not None and n < len(hashes):
+            n += self.store.leading_hits(hashes[n:])
+        if n == 0:
+            return None
+        self._plans[seq.request_id] = tuple(hashes[:n])
+        return n * bs
+
+    def update_state_after_alloc(self, seq: EngineSequence, num_external_tokens: int) -> None:
+        hashes = self._plans.pop(seq.request_id)
+        first = seq.num_computed_tokens // self.block_size
+        block_ids = tuple(seq.block_table[first:first + len(hashes)])
+        self._new_loads.append(_Load(seq.request_id, block_ids, hashes))
+        self._loading.add(seq.request_id)
+
+    def request_finished(self, seq: EngineSequence) -> bool:
+        request_id = seq.request_id
+        if request_id not in self._loading:
+            return False
+        unstarted = [load for load in self._new_loads if load.request_id == request_id]
+        if unstarted:                  # nothing writes its blocks yet: they may go at once
+            self._new_loads.remove(unstarted[0])
+            self._loading.discard(request_id)
+            return False
+        self._cancelled.add(request_id)
+        return True
+
+    # --- KVConnector, worker side (engine thread) ---------------------------------------------------
+    def start_load_kv(self) -> None:
+        for load in self._new_loads:
+            self._loads.put(load)
+        self._new_loads = []
+
+    def get_finished(self) -> FinishedTransfers:
+        loaded = [self._loaded.popleft() for _ in range(len(self._loaded))]
+        for result in loaded:
+            self._loading.discard(result.request_id)
+            self._cancelled.discard(result.request_id)
+        return FinishedTransfers((), tuple(loaded))
+
+    # --- loader thread ------------------------------------------------------------------------------
+    def _load_loop(self) -> None:
+        buf = self.block_io.buffer()
+        while (load := self._loads.get()) is not None:
+            num_blocks = 0
+            try:
+                num_blocks = self._load(load, buf)
+            except Exception:  # boundary: the blocks not written are recomputed; the worker goes on
+                self.num_load_errors += 1
+                log.exception("KV tier load for %s failed after %d blocks", load.request_id, num_blocks)
+            self._loaded.append(LoadResult(load.request_id, None, num_blocks * self.block_size))
+            self.wake()
+
+    def _load(self, load: _Load, buf: np.ndarray) -> int:
+        """Fill the load's blocks in order from the fastest tier holding each; the count written."""
+        out = buf.data
+        for i, (block_id, block_hash) in enumerate(zip(load.block_ids, load.block_hashes, strict=True)):
+            if load.request_id in self._cancelled:
+                return i
+            tier = next((t for t in self.tiers if t.get(block_hash, out)), None)
+            if tier is None:
+                return i
+            self.block_io.write(block_id, buf)
+            self.restored[tier.medium] += 1
+        return len(load.block_ids)
+
+    # --- writer thread ------------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while (item := self._writes.get()) is not None:
+            tier, block_hash, buf = item
+            try:
+                if tier is not self.store or not tier.leading_hits((block_hash,)):
+                    self._put(tier, block_hash, buf.data)
+            except Exception:  # boundary: a failed write loses a cached block, nothing else
+                log.exception("KV tier %s: write of %016x failed", tier.medium, block_hash)
+            finally:
+                self._free_staging.append(buf)
+
+    def _put(self, tier: KVTier, block_hash: int, data: memoryview) -> None:
+        if tier.put(block_hash, data):
+            self.written[tier.medium] += 1
+            self.events.append(KVEventKind.STORED, block_hash, None, self.block_size, tier.medium)
+
+    # --- callbacks for the tiers (writer or loader thread) -------------------------------------------
+    def spill_to(self, lower: KVTier) -> Callable[[int, memoryview], None]:
+        """What a tier calls with a block it evicts: put it in `lower`."""
+        return lambda block_hash, data: self._put(lower, block_hash, data)
+
+    def removed_from(self, medium: str) -> Callable[[int], None]:
+        """What a tier calls when it no longer holds a block: a REMOVED event."""
+        return lambda block_hash: self.events.append(KVEventKind.REMOVED, block_hash, None, self.block_size, medium)
+
+    # --- reporting and shutdown ---------------------------------------------------------------------
+    def usage(self) -> tuple[TierUsage, ...]:
+        return tuple(t.usage() for t in self.tiers)
+
+    def load(self) -> tuple[KVTierLoad, ...]:
+        return tuple(KVTierLoad(u.medium, u.num_blocks, u.used_bytes, u.capacity_bytes, self.restored[u.medium],
+                                self.written[u.medium], bool(getattr(t, "is_up", True)))
+                     for t, u in zip(self.tiers, self.usage(), strict=True))
+
+    def close(self) -> None:
+        """Stop both threads (pending writes are finished first) and close the tiers."""
+        self._writes.put(None)
+        self._loads.put(None)
+        for thread in self._threads:
+            thread.join(timeout=10)
+        for tier in self.tiers:
+            tier.close()

@@ -1,0 +1,141 @@
+"""The local-disk tier: one file per block under `<dir>/<namespace>/`, framed with its hash and a
+checksum (base.frame), LRU by use within `capacity_bytes` (the last local tier: what it evicts is
+gone). Files are written to a temporary name and renamed, so a reader sees a whole file or none; a
+torn or corrupt one fails its checksum, is deleted and counts as a miss. Files of an earlier run in
+the same namespace are adopted at start.
+
+Threads: `put` runs in the writer thread, `get` in the loader thread; the index is under a lock and
+file I/O outside it (a file deleted while it is read is a miss).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from backends.engine.kv_events import DISK
+from backends.kv_tiers.base import HEADER_BYTES, TierUsage, frame, unframe
+
+log = logging.getLogger(__name__)
+_SUFFIX = ".kv"
+
+Removed = Callable[[int], None]
+
+
+class DiskTier:
+    medium = DISK
+
+    def __init__(self, directory: str | Path, namespace: str, capacity_bytes: int, block_nbytes: int,
+                 removed: Removed | None = None) -> None:
+        self.file_nbytes = HEADER_BYTES + block_nbytes
+        self.max_files = capacity_bytes // self.file_nbytes
+        if self.max_files < 1:
+            raise ValueError(f"--kv-disk-gb holds no block of {block_nbytes} bytes")
+        self.dir = Path(directory) / namespace
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.block_nbytes = block_nbytes
+        self.removed = removed
+        self._index: OrderedDict[int, None] = OrderedDict()   # block hashes on disk, least recent first
+        self._lock = threading.Lock()
+        self.num_hits = self.num_puts = self.num_corrupt = self.num_errors = 0
+        self._adopt()
+
+    def _path(self, block_hash: int) -> Path:
+        return self.dir / f"{block_hash:016x}{_SUFFIX}"
+
+    def _adopt(self) -> None:
+        """Index the files an earlier run left, oldest first; stray temporaries go."""
+        found: list[tuple[float, int]] = []
+        for entry in os.scandir(self.dir):
+            name = entry.name
+            if name.endswith(_SUFFIX) and len(name) == 16 + len(_SUFFIX):
+                try:
+                    found.append((entry.stat().st_mtime, int(name[:16], 16)))
+                except ValueError:
+                    continue
+            elif name.endswith(".tmp"):
+                Path(entry.path).unlink(missing_ok=True)
+        for _, block_hash in sorted(found):
+            self._index[block_hash] = None
+        while len(self._index) > self.max_files:
+            self._path(self._index.popitem(last=False)[0]).unlink(missing_ok=True)
+        if self._index:
+            log.info("KV disk tier %s: adopted %d blocks", self.dir, len(self._index))
+
+    def leading_hits(self, block_hashes: Sequence[int]) -> int:
+        with self._lock:
+            n = 0
+            for block_hash in block_hashes:
+                if block_hash not in self._index:
+                    break
+                n += 1
+            return n
+
+    def get(self, block_hash: int, out: memoryview) -> bool:
+        with self._lock:
+            if block_hash not in self._index:
+                return False
+            self._index.move_to_end(block_hash)
+        try:
+            with open(self._path(block_hash), "rb") as f:
+                data = f.read(self.file_nbytes + 1)
+        except OSError:
+            data = b""
+        if unframe(block_hash, data, out):
+            self.num_hits += 1
+            return True
+        self.num_corrupt += 1
+        log.warning("KV disk tier: block %016x is missing or corrupt; recomputing it", block_hash)
+        self._forget(block_hash)
+        return False
+
+    def put(self, block_hash: int, data: memoryview) -> bool:
+        with self._lock:
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)
+                return True
+        while True:
+            with self._lock:
+                if len(self._index) < self.max_files:
+                    break
+                victim, _ = self._index.popitem(last=False)
+            self._evict(victim)
+        path = self._path(block_hash)
+        tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(frame(block_hash, data))
+            os.replace(tmp, path)
+        except OSError as exc:
+            self.num_errors += 1
+            log.warning("KV disk tier: cannot write %s: %s", path, exc)
+            tmp.unlink(missing_ok=True)
+            return False
+        with self._lock:
+            self._index[block_hash] = None
+        self.num_puts += 1
+        return True
+
+    def _evict(self, block_hash: int) -> None:
+        self._path(block_hash).unlink(missing_ok=True)
+        if self.removed is not None:
+            self.removed(block_hash)
+
+    def _forget(self, block_hash: int) -> None:
+        with self._lock:
+            known = block_hash in self._index
+            self._index.pop(block_hash, None)
+        self._path(block_hash).unlink(missing_ok=True)
+        if known and self.removed is not None:
+            self.removed(block_hash)
+
+    def usage(self) -> TierUsage:
+        with self._lock:
+            n = len(self._index)
+        return TierUsage(DISK, n, n * self.file_nbytes, self.max_files * self.file_nbytes)
+
+    def close(self) -> None:
+        pass

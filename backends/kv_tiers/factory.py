@@ -1,0 +1,50 @@
+"""Build the tiered KV connector an `EngineConfig` asks for (--kv-cpu-gb, --kv-disk-dir/--kv-disk-gb,
+--kv-store), over a runner's KV cache. None when it asks for no tier."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from backends.engine.config import EngineConfig
+from backends.engine.kv_events import KVEventRing
+from backends.kv_tiers.base import KVTier, namespace
+from backends.kv_tiers.block_io import BlockIO
+from backends.kv_tiers.connector import TieredKVConnector
+from backends.kv_tiers.cpu import CpuTier
+from backends.kv_tiers.disk import DiskTier
+from backends.kv_transfer.torch_cache import TorchPagedKV
+
+log = logging.getLogger(__name__)
+
+
+def build_tiered_connector(config: EngineConfig, kv_cache: Any, model_name: str,
+                           events: KVEventRing) -> TieredKVConnector | None:
+    """`kv_cache`: the runner's backends/worker/kv_cache.KVCache."""
+    if not (config.kv_cpu_bytes or config.kv_disk_dir or config.kv_store):
+        return None
+    block_io = BlockIO(kv_cache.stacked)
+    layout = TorchPagedKV(list(zip(kv_cache.k, kv_cache.v, strict=True))).layout()
+    space = namespace(model_name, layout)
+    local: list[KVTier] = []
+    cpu = disk = None
+    if config.kv_cpu_bytes:
+        cpu = CpuTier(config.kv_cpu_bytes, block_io.block_nbytes, pinned=block_io.device.type == "cuda")
+        local.append(cpu)
+    if config.kv_disk_dir:
+        disk = DiskTier(config.kv_disk_dir, space, config.kv_disk_bytes, block_io.block_nbytes)
+        local.append(disk)
+    store = None
+    if config.kv_store:
+        from backends.kv_tiers.mooncake_store import MooncakeStoreTier
+        store = MooncakeStoreTier(config.kv_store, space, block_io.block_nbytes)
+    connector = TieredKVConnector(block_io, kv_cache.spec.block_size, local, store, events,
+                                  config.kv_write_queue_blocks)
+    for tier in (cpu, disk):
+        if tier is not None:
+            tier.removed = connector.removed_from(tier.medium)
+    if cpu is not None and disk is not None:
+        cpu.spill = connector.spill_to(disk)
+    log.info("KV tiers: %s (namespace %s, %d bytes a block)",
+             ", ".join(f"{u.medium} {u.capacity_bytes / 2**30:.2f} GiB" for u in connector.usage()) or "none",
+             space, block_io.block_nbytes)
+    return connector

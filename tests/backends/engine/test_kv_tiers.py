@@ -1,0 +1,216 @@
+"""KV tiers below the device pool (backends/kv_tiers) on the real SmolLM2: blocks the pool evicts are
+written down to host RAM and disk, and a later prompt with the same prefix loads them back instead of
+recomputing them. The tokens and logits after a restore are held to transformers' own forward and
+greedy `generate`; a corrupt block is recomputed; no block leaks."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends.engine.config import EngineConfig
+from backends.engine.engine import LLMEngine
+from backends.engine.kv_events import CPU, DISK, KVEventKind
+from backends.engine.outputs import SequenceOutput
+from backends.engine.sampling_params import SamplingParams
+from backends.worker.model_runner import ModelRunner
+from tests.backends.engine.runner_view import RunnerView
+from tests.backends.engine.test_engine_model import hf_greedy, prompt, rel_err, tokens
+from tests.backends.numerics import assert_mostly_clear, assert_same_tokens, choices, logit_tolerance
+from tests.support.wait import wait_until
+
+BLOCK = 16
+POOL = 12            # device blocks: two 5-block prompts cannot both stay cached
+BLOCK_BYTES = 30 * 2 * BLOCK * 3 * 64 * 4   # SmolLM2: 30 layers, K and V, 3 KV heads of 64, float32
+
+
+@pytest.fixture
+def make_engine(smollm2_runner: ModelRunner, smollm2_dir: Path) -> Iterator:
+    engines: list[LLMEngine] = []
+
+    def make(**kw: object) -> tuple[LLMEngine, RunnerView]:
+        view = RunnerView(smollm2_runner, POOL)
+        config = EngineConfig(model_dir=str(smollm2_dir), block_size=BLOCK, num_blocks=POOL, **kw)
+        engine = LLMEngine(config, view, smollm2_dir)
+        engines.append(engine)
+        return engine, view
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def run_all(engine: LLMEngine, max_idle_waits: int = 200) -> dict[str, list[SequenceOutput]]:
+    """Step until idle; a step that ran nothing (a sequence waits for its load) waits for the loader's
+    wake-up instead of spinning."""
+    woken = threading.Event()
+    engine.set_wake(woken.set)
+    outs: dict[str, list[SequenceOutput]] = {}
+    idle = 0
+    while engine.has_unfinished():
+        steps = engine.num_steps
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        if engine.num_steps == steps:
+            idle += 1
+            assert idle <= max_idle_waits and woken.wait(timeout=30), "a KV tier load never ended"
+            woken.clear()
+    return outs
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+def evict_prefix(engine: LLMEngine, medium: str, num_blocks: int) -> None:
+    """Run small prompts until the first prompt's `num_blocks` leading blocks left the device pool (the
+    least recently used go first, one or two a prompt), then wait until `medium` has taken that many."""
+    assert engine.kv_tiers is not None
+    events = engine.kv_events.since(0, limit=10_000).events
+    prefix = {e.block_hash for e in events[:num_blocks]}
+    for i in range(20):
+        engine.add_request(f"filler{i}", prompt(100 + i, BLOCK + 3), greedy(1))
+        run_all(engine)
+        events = engine.kv_events.since(0, limit=10_000).events
+        if prefix <= {e.block_hash for e in events if e.kind is KVEventKind.REMOVED and e.medium == "device"}:
+            break
+    else:
+        raise AssertionError("the prefix stayed on device")
+    wait_until(lambda: engine.kv_tiers.written[medium] >= num_blocks, f"{num_blocks} blocks written to {medium}")
+
+
+@pytest.mark.parametrize("tiers", ["cpu", "disk", "cpu+disk"])
+def test_prefix_restored_from_a_tier_matches_transformers(make_engine, tmp_path: Path, tiers: str,
+                                                          hf_smollm2: torch.nn.Module,
+                                                          hf_smollm2_f64: torch.nn.Module) -> None:
+    kw: dict[str, object] = {}
+    if "cpu" in tiers:   # cpu+disk: room for two blocks in RAM, the rest spills to disk
+        kw["kv_cpu_bytes"] = (2 if "disk" in tiers else 64) * BLOCK_BYTES
+    if "disk" in tiers:
+        kw.update(kv_disk_dir=str(tmp_path), kv_disk_bytes=64 * (BLOCK_BYTES + 64))
+    engine, runner = make_engine(**kw)
+    shared = prompt(1, 4 * BLOCK)
+    first, second = shared + prompt(2, 7), shared + prompt(3, 5)
+    engine.add_request("a", first, greedy(1))
+    assert run_all(engine)["a"][-1].num_cached_tokens == 0
+    evict_prefix(engine, "disk" if tiers == "disk" else "cpu", 4)
+
+    engine.add_request("b", second, greedy(12))
+    n_steps = len(runner.steps)
+    out_b = run_all(engine)["b"]
+    assert out_b[-1].num_cached_tokens == 4 * BLOCK
+    restored = engine.kv_tiers.restored
+    assert sum(restored.values()) == 4 and set(restored) <= {CPU, DISK}
+    if tiers == "cpu+disk":   # RAM holds two blocks: at least the prefix's tail spilled to disk
+        assert restored[DISK] >= 2
+    batch, logits = runner.steps[n_steps]
+    assert batch.chunks[0].num_context_tokens == 4 * BLOCK and len(batch.chunks[0].token_ids) == 5
+    with torch.inference_mode():
+        ref = hf_smollm2(torch.tensor([second])).logits[0, -1].float()
+    assert rel_err(logits[0], ref) < 1e-4
+    (want, want_logits), = hf_greedy(hf_smollm2, [second], 12, engine.eos_token_ids)
+    tolerance = logit_tolerance(hf_smollm2, hf_smollm2_f64, [second + want])
+    reference = choices(want_logits, greedy(12), None, engine.eos_token_ids, tolerance)
+    assert_mostly_clear([reference], "transformers' greedy tokens")
+    assert_same_tokens(tokens(out_b), want, reference, "b")
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.num_free_blocks == POOL
+    report = engine.load_report()
+    assert {t.medium for t in report.kv_tiers} == set(tiers.split("+"))
+    assert sum(t.num_restored_blocks for t in report.kv_tiers) == 4
+
+
+def test_tier_events_name_their_medium(make_engine, tmp_path: Path) -> None:
+    engine, _ = make_engine(kv_cpu_bytes=2 * BLOCK_BYTES, kv_disk_dir=str(tmp_path),
+                            kv_disk_bytes=64 * (BLOCK_BYTES + 64))
+    engine.add_request("a", prompt(1, 4 * BLOCK + 7), greedy(1))
+    run_all(engine)
+    evict_prefix(engine, DISK, 2)
+    events = engine.kv_events.since(0, limit=10_000).events
+    kinds = {(e.kind, e.medium) for e in events}
+    assert {(KVEventKind.STORED, "device"), (KVEventKind.REMOVED, "device"), (KVEventKind.STORED, CPU),
+            (KVEventKind.REMOVED, CPU), (KVEventKind.STORED, DISK)} <= kinds
+    # A block RAM evicted went to disk: its REMOVED(cpu) follows its STORED(disk).
+    spilled = [e.block_hash for e in events if e.kind is KVEventKind.REMOVED and e.medium == CPU]
+    on_disk = {e.block_hash for e in events if e.kind is KVEventKind.STORED and e.medium == DISK}
+    assert spilled and set(spilled) <= on_disk
+
+
+def test_corrupt_disk_block_is_recomputed(make_engine, tmp_path: Path, hf_smollm2: torch.nn.Module) -> None:
+    engine, runner = make_engine(kv_disk_dir=str(tmp_path), kv_disk_bytes=64 * (BLOCK_BYTES + 64))
+    shared = prompt(1, 4 * BLOCK)
+    engine.add_request("a", shared + prompt(2, 7), greedy(1))
+    run_all(engine)
+    evict_prefix(engine, DISK, 4)
+    disk = engine.kv_tiers.local[0]
+    second_block = disk._path(engine.kv_events.since(0).events[1].block_hash)
+    data = bytearray(second_block.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    second_block.write_bytes(bytes(data))
+
+    second = shared + prompt(3, 5)
+    engine.add_request("b", second, greedy(1))
+    n_steps = len(runner.steps)
+    out_b = run_all(engine)["b"]
+    assert out_b[-1].num_cached_tokens == BLOCK          # the first block restored, the rest recomputed
+    assert disk.num_corrupt == 1 and not second_block.exists()
+    batch, logits = runner.steps[n_steps]
+    assert batch.chunks[0].num_context_tokens == BLOCK
+    with torch.inference_mode():
+        ref = hf_smollm2(torch.tensor([second])).logits[0, -1].float()
+    assert rel_err(logits[-1], ref) < 1e-4
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.num_free_blocks == POOL
+
+
+def test_abort_during_a_load_frees_its_blocks_once_the_load_ends(make_engine) -> None:
+    engine, _ = make_engine(kv_cpu_bytes=64 * BLOCK_BYTES)
+    shared = prompt(1, 4 * BLOCK)
+    engine.add_request("a", shared + prompt(2, 7), greedy(1))
+    run_all(engine)
+    evict_prefix(engine, CPU, 4)
+    cpu = engine.kv_tiers.local[0]
+    release = threading.Event()
+    real_get = cpu.get
+
+    def slow_get(block_hash: int, out: memoryview) -> bool:
+        release.wait(timeout=30)
+        return real_get(block_hash, out)
+
+    cpu.get = slow_get
+    engine.add_request("b", shared + prompt(3, 5), greedy(4))
+    engine.step()                                   # admitted; its load waits in the loader thread
+    assert engine.scheduler.waiting_for_remote_kv
+    assert engine.abort_request("b") is not None
+    assert engine.block_manager.num_free_blocks < POOL, "blocks a load still writes were freed"
+    release.set()
+    wait_until(lambda: engine.step() is not None and engine.block_manager.num_free_blocks == POOL,
+               "the aborted load's blocks freed")
+    engine.block_manager.check_invariants()
+
+
+def test_a_full_write_queue_drops_blocks_instead_of_waiting(make_engine) -> None:
+    engine, _ = make_engine(kv_cpu_bytes=64 * BLOCK_BYTES, kv_write_queue_blocks=1)
+    cpu = engine.kv_tiers.local[0]
+    release = threading.Event()
+    real_put = cpu.put
+
+    def stuck_put(block_hash: int, data: memoryview) -> bool:
+        release.wait(timeout=30)
+        return real_put(block_hash, data)
+
+    cpu.put = stuck_put
+    engine.add_request("a", prompt(1, 4 * BLOCK + 7), greedy(1))
+    run_all(engine)
+    for i in range(2):                               # evicts cached blocks while the writer is stuck
+        engine.add_request(f"filler{i}", prompt(100 + i, 5 * BLOCK + 3), greedy(1))
+        run_all(engine)
+    events = engine.kv_events.since(0, limit=10_000).events
+    evicted = sum(e.kind is KVEventKind.REMOVED and e.medium == "device" for e in events)
+    assert evicted >= 3 and engine.kv_tiers.num_dropped_writes == evicted - 1   # one fits the queue
+    release.set()
+    wait_until(lambda: engine.kv_tiers.written[CPU] >= 1, "the one queued block written")
+    assert engine.load_report().num_kv_dropped_writes == engine.kv_tiers.num_dropped_writes
