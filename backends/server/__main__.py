@@ -40,6 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
     kv.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache budget in GiB")
     p.add_argument("--block-size", type=int, default=16)
+    tiers = p.add_argument_group("KV tiers below the device pool (docs/kv_tiers.md)")
+    tiers.add_argument("--kv-cpu-gb", type=float, default=0.0,
+                       help="host-RAM tier: blocks the device pool evicts are kept here (pinned on CUDA)")
+    tiers.add_argument("--kv-disk-dir", default=None, help="local-disk tier's folder (kept across restarts)")
+    tiers.add_argument("--kv-disk-gb", type=float, default=0.0, help="local-disk tier's size")
+    tiers.add_argument("--kv-store", default=None, metavar="mooncake://HOST:PORT",
+                       help="shared KV store across workers: a Mooncake Store master's address")
+    tiers.add_argument("--kv-write-queue-blocks", type=int, default=64,
+                       help="evicted blocks waiting to be written down at most; more are dropped, never waited for")
     p.add_argument("--attention-backend", choices=[b.value for b in AttentionBackendName], default=None,
                    help="default: flash or triton on CUDA where available, sdpa on CPU")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
@@ -120,6 +129,11 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         spec_adaptive=not args.no_adaptive_speculation,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
+        kv_cpu_bytes=int(args.kv_cpu_gb * 2**30),
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_bytes=int(args.kv_disk_gb * 2**30),
+        kv_store=args.kv_store,
+        kv_write_queue_blocks=args.kv_write_queue_blocks,
     )
     server_config = ServerConfig(
         model_dir=model_dir,

@@ -50,6 +50,8 @@ class EngineCollector(Collector):
         yield _gauge("kv_blocks_cached", "KV blocks reusable by prefix hash (in use or not).", report.num_cached_blocks)
         yield _gauge("kv_cache_usage_ratio", "Fraction of KV blocks held by sequences.",
                      used / report.num_total_blocks if report.num_total_blocks else 0.0)
+        if report.kv_tiers:
+            yield from _tier_metrics(report)
         stats = self._stats()
         yield _gauge("prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens, over the worker's life.",
                      stats.prefix_hit_rate)
@@ -68,6 +70,29 @@ class EngineCollector(Collector):
                                      "Accepted / proposed draft tokens, over the worker's life.", labels=["proposer"])
             rate.add_metric([stats.speculative], stats.spec_acceptance_rate)
             yield rate
+
+
+def _tier_metrics(report: LoadReport) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The KV tiers below the device pool, one series per medium."""
+    families = (
+        (GaugeMetricFamily, "kv_tier_blocks", "KV blocks a tier holds (-1: a shared store, not counted).",
+         "num_blocks"),
+        (GaugeMetricFamily, "kv_tier_used_bytes", "Bytes a KV tier holds.", "used_bytes"),
+        (GaugeMetricFamily, "kv_tier_capacity_bytes", "A KV tier's size (0: unknown, a shared store).",
+         "capacity_bytes"),
+        (CounterMetricFamily, "kv_tier_restored_blocks", "KV blocks loaded back from a tier into the device pool.",
+         "num_restored_blocks"),
+        (CounterMetricFamily, "kv_tier_written_blocks", "KV blocks written into a tier.", "num_written_blocks"),
+        (GaugeMetricFamily, "kv_tier_up", "1 while a tier is reachable (a shared store can be down).", "up"),
+    )
+    for cls, name, documentation, attr in families:
+        family = cls(f"{PREFIX}_{name}", documentation, labels=["medium"])
+        for tier in report.kv_tiers:
+            family.add_metric([tier.medium], float(getattr(tier, attr)))
+        yield family
+    yield CounterMetricFamily(f"{PREFIX}_kv_tier_dropped_writes",
+                              "Evicted KV blocks not written down because the write queue was full.",
+                              value=report.num_kv_dropped_writes)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

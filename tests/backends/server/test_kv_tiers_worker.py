@@ -1,0 +1,87 @@
+"""KV tiers in a real worker process: a prefix the device pool evicted is served from host RAM or
+disk (`cached_tokens` in the response's usage, the tier's counters in /load and /metrics), and a worker
+restarted on the same --kv-disk-dir serves an earlier run's prefix from disk. That restored KV gives
+transformers' tokens is tests/backends/engine/test_kv_tiers.py's to show."""
+from __future__ import annotations
+
+import random
+import urllib.request
+from pathlib import Path
+
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.wait import wait_until
+from tests.support.worker_proc import worker_process
+
+BLOCK = 16
+POOL = ["--num-blocks", "12", "--max-num-seqs", "2"]   # 192 tokens: a few prompts evict each other
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url + "/v1/completions", data=orjson.dumps(body),
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return orjson.loads(response.read())
+
+
+def _get(url: str, path: str) -> bytes:
+    with urllib.request.urlopen(url + path, timeout=10) as response:
+        return response.read()
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int = 1) -> dict:
+    return _post(url, {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+
+
+def _cached(response: dict) -> int:
+    return response["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 20000) for _ in range(n)]
+
+
+def _tier_metric(url: str, name: str) -> dict[str, float]:
+    text = _get(url, "/metrics").decode()
+    return {s.labels["medium"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == name}
+
+
+def _evict(url: str, medium: str, at_least: int) -> None:
+    """Fill the device pool with other prompts until `medium` holds `at_least` blocks."""
+    for i in range(8):
+        _complete(url, _tokens(1000 + i, 5 * BLOCK + 3))
+        tiers = {t["medium"]: t for t in orjson.loads(_get(url, "/load"))["kv_tiers"]}
+        if tiers[medium]["num_written_blocks"] >= at_least:
+            break
+    wait_until(lambda: {t["medium"]: t for t in orjson.loads(_get(url, "/load"))["kv_tiers"]}[medium]
+               ["num_blocks"] >= at_least, f"{at_least} blocks in the {medium} tier")
+
+
+def test_evicted_prefix_comes_back_from_ram_and_disk(tmp_path: Path) -> None:
+    args = [*POOL, "--kv-cpu-gb", str(3 * 737_280 / 2**30), "--kv-disk-dir", str(tmp_path / "kv"),
+            "--kv-disk-gb", "0.05"]
+    shared = _tokens(1, 4 * BLOCK)
+    with worker_process(["--model", "smollm2", *args], log_dir=tmp_path) as url:
+        assert _cached(_complete(url, shared + _tokens(2, 7))) == 0
+        _evict(url, "disk", 4)
+        assert _cached(_complete(url, shared + _tokens(2, 7))) == 4 * BLOCK
+        restored = _tier_metric(url, "switchyard_kv_tier_restored_blocks_total")
+        assert sum(restored.values()) == 4 and restored["disk"] >= 1   # RAM spilled the oldest to disk
+        capacity = _tier_metric(url, "switchyard_kv_tier_capacity_bytes")
+        assert capacity["cpu"] > 0 and capacity["disk"] > 0
+        load = orjson.loads(_get(url, "/load"))
+        assert load["num_free_blocks"] == load["num_total_blocks"]     # nothing leaked
+
+
+def test_a_restarted_worker_serves_the_last_runs_prefix_from_disk(tmp_path: Path) -> None:
+    args = ["--model", "smollm2", *POOL, "--kv-disk-dir", str(tmp_path / "kv"), "--kv-disk-gb", "0.05"]
+    shared = _tokens(7, 4 * BLOCK)
+    with worker_process(args, log_dir=tmp_path) as url:
+        assert _cached(_complete(url, shared + _tokens(8, 5))) == 0
+        _evict(url, "disk", 4)
+    with worker_process(args, log_dir=tmp_path) as url:
+        assert {t["medium"]: t["num_blocks"] for t in orjson.loads(_get(url, "/load"))["kv_tiers"]}["disk"] >= 4
+        assert _cached(_complete(url, shared + _tokens(8, 5))) == 4 * BLOCK
