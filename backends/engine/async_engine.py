@@ -7,6 +7,7 @@ onto per-request queues.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -135,8 +136,13 @@ class AsyncEngine:
 
     # --- observation (any time, from the event loop) ------------------------------------------
     def load_report(self) -> LoadReport:
-        assert self._report is not None, "engine not started"
-        return self._report
+        """The engine's last published load; the KV tiers' part read now (their writer and loader
+        threads move blocks while the engine thread idles, and they count under their own locks)."""
+        assert self._report is not None and self._engine is not None, "engine not started"
+        tiers = self._engine.kv_tiers
+        if tiers is None:
+            return self._report
+        return dataclasses.replace(self._report, kv_tiers=tiers.load(), num_kv_dropped_writes=tiers.num_dropped_writes)
 
     def stats(self) -> EngineStats:
         assert self._stats is not None, "engine not started"

@@ -39,6 +39,7 @@ class KVTierLoad:
     num_restored_blocks: int     # blocks loaded back from it into the device pool, over the worker's life
     num_written_blocks: int      # blocks written into it
     up: bool = True              # a store: reachable now
+    num_outages: int = 0         # a store: times it went down (the worker ran on without it meanwhile)
 
 
 @dataclass(frozen=True, slots=True)

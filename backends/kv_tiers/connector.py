@@ -207,7 +207,8 @@ class TieredKVConnector:
 
     def load(self) -> tuple[KVTierLoad, ...]:
         return tuple(KVTierLoad(u.medium, u.num_blocks, u.used_bytes, u.capacity_bytes, self.restored[u.medium],
-                                self.written[u.medium], bool(getattr(t, "is_up", True)))
+                                self.written[u.medium], bool(getattr(t, "is_up", True)),
+                                int(getattr(t, "num_outages", 0)))
                      for t, u in zip(self.tiers, self.usage(), strict=True))
 
     def close(self) -> None:

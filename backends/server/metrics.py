@@ -84,6 +84,8 @@ def _tier_metrics(report: LoadReport) -> Iterator[GaugeMetricFamily | CounterMet
          "num_restored_blocks"),
         (CounterMetricFamily, "kv_tier_written_blocks", "KV blocks written into a tier.", "num_written_blocks"),
         (GaugeMetricFamily, "kv_tier_up", "1 while a tier is reachable (a shared store can be down).", "up"),
+        (CounterMetricFamily, "kv_tier_outages", "Times a tier went down (the worker ran on without it).",
+         "num_outages"),
     )
     for cls, name, documentation, attr in families:
         family = cls(f"{PREFIX}_{name}", documentation, labels=["medium"])

@@ -1,6 +1,7 @@
 """KV tiers in a real worker process: a prefix the device pool evicted is served from host RAM or
 disk (`cached_tokens` in the response's usage, the tier's counters in /load and /metrics), and a worker
-restarted on the same --kv-disk-dir serves an earlier run's prefix from disk. That restored KV gives
+restarted on the same --kv-disk-dir serves an earlier run's prefix from disk, and two workers share
+a prefix through a real Mooncake master, then serve on when it dies. That restored KV gives
 transformers' tokens is tests/backends/engine/test_kv_tiers.py's to show."""
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import urllib.request
 from pathlib import Path
 
 import orjson
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.mooncake import Master
 from tests.support.wait import wait_until
-from tests.support.worker_proc import worker_process
+from tests.support.worker_proc import WorkerProcess, supervised, worker_process
 
 BLOCK = 16
 POOL = ["--num-blocks", "12", "--max-num-seqs", "2"]   # 192 tokens: a few prompts evict each other
@@ -85,3 +88,28 @@ def test_a_restarted_worker_serves_the_last_runs_prefix_from_disk(tmp_path: Path
     with worker_process(args, log_dir=tmp_path) as url:
         assert {t["medium"]: t["num_blocks"] for t in orjson.loads(_get(url, "/load"))["kv_tiers"]}["disk"] >= 4
         assert _cached(_complete(url, shared + _tokens(8, 5))) == 4 * BLOCK
+
+
+def test_a_prefix_computed_on_one_worker_is_used_by_another_through_the_store(tmp_path: Path) -> None:
+    pytest.importorskip("mooncake.store", reason="pip install mooncake-transfer-engine-non-cuda (make setup)")
+    master = Master(tmp_path)
+    master.start()
+    try:
+        args = ["--model", "smollm2", *POOL, "--kv-store", master.url]
+        shared = _tokens(11, 4 * BLOCK)
+        starting = [WorkerProcess(args, log_dir=tmp_path, wait=False) for _ in range(2)]   # both load at once
+        with supervised(starting[0]) as a, supervised(starting[1]) as b:
+            assert _cached(_complete(a, shared + _tokens(12, 5))) == 0
+            store_of = lambda url: {t["medium"]: t for t in orjson.loads(_get(url, "/load"))["kv_tiers"]}["store"]  # noqa: E731
+            wait_until(lambda: store_of(a)["num_written_blocks"] >= 4, "worker A's prefix in the store")
+            assert store_of(b)["up"]
+            assert _cached(_complete(b, shared + _tokens(13, 9))) == 4 * BLOCK
+            assert store_of(b)["num_restored_blocks"] == 4
+            master.kill()                       # the store goes down: both workers serve on without it
+            assert _cached(_complete(b, _tokens(14, 3 * BLOCK))) == 0
+            assert _cached(_complete(a, _tokens(15, 3 * BLOCK))) == 0    # its lookup meets the outage
+            wait_until(lambda: not store_of(a)["up"], "worker A noticing the outage")
+            assert store_of(a)["num_outages"] >= 1
+            assert _tier_metric(a, "switchyard_kv_tier_up")["store"] == 0
+    finally:
+        master.kill()
