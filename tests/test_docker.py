@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ def resolved() -> dict:
 
 def test_compose_has_the_whole_system(resolved: dict) -> None:
     services = resolved["services"]
-    assert {"redis", "gateway", "prefill", "decode", "both"} <= set(services)
+    assert {"redis", "gateway", "prefill", "decode", "both", "mooncake-master"} <= set(services)
     for name, service in services.items():
         assert service.get("restart") == "unless-stopped", name
         assert "healthcheck" in service, name
@@ -59,6 +60,13 @@ def test_every_service_command_exists_in_the_cli(resolved: dict) -> None:
         command = service.get("command")
         if name == "redis" or not command:
             continue
+        if service.get("entrypoint") == ["mooncake_master"]:
+            flags = [arg.split("=")[0].lstrip("-") for arg in command]
+            help_text = subprocess.run([str(Path(sys.executable).with_name("mooncake_master")), "--helpfull"],
+                                       capture_output=True, text=True, timeout=30).stdout
+            assert all(f"-{flag} (" in help_text for flag in flags), flags
+            checked += 1
+            continue
         subcommand, args = command[0], command[1:]
         if subcommand == "worker":
             build_parser().parse_args(args)  # exits (SystemExit) on an unknown flag
@@ -69,4 +77,4 @@ def test_every_service_command_exists_in_the_cli(resolved: dict) -> None:
         else:
             pytest.fail(f"service {name} runs an unknown subcommand {subcommand!r}")
         checked += 1
-    assert checked == 4
+    assert checked == 5

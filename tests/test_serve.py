@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import openai
+import orjson
 
 from tests.support.ports import free_port
 from tests.support.wait import wait_until
@@ -86,3 +87,37 @@ def test_serve_answers_the_openai_sdk_and_sigint_stops_everything(tmp_path: Path
         for pid in leftover:
             os.kill(pid, signal.SIGKILL)
     assert not leftover, f"children still running after SIGINT: {leftover}\n{(tmp_path / 'serve.log').read_text()}"
+
+
+def test_serve_kv_store_starts_a_master_every_worker_shares(tmp_path: Path) -> None:
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    log = log_path.open("wb")
+    proc = subprocess.Popen([str(SWITCHYARD), "serve", "--port", str(port), "--prefill-workers", "0",
+                             "--decode-workers", "0", "--both-workers", "2", "--kv-store",
+                             "--worker-arg=--threads=1", "--worker-arg=--num-blocks=64"],
+                            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    children: set[int] = set()
+    try:
+        wait_until(lambda: b"switchyard is serving" in log_path.read_bytes() or proc.poll() is not None,
+                   "switchyard serve to be ready", timeout_s=240)
+        assert proc.poll() is None, log_path.read_text()
+        children = children_of(proc.pid)
+        text = log_path.read_text()
+        assert "Mooncake Store master" in text
+        workers = text.split("(workers: ")[1].split(")")[0].split(", ")
+        for url in workers:
+            with urllib.request.urlopen(url + "/load", timeout=5) as r:
+                tiers = {t["medium"]: t for t in orjson.loads(r.read())["kv_tiers"]}
+            assert tiers["store"]["up"], url
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+        leftover = {pid for pid in children if alive(pid)}
+        for pid in leftover:
+            os.kill(pid, signal.SIGKILL)
+    assert not leftover, f"children still running after SIGINT: {leftover}\n{log_path.read_text()}"
