@@ -15,7 +15,19 @@ Worker model (deliberately simple, stated so the numbers can be read):
     request's blocks are stored when its prefill ends; a hit is the leading run of its blocks.
 The prefill rate is set from `--utilization`: offered prompt tokens / (workers x duration x rate).
 
-    .venv/bin/python benchmarks/routing_sim.py [--workers 8] [--cache-blocks 2000]
+`--tiers` (issue 14): each policy again with KV tiers below each worker's device pool, added one at a time
+(routing_sim_tiers.py): host RAM and disk per worker, then one store for all, LRUs written down on eviction
+(device -> RAM -> disk -> store), then the store written through instead (every block a worker caches, as
+backends/kv_tiers/connector.py does). A hit may run on through the tiers; reading a block back holds the
+worker's prefill for its tokens x the medium's restore fraction of prefill time (`--cpu-restore` 1/20,
+`--disk-restore` 1/8, `--store-restore` 1/5). The gateway ranks a tier hit below a device hit: the device
+run comes from the index (KV events, as above), the tier blocks past it from the workers' tier holdings
+(what tier KV events would tell), weighted `--cpu-weight` 0.8, `--disk-weight` 0.5, `--store-weight` 0.3;
+`prefix_aware` gets the weighted count in tokens (`num_matched_blocks` with a `block_size` of 1: it scores
+their product). A store block counts at every worker. `unlimited cache` is one unbounded store written
+through and read for free: the hit-rate ceiling under the sim's timing.
+
+    .venv/bin/python benchmarks/routing_sim.py [--workers 8] [--cache-blocks 2000] [--tiers]
 """
 from __future__ import annotations
 
@@ -26,7 +38,7 @@ import random
 import statistics
 import sys
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,11 +50,14 @@ from cache.prefix_index import PrefixIndex
 from gateway.load import Lease, LoadTracker, OutputLengthEstimator
 from policies.base import DecisionReason, EndpointState, Policy, RequestFacts
 from policies.registry import PolicyName, make_policy
+from routing_sim_tiers import (NO_TIERS, UNLIMITED_TIERS, Lru, Medium, TierConfig, WorkerCache, add_tier_arguments,
+                               block_tokens, matched_by_medium, missed_targets, tier_steps)
 
 # shared/ sits beside the checkout (…/main and …/shared); --trace names any other copy.
 TRACE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 BLOCK_TOKENS = 512  # the trace's block size
 MODEL = "sim"
+UNLIMITED = "unlimited cache"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +68,17 @@ class SimConfig:
     prefill_overhead_s: float   # fixed cost per prefill
     decode_s_per_token: float   # time per output token of one sequence (batched decode)
     decode_interference: float  # relative prefill slowdown per sequence decoding on the worker
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    label: str                          # the table's first column (and --only's match)
+    policy: PolicyName
+    options: dict[str, Any]             # the policy's options (make_policy)
+    approximate: bool = False           # the index learns from routing decisions, not from KV events
+    send_session_key: bool = True       # requests carry x-session-affinity (the trace's conversation)
+    tiers: TierConfig = NO_TIERS        # KV tiers below each worker's device pool (none by default)
+    rank_tiers: bool = True             # the gateway scores tier hits; False: it sees device blocks only
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,14 +97,16 @@ class InFlight:
     lease: Lease
     ttft_s: float = 0.0
     num_cached_tokens: int = 0
+    num_cached_blocks: int = 0
+    cached_tokens_by_medium: list[int] = field(default_factory=lambda: [0] * len(Medium))
 
 
 @dataclass(slots=True)
 class Worker:
     endpoint_id: str
+    cache: WorkerCache
     queue: deque[InFlight] = field(default_factory=deque)
     busy: bool = False
-    lru: OrderedDict[int, None] = field(default_factory=OrderedDict)
     num_decoding: int = 0
     prefill_busy_s: float = 0.0
     num_requests: int = 0
@@ -98,21 +126,45 @@ def load_trace(path: pathlib.Path, limit: int | None) -> list[TraceRequest]:
     return requests
 
 
+def replay_unlimited(requests: list[TraceRequest]) -> tuple[float, float]:
+    """Hit rate (of blocks, of tokens) of one unbounded cache in trace order, without timing."""
+    seen: set[int] = set()
+    num_hit_blocks = num_hit_tokens = 0
+    for request in requests:
+        run = 0
+        while run < len(request.block_hashes) and request.block_hashes[run] in seen:
+            run += 1
+        num_hit_blocks += run
+        num_hit_tokens += min(run * BLOCK_TOKENS, request.num_prompt_tokens)
+        seen.update(request.block_hashes)
+    return (num_hit_blocks / sum(len(r.block_hashes) for r in requests),
+            num_hit_tokens / sum(r.num_prompt_tokens for r in requests))
+
+
 class Simulation:
     """One policy over the whole trace: a heap of timed events, processed in order. With several
     gateway processes (`policies`, one each), each request reaches a random one; load is shared (leases
     or /load), a precise index too (every process hears the events), an approximate one is not."""
 
-    def __init__(self, policies: list[Policy], config: SimConfig, approximate: bool = False,
-                 send_session_key: bool = True, approx_capacity_blocks: int | None = None, seed: int = 0) -> None:
+    def __init__(self, policies: list[Policy], config: SimConfig, row: Row,
+                 approx_capacity_blocks: int | None = None, seed: int = 0) -> None:
         self.policies = policies
         self.config = config
-        self.workers = [Worker(f"http://worker-{i}:8000") for i in range(config.num_workers)]
+        self.tiers = row.tiers
+        store = row.tiers.store_blocks
+        shared_store = None if store == 0 else Lru(store)
+        self.workers = [Worker(f"http://worker-{i}:8000", WorkerCache(config.cache_blocks, row.tiers, shared_store))
+                        for i in range(config.num_workers)]
         self.index = PrefixIndex(max_blocks_per_endpoint=4 * config.cache_blocks)
-        self.approximate = approximate            # the index learns from routing, not from the workers' events
-        self.send_session_key = send_session_key  # False: requests carry no x-session-affinity
+        self.approximate = row.approximate            # the index learns from routing, not from the workers' events
+        self.send_session_key = row.send_session_key  # False: requests carry no x-session-affinity
+        # Ranked tier hits reach prefix_aware as tokens: it scores num_matched_blocks x block_size, and
+        # reads block_size alone only for prefix_key_tokens.
+        self.rank_tiers = (row.rank_tiers and row.tiers.enabled and not row.approximate
+                           and row.policy is PolicyName.PREFIX_AWARE and not row.options.get("prefix_key_tokens"))
+        self.match_unit_tokens = 1 if self.rank_tiers else BLOCK_TOKENS
         self.indexes = [self.index]
-        if approximate:
+        if row.approximate:
             self.indexes = [PrefixIndex() for _ in policies]
             for index in self.indexes:
                 for worker in self.workers:  # the capacity a load report states (default: the true one)
@@ -140,12 +192,12 @@ class Simulation:
     def _on_arrive(self, now: float, request: TraceRequest) -> None:
         gateway = self._rng.randrange(len(self.policies))
         index = self.indexes[gateway] if self.approximate else self.index
-        matched = index.matched_blocks(request.block_hashes)
+        matched = self._matched(index, request.block_hashes)
         expected = self.estimator.estimate(MODEL, None)
         session_key = request.session_key if self.send_session_key else None
         session_endpoint = self.sessions.get(session_key) if session_key else None
         facts = RequestFacts(MODEL, request.num_prompt_tokens, expected, request.block_hashes,
-                             session_key, session_endpoint, BLOCK_TOKENS)
+                             session_key, session_endpoint, self.match_unit_tokens)
         states = [EndpointState(w.endpoint_id, True, *self.tracker.snapshot(w.endpoint_id),
                                 matched.get(w.endpoint_id, 0), None) for w in self.workers]
         decision = self.policies[gateway].select(facts, states)
@@ -163,20 +215,35 @@ class Simulation:
         if not worker.busy:
             self._start_prefill(now, worker)
 
+    def _matched(self, index: PrefixIndex, block_hashes: tuple[int, ...]) -> dict[str, int]:
+        """Per endpoint, the prompt's leading run in units of `match_unit_tokens`: device blocks from
+        the index; ranking tiers, the run's tier blocks past them added at their medium's weight."""
+        device = index.matched_blocks(block_hashes)
+        if not self.rank_tiers:
+            return device
+        matched = {}
+        for worker in self.workers:
+            run = device.get(worker.endpoint_id, 0)
+            tail = matched_by_medium(worker.cache, block_hashes, run)
+            matched[worker.endpoint_id] = int((run + sum(self.tiers.weight(m) for m in tail)) * BLOCK_TOKENS)
+        return matched
+
     def _start_prefill(self, now: float, worker: Worker) -> None:
         flight = worker.queue.popleft()
         worker.busy = True
-        run = 0
-        for block_hash in flight.request.block_hashes:
-            if block_hash not in worker.lru:
-                break
-            worker.lru.move_to_end(block_hash)
-            run += 1
-        flight.num_cached_tokens = min(run * BLOCK_TOKENS, flight.request.num_prompt_tokens)
-        uncached = flight.request.num_prompt_tokens - flight.num_cached_tokens
+        request = flight.request
         c = self.config
-        duration = (c.prefill_overhead_s + uncached / c.prefill_tokens_per_s) * (
-            1.0 + c.decode_interference * worker.num_decoding)
+        restore_tokens = 0.0  # tier tokens read back, each weighted by its medium's restore fraction
+        for i, medium in enumerate(worker.cache.read_run(request.block_hashes)):
+            num_tokens = block_tokens(request.num_prompt_tokens, i, BLOCK_TOKENS)
+            flight.cached_tokens_by_medium[medium] += num_tokens
+            restore_tokens += num_tokens * self.tiers.restore_fraction(medium)
+            flight.num_cached_blocks += 1
+        flight.num_cached_tokens = sum(flight.cached_tokens_by_medium)
+        uncached = request.num_prompt_tokens - flight.num_cached_tokens
+        slowdown = 1.0 + c.decode_interference * worker.num_decoding
+        prefill_s = (c.prefill_overhead_s + uncached / c.prefill_tokens_per_s) * slowdown
+        duration = restore_tokens / c.prefill_tokens_per_s + prefill_s
         worker.prefill_busy_s += duration
         self._push(now + duration, "prefill_done", flight)
 
@@ -200,20 +267,17 @@ class Simulation:
         self.finished.append(flight)
 
     def _store_blocks(self, worker: Worker, block_hashes: tuple[int, ...]) -> None:
-        """Cache the request's blocks on the worker and, precise, tell the index as the worker's KV
-        events do (stored, then evicted, in order)."""
-        tell = not self.approximate
-        for block_hash in block_hashes:
-            if block_hash in worker.lru:
-                worker.lru.move_to_end(block_hash)
-                continue
-            worker.lru[block_hash] = None
-            if tell:
+        """Cache the request's blocks on the worker (evicted ones written down to its tiers) and,
+        precise, tell the index as the worker's device KV events do (stored, then evicted, in order)."""
+        events = worker.cache.cache(block_hashes)
+        if self.approximate:
+            return
+        for stored, block_hash in events:
+            if stored:
                 self.index.store(worker.endpoint_id, (block_hash,))
-            if len(worker.lru) > self.config.cache_blocks:
-                evicted, _ = worker.lru.popitem(last=False)
-                if tell:
-                    self.index.remove(worker.endpoint_id, (evicted,))
+            else:
+                self.index.remove(worker.endpoint_id, (block_hash,))
+
 
 def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
@@ -223,11 +287,16 @@ def summarize(name: str, sim: Simulation, wall_s: float) -> dict[str, Any]:
     ttfts = sorted(f.ttft_s for f in sim.finished)
     prompt = sum(f.request.num_prompt_tokens for f in sim.finished)
     cached = sum(f.num_cached_tokens for f in sim.finished)
+    by_medium = [sum(f.cached_tokens_by_medium[m] for f in sim.finished) for m in Medium]
     busy = [w.prefill_busy_s for w in sim.workers]
     counts = [w.num_requests for w in sim.workers]
     leftover = [sim.tracker.snapshot(w.endpoint_id) for w in sim.workers]
     assert all(s == (0, 0, 0) for s in leftover), leftover  # every lease released
-    return {"policy": name, "hit_rate": cached / prompt, "ttft_mean_s": statistics.fmean(ttfts),
+    return {"policy": name, "hit_rate": cached / prompt,
+            "block_hit_rate": (sum(f.num_cached_blocks for f in sim.finished)
+                               / sum(len(f.request.block_hashes) for f in sim.finished)),
+            "hit_rate_by_medium": {m.name.lower(): n / prompt for m, n in zip(Medium, by_medium, strict=True)},
+            "ttft_mean_s": statistics.fmean(ttfts),
             "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p90_s": percentile(ttfts, 0.9),
             "ttft_p99_s": percentile(ttfts, 0.99),
             "busy_imbalance": max(busy) / statistics.fmean(busy),
@@ -235,7 +304,7 @@ def summarize(name: str, sim: Simulation, wall_s: float) -> dict[str, Any]:
             "moved": sim.num_moved, "wall_s": wall_s}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=pathlib.Path, default=TRACE)
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
@@ -250,54 +319,99 @@ def main() -> None:
     parser.add_argument("--approx-capacity", type=int, default=None,
                         help="blocks the approximate index assumes per worker (default: --cache-blocks)")
     parser.add_argument("--only", nargs="*", help="run only the rows whose label contains one of these words")
-    args = parser.parse_args()
-    if not args.trace.is_file():
-        parser.error(f"no trace at {args.trace}: pass --trace PATH (Mooncake's conversation trace, JSONL)")
+    add_tier_arguments(parser)
+    return parser.parse_args()
 
+
+def policy_rows(seed: dict[str, Any]) -> list[Row]:
+    return [
+        Row(UNLIMITED, PolicyName.PREFIX_AWARE, seed, tiers=UNLIMITED_TIERS),
+        Row("round_robin", PolicyName.ROUND_ROBIN, {}),
+        Row("least_requests", PolicyName.LEAST_REQUESTS, seed),
+        Row("least_tokens", PolicyName.LEAST_TOKENS, seed),
+        Row("power_of_two", PolicyName.POWER_OF_TWO, seed),
+        Row("session_affinity", PolicyName.SESSION_AFFINITY, seed),
+        Row("session_aff. no hdr", PolicyName.SESSION_AFFINITY, seed, send_session_key=False),
+        Row("prefix_aware precise", PolicyName.PREFIX_AWARE, seed),
+        Row("prefix_aware approx", PolicyName.PREFIX_AWARE, seed, approximate=True),
+        Row("prefix_aware approx+key", PolicyName.PREFIX_AWARE, {**seed, "prefix_key_tokens": 1024}, approximate=True),
+    ]
+
+
+def tier_rows(args: argparse.Namespace, seed: dict[str, Any]) -> list[Row]:
+    """Each policy on a precise index with each step of tiers; then prefix_aware with local tiers, and
+    with every tier, blind to tier hits (it sees device blocks only)."""
+    steps = tier_steps(args)
+    policies = [("round_robin", PolicyName.ROUND_ROBIN, {}), ("least_requests", PolicyName.LEAST_REQUESTS, seed),
+                ("least_tokens", PolicyName.LEAST_TOKENS, seed), ("power_of_two", PolicyName.POWER_OF_TWO, seed),
+                ("session_affinity", PolicyName.SESSION_AFFINITY, seed),
+                ("prefix_aware", PolicyName.PREFIX_AWARE, seed)]
+    rows = [Row(UNLIMITED, PolicyName.PREFIX_AWARE, seed, tiers=UNLIMITED_TIERS)]
+    rows += [Row(label + suffix, name, options, tiers=tiers) for label, name, options in policies
+             for suffix, tiers in steps]
+    return [*rows, *(Row(f"prefix_aware{suffix}, unranked", PolicyName.PREFIX_AWARE, seed, tiers=tiers,
+                         rank_tiers=False) for suffix, tiers in (steps[2], steps[-1]))]
+
+
+def print_row(row: dict[str, Any], unlimited: dict[str, Any] | None) -> None:
+    share = f"{row['hit_rate'] / unlimited['hit_rate']:.1%}" if unlimited else "-"
+    media = "/".join(f"{v:.0%}" for v in row["hit_rate_by_medium"].values())
+    print(f"{row['policy']:<38}{row['hit_rate']:>9.1%}{row['block_hit_rate']:>8.1%}{share:>9}"
+          f"{row['ttft_mean_s']:>10.2f}s{row['ttft_p50_s']:>7.2f}s{row['ttft_p90_s']:>7.2f}s{row['ttft_p99_s']:>7.2f}s"
+          f"{row['busy_imbalance']:>7.2f}{row['request_imbalance']:>7.2f}{row['moved']:>6}  {media:<16}"
+          f"{row['wall_s']:>5.1f}s")
+
+
+def print_targets(results: dict[str, dict[str, Any]], rows: list[Row], unlimited_blocks: float) -> None:
+    unlimited, best = results.get(UNLIMITED), results.get("prefix_aware")
+    if unlimited is None or best is None:
+        return
+    print(f"issue 14's targets: hit rate >= 95% of unlimited's; blocks >= 95% of {unlimited_blocks:.1%} "
+          f"(unlimited, trace order); busiest/mean busy <= 1.1; TTFT p50 <= {best['ttft_p50_s']:.2f} s / 2")
+    for spec in rows:
+        if spec.label in results and spec.tiers.enabled and spec.label != UNLIMITED:
+            missed = missed_targets(results[spec.label], unlimited, best, unlimited_blocks)
+            print(f"  {spec.label:<38}{'all met' if not missed else 'missed: ' + ' '.join(missed)}")
+
+
+def main() -> None:
+    args = parse_args()
+    if not args.trace.is_file():
+        sys.exit(f"no trace at {args.trace}: pass --trace PATH (Mooncake's conversation trace, JSONL)")
     requests = load_trace(args.trace, args.limit)
     duration_s = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
     offered = sum(r.num_prompt_tokens for r in requests) / duration_s
     config = SimConfig(num_workers=args.workers, cache_blocks=args.cache_blocks,
                        prefill_tokens_per_s=offered / (args.workers * args.utilization),
                        prefill_overhead_s=0.02, decode_s_per_token=0.03, decode_interference=0.01)
+    replay_blocks, replay_tokens = replay_unlimited(requests)
     print(f"{len(requests)} requests over {duration_s:.0f} s; {args.workers} workers, "
           f"{args.cache_blocks} cached blocks each, prefill {config.prefill_tokens_per_s:.0f} tok/s "
-          f"per worker (utilization {args.utilization} without hits); seed {args.seed}")
+          f"per worker (utilization {args.utilization} without hits); seed {args.seed}; an unlimited cache in "
+          f"trace order (no timing) hits {replay_blocks:.1%} of blocks, {replay_tokens:.1%} of tokens")
     seed = {"seed": args.seed}
-    # (label, policy, options, approximate index, requests carry x-session-affinity)
-    policies: list[tuple[str, PolicyName, dict[str, Any], bool, bool]] = [
-        ("round_robin", PolicyName.ROUND_ROBIN, {}, False, True),
-        ("least_requests", PolicyName.LEAST_REQUESTS, seed, False, True),
-        ("least_tokens", PolicyName.LEAST_TOKENS, seed, False, True),
-        ("power_of_two", PolicyName.POWER_OF_TWO, seed, False, True),
-        ("session_affinity", PolicyName.SESSION_AFFINITY, seed, False, True),
-        ("session_aff. no hdr", PolicyName.SESSION_AFFINITY, seed, False, False),
-        ("prefix_aware precise", PolicyName.PREFIX_AWARE, seed, False, True),
-        ("prefix_aware approx", PolicyName.PREFIX_AWARE, seed, True, True),
-        ("prefix_aware approx+key", PolicyName.PREFIX_AWARE, {**seed, "prefix_key_tokens": 1024}, True, True),
-    ]
+    rows = tier_rows(args, seed) if args.tiers else policy_rows(seed)
     if args.only:
-        policies = [p for p in policies if any(word in p[0] for word in args.only)]
-    header = (f"{'policy':<25}{'hit rate':>9}{'TTFT mean':>11}{'p50':>8}{'p90':>8}{'p99':>8}"
-              f"{'busy max/mean':>15}{'reqs max/mean':>15}{'moved':>7}{'wall':>7}")
-    print(header)
-    print("-" * len(header))
-    hit_rates: dict[str, float] = {}
-    for label, name, options, approximate, send_session_key in policies:
+        rows = [r for r in rows if r.label == UNLIMITED or any(word in r.label for word in args.only)]
+    if args.tiers:
+        print(f"tiers: {tier_steps(args)[-1][1].describe()}")
+    header = (f"{'policy':<38}{'hit rate':>9}{'blocks':>8}{'of unl.':>9}{'TTFT mean':>11}{'p50':>8}{'p90':>8}"
+              f"{'p99':>8}{'busy':>7}{'reqs':>7}{'moved':>6}  {'dev/cpu/disk/store':<16}{'wall':>6}")
+    print(header + "\n" + "-" * len(header))
+    results: dict[str, dict[str, Any]] = {}
+    for spec in rows:
         start = time.perf_counter()
-        sim = Simulation([make_policy(name, options) for _ in range(args.gateways)], config, approximate,
-                         send_session_key, args.approx_capacity, args.seed)
+        sim = Simulation([make_policy(spec.policy, spec.options) for _ in range(args.gateways)], config, spec,
+                         args.approx_capacity, args.seed)
         sim.run(requests)
-        row = summarize(label, sim, time.perf_counter() - start)
-        print(f"{label:<25}{row['hit_rate']:>9.1%}{row['ttft_mean_s']:>10.2f}s{row['ttft_p50_s']:>7.2f}s"
-              f"{row['ttft_p90_s']:>7.2f}s{row['ttft_p99_s']:>7.2f}s{row['busy_imbalance']:>15.2f}"
-              f"{row['request_imbalance']:>15.2f}{row['moved']:>7}{row['wall_s']:>6.1f}s")
+        results[spec.label] = summarize(spec.label, sim, time.perf_counter() - start)
+        print_row(results[spec.label], results.get(UNLIMITED))
         if args.json:
-            print(orjson.dumps(row).decode())
-        hit_rates[label] = row["hit_rate"]
-    if "prefix_aware precise" in hit_rates and "prefix_aware approx" in hit_rates:
-        print(f"approximate reaches {hit_rates['prefix_aware approx'] / hit_rates['prefix_aware precise']:.1%} "
-              "of precise's hit rate")
+            print(orjson.dumps(results[spec.label]).decode())
+    if "prefix_aware precise" in results and "prefix_aware approx" in results:
+        ratio = results["prefix_aware approx"]["hit_rate"] / results["prefix_aware precise"]["hit_rate"]
+        print(f"approximate reaches {ratio:.1%} of precise's hit rate")
+    print_targets(results, rows, replay_blocks)
 
 
 if __name__ == "__main__":
