@@ -1,101 +1,59 @@
-"""Which endpoint holds which KV blocks. Precise: kept from an engine's KV events (our workers'
-`/kv_events`, vLLM's ZMQ stream). Approximate: for an endpoint without events, from the blocks the
-gateway itself routed there (`record_routed`). Bounded: an LRU of at most `max_blocks` hashes per
-endpoint (settable per endpoint: an estimate of its KV capacity). Pure: no I/O here.
+"""Which endpoint holds which KV blocks, on its device or in a KV tier below it (host RAM, local disk,
+the shared store). Precise: kept from an engine's KV events (our workers' `/kv_events`, vLLM's ZMQ
+stream). Approximate: for an endpoint without events, from the blocks the gateway itself routed there
+(`record_routed`). Bounded: per endpoint, an LRU of at most `max_blocks` device blocks (settable: an
+estimate of its KV capacity) and one of at most `max_blocks_per_endpoint` tier blocks. Pure: no I/O here.
 """
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any
 
+from cache.kv_events import CPU, DEVICE, DISK, MEDIA, MEDIUM_BITS, STORE, KvEvent, KvEventBatch, KvEventType
 
-class KvEventType(str, enum.Enum):
-    STORED = "stored"    # the block's KV is now cached on the worker (reusable by a prefix)
-    REMOVED = "removed"  # the block was evicted; a prompt can no longer reuse it there
+_LOCAL_BITS, _STORE_BIT = MEDIUM_BITS[CPU] | MEDIUM_BITS[DISK], MEDIUM_BITS[STORE]
+_INDEX_OF_BIT = {MEDIUM_BITS[medium]: i for i, medium in enumerate(MEDIA)}
 
-
-@dataclass(frozen=True, slots=True)
-class KvEvent:
-    """One event of a worker's `GET /kv_events`, as the worker sends it: its
-    backends/engine/kv_events.KVEvent serialized verbatim, so the field names here ARE the wire
-    names (tests/cache/test_prefix_index.py holds the two dataclasses to the same fields)."""
-
-    seq_no: int               # the worker's event sequence number (from 1, increasing; anew after a reset)
-    kind: KvEventType         # stored or removed
-    block_hash: int           # cache.block_hash chained hash of the block
-    parent_hash: int | None   # the previous block's hash (cache.block_hash.ROOT_HASH for a first block);
-                              # None on removed. The index ignores it: a chained hash already names its prefix.
-    num_tokens: int           # tokens in the block (the worker's block size for stored blocks)
-
-    @classmethod
-    def from_mapping(cls, body: Mapping[str, Any]) -> KvEvent:
-        """Parse one event of `GET /kv_events`; raises ValueError on a malformed one."""
-        seq_no, block_hash = body.get("seq_no"), body.get("block_hash")
-        parent, num_tokens = body.get("parent_hash"), body.get("num_tokens")
-        if not (_is_int(seq_no) and _is_int(block_hash) and (parent is None or _is_int(parent))
-                and _is_int(num_tokens)):
-            raise ValueError(f"malformed KV event: {body!r}")
-        return cls(seq_no, KvEventType(body.get("kind")), block_hash, parent, num_tokens)
-
-    def to_mapping(self) -> dict[str, Any]:
-        """The event as a worker's JSON has it (for fakes and tests that stand in for a worker)."""
-        return {"seq_no": self.seq_no, "kind": self.kind.value, "block_hash": self.block_hash,
-                "parent_hash": self.parent_hash, "num_tokens": self.num_tokens}
-
-
-@dataclass(frozen=True, slots=True)
-class KvEventBatch:
-    events: tuple[KvEvent, ...]  # in sequence order
-    next_seq: int                # pass as `since` on the next poll
-    reset: bool                  # the worker lost its cache (restart) or our `since` is too old
-
-    @classmethod
-    def from_mapping(cls, body: Mapping[str, Any]) -> KvEventBatch:
-        """Parse the JSON body of `GET {endpoint}/kv_events?since=N`: {"events": [...], "next": N, "reset": bool}."""
-        events, next_seq, reset = body.get("events"), body.get("next"), body.get("reset", False)
-        if not isinstance(events, list) or not _is_int(next_seq) or not isinstance(reset, bool):
-            raise ValueError(f"malformed KV event batch: keys {sorted(body)!r}")
-        return cls(tuple(KvEvent.from_mapping(e) for e in events), next_seq, reset)
-
-    def to_mapping(self) -> dict[str, Any]:
-        """The batch as a worker's JSON has it."""
-        return {"events": [e.to_mapping() for e in self.events], "next": self.next_seq, "reset": self.reset}
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
+# A prompt's leading run at one endpoint by the medium each block is read from, in MEDIA order: its
+# device run, then past it the blocks host RAM or the local disk holds, then those the store holds, as
+# backends/kv_tiers/connector.py looks them up; each block read from the fastest tier holding it.
+MatchedByMedium = tuple[int, int, int, int]
+NO_MATCH: MatchedByMedium = (0, 0, 0, 0)
 
 
 class _EndpointBlocks:
-    __slots__ = ("approximate", "bit", "last_seq", "lru", "max_blocks")
+    __slots__ = ("approximate", "bit", "last_seq", "lru", "max_blocks", "tiers")
 
     def __init__(self, bit: int, max_blocks: int) -> None:
         self.approximate = False                            # fed by record_routed, not by events
         self.bit = bit                                      # this endpoint's bit in holder masks
-        self.lru: OrderedDict[int, None] = OrderedDict()    # block hash -> None, oldest first
+        self.lru: OrderedDict[int, None] = OrderedDict()    # device blocks: hash -> None, oldest first
+        self.tiers: OrderedDict[int, int] = OrderedDict()   # tier blocks: hash -> MEDIUM_BITS of its tiers, by age
         self.last_seq = -1                                  # highest event seq applied
-        self.max_blocks = max_blocks                        # LRU bound (the endpoint's KV capacity)
+        self.max_blocks = max_blocks                        # device LRU bound (the endpoint's KV capacity)
 
 
 class PrefixIndex:
-    """Block hashes cached per endpoint. `num_matched_blocks` counts only the LEADING run of a
-    prompt's hashes (chained hashes make a later block useless without all before it)."""
+    """Block hashes cached per endpoint and medium. Matches count only the LEADING run of a prompt's
+    hashes (chained hashes make a later block useless without all before it).
+
+    A block in the shared store can be read by every worker configured with that store, but the index
+    credits it only to the worker whose event announced it (simple, and it never claims a hit another
+    worker cannot have); a store's removals are never announced, so only the tier LRU's bound ages them out."""
 
     def __init__(self, max_blocks_per_endpoint: int = 1 << 16) -> None:
         if max_blocks_per_endpoint < 1:
             raise ValueError("max_blocks_per_endpoint must be >= 1")
         self._max_blocks = max_blocks_per_endpoint
         self._endpoints: dict[str, _EndpointBlocks] = {}
-        self._holders: dict[int, int] = {}  # block hash -> bitmask of endpoints holding it
+        self._holders: dict[int, int] = {}  # block hash -> bitmask of endpoints holding it on their device
         self._free_bits: list[int] = []     # bits of forgotten endpoints, reused first
         self._next_bit = 1
 
     def apply(self, endpoint_id: str, events: Iterable[KvEvent | Mapping[str, Any]]) -> None:
         """Apply events in order; an event whose seq was already applied is skipped, so a
-        re-delivered batch is harmless."""
+        re-delivered batch is harmless. A REMOVED leaves the block in its other media."""
         blocks = self._blocks(endpoint_id)
         for event in events:
             if not isinstance(event, KvEvent):
@@ -103,24 +61,32 @@ class PrefixIndex:
             if event.seq_no <= blocks.last_seq:
                 continue
             blocks.last_seq = event.seq_no
-            if event.kind is KvEventType.STORED:
+            if event.medium != DEVICE:
+                self._tier_event(blocks, event.kind, event.block_hash, MEDIUM_BITS[event.medium])
+            elif event.kind is KvEventType.STORED:
                 self._store(blocks, event.block_hash)
             else:
                 self._remove(blocks, event.block_hash)
 
-    def store(self, endpoint_id: str, block_hashes: Iterable[int]) -> None:
-        """Blocks now cached at `endpoint_id`, most recent last (events without sequence numbers:
-        vLLM's, whose stream the caller orders)."""
+    def store(self, endpoint_id: str, block_hashes: Iterable[int], medium: str = DEVICE) -> None:
+        """Blocks now cached at `endpoint_id` in `medium`, most recent last (events without sequence
+        numbers: vLLM's, whose stream the caller orders)."""
         blocks = self._blocks(endpoint_id)
         for block_hash in block_hashes:
-            self._store(blocks, block_hash)
+            if medium == DEVICE:
+                self._store(blocks, block_hash)
+            else:
+                self._tier_event(blocks, KvEventType.STORED, block_hash, MEDIUM_BITS[medium])
 
-    def remove(self, endpoint_id: str, block_hashes: Iterable[int]) -> None:
-        """Blocks evicted at `endpoint_id`; unknown ones are ignored."""
+    def remove(self, endpoint_id: str, block_hashes: Iterable[int], medium: str = DEVICE) -> None:
+        """Blocks `medium` dropped at `endpoint_id`; unknown ones are ignored."""
         blocks = self._endpoints.get(endpoint_id)
         if blocks is not None:
             for block_hash in block_hashes:
-                self._remove(blocks, block_hash)
+                if medium == DEVICE:
+                    self._remove(blocks, block_hash)
+                else:
+                    self._tier_event(blocks, KvEventType.REMOVED, block_hash, MEDIUM_BITS[medium])
 
     def track_routed(self, endpoint_id: str, max_blocks: int) -> None:
         """Put `endpoint_id` in approximate mode (it publishes no KV events): `record_routed` feeds
@@ -152,7 +118,7 @@ class PrefixIndex:
         return blocks is not None and blocks.approximate
 
     def set_capacity(self, endpoint_id: str, max_blocks: int) -> None:
-        """Bound `endpoint_id`'s LRU at `max_blocks` (at least 1), evicting the oldest beyond it."""
+        """Bound `endpoint_id`'s device LRU at `max_blocks` (at least 1), evicting the oldest beyond it."""
         blocks = self._blocks(endpoint_id)
         blocks.max_blocks = max(1, max_blocks)
         while len(blocks.lru) > blocks.max_blocks:
@@ -170,13 +136,15 @@ class PrefixIndex:
         self.apply(endpoint_id, batch.events)
 
     def reset(self, endpoint_id: str) -> None:
-        """Forget everything the endpoint held (its cache was lost); sequence numbers restart."""
+        """Forget everything the endpoint held, in every medium (its cache was lost, or its events were);
+        sequence numbers restart."""
         blocks = self._endpoints.get(endpoint_id)
         if blocks is None:
             return
         for block_hash in blocks.lru:
             self._unmark(block_hash, blocks.bit)
         blocks.lru.clear()
+        blocks.tiers.clear()
         blocks.last_seq = -1
 
     def forget(self, endpoint_id: str) -> None:
@@ -187,7 +155,7 @@ class PrefixIndex:
             self._free_bits.append(blocks.bit)
 
     def num_matched_blocks(self, endpoint_id: str, block_hashes: Sequence[int]) -> int:
-        """Length of the leading run of `block_hashes` cached at `endpoint_id`."""
+        """Length of the leading run of `block_hashes` cached on `endpoint_id`'s device."""
         blocks = self._endpoints.get(endpoint_id)
         if blocks is None:
             return 0
@@ -200,8 +168,8 @@ class PrefixIndex:
         return n
 
     def matched_blocks(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        """`num_matched_blocks` for every endpoint at once, in one walk of the prompt's hashes;
-        endpoints with no match are left out."""
+        """`num_matched_blocks` (the device run) for every endpoint at once, in one walk of the prompt's
+        hashes; endpoints with no match are left out."""
         matched: dict[str, int] = {}
         alive = -1  # every bit set: all endpoints still match
         depth = 0
@@ -217,7 +185,24 @@ class PrefixIndex:
             self._record(matched, alive, depth)
         return matched
 
+    def matched_blocks_by_medium(self, block_hashes: Sequence[int]) -> dict[str, MatchedByMedium]:
+        """Every endpoint's leading run of `block_hashes` by medium (`MatchedByMedium`): `matched_blocks`'
+        device runs, each followed on through the endpoint's tiers (only endpoints that have tier blocks
+        cost more than the device walk); endpoints with no match in any medium are left out."""
+        device = self.matched_blocks(block_hashes)
+        matched: dict[str, MatchedByMedium] = {}
+        for endpoint_id, blocks in self._endpoints.items():
+            run = device.get(endpoint_id, 0)
+            if blocks.tiers:
+                by_medium = _tier_run(blocks.tiers, block_hashes, run)
+                if any(by_medium):
+                    matched[endpoint_id] = by_medium
+            elif run:
+                matched[endpoint_id] = (run, 0, 0, 0)
+        return matched
+
     def num_blocks(self, endpoint_id: str) -> int:
+        """Blocks indexed on the endpoint's device."""
         blocks = self._endpoints.get(endpoint_id)
         return 0 if blocks is None else len(blocks.lru)
 
@@ -257,9 +242,33 @@ class PrefixIndex:
             del blocks.lru[block_hash]
             self._unmark(block_hash, blocks.bit)
 
+    def _tier_event(self, blocks: _EndpointBlocks, kind: KvEventType, block_hash: int, medium_bit: int) -> None:
+        """A tier took (STORED) or dropped (REMOVED) the block; its other media keep it."""
+        tiers = blocks.tiers
+        if kind is KvEventType.STORED:
+            tiers[block_hash] = tiers.pop(block_hash, 0) | medium_bit  # most recent last
+            if len(tiers) > self._max_blocks:
+                tiers.popitem(last=False)
+        elif media := tiers.get(block_hash, 0) & ~medium_bit:
+            tiers[block_hash] = media
+        else:
+            tiers.pop(block_hash, None)
+
     def _unmark(self, block_hash: int, bit: int) -> None:
         mask = self._holders.get(block_hash, 0) & ~bit
         if mask:
             self._holders[block_hash] = mask
         else:
             self._holders.pop(block_hash, None)
+
+
+def _tier_run(tiers: Mapping[int, int], block_hashes: Sequence[int], num_device: int) -> MatchedByMedium:
+    """`MatchedByMedium` of the leading run whose first `num_device` blocks are on the device, followed
+    on through `tiers` (hash -> MEDIUM_BITS)."""
+    counts = [num_device, 0, 0, 0]
+    n, end, get, index_of_bit = num_device, len(block_hashes), tiers.get, _INDEX_OF_BIT  # locals: per block
+    for reachable in (_LOCAL_BITS, _STORE_BIT):  # the local tiers' run, then the store's
+        while n < end and (media := get(block_hashes[n], 0)) & reachable:
+            counts[index_of_bit[media & -media]] += 1  # read from the fastest tier holding it
+            n += 1
+    return counts[0], counts[1], counts[2], counts[3]

@@ -1,6 +1,7 @@
 """Precise prefix routing in front of vLLM: subscribe to each endpoint's KV event stream (ZMQ PUB/SUB,
 msgpack; vLLM's `--kv-events-config`) and apply it to the prefix index, vLLM's block hashes mapped onto
-ours by `cache.vllm_events.VllmBlockMap`. It only observes; each socket's loop logs its own errors.
+ours by `cache.vllm_events.VllmBlockMap`, each in its medium (the GPU cache, an offload tier). It only
+observes; each socket's loop logs its own errors.
 
 Who binds: vLLM binds when its endpoint is a wildcard (`tcp://*:5557`) or ipc/inproc, so we connect
 (to the HTTP endpoint's host); for `tcp://HOST:PORT` its publisher connects, so we bind that address and
@@ -159,15 +160,15 @@ class KvEventConsumer:
 
 def apply_batch(index: PrefixIndex, endpoint_id: str, block_map: VllmBlockMap, payload: bytes) -> None:
     """Decode one vLLM event batch and apply it to `endpoint_id`'s blocks, in order."""
-    from cache.vllm_events import VllmEventType, decode_batch, is_engine_cache
+    from cache.vllm_events import VllmEventType, decode_batch, medium_of
     _, events = decode_batch(payload)
     for event in events:
-        if event.type is VllmEventType.CLEARED:
+        if event.type is VllmEventType.CLEARED:  # its tiers' blocks are forgotten too: that only costs hits
             index.reset(endpoint_id)
             block_map.clear()
-        elif not is_engine_cache(event):
+        elif (medium := medium_of(event)) is None:  # a medium we cannot rank
             continue
         elif event.type is VllmEventType.STORED:
-            index.store(endpoint_id, block_map.stored(event))
+            index.store(endpoint_id, block_map.stored(event, medium), medium)
         else:
-            index.remove(endpoint_id, block_map.removed(event.block_hashes))
+            index.remove(endpoint_id, block_map.removed(event.block_hashes, medium), medium)

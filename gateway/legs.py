@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from cache.prefix_index import PrefixIndex
+from cache.prefix_index import NO_MATCH, MatchedByMedium, PrefixIndex
 from gateway.breaker import CircuitBreaker, eligible
 from gateway.config import Pool
 from gateway.fallback import RetryableFailure
@@ -75,7 +75,7 @@ class Legs:
             candidates = self._candidates(progress, pool)
             if not candidates:
                 return None
-            matched = self._prefix_index.matched_blocks(facts.block_hashes) if facts.block_hashes else {}
+            matched = self._prefix_index.matched_blocks_by_medium(facts.block_hashes) if facts.block_hashes else {}
             decision = policy.select(facts, [self._state(b.endpoint_id, matched) for b in candidates])
         if decision is None:
             return None
@@ -98,11 +98,12 @@ class Legs:
         await self.pin_session(progress, decision)
         return endpoint, decision
 
-    def _state(self, endpoint_id: str, matched: Mapping[str, int]) -> EndpointState:
+    def _state(self, endpoint_id: str, matched: Mapping[str, MatchedByMedium]) -> EndpointState:
         endpoint = self._registry.endpoints[endpoint_id]
         num_requests, num_prefill, num_decode = self._tracker.snapshot(endpoint_id)
+        by_medium = matched.get(endpoint_id, NO_MATCH)
         return EndpointState(endpoint_id, endpoint.healthy, num_requests, num_prefill, num_decode,
-                             matched.get(endpoint_id, 0), self._tracker.kv_free_fraction(endpoint_id))
+                             by_medium[0], self._tracker.kv_free_fraction(endpoint_id), by_medium[1:])
 
     def pool(self, provider_name: str, pool: Pool = Pool.MAIN) -> list[Endpoint]:
         """One of a provider's pools of endpoints."""

@@ -16,7 +16,8 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 import aiohttp
 import orjson
 
-from cache.prefix_index import KvEventBatch, PrefixIndex
+from cache.kv_events import KvEventBatch
+from cache.prefix_index import PrefixIndex
 from gateway.breaker import CircuitBreaker, CircuitState
 from gateway.config import GatewayConfig, Pool, ProviderConfig
 from gateway.load import LoadReport, LoadTracker

@@ -38,8 +38,11 @@ class EndpointState:
     num_requests: int                # requests in flight from this gateway (and peers, when shared)
     num_prefill_tokens: int          # prompt tokens still to prefill there
     num_decode_tokens: int           # output tokens still to decode there
-    num_matched_blocks: int          # leading blocks of THIS request's prompt cached there (prefix index)
+    num_matched_blocks: int          # leading blocks of THIS request's prompt cached on its device (prefix index)
     kv_free_fraction: float | None   # from the worker's load report, when it has one
+    # The prompt's leading run past `num_matched_blocks` that its KV tiers hold, as (cpu, disk, store) blocks
+    # by the medium each is read from (cache.prefix_index.MatchedByMedium).
+    num_tier_matched_blocks: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass(frozen=True, slots=True)

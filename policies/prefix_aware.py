@@ -1,8 +1,10 @@
 """Cache-aware routing (after sgl-router's cache_aware policy): among the endpoints within a load
-bound, maximize prompt tokens already cached there minus `alpha` x tokens in flight. When no candidate
-holds any of the prompt's leading blocks: with `prefix_key_tokens`, the ring home (within the bound) of a
-key from the prompt's prefix, so gateway processes whose indexes differ still agree where a new prefix
-goes; otherwise least_tokens.
+bound, maximize prompt tokens already cached there minus `alpha` x tokens in flight. A token read back
+from a KV tier rather than found on the device counts at its medium's weight (`cpu_weight`, `disk_weight`,
+`store_weight`, at most 1: reading it back costs time a device hit does not). When no candidate holds any
+of the prompt's leading blocks: with `prefix_key_tokens`, the ring home (within the bound) of a key from
+the prompt's prefix, so gateway processes whose indexes differ still agree where a new prefix goes;
+otherwise least_tokens.
 """
 from __future__ import annotations
 
@@ -27,9 +29,19 @@ class PrefixAwareConfig:
     seed: int | None = None       # seeds the tie-breaking RNG (tests)
     prefix_key_tokens: int = 0    # cold prompt: the ring home of its first N tokens' key (0: least_tokens)
     num_virtual_nodes: int = 100  # ring points per endpoint, for prefix_key_tokens
+    # A cached token's worth when it is read back from that KV tier, against 1.0 on the device. Defaults:
+    # a guess at the share of its prefill that a read from host RAM, a local disk or the shared store
+    # saves; no measurement behind them yet.
+    cpu_weight: float = 0.8
+    disk_weight: float = 0.5
+    store_weight: float = 0.3
 
     def __post_init__(self) -> None:
         check_number("alpha", self.alpha, minimum=0.0)
+        for name in ("cpu_weight", "disk_weight", "store_weight"):
+            check_number(name, getattr(self, name), minimum=0.0)
+            if getattr(self, name) > 1.0:  # a tier hit must never outrank a device hit of the same length
+                raise ValueError(f"policy option {name!r} must be <= 1, got {getattr(self, name)!r}")
         for name in ("prefix_key_tokens", "num_virtual_nodes"):
             check_number(name, getattr(self, name), minimum=0 if name == "prefix_key_tokens" else 1)
             if not isinstance(getattr(self, name), int):
@@ -48,6 +60,7 @@ class PrefixAwarePolicy:
         # score = cached prompt tokens - alpha x weighted tokens in flight, terms precomputed
         self._alpha_prefill = config.alpha * config.prefill_weight
         self._alpha_decode = config.alpha * config.decode_weight
+        self._tier_weights = (config.cpu_weight, config.disk_weight, config.store_weight)
         self._fallback = LeastTokensPolicy(LeastTokensConfig(
             prefill_weight=config.prefill_weight, decode_weight=config.decode_weight,
             seed=None if config.seed is None else config.seed + 1))
@@ -59,7 +72,7 @@ class PrefixAwarePolicy:
 
     def select(self, request: RequestFacts, endpoints: Sequence[EndpointState]) -> Decision | None:
         within = within_load_bound(endpoints, self._weights, self._config.load_factor)
-        best = max((e.num_matched_blocks for e in within), default=0)
+        best = max((e.num_matched_blocks + sum(e.num_tier_matched_blocks) for e in within), default=0)
         if best == 0 or best < self._num_key_blocks(request):
             return self._cold(request, endpoints, within)
         # The block size comes with the request's hashes, so it can never disagree with them.
@@ -67,7 +80,8 @@ class PrefixAwarePolicy:
         chosen = pick_least(within, lambda e: self._negative_score(e, block_size), self._rng)
         if chosen is None:  # unreachable: `within` holds a healthy endpoint
             return None
-        reason = DecisionReason.PREFIX_HIT if chosen.num_matched_blocks > 0 else DecisionReason.BALANCED
+        hit = chosen.num_matched_blocks > 0 or any(chosen.num_tier_matched_blocks)
+        reason = DecisionReason.PREFIX_HIT if hit else DecisionReason.BALANCED
         return Decision(chosen.endpoint_id, reason, None)
 
     def _num_key_blocks(self, request: RequestFacts) -> int:
@@ -89,6 +103,11 @@ class PrefixAwarePolicy:
         return Decision(chosen, DecisionReason.PREFIX_AFFINITY, None)
 
     def _negative_score(self, endpoint: EndpointState, block_size: int) -> float:
+        cached_blocks: float = endpoint.num_matched_blocks
+        num_cpu, num_disk, num_store = endpoint.num_tier_matched_blocks
+        if num_cpu or num_disk or num_store:  # most endpoints hold none of it in a tier: skip the products
+            cpu_weight, disk_weight, store_weight = self._tier_weights
+            cached_blocks += cpu_weight * num_cpu + disk_weight * num_disk + store_weight * num_store
         return (self._alpha_prefill * endpoint.num_prefill_tokens
                 + self._alpha_decode * endpoint.num_decode_tokens
-                - endpoint.num_matched_blocks * block_size)
+                - cached_blocks * block_size)

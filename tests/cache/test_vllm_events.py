@@ -8,7 +8,8 @@ import msgpack
 import pytest
 
 from cache.block_hash import block_hashes
-from cache.vllm_events import VllmBlockMap, VllmEvent, VllmEventType, decode_batch, is_engine_cache
+from cache.kv_events import CPU, DEVICE, DISK, STORE
+from cache.vllm_events import VllmBlockMap, VllmEvent, VllmEventType, decode_batch, medium_of
 
 
 def vllm_hash(parent: bytes | None, tokens: list[int]) -> bytes:
@@ -89,7 +90,38 @@ def test_int_hashes_unknown_types_and_media() -> None:
              "token_ids": list(range(16)), "block_size": 16, "lora_id": None, "medium": "CPU"}
     _, events = decode_batch(batch(event, {"type": "SomethingNew", "x": 1}))
     assert len(events) == 1 and events[0].block_hashes == (12345,)
-    assert not is_engine_cache(events[0])  # an offload tier: not the engine's own cache
+    assert medium_of(events[0]) == CPU  # vLLM's CPU offload tier
+
+
+@pytest.mark.parametrize(("medium", "locality", "expected"), [
+    (None, None, DEVICE), ("GPU", None, DEVICE), ("gpu", None, DEVICE),
+    ("CPU", None, CPU), ("cpu", "LOCAL", CPU),                             # Mooncake's store connector says "cpu"
+    ("STORAGE", "LOCAL", DISK), ("STORAGE", "REMOTE", STORE), ("STORAGE", None, STORE),
+    ("disk", None, DISK), ("store", None, STORE),
+    ("NVME_OF", None, None), ("LMCACHE", "LOCAL", None),                   # media we cannot rank: skipped
+])
+def test_medium_of(medium: str | None, locality: str | None, expected: str | None) -> None:
+    removed = {"type": "BlockRemoved", "block_hashes": [1], "medium": medium, "locality": locality}
+    (event,) = decode_batch(batch(removed))[1]
+    assert (event.locality, medium_of(event)) == (locality, expected)
+
+
+def test_a_block_stays_mapped_while_a_tier_holds_it() -> None:
+    """vLLM evicts a block from the GPU and later from its CPU tier (same vLLM hash): the second removal
+    must still map onto our hashes, and an offload tier's placeholder store (no metadata) maps nothing
+    without failing the batch it came in."""
+    event, hashes = stored_event(list(range(32)), 16)
+    block_map = VllmBlockMap(block_size=16)
+    (gpu,) = decode_batch(batch(event))[1]
+    ours = block_map.stored(gpu)
+    assert block_map.stored(gpu, CPU) == ours  # offloaded: the same blocks, now in host RAM too
+    assert block_map.removed(hashes, DEVICE) == ours
+    assert block_map.removed(hashes, CPU) == ours
+    assert block_map.removed(hashes, CPU) == [] and len(block_map) == 0  # no medium holds them: forgotten
+    placeholder = {"type": "BlockStored", "block_hashes": [9], "parent_block_hash": None, "token_ids": [],
+                   "block_size": 0, "lora_id": None, "medium": "CPU"}
+    _, (p, g) = decode_batch(batch(placeholder, event))
+    assert block_map.stored(p, CPU) == [] and block_map.stored(g) == ours
 
 
 def test_block_map_is_bounded() -> None:

@@ -56,6 +56,26 @@ def stored(tokens: list[int], first_hash: int = 1) -> dict:
             "parent_block_hash": None, "token_ids": tokens, "block_size": 16, "medium": "GPU"}
 
 
+def test_offload_tier_events_land_in_their_medium() -> None:
+    """vLLM's CPU offload (medium CPU) and storage tiers (STORAGE, LOCAL: our disk) are indexed in their
+    medium; a GPU eviction leaves the CPU copy; a medium we cannot rank is skipped."""
+    cfg = parse_config(config("{http://127.0.0.1:8001: {endpoint: 'tcp://127.0.0.1:5557', topic: a}}"), {})
+    index = PrefixIndex()
+    stream = EngineStream("http://127.0.0.1:8001", VllmBlockMap(16))
+    apply = KvEventConsumer(cfg, index).apply_frames
+    prompt = list(range(64))
+    ours = block_hashes(prompt, 16)
+    apply(frames(b"a", 1, stored(prompt), {**stored(prompt[:32]), "medium": "CPU"},
+                 {**stored(prompt), "medium": "STORAGE", "locality": "LOCAL"},
+                 {**stored(list(range(500, 532)), 90), "medium": "NVME_OF"}), {b"a": stream})
+    assert index.matched_blocks_by_medium(ours) == {stream.endpoint_id: (4, 0, 0, 0)}
+    assert index.matched_blocks_by_medium(block_hashes(list(range(500, 532)), 16)) == {}
+    apply(frames(b"a", 2, {"type": "BlockRemoved", "block_hashes": [1, 2, 3, 4], "medium": "GPU"}), {b"a": stream})
+    assert index.matched_blocks_by_medium(ours) == {stream.endpoint_id: (0, 2, 2, 0)}
+    apply(frames(b"a", 3, {"type": "BlockRemoved", "block_hashes": [1], "medium": "CPU"}), {b"a": stream})
+    assert index.matched_blocks_by_medium(ours) == {stream.endpoint_id: (0, 1, 3, 0)}  # block 1 from disk
+
+
 def test_sequence_restart_gaps_and_clears() -> None:
     cfg = parse_config(config("{http://127.0.0.1:8001: {endpoint: 'tcp://127.0.0.1:5557', topic: a}}"), {})
     index = PrefixIndex()

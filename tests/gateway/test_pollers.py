@@ -37,6 +37,28 @@ async def test_kv_events_steer_prefix_aware_routing(start_fakes, start_gateway) 
     assert metric(gateway, "switchyard_poll_failures_total", poller="kv_events") == 0
 
 
+async def test_a_device_hit_outranks_a_tier_hit_of_the_same_length(start_fakes, start_gateway) -> None:
+    """Our workers' events name the medium: the same 4 blocks on a's device, in b's host RAM and on c's disk
+    go to a; with only b's and c's copies, to b; 2 blocks on a's device lose to 4 in b's RAM (0.8 x 4 > 2)."""
+    fakes = start_fakes("a", "b", "c")
+    config = gateway_config({"p": [f.url for f in fakes]}, policy="prefix_aware")
+    config["providers"]["p"]["offers_kv_events"] = True
+    gateway = start_gateway(config)
+    prompts = [list(range(k * 1000, k * 1000 + 64)) for k in range(3)]  # 4 blocks of 16 each
+    first, second, third = (block_hashes(p, 16) for p in prompts)
+    fakes[0].control(kv_stored=first)
+    fakes[0].control(kv_stored=third[:2])
+    for fake, medium in ((fakes[1], "cpu"), (fakes[2], "disk")):
+        for hashes in (first, second, third):
+            fake.control(kv_stored=hashes, kv_medium=medium)
+    await await_until(lambda: [(f.stats()["kv_since"] or 0) for f in fakes] == [6, 12, 12],
+                      "the kv events to be applied")
+    async with aiohttp.ClientSession() as client:
+        served = [await served_by(client, gateway.url, {"model": "m", "prompt": p}) for p in prompts]
+    assert served == ["a", "b", "b"]
+    assert metric(gateway, "switchyard_routing_decisions_total", reason="prefix_hit") == 3
+
+
 async def test_a_malformed_kv_events_poll_is_a_warning_and_a_counted_failure(start_fakes, start_gateway) -> None:
     fake, = start_fakes("a")
     # The field names the gateway once expected, which no worker sends: every poll of them fails.

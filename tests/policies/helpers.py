@@ -4,9 +4,10 @@ from __future__ import annotations
 from policies.base import EndpointState, RequestFacts
 
 
-def ep(endpoint_id: str, *, healthy: bool = True, requests: int = 0, prefill: int = 0,
-       decode: int = 0, matched: int = 0, kv_free: float | None = None) -> EndpointState:
-    return EndpointState(endpoint_id, healthy, requests, prefill, decode, matched, kv_free)
+def ep(endpoint_id: str, *, healthy: bool = True, requests: int = 0, prefill: int = 0, decode: int = 0,
+       matched: int = 0, kv_free: float | None = None, tiers: tuple[int, int, int] = (0, 0, 0)) -> EndpointState:
+    """`matched`: device blocks; `tiers`: the (cpu, disk, store) blocks of the run past them."""
+    return EndpointState(endpoint_id, healthy, requests, prefill, decode, matched, kv_free, tiers)
 
 
 def fleet(n: int, **kwargs: object) -> list[EndpointState]:

@@ -1,4 +1,5 @@
-"""prefix_aware: cached prompt blocks against load, within a load bound; least_tokens otherwise."""
+"""prefix_aware: cached prompt blocks (a KV tier's at a discount) against load, within a load bound;
+least_tokens otherwise."""
 from __future__ import annotations
 
 import pytest
@@ -34,6 +35,43 @@ def select(endpoints, block_size=16, **options):
 def test_choice_table(options, endpoints, expected, reason) -> None:
     d = select(endpoints, **options)
     assert (d.endpoint_id, d.reason, d.session_moved_from) == (expected, reason, None)
+
+
+@pytest.mark.parametrize(("options", "endpoints", "expected"), [
+    # the same run of 6 blocks: device > cpu > disk > store (weights 1, 0.8, 0.5, 0.3)
+    ({}, [ep("store", tiers=(0, 0, 6)), ep("disk", tiers=(0, 6, 0)), ep("cpu", tiers=(6, 0, 0)), ep("dev", matched=6)],
+     "dev"),
+    ({}, [ep("store", tiers=(0, 0, 6)), ep("disk", tiers=(0, 6, 0)), ep("cpu", tiers=(6, 0, 0))], "cpu"),
+    ({}, [ep("store", tiers=(0, 0, 6)), ep("disk", tiers=(0, 6, 0)), ep("none")], "disk"),
+    ({}, [ep("store", tiers=(0, 0, 6)), ep("none")], "store"),
+    # device run + the tier blocks past it add up: 2 + 0.8 x 4 = 5.2 blocks beat 5 on the device...
+    ({}, [ep("dev", matched=5), ep("both", matched=2, tiers=(4, 0, 0))], "both"),
+    # ...and a long tier run beats a short device run: 0.8 x 8 = 6.4 > 4...
+    ({}, [ep("dev", matched=4), ep("cpu", tiers=(8, 0, 0))], "cpu"),
+    # ...unless its weight says reading it back costs more: 0.4 x 8 = 3.2 < 4
+    ({"cpu_weight": 0.4}, [ep("dev", matched=4), ep("cpu", tiers=(8, 0, 0))], "dev"),
+    # a disk hit outweighs less load than a device hit: 0.5 x 10 x 16 = 80 < 0.5 x 200 in flight < 160
+    ({"load_factor": 10.0}, [ep("disk", tiers=(0, 10, 0), decode=200), ep("idle")], "idle"),
+    ({"load_factor": 10.0}, [ep("dev", matched=10, decode=200), ep("idle")], "dev"),
+])
+def test_tier_hits_are_discounted(options, endpoints, expected) -> None:
+    d = select(endpoints, **options)
+    assert d.endpoint_id == expected
+    hit = any(e.num_matched_blocks or any(e.num_tier_matched_blocks) for e in endpoints if e.endpoint_id == expected)
+    assert d.reason is (DecisionReason.PREFIX_HIT if hit else DecisionReason.BALANCED)
+
+
+def test_tier_weights_are_checked_and_a_tier_hit_counts_for_the_prefix_key() -> None:
+    for bad in ({"cpu_weight": 1.5}, {"disk_weight": -0.1}, {"store_weight": "0.3"}):
+        with pytest.raises(ValueError):
+            make_policy(PolicyName.PREFIX_AWARE, bad)
+    policy = make_policy(PolicyName.PREFIX_AWARE, {"seed": 0, "cpu_weight": 1.0})
+    picks = {policy.select(facts(hashes=(1, 2, 3)), [ep("a", matched=3), ep("b", tiers=(3, 0, 0))]).endpoint_id
+             for _ in range(50)}
+    assert picks == {"a", "b"}  # weight 1: as good as the device
+    keyed = make_policy(PolicyName.PREFIX_AWARE, {"seed": 0, "prefix_key_tokens": 32})  # 2 blocks of 16
+    d = keyed.select(facts(hashes=(1, 2, 3)), [ep("a", matched=1, tiers=(0, 1, 0)), ep("b"), ep("c")])
+    assert (d.endpoint_id, d.reason) == ("a", DecisionReason.PREFIX_HIT)  # holds both key blocks, one on disk
 
 
 def test_equal_hits_share_the_load() -> None:

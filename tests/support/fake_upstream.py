@@ -10,7 +10,7 @@ a gate; each pass takes one permit (POST /control {"release": {name: n}}); GET /
 many requests wait at each gate.
 GET /stats reports what it received, so tests can count upstream hits.
 GET /kv_events answers as a worker does (backends/server/ops_routes.py); its events are built by
-cache.prefix_index.KvEvent, the parser's own schema, so the fake cannot drift from what the gateway reads
+cache.kv_events.KvEvent, the parser's own schema, so the fake cannot drift from what the gateway reads
 (tests/cache/test_prefix_index.py holds that schema to the worker's).
 PD mode (`--role prefill|decode`) follows docs/disaggregation.md; see `_pd_prefill` / `_pd_decode`.
 """
@@ -33,7 +33,7 @@ import orjson
 from aiohttp import web
 
 from cache.block_hash import ROOT_HASH
-from cache.prefix_index import KvEvent, KvEventType
+from cache.kv_events import DEVICE, KvEvent, KvEventType
 from tests.support.ports import free_port
 from tests.support.wait import wait_until
 
@@ -303,14 +303,15 @@ def _seq_no(event: dict[str, Any]) -> int | None:
     return seq_no if isinstance(seq_no, int) else None
 
 
-def _append_kv_events(state: FakeState, kind: KvEventType, block_hashes: list[int], block_size: int) -> None:
+def _append_kv_events(state: FakeState, kind: KvEventType, block_hashes: list[int], block_size: int,
+                      medium: str) -> None:
     """Events for blocks as a worker emits them: stored blocks form one chain (the first one's parent
     is ROOT_HASH), removed ones have no parent; seq_no goes on from the last."""
     seq_no = max((n for n in map(_seq_no, state.kv_events) if n is not None), default=0)
     parent: int | None = ROOT_HASH if kind is KvEventType.STORED else None
     for block_hash in block_hashes:
         seq_no += 1
-        state.kv_events.append(KvEvent(seq_no, kind, block_hash, parent, block_size).to_mapping())
+        state.kv_events.append(KvEvent(seq_no, kind, block_hash, parent, block_size, medium).to_mapping())
         if kind is KvEventType.STORED:
             parent = block_hash
 
@@ -328,6 +329,7 @@ async def stats(request: web.Request) -> web.Response:
 async def control(request: web.Request) -> web.Response:
     """POST {"behaviour": {...}, "times": N (then back to {}), "healthy": bool, "load_report": {...},
     "kv_stored": [block hashes of one prompt, in order], "kv_removed": [block hashes], "kv_block_size": 16,
+    "kv_medium": "device" (or "cpu", "disk", "store": where kv_stored/kv_removed happen),
     "kv_events": [raw events, served verbatim], "reset_stats": true, "release": {gate: permits}}."""
     state: FakeState = request.app["state"]
     body = await request.json()
@@ -341,7 +343,7 @@ async def control(request: web.Request) -> web.Response:
         state.kv_events.extend(body["kv_events"])
     for key, kind in (("kv_stored", KvEventType.STORED), ("kv_removed", KvEventType.REMOVED)):
         if key in body:
-            _append_kv_events(state, kind, body[key], body.get("kv_block_size", 16))
+            _append_kv_events(state, kind, body[key], body.get("kv_block_size", 16), body.get("kv_medium", DEVICE))
     if body.get("reset_stats"):
         state.num_requests, state.request_ids, state.models = 0, [], []
     for name, permits in body.get("release", {}).items():
