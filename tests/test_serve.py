@@ -3,10 +3,12 @@ gateway (switchyard-pd), the unchanged OpenAI SDK gets a chat completion through
 every child process."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -44,27 +46,53 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+@contextlib.contextmanager
+def serving(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """`switchyard serve ARGS` with its log in tmp_path; on exit, whatever the test left running (it
+    failed before `stop_with_sigint`) is killed, children included."""
+    log_path = tmp_path / "serve.log"
+    log = log_path.open("wb")
+    proc = subprocess.Popen([str(SWITCHYARD), "serve", *args], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield proc, log_path
+    finally:
+        children = children_of(proc.pid) if proc.poll() is None else set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+        for pid in children:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def stop_with_sigint(proc: subprocess.Popen[bytes], log_path: Path) -> set[int]:
+    """SIGINT the launcher; it must exit 0 and leave none of its children running."""
+    children = children_of(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 0, log_path.read_text()
+    leftover = {pid for pid in children if alive(pid)}
+    for pid in leftover:
+        os.kill(pid, signal.SIGKILL)
+    assert not leftover, f"children still running after SIGINT: {leftover}\n{log_path.read_text()}"
+    return children
+
+
 def test_serve_answers_the_openai_sdk_and_sigint_stops_everything(tmp_path: Path) -> None:
     port = free_port()
-    log = (tmp_path / "serve.log").open("wb")
     # No prefix cache: the streamed request below then runs exactly the steps the first one ran.
-    proc = subprocess.Popen([str(SWITCHYARD), "serve", "--port", str(port), "--worker-arg=--threads=1",
-                             "--worker-arg=--num-blocks=64", "--worker-arg=--no-prefix-caching"],
-                            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-    children: set[int] = set()
+    with serving(tmp_path, "--port", str(port), "--worker-arg=--threads=1", "--worker-arg=--num-blocks=64",
+                 "--worker-arg=--no-prefix-caching") as (proc, log_path):
+        def ready() -> bool:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
+                    return r.status == 200
+            except OSError:
+                return False
 
-    def ready() -> bool:
-        assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    try:
         wait_until(ready, "switchyard serve to be ready", timeout_s=240)
-        children = children_of(proc.pid)
-        assert len(children) >= 3   # prefill worker, decode worker, gateway
+        assert len(children_of(proc.pid)) >= 3   # prefill worker, decode worker, gateway
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         reply = client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0)
@@ -76,48 +104,22 @@ def test_serve_answers_the_openai_sdk_and_sigint_stops_everything(tmp_path: Path
         # first request's shapes through the same kernels on the same machine (--threads=1 everywhere)
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert streamed == reply.choices[0].message.content
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-        leftover = {pid for pid in children if alive(pid)}
-        for pid in leftover:
-            os.kill(pid, signal.SIGKILL)
-    assert not leftover, f"children still running after SIGINT: {leftover}\n{(tmp_path / 'serve.log').read_text()}"
+        stop_with_sigint(proc, log_path)
 
 
 def test_serve_kv_store_starts_a_master_every_worker_shares(tmp_path: Path) -> None:
-    port = free_port()
-    log_path = tmp_path / "serve.log"
-    log = log_path.open("wb")
-    proc = subprocess.Popen([str(SWITCHYARD), "serve", "--port", str(port), "--prefill-workers", "0",
-                             "--decode-workers", "0", "--both-workers", "2", "--kv-store",
-                             "--worker-arg=--threads=1", "--worker-arg=--num-blocks=64"],
-                            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-    children: set[int] = set()
-    try:
+    with serving(tmp_path, "--port", str(free_port()), "--prefill-workers", "0", "--decode-workers", "0",
+                 "--both-workers", "2", "--kv-store", "--worker-arg=--threads=1",
+                 "--worker-arg=--num-blocks=64") as (proc, log_path):
         wait_until(lambda: b"switchyard is serving" in log_path.read_bytes() or proc.poll() is not None,
                    "switchyard serve to be ready", timeout_s=240)
         assert proc.poll() is None, log_path.read_text()
-        children = children_of(proc.pid)
         text = log_path.read_text()
         assert "Mooncake Store master" in text
         workers = text.split("(workers: ")[1].split(")")[0].split(", ")
+        assert len(workers) == 2
         for url in workers:
             with urllib.request.urlopen(url + "/load", timeout=5) as r:
                 tiers = {t["medium"]: t for t in orjson.loads(r.read())["kv_tiers"]}
             assert tiers["store"]["up"], url
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0, log_path.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-        leftover = {pid for pid in children if alive(pid)}
-        for pid in leftover:
-            os.kill(pid, signal.SIGKILL)
-    assert not leftover, f"children still running after SIGINT: {leftover}\n{log_path.read_text()}"
+        assert len(stop_with_sigint(proc, log_path)) >= 4   # the master, two workers, the gateway

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,6 +51,16 @@ class KVTier(Protocol):
     def usage(self) -> TierUsage: ...
 
     def close(self) -> None: ...
+
+
+def leading_run(held: Container[int], block_hashes: Sequence[int]) -> int:
+    """How many of `block_hashes`, from the first, are in `held` (a tier's index)."""
+    n = 0
+    for block_hash in block_hashes:
+        if block_hash not in held:
+            break
+        n += 1
+    return n
 
 
 def namespace(model_name: str, layout: KVLayout) -> str:

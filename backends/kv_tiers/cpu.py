@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from backends.engine.kv_events import CPU
-from backends.kv_tiers.base import TierUsage
+from backends.kv_tiers.base import TierUsage, leading_run
 
 Spill = Callable[[int, memoryview], object]     # (block hash, its bytes): write it one tier down
 Removed = Callable[[int], None]                 # a block hash this tier no longer holds
@@ -45,12 +45,7 @@ class CpuTier:
 
     def leading_hits(self, block_hashes: Sequence[int]) -> int:
         with self._lock:
-            n = 0
-            for block_hash in block_hashes:
-                if block_hash not in self._index:
-                    break
-                n += 1
-            return n
+            return leading_run(self._index, block_hashes)
 
     def get(self, block_hash: int, out: memoryview) -> bool:
         with self._lock:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from backends.engine.kv_events import DISK
-from backends.kv_tiers.base import HEADER_BYTES, TierUsage, frame, unframe
+from backends.kv_tiers.base import HEADER_BYTES, TierUsage, frame, leading_run, unframe
 
 log = logging.getLogger(__name__)
 _SUFFIX = ".kv"
@@ -67,12 +67,7 @@ class DiskTier:
 
     def leading_hits(self, block_hashes: Sequence[int]) -> int:
         with self._lock:
-            n = 0
-            for block_hash in block_hashes:
-                if block_hash not in self._index:
-                    break
-                n += 1
-            return n
+            return leading_run(self._index, block_hashes)
 
     def get(self, block_hash: int, out: memoryview) -> bool:
         with self._lock:

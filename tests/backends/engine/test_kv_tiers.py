@@ -5,7 +5,7 @@ greedy `generate`; a corrupt block is recomputed; no block leaks."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -59,6 +59,15 @@ def run_all(engine: LLMEngine, max_idle_waits: int = 200) -> dict[str, list[Sequ
             assert idle <= max_idle_waits and woken.wait(timeout=30), "a KV tier load never ended"
             woken.clear()
     return outs
+
+
+def gated(method: Callable[[int, memoryview], bool], gate: threading.Event) -> Callable[[int, memoryview], bool]:
+    """A tier method that waits for `gate` before it runs (a stuck disk, a slow read)."""
+    def wait_then_call(block_hash: int, buf: memoryview) -> bool:
+        gate.wait(timeout=30)
+        return method(block_hash, buf)
+
+    return wait_then_call
 
 
 def greedy(n: int) -> SamplingParams:
@@ -174,13 +183,7 @@ def test_abort_during_a_load_frees_its_blocks_once_the_load_ends(make_engine) ->
     evict_prefix(engine, CPU, 4)
     cpu = engine.kv_tiers.local[0]
     release = threading.Event()
-    real_get = cpu.get
-
-    def slow_get(block_hash: int, out: memoryview) -> bool:
-        release.wait(timeout=30)
-        return real_get(block_hash, out)
-
-    cpu.get = slow_get
+    cpu.get = gated(cpu.get, release)
     engine.add_request("b", shared + prompt(3, 5), greedy(4))
     engine.step()                                   # admitted; its load waits in the loader thread
     assert engine.scheduler.waiting_for_remote_kv
@@ -196,13 +199,7 @@ def test_a_full_write_queue_drops_blocks_instead_of_waiting(make_engine) -> None
     engine, _ = make_engine(kv_cpu_bytes=64 * BLOCK_BYTES, kv_write_queue_blocks=1)
     cpu = engine.kv_tiers.local[0]
     release = threading.Event()
-    real_put = cpu.put
-
-    def stuck_put(block_hash: int, data: memoryview) -> bool:
-        release.wait(timeout=30)
-        return real_put(block_hash, data)
-
-    cpu.put = stuck_put
+    cpu.put = gated(cpu.put, release)
     engine.add_request("a", prompt(1, 4 * BLOCK + 7), greedy(1))
     run_all(engine)
     for i in range(2):                               # evicts cached blocks while the writer is stuck
