@@ -20,6 +20,7 @@ from backends.worker.model_runner import ModelRunner
 from tests.backends.engine.runner_view import RunnerView
 from tests.backends.engine.test_engine_model import hf_greedy, prompt, rel_err, tokens
 from tests.backends.numerics import assert_mostly_clear, assert_same_tokens, choices, logit_tolerance
+from tests.support.mooncake import Master
 from tests.support.wait import wait_until
 
 BLOCK = 16
@@ -41,6 +42,15 @@ def make_engine(smollm2_runner: ModelRunner, smollm2_dir: Path) -> Iterator:
     yield make
     for engine in engines:
         engine.close()
+
+
+@pytest.fixture
+def mooncake_master(tmp_path: Path) -> Iterator[Master]:
+    pytest.importorskip("mooncake.store", reason="pip install mooncake-transfer-engine-non-cuda (make setup)")
+    master = Master(tmp_path)
+    master.start()
+    yield master
+    master.kill()
 
 
 def run_all(engine: LLMEngine, max_idle_waits: int = 200) -> dict[str, list[SequenceOutput]]:
@@ -91,8 +101,9 @@ def evict_prefix(engine: LLMEngine, medium: str, num_blocks: int) -> None:
     wait_until(lambda: engine.kv_tiers.written[medium] >= num_blocks, f"{num_blocks} blocks written to {medium}")
 
 
-@pytest.mark.parametrize("tiers", ["cpu", "disk", "cpu+disk"])
+@pytest.mark.parametrize("tiers", ["cpu", "disk", "cpu+disk", "store"])
 def test_prefix_restored_from_a_tier_matches_transformers(make_engine, tmp_path: Path, tiers: str,
+                                                          request: pytest.FixtureRequest,
                                                           hf_smollm2: torch.nn.Module,
                                                           hf_smollm2_f64: torch.nn.Module) -> None:
     kw: dict[str, object] = {}
@@ -100,19 +111,21 @@ def test_prefix_restored_from_a_tier_matches_transformers(make_engine, tmp_path:
         kw["kv_cpu_bytes"] = (2 if "disk" in tiers else 64) * BLOCK_BYTES
     if "disk" in tiers:
         kw.update(kv_disk_dir=str(tmp_path), kv_disk_bytes=64 * (BLOCK_BYTES + 64))
+    if tiers == "store":     # a real Mooncake master; every computed block is written through to it
+        kw["kv_store"] = request.getfixturevalue("mooncake_master").url
     engine, runner = make_engine(**kw)
     shared = prompt(1, 4 * BLOCK)
     first, second = shared + prompt(2, 7), shared + prompt(3, 5)
     engine.add_request("a", first, greedy(1))
     assert run_all(engine)["a"][-1].num_cached_tokens == 0
-    evict_prefix(engine, "disk" if tiers == "disk" else "cpu", 4)
+    evict_prefix(engine, "cpu" if tiers == "cpu+disk" else tiers, 4)
 
     engine.add_request("b", second, greedy(12))
     n_steps = len(runner.steps)
     out_b = run_all(engine)["b"]
     assert out_b[-1].num_cached_tokens == 4 * BLOCK
     restored = engine.kv_tiers.restored
-    assert sum(restored.values()) == 4 and set(restored) <= {CPU, DISK}
+    assert sum(restored.values()) == 4 and set(restored) <= set(tiers.split("+"))
     if tiers == "cpu+disk":   # RAM holds two blocks: at least the prefix's tail spilled to disk
         assert restored[DISK] >= 2
     batch, logits = runner.steps[n_steps]
@@ -130,6 +143,7 @@ def test_prefix_restored_from_a_tier_matches_transformers(make_engine, tmp_path:
     report = engine.load_report()
     assert {t.medium for t in report.kv_tiers} == set(tiers.split("+"))
     assert sum(t.num_restored_blocks for t in report.kv_tiers) == 4
+    engine.close()           # (again at teardown: idempotent) while a store's master is still up
 
 
 def test_tier_events_name_their_medium(make_engine, tmp_path: Path) -> None:
