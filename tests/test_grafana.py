@@ -20,6 +20,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.gateway_proc import GatewayProcess
+from tests.support.ports import free_port
 from tests.support.worker_proc import worker_process
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,7 +60,10 @@ def _exposed(metrics_text: str) -> set[str]:
 def exposed(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, set[str]]]:
     """{job: names in its /metrics} from a real worker and a real gateway that served a request."""
     workdir = tmp_path_factory.mktemp("grafana")
-    with worker_process(["--model", "smollm2", "--served-model-name", "smollm2"], log_dir=workdir) as worker_url:
+    # A small RAM tier and a store that is not there: the KV tier series exist (the store's as down).
+    args = ["--model", "smollm2", "--served-model-name", "smollm2", "--kv-cpu-gb", "0.05",
+            "--kv-store", f"mooncake://127.0.0.1:{free_port()}"]
+    with worker_process(args, log_dir=workdir) as worker_url:
         config = {
             "api_keys": [{"key_id": "ops", "key": ADMIN_KEY, "admin": True}],
             "models": {"smollm2": {"tokenizer": str(smollm2_dir), "providers": ["local"]}},
