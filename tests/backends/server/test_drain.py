@@ -16,7 +16,8 @@ NUM_TOKENS = 200  # long enough to be mid-stream when the checks below run, on a
 
 
 async def test_sigterm_drains_then_exits_zero(tmp_path) -> None:
-    worker = WorkerProcess(["--max-num-seqs", "8"], log_dir=tmp_path)
+    # The drain deadline only bounds a broken run: 200 tokens took over the default 30 s on a loaded 2-core machine.
+    worker = WorkerProcess(["--max-num-seqs", "8", "--drain-timeout-s", "600"], log_dir=tmp_path)
     try:
         async with aiohttp.ClientSession() as client:
             url = worker.url
