@@ -225,3 +225,21 @@ def test_a_full_write_queue_drops_blocks_instead_of_waiting(make_engine) -> None
     release.set()
     wait_until(lambda: engine.kv_tiers.written[CPU] >= 1, "the one queued block written")
     assert engine.load_report().num_kv_dropped_writes == engine.kv_tiers.num_dropped_writes
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_io_copies_one_block_of_every_layer(device: str, dtype: torch.dtype) -> None:
+    from backends.kv_tiers.block_io import BlockIO
+
+    stacked = torch.randn(3, 2, 5, 4, 2, 8).to(device=device, dtype=dtype)   # layers, K/V, blocks, tokens, heads, dim
+    io = BlockIO(stacked)
+    assert io.block_nbytes == 3 * 2 * 4 * 2 * 8 * stacked.element_size()
+    buf = io.buffer()
+    io.read(3, buf)
+    before = stacked.clone()
+    io.write(1, buf)
+    assert torch.equal(stacked[:, :, 1], before[:, :, 3])
+    others = [b for b in range(5) if b != 1]
+    assert torch.equal(stacked[:, :, others], before[:, :, others])
