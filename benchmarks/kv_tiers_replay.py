@@ -53,11 +53,12 @@ from backends.worker.loader import resolve_model  # noqa: E402
 from tests.support.gateway_proc import GatewayProcess  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.worker_proc import WorkerProcess  # noqa: E402
+from sse import data_chunks  # noqa: E402  (benchmarks/sse.py, beside this script)
 
 MODEL = "smollm2"
 BLOCK = 16                        # worker block; one trace block of 512 tokens maps onto one
 TRACE_BLOCK = 512
-TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"   # shared/ sits beside the checkout
 BLOCK_BYTES = 30 * 2 * BLOCK * 3 * 64 * 4   # one SmolLM2 fp32 block: 30 layers, K and V, 3 KV heads of 64
 CONFIGS = ("none", "+ram", "+ram+disk", "+ram+disk+store")
 
@@ -142,12 +143,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: tuple[int
     first = None
     usage: dict[str, Any] = {}
     async with session.post(url, json=body, headers=headers) as resp:
-        resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            chunk = orjson.loads(line[5:])
+        async for chunk in data_chunks(resp):
             if first is None and chunk.get("choices"):
                 first = time.perf_counter()
             if chunk.get("usage"):

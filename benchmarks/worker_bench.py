@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import orjson
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from backends.worker.loader import resolve_model  # noqa: E402
+from sse import data_chunks  # noqa: E402  (benchmarks/sse.py, beside this script)
 
 MODEL = "smollm2"
 
@@ -90,12 +90,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int]
     stamps: list[float] = []
     tokens = 0
     async with session.post(url, json=body) as resp:
-        resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            chunk = orjson.loads(line[5:])
+        async for chunk in data_chunks(resp):
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 stamps.append(time.perf_counter())
             if chunk.get("usage"):
