@@ -109,6 +109,8 @@ class ProviderConfig:
     kv_event_sources: Mapping[str, KvEventSource] = field(default_factory=dict)  # endpoint URL -> vLLM KV events
     offers_vllm_metrics: bool = False    # endpoints are vLLM: GET /metrics (Prometheus) is polled as load
     kv_capacity_tokens: int = 262144     # endpoints without KV events: KV tokens each caches, unless a load report says
+    offers_token_ids: bool = False       # endpoints send `token_ids` and take `resume_token_ids` (switchyard workers):
+                                         # a stream continued on them goes on from the exact tokens
 
     def pools(self) -> dict[Pool, tuple[str, ...]]:
         """The provider's non-empty endpoint pools (pollers and breakers cover every one)."""
@@ -130,6 +132,7 @@ class ModelConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     block_size: int = 16                 # tokens per KV block, as the workers hash them
     session_ttl_s: float = 600.0         # how long an x-session-affinity assignment lives
+    mid_stream_failover: bool = True     # a stream whose upstream dies is continued on another endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,6 +382,7 @@ def _build_provider(name: str, raw: Any) -> ProviderConfig:
         kv_event_sources=_kv_event_sources(raw.get("kv_event_sources"), endpoints + prefill, where),
         offers_vllm_metrics=_typed(raw, "offers_vllm_metrics", bool, False, where),
         kv_capacity_tokens=_positive(raw, "kv_capacity_tokens", 262144, where),
+        offers_token_ids=_typed(raw, "offers_token_ids", bool, False, where),
     )
 
 
@@ -433,6 +437,7 @@ def _build_model(name: str, raw: Any, base_dir: Path) -> ModelConfig:
         name=name, providers=tuple(str(p) for p in chain),
         tokenizer=base_dir / str(tokenizer) if tokenizer else None, policy=policy, block_size=block_size,
         session_ttl_s=_typed(raw, "session_ttl_s", float, 600.0, where),
+        mid_stream_failover=_typed(raw, "mid_stream_failover", bool, True, where),
     )
 
 

@@ -1,24 +1,29 @@
 """Walks a request along its model's provider chain: each provider serves it with its own legs (one, or
 prefill then decode); failures before the first byte are retried with backoff and a budget; when a
-provider has nothing left, the next one in the chain is tried.
+provider has nothing left, the next one in the chain is tried. A stream whose upstream fails after the
+client has part of it is continued elsewhere, along the chain again (gateway/failover.py).
 
 It never parses client input (the API handlers do), never decides scores (the policies do) and
 never speaks a wire format (the providers do).
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 from aiohttp import web
 
 from gateway.errors import GatewayError, NoUpstreamAvailable, UpstreamsFailed
+from gateway.failover import StreamBroken, answered_so_far
 from gateway.fallback import Retrier, RetryableFailure
 from gateway.legs import Legs
 from gateway.metrics import Metrics
 from gateway.providers import Provider, ProviderRun
 from gateway.request import Outcome, Progress, ProviderExhausted, RoutedRequest
-from gateway.streaming import ClientGone, ClientStream, SseResponseFactory, StreamUsage, error_event
+from gateway.streaming import DONE_EVENT, ClientGone, ClientStream, SseResponseFactory, StreamUsage, error_event
 from policies.base import Policy
+
+log = logging.getLogger(__name__)
 
 
 class Dispatcher:
@@ -35,9 +40,17 @@ class Dispatcher:
                        sse_response: SseResponseFactory | None = None) -> Outcome:
         """`sse_response`: how a streamed answer's response is built (None: OpenAI's SSE as relayed)."""
         client = ClientStream(request, self._keepalive_s, sse_response) if routed.stream else None
-        progress = Progress(routed, client, self._policies[routed.model.name])
+        progress = Progress(routed, client, self._policies[routed.model.name],
+                            can_fail_over=_can_fail_over(routed, sse_response))
         try:
-            return await self._retrier.run(_ChainWalk(self, progress))
+            while True:
+                try:
+                    return await self._retrier.run(_ChainWalk(self, progress))
+                except StreamBroken as broken:
+                    assert client is not None
+                    ended = await self._continue_or_end(progress, client, broken)
+                    if ended is not None:
+                        return ended
         except ClientGone:
             # The client left mid-stream; the upstream leg is already closed. aiohttp ignores the rest.
             assert client is not None and client.response is not None
@@ -46,11 +59,44 @@ class Dispatcher:
             error = _final_error(progress, exc)
             if client is None or not client.prepared:
                 raise error from None
+            if progress.so_far is not None:     # a broken stream found nowhere to go on
+                self.metrics.on_failover(routed.model.name, "failed")
+                self.metrics.on_stream_error(routed.model.name)
             await client.fail(error_event(error.message, error.error_type, str(error.code)))
             return Outcome(await client.finish(), None, StreamUsage())
         finally:
             if client is not None:
                 await client.close()
+
+
+    async def _continue_or_end(self, progress: Progress, client: ClientStream, broken: StreamBroken) -> Outcome | None:
+        """After `broken`: None when the answer is to go on elsewhere (`progress` now says what the client
+        has); else the stream ended, whole or with an error event."""
+        request = progress.request
+        model = request.facts.model
+        progress.tried.add(broken.endpoint_id)
+        progress.log.append(f"{broken.endpoint_id}: failed mid-stream: {broken.description}")
+        leg = answered_so_far(broken.transcript, chat=request.api_path.endswith("chat/completions"))
+        so_far = leg if progress.so_far is None or leg is None else progress.so_far.then(leg)
+        if so_far is not None and so_far.finished:   # it broke after its last token: nothing is missing
+            await client.send(DONE_EVENT)
+            return Outcome(await client.finish(), broken.endpoint_id, broken.usage)
+        if so_far is not None and self._retrier.try_spend():
+            log.warning("request %s: upstream %s failed mid-stream after %d tokens; continuing elsewhere",
+                        request.request_id, broken.endpoint_id, so_far.num_tokens)
+            progress.so_far = so_far
+            client.arm_keepalive()
+            return None
+        self.metrics.on_failover(model, "not_continuable" if so_far is None else "no_budget")
+        self.metrics.on_stream_error(model)
+        await client.fail(error_event(f"upstream {broken.endpoint_id} failed mid-stream: {broken.description}"))
+        return Outcome(await client.finish(), broken.endpoint_id, broken.usage)
+
+
+def _can_fail_over(routed: RoutedRequest, sse_response: SseResponseFactory | None) -> bool:
+    """A stream of one choice, relayed as the upstream sends it, for a model that allows failover."""
+    return routed.stream and routed.model.mid_stream_failover and sse_response is None \
+        and routed.body.get("n", 1) == 1
 
 
 class _ChainWalk:

@@ -105,6 +105,10 @@ class Retrier:
             reraise=True,
         )
 
+    def try_spend(self) -> bool:
+        """Take one retry from the budget outside `run` (a stream continued after its upstream failed)."""
+        return self._budget.try_spend()
+
     async def run(self, attempt: Callable[[], Awaitable[T]]) -> T:
         """Raises the last RetryableFailure when every allowed attempt failed."""
         self._budget.on_request()

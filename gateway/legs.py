@@ -19,6 +19,7 @@ from aiohttp import web
 from cache.prefix_index import NO_MATCH, MatchedByMedium, PrefixIndex
 from gateway.breaker import CircuitBreaker, eligible
 from gateway.config import Pool
+from gateway.failover import StreamBroken, Transcript, asks_token_ids, without_token_ids
 from gateway.fallback import RetryableFailure
 from gateway.load import Lease, LoadTracker
 from gateway.metrics import Metrics
@@ -232,11 +233,18 @@ class Legs:
         return Outcome(relayed, endpoint.endpoint_id, usage)
 
     async def relay_stream(self, progress: Progress, response: aiohttp.ClientResponse, first: bytes, lease: Lease,
-                           endpoint: Endpoint) -> Outcome:
-        """Relay SSE bytes as they arrive; after the first byte a failure ends the stream with an error event."""
+                           endpoint: Endpoint, sent_before: bytes = b"") -> Outcome:
+        """Relay SSE bytes as they arrive. After the first byte a failure ends the stream with an error event,
+        or, where the request may fail over, raises `StreamBroken` for the dispatcher to continue it.
+        `sent_before`: whole events of this answer the provider sent itself (a disaggregated first token)."""
         client, model = progress.client, progress.request.facts.model
         assert client is not None
+        transcript = Transcript(sent_before) if progress.can_fail_over else None
+        if transcript is not None:
+            first = await self._whole_events(progress, transcript, response, first)
         counter = SseCounter()
+        if progress.so_far is not None:       # a continuation: its count goes on from what the client has
+            counter.usage.num_output_tokens = progress.so_far.num_tokens
         num_tokens = counter.feed(first)
         lease.on_output_tokens(num_tokens)
         first_token_s = last_token_s = time.perf_counter()   # meaningful once num_tokens > 0
@@ -244,11 +252,15 @@ class Legs:
         await client.send_first(first, response.headers.get("Content-Type", "text/event-stream"))
         if is_first_data:
             self.metrics.observe_ttft(model, time.perf_counter() - progress.request.started_s)
+        elif progress.so_far is not None:
+            self.metrics.on_failover(model, "continued")
         fast_write = client.fast_writer()
         assert client.response is not None
         own_write = client.response.write
         try:
             while chunk := await response.content.readany():
+                if transcript is not None and not (chunk := _outgoing(progress, transcript.take_whole(chunk))):
+                    continue
                 num_new = counter.feed(chunk)
                 if num_new:
                     lease.on_output_tokens(num_new)
@@ -263,12 +275,16 @@ class Legs:
                         await client.drain()
                 except ConnectionResetError as exc:
                     raise ClientGone() from exc
+            if transcript is not None and (rest := _outgoing(progress, transcript.flush())):
+                await client.send(rest)
         except ClientGone:
             raise
         except (TimeoutError, *CONNECT_ERRORS) as exc:
             endpoint.breaker.on_failure()
-            self.metrics.on_stream_error(model)
             log.warning("upstream %s failed mid-stream: %r", endpoint.endpoint_id, exc)
+            if transcript is not None:
+                raise StreamBroken(endpoint.endpoint_id, type(exc).__name__, transcript, counter.usage) from None
+            self.metrics.on_stream_error(model)
             await client.fail(error_event(f"upstream {endpoint.endpoint_id} failed mid-stream: "
                                           f"{type(exc).__name__}"), mid_event=counter.mid_event)
             return Outcome(await client.finish(), endpoint.endpoint_id, counter.usage)
@@ -276,6 +292,27 @@ class Legs:
         if is_first_data and num_tokens > 1:    # one figure per response: its mean inter-token latency
             self.metrics.observe_itl(model, (last_token_s - first_token_s) / (num_tokens - 1))
         return Outcome(await client.finish(), endpoint.endpoint_id, counter.usage)
+
+    @staticmethod
+    async def _whole_events(progress: Progress, transcript: Transcript, response: aiohttp.ClientResponse,
+                            first: bytes) -> bytes:
+        """The first bytes worth sending: whole events, rewritten for a continuation (one that only repeats
+        the role, which is dropped, is not worth sending). Until they come the leg can still be retried."""
+        chunk = _outgoing(progress, transcript.take_whole(first))
+        while not chunk:
+            more = await response.content.readany()
+            if not more:
+                raise RetryableFailure("empty response: upstream closed before a whole event")
+            chunk = _outgoing(progress, transcript.take_whole(more))
+        return chunk
+
+
+def _outgoing(progress: Progress, chunk: bytes) -> bytes:
+    """Whole events as the client gets them: a continuation's rewritten, our workers' token ids dropped when
+    the gateway asked for them and the client did not."""
+    if chunk and progress.stitch is not None:
+        chunk = progress.stitch(chunk)
+    return without_token_ids(chunk) if chunk and not asks_token_ids(progress.request.body) else chunk
 
 
 def error_message(body: bytes) -> str:

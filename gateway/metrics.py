@@ -105,6 +105,10 @@ class Metrics:
                               registry=r)
         self._stream_errors = Counter("switchyard_stream_errors", "Streams ended by an upstream failure after the "
                                       "first byte", ["model"], registry=r)
+        self._failovers = Counter("switchyard_stream_failovers", "Streams whose upstream failed after the first "
+                                  "byte, by what followed: continued elsewhere, failed (no endpoint took the "
+                                  "continuation), not continuable (tool calls, an error event), "
+                                  "no retry budget left", ["model", "outcome"], registry=r)
         r.register(_EndpointCollector(endpoint_rows))
         r.register(_PollFailureCollector(poll_failure_rows))
         r.register(_RuntimeCollector())
@@ -153,6 +157,9 @@ class Metrics:
 
     def on_stream_error(self, model: str) -> None:
         self._child(self._stream_errors, model).inc()
+
+    def on_failover(self, model: str, outcome: str) -> None:
+        self._child(self._failovers, model, outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

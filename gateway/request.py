@@ -15,6 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.config import ModelConfig
+from gateway.failover import SoFar, Stitcher
 from gateway.streaming import ClientStream, StreamUsage
 from gateway.upstreams import Endpoint
 from policies.base import Policy, RequestFacts
@@ -43,11 +44,15 @@ class Progress:
     log: list[str] = field(default_factory=list)              # what was tried and why it failed
     retry_after_s: float | None = None                        # the last upstream Retry-After
     num_failures: int = 0                                     # failed legs
+    can_fail_over: bool = False                               # a broken stream may be continued elsewhere
+    so_far: SoFar | None = None                               # what the client has of a broken stream
+    stitch: Stitcher | None = None                            # rewrites the continuation leg's chunks
 
     @property
     def client_has_data(self) -> bool:
-        """Part of an answer reached the client: nothing can be retried or handed on any more."""
-        return self.client is not None and self.client.data_started
+        """Part of an answer reached the client and none of it is being continued: nothing can be retried
+        or handed on any more."""
+        return self.client is not None and self.client.data_started and self.so_far is None
 
 
 class LegKind(str, Enum):

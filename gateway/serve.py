@@ -95,11 +95,12 @@ def gateway_config(plan: ServePlan, model_dir: Path, pools: Mapping[str, list[st
     chain: list[str] = []
     if pools["prefill"]:
         providers["local-pd"] = {"kind": "switchyard-pd", "prefill_endpoints": pools["prefill"],
-                                 "endpoints": pools["decode"], "offers_load": True, "offers_kv_events": True}
+                                 "endpoints": pools["decode"], "offers_load": True, "offers_kv_events": True,
+                                 "offers_token_ids": True}
         chain.append("local-pd")
     if pools["both"]:
         providers["local"] = {"kind": "openai", "endpoints": pools["both"],
-                              "offers_load": True, "offers_kv_events": True}
+                              "offers_load": True, "offers_kv_events": True, "offers_token_ids": True}
         chain.append("local")
     config: dict[str, Any] = {
         "listen": {"host": plan.host, "port": plan.port},

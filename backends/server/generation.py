@@ -54,8 +54,8 @@ class SequenceSpec:
     params: SamplingParams            # validated, max_tokens resolved
     skip_special_tokens: bool         # special tokens stay out of the text
     arrival_s: float                  # time.monotonic() when the request arrived (for TTFT)
-    num_prior_output_tokens: int = 0  # a decode leg: the prompt ends with this many output tokens another
-                                      # worker sampled and sent (stop strings may span them and ours)
+    num_prior_output_tokens: int = 0  # a decode leg or a resumed stream: the prompt ends with this many output
+                                      # tokens another worker sampled and sent (stop strings may span them and ours)
     continues_elsewhere: bool = False # a prefill leg: at a length finish, hold back text that may begin a
                                       # stop string; the decode leg, seeded with the same tokens, sends it
     kv_transfer: KVTransferParams | None = None   # a disaggregated leg's part in the KV transfer
@@ -106,8 +106,10 @@ def _detokenizer(tokenizer: Tokenizer, spec: SequenceSpec) -> StopStringDetokeni
                                   prompt_token_ids=context)
     if k:
         if _push_until_stop(detok, spec.prompt_token_ids[-k:]) and detok.stopped:
+            param = "resume_token_ids" if spec.kv_transfer is None or spec.kv_transfer.remote is None \
+                else "kv_transfer_params"
             raise APIError("The first tokens already complete a stop string: there is nothing to decode.",
-                           param="kv_transfer_params", code="invalid_value")
+                           param=param, code="invalid_value")
         detok.take()
     return detok
 

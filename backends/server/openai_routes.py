@@ -14,8 +14,9 @@ from contextlib import aclosing
 import orjson
 from aiohttp import web
 
+from backends.engine.kv_connector import KVTransferParams
 from backends.server import disagg
-from backends.server.errors import APIError
+from backends.server.errors import APIError, invalid_param
 from backends.server.generation import GenerationDelta, SequenceSpec, generate_deltas
 from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
 from backends.server.protocol import (GenerateRequest, ParseContext, RequestKind, kv_transfer_params, parse_request,
@@ -71,6 +72,8 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
     kv_params = kv_transfer_params(body)
     prompt_ids = tokenizer.encode_request(req)
     request_id = _ID_PREFIX[kind] + uuid.uuid4().hex
+    if kv_params is not None and req.resume_token_ids:
+        raise invalid_param("resume_token_ids", "`resume_token_ids` cannot be combined with `kv_transfer_params`.")
     if kv_params is not None and kv_params.get("do_remote_decode") is True:
         return await disagg.prefill_leg(request, kind, req, prompt_ids, request_id, arrival_s)
     if kv_params is not None:
@@ -78,8 +81,17 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
         with disagg.kv_load_errors(app, request_id):
             return await respond(request, req, engine, spec, builder)
     params = resolve_max_tokens(req, len(prompt_ids), engine.max_model_len)
-    spec = SequenceSpec(request_id, prompt_ids, params, req.skip_special_tokens, arrival_s)
-    builder = ResponseBuilder(kind, request_id, req.model, tokenizer.backend, return_token_ids=req.return_token_ids)
+    resumed = req.resume_token_ids
+    if len(resumed) >= params.max_tokens:
+        raise invalid_param("resume_token_ids", f"{len(resumed)} resumed tokens leave nothing to generate "
+                            f"within max_tokens ({params.max_tokens}).")
+    # Resumed tokens are output already sent (by a worker that died mid-stream): the sequence starts with them
+    # as its first outputs, so sampling, penalties, stop strings and usage go on as if it had made them itself.
+    spec = SequenceSpec(request_id, prompt_ids + resumed, params, req.skip_special_tokens, arrival_s,
+                        num_prior_output_tokens=len(resumed),
+                        kv_transfer=KVTransferParams(first_token_ids=resumed) if resumed else None)
+    builder = ResponseBuilder(kind, request_id, req.model, tokenizer.backend, return_token_ids=req.return_token_ids,
+                              num_prior_completion_tokens=len(resumed))
     return await respond(request, req, engine, spec, builder)
 
 

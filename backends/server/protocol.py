@@ -53,6 +53,8 @@ class GenerateRequest:
     stream: bool
     include_usage: bool                         # stream_options.include_usage: a final usage chunk
     return_token_ids: bool                      # extension: choices carry "token_ids"
+    resume_token_ids: tuple[int, ...]           # extension: output tokens the client already has (mid-stream
+                                                # failover); the answer goes on after them
     skip_special_tokens: bool                   # special tokens stay out of the text
 
 
@@ -87,6 +89,7 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
         stream=stream,
         include_usage=include_usage,
         return_token_ids=_opt_bool(body, "return_token_ids") or False,
+        resume_token_ids=_parse_resume_token_ids(body.get("resume_token_ids"), ctx.vocab_size),
         skip_special_tokens=_default(_opt_bool(body, "skip_special_tokens"), True),
     )
 
@@ -267,6 +270,15 @@ def _parse_stop_token_ids(ids: Any, vocab_size: int) -> tuple[int, ...]:
         return ()
     if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
         raise invalid_param("stop_token_ids", f"`stop_token_ids` must be an array of token ids in [0, {vocab_size}).")
+    return tuple(ids)
+
+
+def _parse_resume_token_ids(ids: Any, vocab_size: int) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not ids or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+        raise invalid_param("resume_token_ids",
+                            f"`resume_token_ids` must be a non-empty array of token ids in [0, {vocab_size}).")
     return tuple(ids)
 
 

@@ -5,17 +5,15 @@ provider's key as `Authorization: Bearer`.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from functools import partial
-from typing import Any
 
 import aiohttp
-import orjson
 
 from gateway.config import ConfigError, ProviderConfig
+from gateway.failover import Stitcher, leg_body
 from gateway.legs import Legs
 from gateway.providers.base import ProviderRun
-from gateway.request import Leg, LegKind, Outcome, Progress, Wire
+from gateway.request import Leg, LegKind, Outcome, Progress, ProviderExhausted, Wire
 
 
 def openai_wire(config: ProviderConfig) -> Wire:
@@ -27,14 +25,6 @@ def openai_wire(config: ProviderConfig) -> Wire:
                 aiohttp.ClientTimeout(total=timeouts.total_s, sock_connect=timeouts.connect_s,
                                       connect=timeouts.connect_s),
                 timeouts.first_byte_s)
-
-
-def upstream_body(config: ProviderConfig, body: Mapping[str, Any], raw: bytes) -> bytes:
-    """`raw` (the client's bytes) unless the provider renames the model upstream."""
-    model = config.upstream_model
-    if model is None or body.get("model") == model:
-        return raw
-    return orjson.dumps({**body, "model": model})
 
 
 class OpenAIProvider:
@@ -50,10 +40,15 @@ class OpenAIProvider:
     async def _serve(self, progress: Progress, legs: Legs) -> Outcome:
         """One leg to the endpoint the model's policy picks among this provider's untried endpoints."""
         request = progress.request
+        body = leg_body(self.config, request.body, request.raw, can_fail_over=progress.can_fail_over,
+                        so_far=progress.so_far)
+        if body is None:
+            raise ProviderExhausted("cannot continue a token-id prompt from text")
+        if progress.so_far is not None:
+            progress.stitch = Stitcher(progress.so_far, request.api_path.endswith("chat/completions"), body[1])
         endpoint, decision = await legs.take(progress, self.config.name)
         with legs.tracing.span("upstream_attempt") as span:
             headers = legs.leg_headers(progress, span, self._wire, endpoint.endpoint_id, decision)
-            leg = Leg(self._wire, endpoint, LegKind.SINGLE, request.api_path,
-                      upstream_body(self.config, request.body, request.raw), headers,
+            leg = Leg(self._wire, endpoint, LegKind.SINGLE, request.api_path, body[0], headers,
                       request.facts.num_prompt_tokens, request.facts.num_expected_output_tokens)
             return await legs.send(progress, leg, partial(legs.relay, progress, endpoint))

@@ -16,12 +16,13 @@ import orjson
 from aiohttp import web
 
 from gateway.config import ConfigError, Pool, ProviderConfig
+from gateway.failover import Stitcher, asks_token_ids, leg_body, without_token_ids
 from gateway.fallback import RetryableFailure
 from gateway.legs import MAX_ERROR_BODY, Legs, error_code, error_message
 from gateway.load import Lease
 from gateway.providers.base import ProviderRun
 from gateway.providers.openai import openai_wire
-from gateway.request import Leg, LegKind, Outcome, Progress, ProviderExhausted
+from gateway.request import Leg, LegKind, Outcome, Progress, ProviderExhausted, Wire
 from gateway.streaming import DONE_EVENT, StreamUsage, error_event
 from gateway.upstreams import Endpoint
 from policies.base import Decision
@@ -91,6 +92,8 @@ class _PdRun:
             raise ProviderExhausted("n > 1 and prompt batches are not disaggregated")
         if progress.num_failures:
             legs.metrics.on_retry(progress.request.facts.model)
+        if progress.so_far is not None:
+            return await self._continue()
         decode_pool = legs.pool(self._config.name, Pool.MAIN)
         held = self._held
         if held is None:
@@ -107,7 +110,8 @@ class _PdRun:
                 return await self._answer_prefill_only(held)
             if progress.client is not None:
                 first = _chunk(progress, held, {"role": "assistant", "content": held.text}, None)
-                await progress.client.send_first(first, "text/event-stream")
+                await progress.client.send_first(first if asks_token_ids(body) else without_token_ids(first),
+                                                 "text/event-stream")
                 legs.metrics.observe_ttft(progress.request.facts.model,
                                           time.perf_counter() - progress.request.started_s)
             self._held = held
@@ -118,6 +122,31 @@ class _PdRun:
             return await self._decode(held, *chosen)
         except KvTransferFailed as exc:
             return await self._redo(exc)
+
+    async def _continue(self) -> Outcome:
+        """A stream broken mid-way (here or elsewhere) goes on as one leg on a decode worker, from the output
+        so far; the KV of that output is recomputed there (a decode worker serves whole requests too)."""
+        progress, legs, request = self._progress, self._legs, self._progress.request
+        assert progress.so_far is not None
+        built = leg_body(self._config, request.body, request.raw, can_fail_over=True, so_far=progress.so_far)
+        if built is None:
+            raise ProviderExhausted("cannot continue a token-id prompt from text")
+        progress.stitch = Stitcher(progress.so_far, request.api_path.endswith("chat/completions"), built[1])
+        chosen = legs.choose(progress, legs.pool(self._config.name, Pool.MAIN), self._provider.decode_policy)
+        if chosen is None:
+            raise self._fall_back("decode_pool_exhausted")
+        endpoint, decision = chosen
+        progress.tried.add(endpoint.endpoint_id)
+        legs.metrics.on_decision(request.facts.model, decision.reason.value)
+        with legs.tracing.span("upstream_attempt") as span:
+            headers = legs.leg_headers(progress, span, self.wire, endpoint.endpoint_id, decision)
+            leg = Leg(self.wire, endpoint, LegKind.SINGLE, request.api_path, built[0], headers,
+                      request.facts.num_prompt_tokens, request.facts.num_expected_output_tokens)
+            return await legs.send(progress, leg, partial(legs.relay, progress, endpoint))
+
+    @property
+    def wire(self) -> Wire:
+        return self._provider.wire
 
     def _fall_back(self, cause: str) -> ProviderExhausted:
         """The error that hands the request to the next provider (the dispatcher cannot once the client
@@ -150,6 +179,8 @@ class _PdRun:
         body.update(max_tokens=1, stream=False)
         if _max_tokens(request.body) != 1:   # else the one token is the answer: nothing to hold
             body["kv_transfer_params"] = {"do_remote_decode": True}
+        if self._asks_token_ids():
+            body["return_token_ids"] = True
         if self._config.upstream_model is not None:
             body["model"] = self._config.upstream_model
         legs.metrics.on_decision(request.facts.model, decision.reason.value)
@@ -201,6 +232,8 @@ class _PdRun:
         request = progress.request
         params = {**(held.kv_transfer_params or {}), "response_id": held.payload.get("id")}
         body = {**request.body, "kv_transfer_params": params}
+        if self._asks_token_ids():
+            body["return_token_ids"] = True
         if self._config.upstream_model is not None:
             body["model"] = self._config.upstream_model
         with legs.tracing.span("decode_leg") as span:
@@ -229,7 +262,13 @@ class _PdRun:
             endpoint.breaker.on_success()
             return _join(held, payload, endpoint.endpoint_id)
         first = await legs.first_chunk(response, first_byte_deadline, lease)
-        return await legs.relay_stream(self._progress, response, first, lease, endpoint)
+        sent = _chunk(self._progress, held, {"role": "assistant", "content": held.text}, None)
+        return await legs.relay_stream(self._progress, response, first, lease, endpoint, sent_before=sent)
+
+    def _asks_token_ids(self) -> bool:
+        """Legs ask for token ids when the stream may fail over (they are dropped before the client unless it
+        asked for them too)."""
+        return self._progress.can_fail_over and self._config.offers_token_ids
 
 
 # --- the client's view -------------------------------------------------------------------------------

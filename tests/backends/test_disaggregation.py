@@ -64,7 +64,7 @@ class Cluster:
         timeouts = {"connect_s": 1.0, "first_byte_s": 30.0, "total_s": 60.0}
         provider = {"kind": "switchyard-pd", "prefill_endpoints": [urls["p1"], urls["p2"]],
                     "endpoints": [urls["d1"], urls["d2"], urls["d3"]], "offers_load": False,
-                    "offers_kv_events": False, "timeouts": timeouts}
+                    "offers_kv_events": False, "offers_token_ids": True, "timeouts": timeouts}
         config = {"models": {"smollm2": {"tokenizer": str(resolve_model("smollm2")), "providers": ["pd"]}},
                   "providers": {"pd": provider},
                   "pollers": {"health_interval_s": 60.0},
@@ -421,7 +421,7 @@ async def running_on(cluster: Cluster, names: list[str], key: str = "num_running
 
 
 async def test_decode_killed_during_and_before_decode(cluster: Cluster, references) -> None:
-    body, chat = references[1].body, references[1].chat
+    body = references[1].body
     long_body = {**body, "max_tokens": 150, "ignore_eos": True}
     status, ref = await post(cluster.url("p2"), long_body)
     # Non-streaming: the gateway retries the decode leg; the hold was already released by the first
@@ -439,17 +439,25 @@ async def test_decode_killed_during_and_before_decode(cluster: Cluster, referenc
         status, payload = await post(cluster.gateway.url, ref2.body, ref2.chat)
         assert status == 200, payload
         ref2.check(payload["choices"][0]["token_ids"], text_of(payload["choices"][0]), "after a decode worker died")
-    # Streaming: the client already has tokens, so it gets an error event (and [DONE]), not a hang.
+    # Streaming: the client already has tokens (the prefill's and some of the decode's), so the answer goes
+    # on from them on the last decode worker (mid-stream failover), as one stream.
     live = [n for n in ("d1", "d2", "d3") if n != victim]
+    continued = metric(cluster.gateway, "switchyard_stream_failovers_total", outcome="continued")
     events: list[dict[str, Any]] = []
     task = asyncio.create_task(stream(cluster.gateway.url, long_body, events=events))
     await await_until(lambda: len([e for e in events if e.get("choices")]) >= 2,
                       "the client to have the prefill's token and one of the decode's")
     second = await running_on(cluster, live)
+    num_before = len([e for e in events if e.get("choices")])
     cluster.kill(second)
     events = await task
-    assert events[0]["choices"][0]["delta" if chat else "text"] is not None
-    assert "error" in events[-1], events[-1]
+    assert all("error" not in e for e in events), events[-1]
+    assert {e["id"] for e in events} == {events[0]["id"]}
+    ids = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
+    assert len(ids) == len(ref["choices"][0]["token_ids"]) == 150
+    assert ids[:num_before] == ref["choices"][0]["token_ids"][:num_before]   # as exact as the run above
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert metric(cluster.gateway, "switchyard_stream_failovers_total", outcome="continued") == continued + 1
     cluster.workers["_dead"] = cluster.workers.pop(victim)
     cluster.workers["_dead2"] = cluster.workers.pop(second)
 

@@ -101,9 +101,11 @@ async def test_non_streaming_relay_and_request_ids(one_upstream) -> None:
     assert stats["last_body"]["extra_field"] == {"kept": True}  # unknown fields pass through
 
 
-async def test_mid_stream_reset_ends_with_error_event_and_is_not_retried(start_fakes, start_gateway) -> None:
+async def test_mid_stream_reset_ends_with_error_event_when_failover_is_off(start_fakes, start_gateway) -> None:
     a, b = start_fakes("a", "b")
-    gateway = start_gateway(gateway_config({"p": [a.url, b.url]}))
+    config = gateway_config({"p": [a.url, b.url]})
+    config["models"]["m"]["mid_stream_failover"] = False
+    gateway = start_gateway(config)
     body = chat_body(stream=True, fake={"chunks": 5, "chunk_delay_s": 0.05, "reset_after": 2})
     async with aiohttp.ClientSession() as client:
         async with client.post(gateway.url + CHAT, json=body) as response:

@@ -39,9 +39,11 @@ class WorkerProcess:
         log_dir: Path | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         wait: bool = True,
+        port: int | None = None,
     ) -> None:
-        """Start the process; with wait=False call `wait_healthy()` later (to overlap other set-up)."""
-        self.port = free_port()
+        """Start the process (on `port`, e.g. a killed worker's again, else a free one); with wait=False call
+        `wait_healthy()` later (to overlap other set-up)."""
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         log_dir = log_dir or Path(tempfile.mkdtemp(prefix="switchyard-worker-"))
         self.log_path = log_dir / f"worker-{self.port}.log"

@@ -1,0 +1,185 @@
+"""Mid-stream failover on real workers (bundled SmolLM2) behind the real gateway: the worker serving a
+stream is SIGKILLed at a random token, again and again, and the client still gets one stream that equals
+the uninterrupted answer, greedy and seeded, completions and chat, with its usage; no block is left in use.
+
+Equal means token for token up to the first position where float32 rounding could decide the
+uninterrupted answer's draw either way (tests/backends/numerics.py): the continuation recomputes the
+output so far as a prompt, which rounds differently from decoding it step by step.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import torch
+
+from tests.backends.numerics import assert_mostly_clear, choices, logit_tolerance, teacher_forced_logits
+from tests.backends.test_disaggregation import Reference, sampling_params, text_of
+from tests.gateway.conftest import metric
+from tests.support.gateway_proc import GatewayProcess
+from tests.support.wait import await_until
+from tests.support.worker_proc import WorkerProcess
+
+ARGS = ["--threads", "1", "--num-blocks", "64"]
+NUM_KILLS = 8
+REQUESTS: list[tuple[dict[str, Any], bool]] = [
+    ({"prompt": "The capital of France is", "max_tokens": 32, "temperature": 0.0, "ignore_eos": True}, False),
+    ({"prompt": "List three colors:", "max_tokens": 32, "temperature": 0.9, "seed": 11, "ignore_eos": True}, False),
+    ({"messages": [{"role": "user", "content": "Say hello to a friend in one sentence."}], "max_tokens": 32,
+      "temperature": 0.0, "ignore_eos": True}, True),
+    ({"messages": [{"role": "user", "content": "What is two plus two? Explain briefly."}], "max_tokens": 32,
+      "temperature": 0.7, "seed": 3, "ignore_eos": True}, True),
+]
+
+
+class Fleet:
+    """Workers A and B behind one gateway; a killed worker comes back on its port."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.workers = [WorkerProcess(ARGS, log_dir=workdir, wait=False) for _ in range(2)]
+        for worker in self.workers:
+            worker.wait_healthy()
+        config = {
+            "models": {"smollm2": {"providers": ["local"], "policy": {"name": "round_robin"}}},
+            "providers": {"local": {"kind": "openai", "endpoints": [w.url for w in self.workers],
+                                    "offers_token_ids": True, "offers_load": True,
+                                    "timeouts": {"connect_s": 2.0, "first_byte_s": 120.0, "total_s": 300.0}}},
+            "pollers": {"health_interval_s": 0.2, "load_interval_s": 0.2},
+            "retries": {"backoff_initial_s": 0.01, "backoff_max_s": 0.05, "budget_min_retries": 1000},
+            "breaker": {"failure_threshold": 1000},
+            "log_level": "WARNING",
+        }
+        self.gateway = GatewayProcess(config, workdir)
+
+    async def serving(self) -> WorkerProcess:
+        """The worker running a sequence now (requests go one at a time)."""
+        async def find() -> WorkerProcess | None:
+            for worker in self.workers:
+                if worker.alive and (await get(worker.url + "/load"))["num_running"] > 0:
+                    return worker
+            return None
+        found: list[WorkerProcess] = []
+
+        async def one_running() -> bool:
+            worker = await find()
+            if worker is not None:
+                found.append(worker)
+            return worker is not None
+        await await_until(one_running, "a worker to run the stream")
+        return found[-1]
+
+    def restart(self, worker: WorkerProcess) -> None:
+        worker.wait_exit()
+        index = self.workers.index(worker)
+        self.workers[index] = WorkerProcess(ARGS, log_dir=self.workdir, port=worker.port)
+
+    def stop(self) -> None:
+        self.gateway.stop()
+        for worker in self.workers:
+            worker.stop()
+
+
+async def get(url: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return orjson.loads(await response.read())
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    fleet = Fleet(tmp_path_factory.mktemp("failover"))
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def references(fleet: Fleet, hf_smollm2: torch.nn.Module,
+               hf_smollm2_f64: torch.nn.Module) -> list[tuple[Reference, int]]:
+    """Each request's uninterrupted answer from worker A, where float32 rounding could have drawn another
+    token (judged on transformers' logits for the same tokens), and its prompt's length."""
+    from transformers import AutoTokenizer
+
+    from backends.engine.engine import eos_token_ids
+    from backends.models.config import load_model_config
+    from backends.worker.loader import resolve_model
+
+    model_dir = resolve_model("smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    eos = eos_token_ids(load_model_config(model_dir), model_dir)
+
+    async def answer(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        async with aiohttp.ClientSession() as session, session.post(fleet.workers[0].url + path, json=body) as r:
+            assert r.status == 200, await r.text()
+            return orjson.loads(await r.read())
+
+    refs = []
+    for extra, chat in REQUESTS:
+        body = {"model": "smollm2", "return_token_ids": True, **extra}
+        payload = asyncio.run(answer(body, chat))
+        if chat:
+            text = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
+            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            prompt = tokenizer(body["prompt"])["input_ids"]
+        output = payload["choices"][0]["token_ids"]
+        assert len(output) == body["max_tokens"]      # a kill anywhere in it is mid-stream
+        tolerance = logit_tolerance(hf_smollm2, hf_smollm2_f64, [prompt + output])
+        params = sampling_params(body)
+        logits = teacher_forced_logits(hf_smollm2, prompt, output)
+        assert payload["usage"]["prompt_tokens"] == len(prompt)
+        refs.append((Reference(body, chat, text_of(payload["choices"][0]), output,
+                               choices(logits, params, params.seed, eos, tolerance, prompt)), len(prompt)))
+    assert_mostly_clear([r.choices for r, _ in refs], "the uninterrupted answers")
+    return refs
+
+
+async def test_sigkill_at_a_random_token_many_times(fleet: Fleet, references: list[tuple[Reference, int]]) -> None:
+    rng = random.Random(20261124)
+    num_whole = 0
+    for i in range(NUM_KILLS):
+        ref, num_prompt_tokens = references[i % len(references)]
+        kill_after = rng.randrange(1, len(ref.ids) - 4)    # content events received before the kill
+        path = "/v1/chat/completions" if ref.chat else "/v1/completions"
+        body = {**ref.body, "stream": True, "stream_options": {"include_usage": True}}
+        payloads: list[dict[str, Any]] = []
+        killed: WorkerProcess | None = None
+        async with aiohttp.ClientSession() as session, session.post(fleet.gateway.url + path, json=body) as r:
+            assert r.status == 200, await r.text()
+            async for line in r.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                payloads.append(orjson.loads(line[6:]))
+                if killed is None and sum(1 for p in payloads if p.get("choices")) == kill_after:
+                    killed = await fleet.serving()
+                    killed.send_signal(signal.SIGKILL)
+        assert killed is not None, f"request {i}: the stream ended before {kill_after} events"
+        assert all("error" not in p for p in payloads), payloads[-1]
+        assert {p["id"] for p in payloads} == {payloads[0]["id"]}, "one stream, one id"
+        chosen = [c for p in payloads for c in p["choices"]]
+        if ref.chat:
+            assert [c for c in chosen if "role" in c["delta"]] == chosen[:1], "the role is sent once"
+        ids = [t for c in chosen for t in c.get("token_ids", [])]
+        if ref.check(ids, "".join(text_of(c) for c in chosen), f"request {i} killed after {kill_after} events"):
+            num_whole += 1
+            usage = payloads[-1]["usage"]
+            assert (usage["prompt_tokens"], usage["completion_tokens"]) == (num_prompt_tokens, len(ref.ids))
+        fleet.restart(killed)
+    assert num_whole >= NUM_KILLS // 2, f"only {num_whole} answers could be compared whole"
+    assert metric(fleet.gateway, "switchyard_stream_failovers_total", outcome="continued") == NUM_KILLS
+    assert metric(fleet.gateway, "switchyard_stream_errors_total") == 0
+
+    async def nothing_in_use() -> bool:
+        loads = [await get(w.url + "/load") for w in fleet.workers]
+        return all(load["num_running"] == 0 and load["num_free_blocks"] == load["num_total_blocks"]
+                   for load in loads)
+    await await_until(nothing_in_use, "both workers to hold no blocks")
