@@ -86,6 +86,8 @@ class TimeoutsConfig:
     connect_s: float = 5.0               # TCP/TLS connect to an endpoint
     first_byte_s: float = 60.0           # request sent -> first body byte (prefill time included)
     total_s: float = 600.0               # the whole upstream leg
+    quiet_s: float = 30.0                # after the first body byte, the longest silence (a hung upstream: a
+                                         # stream fails over); plain http endpoints
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,7 +32,8 @@ class UpstreamProtocolError(aiohttp.ClientPayloadError):
 class _Connection(asyncio.Protocol):
     """One TCP connection: bytes arrive into `buffer`; one reader waits for more at a time."""
 
-    __slots__ = ("_paused", "_waiter", "buffer", "closed_exc", "eof", "idle_since_s", "transport")
+    __slots__ = ("_paused", "_quiet_timer", "_waiter", "buffer", "closed_exc", "eof", "idle_since_s", "last_data_s",
+                 "transport")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -40,14 +41,17 @@ class _Connection(asyncio.Protocol):
         self.eof = False
         self.closed_exc: BaseException | None = None
         self.idle_since_s = 0.0
+        self.last_data_s = 0.0             # time.monotonic() of the last bytes received
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
+        self._quiet_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
+        self.last_data_s = time.monotonic()
         if len(self.buffer) > MAX_BUFFER_BYTES and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
@@ -72,6 +76,28 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
         self._wake()
+
+    def watch_quiet(self, limit_s: float) -> None:
+        """From now on `limit_s` without a byte fails the connection with TimeoutError. The timer re-arms
+        from the last bytes, so a steady stream costs one timer per `limit_s`, not one per read."""
+        self.last_data_s = time.monotonic()
+        self._arm_quiet(limit_s, limit_s)
+
+    def stop_watch(self) -> None:
+        if self._quiet_timer is not None:
+            self._quiet_timer.cancel()
+            self._quiet_timer = None
+
+    def _arm_quiet(self, limit_s: float, delay_s: float) -> None:
+        self._quiet_timer = asyncio.get_running_loop().call_later(delay_s, self._check_quiet, limit_s)
+
+    def _check_quiet(self, limit_s: float) -> None:
+        quiet_s = time.monotonic() - self.last_data_s
+        if quiet_s >= limit_s:
+            self._quiet_timer = None
+            self.fail(TimeoutError(f"upstream sent nothing for {limit_s}s mid-body"))
+        else:
+            self._arm_quiet(limit_s, limit_s - quiet_s)
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -109,10 +135,11 @@ class _Connection(asyncio.Protocol):
 class _Body:
     """The response body as `aiohttp.StreamReader`'s `readany`/`read(n)`: decoded bytes as they arrive."""
 
-    __slots__ = ("_chunk_left", "_conn", "_left", "_mode", "_pending", "done")
+    __slots__ = ("_chunk_left", "_conn", "_left", "_mode", "_pending", "_quiet_s", "done")
 
-    def __init__(self, conn: _Connection, mode: str, length: int) -> None:
+    def __init__(self, conn: _Connection, mode: str, length: int, quiet_s: float | None = None) -> None:
         self._conn = conn
+        self._quiet_s = quiet_s    # after the first body bytes, the longest gap between bytes (None: any)
         self._mode = mode          # "length", "chunked" or "close"
         self._left = length        # "length": body bytes still to come
         self._chunk_left = 0       # "chunked": bytes left of the current chunk (0: a size line is next)
@@ -126,6 +153,9 @@ class _Body:
         while not self.done:
             data = self._decode()
             if data:
+                if self._quiet_s is not None:   # the first body bytes: from here on a gap is a hang
+                    self._conn.watch_quiet(self._quiet_s)
+                    self._quiet_s = None
                 return data
             if self.done:
                 break
@@ -287,17 +317,18 @@ class _Exchange:
         status, headers, keep_alive = _parse_head(conn.take(end + 4)[:-4])
         if 100 <= status < 200:
             raise UpstreamProtocolError(f"unexpected informational status {status}")
+        quiet_s = self._timeout.sock_read
         if status in (204, 304):
             body = _Body(conn, "length", 0)
         elif "chunked" in headers.get("Transfer-Encoding", "").lower():
-            body = _Body(conn, "chunked", 0)
+            body = _Body(conn, "chunked", 0, quiet_s)
         elif (length := headers.get("Content-Length")) is not None:
             try:
-                body = _Body(conn, "length", int(length))
+                body = _Body(conn, "length", int(length), quiet_s)
             except ValueError:
                 raise UpstreamProtocolError(f"bad Content-Length {length!r}") from None
         else:
-            body, keep_alive = _Body(conn, "close", 0), False
+            body, keep_alive = _Body(conn, "close", 0, quiet_s), False
         self._response = UpstreamResponse(status, headers, body, keep_alive)
         return self._response
 
@@ -308,6 +339,7 @@ class _Exchange:
         conn, response = self._conn, self._response
         if conn is None:
             return
+        conn.stop_watch()
         if exc is None and response is not None and response._keep_alive and response.content.done \
                 and conn.reusable:
             self._client.release(self._key, conn)
@@ -328,7 +360,10 @@ class UpstreamClient:
         target = self._targets.get(url)
         if target is None and url not in self._targets:
             target = self._targets[url] = _split(url)
-        if target is None:  # https or anything unusual: aiohttp's client
+        if target is None:  # https or anything unusual: aiohttp's client (its sock_read counts before the first
+            # body byte too, where first_byte_s governs: not passed)
+            timeout = aiohttp.ClientTimeout(total=timeout.total, connect=timeout.connect,
+                                            sock_connect=timeout.sock_connect)
             return self._fallback.post(url, data=data, headers=headers, timeout=timeout)
         key, path = target
         return _Exchange(self, key, path, data, headers, timeout)

@@ -23,7 +23,7 @@ def openai_wire(config: ProviderConfig) -> Wire:
     timeouts = config.timeouts
     return Wire(config.name, {"Content-Type": "application/json", **auth},
                 aiohttp.ClientTimeout(total=timeouts.total_s, sock_connect=timeouts.connect_s,
-                                      connect=timeouts.connect_s),
+                                      connect=timeouts.connect_s, sock_read=timeouts.quiet_s),
                 timeouts.first_byte_s)
 
 

@@ -58,6 +58,20 @@ async def test_a_broken_stream_goes_on_elsewhere_as_one_stream(start_fakes, star
     assert metric(gateway, "switchyard_stream_errors_total") == 0
 
 
+async def test_a_hung_stream_goes_on_elsewhere_after_its_quiet_limit(start_fakes, start_gateway) -> None:
+    (a,) = start_fakes("a", behaviour={"chunks": 5, "chunk_gate": "never"})   # one chunk, then silence
+    (b,) = start_fakes("b")
+    config = two_providers(a.url, b.url)
+    config["providers"]["first"]["timeouts"]["quiet_s"] = 0.5
+    gateway = start_gateway(config)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}
+    async with aiohttp.ClientSession() as client, client.post(gateway.url + CHAT, json=body) as response:
+        events = await read_events(response)
+    assert [p["served_by"] for p in data_events(events)] == ["a", "b", "b", "b"]
+    assert b.stats()["last_body"]["messages"][-1] == {"role": "assistant", "content": "tok0 "}
+    assert metric(gateway, "switchyard_stream_failovers_total", outcome="continued") == 1
+
+
 async def test_a_continuation_that_breaks_too_ends_with_an_error_event(start_fakes, start_gateway) -> None:
     a, b = start_fakes("a", "b", behaviour=BREAKS)
     gateway = start_gateway(two_providers(a.url, b.url))
