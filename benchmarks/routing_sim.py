@@ -46,7 +46,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import orjson
 
-from cache.prefix_index import PrefixIndex
+from cache.prefix_index import PrefixIndex, num_cached_tokens
 from gateway.load import Lease, LoadTracker, OutputLengthEstimator
 from policies.base import DecisionReason, EndpointState, Policy, RequestFacts
 from policies.registry import PolicyName, make_policy
@@ -160,8 +160,9 @@ class Simulation:
         self.send_session_key = row.send_session_key  # False: requests carry no x-session-affinity
         # Ranked tier hits reach prefix_aware as tokens: it scores num_matched_blocks x block_size, and
         # reads block_size alone only for prefix_key_tokens.
-        self.rank_tiers = (row.rank_tiers and row.tiers.enabled and not row.approximate
-                           and row.policy is PolicyName.PREFIX_AWARE and not row.options.get("prefix_key_tokens"))
+        self.sees_tiers = row.rank_tiers and row.tiers.enabled and not row.approximate   # tier KV events
+        self.rank_tiers = (self.sees_tiers and row.policy is PolicyName.PREFIX_AWARE
+                           and not row.options.get("prefix_key_tokens"))
         self.match_unit_tokens = 1 if self.rank_tiers else BLOCK_TOKENS
         self.indexes = [self.index]
         if row.approximate:
@@ -204,10 +205,13 @@ class Simulation:
         assert decision is not None
         if session_key is not None:
             self.sessions[session_key] = decision.endpoint_id
+        worker_index = next(i for i, w in enumerate(self.workers) if w.endpoint_id == decision.endpoint_id)
+        # As the gateway's lease: the prefill work is the prompt tokens the endpoint does not hold (as
+        # seen before this request is recorded there).
+        num_cached = self._cached_tokens(index, request, self.workers[worker_index])
         index.record_routed(decision.endpoint_id, request.block_hashes)  # a no-op unless approximate
         self.num_moved += decision.reason is DecisionReason.AFFINITY_MOVED
-        worker_index = next(i for i, w in enumerate(self.workers) if w.endpoint_id == decision.endpoint_id)
-        lease = self.tracker.lease(decision.endpoint_id, request.num_prompt_tokens, expected)
+        lease = self.tracker.lease(decision.endpoint_id, request.num_prompt_tokens - num_cached, expected)
         flight = InFlight(request, worker_index, lease)
         worker = self.workers[worker_index]
         worker.queue.append(flight)
@@ -227,6 +231,13 @@ class Simulation:
             tail = matched_by_medium(worker.cache, block_hashes, run)
             matched[worker.endpoint_id] = int((run + sum(self.tiers.weight(m) for m in tail)) * BLOCK_TOKENS)
         return matched
+
+    def _cached_tokens(self, index: PrefixIndex, request: TraceRequest, worker: Worker) -> int:
+        """`cache.prefix_index.num_cached_tokens` of what the gateway sees at `worker`: its device run from
+        the index, and the tier blocks past it when the gateway hears the tiers' events."""
+        run = index.matched_blocks(request.block_hashes).get(worker.endpoint_id, 0)
+        tail = matched_by_medium(worker.cache, request.block_hashes, run) if self.sees_tiers else ()
+        return num_cached_tokens((run, len(tail), 0, 0), BLOCK_TOKENS, request.num_prompt_tokens)
 
     def _start_prefill(self, now: float, worker: Worker) -> None:
         flight = worker.queue.popleft()

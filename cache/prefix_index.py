@@ -22,6 +22,12 @@ MatchedByMedium = tuple[int, int, int, int]
 NO_MATCH: MatchedByMedium = (0, 0, 0, 0)
 
 
+def num_cached_tokens(matched: MatchedByMedium, block_size: int, num_prompt_tokens: int) -> int:
+    """Prompt tokens an endpoint holding `matched` need not compute (a tier block is read back, not
+    recomputed): what its lease leaves out of the prefill work in flight."""
+    return min(num_prompt_tokens, sum(matched) * block_size)
+
+
 class _EndpointBlocks:
     __slots__ = ("approximate", "bit", "last_seq", "lru", "max_blocks", "tiers")
 

@@ -10,13 +10,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from email.utils import parsedate_to_datetime
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from cache.prefix_index import NO_MATCH, MatchedByMedium, PrefixIndex
+from cache.prefix_index import NO_MATCH, MatchedByMedium, PrefixIndex, num_cached_tokens
 from gateway.breaker import CircuitBreaker, eligible
 from gateway.config import Pool
 from gateway.failover import StreamBroken, Transcript, asks_token_ids, without_token_ids
@@ -39,6 +39,12 @@ CONNECT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSE
 
 # Reads one leg's upstream response: (response, the first-byte deadline, the leg's lease) -> the result.
 ResponseReader = Callable[[aiohttp.ClientResponse, asyncio.Timeout, Lease], Awaitable[T]]
+
+
+class Chosen(NamedTuple):
+    endpoint: Endpoint
+    decision: Decision
+    num_uncached_tokens: int     # prompt tokens the endpoint must compute: its lease's prefill work
 
 
 class Legs:
@@ -68,9 +74,9 @@ class Legs:
         endpoints = self._registry.endpoints
         return any(endpoints[b.endpoint_id].healthy for b in self._candidates(progress, pool))
 
-    def choose(self, progress: Progress, pool: Sequence[Endpoint],
-               policy: Policy) -> tuple[Endpoint, Decision] | None:
-        """The policy's pick among the pool's endpoints whose circuit admits traffic, minus those tried."""
+    def choose(self, progress: Progress, pool: Sequence[Endpoint], policy: Policy) -> Chosen | None:
+        """The policy's pick among the pool's endpoints whose circuit admits traffic, minus those tried, and
+        the prompt tokens it must compute (those it does not hold in its prefix cache or KV tiers)."""
         facts = progress.request.facts
         with self.tracing.span("routing_decision"):
             candidates = self._candidates(progress, pool)
@@ -80,24 +86,27 @@ class Legs:
             decision = policy.select(facts, [self._state(b.endpoint_id, matched) for b in candidates])
         if decision is None:
             return None
+        num_cached = 0
         if facts.block_hashes:  # approximate prefix mode: remember what went where (a no-op for precise endpoints)
             self._prefix_index.record_routed(decision.endpoint_id, facts.block_hashes)
-        return self._registry.endpoints[decision.endpoint_id], decision
+            num_cached = num_cached_tokens(matched.get(decision.endpoint_id, NO_MATCH), facts.block_size,
+                                           facts.num_prompt_tokens)
+        return Chosen(self._registry.endpoints[decision.endpoint_id], decision, facts.num_prompt_tokens - num_cached)
 
-    async def take(self, progress: Progress, provider_name: str) -> tuple[Endpoint, Decision]:
+    async def take(self, progress: Progress, provider_name: str) -> Chosen:
         """A single leg's endpoint from the provider's main pool: chosen, counted as tried (a retry if
         not the first), its decision recorded and the session pinned to it; ProviderExhausted if none."""
         chosen = self.choose(progress, self.pool(provider_name), progress.policy)
         if chosen is None:
             raise ProviderExhausted("no eligible endpoint left")
-        endpoint, decision = chosen
+        endpoint, decision, _ = chosen
         model = progress.request.facts.model
         if progress.tried:
             self.metrics.on_retry(model)
         progress.tried.add(endpoint.endpoint_id)
         self.metrics.on_decision(model, decision.reason.value)
         await self.pin_session(progress, decision)
-        return endpoint, decision
+        return chosen
 
     def _state(self, endpoint_id: str, matched: Mapping[str, MatchedByMedium]) -> EndpointState:
         endpoint = self._registry.endpoints[endpoint_id]

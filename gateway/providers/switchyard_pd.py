@@ -18,7 +18,7 @@ from aiohttp import web
 from gateway.config import ConfigError, Pool, ProviderConfig
 from gateway.failover import Stitcher, asks_token_ids, leg_body, without_token_ids
 from gateway.fallback import RetryableFailure
-from gateway.legs import MAX_ERROR_BODY, Legs, error_code, error_message
+from gateway.legs import MAX_ERROR_BODY, Chosen, Legs, error_code, error_message
 from gateway.load import Lease
 from gateway.providers.base import ProviderRun
 from gateway.providers.openai import openai_wire
@@ -102,7 +102,7 @@ class _PdRun:
             chosen = legs.choose(progress, legs.pool(self._config.name, Pool.PREFILL), provider.prefill_policy)
             if chosen is None:
                 raise self._fall_back("prefill_pool_unavailable")
-            prefilled = await self._prefill(*chosen)
+            prefilled = await self._prefill(chosen)
             if isinstance(prefilled, Outcome):
                 return prefilled  # the prefill worker rejected the request (a 4xx, relayed)
             held = prefilled
@@ -119,7 +119,7 @@ class _PdRun:
         if chosen is None:
             raise self._fall_back("decode_pool_exhausted")
         try:
-            return await self._decode(held, *chosen)
+            return await self._decode(held, chosen.endpoint, chosen.decision)
         except KvTransferFailed as exc:
             return await self._redo(exc)
 
@@ -135,13 +135,13 @@ class _PdRun:
         chosen = legs.choose(progress, legs.pool(self._config.name, Pool.MAIN), self._provider.decode_policy)
         if chosen is None:
             raise self._fall_back("decode_pool_exhausted")
-        endpoint, decision = chosen
+        endpoint, decision, num_uncached = chosen
         progress.tried.add(endpoint.endpoint_id)
         legs.metrics.on_decision(request.facts.model, decision.reason.value)
         with legs.tracing.span("upstream_attempt") as span:
             headers = legs.leg_headers(progress, span, self.wire, endpoint.endpoint_id, decision)
             leg = Leg(self.wire, endpoint, LegKind.SINGLE, request.api_path, built[0], headers,
-                      request.facts.num_prompt_tokens, request.facts.num_expected_output_tokens)
+                      num_uncached, request.facts.num_expected_output_tokens)
             return await legs.send(progress, leg, partial(legs.relay, progress, endpoint))
 
     @property
@@ -172,8 +172,9 @@ class _PdRun:
 
     # --- leg 1: prefill ----------------------------------------------------------------------------
 
-    async def _prefill(self, endpoint: Endpoint, decision: Decision) -> PrefillResult | Outcome:
+    async def _prefill(self, chosen: Chosen) -> PrefillResult | Outcome:
         progress, legs, wire = self._progress, self._legs, self._provider.wire
+        endpoint, decision, num_uncached = chosen
         request = progress.request
         body = {k: v for k, v in request.body.items() if k not in ("max_completion_tokens", "stream_options")}
         body.update(max_tokens=1, stream=False)
@@ -187,7 +188,7 @@ class _PdRun:
         with legs.tracing.span("prefill_leg") as span:
             headers = legs.leg_headers(progress, span, wire, endpoint.endpoint_id, decision)
             leg = Leg(wire, endpoint, LegKind.PREFILL, request.api_path, orjson.dumps(body), headers,
-                      request.facts.num_prompt_tokens, 0)
+                      num_uncached, 0)
             return await legs.send(progress, leg, partial(self._read_prefill, endpoint))
 
     async def _read_prefill(self, endpoint: Endpoint, response: aiohttp.ClientResponse,

@@ -3,6 +3,7 @@ gateway routed), the affinity key derived from a prompt's prefix, and vLLM-style
 ZMQ socket (frames built as vLLM's publisher sends them). Real gateway processes, fake upstreams."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import aiohttp
@@ -102,3 +103,22 @@ async def test_vllm_kv_events_over_zmq_steer_routing(start_fakes, start_gateway)
         context.destroy(linger=0)
     assert homes_b == ["b"] * 3 and homes_c == ["c"] * 3
     assert metric(gateway, "switchyard_routing_decisions_total", reason="prefix_hit") >= 8
+
+
+async def test_a_leases_prefill_work_is_what_the_endpoint_does_not_hold(start_fakes, start_gateway) -> None:
+    """The in-flight prefill estimate of a request counts only the prompt tokens its endpoint must compute:
+    a conversation's next turn, sent where its 7 first blocks are known to be, adds 2 blocks of work."""
+    fakes = start_fakes("a", "b")
+    gateway = start_gateway(gateway_config({"p": [f.url for f in fakes]}, policy="prefix_aware"))
+    first = SYSTEM + list(range(48))                 # 112 tokens: 7 blocks of 16
+    turn = first + list(range(500, 532))             # 144 tokens: 9 blocks, 7 of them sent before
+    async with aiohttp.ClientSession() as client:
+        home = await served_by(client, gateway.url, first)
+        url = next(f.url for f in fakes if f.name == home)
+        body = {"model": "m", "prompt": turn, "max_tokens": 4, "fake": {"first_chunk_gate": "hold"}}
+        pending = asyncio.create_task(client.post(gateway.url + "/v1/completions", json=body))
+        await await_until(lambda: metric(gateway, "switchyard_inflight_tokens", endpoint=url,
+                                         phase="prefill") == len(turn) - len(first),
+                          "the held turn's prefill work to be its 2 new blocks")
+        next(f for f in fakes if f.name == home).release("hold")
+        assert (await pending).status == 200
