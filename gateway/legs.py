@@ -267,9 +267,14 @@ class Legs:
         assert client.response is not None
         own_write = client.response.write
         try:
+            rewrite = progress.stitch is not None or not asks_token_ids(progress.request.body)
             while chunk := await response.content.readany():
-                if transcript is not None and not (chunk := _outgoing(progress, transcript.take_whole(chunk))):
-                    continue
+                if transcript is not None:
+                    chunk = transcript.take_whole(chunk)
+                    if chunk and rewrite and (progress.stitch is not None or b'"token_ids"' in chunk):
+                        chunk = _outgoing(progress, chunk)
+                    if not chunk:
+                        continue
                 num_new = counter.feed(chunk)
                 if num_new:
                     lease.on_output_tokens(num_new)
