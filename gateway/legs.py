@@ -25,7 +25,8 @@ from gateway.load import Lease, LoadTracker
 from gateway.metrics import Metrics
 from gateway.request import Leg, Outcome, Progress, ProviderExhausted, Wire
 from gateway.state import StateStore
-from gateway.streaming import ClientGone, ClientStream, SseCounter, StreamUsage, apply_usage, error_event
+from gateway.streaming import (DONE_EVENT, ClientGone, ClientStream, SseCounter, StreamUsage, apply_usage,
+                               error_event)
 from gateway.tracing import REQUEST_ID_HEADER, Tracing
 from gateway.upstream_http import UpstreamClient
 from gateway.upstreams import Endpoint, UpstreamRegistry
@@ -268,6 +269,7 @@ class Legs:
         own_write = client.response.write
         try:
             rewrite = progress.stitch is not None or not asks_token_ids(progress.request.body)
+            before_last, last = b"", first    # the stream's end, to see that [DONE] came
             while chunk := await response.content.readany():
                 if transcript is not None:
                     chunk = transcript.take_whole(chunk)
@@ -275,6 +277,7 @@ class Legs:
                         chunk = _outgoing(progress, chunk)
                     if not chunk:
                         continue
+                before_last, last = last, chunk
                 num_new = counter.feed(chunk)
                 if num_new:
                     lease.on_output_tokens(num_new)
@@ -291,6 +294,9 @@ class Legs:
                     raise ClientGone() from exc
             if transcript is not None and (rest := _outgoing(progress, transcript.flush())):
                 await client.send(rest)
+                before_last, last = last, rest
+            if DONE_EVENT[:12] not in before_last[-32:] + last[-32:]:
+                raise EndedEarly("the upstream ended its stream without data: [DONE]")
         except ClientGone:
             raise
         except (TimeoutError, *CONNECT_ERRORS) as exc:
@@ -327,6 +333,10 @@ def _outgoing(progress: Progress, chunk: bytes) -> bytes:
     if chunk and progress.stitch is not None:
         chunk = progress.stitch(chunk)
     return without_token_ids(chunk) if chunk and not asks_token_ids(progress.request.body) else chunk
+
+
+class EndedEarly(aiohttp.ClientPayloadError):
+    """An upstream's stream ended cleanly but before its `data: [DONE]`: an answer cut short."""
 
 
 def error_message(body: bytes) -> str:

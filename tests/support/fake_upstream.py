@@ -3,7 +3,8 @@
 Behaviour per request comes from the body's `"fake"` object (unknown fields pass through the gateway)
 or the `x-fake` header (JSON), else from the process default (CLI `--behaviour JSON` or POST /control).
 Fields: status, retry_after, stall_s (before headers), first_chunk_delay_s, chunks, chunk_delay_s,
-reset_after (abort the connection after that many chunks), die (exit the process), usage.
+reset_after (abort the connection after that many chunks), die (exit the process), usage, and
+fault (cut, malformed and oversized answers: tests/support/fake_faults.py).
 Gates hold a request at the same three points until the test lets it go, so a test orders events
 without a clock: stall_gate, first_chunk_gate, chunk_gate (before every chunk after the first) name
 a gate; each pass takes one permit (POST /control {"release": {name: n}}); GET /stats reports how
@@ -34,6 +35,7 @@ from aiohttp import web
 
 from cache.block_hash import ROOT_HASH
 from cache.kv_events import DEVICE, KvEvent, KvEventType
+from tests.support import fake_faults
 from tests.support.ports import free_port
 from tests.support.wait import wait_until
 
@@ -127,6 +129,8 @@ async def _scripted(request: web.Request, state: FakeState, body: dict[str, Any]
     if behaviour.get("stall_s"):
         await asyncio.sleep(behaviour["stall_s"])
     await _pass(state, behaviour.get("stall_gate"))
+    if behaviour.get("fault"):
+        return await fake_faults.serve(request, state.name, body, behaviour)
     status = behaviour.get("status", 200)
     if status != 200:
         headers = {"Retry-After": str(behaviour["retry_after"])} if "retry_after" in behaviour else {}
@@ -384,8 +388,8 @@ def main() -> None:
     args = parser.parse_args()
     import uvloop
     uvloop.install()
-    web.run_app(make_app(FakeState(args.name, orjson.loads(args.behaviour), args.role)), host="127.0.0.1", port=args.port,
-                access_log=None, print=None, shutdown_timeout=0.1)
+    web.run_app(make_app(FakeState(args.name, orjson.loads(args.behaviour), args.role)), host="127.0.0.1",
+                port=args.port, access_log=None, print=None, shutdown_timeout=0.1)
 
 
 # --- the test-side handle -------------------------------------------------------------------------
@@ -451,9 +455,8 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 20.0,
     def answers() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"process for {url} exited with {proc.returncode}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url, timeout=1) as response:
-                return response.status == ok_status
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as response:
+            return response.status == ok_status
         return False
 
     wait_until(answers, f"{url} to answer {ok_status}", timeout_s=timeout_s)
