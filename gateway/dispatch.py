@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from gateway.errors import GatewayError, NoUpstreamAvailable, UpstreamsFailed
+from gateway.errors import GatewayError, NoUpstreamAvailable, UpstreamsFailed, UpstreamsRateLimited
 from gateway.failover import StreamBroken, answered_so_far
 from gateway.fallback import Retrier, RetryableFailure
 from gateway.legs import Legs
@@ -120,6 +120,10 @@ class _ChainWalk:
                 self._run = dispatcher.providers[name].start(progress, dispatcher.legs)
             try:
                 return await self._run()
+            except RetryableFailure:
+                if not self._anything_left(chain):
+                    raise _NothingToTry() from None   # no backoff or Retry-After wait before a retry with no endpoint
+                raise
             except ProviderExhausted as exc:
                 progress.log.append(f"{name}: {exc.description}")
                 if progress.client_has_data:
@@ -131,6 +135,13 @@ class _ChainWalk:
         raise _NothingToTry()
 
 
+    def _anything_left(self, chain: tuple[str, ...]) -> bool:
+        """Some provider from the current one on has an endpoint a retry could use (a disaggregated one may
+        have more: its other pool is not looked at, so this errs towards waiting and retrying)."""
+        legs, progress = self._dispatcher.legs, self._progress
+        return any(legs.has_candidate(progress, legs.pool(name)) for name in chain[self._index:])
+
+
 class _NothingToTry(Exception):
     """No candidate endpoint is left in any provider of the chain."""
 
@@ -140,6 +151,9 @@ def _final_error(progress: Progress, exc: Exception) -> GatewayError:
     headers = {}
     if progress.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(progress.retry_after_s)))
+    if progress.num_failures and progress.num_rate_limited == progress.num_failures:
+        return UpstreamsRateLimited(f"every upstream for model {model!r} is rate limiting; tried: {tried}",
+                                    headers=headers)
     if progress.tried or progress.num_failures:
         return UpstreamsFailed(f"all upstreams failed for model {model!r}; tried: {tried}", headers=headers)
     return NoUpstreamAvailable(f"no upstream available for model {model!r}: {tried}", headers=headers)

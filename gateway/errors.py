@@ -72,6 +72,11 @@ class UpstreamsFailed(GatewayError):
     status, error_type, code = 502, "upstream_error", "upstream_failed"
 
 
+class UpstreamsRateLimited(GatewayError):
+    """Every endpoint tried answered 429: the client should back off (its Retry-After, when one came)."""
+    status, error_type, code = 429, "rate_limit_error", "upstream_rate_limited"
+
+
 class NoUpstreamAvailable(GatewayError):
     """No endpoint could even be tried (all circuits open, retry budget spent, nothing healthy)."""
     status, error_type, code = 503, "upstream_error", "no_upstream_available"

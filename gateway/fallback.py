@@ -22,10 +22,11 @@ T = TypeVar("T")
 class RetryableFailure(Exception):
     """An upstream leg failed before any byte reached the client: another endpoint may be tried."""
 
-    def __init__(self, description: str, *, retry_after_s: float | None = None) -> None:
+    def __init__(self, description: str, *, retry_after_s: float | None = None, rate_limited: bool = False) -> None:
         super().__init__(description)
         self.description = description
         self.retry_after_s = retry_after_s
+        self.rate_limited = rate_limited    # the upstream answered 429
 
 
 class RetryBudget:

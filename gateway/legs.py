@@ -147,6 +147,7 @@ class Legs:
         """A failed leg of `progress` (at `endpoint_id`, None: the provider's pair of legs): logged for the
         final error, counted, keepalive re-armed."""
         progress.num_failures += 1
+        progress.num_rate_limited += failure.rate_limited
         where = provider_name if endpoint_id is None else f"{provider_name}@{endpoint_id}"
         progress.log.append(f"{where}: {failure.description}")
         if failure.retry_after_s is not None:
@@ -221,7 +222,7 @@ class Legs:
         status = response.status
         if status == 429 or status >= 500:
             breaker.on_failure()
-            raise RetryableFailure(f"HTTP {status}: {error_message(body)}",
+            raise RetryableFailure(f"HTTP {status}: {error_message(body)}", rate_limited=status == 429,
                                    retry_after_s=_retry_after_s(response.headers.get("Retry-After")))
         breaker.on_success()
         if client is not None and client.prepared:

@@ -44,6 +44,7 @@ class Progress:
     log: list[str] = field(default_factory=list)              # what was tried and why it failed
     retry_after_s: float | None = None                        # the last upstream Retry-After
     num_failures: int = 0                                     # failed legs
+    num_rate_limited: int = 0                                 # of them, those answered 429
     can_fail_over: bool = False                               # a broken stream may be continued elsewhere
     so_far: SoFar | None = None                               # what the client has of a broken stream
     stitch: Stitcher | None = None                            # rewrites the continuation leg's chunks

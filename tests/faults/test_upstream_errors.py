@@ -1,7 +1,8 @@
 """An upstream that answers 500, 502, 503 or 429, with and without Retry-After (issue 11 §2, scenario 1).
 
 Beside a healthy endpoint the client gets the whole answer; alone, it gets an OpenAI-style 502
-`upstream_failed` naming what failed, with the upstream's Retry-After relayed (dispatch.py `_final_error`).
+`upstream_failed` naming what failed (a 429 `upstream_rate_limited` when every upstream tried answered 429),
+with the upstream's Retry-After relayed (dispatch.py `_final_error`).
 Each request has its own x-request-id and the fakes log the ids they received: the failing endpoint saw
 each request once, the healthy one at most once, and with `max_attempts: 1` nothing is retried at all.
 tests/gateway/test_fallback.py covers the breaker, the Retry-After cap and provider fallback; this adds
@@ -70,9 +71,13 @@ async def test_failing_endpoint_alone(fleet, status: int, retry_after: int | Non
     bad.control(behaviour=_failing(status, retry_after))
     request_id = new_request_id()
     reply = await post(gateway.url, chat("solo", stream), headers={"x-request-id": request_id})
-    # Whatever the upstream's status (429 included), the client gets the gateway's own 502.
-    error = assert_openai_error(reply, 502, "upstream_failed")
-    assert error["type"] == "upstream_error"
+    # A 5xx becomes the gateway's own 502; a 429 stays a 429 (every upstream tried is rate limiting: back off).
+    if status == 429:
+        error = assert_openai_error(reply, 429, "upstream_rate_limited")
+        assert error["type"] == "rate_limit_error"
+    else:
+        error = assert_openai_error(reply, 502, "upstream_failed")
+        assert error["type"] == "upstream_error"
     assert f"{bad.url}: HTTP {status}: fake {status} from bad" in error["message"]
     assert reply.headers.get("Retry-After") == (None if retry_after is None else str(retry_after))
     assert (num_seen(bad, request_id), num_seen(good, request_id)) == (1, 0)
