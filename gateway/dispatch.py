@@ -68,7 +68,6 @@ class Dispatcher:
             if client is not None:
                 await client.close()
 
-
     async def _continue_or_end(self, progress: Progress, client: ClientStream, broken: StreamBroken) -> Outcome | None:
         """After `broken`: None when the answer is to go on elsewhere (`progress` now says what the client
         has); else the stream ended, whole or with an error event."""
@@ -133,7 +132,6 @@ class _ChainWalk:
             if self._index < len(chain):
                 dispatcher.metrics.on_fallback(progress.request.facts.model, name, chain[self._index])
         raise _NothingToTry()
-
 
     def _anything_left(self, chain: tuple[str, ...]) -> bool:
         """Some provider from the current one on has an endpoint a retry could use (a disaggregated one may
