@@ -350,9 +350,11 @@ class _Exchange:
 class UpstreamClient:
     """Pooled keep-alive connections per host:port; `post` is a drop-in for the legs' `session.post`."""
 
-    def __init__(self, fallback: aiohttp.ClientSession) -> None:
+    def __init__(self, fallback: aiohttp.ClientSession, max_idle_s: float = MAX_IDLE_S) -> None:
         self._fallback = fallback
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._max_idle_s = max_idle_s
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}    # oldest first; reused from the end
+        self._sweep: asyncio.TimerHandle | None = None   # closes connections idle past max_idle_s
         self._targets: dict[str, tuple[tuple[str, int], bytes] | None] = {}  # url -> (host:port, target)
         self._host_headers: dict[tuple[str, int], bytes] = {}
 
@@ -380,7 +382,7 @@ class UpstreamClient:
         now_s = time.monotonic()
         while idle:
             conn = idle.pop()
-            if conn.reusable and now_s - conn.idle_since_s < MAX_IDLE_S:
+            if conn.reusable and now_s - conn.idle_since_s < self._max_idle_s:
                 return conn
             if conn.transport is not None:
                 conn.transport.close()
@@ -397,8 +399,32 @@ class UpstreamClient:
             return
         conn.idle_since_s = time.monotonic()
         idle.append(conn)
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(self._max_idle_s, self._close_stale)
+
+    def _close_stale(self) -> None:
+        """Close the connections idle for `max_idle_s` (reuse takes the newest, so after a burst the oldest
+        would otherwise stay open until the upstream closes them); again while any stay idle."""
+        self._sweep = None
+        now_s = time.monotonic()
+        oldest_s = now_s
+        for idle in self._idle.values():
+            num_stale = next((i for i, conn in enumerate(idle) if now_s - conn.idle_since_s < self._max_idle_s),
+                             len(idle))
+            for conn in idle[:num_stale]:
+                if conn.transport is not None:
+                    conn.transport.close()
+            del idle[:num_stale]
+            if idle:
+                oldest_s = min(oldest_s, idle[0].idle_since_s)
+        if any(self._idle.values()):
+            self._sweep = asyncio.get_running_loop().call_later(
+                max(0.0, oldest_s + self._max_idle_s - now_s), self._close_stale)
 
     def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for idle in self._idle.values():
             for conn in idle:
                 if conn.transport is not None:

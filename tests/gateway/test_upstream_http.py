@@ -10,6 +10,7 @@ import pytest
 from aiohttp import web
 
 from gateway.upstream_http import UpstreamClient
+from tests.support.wait import await_until
 
 TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=2)
 
@@ -135,3 +136,61 @@ async def test_https_goes_through_aiohttp(client: UpstreamClient) -> None:
     with pytest.raises(aiohttp.ClientConnectorError):
         async with client.post(f"https://127.0.0.1:{free_port()}/v1/x", data=b"x", headers={}, timeout=TIMEOUT):
             pass
+
+
+async def test_idle_connections_are_closed_after_max_idle_without_traffic() -> None:
+    """After a burst the pool closes what stays idle, with no request coming to prompt it."""
+    open_now: list[int] = [0]
+    release = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        open_now[0] += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                await release.wait()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            open_now[0] -= 1
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/x"
+    async with aiohttp.ClientSession() as session:
+        client = UpstreamClient(session, max_idle_s=0.2)
+
+        async def one() -> bytes:
+            async with client.post(url, data=b"x", headers={}, timeout=TIMEOUT) as response:
+                return await response.read()
+
+        burst = [asyncio.create_task(one()) for _ in range(3)]
+        await await_until(lambda: open_now[0] == 3, "three connections at once")
+        release.set()
+        assert await asyncio.gather(*burst) == [b"ok"] * 3      # all three pooled, idle
+        await await_until(lambda: open_now[0] == 0, "the idle connections to be closed")
+        client.close()
+    server.close()
+
+
+async def test_a_body_quiet_past_sock_read_after_its_first_bytes_times_out(client: UpstreamClient) -> None:
+    async def quiet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await reader.read()      # then silence, until the client gives up
+
+    server = await asyncio.start_server(quiet, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/x"
+    try:
+        async with client.post(url, data=b"x", headers={},
+                               timeout=aiohttp.ClientTimeout(total=30, sock_read=0.2)) as response:
+            assert await response.content.readany() == b"first"
+            with pytest.raises(TimeoutError, match="sent nothing"):
+                await response.content.readany()
+    finally:
+        server.close()
