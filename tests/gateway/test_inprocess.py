@@ -184,7 +184,8 @@ async def test_when_every_upstream_fails_the_error_names_what_was_tried(start: S
     response = await client.post(CHAT, json=BODY)
     assert response.status == 502
     message = (await response.json())["error"]["message"]
-    assert f"p@{upstream.url}: HTTP 503" in message and "p: no eligible endpoint left" in message
+    assert f"tried: p@{upstream.url}: HTTP 503: scripted 503" in message
+    assert len(upstream.bodies) == 1       # nothing was left to retry on: answered at once
 
 
 # --- the disaggregated provider ----------------------------------------------------------------------
