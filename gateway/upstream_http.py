@@ -310,8 +310,8 @@ class _Exchange:
         head.append(self._body)
         assert conn.transport is not None
         conn.transport.write(b"".join(head))
-        while (end := conn.buffer.find(b"\r\n\r\n")) < 0:
-            if len(conn.buffer) > MAX_HEADER_BYTES:
+        while (end := conn.buffer.find(b"\r\n\r\n", 0, MAX_HEADER_BYTES + 4)) < 0:
+            if len(conn.buffer) > MAX_HEADER_BYTES:   # however the bytes were split into reads
                 raise UpstreamProtocolError("response head too large")
             await conn.more()
         status, headers, keep_alive = _parse_head(conn.take(end + 4)[:-4])
