@@ -51,6 +51,8 @@ class AnthropicProvider:
         request = progress.request
         if request.api_path != CHAT_PATH:
             raise ProviderExhausted("an anthropic provider serves chat completions only")
+        if progress.so_far is not None:   # the Messages API has no way to go on from part of an answer here
+            raise ProviderExhausted("an anthropic provider does not continue a broken stream")
         try:
             body = to_messages_request(request.body, self.config.upstream_model or request.model.name)
         except Untranslatable as exc:

@@ -87,6 +87,21 @@ async def test_a_continuation_that_breaks_too_ends_with_an_error_event(start_fak
     assert metric(gateway, "switchyard_stream_errors_total") == 1
 
 
+async def test_an_anthropic_provider_does_not_restart_a_broken_stream(start_fakes, start_gateway) -> None:
+    (a,) = start_fakes("a", behaviour=BREAKS)
+    (b,) = start_fakes("b")
+    config = two_providers(a.url, b.url)
+    config["providers"]["second"]["kind"] = "anthropic"     # would answer from the start: not a continuation
+    gateway = start_gateway(config)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}
+    async with aiohttp.ClientSession() as client, client.post(gateway.url + CHAT, json=body) as response:
+        events = await read_events(response)
+    payloads = data_events(events)
+    assert [p.get("served_by") for p in payloads[:-1]] == ["a", "a"]
+    assert "anthropic provider does not continue" in payloads[-1]["error"]["message"]
+    assert b.stats()["num_requests"] == 0
+
+
 async def test_a_token_id_prompt_is_not_continued_from_text(start_fakes, start_gateway) -> None:
     (a,) = start_fakes("a", behaviour=BREAKS)
     (b,) = start_fakes("b")
