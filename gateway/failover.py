@@ -83,7 +83,7 @@ class Transcript:
 @dataclass(frozen=True, slots=True)
 class SoFar:
     """What the client has of a streamed answer, over every leg so far."""
-    envelope: Mapping[str, Any]          # the first stream's id, object, created, model
+    envelope: Mapping[str, Any]          # the first stream's id and created (the continuation's chunks get them)
     text: str                            # output text sent
     token_ids: tuple[int, ...] | None    # its token ids, when every leg sent them (our workers)
     num_tokens: int                      # output tokens sent (token ids, else content events)
@@ -106,7 +106,7 @@ def answered_so_far(transcript: Transcript, chat: bool) -> SoFar | None:
         if not isinstance(payload, dict) or "error" in payload:
             return None
         if not envelope:
-            envelope = {k: payload[k] for k in ("id", "object", "created", "model") if k in payload}
+            envelope = {k: payload[k] for k in ("id", "created") if k in payload}
         for choice in payload.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 return None
@@ -171,7 +171,7 @@ class Stitcher:
     __slots__ = ("_chat", "_envelope", "_usage_offset")
 
     def __init__(self, so_far: SoFar, chat: bool, usage_counts_so_far: bool) -> None:
-        self._envelope = {k: so_far.envelope[k] for k in ("id", "created") if k in so_far.envelope}
+        self._envelope = so_far.envelope
         self._chat = chat
         self._usage_offset = 0 if usage_counts_so_far else so_far.num_tokens
 
