@@ -20,7 +20,7 @@ from gateway.legs import Legs
 from gateway.metrics import Metrics
 from gateway.providers import Provider, ProviderRun
 from gateway.request import Outcome, Progress, ProviderExhausted, RoutedRequest
-from gateway.streaming import DONE_EVENT, ClientGone, ClientStream, SseResponseFactory, StreamUsage, error_event
+from gateway.streaming import DONE_EVENT, ClientStream, SseResponseFactory, StreamUsage, error_event
 from policies.base import Policy
 
 log = logging.getLogger(__name__)
@@ -36,12 +36,16 @@ class Dispatcher:
         self.metrics = metrics
         self._keepalive_s = keepalive_s   # SSE keepalive interval while the first token is awaited
 
-    async def dispatch(self, request: web.Request, routed: RoutedRequest,
-                       sse_response: SseResponseFactory | None = None) -> Outcome:
-        """`sse_response`: how a streamed answer's response is built (None: OpenAI's SSE as relayed)."""
-        client = ClientStream(request, self._keepalive_s, sse_response) if routed.stream else None
+    def client_stream(self, request: web.Request, sse_response: SseResponseFactory | None = None) -> ClientStream:
+        """The client's side of a streamed answer (`sse_response`: how its response is built; None: OpenAI's
+        SSE as relayed). The caller owns it: after `dispatch`, however it ends, it reads what the client got."""
+        return ClientStream(request, self._keepalive_s, sse_response)
+
+    async def dispatch(self, routed: RoutedRequest, client: ClientStream | None) -> Outcome:
+        """Serve `routed`, streamed to `client` (None: not streamed). Raises `ClientGone` when the client
+        closed its connection mid-stream (the upstream leg is already closed)."""
         progress = Progress(routed, client, self._policies[routed.model.name],
-                            can_fail_over=_can_fail_over(routed, sse_response))
+                            can_fail_over=_can_fail_over(routed, client))
         try:
             while True:
                 try:
@@ -51,10 +55,6 @@ class Dispatcher:
                     ended = await self._continue_or_end(progress, client, broken)
                     if ended is not None:
                         return ended
-        except ClientGone:
-            # The client left mid-stream; the upstream leg is already closed. aiohttp ignores the rest.
-            assert client is not None and client.response is not None
-            return Outcome(client.response, None, StreamUsage())
         except (RetryableFailure, _NothingToTry) as exc:
             error = _final_error(progress, exc)
             if client is None or not client.prepared:
@@ -64,9 +64,6 @@ class Dispatcher:
                 self.metrics.on_stream_error(routed.model.name)
             await client.fail(error_event(error.message, error.error_type, str(error.code)))
             return Outcome(await client.finish(), None, StreamUsage())
-        finally:
-            if client is not None:
-                await client.close()
 
     async def _continue_or_end(self, progress: Progress, client: ClientStream, broken: StreamBroken) -> Outcome | None:
         """After `broken`: None when the answer is to go on elsewhere (`progress` now says what the client
@@ -92,9 +89,9 @@ class Dispatcher:
         return Outcome(await client.finish(), broken.endpoint_id, broken.usage)
 
 
-def _can_fail_over(routed: RoutedRequest, sse_response: SseResponseFactory | None) -> bool:
+def _can_fail_over(routed: RoutedRequest, client: ClientStream | None) -> bool:
     """A stream of one choice, relayed as the upstream sends it, for a model that allows failover."""
-    return routed.stream and routed.model.mid_stream_failover and sse_response is None \
+    return client is not None and routed.model.mid_stream_failover and not client.reencodes \
         and routed.body.get("n", 1) == 1
 
 

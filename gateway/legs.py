@@ -6,6 +6,7 @@ It never walks the provider chain or retries (dispatch.py does) and never builds
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -256,6 +257,7 @@ class Legs:
         counter = SseCounter()
         if progress.so_far is not None:       # a continuation: its count goes on from what the client has
             counter.usage.num_output_tokens = progress.so_far.num_tokens
+        client.usage = counter.usage
         num_tokens = counter.feed(first)
         lease.on_output_tokens(num_tokens)
         first_token_s = last_token_s = time.perf_counter()   # meaningful once num_tokens > 0
@@ -271,7 +273,8 @@ class Legs:
         try:
             rewrite = progress.stitch is not None or not asks_token_ids(progress.request.body)
             before_last, last = b"", first    # the stream's end, to see that [DONE] came
-            while chunk := await response.content.readany():
+            # Up to [DONE]: the answer is whole there, and the client may close at once (the body's end is later).
+            while not last.endswith(DONE_EVENT) and (chunk := await response.content.readany()):
                 if transcript is not None:
                     chunk = transcript.take_whole(chunk)
                     if chunk and rewrite and (progress.stitch is not None or b'"token_ids"' in chunk):
@@ -298,6 +301,7 @@ class Legs:
                 before_last, last = last, rest
             if DONE_EVENT[:12] not in before_last[-32:] + last[-32:]:
                 raise EndedEarly("the upstream ended its stream without data: [DONE]")
+            client.ended = True
         except ClientGone:
             raise
         except (TimeoutError, *CONNECT_ERRORS) as exc:
@@ -312,6 +316,7 @@ class Legs:
         endpoint.breaker.on_success()
         if is_first_data and num_tokens > 1:    # one figure per response: its mean inter-token latency
             self.metrics.observe_itl(model, (last_token_s - first_token_s) / (num_tokens - 1))
+        await _read_to_end(response)
         return Outcome(await client.finish(), endpoint.endpoint_id, counter.usage)
 
     @staticmethod
@@ -326,6 +331,14 @@ class Legs:
                 raise RetryableFailure("empty response: upstream closed before a whole event")
             chunk = _outgoing(progress, transcript.take_whole(more))
         return chunk
+
+
+async def _read_to_end(response: aiohttp.ClientResponse) -> None:
+    """After `data: [DONE]`: the rest of the upstream's body (its chunked end, usually already here), so
+    its connection goes back to the pool. The answer is whole: a failure here changes nothing."""
+    with contextlib.suppress(TimeoutError, *CONNECT_ERRORS):
+        while await response.content.readany():
+            pass
 
 
 def _outgoing(progress: Progress, chunk: bytes) -> bytes:

@@ -129,6 +129,8 @@ class ClientStream:
         self._lock = asyncio.Lock()
         self.response: web.StreamResponse | None = None
         self.data_started = False
+        self.ended = False               # the client has the stream's end (`data: [DONE]`): the answer is whole
+        self.usage = StreamUsage()       # what has been relayed to the client, as the relay counts it
         self._timer: asyncio.TimerHandle | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
         self.arm_keepalive()
@@ -205,11 +207,18 @@ class ClientStream:
         assert isinstance(writer, StreamWriter) and writer._compress is None
         return writer
 
+    @property
+    def reencodes(self) -> bool:
+        """The response re-encodes the relayed stream into another API's events (not OpenAI's SSE as sent)."""
+        return self._new_response is not _SseResponse
+
     async def send(self, chunk: bytes) -> None:
         try:
             await self.response.write(chunk)  # type: ignore[union-attr]
         except ConnectionResetError as exc:
             raise ClientGone() from exc
+        if chunk.endswith(DONE_EVENT):
+            self.ended = True
 
     async def fail(self, event: bytes, mid_event: bool = False) -> None:
         """End the stream with an error event and [DONE] (after headers went out)."""

@@ -28,7 +28,7 @@ from gateway.errors import BadRequest, GatewayError, NotFound, RateLimited, Requ
 from gateway.request import Outcome, RoutedRequest
 from gateway.services import SERVICES, Services
 from gateway.state import MemoryStore
-from gateway.streaming import SseResponseFactory, StreamUsage
+from gateway.streaming import ClientGone, SseResponseFactory, StreamUsage
 from gateway.tokenize import PromptTokens
 from gateway.tracing import request_id_var
 from policies.base import RequestFacts
@@ -94,21 +94,31 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
 async def _dispatch(services: Services, request: web.Request, routed: RoutedRequest,
                     charge: Charge | None, sse_response: SseResponseFactory | None) -> Outcome:
     """The dispatcher's outcome; on errors and cancellation too, the charge is settled to what was really
-    used and the request is counted."""
+    used and the request is counted. A client that closed once it had the whole stream (the OpenAI SDK
+    closes at `data: [DONE]`, often before the upstream's body has ended) was served: a 200; one that left
+    before is a 499, charged for what was relayed to it."""
+    client = services.dispatcher.client_stream(request, sse_response) if routed.stream else None
     outcome = None
     status = 499  # the client went away
     try:
-        outcome = await services.dispatcher.dispatch(request, routed, sse_response)
+        outcome = await services.dispatcher.dispatch(routed, client)
         status = outcome.response.status
         return outcome
     except GatewayError as exc:
         status = exc.status
         raise
+    except ClientGone:      # aiohttp ignores the response of a closed connection
+        assert client is not None and client.response is not None
+        return Outcome(client.response, None, client.usage)
     finally:
+        if outcome is None and client is not None and client.ended:
+            status = 200
         if charge is not None:
-            usage = outcome.usage if outcome is not None else StreamUsage()
+            usage = outcome.usage if outcome is not None else client.usage if client is not None else StreamUsage()
             await settle(services, charge, routed.facts.num_prompt_tokens, usage)
         services.metrics.on_request(routed.model.name, status)
+        if client is not None:
+            await client.close()    # last: it re-raises a cancellation
 
 
 def _count_prompt(services: Services, model: ModelConfig, body: Mapping[str, Any], surface: Surface) -> PromptTokens:

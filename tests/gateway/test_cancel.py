@@ -42,3 +42,51 @@ async def test_cancelled_clients_release_their_leases(start_fakes, start_gateway
                       and metric(gateway, "switchyard_inflight_tokens", endpoint=fake.url) == 0,
                       "the cancelled requests' leases to be released")
     assert gateway.alive
+
+
+async def _usage(client: aiohttp.ClientSession, gateway_url: str) -> dict:
+    async with client.get(gateway_url + "/v1/usage", headers={"Authorization": "Bearer k-secret"}) as response:
+        assert response.status == 200
+        return await response.json()
+
+
+async def test_a_client_that_closes_after_done_was_served(start_fakes, start_gateway) -> None:
+    """The OpenAI SDK closes its connection as soon as it reads `data: [DONE]`, often before the upstream's
+    body has ended. That answer was served whole: it counts as a 200 with its inter-token latency, and its
+    tokens are charged. A client that leaves mid-stream is a 499, charged for what was relayed to it."""
+    (fake,) = start_fakes("a")
+    gateway = start_gateway(gateway_config({"p": [fake.url]}, api_keys=[{"key_id": "k", "key": "k-secret"}],
+                                           limits={"metrics_public": True}))
+    headers = {"Authorization": "Bearer k-secret"}
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": True}
+    async with aiohttp.ClientSession() as client:
+        async with client.post(gateway.url + CHAT, headers=headers,
+                               json={**body, "fake": {"chunks": 4, "done_gate": "after-done"}}) as response:
+            assert response.status == 200
+            events = []
+            async for line in response.content:   # read as an SDK does: up to [DONE], then close
+                if line.startswith(b"data: "):
+                    events.append(line)
+                    if line.strip() == b"data: [DONE]":
+                        break
+        assert len(events) == 5
+        await await_until(lambda: metric(gateway, "switchyard_requests_total", model="m") == 1,
+                          "the closed stream to be counted")
+        assert metric(gateway, "switchyard_requests_total", model="m", status="200") == 1
+        assert metric(gateway, "switchyard_itl_seconds_count", model="m") == 1
+        usage = await _usage(client, gateway.url)
+        assert (usage["num_requests"], usage["num_completion_tokens"]) == (1, 4)
+        fake.release("after-done")
+
+        async with client.post(gateway.url + CHAT, headers=headers,
+                               json={**body, "fake": {"chunks": 10, "chunk_gate": "mid"}}) as response:
+            await response.content.readuntil(b"\n\n")
+            fake.release("mid", 2)
+            await response.content.readuntil(b"\n\n")
+            await response.content.readuntil(b"\n\n")       # three content events, then the client leaves
+        await await_until(lambda: metric(gateway, "switchyard_requests_total", model="m") == 2,
+                          "the abandoned stream to be counted")
+        assert metric(gateway, "switchyard_requests_total", model="m", status="499") == 1
+        usage = await _usage(client, gateway.url)
+        assert (usage["num_requests"], usage["num_completion_tokens"]) == (2, 4 + 3)
+    assert gateway.alive

@@ -5,9 +5,9 @@ or the `x-fake` header (JSON), else from the process default (CLI `--behaviour J
 Fields: status, retry_after, stall_s (before headers), first_chunk_delay_s, chunks, chunk_delay_s,
 reset_after (abort the connection after that many chunks), die (exit the process), usage, and
 fault (cut, malformed and oversized answers: tests/support/fake_faults.py).
-Gates hold a request at the same three points until the test lets it go, so a test orders events
-without a clock: stall_gate, first_chunk_gate, chunk_gate (before every chunk after the first) name
-a gate; each pass takes one permit (POST /control {"release": {name: n}}); GET /stats reports how
+Gates hold a request at the same four points until the test lets it go, so a test orders events
+without a clock: stall_gate, first_chunk_gate, chunk_gate (before every chunk after the first) and
+done_gate (after `data: [DONE]`, before the body's end) name a gate; each pass takes one permit (POST /control {"release": {name: n}}); GET /stats reports how
 many requests wait at each gate.
 GET /stats reports what it received, so tests can count upstream hits.
 GET /kv_events answers as a worker does (backends/server/ops_routes.py); its events are built by
@@ -162,6 +162,7 @@ async def _scripted(request: web.Request, state: FakeState, body: dict[str, Any]
             await _pass(state, behaviour.get("chunk_gate"))
         await response.write(_chunk(state, model, i, chat))
     await response.write(b"data: [DONE]\n\n")
+    await _pass(state, behaviour.get("done_gate"))
     await response.write_eof()
     return response
 
