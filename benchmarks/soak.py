@@ -276,14 +276,17 @@ def report(result: dict) -> bool:
         w, e = figure(warm), figure(end)
         print(f"{label:14}{figure(idle):>10.1f}{w:>10.1f}{e:>10.1f}{growth(w, e):>10}{figure(settled):>12.1f}"
               f"{'' if judged else '   (not judged)'}")
-        if judged and w and (e / w - 1) * 100 > 5.0:
+        # Counts move by whole units with the requests in flight (at 2 requests/s, a median of 7.5 tasks then
+        # 8): growth must pass 5% and one unit to be a leak. RSS is judged by the 5% alone.
+        slack = 0.0 if label == "RSS (MB)" else 1.0
+        if judged and w and (e / w - 1) * 100 > 5.0 and e - w > slack:
             ok = False
     ok = ok and settled.tasks <= idle.tasks
     print(f"Redis keys by kind at the end: {result['key_kinds']}")
     print("(open fds after the load include the gateway's pooled upstream connections)")
     ok = ok and end.sessions <= NUM_SESSIONS * 2      # two models' sessions at most (the two phases)
-    print(f"target (median growth under 5% after warm-up of what is not a bounded pool, zero errors, tasks back "
-          f"to idle, sessions within the keys sent): {'met' if ok else 'NOT met'}")
+    print(f"target (median growth under 5%, and one unit for counts, after warm-up of what is not a bounded pool; "
+          f"zero errors; tasks back to idle; sessions within the keys sent): {'met' if ok else 'NOT met'}")
     return ok
 
 

@@ -9,6 +9,8 @@ plain engine ("none") as the baseline of the same run.
     .venv/bin/python benchmarks/spec_bench.py [--rounds 3] [--max-tokens 128] [--threads 2]
         [--draft-dir DIR] [--eagle-dir DIR] [--proposers none,ngram,draft,eagle]
 
+A proposer may name its own K: `--proposers none,ngram,ngram:8` compares K = --k with K = 8 in one run.
+
 --draft-dir: a folder from `switchyard make-draft` (default $SWITCHYARD_CACHE/drafts/<model>-draft);
 --eagle-dir: a head from `switchyard train-draft` (default: where it saves, $SWITCHYARD_CACHE/eagle/<model>-head).
 A proposer without its folder is left out, with the command that builds it.
@@ -130,14 +132,15 @@ def main() -> None:
             "eagle": args.eagle_dir or default_dir("eagle", model_dir)}
     configs: dict[str, EngineConfig] = {}
     for name in args.proposers.split(","):
-        if name in dirs and not dirs[name].exists():
-            print(f"# {name}: no folder at {dirs[name]} (build it: switchyard "
-                  f"{'make-draft' if name == 'draft' else 'train-draft'}); left out")
+        kind, _, k = name.partition(":")      # "ngram:8": this proposer at K = 8 (else --k)
+        if kind in dirs and not dirs[kind].exists():
+            print(f"# {kind}: no folder at {dirs[kind]} (build it: switchyard "
+                  f"{'make-draft' if kind == 'draft' else 'train-draft'}); left out")
             continue
         configs[name] = EngineConfig(
             model_dir=str(model_dir), num_blocks=512, max_num_seqs=16,
-            speculative=None if name == "none" else name, num_speculative_tokens=args.k,
-            speculative_model=str(dirs[name]) if name in dirs else None)
+            speculative=None if kind == "none" else kind, num_speculative_tokens=int(k or args.k),
+            speculative_model=str(dirs[kind]) if kind in dirs else None)
     levels = [int(c) for c in args.concurrency.split(",")]
     results: dict[tuple[str, int, str], list[Result]] = {}
     for r in range(args.rounds):
