@@ -82,7 +82,7 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
                                     auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
     store: StateStore = make_store(config.redis_url)
     retrier = Retrier(config.retries, RetryBudget(config.retries))
-    legs = Legs(session, registry, tracker, prefix_index, store, metrics, tracing)
+    legs = Legs(session, registry, tracker, prefix_index, store, metrics, tracing, config.retries.max_retry_after_s)
     dispatcher = Dispatcher(
         legs,
         providers={name: make_provider(p) for name, p in config.providers.items()},

@@ -1,4 +1,5 @@
-"""Per-endpoint circuit breakers: open after N consecutive failures, one half-open probe after a cool-down.
+"""Per-endpoint circuit breakers: open after N consecutive failures, one half-open probe after a cool-down;
+an endpoint that answered with Retry-After is held off (no new requests) until then.
 
 `eligible()` enforces the provider-wide rule that never every endpoint is ejected at once: if all
 would be open, the least-recently-failed one stays eligible. Clock injected for tests; no I/O.
@@ -25,6 +26,7 @@ class CircuitBreaker:
         "_clock",
         "_config",
         "_failures",
+        "_held_until",
         "_last_failure_at",
         "_on_change",
         "_opened_at",
@@ -41,6 +43,7 @@ class CircuitBreaker:
         self._failures = 0
         self._opened_at = 0.0
         self._last_failure_at = float("-inf")
+        self._held_until = float("-inf")
         self._probe_in_flight = False
         self._state = CircuitState.CLOSED
         self._on_change = on_change
@@ -58,6 +61,8 @@ class CircuitBreaker:
 
     def allows(self) -> bool:
         """May a request be sent now? (A half-open breaker admits one probe at a time.)"""
+        if self._held_until > self._clock():
+            return False
         state = self.state
         if state is CircuitState.CLOSED:
             return True
@@ -67,6 +72,11 @@ class CircuitBreaker:
         """Called when a request is actually sent; marks the half-open probe as taken."""
         if self.state is CircuitState.HALF_OPEN:
             self._probe_in_flight = True
+
+    def hold_off(self, seconds: float) -> None:
+        """The endpoint asked for no requests for `seconds` (its Retry-After, capped by the caller)."""
+        if seconds > 0:
+            self._held_until = max(self._held_until, self._clock() + seconds)
 
     def on_success(self) -> None:
         self._failures = 0

@@ -1,4 +1,7 @@
-"""Retries before the first byte: tenacity backoff with jitter, Retry-After honoured (capped), a retry budget.
+"""Retries before the first byte: tenacity backoff with jitter, a retry budget.
+
+A retry never goes back to an endpoint this request tried, so an upstream's Retry-After does not delay it:
+the endpoint that sent one is held off for new requests instead (legs.py, `CircuitBreaker.hold_off`).
 
 The first attempt runs without tenacity (the hot path pays nothing); only after a retryable failure
 does a tenacity loop take over. Choosing *where* the next attempt goes is the dispatcher's job.
@@ -12,7 +15,7 @@ from typing import TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, stop_after_attempt, stop_any
 from tenacity.stop import stop_base
-from tenacity.wait import wait_base, wait_exponential_jitter
+from tenacity.wait import wait_exponential_jitter
 
 from gateway.config import RetryConfig
 
@@ -66,23 +69,6 @@ class RetryBudget:
         return True
 
 
-class _RetryAfterWait(wait_base):
-    """Exponential backoff with jitter, but at least the failure's Retry-After (capped)."""
-
-    def __init__(self, config: RetryConfig) -> None:
-        self._backoff = wait_exponential_jitter(max=config.backoff_max_s, jitter=config.backoff_jitter_s,
-                                                multiplier=config.backoff_initial_s)
-        self._cap_s = config.max_retry_after_s
-
-    def __call__(self, retry_state: RetryCallState) -> float:
-        delay = self._backoff(retry_state)
-        outcome = retry_state.outcome
-        failure = outcome.exception() if outcome is not None else None
-        if isinstance(failure, RetryableFailure) and failure.retry_after_s is not None:
-            delay = max(delay, min(failure.retry_after_s, self._cap_s))
-        return delay
-
-
 class _StopWhenBudgetSpent(stop_base):
     """Stops retrying when the budget refuses one more retry (each call spends one if it can)."""
 
@@ -100,7 +86,8 @@ class Retrier:
         self._budget = budget
         self._template = AsyncRetrying(
             stop=stop_any(stop_after_attempt(config.max_attempts), _StopWhenBudgetSpent(budget)),
-            wait=_RetryAfterWait(config),
+            wait=wait_exponential_jitter(max=config.backoff_max_s, jitter=config.backoff_jitter_s,
+                                         multiplier=config.backoff_initial_s),
             retry=retry_if_exception_type(RetryableFailure),
             sleep=asyncio.sleep,
             reraise=True,

@@ -53,8 +53,10 @@ class Legs:
     """The gateway's upstream side as providers see it; one per app."""
 
     def __init__(self, session: aiohttp.ClientSession, registry: UpstreamRegistry, tracker: LoadTracker,
-                 prefix_index: PrefixIndex, store: StateStore, metrics: Metrics, tracing: Tracing) -> None:
+                 prefix_index: PrefixIndex, store: StateStore, metrics: Metrics, tracing: Tracing,
+                 max_retry_after_s: float = 0.0) -> None:
         self._client = UpstreamClient(session)  # plain http endpoints; https through `session`
+        self._max_retry_after_s = max_retry_after_s   # an endpoint's Retry-After holds it off up to this
         self._registry = registry
         self._tracker = tracker
         self._prefix_index = prefix_index
@@ -223,8 +225,11 @@ class Legs:
         status = response.status
         if status == 429 or status >= 500:
             breaker.on_failure()
+            retry_after_s = _retry_after_s(response.headers.get("Retry-After"))
+            if retry_after_s is not None:   # no new requests there until then; this one is retried elsewhere now
+                breaker.hold_off(min(retry_after_s, self._max_retry_after_s))
             raise RetryableFailure(f"HTTP {status}: {error_message(body)}", rate_limited=status == 429,
-                                   retry_after_s=_retry_after_s(response.headers.get("Retry-After")))
+                                   retry_after_s=retry_after_s)
         breaker.on_success()
         if client is not None and client.prepared:
             await client.fail(b"data: " + body.replace(b"\n", b" ") + b"\n\n")

@@ -41,3 +41,22 @@ def test_never_every_breaker_is_ejected() -> None:
         b.on_failure()
     assert [b.endpoint_id for b in eligible(breakers)] == ["a"]  # the least recently failed stays
     assert eligible([]) == []
+
+
+def test_retry_after_holds_an_endpoint_off_until_then() -> None:
+    clock = ManualClock()
+    breaker = CircuitBreaker("e", BreakerConfig(failure_threshold=100, cooldown_s=10), clock)
+    other = CircuitBreaker("f", BreakerConfig(failure_threshold=100, cooldown_s=10), clock)
+    breaker.hold_off(0.0)                      # a zero cap: never held
+    assert breaker.allows()
+    breaker.hold_off(5.0)
+    breaker.hold_off(1.0)                      # a shorter one later does not cut the first short
+    assert not breaker.allows() and breaker.state is CircuitState.CLOSED
+    assert eligible([breaker, other]) == [other]
+    clock.now += 4.9
+    assert not breaker.allows()
+    clock.now += 0.1
+    assert breaker.allows()
+    other.hold_off(5.0)
+    breaker.hold_off(5.0)
+    assert len(eligible([breaker, other])) == 1   # every endpoint held: one still takes traffic
