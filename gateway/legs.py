@@ -54,7 +54,7 @@ class Legs:
 
     def __init__(self, session: aiohttp.ClientSession, registry: UpstreamRegistry, tracker: LoadTracker,
                  prefix_index: PrefixIndex, store: StateStore, metrics: Metrics, tracing: Tracing,
-                 max_retry_after_s: float = 0.0) -> None:
+                 max_retry_after_s: float) -> None:
         self._client = UpstreamClient(session)  # plain http endpoints; https through `session`
         self._max_retry_after_s = max_retry_after_s   # an endpoint's Retry-After holds it off up to this
         self._registry = registry

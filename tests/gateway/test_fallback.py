@@ -92,7 +92,7 @@ async def test_everything_failing_gives_502_listing_what_was_tried(start_fakes, 
     assert bad1.url in error["message"] and bad2.url in error["message"] and "HTTP 500" in error["message"]
 
 
-async def test_retry_after_holds_the_endpoint_off_and_the_retry_goes_elsewhere_at_once(start_fakes, start_gateway) -> None:
+async def test_retry_after_holds_the_endpoint_off_and_the_retry_goes_elsewhere(start_fakes, start_gateway) -> None:
     (limited,) = start_fakes("limited", behaviour={"status": 429, "retry_after": 3600})
     (good,) = start_fakes("good")
     gateway = start_gateway(gateway_config({"p": [limited.url, good.url]}, retries={"max_retry_after_s": 600.0}))

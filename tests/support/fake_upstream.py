@@ -7,8 +7,8 @@ reset_after (abort the connection after that many chunks), die (exit the process
 fault (cut, malformed and oversized answers: tests/support/fake_faults.py).
 Gates hold a request at the same four points until the test lets it go, so a test orders events
 without a clock: stall_gate, first_chunk_gate, chunk_gate (before every chunk after the first) and
-done_gate (after `data: [DONE]`, before the body's end) name a gate; each pass takes one permit (POST /control {"release": {name: n}}); GET /stats reports how
-many requests wait at each gate.
+done_gate (after `data: [DONE]`, before the body's end) name a gate; each pass takes one permit
+(POST /control {"release": {name: n}}); GET /stats reports how many requests wait at each gate.
 GET /stats reports what it received, so tests can count upstream hits.
 GET /kv_events answers as a worker does (backends/server/ops_routes.py); its events are built by
 cache.kv_events.KvEvent, the parser's own schema, so the fake cannot drift from what the gateway reads
