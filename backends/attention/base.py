@@ -69,6 +69,13 @@ class AttentionBackend(ABC, Generic[MetadataT]):
                metadata: MetadataT) -> torch.Tensor:
         """[num_tokens, num_heads, head_dim] output for q of the same shape; the new K/V are already cached."""
 
+    def static_decode_metadata(self, rows: torch.Tensor, block_tables: torch.Tensor,
+                               seq_lens: torch.Tensor) -> MetadataT | None:
+        """Metadata for a decode-only step (token i of the step is sequence i's one new token) read from
+        fixed tensors that a CUDA graph replays: `block_tables` [n, width] int32, `seq_lens` [n] with the
+        new token counted, `rows` [n] = 0..n-1. None: this backend's decode cannot be captured."""
+        return None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                 metadata: MetadataT) -> torch.Tensor:

@@ -79,7 +79,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 class DecodeRows:
     token_index: torch.Tensor   # [n] int64: step token of each one-token chunk
     block_tables: torch.Tensor  # [n, max_blocks] int32, padded with 0
-    seq_lens: torch.Tensor      # [n] int32: context + 1
+    seq_lens: torch.Tensor      # [n] int32 (int64 from a CUDA graph's inputs): context + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +110,11 @@ class TritonDecodeBackend(AttentionBackend[TritonMetadata]):
                                 seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev))
         prefill = padded_group(self.shape, layout, prefills, starts) if prefills else None
         return TritonMetadata(decode=decode, prefill=prefill, decode_only_in_order=not prefills)
+
+    def static_decode_metadata(self, rows: torch.Tensor, block_tables: torch.Tensor,
+                               seq_lens: torch.Tensor) -> TritonMetadata:
+        return TritonMetadata(decode=DecodeRows(token_index=rows, block_tables=block_tables, seq_lens=seq_lens),
+                              prefill=None, decode_only_in_order=True)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                metadata: TritonMetadata) -> torch.Tensor:

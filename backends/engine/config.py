@@ -29,6 +29,7 @@ class EngineConfig:
     torch_num_threads: int | None = None      # None: $SWITCHYARD_TORCH_THREADS, else all cores
     kv_shared_memory: bool = False            # CPU KV cache in shared memory (same-host KV transfer source)
     keep_weights_compressed: bool = False     # a compressed model's layer matrices stay compressed, expanded per use
+    cuda_graphs: bool = True                  # on CUDA, decode batches replay graphs captured at start
     speculative: str | None = None            # proposer: "ngram", "draft" or "eagle"; None: no speculation
     num_speculative_tokens: int = 4           # drafts per sequence and step at most (K)
     speculative_model: str | None = None      # the draft model's folder ("draft") or the EAGLE head's ("eagle")

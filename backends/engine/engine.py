@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 __all__ = ["EngineRequestError", "EngineStats", "LLMEngine", "LoadReport", "ModelRunnerLike"]
 log = logging.getLogger(__name__)
 
+# Decode batches of more sequences than this run eagerly on CUDA (each captured bucket costs start time).
+MAX_CUDA_GRAPH_BATCH = 256
+
 
 class ModelRunnerLike(Protocol):
     config: Any                 # the HF config
@@ -90,7 +93,8 @@ def build_runner(config: EngineConfig, model_dir: Path) -> ModelRunnerLike:
                        num_blocks=config.num_blocks, block_size=config.block_size,
                        attention_backend=config.attention_backend, kv_cache_memory_gb=kv_gb,
                        kv_shared_memory=config.kv_shared_memory,
-                       keep_weights_compressed=config.keep_weights_compressed)
+                       keep_weights_compressed=config.keep_weights_compressed,
+                       cuda_graph_max_batch=min(config.max_num_seqs, MAX_CUDA_GRAPH_BATCH) if config.cuda_graphs else 0)
 
 
 def eos_token_ids(hf_config: Any, model_dir: Path | None) -> tuple[int, ...]:

@@ -119,17 +119,18 @@ class TorchPagedKV:
         return ids
 
     def _acquire_staging(self, nbytes: int) -> torch.Tensor:
-        fits = [buf for buf in self._free_staging if buf.numel() >= nbytes]
+        # By position, never list.remove: that compares tensors with ==, elementwise (and raises on
+        # buffers of different sizes).
+        fits = [i for i, buf in enumerate(self._free_staging) if buf.numel() >= nbytes]
         if fits:
-            buf = min(fits, key=torch.Tensor.numel)
-            self._free_staging.remove(buf)
-            return buf
+            return self._free_staging.pop(min(fits, key=lambda i: self._free_staging[i].numel()))
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
     def _return_staging(self, buf: torch.Tensor) -> None:
         self._free_staging.append(buf)
         if len(self._free_staging) > _MAX_POOLED:
-            self._free_staging.remove(min(self._free_staging, key=torch.Tensor.numel))
+            sizes = [b.numel() for b in self._free_staging]
+            self._free_staging.pop(sizes.index(min(sizes)))
 
 
 def _word_dtype(nbytes: int) -> torch.dtype:

@@ -173,6 +173,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:   # one fused kernel (statistics in float32) instead of eight small ones
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Spelled out as the reference does (in float32): on CPU this beats F.rms_norm's decomposition.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -206,3 +208,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+
+def rotary_tables(inv_freq: torch.Tensor, positions: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of `positions` (float32 as the reference computes them, then `dtype`), built once per step:
+    [num_tokens, 1, head_dim // 2] for apply_rotary on the CPU; on CUDA the full-width cos|cos and
+    -sin|sin, [num_tokens, 1, head_dim], that apply_rotary_full reads."""
+    freqs = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)
+    cos, sin = freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
+    if not positions.is_cuda:
+        return cos, sin
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on x [num_tokens, heads, head_dim] with the tables rotary_tables built on x's device."""
+    return apply_rotary_full(x, cos, sin) if x.is_cuda else apply_rotary(x, cos, sin)
+
+
+def apply_rotary_full(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """apply_rotary over full-width tables: three kernels per call instead of seven. On CUDA a decode step
+    is hundreds of tiny kernels at about 3 us each."""
+    half = x.shape[-1] // 2
+    return torch.addcmul(x * cos_full, torch.cat((x[..., half:], x[..., :half]), dim=-1), sin_signed)

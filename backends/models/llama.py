@@ -14,7 +14,7 @@ from torch import nn
 from backends.attention.base import AttentionContext
 from backends.models.config import ModelConfig
 from backends.models.layers import (
-    CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, apply_rotary, dense, rope_inv_freq,
+    CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, dense, rope_inv_freq, rotary_tables, rotate,
 )
 
 
@@ -38,7 +38,7 @@ class LlamaAttention(nn.Module):
         v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
         if self.q_norm is not None and self.k_norm is not None:   # both or neither
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
-        qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass
+        qk = rotate(qk, cos, sin)  # q and k rotated in one pass
         out = attn(self.layer, qk[:, :heads], qk[:, heads:], v)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, heads * head_dim))
 
@@ -102,12 +102,10 @@ class LlamaForCausalLM(nn.Module):
         return layer
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [num_tokens, 1, head_dim // 2], computed in float32 as the reference does."""
+        """The rotary tables of `positions` (layers.rotary_tables)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
-        dtype = self.embed_tokens.weight.dtype
-        return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
+        return rotary_tables(self.inv_freq, positions, self.embed_tokens.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         """[num_tokens, hidden] final-normed hidden states; writes every token's K/V into the cache."""

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a model folder from `switchyard compress`: keep the layers' matrices compressed in "
                         "memory (~33%% less) and expand each just before it runs (slower steps on CPU); "
                         "--dtype must match the compressed dtype")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="on CUDA, run every decode step eagerly instead of replaying the CUDA graphs captured "
+                        "at start for batches of up to min(--max-num-seqs, 256) sequences")
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative", choices=["ngram", "draft", "eagle"], default=None,
                       help="draft tokens with prompt lookup, a draft model, or an EAGLE head; the target verifies them")
@@ -123,6 +126,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         kv_shared_memory=(not args.no_kv_shared_memory and args.role != WorkerRole.DECODE.value
                           and args.device == "cpu"),
         keep_weights_compressed=args.keep_weights_compressed,
+        cuda_graphs=not args.no_cuda_graphs,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_model=args.speculative_model,

@@ -21,7 +21,7 @@ from backends.engine.block_manager import BlockManager
 from backends.engine.sampling_params import SamplingParams
 from backends.engine.sequence import Sequence as BlockOwner
 from backends.models.config import ModelConfig, load_model_config
-from backends.models.layers import Linear, LMHead, rope_inv_freq
+from backends.models.layers import Linear, LMHead, rope_inv_freq, rotary_tables
 from backends.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from backends.spec.proposer import DraftRequest
 
@@ -53,8 +53,7 @@ class EagleHead(nn.Module):
         """embeds, hidden [num_tokens, hidden] -> head output [num_tokens, hidden]; writes K/V into the cache."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
-        cos, sin = freqs.cos().to(hidden.dtype).unsqueeze(1), freqs.sin().to(hidden.dtype).unsqueeze(1)
+        cos, sin = rotary_tables(self.inv_freq, positions, hidden.dtype)
         x = self.fc(torch.cat((embeds, hidden), dim=-1))
         layer = self.layer
         x = x + layer.self_attn(layer.input_layernorm(x) if self.input_norm else x, cos, sin, attn)

@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--attention", default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--baseline", action="store_true", help="also time transformers' batch-1 generate")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -90,7 +91,7 @@ def main() -> None:
     if args.baseline:
         tok_s = bench_transformers_generate(model_dir, args.context, args.steps * 2)
         print(f"transformers generate, batch 1 x {args.context} ctx: {tok_s:6.1f} tok/s")
-    runner = ModelRunner(model_dir, dtype=torch.float32, device=args.device, num_blocks=None,
+    runner = ModelRunner(model_dir, dtype=getattr(torch, args.dtype), device=args.device, num_blocks=None,
                          attention_backend=args.attention)
     for num_seqs in (1, args.batch):
         wall, cpu = bench_decode(runner, num_seqs, args.context, args.steps)

@@ -16,8 +16,10 @@ from backends.models import model_class
 from backends.models.config import load_model_config
 from backends.models.llama import LlamaForCausalLM
 from backends.worker.batch import ForwardBatch
+from backends.worker.cuda_graphs import DecodeGraphs, StaticInputs
 from backends.worker.kv_cache import KVCache, KVCacheSpec
 from backends.worker.loader import load_weights
+from backends.worker.random_weights import RandomCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +32,18 @@ class ModelRunner:
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: str, num_blocks: int | None,
                  block_size: int = 16, attention_backend: str | None = None,
                  kv_cache_memory_gb: float | None = None, kv_shared_memory: bool = False,
-                 keep_weights_compressed: bool = False) -> None:
+                 keep_weights_compressed: bool = False, cuda_graph_max_batch: int = 0,
+                 random_weights: bool = False) -> None:
+        """`cuda_graph_max_batch`: on CUDA, decode steps of up to this many sequences replay CUDA graphs
+        captured here (0: every step runs eagerly). `random_weights`: no checkpoint is read; every weight
+        is drawn at random (benchmarks of model shapes whose weights are not here: speed does not depend
+        on the values)."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = torch.device(device)
         self.dtype = dtype
         self.config = load_model_config(Path(model_dir))
-        self.model = self._load_model(Path(model_dir), keep_weights_compressed)
+        self.model = self._load_model(Path(model_dir), keep_weights_compressed, random_weights)
         attn = self.model.decoder_layer(0).self_attn
         self.block_size = block_size
         self.num_blocks = num_blocks or self._blocks_for_memory(kv_cache_memory_gb, attn.num_kv_heads, attn.head_dim)
@@ -52,15 +59,41 @@ class ModelRunner:
         self.vocab_size: int = int(self.config.vocab_size)
         log.info("model %s on %s (%s), %d KV blocks of %d tokens, attention %s", model_dir, self.device,
                  dtype, self.num_blocks, block_size, self.attention.name.value)
+        self.decode_graphs: DecodeGraphs | None = None
+        if cuda_graph_max_batch > 0 and self._can_capture(keep_weights_compressed):
+            self.decode_graphs = DecodeGraphs(self._static_decode, device=self.device, max_batch=cuda_graph_max_batch,
+                                              max_blocks_per_seq=-(-self.max_model_len // block_size),
+                                              block_size=block_size)
 
-    def _load_model(self, model_dir: Path, keep_compressed: bool) -> LlamaForCausalLM:
+    def _can_capture(self, keep_weights_compressed: bool) -> bool:
+        """CUDA graphs need CUDA, an attention backend whose decode reads fixed tensors, and weights that
+        stay put (compressed ones are expanded into scratch at every call)."""
+        if self.device.type != "cuda" or keep_weights_compressed:
+            return False
+        rows = torch.zeros(1, dtype=torch.long, device=self.device)
+        if self.attention.static_decode_metadata(rows, rows.view(1, 1).int(), rows) is None:
+            log.info("attention %s cannot be captured: decode runs without CUDA graphs", self.attention.name.value)
+            return False
+        return True
+
+    def _static_decode(self, inputs: StaticInputs, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode forward a CUDA graph captures: n sequences, every input read from `inputs`."""
+        metadata = self.attention.static_decode_metadata(inputs.rows[:n], inputs.block_tables[:n], inputs.seq_lens[:n])
+        slots = inputs.slots[:n]
+        context = AttentionContext(backend=self.attention, metadata=metadata, slot_mapping=slots,
+                                   k_caches=self.kv_cache.k, v_caches=self.kv_cache.v)
+        hidden = self.model(inputs.token_ids[:n], inputs.positions[:n], context)
+        return self.model.compute_logits(hidden).float(), hidden
+
+    def _load_model(self, model_dir: Path, keep_compressed: bool, random_weights: bool) -> LlamaForCausalLM:
         """`keep_compressed`: the decoder layers' matrices of a compressed folder stay compressed on the
         device and are expanded just before each layer runs (less memory, more work per step)."""
         with torch.device("meta"):   # shapes only: nothing is allocated until _materialize_empty
             model = model_class(getattr(self.config, "architectures", None))(self.config)
         _materialize_empty(model, self.dtype, self.device)
         start = time.perf_counter()
-        weights = load_weights(model_dir, self.device if keep_compressed else None)
+        weights = (RandomCheckpoint(self.config, self.dtype, self.device) if random_weights
+                   else load_weights(model_dir, self.device if keep_compressed else None))
         read_s = time.perf_counter() - start
         with torch.no_grad():
             model.load_weights(weights, keep_compressed=keep_compressed)
@@ -87,6 +120,11 @@ class ModelRunner:
         if not batch.chunks:
             empty = torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
             return empty, torch.empty(0, int(self.config.hidden_size), dtype=self.dtype, device=self.device)
+        if self.decode_graphs is not None and self.decode_graphs.covers(batch):
+            for index, chunk in enumerate(batch.chunks):
+                self._check_chunk(index, chunk.token_ids, chunk.num_context_tokens, chunk.block_table)
+            with torch.inference_mode():
+                return self.decode_graphs.run(batch)
         token_ids, positions, slots, logits_rows = self._flatten(batch)
         layout = StepLayout(
             query_lens=tuple(len(c.token_ids) for c in batch.chunks),

@@ -284,3 +284,18 @@ def test_long_runs_go_out_and_land_in_place(loop_name: str) -> None:
     else:
         asyncio.run(main())
     assert not dst._free_staging
+
+
+def test_staging_pool_keeps_buffers_of_different_sizes() -> None:
+    """Pooled staging buffers are found and dropped by size and position: list.remove compared them with
+    == elementwise and raised on two of different sizes (found on CUDA, where every pull stages)."""
+    kv = make_kv(8, torch.float32, seed=1)
+    small, big = kv._acquire_staging(100), kv._acquire_staging(1000)
+    kv._return_staging(small)
+    kv._return_staging(big)
+    assert kv._acquire_staging(500) is big            # the smallest buffer that fits
+    assert kv._acquire_staging(50) is small
+    extra = [torch.empty(10 * (i + 1), dtype=torch.uint8) for i in range(6)]
+    for buf in extra:
+        kv._return_staging(buf)
+    assert [b.numel() for b in kv._free_staging] == [30, 40, 50, 60]   # over the cap: the smallest go
