@@ -31,7 +31,9 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention output, plus `residual` when given (added inside o_proj's matrix product on CUDA)."""
         num_tokens, heads, kv_heads, head_dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
         qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
@@ -40,7 +42,7 @@ class LlamaAttention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
         qk = rotate(qk, cos, sin)  # q and k rotated in one pass
         out = attn(self.layer, qk[:, :heads], qk[:, heads:], v)  # [num_tokens, heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, heads * head_dim))
+        return self.o_proj(out.reshape(num_tokens, heads * head_dim), residual)
 
 
 class LlamaMLP(nn.Module):
@@ -51,10 +53,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP output, plus `residual` when given (added inside down_proj's matrix product on CUDA)."""
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         gate, up = gate_up[:, :self.intermediate_size], gate_up[:, self.intermediate_size:]
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -66,8 +69,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), cos, sin, attn, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -57,16 +57,16 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     logits = _mask_banned_tokens(apply_penalties(logits, rows), rows)
 
-    greedy = [r.params.greedy for r in rows]
-    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    greedy_idx = [i for i, g in enumerate(greedy) if g]
-    random_idx = [i for i, g in enumerate(greedy) if not g]
-    if greedy_idx:
+    greedy_idx = [i for i, r in enumerate(rows) if r.params.greedy]
+    random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if not random_idx:   # the usual cases take no index tensors (each a copy up, a sync on CUDA)
+        tokens = logits.argmax(dim=-1)
+    elif not greedy_idx:
+        tokens = _inverse_cdf(filtered_probs(logits, rows), rows)
+    else:
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         gi = torch.tensor(greedy_idx, device=logits.device)
         tokens[gi] = logits[gi].argmax(dim=-1)
-    if random_idx and len(random_idx) == len(rows):
-        tokens = _inverse_cdf(filtered_probs(logits, rows), rows)
-    elif random_idx:
         ri = torch.tensor(random_idx, device=logits.device)
         sub = [rows[i] for i in random_idx]
         tokens[ri] = _inverse_cdf(filtered_probs(logits[ri], sub), sub)
@@ -136,10 +136,9 @@ def _mask_banned_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torc
             if 0 <= t < vocab:
                 row_idx.append(i)
                 tok_idx.append(t)
-    if row_idx:
-        logits = logits.index_put((torch.tensor(row_idx, device=logits.device),
-                                   torch.tensor(tok_idx, device=logits.device)),
-                                  torch.tensor(float("-inf"), device=logits.device))
+    if row_idx:   # one copy of the indices up, and -inf filled on the device (no copy)
+        index = torch.tensor([row_idx, tok_idx], dtype=torch.long).to(logits.device, non_blocking=True)
+        logits = logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))
     return logits
 
 
