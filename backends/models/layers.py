@@ -218,7 +218,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-
 def rotary_tables(inv_freq: torch.Tensor, positions: torch.Tensor,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of `positions` (float32 as the reference computes them, then `dtype`), built once per step:

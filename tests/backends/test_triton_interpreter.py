@@ -19,7 +19,8 @@ pytestmark = pytest.mark.skipif(not TRITON_PATH or (platform.system(), platform.
                                 reason="run through `make test` on Linux x86_64, which installs Triton for it")
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKS = {"attention": 18, "compression": 5}   # lines each run must print: one per (shape, dtype, step) / tensor
+# lines each run must print: one per (shape, dtype, step) / (shape, dtype) / tensor
+CHECKS = {"attention": 18, "static_decode": 6, "compression": 5}
 
 
 @pytest.mark.parametrize("what", sorted(CHECKS))

@@ -33,6 +33,39 @@ def attention() -> None:
                 print(f"attention {step} heads={heads} {dtype}: triton == sdpa")
 
 
+def static_decode() -> None:
+    """The metadata a CUDA graph replays (backends/worker/cuda_graphs.py): int64 lengths, and block tables
+    wider than any sequence needs, their extra entries stale (here: random live blocks), which the kernel
+    must never read."""
+    from backends.attention.base import AttentionShape
+    from backends.attention.sdpa import SDPABackend
+    from backends.attention.triton_decode import TritonDecodeBackend
+    from tests.backends.test_attention_gpu import NUM_BLOCKS, STEPS, random_step
+
+    cpu = torch.device("cpu")
+    query_lens, context_lens = STEPS["decode"]
+    for heads in [(8, 8, 64), (9, 3, 64), (14, 2, 64)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            shape = AttentionShape(*heads, block_size=16, scale=heads[2] ** -0.5, dtype=dtype)
+            layout, q, k, v, caches = random_step(shape, query_lens, context_lens, seed=heads[0], device=cpu)
+            width = 40   # more blocks than the longest sequence (301 tokens: 19 blocks) needs
+            stale = torch.Generator().manual_seed(1)
+            tables = torch.randint(0, NUM_BLOCKS, (len(query_lens), width), generator=stale, dtype=torch.int32)
+            for row, table in enumerate(layout.block_tables):
+                tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+            seq_lens = torch.tensor([c + 1 for c in context_lens], dtype=torch.long)
+            rows = torch.arange(len(query_lens))
+            triton_backend, sdpa = TritonDecodeBackend(shape), SDPABackend(shape)
+            outs = []
+            for backend, metadata in ((triton_backend, triton_backend.static_decode_metadata(rows, tables, seq_lens)),
+                                      (sdpa, sdpa.prepare(layout))):
+                k_cache, v_cache = caches[0].clone(), caches[1].clone()
+                outs.append(backend.forward(q, k, v, k_cache, v_cache, layout.slot_mapping, metadata))
+            tol = 2e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
+            print(f"static decode heads={heads} {dtype}: triton from graph inputs == sdpa")
+
+
 def compression(work: Path) -> None:
     from safetensors.torch import save_file
 
@@ -76,5 +109,7 @@ def compression(work: Path) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "attention":
         attention()
+    elif sys.argv[1] == "static_decode":
+        static_decode()
     else:
         compression(Path(sys.argv[2]))
