@@ -41,6 +41,10 @@ class ModelRunner:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches on, and CUDA graphs capture from, the current device: make it this one
+            # (for this thread, the one that builds and steps the engine).
+            torch.cuda.set_device(self.device)
         self.dtype = dtype
         self.config = load_model_config(Path(model_dir))
         self.model = self._load_model(Path(model_dir), keep_weights_compressed, random_weights)
