@@ -37,6 +37,7 @@ from backends.engine.sampling_params import SamplingParams  # noqa: E402
 from backends.worker.batch import ForwardBatch, SeqChunk  # noqa: E402
 from backends.worker.loader import resolve_model  # noqa: E402
 from backends.worker.model_runner import ModelRunner  # noqa: E402
+from benchmarks.gpu_disagg import pct  # noqa: E402
 
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
              "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -55,10 +56,6 @@ def free_memory() -> None:
     gc.collect()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
-
-
-def pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if len(values) > 1 else values[0]
 
 
 def cuda_time(fn: Callable[[], object], repeats: int) -> float:

@@ -24,10 +24,6 @@ from backends.worker.batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 
-# token ids, positions, cache slots, sequence lengths: one row each of the int64 input table
-_IDS, _POSITIONS, _SLOTS, _LENS = range(4)
-
-
 def graph_buckets(max_batch: int) -> tuple[int, ...]:
     """Batch sizes to capture: 1, 2, 4, then every multiple of 8, up to and including `max_batch`."""
     if max_batch < 1:
@@ -43,26 +39,10 @@ def is_plain_decode(batch: ForwardBatch) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class StaticInputs:
-    """What a captured graph reads; `table` rows are the _IDS.._LENS fields, `block_tables` int32."""
-    table: torch.Tensor         # [4, max_batch] int64
+    """What a captured graph reads."""
+    table: torch.Tensor         # [4, max_batch] int64: token ids, positions, cache slots, lengths (one row each)
     block_tables: torch.Tensor  # [max_batch, max_blocks_per_seq] int32
     rows: torch.Tensor          # [max_batch] int64: 0..max_batch-1 (the step's token of each row)
-
-    @property
-    def token_ids(self) -> torch.Tensor:
-        return self.table[_IDS]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.table[_POSITIONS]
-
-    @property
-    def slots(self) -> torch.Tensor:
-        return self.table[_SLOTS]
-
-    @property
-    def seq_lens(self) -> torch.Tensor:
-        return self.table[_LENS]
 
 
 def pack_decode_inputs(batch: ForwardBatch, bucket: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +77,7 @@ class DecodeGraphs:
             table=torch.zeros((4, max_batch), dtype=torch.long, device=device),
             block_tables=torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.int32, device=device),
             rows=torch.arange(max_batch, dtype=torch.long, device=device))
-        self.inputs.seq_lens.fill_(1)   # during capture every row attends to slot 0 of block 0 alone
+        self.inputs.table[3].fill_(1)   # lengths: during capture every row attends to slot 0 of block 0 alone
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         started = time.perf_counter()

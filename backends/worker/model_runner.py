@@ -82,11 +82,11 @@ class ModelRunner:
 
     def _static_decode(self, inputs: StaticInputs, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode forward a CUDA graph captures: n sequences, every input read from `inputs`."""
-        metadata = self.attention.static_decode_metadata(inputs.rows[:n], inputs.block_tables[:n], inputs.seq_lens[:n])
-        slots = inputs.slots[:n]
+        token_ids, positions, slots, seq_lens = inputs.table[:, :n]
+        metadata = self.attention.static_decode_metadata(inputs.rows[:n], inputs.block_tables[:n], seq_lens)
         context = AttentionContext(backend=self.attention, metadata=metadata, slot_mapping=slots,
                                    k_caches=self.kv_cache.k, v_caches=self.kv_cache.v)
-        hidden = self.model(inputs.token_ids[:n], inputs.positions[:n], context)
+        hidden = self.model(token_ids, positions, context)
         return self.model.compute_logits(hidden).float(), hidden
 
     def _load_model(self, model_dir: Path, keep_compressed: bool, random_weights: bool) -> LlamaForCausalLM:
