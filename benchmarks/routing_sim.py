@@ -79,6 +79,7 @@ class Row:
     send_session_key: bool = True       # requests carry x-session-affinity (the trace's conversation)
     tiers: TierConfig = NO_TIERS        # KV tiers below each worker's device pool (none by default)
     rank_tiers: bool = True             # the gateway scores tier hits; False: it sees device blocks only
+    shared: bool = False                # approximate: processes share their routing decisions (prefix_share.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,10 +145,12 @@ def replay_unlimited(requests: list[TraceRequest]) -> tuple[float, float]:
 class Simulation:
     """One policy over the whole trace: a heap of timed events, processed in order. With several
     gateway processes (`policies`, one each), each request reaches a random one; load is shared (leases
-    or /load), a precise index too (every process hears the events), an approximate one is not."""
+    or /load), a precise index too (every process hears the events), an approximate one is each process's
+    own unless `row.shared`: then every decision reaches the other processes' indexes after a delay of
+    two uniform draws over `share_interval_s` (the publisher's next tick, then the reader's)."""
 
     def __init__(self, policies: list[Policy], config: SimConfig, row: Row,
-                 approx_capacity_blocks: int | None = None, seed: int = 0) -> None:
+                 approx_capacity_blocks: int | None = None, seed: int = 0, share_interval_s: float = 0.25) -> None:
         self.policies = policies
         self.config = config
         self.tiers = row.tiers
@@ -171,6 +174,8 @@ class Simulation:
                 for worker in self.workers:  # the capacity a load report states (default: the true one)
                     index.track_routed(worker.endpoint_id, approx_capacity_blocks or config.cache_blocks)
         self._rng = random.Random(seed)           # which gateway process a request reaches
+        self._share_rng = random.Random(seed + 1)  # how long a shared decision takes to reach the peers
+        self.share_interval_s = share_interval_s if row.shared and len(policies) > 1 else None
         self.tracker = LoadTracker()
         self.estimator = OutputLengthEstimator()
         self.sessions: dict[str, str] = {}
@@ -210,6 +215,9 @@ class Simulation:
         # seen before this request is recorded there).
         num_cached = self._cached_tokens(index, request, self.workers[worker_index])
         index.record_routed(decision.endpoint_id, request.block_hashes)  # a no-op unless approximate
+        if self.share_interval_s is not None:
+            delay_s = self.share_interval_s * (self._share_rng.random() + self._share_rng.random())
+            self._push(now + delay_s, "shared", (gateway, decision.endpoint_id, request.block_hashes))
         self.num_moved += decision.reason is DecisionReason.AFFINITY_MOVED
         lease = self.tracker.lease(decision.endpoint_id, request.num_prompt_tokens - num_cached, expected)
         flight = InFlight(request, worker_index, lease)
@@ -218,6 +226,13 @@ class Simulation:
         worker.num_requests += 1
         if not worker.busy:
             self._start_prefill(now, worker)
+
+    def _on_shared(self, now: float, routed: tuple[int, str, tuple[int, ...]]) -> None:
+        """A peer's decision reaches every other process's approximate index."""
+        gateway, endpoint_id, block_hashes = routed
+        for i, index in enumerate(self.indexes):
+            if i != gateway:
+                index.record_routed(endpoint_id, block_hashes)
 
     def _matched(self, index: PrefixIndex, block_hashes: tuple[int, ...]) -> dict[str, int]:
         """Per endpoint, the prompt's leading run in units of `match_unit_tokens`: device blocks from
@@ -329,6 +344,8 @@ def parse_args() -> argparse.Namespace:
                         help="gateway processes (switchyard gateway --workers N), each request to a random one")
     parser.add_argument("--approx-capacity", type=int, default=None,
                         help="blocks the approximate index assumes per worker (default: --cache-blocks)")
+    parser.add_argument("--share-interval", type=float, default=0.25,
+                        help="approx shared: seconds between a process's publishing and reading (pollers.share_interval_s)")
     parser.add_argument("--only", nargs="*", help="run only the rows whose label contains one of these words")
     add_tier_arguments(parser)
     return parser.parse_args()
@@ -345,6 +362,7 @@ def policy_rows(seed: dict[str, Any]) -> list[Row]:
         Row("session_aff. no hdr", PolicyName.SESSION_AFFINITY, seed, send_session_key=False),
         Row("prefix_aware precise", PolicyName.PREFIX_AWARE, seed),
         Row("prefix_aware approx", PolicyName.PREFIX_AWARE, seed, approximate=True),
+        Row("prefix_aware approx shared", PolicyName.PREFIX_AWARE, seed, approximate=True, shared=True),
         Row("prefix_aware approx+key", PolicyName.PREFIX_AWARE, {**seed, "prefix_key_tokens": 1024}, approximate=True),
     ]
 
@@ -413,7 +431,7 @@ def main() -> None:
     for spec in rows:
         start = time.perf_counter()
         sim = Simulation([make_policy(spec.policy, spec.options) for _ in range(args.gateways)], config, spec,
-                         args.approx_capacity, args.seed)
+                         args.approx_capacity, args.seed, args.share_interval)
         sim.run(requests)
         results[spec.label] = summarize(spec.label, sim, time.perf_counter() - start)
         print_row(results[spec.label], results.get(UNLIMITED))
@@ -422,6 +440,9 @@ def main() -> None:
     if "prefix_aware precise" in results and "prefix_aware approx" in results:
         ratio = results["prefix_aware approx"]["hit_rate"] / results["prefix_aware precise"]["hit_rate"]
         print(f"approximate reaches {ratio:.1%} of precise's hit rate")
+    if "prefix_aware precise" in results and "prefix_aware approx shared" in results:
+        ratio = results["prefix_aware approx shared"]["hit_rate"] / results["prefix_aware precise"]["hit_rate"]
+        print(f"approximate, shared between processes, reaches {ratio:.1%} of precise's hit rate")
     print_targets(results, rows, replay_blocks)
 
 

@@ -100,14 +100,14 @@ class PrefixIndex:
         self._blocks(endpoint_id).approximate = True
         self.set_capacity(endpoint_id, max_blocks)
 
-    def record_routed(self, endpoint_id: str, block_hashes: Sequence[int]) -> None:
-        """A prompt with these blocks was sent to `endpoint_id`, which will cache them; a no-op
+    def record_routed(self, endpoint_id: str, block_hashes: Sequence[int]) -> bool:
+        """A prompt with these blocks was sent to `endpoint_id`, which will cache them; a no-op (False)
         unless the endpoint is in approximate mode. Stored last block first, so the leading blocks
         (shared by most prompts, and useless once lost because later hashes chain on them) are the
         last the LRU evicts, as an engine's own free list does."""
         blocks = self._endpoints.get(endpoint_id)
         if blocks is None or not blocks.approximate:
-            return
+            return False
         lru, holders, bit = blocks.lru, self._holders, blocks.bit  # `_store` inlined: once per block per request
         for block_hash in reversed(block_hashes):
             if block_hash in lru:
@@ -118,6 +118,7 @@ class PrefixIndex:
             if len(lru) > blocks.max_blocks:
                 oldest, _ = lru.popitem(last=False)
                 self._unmark(oldest, bit)
+        return True
 
     def is_approximate(self, endpoint_id: str) -> bool:
         blocks = self._endpoints.get(endpoint_id)

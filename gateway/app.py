@@ -28,6 +28,7 @@ from gateway.kv_events import KvEventConsumer
 from gateway.legs import Legs
 from gateway.load import LoadTracker, OutputLengthEstimator
 from gateway.load_share import LoadSharer
+from gateway.prefix_share import PrefixSharer
 from gateway.metrics import Metrics
 from gateway.prefix_index import configure_prefix_index
 from gateway.providers import make_provider
@@ -82,7 +83,14 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
                                     auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
     store: StateStore = make_store(config.redis_url)
     retrier = Retrier(config.retries, RetryBudget(config.retries))
-    legs = Legs(session, registry, tracker, prefix_index, store, metrics, tracing, config.retries.max_retry_after_s)
+    # Peer processes' leases and approximate routing decisions through the store (with Redis: other
+    # `--workers` and replicas).
+    sharing = config.redis_url is not None and config.pollers.share_interval_s > 0
+    load_sharer = LoadSharer(tracker, store, lambda: registry.endpoints, config.pollers.share_interval_s)
+    prefix_sharer = PrefixSharer(prefix_index, store, config.pollers.share_interval_s, metrics.on_shared_decisions)
+    shares_prefixes = sharing and any(prefix_index.is_approximate(url) for url in registry.endpoints)
+    legs = Legs(session, registry, tracker, prefix_index, store, metrics, tracing, config.retries.max_retry_after_s,
+                on_routed=prefix_sharer.note if shares_prefixes else None)
     dispatcher = Dispatcher(
         legs,
         providers={name: make_provider(p) for name, p in config.providers.items()},
@@ -95,16 +103,15 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
         estimator=OutputLengthEstimator(), metrics=metrics, tracing=tracing, background=background)
     registry.start(session)
     kv_events.start()
-    # Peer processes' leases through the store (with Redis: other `--workers` and replicas).
-    sharer = None
-    if config.redis_url and config.pollers.share_interval_s > 0:
-        sharer = LoadSharer(tracker, store, lambda: registry.endpoints, config.pollers.share_interval_s)
-        sharer.start()
+    if sharing:
+        load_sharer.start()
+    if shares_prefixes:
+        prefix_sharer.start()
     try:
         yield
     finally:
-        if sharer is not None:
-            await sharer.stop()
+        await prefix_sharer.stop()
+        await load_sharer.stop()
         await kv_events.stop()
         await registry.stop()
         await background.drain()

@@ -161,7 +161,7 @@ class PollerConfig:
     load_interval_s: float = 1.0         # GET {endpoint}/load when offered
     kv_events_interval_s: float = 0.5    # GET {endpoint}/kv_events?since=N when offered
     timeout_s: float = 2.0               # each poll's total timeout
-    share_interval_s: float = 0.25       # with redis_url: publish our in-flight leases, read peers' (0: off)
+    share_interval_s: float = 0.25       # with redis_url: publish our leases and approximate routing (0: off)
 
 
 @dataclass(frozen=True, slots=True)

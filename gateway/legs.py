@@ -54,12 +54,13 @@ class Legs:
 
     def __init__(self, session: aiohttp.ClientSession, registry: UpstreamRegistry, tracker: LoadTracker,
                  prefix_index: PrefixIndex, store: StateStore, metrics: Metrics, tracing: Tracing,
-                 max_retry_after_s: float) -> None:
+                 max_retry_after_s: float, on_routed: Callable[[str, Sequence[int]], None] | None = None) -> None:
         self._client = UpstreamClient(session)  # plain http endpoints; https through `session`
         self._max_retry_after_s = max_retry_after_s   # an endpoint's Retry-After holds it off up to this
         self._registry = registry
         self._tracker = tracker
         self._prefix_index = prefix_index
+        self._on_routed = on_routed   # an approximate endpoint's decision, for peer processes (prefix_share.py)
         self._store = store
         self.metrics = metrics
         self.tracing = tracing
@@ -92,7 +93,8 @@ class Legs:
             return None
         num_cached = 0
         if facts.block_hashes:  # approximate prefix mode: remember what went where (a no-op for precise endpoints)
-            self._prefix_index.record_routed(decision.endpoint_id, facts.block_hashes)
+            if self._prefix_index.record_routed(decision.endpoint_id, facts.block_hashes) and self._on_routed:
+                self._on_routed(decision.endpoint_id, facts.block_hashes)
             num_cached = num_cached_tokens(matched.get(decision.endpoint_id, NO_MATCH), facts.block_size,
                                            facts.num_prompt_tokens)
         return Chosen(self._registry.endpoints[decision.endpoint_id], decision, facts.num_prompt_tokens - num_cached)

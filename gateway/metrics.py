@@ -103,6 +103,9 @@ class Metrics:
                                   ["model", "reason"], registry=r)
         self._moves = Counter("switchyard_session_moves", "Sessions re-homed to another endpoint", ["model"],
                               registry=r)
+        self._shared = Counter("switchyard_shared_routing_decisions", "Peer processes' routing decisions to "
+                               "endpoints without KV events, applied to this process's approximate prefix index",
+                               registry=r)
         self._stream_errors = Counter("switchyard_stream_errors", "Streams ended by an upstream failure after the "
                                       "first byte", ["model"], registry=r)
         self._failovers = Counter("switchyard_stream_failovers", "Streams whose upstream failed after the first "
@@ -154,6 +157,9 @@ class Metrics:
 
     def on_session_move(self, model: str) -> None:
         self._child(self._moves, model).inc()
+
+    def on_shared_decisions(self, num_decisions: int) -> None:
+        self._shared.inc(num_decisions)
 
     def on_stream_error(self, model: str) -> None:
         self._child(self._stream_errors, model).inc()

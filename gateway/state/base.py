@@ -107,6 +107,17 @@ class StateStore(Protocol):
         """In-flight tokens at the endpoint over all live replicas (optionally all but one)."""
         ...
 
+    async def publish_routed(self, replica_id: str, payload: str, max_entries: int) -> None:
+        """Append one batch of this replica's routing decisions (gateway/prefix_share.py) to the shared log,
+        which keeps about the latest `max_entries` batches."""
+        ...
+
+    async def read_routed(self, after: str, max_entries: int) -> tuple[str, list[tuple[str, str]]]:
+        """Up to `max_entries` batches appended after the cursor `after`, oldest first, as (replica id,
+        payload), and the cursor past them. A cursor is "MS-N": "0-0" reads from the oldest batch kept,
+        "MS-0" from the first appended at or after MS, milliseconds since the epoch."""
+        ...
+
     async def ping(self) -> bool:
         """True if the store answers now; never raises for an outage."""
         ...

@@ -6,6 +6,7 @@ every few hundred writes, so memory stays bounded by what is live.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -40,6 +41,7 @@ class MemoryStore:
         self._breakers: dict[str, _Expiring] = {}
         self._usage: dict[str, Usage] = {}
         self._inflight: dict[str, dict[str, tuple[int, float]]] = {}  # endpoint -> replica -> (tokens, expires_s)
+        self._routed: deque[tuple[tuple[int, int], str, str]] = deque()  # (id as (ms, n), replica, payload)
         self._num_writes = 0
 
     async def rate_limit(self, key_id: str, limits: RateLimits, cost_tokens: int) -> RateDecision:
@@ -106,6 +108,22 @@ class MemoryStore:
         replicas = self._inflight.get(endpoint_id, {})
         return sum(num_tokens for replica_id, (num_tokens, expires_s) in replicas.items()
                    if expires_s > now_s and replica_id != exclude_replica_id)
+
+    async def publish_routed(self, replica_id: str, payload: str, max_entries: int) -> None:
+        ms = time.time_ns() // 1_000_000   # ids as Redis streams give them: wall-clock ms, then a counter
+        last = self._routed[-1][0] if self._routed else (0, 0)
+        entry_id = (ms, 0) if ms > last[0] else (last[0], last[1] + 1)
+        self._routed.append((entry_id, replica_id, payload))
+        while len(self._routed) > max_entries:
+            self._routed.popleft()
+
+    async def read_routed(self, after: str, max_entries: int) -> tuple[str, list[tuple[str, str]]]:
+        ms, _, n = after.partition("-")
+        cursor = (int(ms), int(n or 0))
+        entries = [(i, r, p) for i, r, p in self._routed if i > cursor][:max_entries]
+        if entries:
+            cursor = entries[-1][0]
+        return f"{cursor[0]}-{cursor[1]}", [(r, p) for _, r, p in entries]
 
     async def ping(self) -> bool:
         return True

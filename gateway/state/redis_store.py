@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from redis import asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -116,6 +116,17 @@ class RedisStore:
         total = await self._run(self._sum_inflight(
             keys=[self._key("inflight", endpoint_id)], args=[exclude_replica_id or ""]))
         return int(total)
+
+    async def publish_routed(self, replica_id: str, payload: str, max_entries: int) -> None:
+        await self._run(self._redis.xadd(self._key("routed", "log"), {"r": replica_id, "p": payload},
+                                         maxlen=max_entries, approximate=True))
+
+    async def read_routed(self, after: str, max_entries: int) -> tuple[str, list[tuple[str, str]]]:
+        key = self._key("routed", "log")
+        reply: Any = await self._run(self._redis.xread({key: after}, count=max_entries))
+        entries: list[tuple[str, dict[str, str]]] = reply[0][1] if reply else []  # [[key, [(id, fields), ...]]]
+        cursor = entries[-1][0] if entries else after
+        return cursor, [(fields["r"], fields["p"]) for _, fields in entries]
 
     async def ping(self) -> bool:
         try:

@@ -73,6 +73,12 @@ class ResilientStore:
     async def sum_inflight(self, endpoint_id: str, exclude_replica_id: str | None = None) -> int:
         return await self._call(lambda store: store.sum_inflight(endpoint_id, exclude_replica_id))
 
+    async def publish_routed(self, replica_id: str, payload: str, max_entries: int) -> None:
+        await self._call(lambda store: store.publish_routed(replica_id, payload, max_entries))
+
+    async def read_routed(self, after: str, max_entries: int) -> tuple[str, list[tuple[str, str]]]:
+        return await self._call(lambda store: store.read_routed(after, max_entries))
+
     async def ping(self) -> bool:
         """True if calls are being answered (always: the fallback answers during an outage)."""
         return True

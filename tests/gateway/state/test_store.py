@@ -114,6 +114,25 @@ async def test_inflight_sums_live_replicas_and_forgets_dead_ones(store: StateSto
     assert await store.sum_inflight("http://none:3") == 0
 
 
+async def test_the_routed_log_is_read_in_order_from_a_cursor_and_capped(store: StateStore) -> None:
+    assert await store.read_routed("0-0", 10) == ("0-0", [])
+    for i in range(5):
+        await store.publish_routed(f"r{i % 2}", f"batch {i}", max_entries=1000)
+    cursor, first = await store.read_routed("0-0", 3)
+    assert first == [("r0", "batch 0"), ("r1", "batch 1"), ("r0", "batch 2")]
+    cursor, rest = await store.read_routed(cursor, 3)
+    assert rest == [("r1", "batch 3"), ("r0", "batch 4")]
+    assert await store.read_routed(cursor, 3) == (cursor, [])          # nothing new: the cursor stays
+    await store.publish_routed("r1", "batch 5", max_entries=1000)
+    assert (await store.read_routed(cursor, 3))[1] == [("r1", "batch 5")]
+    later = f"{time.time_ns() // 1_000_000 + 60_000}-0"                 # a cursor by time: a minute ahead
+    assert (await store.read_routed(later, 3))[1] == []
+    for i in range(1000):
+        await store.publish_routed("r2", f"more {i}", max_entries=100)
+    _, kept = await store.read_routed("0-0", 2000)
+    assert 100 <= len(kept) < 300 and kept[-1] == ("r2", "more 999")   # Redis trims by whole nodes (~100)
+
+
 async def test_two_replicas_share_one_limit_atomically(redis_server: RedisProc) -> None:
     prefix = f"test-{uuid.uuid4().hex[:12]}:"
     replicas = [RedisStore(RedisOptions(url=redis_server.url, key_prefix=prefix)) for _ in range(2)]
