@@ -35,7 +35,6 @@ import argparse
 import heapq
 import pathlib
 import random
-import statistics
 import sys
 import time
 from collections import deque
@@ -50,14 +49,12 @@ from cache.prefix_index import PrefixIndex, num_cached_tokens
 from gateway.load import Lease, LoadTracker, OutputLengthEstimator
 from policies.base import DecisionReason, EndpointState, Policy, RequestFacts
 from policies.registry import PolicyName, make_policy
+from routing_sim_report import UNLIMITED, print_row, print_targets, summarize
+from routing_sim_trace import BLOCK_TOKENS, TRACE, TraceRequest, load_trace, replay_unlimited
 from routing_sim_tiers import (NO_TIERS, UNLIMITED_TIERS, Lru, Medium, TierConfig, WorkerCache, add_tier_arguments,
-                               block_tokens, matched_by_medium, missed_targets, tier_steps)
+                               block_tokens, matched_by_medium, tier_steps)
 
-# shared/ sits beside the checkout (…/main and …/shared); --trace names any other copy.
-TRACE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-BLOCK_TOKENS = 512  # the trace's block size
 MODEL = "sim"
-UNLIMITED = "unlimited cache"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,15 +79,6 @@ class Row:
     shared: bool = False                # approximate: processes share their routing decisions (prefix_share.py)
 
 
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    arrival_s: float            # from the trace's timestamp
-    num_prompt_tokens: int
-    num_output_tokens: int
-    block_hashes: tuple[int, ...]  # the trace's hash_ids: equal id = equal prefix up to there
-    session_key: str | None     # the conversation: its second block id (the first is shared)
-
-
 @dataclass(slots=True)
 class InFlight:
     request: TraceRequest
@@ -111,35 +99,6 @@ class Worker:
     num_decoding: int = 0
     prefill_busy_s: float = 0.0
     num_requests: int = 0
-
-
-def load_trace(path: pathlib.Path, limit: int | None) -> list[TraceRequest]:
-    requests = []
-    with path.open("rb") as f:
-        for line in f:
-            row = orjson.loads(line)
-            ids = tuple(row["hash_ids"])
-            requests.append(TraceRequest(row["timestamp"] / 1000.0, row["input_length"],
-                                         max(1, row["output_length"]), ids,
-                                         str(ids[1]) if len(ids) > 1 else None))
-            if limit is not None and len(requests) >= limit:
-                break
-    return requests
-
-
-def replay_unlimited(requests: list[TraceRequest]) -> tuple[float, float]:
-    """Hit rate (of blocks, of tokens) of one unbounded cache in trace order, without timing."""
-    seen: set[int] = set()
-    num_hit_blocks = num_hit_tokens = 0
-    for request in requests:
-        run = 0
-        while run < len(request.block_hashes) and request.block_hashes[run] in seen:
-            run += 1
-        num_hit_blocks += run
-        num_hit_tokens += min(run * BLOCK_TOKENS, request.num_prompt_tokens)
-        seen.update(request.block_hashes)
-    return (num_hit_blocks / sum(len(r.block_hashes) for r in requests),
-            num_hit_tokens / sum(r.num_prompt_tokens for r in requests))
 
 
 class Simulation:
@@ -305,31 +264,6 @@ class Simulation:
                 self.index.remove(worker.endpoint_id, (block_hash,))
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
-
-
-def summarize(name: str, sim: Simulation, wall_s: float) -> dict[str, Any]:
-    ttfts = sorted(f.ttft_s for f in sim.finished)
-    prompt = sum(f.request.num_prompt_tokens for f in sim.finished)
-    cached = sum(f.num_cached_tokens for f in sim.finished)
-    by_medium = [sum(f.cached_tokens_by_medium[m] for f in sim.finished) for m in Medium]
-    busy = [w.prefill_busy_s for w in sim.workers]
-    counts = [w.num_requests for w in sim.workers]
-    leftover = [sim.tracker.snapshot(w.endpoint_id) for w in sim.workers]
-    assert all(s == (0, 0, 0) for s in leftover), leftover  # every lease released
-    return {"policy": name, "hit_rate": cached / prompt,
-            "block_hit_rate": (sum(f.num_cached_blocks for f in sim.finished)
-                               / sum(len(f.request.block_hashes) for f in sim.finished)),
-            "hit_rate_by_medium": {m.name.lower(): n / prompt for m, n in zip(Medium, by_medium, strict=True)},
-            "ttft_mean_s": statistics.fmean(ttfts),
-            "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p90_s": percentile(ttfts, 0.9),
-            "ttft_p99_s": percentile(ttfts, 0.99),
-            "busy_imbalance": max(busy) / statistics.fmean(busy),
-            "request_imbalance": max(counts) / statistics.fmean(counts),
-            "moved": sim.num_moved, "wall_s": wall_s}
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", type=pathlib.Path, default=TRACE)
@@ -345,7 +279,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--approx-capacity", type=int, default=None,
                         help="blocks the approximate index assumes per worker (default: --cache-blocks)")
     parser.add_argument("--share-interval", type=float, default=0.25,
-                        help="approx shared: seconds between a process's publishing and reading (pollers.share_interval_s)")
+                        help="approx shared: seconds between a process's publishing and reading its peers'")
     parser.add_argument("--only", nargs="*", help="run only the rows whose label contains one of these words")
     add_tier_arguments(parser)
     return parser.parse_args()
@@ -380,27 +314,6 @@ def tier_rows(args: argparse.Namespace, seed: dict[str, Any]) -> list[Row]:
              for suffix, tiers in steps]
     return [*rows, *(Row(f"prefix_aware{suffix}, unranked", PolicyName.PREFIX_AWARE, seed, tiers=tiers,
                          rank_tiers=False) for suffix, tiers in (steps[2], steps[-1]))]
-
-
-def print_row(row: dict[str, Any], unlimited: dict[str, Any] | None) -> None:
-    share = f"{row['hit_rate'] / unlimited['hit_rate']:.1%}" if unlimited else "-"
-    media = "/".join(f"{v:.0%}" for v in row["hit_rate_by_medium"].values())
-    print(f"{row['policy']:<38}{row['hit_rate']:>9.1%}{row['block_hit_rate']:>8.1%}{share:>9}"
-          f"{row['ttft_mean_s']:>10.2f}s{row['ttft_p50_s']:>7.2f}s{row['ttft_p90_s']:>7.2f}s{row['ttft_p99_s']:>7.2f}s"
-          f"{row['busy_imbalance']:>7.2f}{row['request_imbalance']:>7.2f}{row['moved']:>6}  {media:<16}"
-          f"{row['wall_s']:>5.1f}s")
-
-
-def print_targets(results: dict[str, dict[str, Any]], rows: list[Row], unlimited_blocks: float) -> None:
-    unlimited, best = results.get(UNLIMITED), results.get("prefix_aware")
-    if unlimited is None or best is None:
-        return
-    print(f"issue 14's targets: hit rate >= 95% of unlimited's; blocks >= 95% of {unlimited_blocks:.1%} "
-          f"(unlimited, trace order); busiest/mean busy <= 1.1; TTFT p50 <= {best['ttft_p50_s']:.2f} s / 2")
-    for spec in rows:
-        if spec.label in results and spec.tiers.enabled and spec.label != UNLIMITED:
-            missed = missed_targets(results[spec.label], unlimited, best, unlimited_blocks)
-            print(f"  {spec.label:<38}{'all met' if not missed else 'missed: ' + ' '.join(missed)}")
 
 
 def main() -> None:

@@ -1,0 +1,51 @@
+"""The Mooncake conversation trace as routing_sim.py replays it: its requests, and the hit rate of one
+unbounded cache over them in trace order (the ceiling, without timing)."""
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+import orjson
+
+# shared/ sits beside the checkout (…/main and …/shared); --trace names any other copy.
+TRACE = pathlib.Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+BLOCK_TOKENS = 512  # the trace's block size
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    arrival_s: float            # from the trace's timestamp
+    num_prompt_tokens: int
+    num_output_tokens: int
+    block_hashes: tuple[int, ...]  # the trace's hash_ids: equal id = equal prefix up to there
+    session_key: str | None     # the conversation: its second block id (the first is shared)
+
+
+
+def load_trace(path: pathlib.Path, limit: int | None) -> list[TraceRequest]:
+    requests = []
+    with path.open("rb") as f:
+        for line in f:
+            row = orjson.loads(line)
+            ids = tuple(row["hash_ids"])
+            requests.append(TraceRequest(row["timestamp"] / 1000.0, row["input_length"],
+                                         max(1, row["output_length"]), ids,
+                                         str(ids[1]) if len(ids) > 1 else None))
+            if limit is not None and len(requests) >= limit:
+                break
+    return requests
+
+
+def replay_unlimited(requests: list[TraceRequest]) -> tuple[float, float]:
+    """Hit rate (of blocks, of tokens) of one unbounded cache in trace order, without timing."""
+    seen: set[int] = set()
+    num_hit_blocks = num_hit_tokens = 0
+    for request in requests:
+        run = 0
+        while run < len(request.block_hashes) and request.block_hashes[run] in seen:
+            run += 1
+        num_hit_blocks += run
+        num_hit_tokens += min(run * BLOCK_TOKENS, request.num_prompt_tokens)
+        seen.update(request.block_hashes)
+    return (num_hit_blocks / sum(len(r.block_hashes) for r in requests),
+            num_hit_tokens / sum(r.num_prompt_tokens for r in requests))
