@@ -8,18 +8,17 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-_ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-
-
-class ConfigError(ValueError):
-    """The configuration file is missing, unparsable or names an invalid value."""
+from gateway.config_yaml import ConfigError as ConfigError
+from gateway.config_yaml import (as_mapping, check_known, enum_value, expand_tree, quote_hint, simple_record,
+                                 typed_field)
+from gateway.config_yaml import expand_env as expand_env
 
 
 class ProviderKind(str, Enum):
@@ -190,21 +189,6 @@ class GatewayConfig:
     log_level: str = "WARNING"
 
 
-def expand_env(text: str, environ: Mapping[str, str]) -> str:
-    """Replace `${NAME}` (must be set) and `${NAME:-default}` (default when unset or empty)."""
-    def substitute(match: re.Match[str]) -> str:
-        name, default = match.group(1), match.group(2)
-        value = environ.get(name)
-        if value:
-            return value
-        if default is not None:
-            return default
-        if value is None:
-            raise ConfigError(f"environment variable {name} is not set (use ${{{name}:-default}})")
-        return value
-    return _ENV_RE.sub(substitute, text)
-
-
 def load_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> GatewayConfig:
     """Read, expand and validate a YAML config file."""
     try:
@@ -218,97 +202,18 @@ def parse_config(text: str, environ: Mapping[str, str], base_dir: Path = Path(".
     try:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"invalid YAML: {exc}{_quote_hint(text, exc)}") from exc
+        raise ConfigError(f"invalid YAML: {exc}{quote_hint(text, exc)}") from exc
     # Expanded after parsing, in string values only: comments are left alone and an environment
     # value can never change the YAML's structure.
-    return _build_gateway(_mapping(_expand_tree(raw, environ), "config"), base_dir)
-
-
-def _quote_hint(text: str, exc: yaml.YAMLError) -> str:
-    """Inside `[...]` or `{...}` an unquoted `${X}` is YAML syntax, not a string: say how to quote it."""
-    mark = getattr(exc, "problem_mark", None)
-    lines = text.splitlines()
-    if mark is None or mark.line >= len(lines) or "${" not in lines[mark.line]:
-        return ""
-    return "\n(a `${...}` inside [...] or {...} must be quoted: `{name: \"${X:-a}\"}`)"
-
-
-def _expand_tree(value: Any, environ: Mapping[str, str]) -> Any:
-    if isinstance(value, str):
-        return expand_env(value, environ)
-    if isinstance(value, list):
-        return [_expand_tree(v, environ) for v in value]
-    if isinstance(value, dict):
-        return {k: _expand_tree(v, environ) for k, v in value.items()}
-    return value
-
-
-# --- building records from the parsed YAML -------------------------------------------------------
-
-def _mapping(value: Any, where: str) -> Mapping[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{where}: expected a mapping")
-    return value
-
-
-def _known(raw: Mapping[str, Any], allowed: set[str], where: str) -> None:
-    unknown = set(raw) - allowed
-    if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}")
-
-
-def _typed(raw: Mapping[str, Any], name: str, kind: type | tuple[type, ...], default: Any, where: str) -> Any:
-    value = raw.get(name, default)
-    if value is None or value is default:
-        return value
-    if isinstance(value, str) and kind in (int, float, bool):  # e.g. `port: ${PORT}`
-        value = _from_string(value, kind, f"{where}.{name}")
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, bool) and kind is not bool:
-        raise ConfigError(f"{where}.{name}: expected {getattr(kind, '__name__', kind)}")
-    if not isinstance(value, kind):
-        raise ConfigError(f"{where}.{name}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
-    return value
-
-
-def _from_string(value: str, kind: type, where: str) -> Any:
-    try:
-        if kind is bool:
-            return {"true": True, "false": False}[value.strip().lower()]
-        return kind(value)
-    except (KeyError, ValueError):
-        raise ConfigError(f"{where}: expected {kind.__name__}, got {value!r}") from None
-
-
-def _enum(enum: type[Enum], value: Any, where: str) -> Any:
-    try:
-        return enum(value)
-    except ValueError:
-        raise ConfigError(f"{where}: {value!r} is not one of {[m.value for m in enum]}") from None
-
-
-def _simple(cls: type, raw: Any, where: str) -> Any:
-    """Build a dataclass of scalar fields, each typed like its default."""
-    raw = _mapping(raw, where)
-    defaults = cls()
-    names = {f.name for f in fields(cls)}
-    _known(raw, names, where)
-    kwargs = {}
-    for name in names:
-        default = getattr(defaults, name)
-        kind = float if isinstance(default, float) else str if default is None else type(default)
-        kwargs[name] = _typed(raw, name, kind, default, where)
-    return cls(**kwargs)
+    return _build_gateway(as_mapping(expand_tree(raw, environ), "config"), base_dir)
 
 
 def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
-    _known(raw, set(GatewayConfig.__dataclass_fields__), "config")
+    check_known(raw, set(GatewayConfig.__dataclass_fields__), "config")
     providers = {name: _build_provider(name, body)
-                 for name, body in _mapping(raw.get("providers"), "providers").items()}
-    models = {name: _build_model(name, body, base_dir) for name, body in _mapping(raw.get("models"), "models").items()}
+                 for name, body in as_mapping(raw.get("providers"), "providers").items()}
+    models = {name: _build_model(name, body, base_dir)
+              for name, body in as_mapping(raw.get("models"), "models").items()}
     for model in models.values():
         for provider in model.providers:
             if provider not in providers:
@@ -317,32 +222,32 @@ def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
     if not isinstance(keys_raw, list):
         raise ConfigError("api_keys: expected a list")
     keys = tuple(_build_key(i, body) for i, body in enumerate(keys_raw))
-    redis_url = _typed(raw, "redis_url", str, None, "config") or None
-    tracing_raw = dict(_mapping(raw.get("tracing"), "tracing"))
-    exporter = _enum(TracingExporter, tracing_raw.pop("exporter", "none"), "tracing.exporter")
-    tracing = _simple(TracingConfig, tracing_raw, "tracing")
-    max_body = _typed(raw, "max_body_bytes", int, 1 << 20, "config")
+    redis_url = typed_field(raw, "redis_url", str, None, "config") or None
+    tracing_raw = dict(as_mapping(raw.get("tracing"), "tracing"))
+    exporter = enum_value(TracingExporter, tracing_raw.pop("exporter", "none"), "tracing.exporter")
+    tracing = simple_record(TracingConfig, tracing_raw, "tracing")
+    max_body = typed_field(raw, "max_body_bytes", int, 1 << 20, "config")
     if max_body <= 0:
         raise ConfigError("max_body_bytes: must be positive")
     return GatewayConfig(
-        listen=_build_listen(_mapping(raw.get("listen"), "listen"), base_dir),
+        listen=_build_listen(as_mapping(raw.get("listen"), "listen"), base_dir),
         models=models, providers=providers, api_keys=keys, redis_url=redis_url,
         max_body_bytes=max_body,
         limits=_limits(raw.get("limits")),
-        keepalive_s=_typed(raw, "keepalive_s", float, 5.0, "config"),
-        drain_timeout_s=_typed(raw, "drain_timeout_s", float, 30.0, "config"),
-        retries=_simple(RetryConfig, raw.get("retries"), "retries"),
-        breaker=_simple(BreakerConfig, raw.get("breaker"), "breaker"),
-        pollers=_simple(PollerConfig, raw.get("pollers"), "pollers"),
+        keepalive_s=typed_field(raw, "keepalive_s", float, 5.0, "config"),
+        drain_timeout_s=typed_field(raw, "drain_timeout_s", float, 30.0, "config"),
+        retries=simple_record(RetryConfig, raw.get("retries"), "retries"),
+        breaker=simple_record(BreakerConfig, raw.get("breaker"), "breaker"),
+        pollers=simple_record(PollerConfig, raw.get("pollers"), "pollers"),
         tracing=TracingConfig(exporter=exporter, otlp_endpoint=tracing.otlp_endpoint,
                               service_name=tracing.service_name),
-        ready=_enum(ReadyRequirement, raw.get("ready", "each_model"), "ready"),
+        ready=enum_value(ReadyRequirement, raw.get("ready", "each_model"), "ready"),
         log_level=str(raw.get("log_level", "WARNING")).upper(),
     )
 
 
 def _limits(raw: Any) -> LimitsConfig:
-    limits = _simple(LimitsConfig, raw, "limits")
+    limits = simple_record(LimitsConfig, raw, "limits")
     for name in LimitsConfig.__dataclass_fields__:
         value = getattr(limits, name)
         if not isinstance(value, bool) and value <= 0:
@@ -351,60 +256,60 @@ def _limits(raw: Any) -> LimitsConfig:
 
 
 def _build_listen(raw: Mapping[str, Any], base_dir: Path) -> ListenConfig:
-    _known(raw, {"host", "port", "tls"}, "listen")
+    check_known(raw, {"host", "port", "tls"}, "listen")
     tls_raw = raw.get("tls")
     tls = None
     if tls_raw:
-        tls_raw = _mapping(tls_raw, "listen.tls")
-        _known(tls_raw, {"cert_file", "key_file"}, "listen.tls")
+        tls_raw = as_mapping(tls_raw, "listen.tls")
+        check_known(tls_raw, {"cert_file", "key_file"}, "listen.tls")
         if not tls_raw.get("cert_file") or not tls_raw.get("key_file"):
             raise ConfigError("listen.tls: cert_file and key_file are both required")
         tls = TlsConfig(cert_file=base_dir / str(tls_raw["cert_file"]), key_file=base_dir / str(tls_raw["key_file"]))
-    port = _typed(raw, "port", int, 8080, "listen")
+    port = typed_field(raw, "port", int, 8080, "listen")
     if not 0 <= port <= 65535:
         raise ConfigError("listen.port: out of range")
-    return ListenConfig(host=_typed(raw, "host", str, "127.0.0.1", "listen"), port=port, tls=tls)
+    return ListenConfig(host=typed_field(raw, "host", str, "127.0.0.1", "listen"), port=port, tls=tls)
 
 
 def _build_provider(name: str, raw: Any) -> ProviderConfig:
     where = f"providers.{name}"
-    raw = _mapping(raw, where)
-    _known(raw, set(ProviderConfig.__dataclass_fields__) - {"name"}, where)
+    raw = as_mapping(raw, where)
+    check_known(raw, set(ProviderConfig.__dataclass_fields__) - {"name"}, where)
     endpoints = _urls(raw.get("endpoints"), f"{where}.endpoints")
     prefill = _urls(raw["prefill_endpoints"], f"{where}.prefill_endpoints") if "prefill_endpoints" in raw else ()
     return ProviderConfig(
-        name=name, kind=_enum(ProviderKind, raw.get("kind", "openai"), f"{where}.kind"),
+        name=name, kind=enum_value(ProviderKind, raw.get("kind", "openai"), f"{where}.kind"),
         endpoints=endpoints, prefill_endpoints=prefill,
-        upstream_model=_typed(raw, "upstream_model", str, None, where),
-        api_key=_typed(raw, "api_key", str, None, where) or None,
-        timeouts=_simple(TimeoutsConfig, raw.get("timeouts"), f"{where}.timeouts"),
-        offers_load=_typed(raw, "offers_load", bool, False, where),
-        offers_kv_events=_typed(raw, "offers_kv_events", bool, False, where),
+        upstream_model=typed_field(raw, "upstream_model", str, None, where),
+        api_key=typed_field(raw, "api_key", str, None, where) or None,
+        timeouts=simple_record(TimeoutsConfig, raw.get("timeouts"), f"{where}.timeouts"),
+        offers_load=typed_field(raw, "offers_load", bool, False, where),
+        offers_kv_events=typed_field(raw, "offers_kv_events", bool, False, where),
         health_path=raw.get("health_path", "/health") or None,
         kv_event_sources=_kv_event_sources(raw.get("kv_event_sources"), endpoints + prefill, where),
-        offers_vllm_metrics=_typed(raw, "offers_vllm_metrics", bool, False, where),
+        offers_vllm_metrics=typed_field(raw, "offers_vllm_metrics", bool, False, where),
         kv_capacity_tokens=_positive(raw, "kv_capacity_tokens", 262144, where),
-        offers_token_ids=_typed(raw, "offers_token_ids", bool, False, where),
+        offers_token_ids=typed_field(raw, "offers_token_ids", bool, False, where),
     )
 
 
 def _kv_event_sources(raw: Any, urls: tuple[str, ...], where: str) -> dict[str, KvEventSource]:
     where = f"{where}.kv_event_sources"
     sources = {}
-    for url, body in _mapping(raw, where).items():
+    for url, body in as_mapping(raw, where).items():
         if str(url).rstrip("/") not in urls:
             raise ConfigError(f"{where}: {url!r} is not one of the provider's endpoints")
-        body = {"endpoint": body} if isinstance(body, str) else _mapping(body, f"{where}.{url}")
-        _known(body, {"endpoint", "topic"}, f"{where}.{url}")
-        endpoint = _typed(body, "endpoint", str, None, f"{where}.{url}")
+        body = {"endpoint": body} if isinstance(body, str) else as_mapping(body, f"{where}.{url}")
+        check_known(body, {"endpoint", "topic"}, f"{where}.{url}")
+        endpoint = typed_field(body, "endpoint", str, None, f"{where}.{url}")
         if not endpoint or not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"{where}.{url}.endpoint: expected a ZMQ address like tcp://host:5557")
-        sources[str(url).rstrip("/")] = KvEventSource(endpoint, _typed(body, "topic", str, "", f"{where}.{url}"))
+        sources[str(url).rstrip("/")] = KvEventSource(endpoint, typed_field(body, "topic", str, "", f"{where}.{url}"))
     return sources
 
 
 def _positive(raw: Mapping[str, Any], name: str, default: int, where: str) -> int:
-    value: int = _typed(raw, name, int, default, where)
+    value: int = typed_field(raw, name, int, default, where)
     if value <= 0:
         raise ConfigError(f"{where}.{name}: must be positive")
     return value
@@ -418,35 +323,35 @@ def _urls(value: Any, where: str) -> tuple[str, ...]:
 
 def _build_model(name: str, raw: Any, base_dir: Path) -> ModelConfig:
     where = f"models.{name}"
-    raw = _mapping(raw, where)
-    _known(raw, set(ModelConfig.__dataclass_fields__) - {"name"}, where)
+    raw = as_mapping(raw, where)
+    check_known(raw, set(ModelConfig.__dataclass_fields__) - {"name"}, where)
     chain = raw.get("providers")
     if isinstance(chain, str):
         chain = [chain]
     if not isinstance(chain, list) or not chain:
         raise ConfigError(f"{where}.providers: expected a non-empty list of provider names")
-    policy_raw = _mapping(raw.get("policy"), f"{where}.policy")
+    policy_raw = as_mapping(raw.get("policy"), f"{where}.policy")
     if isinstance(raw.get("policy"), str):
         policy_raw = {"name": raw["policy"]}
-    _known(policy_raw, {"name", "options"}, f"{where}.policy")
+    check_known(policy_raw, {"name", "options"}, f"{where}.policy")
     policy = PolicyConfig(name=str(policy_raw.get("name", "least_tokens")),
-                          options=dict(_mapping(policy_raw.get("options"), f"{where}.policy.options")))
+                          options=dict(as_mapping(policy_raw.get("options"), f"{where}.policy.options")))
     tokenizer = raw.get("tokenizer") or None
-    block_size = _typed(raw, "block_size", int, 16, where)
+    block_size = typed_field(raw, "block_size", int, 16, where)
     if block_size <= 0:
         raise ConfigError(f"{where}.block_size: must be positive")
     return ModelConfig(
         name=name, providers=tuple(str(p) for p in chain),
         tokenizer=base_dir / str(tokenizer) if tokenizer else None, policy=policy, block_size=block_size,
-        session_ttl_s=_typed(raw, "session_ttl_s", float, 600.0, where),
-        mid_stream_failover=_typed(raw, "mid_stream_failover", bool, True, where),
+        session_ttl_s=typed_field(raw, "session_ttl_s", float, 600.0, where),
+        mid_stream_failover=typed_field(raw, "mid_stream_failover", bool, True, where),
     )
 
 
 def _build_key(index: int, raw: Any) -> ApiKeyConfig:
     where = f"api_keys[{index}]"
-    raw = _mapping(raw, where)
-    _known(raw, set(ApiKeyConfig.__dataclass_fields__), where)
+    raw = as_mapping(raw, where)
+    check_known(raw, set(ApiKeyConfig.__dataclass_fields__), where)
     key, digest = raw.get("key") or None, raw.get("key_sha256") or None
     if (key is None) == (digest is None):
         raise ConfigError(f"{where}: exactly one of key and key_sha256 is required")
@@ -458,8 +363,8 @@ def _build_key(index: int, raw: Any) -> ApiKeyConfig:
     return ApiKeyConfig(
         key_id=key_id, key=str(key) if key is not None else None,
         key_sha256=str(digest).lower() if digest is not None else None,
-        max_requests_per_min=_typed(raw, "max_requests_per_min", int, None, where),
-        max_tokens_per_min=_typed(raw, "max_tokens_per_min", int, None, where),
-        admin=_typed(raw, "admin", bool, False, where),
-        max_concurrent_requests=_typed(raw, "max_concurrent_requests", int, None, where),
+        max_requests_per_min=typed_field(raw, "max_requests_per_min", int, None, where),
+        max_tokens_per_min=typed_field(raw, "max_tokens_per_min", int, None, where),
+        admin=typed_field(raw, "admin", bool, False, where),
+        max_concurrent_requests=typed_field(raw, "max_concurrent_requests", int, None, where),
     )

@@ -2,8 +2,8 @@
 hosts) through the state store. An endpoint without KV events is indexed from the prompts the gateway
 routed there (`PrefixIndex.record_routed`); split over N processes, each would see 1/N of the routing and a
 conversation's next turn would mostly reach a process that never routed it (benchmarks/routing_sim.py:
-69% of precise's hit rate at 2 processes, 56% at 4; shared, 99% and 100%). So every process appends its decisions to a shared
-log every `interval_s` and applies its peers' to its own index.
+69% of precise's hit rate at 2 processes, 56% at 4; shared, 99% and 100%). So every process appends its
+decisions to a shared log every `interval_s` and applies its peers' to its own index.
 
 Routing never waits for it: a process sees its own decisions at once and its peers' within about two
 intervals. The log is a Redis stream capped at `MAX_LOG_BATCHES` batches; a process that starts reads back
