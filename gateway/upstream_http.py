@@ -5,7 +5,8 @@ no redirects, no cookies, no decompression), which costs a fraction of aiohttp's
 
 The response offers the part of `aiohttp.ClientResponse` the legs use: `status`, `headers`, `content_type`,
 `content.readany()`, `content.read(n)` and `read()`. A connection goes back to the pool only when its
-response was read to the end; anything else (an error, a cancellation, a body left unread) closes it.
+response was read to the end; anything else (an error, a cancellation, a body left unread) closes it. The
+connection and the body decoding live in gateway/upstream_conn.py; this module is the pool and the exchange.
 """
 from __future__ import annotations
 
@@ -19,226 +20,11 @@ from urllib.parse import urlsplit
 import aiohttp
 from multidict import CIMultiDict
 
+from gateway.upstream_conn import UpstreamBody, UpstreamConnection, UpstreamProtocolError
+
 MAX_HEADER_BYTES = 64 * 1024     # a response head larger than this is a protocol error
-MAX_BUFFER_BYTES = 256 * 1024    # stop reading the socket while this much is unread (backpressure)
 MAX_IDLE_S = 10.0                # an idle pooled connection older than this is closed, not reused
 MAX_IDLE_PER_HOST = 256          # idle connections kept per host:port
-
-
-class UpstreamProtocolError(aiohttp.ClientPayloadError):
-    """The upstream's bytes are not HTTP/1.1 as expected (a payload error: legs count it as a connection error)."""
-
-
-class _Connection(asyncio.Protocol):
-    """One TCP connection: bytes arrive into `buffer`; one reader waits for more at a time."""
-
-    __slots__ = ("_paused", "_quiet_timer", "_waiter", "buffer", "closed_exc", "eof", "idle_since_s", "last_data_s",
-                 "transport")
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
-        self.eof = False
-        self.closed_exc: BaseException | None = None
-        self.idle_since_s = 0.0
-        self.last_data_s = 0.0             # time.monotonic() of the last bytes received
-        self._waiter: asyncio.Future[None] | None = None
-        self._paused = False
-        self._quiet_timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        self.last_data_s = time.monotonic()
-        if len(self.buffer) > MAX_BUFFER_BYTES and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-        self._wake()
-
-    def eof_received(self) -> bool:
-        self.eof = True
-        self._wake()
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.eof = True
-        if exc is not None and self.closed_exc is None:
-            self.closed_exc = exc
-        self._wake()
-
-    def fail(self, exc: BaseException) -> None:
-        """End the connection with `exc` for whoever reads next (the total timeout)."""
-        if self.closed_exc is None:
-            self.closed_exc = exc
-        self.eof = True
-        if self.transport is not None:
-            self.transport.abort()
-        self._wake()
-
-    def watch_quiet(self, limit_s: float) -> None:
-        """From now on `limit_s` without a byte fails the connection with TimeoutError. The timer re-arms
-        from the last bytes, so a steady stream costs one timer per `limit_s`, not one per read."""
-        self.last_data_s = time.monotonic()
-        self._arm_quiet(limit_s, limit_s)
-
-    def stop_watch(self) -> None:
-        if self._quiet_timer is not None:
-            self._quiet_timer.cancel()
-            self._quiet_timer = None
-
-    def _arm_quiet(self, limit_s: float, delay_s: float) -> None:
-        self._quiet_timer = asyncio.get_running_loop().call_later(delay_s, self._check_quiet, limit_s)
-
-    def _check_quiet(self, limit_s: float) -> None:
-        quiet_s = time.monotonic() - self.last_data_s
-        if quiet_s >= limit_s:
-            self._quiet_timer = None
-            self.fail(TimeoutError(f"upstream sent nothing for {limit_s}s mid-body"))
-        else:
-            self._arm_quiet(limit_s, limit_s - quiet_s)
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def take(self, num_bytes: int, keep: bool = True) -> bytes:
-        """Remove the first `num_bytes` from the buffer; returned unless `keep` is False."""
-        data = bytes(self.buffer[:num_bytes]) if keep else b""
-        del self.buffer[:num_bytes]
-        if self._paused and len(self.buffer) <= MAX_BUFFER_BYTES // 2 and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
-        return data
-
-    async def more(self) -> None:
-        """Wait for more bytes; raises once the connection ended without them."""
-        if self.closed_exc is not None:
-            raise self.closed_exc
-        if self.eof:
-            raise aiohttp.ServerDisconnectedError()
-        self._waiter = asyncio.get_running_loop().create_future()
-        await self._waiter
-        if self.closed_exc is not None:
-            raise self.closed_exc
-
-    @property
-    def reusable(self) -> bool:
-        return (not self.eof and self.closed_exc is None and not self.buffer and self.transport is not None
-                and not self.transport.is_closing())
-
-
-class _Body:
-    """The response body as `aiohttp.StreamReader`'s `readany`/`read(n)`: decoded bytes as they arrive."""
-
-    __slots__ = ("_chunk_left", "_conn", "_left", "_mode", "_pending", "_quiet_s", "done")
-
-    def __init__(self, conn: _Connection, mode: str, length: int, quiet_s: float | None = None) -> None:
-        self._conn = conn
-        self._quiet_s = quiet_s    # after the first body bytes, the longest gap between bytes (None: any)
-        self._mode = mode          # "length", "chunked" or "close"
-        self._left = length        # "length": body bytes still to come
-        self._chunk_left = 0       # "chunked": bytes left of the current chunk (0: a size line is next)
-        self._pending = b""        # decoded bytes handed back by read(n)
-        self.done = mode == "length" and length == 0
-
-    async def readany(self) -> bytes:
-        if self._pending:
-            data, self._pending = self._pending, b""
-            return data
-        while not self.done:
-            data = self._decode()
-            if data:
-                if self._quiet_s is not None:   # the first body bytes: from here on a gap is a hang
-                    self._conn.watch_quiet(self._quiet_s)
-                    self._quiet_s = None
-                return data
-            if self.done:
-                break
-            try:
-                await self._conn.more()
-            except aiohttp.ServerDisconnectedError:
-                if self._mode != "close":
-                    raise aiohttp.ClientPayloadError("upstream closed the connection mid-body") from None
-                self.done = True
-        return b""
-
-    async def read(self, max_bytes: int = -1) -> bytes:
-        if max_bytes < 0:
-            parts = []
-            while chunk := await self.readany():
-                parts.append(chunk)
-            return b"".join(parts)
-        data = await self.readany()
-        if len(data) > max_bytes:
-            data, self._pending = data[:max_bytes], data[max_bytes:]
-        return data
-
-    def _decode(self) -> bytes:
-        """Decoded body bytes from what is buffered now (b"" when more must arrive first)."""
-        conn = self._conn
-        if self._mode == "length":
-            take = min(self._left, len(conn.buffer))
-            self._left -= take
-            self.done = self._left == 0
-            return conn.take(take) if take else b""
-        if self._mode == "close":
-            if conn.buffer:
-                return conn.take(len(conn.buffer))
-            if conn.eof and conn.closed_exc is None:
-                self.done = True
-            return b""
-        return self._decode_chunked(conn)
-
-    def _decode_chunked(self, conn: _Connection) -> bytes:
-        """Walk the buffered chunks by index and drop what was consumed once: the common case (one whole
-        chunk per read) costs two `find`s, one slice and one `del`."""
-        buffer = conn.buffer
-        size_left, pos, end_of_data, parts = self._chunk_left, 0, len(buffer), []
-        while True:
-            if size_left > 0:
-                take = min(size_left, end_of_data - pos)
-                if not take:
-                    break
-                parts.append(buffer[pos:pos + take])
-                pos += take
-                size_left -= take
-                if size_left:
-                    break
-                size_left = -1  # the CRLF after the chunk's data is next
-            if size_left == -1:
-                if end_of_data - pos < 2:
-                    break
-                if buffer[pos:pos + 2] != b"\r\n":
-                    raise UpstreamProtocolError("chunked body: no CRLF after a chunk")
-                pos += 2
-                size_left = 0
-            line_end = buffer.find(b"\r\n", pos)
-            if line_end < 0:
-                if end_of_data - pos > 1024:
-                    raise UpstreamProtocolError("chunked body: chunk size line too long")
-                break
-            try:
-                size = int(buffer[pos:line_end].split(b";", 1)[0], 16)
-            except ValueError:
-                raise UpstreamProtocolError("chunked body: bad chunk size") from None
-            if size == 0:  # the last chunk, then trailers (if any) and a blank line
-                close = buffer.find(b"\r\n\r\n", line_end)
-                if close < 0:
-                    break
-                pos = close + 4
-                self.done = True
-                break
-            pos = line_end + 2
-            size_left = size
-        self._chunk_left = size_left
-        if pos:
-            conn.take(pos, keep=False)
-        return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
 
 
 class UpstreamResponse:
@@ -246,7 +32,7 @@ class UpstreamResponse:
 
     __slots__ = ("_keep_alive", "content", "content_type", "headers", "status")
 
-    def __init__(self, status: int, headers: CIMultiDict[str], content: _Body, keep_alive: bool) -> None:
+    def __init__(self, status: int, headers: CIMultiDict[str], content: UpstreamBody, keep_alive: bool) -> None:
         self.status = status
         self.headers = headers
         self.content = content
@@ -293,7 +79,7 @@ class _Exchange:
         self._body = body
         self._headers = headers
         self._timeout = timeout
-        self._conn: _Connection | None = None
+        self._conn: UpstreamConnection | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._response: UpstreamResponse | None = None
 
@@ -319,16 +105,16 @@ class _Exchange:
             raise UpstreamProtocolError(f"unexpected informational status {status}")
         quiet_s = self._timeout.sock_read
         if status in (204, 304):
-            body = _Body(conn, "length", 0)
+            body = UpstreamBody(conn, "length", 0)
         elif "chunked" in headers.get("Transfer-Encoding", "").lower():
-            body = _Body(conn, "chunked", 0, quiet_s)
+            body = UpstreamBody(conn, "chunked", 0, quiet_s)
         elif (length := headers.get("Content-Length")) is not None:
             try:
-                body = _Body(conn, "length", int(length), quiet_s)
+                body = UpstreamBody(conn, "length", int(length), quiet_s)
             except ValueError:
                 raise UpstreamProtocolError(f"bad Content-Length {length!r}") from None
         else:
-            body, keep_alive = _Body(conn, "close", 0, quiet_s), False
+            body, keep_alive = UpstreamBody(conn, "close", 0, quiet_s), False
         self._response = UpstreamResponse(status, headers, body, keep_alive)
         return self._response
 
@@ -353,7 +139,7 @@ class UpstreamClient:
     def __init__(self, fallback: aiohttp.ClientSession, max_idle_s: float = MAX_IDLE_S) -> None:
         self._fallback = fallback
         self._max_idle_s = max_idle_s
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}    # oldest first; reused from the end
+        self._idle: dict[tuple[str, int], list[UpstreamConnection]] = {}    # oldest first; reused from the end
         self._sweep: asyncio.TimerHandle | None = None   # closes connections idle past max_idle_s
         self._targets: dict[str, tuple[tuple[str, int], bytes] | None] = {}  # url -> (host:port, target)
         self._host_headers: dict[tuple[str, int], bytes] = {}
@@ -377,7 +163,7 @@ class UpstreamClient:
             header = self._host_headers[key] = f"{host}:{port}".encode("idna")
         return header
 
-    async def acquire(self, key: tuple[str, int], connect_timeout_s: float | None) -> _Connection:
+    async def acquire(self, key: tuple[str, int], connect_timeout_s: float | None) -> UpstreamConnection:
         idle = self._idle.get(key)
         now_s = time.monotonic()
         while idle:
@@ -388,10 +174,10 @@ class UpstreamClient:
                 conn.transport.close()
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(connect_timeout_s):
-            _, conn = await loop.create_connection(_Connection, key[0], key[1])
+            _, conn = await loop.create_connection(UpstreamConnection, key[0], key[1])
         return conn
 
-    def release(self, key: tuple[str, int], conn: _Connection) -> None:
+    def release(self, key: tuple[str, int], conn: UpstreamConnection) -> None:
         idle = self._idle.setdefault(key, [])
         if len(idle) >= MAX_IDLE_PER_HOST:
             assert conn.transport is not None

@@ -1,0 +1,228 @@
+"""One pooled upstream connection of gateway/upstream_http.py's client (`UpstreamConnection`: the socket's
+bytes buffered, with backpressure, EOF and quiet-gap watching) and the response body read from it
+(`UpstreamBody`: Content-Length, chunked or read-to-close, decoded as it arrives).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+MAX_BUFFER_BYTES = 256 * 1024    # stop reading the socket while this much is unread (backpressure)
+
+
+class UpstreamProtocolError(aiohttp.ClientPayloadError):
+    """The upstream's bytes are not HTTP/1.1 as expected (a payload error: legs count it as a connection error)."""
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One TCP connection: bytes arrive into `buffer`; one reader waits for more at a time."""
+
+    __slots__ = ("_paused", "_quiet_timer", "_waiter", "buffer", "closed_exc", "eof", "idle_since_s", "last_data_s",
+                 "transport")
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.eof = False
+        self.closed_exc: BaseException | None = None
+        self.idle_since_s = 0.0
+        self.last_data_s = 0.0             # time.monotonic() of the last bytes received
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self._quiet_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        self.last_data_s = time.monotonic()
+        if len(self.buffer) > MAX_BUFFER_BYTES and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = True
+        if exc is not None and self.closed_exc is None:
+            self.closed_exc = exc
+        self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        """End the connection with `exc` for whoever reads next (the total timeout)."""
+        if self.closed_exc is None:
+            self.closed_exc = exc
+        self.eof = True
+        if self.transport is not None:
+            self.transport.abort()
+        self._wake()
+
+    def watch_quiet(self, limit_s: float) -> None:
+        """From now on `limit_s` without a byte fails the connection with TimeoutError. The timer re-arms
+        from the last bytes, so a steady stream costs one timer per `limit_s`, not one per read."""
+        self.last_data_s = time.monotonic()
+        self._arm_quiet(limit_s, limit_s)
+
+    def stop_watch(self) -> None:
+        if self._quiet_timer is not None:
+            self._quiet_timer.cancel()
+            self._quiet_timer = None
+
+    def _arm_quiet(self, limit_s: float, delay_s: float) -> None:
+        self._quiet_timer = asyncio.get_running_loop().call_later(delay_s, self._check_quiet, limit_s)
+
+    def _check_quiet(self, limit_s: float) -> None:
+        quiet_s = time.monotonic() - self.last_data_s
+        if quiet_s >= limit_s:
+            self._quiet_timer = None
+            self.fail(TimeoutError(f"upstream sent nothing for {limit_s}s mid-body"))
+        else:
+            self._arm_quiet(limit_s, limit_s - quiet_s)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def take(self, num_bytes: int, keep: bool = True) -> bytes:
+        """Remove the first `num_bytes` from the buffer; returned unless `keep` is False."""
+        data = bytes(self.buffer[:num_bytes]) if keep else b""
+        del self.buffer[:num_bytes]
+        if self._paused and len(self.buffer) <= MAX_BUFFER_BYTES // 2 and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+    async def more(self) -> None:
+        """Wait for more bytes; raises once the connection ended without them."""
+        if self.closed_exc is not None:
+            raise self.closed_exc
+        if self.eof:
+            raise aiohttp.ServerDisconnectedError()
+        self._waiter = asyncio.get_running_loop().create_future()
+        await self._waiter
+        if self.closed_exc is not None:
+            raise self.closed_exc
+
+    @property
+    def reusable(self) -> bool:
+        return (not self.eof and self.closed_exc is None and not self.buffer and self.transport is not None
+                and not self.transport.is_closing())
+
+
+class UpstreamBody:
+    """The response body as `aiohttp.StreamReader`'s `readany`/`read(n)`: decoded bytes as they arrive."""
+
+    __slots__ = ("_chunk_left", "_conn", "_left", "_mode", "_pending", "_quiet_s", "done")
+
+    def __init__(self, conn: UpstreamConnection, mode: str, length: int, quiet_s: float | None = None) -> None:
+        self._conn = conn
+        self._quiet_s = quiet_s    # after the first body bytes, the longest gap between bytes (None: any)
+        self._mode = mode          # "length", "chunked" or "close"
+        self._left = length        # "length": body bytes still to come
+        self._chunk_left = 0       # "chunked": bytes left of the current chunk (0: a size line is next)
+        self._pending = b""        # decoded bytes handed back by read(n)
+        self.done = mode == "length" and length == 0
+
+    async def readany(self) -> bytes:
+        if self._pending:
+            data, self._pending = self._pending, b""
+            return data
+        while not self.done:
+            data = self._decode()
+            if data:
+                if self._quiet_s is not None:   # the first body bytes: from here on a gap is a hang
+                    self._conn.watch_quiet(self._quiet_s)
+                    self._quiet_s = None
+                return data
+            if self.done:
+                break
+            try:
+                await self._conn.more()
+            except aiohttp.ServerDisconnectedError:
+                if self._mode != "close":
+                    raise aiohttp.ClientPayloadError("upstream closed the connection mid-body") from None
+                self.done = True
+        return b""
+
+    async def read(self, max_bytes: int = -1) -> bytes:
+        if max_bytes < 0:
+            parts = []
+            while chunk := await self.readany():
+                parts.append(chunk)
+            return b"".join(parts)
+        data = await self.readany()
+        if len(data) > max_bytes:
+            data, self._pending = data[:max_bytes], data[max_bytes:]
+        return data
+
+    def _decode(self) -> bytes:
+        """Decoded body bytes from what is buffered now (b"" when more must arrive first)."""
+        conn = self._conn
+        if self._mode == "length":
+            take = min(self._left, len(conn.buffer))
+            self._left -= take
+            self.done = self._left == 0
+            return conn.take(take) if take else b""
+        if self._mode == "close":
+            if conn.buffer:
+                return conn.take(len(conn.buffer))
+            if conn.eof and conn.closed_exc is None:
+                self.done = True
+            return b""
+        return self._decode_chunked(conn)
+
+    def _decode_chunked(self, conn: UpstreamConnection) -> bytes:
+        """Walk the buffered chunks by index and drop what was consumed once: the common case (one whole
+        chunk per read) costs two `find`s, one slice and one `del`."""
+        buffer = conn.buffer
+        size_left, pos, end_of_data, parts = self._chunk_left, 0, len(buffer), []
+        while True:
+            if size_left > 0:
+                take = min(size_left, end_of_data - pos)
+                if not take:
+                    break
+                parts.append(buffer[pos:pos + take])
+                pos += take
+                size_left -= take
+                if size_left:
+                    break
+                size_left = -1  # the CRLF after the chunk's data is next
+            if size_left == -1:
+                if end_of_data - pos < 2:
+                    break
+                if buffer[pos:pos + 2] != b"\r\n":
+                    raise UpstreamProtocolError("chunked body: no CRLF after a chunk")
+                pos += 2
+                size_left = 0
+            line_end = buffer.find(b"\r\n", pos)
+            if line_end < 0:
+                if end_of_data - pos > 1024:
+                    raise UpstreamProtocolError("chunked body: chunk size line too long")
+                break
+            try:
+                size = int(buffer[pos:line_end].split(b";", 1)[0], 16)
+            except ValueError:
+                raise UpstreamProtocolError("chunked body: bad chunk size") from None
+            if size == 0:  # the last chunk, then trailers (if any) and a blank line
+                close = buffer.find(b"\r\n\r\n", line_end)
+                if close < 0:
+                    break
+                pos = close + 4
+                self.done = True
+                break
+            pos = line_end + 2
+            size_left = size
+        self._chunk_left = size_left
+        if pos:
+            conn.take(pos, keep=False)
+        return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
