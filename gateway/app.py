@@ -28,9 +28,9 @@ from gateway.kv_events import KvEventConsumer
 from gateway.legs import Legs
 from gateway.load import LoadTracker, OutputLengthEstimator
 from gateway.load_share import LoadSharer
-from gateway.prefix_share import PrefixSharer
 from gateway.metrics import Metrics
 from gateway.prefix_index import configure_prefix_index
+from gateway.prefix_share import PrefixSharer
 from gateway.providers import make_provider
 from gateway.services import SERVICES, BackgroundTasks, Services
 from gateway.state import StateStore, make_store

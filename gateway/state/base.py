@@ -114,8 +114,8 @@ class StateStore(Protocol):
 
     async def read_routed(self, after: str, max_entries: int) -> tuple[str, list[tuple[str, str]]]:
         """Up to `max_entries` batches appended after the cursor `after`, oldest first, as (replica id,
-        payload), and the cursor past them. A cursor is "MS-N": "0-0" reads from the oldest batch kept,
-        "MS-0" from the first appended at or after MS, milliseconds since the epoch."""
+        payload), and the cursor past them. A cursor is a Redis stream id, "MS-N": "0-0" reads from the
+        oldest batch kept, "MS-0" from the first appended after MS, milliseconds since the epoch."""
         ...
 
     async def ping(self) -> bool:
