@@ -9,16 +9,13 @@ Why not only the workers' `/load` reports: not every engine offers one (a fake, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import os
 import socket
 from collections.abc import Callable, Iterable
 
 from gateway.load import LoadTracker
+from gateway.periodic import Periodic
 from gateway.state import StateStore
-
-log = logging.getLogger(__name__)
 
 # The three counts a lease holds, each published under its own store key.
 _COUNTS = ("requests", "prefill", "decode")
@@ -29,36 +26,17 @@ def replica_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
 
 
-class LoadSharer:
+class LoadSharer(Periodic):
     """The background task that publishes this process's leases and reads the peers'."""
 
     def __init__(self, tracker: LoadTracker, store: StateStore, endpoint_ids: Callable[[], Iterable[str]],
                  interval_s: float) -> None:
+        super().__init__(interval_s)
         self._tracker = tracker
         self._store = store
         self._endpoint_ids = endpoint_ids
-        self._interval_s = interval_s
         self._ttl_s = max(1.0, 4 * interval_s)  # a process that stops publishing drops out after this
         self.replica_id = replica_id()
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.share_once()
-            except Exception as exc:  # noqa: BLE001 - a store outage must not end the sharing for good
-                log.debug("sharing in-flight load failed: %r", exc)
-            await asyncio.sleep(self._interval_s)
 
     async def share_once(self) -> None:
         """Publish our leases at every endpoint, then read the peers' sums back."""

@@ -12,9 +12,7 @@ index is an estimate), never a request.
 """
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import logging
 import struct
 import time
@@ -24,6 +22,7 @@ import orjson
 
 from cache.prefix_index import PrefixIndex
 from gateway.load_share import replica_id
+from gateway.periodic import Periodic
 from gateway.state import StateStore
 
 log = logging.getLogger(__name__)
@@ -52,43 +51,24 @@ def decode(payload: str) -> list[tuple[str, tuple[int, ...]]]:
     return decisions
 
 
-class PrefixSharer:
+class PrefixSharer(Periodic):
     """The background task that publishes this process's routing decisions and applies its peers'."""
 
     def __init__(self, index: PrefixIndex, store: StateStore, interval_s: float,
                  on_applied: Callable[[int], None] = lambda num_decisions: None) -> None:
+        super().__init__(interval_s)
         self._index = index
         self._on_applied = on_applied   # peers' decisions applied (a metric)
         self._store = store
-        self._interval_s = interval_s
         self._pending: list[tuple[str, Sequence[int]]] = []
         self._cursor = f"{max(0, time.time_ns() // 1_000_000 - int(HISTORY_S * 1000))}-0"
         self.replica_id = replica_id()
-        self._task: asyncio.Task[None] | None = None
 
     def note(self, endpoint_id: str, block_hashes: Sequence[int]) -> None:
         """A prompt with these blocks was routed to approximate `endpoint_id` (Legs.choose)."""
         self._pending.append((endpoint_id, block_hashes))
         if len(self._pending) > MAX_PENDING:
             del self._pending[:len(self._pending) - MAX_PENDING]
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.share_once()
-            except Exception as exc:  # noqa: BLE001 - a store outage must not end the sharing for good
-                log.debug("sharing routing decisions failed: %r", exc)
-            await asyncio.sleep(self._interval_s)
 
     async def share_once(self) -> None:
         """Publish the decisions made since the last call, then apply every peer batch appended since."""

@@ -1,0 +1,30 @@
+"""The approximate prefix index shared between real gateway processes behind one Redis
+(gateway/prefix_share.py): a conversation routed by one process has its next turn follow its prefix in the
+other. The sharing itself, on both stores, is in tests/gateway/state/test_prefix_share.py."""
+from __future__ import annotations
+
+import aiohttp
+
+from tests.gateway.conftest import gateway_config, metric
+from tests.gateway.test_prefix_routing import served_by
+from tests.support.redis_proc import RedisProc
+from tests.support.wait import await_until
+
+
+async def test_a_conversation_follows_its_prefix_across_gateway_processes(start_fakes, start_gateway,
+                                                                         redis_server: RedisProc) -> None:
+    fakes = start_fakes("a", "b", "c")
+    config = gateway_config({"p": [f.url for f in fakes]}, policy="prefix_aware", redis_url=redis_server.url)
+    config["pollers"]["share_interval_s"] = 0.05
+    first_process, second_process = start_gateway(config), start_gateway(config)
+    # No common system prompt: the second process has never seen any of these prefixes, so a prefix hit
+    # there can only come from the first process's decisions.
+    conversations = [list(range(k * 100, k * 100 + 64)) for k in range(6)]
+    async with aiohttp.ClientSession() as client:
+        homes = [await served_by(client, first_process.url, c) for c in conversations]
+        await await_until(lambda: metric(second_process, "switchyard_shared_routing_decisions_total") >= 6,
+                          "the second process to apply the first one's decisions")
+        hits_before = metric(second_process, "switchyard_routing_decisions_total", reason="prefix_hit")
+        again = [await served_by(client, second_process.url, c + list(range(5000, 5032))) for c in conversations]
+    assert again == homes                            # each next turn went where the other process sent its prefix
+    assert metric(second_process, "switchyard_routing_decisions_total", reason="prefix_hit") - hits_before == 6
