@@ -57,7 +57,8 @@ class AttentionBackend(ABC, Generic[MetadataT]):
 
     name: AttentionBackendName
 
-    def __init__(self, shape: AttentionShape) -> None:
+    def __init__(self, shape: AttentionShape, device: torch.device | None = None) -> None:
+        """`device`: where the backend will run, when known (it may load kernels for it now, not in a step)."""
         self.shape = shape
 
     @abstractmethod
@@ -138,4 +139,4 @@ def create_backend(name: AttentionBackendName | str | None, shape: AttentionShap
         raise ValueError(f"flash_attn needs float16 or bfloat16, got {shape.dtype}")
     module_name, class_name = _BACKENDS[chosen].split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(shape)
+    return cls(shape, device)

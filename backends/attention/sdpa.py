@@ -3,6 +3,8 @@
 Chunks are split into groups, decodes (one new token) of similar lengths and prefills; each group
 gathers its sequences' blocks into one padded [n, kv_heads, L, head_dim] tensor and runs one SDPA call
 with an additive mask, so the per-layer Python work does not grow with the number of sequences.
+On the CPU, decodes instead go to one call of the paged kernel (cpu_paged.py), which reads the blocks in
+place, when it is built and switched on; without it they take the gather path above.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.attention.base import AttentionBackend, AttentionBackendName, AttentionShape, StepLayout
+from backends.attention.cpu_paged import DecodeRows, PagedDecode, decode_rows, load_paged_decode, supports
 
 _MAX_PADDING = 1.5       # a decode group's padded blocks may be this many times its real blocks ...
 _MIN_WASTE_BLOCKS = 16   # ... or exceed them by this many (a separate SDPA call costs more than that)
@@ -34,14 +37,27 @@ class PaddedGroup:
 
 
 @dataclass(frozen=True, slots=True)
+class PagedDecodeRows:
+    """A step's decodes for the CPU paged kernel."""
+    kernel: PagedDecode   # the loaded kernel
+    rows: DecodeRows      # its inputs, shared by every layer
+
+
+@dataclass(frozen=True, slots=True)
 class SDPAMetadata:
-    groups: tuple[PaddedGroup, ...]  # decodes first, then prefills; never empty
+    groups: tuple[PaddedGroup, ...]  # decodes first (unless `paged`), then prefills; empty only if `paged` covers all
     num_tokens: int                  # tokens in the step
     identity: bool                   # one group whose real rows are exactly the step's tokens, in order
+    paged: PagedDecodeRows | None    # the decodes, when the CPU paged kernel runs them
 
 
 class SDPABackend(AttentionBackend[SDPAMetadata]):
     name = AttentionBackendName.SDPA
+
+    def __init__(self, shape: AttentionShape, device: torch.device | None = None) -> None:
+        super().__init__(shape, device)
+        if device is not None:
+            self._paged_kernel(device)   # a worker builds or loads the CPU kernel at start, not in its first decode
 
     def prepare(self, layout: StepLayout) -> SDPAMetadata:
         starts, total = [], 0
@@ -50,12 +66,23 @@ class SDPABackend(AttentionBackend[SDPAMetadata]):
             total += q_len
         decodes = [i for i, q in enumerate(layout.query_lens) if q == 1]
         prefills = [i for i, q in enumerate(layout.query_lens) if q > 1]
-        buckets = [*self._length_buckets(layout, decodes), prefills] if decodes else [prefills]
+        kernel = self._paged_kernel(layout.device) if decodes else None
+        paged = None
+        if kernel is not None:
+            paged = PagedDecodeRows(kernel, decode_rows(layout, decodes, starts, self.shape.block_size))
+            buckets = [prefills]
+        else:
+            buckets = [*self._length_buckets(layout, decodes), prefills] if decodes else [prefills]
         groups = tuple(padded_group(self.shape, layout, members, starts) for members in buckets if members)
-        only = groups[0]
-        identity = len(groups) == 1 and only.real_rows is None and (
-            len(layout.query_lens) == 1 or only.max_query_len == 1)
-        return SDPAMetadata(groups=groups, num_tokens=total, identity=identity)
+        identity = len(groups) == 1 and paged is None and groups[0].real_rows is None and (
+            len(layout.query_lens) == 1 or groups[0].max_query_len == 1)
+        return SDPAMetadata(groups=groups, num_tokens=total, identity=identity, paged=paged)
+
+    def _paged_kernel(self, device: torch.device) -> PagedDecode | None:
+        """The CPU paged-decode kernel when it applies here (CPU, a shape it handles, built, switched on)."""
+        if device.type != "cpu" or not supports(self.shape):
+            return None
+        return load_paged_decode()
 
     def _length_buckets(self, layout: StepLayout, decodes: list[int]) -> list[list[int]]:
         """Decodes split by context length so that padding every one to its group's longest gathers and
@@ -77,15 +104,27 @@ class SDPABackend(AttentionBackend[SDPAMetadata]):
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                metadata: SDPAMetadata) -> torch.Tensor:
+        paged = metadata.paged
+        if paged is not None and paged.rows.in_order:
+            return self._attend_paged(q, k_cache, v_cache, paged)
         if metadata.identity:
             return attend_group(self.shape, q, k_cache, v_cache, metadata.groups[0], gather_queries=False)
         out = q.new_empty(q.shape)
+        if paged is not None:
+            rows = self._attend_paged(q.index_select(0, paged.rows.token_index), k_cache, v_cache, paged)
+            out.index_copy_(0, paged.rows.token_index, rows)
         for group in metadata.groups:
             rows = attend_group(self.shape, q, k_cache, v_cache, group, gather_queries=True)
             if group.real_rows is not None:
                 rows = rows.index_select(0, group.real_rows)
             out.index_copy_(0, group.out_tokens, rows)
         return out
+
+    def _attend_paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      paged: PagedDecodeRows) -> torch.Tensor:
+        """[n, num_heads, head_dim] for the decodes' queries q [n, num_heads, head_dim], blocks read in place."""
+        rows = paged.rows
+        return paged.kernel(q, k_cache, v_cache, rows.block_tables, rows.seq_lens, self.shape.scale)
 
 
 def padded_group(shape: AttentionShape, layout: StepLayout, members: Sequence[int],
