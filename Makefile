@@ -15,12 +15,13 @@ PYTEST_ARGS ?=
 
 # Debian packages each command needs, as command:package. `make test` needs redis-server (the tests start
 # real Redis servers), docker-compose (tests/test_docker.py validates docker/compose.yaml with it), a C
-# compiler (the compressed-weight extension; tests/backends/compression checks that it was built),
+# compiler (the compressed-weight extension; tests/backends/compression checks that it was built), a C++
+# compiler (the CPU paged decode kernel, built at first use; tests/backends/test_cpu_paged_attention.py),
 # chromium (tests/test_status_page.py loads the /status pages in headless Chromium), promtool
 # (tests/test_grafana.py parses the dashboard's PromQL and docker/prometheus.yml with it), and node, npm
 # and curl (tests/clients run the OpenAI Node SDK and curl against a running gateway), and the libraries Mooncake
 # Store's client loads (tests of the shared KV tier start a real mooncake_master); a library is named by its soname.
-TEST_SYSTEM_PACKAGES ?= redis-server:redis-server docker-compose:docker-compose cc:gcc chromium:chromium \
+TEST_SYSTEM_PACKAGES ?= redis-server:redis-server docker-compose:docker-compose cc:gcc c++:g++ chromium:chromium \
 	promtool:prometheus node:nodejs npm:npm curl:curl libibverbs.so.1:libibverbs1 libnuma.so.1:libnuma1
 SERVE_SYSTEM_PACKAGES ?=
 

