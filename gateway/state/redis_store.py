@@ -23,6 +23,12 @@ T = TypeVar("T")
 _USAGE_FIELDS = ("requests", "prompt", "cached", "completion")
 
 
+# What a Redis call raises when the server is gone. RuntimeError: uvloop's "unable to perform operation on
+# <TCPTransport closed=True>" when the server dies between a connection's connect and its first command
+# (redis-py's HELLO), seen under load in tests/faults/test_redis_outage.py; it is not a RedisError.
+_OUTAGE = (RedisError, OSError, TimeoutError, RuntimeError)
+
+
 @dataclass(frozen=True, slots=True)
 class RedisOptions:
     url: str                              # redis://[user:pass@]host:port/db or rediss:// for TLS
@@ -131,7 +137,7 @@ class RedisStore:
     async def ping(self) -> bool:
         try:
             return bool(await self._redis.ping())
-        except (RedisError, OSError, TimeoutError):
+        except _OUTAGE:
             return False
 
     async def close(self) -> None:
@@ -145,7 +151,7 @@ class RedisStore:
         """Await one Redis call, turning connection errors and timeouts into `StoreUnavailable`."""
         try:
             return await call
-        except (RedisError, OSError, TimeoutError) as exc:
+        except _OUTAGE as exc:
             raise StoreUnavailable(f"redis: {type(exc).__name__}: {exc}") from exc
 
 

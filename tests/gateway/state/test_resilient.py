@@ -178,3 +178,23 @@ async def test_plain_redis_store_raises_store_unavailable(proc: RedisProc) -> No
             await store.get_session("s")
     finally:
         await store.close()
+
+
+async def test_a_transport_closed_under_a_call_is_an_outage(proc: RedisProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvloop raises RuntimeError, not a RedisError, for a write on a transport closed under it (the server
+    died between a connection's connect and its first command); that too must fail over, not answer 500."""
+    store = RedisStore(RedisOptions(url=proc.url))
+    resilient = ResilientStore(store, MemoryStore(), probe_interval_s=60.0)
+
+    async def closed_transport(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+    try:
+        monkeypatch.setattr(store._redis, "execute_command", closed_transport)
+        with pytest.raises(StoreUnavailable):
+            await store.get_session("s")
+        assert not await store.ping()
+        await resilient.set_session("s", "http://a:1", ttl_s=30)   # answered by the fallback
+        assert resilient.degraded and await resilient.get_session("s") == "http://a:1"
+    finally:
+        await resilient.close()
