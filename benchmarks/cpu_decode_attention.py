@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from backends.attention.base import AttentionShape, StepLayout
-from backends.attention.cpu_paged import PagedDecode, decode_rows, load_paged_decode
+from backends.attention.base import AttentionShape, StepLayout, decode_rows
+from backends.attention.cpu_paged import PagedDecode, load_paged_decode
 from backends.attention.sdpa import attend_group, padded_group
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30

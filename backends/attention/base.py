@@ -9,6 +9,7 @@ import enum
 import importlib
 import importlib.util
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -50,6 +51,29 @@ class StepLayout:
     @property
     def seq_lens(self) -> tuple[int, ...]:
         return tuple(c + q for c, q in zip(self.context_lens, self.query_lens, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """A step's one-token chunks as a paged-decode kernel (Triton's, the CPU's) reads them; built once per
+    step, read by every layer."""
+    token_index: torch.Tensor   # [n] int64: step token of each one-token chunk
+    block_tables: torch.Tensor  # [n, max_blocks] int32, padded with block 0 (never read past seq_lens)
+    seq_lens: torch.Tensor      # [n] int32 (int64 from a CUDA graph's inputs): keys to attend, context + 1
+    in_order: bool              # the decodes are the step's every token, in order (no gather or scatter)
+
+
+def decode_rows(layout: StepLayout, decodes: Sequence[int], starts: Sequence[int], block_size: int) -> DecodeRows:
+    """The rows for chunks `decodes` (one new token each) of `layout`, whose chunks start at `starts`."""
+    lens = [layout.context_lens[i] + 1 for i in decodes]
+    max_blocks = max(-(-n // block_size) for n in lens)
+    tables = [list(layout.block_tables[i][:max_blocks]) for i in decodes]
+    dev = layout.device
+    return DecodeRows(
+        token_index=torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=dev),
+        block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+        in_order=len(decodes) == len(layout.query_lens))
 
 
 class AttentionBackend(ABC, Generic[MetadataT]):

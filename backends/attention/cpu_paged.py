@@ -1,7 +1,8 @@
 """The CPU paged-decode kernel (cpu_paged_decode.cpp): built once per machine, loaded once per process.
 
-It owns the build (flags for the CPU torch runs on, a cache folder keyed by source, flags and torch) and the
-per-step decode rows the kernel reads; it does not decide which chunks run where (the SDPA backend does).
+It owns the build (flags for the CPU torch runs on, a cache folder keyed by source, flags and torch); the
+per-step decode rows the kernel reads are base.DecodeRows. It does not decide which chunks run where (the
+SDPA backend does).
 Set SWITCHYARD_CPU_PAGED_ATTENTION=0 to turn the kernel off (decodes go back to gather + SDPA).
 """
 from __future__ import annotations
@@ -14,13 +15,12 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from backends.attention.base import AttentionShape, StepLayout
+from backends.attention.base import AttentionShape
 from backends.worker.loader import default_cache_dir
 
 log = logging.getLogger(__name__)
@@ -42,28 +42,6 @@ _ISA_FLAGS = {
 
 # q [n, heads, head_dim], k/v cache, block_tables [n, max_blocks], seq_lens [n], scale -> [n, heads, head_dim]
 PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeRows:
-    """A step's one-token chunks as the kernel reads them; built once per step, read by every layer."""
-    token_index: torch.Tensor   # [n] int64: step token of each one-token chunk
-    block_tables: torch.Tensor  # [n, max_blocks] int32, padded with block 0 (never read past seq_lens)
-    seq_lens: torch.Tensor      # [n] int32: keys to attend, context + the new token
-    in_order: bool              # the decodes are the step's every token, in order (no gather or scatter)
-
-
-def decode_rows(layout: StepLayout, decodes: Sequence[int], starts: Sequence[int], block_size: int) -> DecodeRows:
-    """The rows for chunks `decodes` (one new token each) of `layout`, whose chunks start at `starts`."""
-    lens = [layout.context_lens[i] + 1 for i in decodes]
-    max_blocks = max(-(-n // block_size) for n in lens)
-    tables = [list(layout.block_tables[i][:max_blocks]) for i in decodes]
-    dev = layout.device
-    return DecodeRows(
-        token_index=torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=dev),
-        block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-        in_order=len(decodes) == len(layout.query_lens))
 
 
 def supports(shape: AttentionShape) -> bool:

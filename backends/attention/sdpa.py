@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from backends.attention.base import AttentionBackend, AttentionBackendName, AttentionShape, StepLayout
-from backends.attention.cpu_paged import DecodeRows, PagedDecode, decode_rows, load_paged_decode, supports
+from backends.attention.base import (AttentionBackend, AttentionBackendName, AttentionShape, DecodeRows, StepLayout,
+                                     decode_rows)
+from backends.attention.cpu_paged import PagedDecode, load_paged_decode, supports
 
 _MAX_PADDING = 1.5       # a decode group's padded blocks may be this many times its real blocks ...
 _MIN_WASTE_BLOCKS = 16   # ... or exceed them by this many (a separate SDPA call costs more than that)

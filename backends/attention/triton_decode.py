@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.attention.base import AttentionBackend, AttentionBackendName, StepLayout
+from backends.attention.base import AttentionBackend, AttentionBackendName, DecodeRows, StepLayout, decode_rows
 from backends.attention.sdpa import PaddedGroup, attend_group, padded_group
 
 
@@ -76,17 +76,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeRows:
-    token_index: torch.Tensor   # [n] int64: step token of each one-token chunk
-    block_tables: torch.Tensor  # [n, max_blocks] int32, padded with 0
-    seq_lens: torch.Tensor      # [n] int32 (int64 from a CUDA graph's inputs): context + 1
-
-
-@dataclass(frozen=True, slots=True)
 class TritonMetadata:
-    decode: DecodeRows | None      # the one-token chunks, run by the kernel
+    decode: DecodeRows | None      # the one-token chunks, run by the kernel (in_order: they are the whole step)
     prefill: PaddedGroup | None    # the longer chunks, run by SDPA
-    decode_only_in_order: bool     # every chunk is a decode: kernel output is the step output
 
 
 class TritonDecodeBackend(AttentionBackend[TritonMetadata]):
@@ -98,29 +90,19 @@ class TritonDecodeBackend(AttentionBackend[TritonMetadata]):
             starts.append(starts[-1] + q_len)
         decodes = [i for i, q in enumerate(layout.query_lens) if q == 1]
         prefills = [i for i, q in enumerate(layout.query_lens) if q > 1]
-        decode = None
-        if decodes:
-            dev, bs = layout.device, self.shape.block_size
-            lens = [layout.context_lens[i] + 1 for i in decodes]
-            max_blocks = max(-(-n // bs) for n in lens)
-            tables = [list(layout.block_tables[i][:max_blocks]) for i in decodes]
-            tables = [t + [0] * (max_blocks - len(t)) for t in tables]
-            decode = DecodeRows(token_index=torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=dev),
-                                block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-                                seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev))
+        decode = decode_rows(layout, decodes, starts, self.shape.block_size) if decodes else None
         prefill = padded_group(self.shape, layout, prefills, starts) if prefills else None
-        return TritonMetadata(decode=decode, prefill=prefill, decode_only_in_order=not prefills)
+        return TritonMetadata(decode=decode, prefill=prefill)
 
     def static_decode_metadata(self, rows: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor) -> TritonMetadata:
-        return TritonMetadata(decode=DecodeRows(token_index=rows, block_tables=block_tables, seq_lens=seq_lens),
-                              prefill=None, decode_only_in_order=True)
+        return TritonMetadata(decode=DecodeRows(token_index=rows, block_tables=block_tables, seq_lens=seq_lens,
+                                                in_order=True), prefill=None)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                metadata: TritonMetadata) -> torch.Tensor:
         decode, group = metadata.decode, metadata.prefill
-        if metadata.decode_only_in_order:
-            assert decode is not None
+        if decode is not None and decode.in_order:
             return paged_decode(q, k_cache, v_cache, decode.block_tables, decode.seq_lens, self.shape.scale)
         out = q.new_empty(q.shape)
         if decode is not None:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from backends.attention import cpu_paged, sdpa
-from backends.attention.base import AttentionShape, StepLayout, create_backend
-from backends.attention.cpu_paged import decode_rows, load_paged_decode
+from backends.attention.base import AttentionShape, StepLayout, create_backend, decode_rows
+from backends.attention.cpu_paged import load_paged_decode
 from backends.attention.sdpa import SDPABackend, attend_group, padded_group
 from tests.backends.test_attention_gpu import STEPS, random_step
 
