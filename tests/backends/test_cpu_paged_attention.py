@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from backends import cpu_kernels
 from backends.attention import cpu_paged, sdpa
 from backends.attention.base import AttentionShape, StepLayout, create_backend, decode_rows
 from backends.attention.cpu_paged import load_paged_decode
@@ -113,18 +114,21 @@ def test_switched_off_by_the_environment(kernel, monkeypatch: pytest.MonkeyPatch
 
 def test_a_failed_build_logs_and_falls_back(kernel, monkeypatch: pytest.MonkeyPatch,
                                             caplog: pytest.LogCaptureFixture) -> None:
-    def no_compiler() -> cpu_paged.PagedDecode:
+    def no_compiler() -> None:
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(cpu_paged, "_build", no_compiler)
+    monkeypatch.setattr(cpu_kernels, "_build", no_compiler)
+    cpu_kernels.load.cache_clear()
     load_paged_decode.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger=cpu_paged.__name__):
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
             assert load_paged_decode() is None
+            load_paged_decode.cache_clear()
             assert load_paged_decode() is None
         assert len([r for r in caplog.records if "unavailable" in r.message]) == 1   # logged once
     finally:
-        load_paged_decode.cache_clear()
+        cpu_kernels.load.cache_clear()
+        load_paged_decode.cache_clear()   # the next caller loads the built kernel again
 
 
 def test_a_cpu_backend_loads_the_kernel_when_built(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,5 @@
 // Paged decode attention on the CPU: one new query token per sequence attends over that sequence's KV blocks,
-// read where they lie in the cache (no gather into a padded buffer). Built at run time by cpu_paged.py with the
+// read where they lie in the cache (no gather into a padded buffer). Built at run time by backends/cpu_kernels/__init__.py with the
 // ISA flags of the CPU it runs on; loops are written so that the compiler vectorizes them over head_dim and keys.
 //
 // Work item = (sequence, KV head): the query heads sharing that KV head read each K/V row once (GQA).
@@ -18,7 +18,11 @@
 #include <limits>
 #include <type_traits>
 
+#include "cpu_math.h"
+
 namespace {
+
+using switchyard_cpu::exp_nonpositive;
 
 constexpr int64_t kMaxGroup = 16;       // query heads per KV head
 constexpr int64_t kTile = 16;           // keys per softmax step
@@ -26,25 +30,6 @@ constexpr int64_t kMaxHeadDim = 256;
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-
-// exp(x) for x <= 0 in a form the compiler vectorizes (no libm call): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2,
-// p Cephes' expf polynomial (about 1 ulp). Below -87 the result is clamped to ~1e-38, as good as 0 here.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // a vector max/blend only under -fno-trapping-math (cpu_paged.compile_flags)
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));  // a bit cast (C++17: no std::bit_cast)
-  return p * two_n;
-}
 
 struct Strides {
   int64_t q_token, q_head;                 // q [n, heads, head_dim], head_dim contiguous

@@ -1,0 +1,114 @@
+"""The fused CPU layer kernels (backends/cpu_kernels/fused_layers.cpp) against transformers' own RMSNorm,
+SiLU and rotary, and the layers' choice between them and the ATen ops.
+
+The model-level check (our forward against transformers' on SmolLM2) is test_model_forward.py, which runs
+through these kernels whenever they are built, as `make test` builds them.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from backends import cpu_kernels
+from backends.models import layers
+from backends.models.layers import RMSNorm, rotate, silu_mul
+
+DTYPES = [torch.float32, torch.bfloat16]
+# float32: a different order of the sum of squares moves the last bits; bfloat16: one unit in the last place.
+TOLERANCE = {torch.float32: {"atol": 2e-6, "rtol": 2e-6}, torch.bfloat16: {"atol": 1e-2, "rtol": 8e-3}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    """`make test` installs a C++ compiler, so here the kernels must build and be on."""
+    assert cpu_kernels.load(), "the CPU kernels did not build (see the warning logged)"
+    assert layers.cpu_fused_layers()
+
+
+def strided_rows(rows: int, width: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    """[rows, width] whose rows sit in a wider buffer (as a slice of a fused projection's output)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, width + 40, generator=gen) * scale).to(dtype)[:, 7:7 + width]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 576), (5, 576), (300, 576), (3, 67), (2, 4096)])
+def test_rms_norm_matches_transformers(dtype: torch.dtype, rows: int, width: int) -> None:
+    x = strided_rows(rows, width, dtype, seed=rows + width, scale=3.0)
+    ours = RMSNorm(width, 1e-5).to(dtype)
+    theirs = LlamaRMSNorm(width, eps=1e-5).to(dtype)
+    weight = torch.rand(width, generator=torch.Generator().manual_seed(1)) + 0.5
+    ours.weight.copy_(weight)
+    theirs.weight.data.copy_(weight)
+    with torch.inference_mode(), torch.profiler.profile() as prof:
+        got = ours(x)
+    assert any(e.key == "switchyard_cpu::rms_norm" for e in prof.key_averages())
+    assert got.dtype == dtype and got.is_contiguous()
+    torch.testing.assert_close(got, theirs(x), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 1536), (9, 1536), (270, 1536), (4, 33)])
+def test_silu_mul_matches_silu_times_up(dtype: torch.dtype, rows: int, width: int) -> None:
+    gate_up = strided_rows(rows, 2 * width, dtype, seed=rows * width, scale=4.0)
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 30.0, -30.0, 90.0, -90.0, 1e4, -1e4]).to(dtype)  # the tails
+    with torch.inference_mode(), torch.profiler.profile() as prof:
+        got = silu_mul(gate_up)
+    assert any(e.key == "switchyard_cpu::silu_mul" for e in prof.key_averages())
+    expected = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,head_dim", [(1, 12, 64), (37, 12, 64), (5, 4, 128), (3, 2, 10)])
+def test_rotary_matches_transformers(dtype: torch.dtype, tokens: int, heads: int, head_dim: int) -> None:
+    qkv = strided_rows(tokens, (heads + 2) * head_dim, dtype, seed=tokens * heads)
+    x = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)   # strided tokens, as the model passes q|k
+    positions = torch.arange(100, 100 + tokens)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin = layers.rotary_tables(inv_freq, positions, dtype)   # [tokens, 1, head_dim // 2]
+    with torch.inference_mode(), torch.profiler.profile() as prof:
+        got = rotate(x, cos, sin)
+    assert any(e.key == "switchyard_cpu::rotary" for e in prof.key_averages())
+    # transformers: [batch, heads, tokens, head_dim] with full-width tables [batch, tokens, head_dim]
+    full_cos, full_sin = torch.cat((cos, cos), -1).squeeze(1)[None], torch.cat((sin, sin), -1).squeeze(1)[None]
+    theirs, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], full_cos, full_sin)
+    torch.testing.assert_close(got, theirs[0].transpose(0, 1), **TOLERANCE[dtype])
+
+
+def test_bad_shapes_raise_instead_of_crashing() -> None:
+    ops = torch.ops.switchyard_cpu
+    with pytest.raises(RuntimeError, match="rms_norm"):
+        ops.rms_norm(torch.randn(2, 8), torch.randn(9), 1e-5)
+    with pytest.raises(RuntimeError, match="silu_mul"):
+        ops.silu_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="rotary"):
+        ops.rotary(torch.randn(2, 3, 8), torch.randn(2, 1, 3), torch.randn(2, 1, 3))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.silu_mul(torch.randn(2, 8, dtype=torch.float64))
+
+
+def test_the_aten_path_where_the_kernels_do_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """float64, a tracked gradient, a 3-D RMSNorm input (Qwen3's per-head norms) and the switch: ATen ops."""
+    norm = RMSNorm(16, 1e-6)
+    cases = [
+        lambda: norm.double()(torch.randn(4, 16, dtype=torch.float64)),
+        lambda: silu_mul(torch.randn(4, 32, requires_grad=True)),
+        lambda: RMSNorm(16, 1e-6)(torch.randn(4, 3, 16)),
+    ]
+    for case in cases:
+        with torch.profiler.profile() as prof:
+            case()
+        assert not [e.key for e in prof.key_averages() if e.key.startswith("switchyard_cpu::")]
+    monkeypatch.setenv(layers.FUSED_SWITCH, "0")
+    layers.cpu_fused_layers.cache_clear()
+    try:
+        x = torch.randn(4, 32)
+        with torch.profiler.profile() as prof:
+            got = silu_mul(x)
+        assert not [e.key for e in prof.key_averages() if e.key.startswith("switchyard_cpu::")]
+        torch.testing.assert_close(got, F.silu(x[:, :16]) * x[:, 16:])
+    finally:
+        layers.cpu_fused_layers.cache_clear()
