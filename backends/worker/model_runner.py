@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from backends.attention.base import AttentionContext, AttentionShape, StepLayout, create_backend
-from backends.models import model_class
+from backends.models import layers, model_class
 from backends.models.config import load_model_config
 from backends.models.llama import LlamaForCausalLM
 from backends.worker.batch import ForwardBatch
@@ -59,6 +59,8 @@ class ModelRunner:
         shape = AttentionShape(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
                                block_size=block_size, scale=attn.head_dim ** -0.5, dtype=dtype)
         self.attention = create_backend(attention_backend, shape, self.device)
+        if self.device.type == "cpu":
+            layers.cpu_fused_layers()   # builds the CPU kernels now, on a fresh machine, not in the first request
         self.max_model_len: int = int(self.config.max_position_embeddings)
         self.vocab_size: int = int(self.config.vocab_size)
         log.info("model %s on %s (%s), %d KV blocks of %d tokens, attention %s", model_dir, self.device,
