@@ -6,6 +6,7 @@ K/V into the paged cache and attends. Backends never decide what runs; models ne
 from __future__ import annotations
 
 import enum
+import itertools
 import importlib
 import importlib.util
 from abc import ABC, abstractmethod
@@ -51,6 +52,11 @@ class StepLayout:
     @property
     def seq_lens(self) -> tuple[int, ...]:
         return tuple(c + q for c, q in zip(self.context_lens, self.query_lens, strict=True))
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        """Where each chunk's first token sits among the step's tokens."""
+        return tuple(itertools.accumulate(self.query_lens[:-1], initial=0)) if self.query_lens else ()
 
 
 @dataclass(frozen=True, slots=True)

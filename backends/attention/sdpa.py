@@ -61,10 +61,7 @@ class SDPABackend(AttentionBackend[SDPAMetadata]):
             self._paged_kernel(device)   # a worker builds or loads the CPU kernel at start, not in its first decode
 
     def prepare(self, layout: StepLayout) -> SDPAMetadata:
-        starts, total = [], 0
-        for q_len in layout.query_lens:
-            starts.append(total)
-            total += q_len
+        starts = layout.starts
         decodes = [i for i, q in enumerate(layout.query_lens) if q == 1]
         prefills = [i for i, q in enumerate(layout.query_lens) if q > 1]
         kernel = self._paged_kernel(layout.device) if decodes else None
@@ -77,7 +74,7 @@ class SDPABackend(AttentionBackend[SDPAMetadata]):
         groups = tuple(padded_group(self.shape, layout, members, starts) for members in buckets if members)
         identity = len(groups) == 1 and paged is None and groups[0].real_rows is None and (
             len(layout.query_lens) == 1 or groups[0].max_query_len == 1)
-        return SDPAMetadata(groups=groups, num_tokens=total, identity=identity, paged=paged)
+        return SDPAMetadata(groups=groups, num_tokens=sum(layout.query_lens), identity=identity, paged=paged)
 
     def _paged_kernel(self, device: torch.device) -> PagedDecode | None:
         """The CPU paged-decode kernel when it applies here (CPU, a shape it handles, built, switched on)."""

@@ -85,9 +85,7 @@ class TritonDecodeBackend(AttentionBackend[TritonMetadata]):
     name = AttentionBackendName.TRITON
 
     def prepare(self, layout: StepLayout) -> TritonMetadata:
-        starts = [0]
-        for q_len in layout.query_lens[:-1]:
-            starts.append(starts[-1] + q_len)
+        starts = layout.starts
         decodes = [i for i, q in enumerate(layout.query_lens) if q == 1]
         prefills = [i for i, q in enumerate(layout.query_lens) if q > 1]
         decode = decode_rows(layout, decodes, starts, self.shape.block_size) if decodes else None
