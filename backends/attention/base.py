@@ -6,9 +6,9 @@ K/V into the paged cache and attends. Backends never decide what runs; models ne
 from __future__ import annotations
 
 import enum
-import itertools
 import importlib
 import importlib.util
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass

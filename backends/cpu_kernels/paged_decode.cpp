@@ -1,6 +1,7 @@
 // Paged decode attention on the CPU: one new query token per sequence attends over that sequence's KV blocks,
-// read where they lie in the cache (no gather into a padded buffer). Built at run time by backends/cpu_kernels/__init__.py with the
-// ISA flags of the CPU it runs on; loops are written so that the compiler vectorizes them over head_dim and keys.
+// read where they lie in the cache (no gather into a padded buffer). Built at run time by backends/cpu_kernels
+// with the ISA flags of the CPU it runs on; loops are written so that the compiler vectorizes them over head_dim
+// and keys.
 //
 // Work item = (sequence, KV head): the query heads sharing that KV head read each K/V row once (GQA).
 // Per tile of up to 16 keys (within one block): scores, an online softmax (running max and sum, rescaled

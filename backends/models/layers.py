@@ -18,8 +18,8 @@ from backends.models.config import ModelConfig
 log = logging.getLogger(__name__)
 
 # On CPU, RMSNorm, SiLU·mul and rotary run as one C++ pass each (backends/cpu_kernels/fused_layers.cpp) instead
-# of 3-8 ATen kernels: on the 2-core EPYC a one-sequence decode step spends ~4 ms of ~40 in those kernels, and a
-# 270-token prefill ~55 ms of ~500 (SiLU over the strided gate half alone ~30 ms). bf16 rounds where the ATen
+# of 3-8 ATen kernels each: on the 2-core EPYC that made a one-sequence decode step 0.82x as long, 32 sequences
+# 0.89x and a 270-token prefill 0.92x (docs/benchmarks.md, "Fused CPU layer ops"). bf16 rounds where the ATen
 # path rounds, so both give the same values. SWITCHYARD_CPU_FUSED_LAYERS=0 turns them off.
 FUSED_SWITCH = "SWITCHYARD_CPU_FUSED_LAYERS"
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
