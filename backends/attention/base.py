@@ -61,25 +61,31 @@ class StepLayout:
 
 @dataclass(frozen=True, slots=True)
 class DecodeRows:
-    """A step's one-token chunks as a paged-decode kernel (Triton's, the CPU's) reads them; built once per
-    step, read by every layer."""
-    token_index: torch.Tensor   # [n] int64: step token of each one-token chunk
+    """A step's decodes as a paged kernel (Triton's, the CPU's) reads them: one-token chunks, and for the CPU
+    kernel also short chunks (speculative tokens to verify); built once per step, read by every layer."""
+    token_index: torch.Tensor   # [tokens] int64: step token of each query row, chunk after chunk
     block_tables: torch.Tensor  # [n, max_blocks] int32, padded with block 0 (never read past seq_lens)
-    seq_lens: torch.Tensor      # [n] int32 (int64 from a CUDA graph's inputs): keys to attend, context + 1
-    in_order: bool              # the decodes are the step's every token, in order (no gather or scatter)
+    seq_lens: torch.Tensor      # [n] int32 (int64 from a CUDA graph's inputs): keys to attend, context + new tokens
+    in_order: bool              # the rows are the step's every token, in order (no gather or scatter)
+    query_starts: torch.Tensor | None = None  # [n + 1] int64: chunk i's rows; None: one row per chunk
 
 
-def decode_rows(layout: StepLayout, decodes: Sequence[int], starts: Sequence[int], block_size: int) -> DecodeRows:
-    """The rows for chunks `decodes` (one new token each) of `layout`, whose chunks start at `starts`."""
-    lens = [layout.context_lens[i] + 1 for i in decodes]
+def decode_rows(layout: StepLayout, chunks: Sequence[int], starts: Sequence[int], block_size: int) -> DecodeRows:
+    """The rows for `chunks` of `layout` (whose chunks start at `starts`): one per new token."""
+    q_lens = [layout.query_lens[i] for i in chunks]
+    lens = [layout.context_lens[i] + q for i, q in zip(chunks, q_lens, strict=True)]
     max_blocks = max(-(-n // block_size) for n in lens)
-    tables = [list(layout.block_tables[i][:max_blocks]) for i in decodes]
+    tables = [list(layout.block_tables[i][:max_blocks]) for i in chunks]
     dev = layout.device
+    tokens = [starts[i] + j for i, q in zip(chunks, q_lens, strict=True) for j in range(q)]
+    query_starts = None
+    if any(q != 1 for q in q_lens):
+        query_starts = torch.tensor(list(itertools.accumulate(q_lens, initial=0)), dtype=torch.long, device=dev)
     return DecodeRows(
-        token_index=torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=dev),
+        token_index=torch.tensor(tokens, dtype=torch.long, device=dev),
         block_tables=torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32, device=dev),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-        in_order=len(decodes) == len(layout.query_lens))
+        in_order=len(chunks) == len(layout.query_lens), query_starts=query_starts)
 
 
 class AttentionBackend(ABC, Generic[MetadataT]):

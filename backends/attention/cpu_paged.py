@@ -20,17 +20,26 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "SWITCHYARD_CPU_PAGED_ATTENTION"
 _DTYPES = (torch.float32, torch.bfloat16)
-# The kernel's stack buffers (paged_decode.cpp, kMax*): a shape beyond them decodes with SDPA.
-_MAX_GROUP, _MAX_HEAD_DIM = 16, 256
+# The kernel's stack buffers (paged_decode.cpp, kMax*): query rows per work item (a chunk's tokens times the query
+# heads of one KV head), those rows times head_dim, and head_dim. A shape beyond them attends with SDPA.
+_MAX_ROWS, _MAX_ROW_ELEMS, _MAX_HEAD_DIM = 64, 4096, 256
+# The longest chunk the kernel takes: a speculative verify (K + 1 tokens) is one. Longer chunks are prefills,
+# where SDPA's blocked matrix products win.
+MAX_CHUNK = 16
 
-# q [n, heads, head_dim], k/v cache, block_tables [n, max_blocks], seq_lens [n], scale -> [n, heads, head_dim]
-PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# q [tokens, heads, head_dim], k/v cache, block_tables [n, max_blocks], seq_lens [n], query_starts [n + 1] or None
+# (one token per sequence), scale -> [tokens, heads, head_dim]
+PagedDecode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                        float], torch.Tensor]
 
 
-def supports(shape: AttentionShape) -> bool:
-    """Whether the kernel handles this attention shape (else its decodes stay with SDPA)."""
+def max_chunk(shape: AttentionShape) -> int:
+    """The longest chunk (new tokens of one sequence) the kernel attends for this shape; 0: none (a shape or
+    dtype it does not handle: those decodes stay with SDPA)."""
     group = shape.num_heads // shape.num_kv_heads
-    return shape.dtype in _DTYPES and group <= _MAX_GROUP and shape.head_dim <= _MAX_HEAD_DIM
+    if shape.dtype not in _DTYPES or shape.head_dim > _MAX_HEAD_DIM:
+        return 0
+    return min(MAX_CHUNK, _MAX_ROWS // group, _MAX_ROW_ELEMS // (group * shape.head_dim))
 
 
 @functools.cache

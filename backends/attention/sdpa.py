@@ -3,8 +3,9 @@
 Chunks are split into groups, decodes (one new token) of similar lengths and prefills; each group
 gathers its sequences' blocks into one padded [n, kv_heads, L, head_dim] tensor and runs one SDPA call
 with an additive mask, so the per-layer Python work does not grow with the number of sequences.
-On the CPU, decodes instead go to one call of the paged kernel (cpu_paged.py), which reads the blocks in
-place, when it is built and switched on; without it they take the gather path above.
+On the CPU, decodes and short chunks (speculative tokens to verify) instead go to one call of the paged kernel
+(cpu_paged.py), which reads the blocks in place, when it is built and switched on; without it they take the
+gather path above.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from backends.attention.base import (AttentionBackend, AttentionBackendName, AttentionShape, DecodeRows, StepLayout,
                                      decode_rows)
-from backends.attention.cpu_paged import PagedDecode, load_paged_decode, supports
+from backends.attention.cpu_paged import PagedDecode, load_paged_decode, max_chunk
 
 _MAX_PADDING = 1.5       # a decode group's padded blocks may be this many times its real blocks ...
 _MIN_WASTE_BLOCKS = 16   # ... or exceed them by this many (a separate SDPA call costs more than that)
@@ -39,7 +40,7 @@ class PaddedGroup:
 
 @dataclass(frozen=True, slots=True)
 class PagedDecodeRows:
-    """A step's decodes for the CPU paged kernel."""
+    """A step's decodes and short chunks for the CPU paged kernel."""
     kernel: PagedDecode   # the loaded kernel
     rows: DecodeRows      # its inputs, shared by every layer
 
@@ -57,19 +58,22 @@ class SDPABackend(AttentionBackend[SDPAMetadata]):
 
     def __init__(self, shape: AttentionShape, device: torch.device | None = None) -> None:
         super().__init__(shape, device)
+        self._max_chunk = max_chunk(shape)   # the longest chunk the CPU kernel takes for this shape (0: none)
         if device is not None:
             self._paged_kernel(device)   # a worker builds or loads the CPU kernel at start, not in its first decode
 
     def prepare(self, layout: StepLayout) -> SDPAMetadata:
         starts = layout.starts
-        decodes = [i for i, q in enumerate(layout.query_lens) if q == 1]
-        prefills = [i for i, q in enumerate(layout.query_lens) if q > 1]
-        kernel = self._paged_kernel(layout.device) if decodes else None
+        kernel = self._paged_kernel(layout.device) if min(layout.query_lens, default=0) <= self._max_chunk else None
         paged = None
-        if kernel is not None:
-            paged = PagedDecodeRows(kernel, decode_rows(layout, decodes, starts, self.shape.block_size))
+        if kernel is not None:   # decodes and short chunks (speculative verifies) to the kernel, prefills to SDPA
+            short = [i for i, q in enumerate(layout.query_lens) if q <= self._max_chunk]
+            prefills = [i for i, q in enumerate(layout.query_lens) if q > self._max_chunk]
+            paged = PagedDecodeRows(kernel, decode_rows(layout, short, starts, self.shape.block_size))
             buckets = [prefills]
         else:
+            decodes = [i for i, q in enumerate(layout.query_lens) if q == 1]
+            prefills = [i for i, q in enumerate(layout.query_lens) if q > 1]
             buckets = [*self._length_buckets(layout, decodes), prefills] if decodes else [prefills]
         groups = tuple(padded_group(self.shape, layout, members, starts) for members in buckets if members)
         identity = len(groups) == 1 and paged is None and groups[0].real_rows is None and (
@@ -78,7 +82,7 @@ class SDPABackend(AttentionBackend[SDPAMetadata]):
 
     def _paged_kernel(self, device: torch.device) -> PagedDecode | None:
         """The CPU paged-decode kernel when it applies here (CPU, a shape it handles, built, switched on)."""
-        if device.type != "cpu" or not supports(self.shape):
+        if device.type != "cpu" or self._max_chunk == 0:
             return None
         return load_paged_decode()
 
@@ -120,9 +124,10 @@ class SDPABackend(AttentionBackend[SDPAMetadata]):
 
     def _attend_paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       paged: PagedDecodeRows) -> torch.Tensor:
-        """[n, num_heads, head_dim] for the decodes' queries q [n, num_heads, head_dim], blocks read in place."""
+        """[rows, num_heads, head_dim] for the paged rows' queries q [rows, num_heads, head_dim], blocks read in
+        place."""
         rows = paged.rows
-        return paged.kernel(q, k_cache, v_cache, rows.block_tables, rows.seq_lens, self.shape.scale)
+        return paged.kernel(q, k_cache, v_cache, rows.block_tables, rows.seq_lens, rows.query_starts, self.shape.scale)
 
 
 def padded_group(shape: AttentionShape, layout: StepLayout, members: Sequence[int],

@@ -1,9 +1,10 @@
-// Paged decode attention on the CPU: one new query token per sequence attends over that sequence's KV blocks,
-// read where they lie in the cache (no gather into a padded buffer). Built at run time by backends/cpu_kernels
-// with the ISA flags of the CPU it runs on; loops are written so that the compiler vectorizes them over head_dim
-// and keys.
+// Paged decode attention on the CPU: one new query token per sequence (or a few: a chunk of speculative tokens to
+// verify, causal among themselves) attends over that sequence's KV blocks, read where they lie in the cache (no
+// gather into a padded buffer). Built at run time by backends/cpu_kernels with the ISA flags of the CPU it runs on;
+// loops are written so that the compiler vectorizes them over head_dim and keys.
 //
-// Work item = (sequence, KV head): the query heads sharing that KV head read each K/V row once (GQA).
+// Work item = (sequence, KV head): the query rows sharing that KV head (its query heads, for each new token) read
+// each K/V row once (GQA).
 // Per tile of up to 16 keys (within one block): scores, an online softmax (running max and sum, rescaled
 // accumulators), then the probability-weighted V rows are added. All sums in float32; bf16 is widened on load.
 #include <ATen/Parallel.h>
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
 #include "cpu_math.h"
@@ -25,15 +27,17 @@ namespace {
 
 using switchyard_cpu::exp_nonpositive;
 
-constexpr int64_t kMaxGroup = 16;       // query heads per KV head
-constexpr int64_t kTile = 16;           // keys per softmax step
+constexpr int64_t kMaxRows = 64;         // query rows per work item (query tokens x query heads of one KV head)
+constexpr int64_t kMaxRowElems = 4096;   // ... times head_dim: the work item's stack buffers (16 KiB each)
+constexpr int64_t kTile = 16;            // keys per softmax step
 constexpr int64_t kMaxHeadDim = 256;
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
 struct Strides {
-  int64_t q_token, q_head;                 // q [n, heads, head_dim], head_dim contiguous
+  int64_t q_token, q_head;                 // q [tokens, heads, head_dim], head_dim contiguous
+  int64_t q_head_count;                    // heads: out [tokens, heads, head_dim] is contiguous
   int64_t kv_block, kv_token, kv_head;     // k/v cache [blocks, block_size, kv_heads, head_dim]
   int64_t table_row;                       // block_tables [n, max_blocks]
 };
@@ -60,62 +64,72 @@ inline VecF load_vec(const c10::BFloat16* p) {  // bf16 is the high half of a fl
   return v;
 }
 
-// acc[g][:] += sum over the tile's keys t of scores[g][t] * v_row(t), four vectors of acc at a time.
+// acc row r += sum over the tile's keys t of scores[r][t] * v_row(t), four vectors of a row at a time; acc rows
+// are d_len floats apart.
 template <typename scalar_t, int kD>
-void accumulate_v(float (*acc)[kMaxHeadDim], const float (*scores)[kTile], const scalar_t* v_tile, int64_t v_stride,
-                  int64_t group, int64_t d_len, int64_t tile_keys, float* row) {
+void accumulate_v(float* acc, const float (*scores)[kTile], const scalar_t* v_tile, int64_t v_stride, int64_t rows,
+                  int64_t d_len, int64_t tile_keys, float* row) {
   if (kD == 0 || d_len % (4 * kLanes) != 0) {  // any head_dim: the plain loops
     for (int64_t t = 0; t < tile_keys; ++t) {
       const scalar_t* src = v_tile + t * v_stride;
       for (int64_t d = 0; d < d_len; ++d) row[d] = to_float(src[d]);
-      for (int64_t g = 0; g < group; ++g) {
-        for (int64_t d = 0; d < d_len; ++d) acc[g][d] += scores[g][t] * row[d];
+      for (int64_t r = 0; r < rows; ++r) {
+        float* acc_r = acc + r * d_len;
+        for (int64_t d = 0; d < d_len; ++d) acc_r[d] += scores[r][t] * row[d];
       }
     }
     return;
   }
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t c = 0; c < d_len; c += 4 * kLanes) {
-      VecF a0 = load_vec(&acc[g][c]), a1 = load_vec(&acc[g][c + kLanes]);
-      VecF a2 = load_vec(&acc[g][c + 2 * kLanes]), a3 = load_vec(&acc[g][c + 3 * kLanes]);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* acc_r = acc + r * kD;
+    for (int64_t c = 0; c < kD; c += 4 * kLanes) {
+      VecF a0 = load_vec(acc_r + c), a1 = load_vec(acc_r + c + kLanes);
+      VecF a2 = load_vec(acc_r + c + 2 * kLanes), a3 = load_vec(acc_r + c + 3 * kLanes);
       for (int64_t t = 0; t < tile_keys; ++t) {
-        const float p = scores[g][t];
+        const float p = scores[r][t];
         const scalar_t* v = v_tile + t * v_stride + c;
         a0 += p * load_vec(v);
         a1 += p * load_vec(v + kLanes);
         a2 += p * load_vec(v + 2 * kLanes);
         a3 += p * load_vec(v + 3 * kLanes);
       }
-      std::memcpy(&acc[g][c], &a0, sizeof(a0));
-      std::memcpy(&acc[g][c + kLanes], &a1, sizeof(a1));
-      std::memcpy(&acc[g][c + 2 * kLanes], &a2, sizeof(a2));
-      std::memcpy(&acc[g][c + 3 * kLanes], &a3, sizeof(a3));
+      std::memcpy(acc_r + c, &a0, sizeof(a0));
+      std::memcpy(acc_r + c + kLanes, &a1, sizeof(a1));
+      std::memcpy(acc_r + c + 2 * kLanes, &a2, sizeof(a2));
+      std::memcpy(acc_r + c + 3 * kLanes, &a3, sizeof(a3));
     }
   }
 }
 
-// Attention of the `group` query heads of KV head `kv_head` for one sequence of `num_keys` keys.
+// Attention of one sequence's `q_len` newest tokens (the last q_len of its `num_keys` keys), for the `group` query
+// heads of KV head `kv_head`: rows = q_len * group query rows, row r = (token r / group, head r % group), each K/V
+// row read once for all of them. Token j sees keys 0 .. num_keys - q_len + j (causal within the chunk).
 // kD > 0 fixes head_dim at compile time (fully unrolled inner loops); kD == 0 reads it from `head_dim`.
+// kChunk false: one token (q_len 1) that sees every key, with no per-row masking in the loop.
 // Keys are taken kTile at a time: the softmax loops then have a fixed trip count, which gcc vectorizes
 // whole (with a runtime count of 16 its cost model picks the scalar loop).
-template <typename scalar_t, typename index_t, int kD>
+template <typename scalar_t, typename index_t, int kD, bool kChunk>
 void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const index_t* table,
-                 int64_t num_keys, int64_t kv_head, int64_t group, int64_t head_dim, int64_t block_size,
-                 float scale, const Strides& s, scalar_t* out) {
+                 int64_t q_len, int64_t num_keys, int64_t kv_head, int64_t group, int64_t head_dim,
+                 int64_t block_size, float scale, const Strides& s, scalar_t* out) {
   const int64_t d_len = kD > 0 ? kD : head_dim;
-  alignas(64) float qf[kMaxGroup][kMaxHeadDim];
-  alignas(64) float acc[kMaxGroup][kMaxHeadDim];
-  alignas(64) float scores[kMaxGroup][kTile];
+  const int64_t rows = q_len * group;
+  alignas(64) float qf[kMaxRowElems];
+  alignas(64) float acc[kMaxRowElems];
+  alignas(64) float scores[kMaxRows][kTile];
   alignas(64) float row[kMaxHeadDim];  // one V row widened (head_dim without a vector path)
-  float running_max[kMaxGroup], running_sum[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    const scalar_t* qg = q + (kv_head * group + g) * s.q_head;
+  float running_max[kMaxRows], running_sum[kMaxRows];
+  int64_t key_limit[kMaxRows];  // keys row r attends: its token's position + 1
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = r / group, head = kv_head * group + r % group;
+    const scalar_t* q_r = q + token * s.q_token + head * s.q_head;
     for (int64_t d = 0; d < d_len; ++d) {
-      qf[g][d] = to_float(qg[d]) * scale;
-      acc[g][d] = 0.0f;
+      qf[r * d_len + d] = to_float(q_r[d]) * scale;
+      acc[r * d_len + d] = 0.0f;
     }
-    running_max[g] = -std::numeric_limits<float>::infinity();
-    running_sum[g] = 0.0f;
+    running_max[r] = -std::numeric_limits<float>::infinity();
+    running_sum[r] = 0.0f;
+    key_limit[r] = num_keys - q_len + token + 1;
   }
   for (int64_t start = 0, tile_keys = 0; start < num_keys; start += tile_keys) {
     const int64_t block = start / block_size, first = start % block_size;
@@ -124,52 +138,65 @@ void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
     const int64_t offset = static_cast<int64_t>(table[block]) * s.kv_block + first * s.kv_token + kv_head * s.kv_head;
     const scalar_t* k_tile = k_cache + offset;
     const scalar_t* v_tile = v_cache + offset;
-    for (int64_t g = 0; g < group; ++g) {
-      for (int64_t t = tile_keys; t < kTile; ++t) scores[g][t] = -std::numeric_limits<float>::infinity();
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t t = tile_keys; t < kTile; ++t) scores[r][t] = -std::numeric_limits<float>::infinity();
     }
     for (int64_t t = 0; t < tile_keys; ++t) {
       const scalar_t* k_row = k_tile + t * s.kv_token;
-      for (int64_t g = 0; g < group; ++g) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* q_r = qf + r * d_len;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < d_len; ++d) dot += qf[g][d] * to_float(k_row[d]);
-        scores[g][t] = dot;
+        for (int64_t d = 0; d < d_len; ++d) dot += q_r[d] * to_float(k_row[d]);
+        scores[r][t] = dot;
       }
     }
-    for (int64_t g = 0; g < group; ++g) {
-      float tile_max = running_max[g];
+    for (int64_t r = 0; r < rows; ++r) {
+      // Keys of this tile the row may see: all of them for a decode, fewer for the earlier tokens of a chunk.
+      const int64_t visible = kChunk ? std::clamp<int64_t>(key_limit[r] - start, 0, tile_keys) : tile_keys;
+      if (kChunk && visible == 0) {  // the whole tile lies after this row's token: no update, and no V weight
+        for (int64_t t = 0; t < kTile; ++t) scores[r][t] = 0.0f;
+        continue;
+      }
+      float tile_max = running_max[r];
+      if (kChunk) {
+        for (int64_t t = visible; t < tile_keys; ++t) scores[r][t] = -std::numeric_limits<float>::infinity();
+      }
 #pragma omp simd reduction(max : tile_max)
-      for (int64_t t = 0; t < kTile; ++t) tile_max = std::max(tile_max, scores[g][t]);
-      const float alpha = std::exp(running_max[g] - tile_max);  // 0 on the first tile (exp(-inf))
+      for (int64_t t = 0; t < kTile; ++t) tile_max = std::max(tile_max, scores[r][t]);
+      const float alpha = std::exp(running_max[r] - tile_max);  // 0 on the first tile (exp(-inf))
       float tile_sum = 0.0f;
 #pragma omp simd reduction(+ : tile_sum)
       for (int64_t t = 0; t < kTile; ++t) {
-        const float keep = static_cast<float>(t < tile_keys);  // padding: exp(-87) is 1e-38, not 0 (no ?: here)
-        scores[g][t] = exp_nonpositive(scores[g][t] - tile_max) * keep;
-        tile_sum += scores[g][t];
+        const float keep = static_cast<float>(t < visible);  // masked keys: exp(-87) is 1e-38, not 0 (no ?: here)
+        scores[r][t] = exp_nonpositive(scores[r][t] - tile_max) * keep;
+        tile_sum += scores[r][t];
       }
-      running_sum[g] = running_sum[g] * alpha + tile_sum;
-      running_max[g] = tile_max;
+      running_sum[r] = running_sum[r] * alpha + tile_sum;
+      running_max[r] = tile_max;
       if (alpha != 1.0f) {
-        for (int64_t d = 0; d < d_len; ++d) acc[g][d] *= alpha;
+        float* acc_r = acc + r * d_len;
+        for (int64_t d = 0; d < d_len; ++d) acc_r[d] *= alpha;
       }
     }
-    accumulate_v<scalar_t, kD>(acc, scores, v_tile, s.kv_token, group, d_len, tile_keys, row);
+    accumulate_v<scalar_t, kD>(acc, scores, v_tile, s.kv_token, rows, d_len, tile_keys, row);
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.0f / running_sum[g];
-    scalar_t* og = out + (kv_head * group + g) * head_dim;
-    for (int64_t d = 0; d < d_len; ++d) og[d] = static_cast<scalar_t>(acc[g][d] * inv);
+  const int64_t heads = s.q_head_count;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.0f / running_sum[r];
+    const int64_t token = r / group, head = kv_head * group + r % group;
+    scalar_t* o = out + (token * heads + head) * head_dim;
+    for (int64_t d = 0; d < d_len; ++d) o[d] = static_cast<scalar_t>(acc[r * d_len + d] * inv);
   }
 }
 
 template <typename scalar_t, typename index_t, int kD>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
-         const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  const int64_t n = q.size(0), heads = q.size(1), head_dim = q.size(2);
+         const at::Tensor& seq_lens, const int64_t* query_starts, double scale, at::Tensor& out) {
+  const int64_t n = block_tables.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads;
-  const Strides s{q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+  const Strides s{q.stride(0), q.stride(1), heads, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   block_tables.stride(0)};
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
@@ -180,53 +207,89 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / kv_heads, kv_head = item % kv_heads;
-      attend_item<scalar_t, index_t, kD>(q_ptr + seq * s.q_token, k_ptr, v_ptr, table_ptr + seq * s.table_row,
-                                         static_cast<int64_t>(lens_ptr[seq]), kv_head, group, head_dim, block_size,
-                                         static_cast<float>(scale), s, out_ptr + seq * heads * head_dim);
+      const int64_t first = query_starts == nullptr ? seq : query_starts[seq];
+      const int64_t q_len = query_starts == nullptr ? 1 : query_starts[seq + 1] - first;
+      const int64_t num_keys = static_cast<int64_t>(lens_ptr[seq]);
+      const scalar_t* q_first = q_ptr + first * s.q_token;
+      const index_t* table = table_ptr + seq * s.table_row;
+      scalar_t* out_first = out_ptr + first * heads * head_dim;
+      if (query_starts == nullptr) {
+        attend_item<scalar_t, index_t, kD, false>(q_first, k_ptr, v_ptr, table, 1, num_keys, kv_head, group, head_dim,
+                                                  block_size, static_cast<float>(scale), s, out_first);
+      } else {
+        attend_item<scalar_t, index_t, kD, true>(q_first, k_ptr, v_ptr, table, q_len, num_keys, kv_head, group,
+                                                 head_dim, block_size, static_cast<float>(scale), s, out_first);
+      }
     }
   });
 }
 
 template <typename scalar_t, typename index_t>
 void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                       const at::Tensor& block_tables, const at::Tensor& seq_lens, const int64_t* query_starts,
+                       double scale, at::Tensor& out) {
   switch (q.size(2)) {
-    case 64: return run<scalar_t, index_t, 64>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
-    case 128: return run<scalar_t, index_t, 128>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
-    default: return run<scalar_t, index_t, 0>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    case 64: return run<scalar_t, index_t, 64>(q, k_cache, v_cache, block_tables, seq_lens, query_starts, scale, out);
+    case 128: return run<scalar_t, index_t, 128>(q, k_cache, v_cache, block_tables, seq_lens, query_starts, scale, out);
+    default: return run<scalar_t, index_t, 0>(q, k_cache, v_cache, block_tables, seq_lens, query_starts, scale, out);
   }
 }
 
 template <typename scalar_t>
 void dispatch_index(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                    const at::Tensor& block_tables, const at::Tensor& seq_lens, const int64_t* query_starts,
+                    double scale, at::Tensor& out) {
   if (block_tables.scalar_type() == at::kInt) {
-    dispatch_head_dim<scalar_t, int32_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    dispatch_head_dim<scalar_t, int32_t>(q, k_cache, v_cache, block_tables, seq_lens, query_starts, scale, out);
   } else {
-    dispatch_head_dim<scalar_t, int64_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    dispatch_head_dim<scalar_t, int64_t>(q, k_cache, v_cache, block_tables, seq_lens, query_starts, scale, out);
   }
 }
 
-// q [n, heads, head_dim] (rows may be strided, head_dim contiguous); k/v caches [blocks, block_size, kv_heads,
-// head_dim] contiguous; block_tables [n, >= max blocks] and seq_lens [n] (keys to attend, >= 1) of one int dtype.
+// q [tokens, heads, head_dim] (rows may be strided, head_dim contiguous); k/v caches [blocks, block_size, kv_heads,
+// head_dim] contiguous; block_tables [n, >= max blocks] and seq_lens [n] (keys to attend, at least the sequence's
+// queries) of one int dtype. query_starts [n + 1] int64: sequence i's queries are q rows query_starts[i] ..
+// query_starts[i + 1] - 1, its newest tokens (a few, causal among themselves); absent: one query per sequence, q
+// row i (decode).
 at::Tensor cpu_paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const std::optional<at::Tensor>& query_starts, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "cpu_paged_decode runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "bad shapes");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(), "bad strides");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
               "q and the caches must share a dtype");
+  TORCH_CHECK(block_tables.dim() == 2 && seq_lens.dim() == 1 && seq_lens.size(0) == block_tables.size(0),
+              "block_tables [n, blocks] and seq_lens [n]");
   TORCH_CHECK(block_tables.scalar_type() == seq_lens.scalar_type() && block_tables.stride(1) == 1 &&
                   seq_lens.is_contiguous(), "block_tables and seq_lens: one int dtype, rows contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt || block_tables.scalar_type() == at::kLong, "int indices");
-  const int64_t heads = q.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "unsupported GQA group");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) <= kMaxHeadDim, "unsupported head_dim");
-  at::Tensor out = at::empty({q.size(0), heads, q.size(2)}, q.options());
+  const int64_t n = block_tables.size(0), heads = q.size(1), kv_heads = k_cache.size(2), head_dim = q.size(2);
+  TORCH_CHECK(heads % kv_heads == 0, "unsupported GQA group");
+  TORCH_CHECK(head_dim == k_cache.size(3) && head_dim <= kMaxHeadDim, "unsupported head_dim");
+  const int64_t group = heads / kv_heads;
+  const int64_t* starts = nullptr;
+  int64_t max_q_len = 1;
+  if (query_starts.has_value()) {
+    const at::Tensor& qs = *query_starts;
+    TORCH_CHECK(qs.scalar_type() == at::kLong && qs.dim() == 1 && qs.size(0) == n + 1 && qs.is_contiguous(),
+                "query_starts: [n + 1] int64");
+    starts = qs.data_ptr<int64_t>();
+    TORCH_CHECK(starts[0] == 0 && starts[n] == q.size(0), "query_starts must span q's rows from 0");
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(starts[i + 1] > starts[i], "every sequence needs at least one query");
+      max_q_len = std::max(max_q_len, starts[i + 1] - starts[i]);
+    }
+  } else {
+    TORCH_CHECK(q.size(0) == n, "without query_starts, one q row per sequence");
+  }
+  TORCH_CHECK(max_q_len * group <= kMaxRows && max_q_len * group * head_dim <= kMaxRowElems,
+              "too many query rows per KV head for the kernel's buffers");
+  at::Tensor out = at::empty({q.size(0), heads, head_dim}, q.options());
   if (q.scalar_type() == at::kFloat) {
-    dispatch_index<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    dispatch_index<float>(q, k_cache, v_cache, block_tables, seq_lens, starts, scale, out);
   } else if (q.scalar_type() == at::kBFloat16) {
-    dispatch_index<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    dispatch_index<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, starts, scale, out);
   } else {
     TORCH_CHECK(false, "cpu_paged_decode supports float32 and bfloat16");
   }
@@ -236,7 +299,7 @@ at::Tensor cpu_paged_decode(const at::Tensor& q, const at::Tensor& k_cache, cons
 }  // namespace
 
 TORCH_LIBRARY(switchyard_cpu, m) {
-  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale)"
-        " -> Tensor");
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor? query_starts, float scale) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(cpu_paged_decode));
 }

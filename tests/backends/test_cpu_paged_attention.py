@@ -67,7 +67,8 @@ def test_kernel_matches_gather_and_sdpa(kernel, n: int, heads: tuple[int, int, i
     expected = attend_group(shape, q, k_cache, v_cache, padded_group(shape, layout, range(n), range(n)),
                             gather_queries=False)
     rows = decode_rows(layout, range(n), range(n), shape.block_size)
-    out = kernel(q, k_cache, v_cache, rows.block_tables.to(index_dtype), rows.seq_lens.to(index_dtype), shape.scale)
+    out = kernel(q, k_cache, v_cache, rows.block_tables.to(index_dtype), rows.seq_lens.to(index_dtype), None,
+                 shape.scale)
     assert out.dtype == dtype and out.shape == (n, num_heads, head_dim)
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
 
@@ -81,7 +82,7 @@ def run_sdpa(shape: AttentionShape, inputs, paged: bool) -> torch.Tensor:
             patch.setattr(sdpa, "load_paged_decode", lambda: None)
         backend = SDPABackend(shape)
         metadata = backend.prepare(layout)
-        assert (metadata.paged is not None) == (paged and 1 in layout.query_lens)
+        assert (metadata.paged is not None) == (paged and min(layout.query_lens) <= cpu_paged.max_chunk(shape))
         k_cache, v_cache = caches[0].clone(), caches[1].clone()
         return backend.forward(q, k, v, k_cache, v_cache, layout.slot_mapping, metadata)
 
@@ -95,6 +96,42 @@ def test_sdpa_backend_with_the_kernel_matches_without(kernel, step: str, dtype: 
     with_kernel = run_sdpa(shape, inputs, paged=True)
     without = run_sdpa(shape, inputs, paged=False)
     torch.testing.assert_close(with_kernel.float(), without.float(), **TOLERANCE[dtype])
+
+
+# Short chunks (speculative tokens to verify, a short prompt) beside decodes and a prefill the kernel leaves to
+# SDPA: each chunk's tokens see the context and the chunk's earlier tokens only.
+SHORT_CHUNKS = {
+    "verify": ([6, 6, 6, 6], [300, 17, 0, 95]),                # all rows to the kernel, in order
+    "mixed": ([1, 6, 40, 2, 16, 1], [255, 31, 0, 15, 100, 0]),  # a 40-token prefill among them: gather, scatter
+    "long chunks": ([16, 9], [3, 511]),
+}
+
+
+@pytest.mark.parametrize("step", sorted(SHORT_CHUNKS))
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 64), (16, 4, 128), (6, 2, 80)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_chunks_match_sdpa(kernel, step: str, heads: tuple[int, int, int], dtype: torch.dtype) -> None:
+    num_heads, num_kv_heads, head_dim = heads
+    shape = AttentionShape(num_heads, num_kv_heads, head_dim, block_size=16, scale=head_dim ** -0.5, dtype=dtype)
+    query_lens, _ = SHORT_CHUNKS[step]
+    limit = cpu_paged.max_chunk(shape)
+    if max(q for q in query_lens if q < 40) > limit:
+        pytest.skip(f"chunks of up to {limit} tokens go to the kernel for this shape")
+    inputs = random_step(shape, *SHORT_CHUNKS[step], seed=len(step) + num_heads, device=CPU)
+    with_kernel = run_sdpa(shape, inputs, paged=True)
+    without = run_sdpa(shape, inputs, paged=False)
+    torch.testing.assert_close(with_kernel.float(), without.float(), **TOLERANCE[dtype])
+
+
+def test_the_kernel_refuses_what_its_buffers_cannot_hold(kernel) -> None:
+    """A chunk with more query rows per KV head than the kernel holds is an error, not a stack overflow."""
+    shape = AttentionShape(16, 1, 64, block_size=16, scale=0.125, dtype=torch.float32)
+    assert cpu_paged.max_chunk(shape) == 4   # 16 query heads per KV head: 64 rows at most
+    inputs = random_step(shape, [5], [20], seed=0, device=CPU)
+    layout, q, _, _, (k_cache, v_cache) = inputs
+    rows = decode_rows(layout, [0], [0], shape.block_size)
+    with pytest.raises(RuntimeError, match="too many query rows"):
+        kernel(q, k_cache, v_cache, rows.block_tables, rows.seq_lens, rows.query_starts, shape.scale)
 
 
 def test_unsupported_shape_keeps_the_gather_path(kernel) -> None:
