@@ -64,7 +64,8 @@ class SDPABackend(AttentionBackend[SDPAMetadata]):
 
     def prepare(self, layout: StepLayout) -> SDPAMetadata:
         starts = layout.starts
-        kernel = self._paged_kernel(layout.device) if min(layout.query_lens, default=0) <= self._max_chunk else None
+        shortest = min(layout.query_lens, default=self._max_chunk + 1)
+        kernel = self._paged_kernel(layout.device) if shortest <= self._max_chunk else None
         paged = None
         if kernel is not None:   # decodes and short chunks (speculative verifies) to the kernel, prefills to SDPA
             short = [i for i, q in enumerate(layout.query_lens) if q <= self._max_chunk]
