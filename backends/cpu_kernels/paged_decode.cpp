@@ -37,7 +37,7 @@ inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
 struct Strides {
   int64_t q_token, q_head;                 // q [tokens, heads, head_dim], head_dim contiguous
-  int64_t q_head_count;                    // heads: out [tokens, heads, head_dim] is contiguous
+  int64_t out_token;                       // out [tokens, heads, head_dim], contiguous: heads * head_dim
   int64_t kv_block, kv_token, kv_head;     // k/v cache [blocks, block_size, kv_heads, head_dim]
   int64_t table_row;                       // block_tables [n, max_blocks]
 };
@@ -181,11 +181,10 @@ void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
     }
     accumulate_v<scalar_t, kD>(acc, scores, v_tile, s.kv_token, rows, d_len, tile_keys, row);
   }
-  const int64_t heads = s.q_head_count;
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = 1.0f / running_sum[r];
     const int64_t token = r / group, head = kv_head * group + r % group;
-    scalar_t* o = out + (token * heads + head) * head_dim;
+    scalar_t* o = out + token * s.out_token + head * head_dim;
     for (int64_t d = 0; d < d_len; ++d) o[d] = static_cast<scalar_t>(acc[r * d_len + d] * inv);
   }
 }
@@ -196,8 +195,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t n = block_tables.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads;
-  const Strides s{q.stride(0), q.stride(1), heads, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                  block_tables.stride(0)};
+  const Strides s{q.stride(0), q.stride(1), heads * head_dim, k_cache.stride(0), k_cache.stride(1),
+                  k_cache.stride(2), block_tables.stride(0)};
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
   const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
   const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
@@ -212,10 +211,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       const int64_t num_keys = static_cast<int64_t>(lens_ptr[seq]);
       const scalar_t* q_first = q_ptr + first * s.q_token;
       const index_t* table = table_ptr + seq * s.table_row;
-      scalar_t* out_first = out_ptr + first * heads * head_dim;
+      scalar_t* out_first = out_ptr + first * s.out_token;
       if (query_starts == nullptr) {
-        attend_item<scalar_t, index_t, kD, false>(q_first, k_ptr, v_ptr, table, 1, num_keys, kv_head, group, head_dim,
-                                                  block_size, static_cast<float>(scale), s, out_first);
+        attend_item<scalar_t, index_t, kD, false>(q_first, k_ptr, v_ptr, table, q_len, num_keys, kv_head, group,
+                                                  head_dim, block_size, static_cast<float>(scale), s, out_first);
       } else {
         attend_item<scalar_t, index_t, kD, true>(q_first, k_ptr, v_ptr, table, q_len, num_keys, kv_head, group,
                                                  head_dim, block_size, static_cast<float>(scale), s, out_first);
