@@ -261,9 +261,10 @@ def wait_http(url: str, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def gateway_config(port: int, upstreams: list[str], policy: str, redis_url: str | None = None) -> str:
+def gateway_config(port: int, upstreams: list[str], policy: str, redis_url: str | None = None,
+                   lean_http: bool = True) -> str:
     return orjson.dumps({  # JSON is YAML
-        "listen": {"host": "127.0.0.1", "port": port}, "redis_url": redis_url,
+        "listen": {"host": "127.0.0.1", "port": port, "lean_http": lean_http}, "redis_url": redis_url,
         "providers": {"fake": {"kind": "openai", "endpoints": upstreams, "health_path": "/health"}},
         "models": {MODEL: {"providers": ["fake"], "policy": {"name": policy}}},
         "ready": "each_model", "log_level": "WARNING",
@@ -307,7 +308,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vllm-router", type=pathlib.Path, default=VLLM_ROUTER,
                         help="the baseline's launcher (`make bench-setup` installs it); absent: no baseline")
     parser.add_argument("--paths", nargs="+", default=["direct", "relay", "gateway", "vllm-router"],
-                        help="which paths to measure (direct is always measured: the added TTFT needs it)")
+                        help="which paths to measure (direct is always measured: the added TTFT needs it); "
+                             "gateway-aiohttp: the gateway with `listen.lean_http: false`")
     parser.add_argument("--upstream-cpus", help="taskset CPU list for the fake upstreams (e.g. 1)")
     parser.add_argument("--gateway-cpus", help="taskset CPU list for the gateway and vllm-router (e.g. 0)")
     parser.add_argument("--seed", type=int, default=0)
@@ -351,18 +353,20 @@ def main() -> None:
             starts.append(("relay", subprocess.Popen(_pinned(args.gateway_cpus, [
                 sys.executable, __file__, "--relay", str(port), "--relay-to", *upstreams])),
                 f"http://127.0.0.1:{port}"))
-        if "gateway" in wanted:
+        redis_url = None
+        if {"gateway", "gateway-aiohttp"} & wanted and (args.redis or args.gateway_workers > 1):
+            redis_port = free_port()  # --workers N shares its state through Redis
+            processes.append(subprocess.Popen(_pinned(args.upstream_cpus, [
+                "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no"]), stdout=subprocess.DEVNULL))
+            redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        for label in ("gateway", "gateway-aiohttp"):  # the second: generation requests on aiohttp's server
+            if label not in wanted:
+                continue
             port = free_port()
-            redis_url = None
-            if args.redis or args.gateway_workers > 1:  # --workers N shares its state through Redis
-                redis_port = free_port()
-                processes.append(subprocess.Popen(_pinned(args.upstream_cpus, [
-                    "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                    "--appendonly", "no"]), stdout=subprocess.DEVNULL))
-                redis_url = f"redis://127.0.0.1:{redis_port}/0"
             with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as config:
-                config.write(gateway_config(port, upstreams, args.policy, redis_url))
-            starts.append(("gateway", subprocess.Popen(_pinned(args.gateway_cpus, [
+                config.write(gateway_config(port, upstreams, args.policy, redis_url, lean_http=label == "gateway"))
+            starts.append((label, subprocess.Popen(_pinned(args.gateway_cpus, [
                 sys.executable, "-m", "gateway.cli", "gateway", "--config", config.name,
                 "--workers", str(args.gateway_workers)]), cwd=ROOT), f"http://127.0.0.1:{port}"))
         if "vllm-router" in wanted:
@@ -373,7 +377,8 @@ def main() -> None:
                 stdout=subprocess.DEVNULL, stderr=ROUTER_LOG.open("wb")), f"http://127.0.0.1:{port}"))
         for label, process, url in starts:
             processes.append(process)
-            wait_http(url + ("/ready" if label == "gateway" else "/health"), 180)  # slow starts on a loaded box
+            # slow starts on a loaded box
+            wait_http(url + ("/ready" if label.startswith("gateway") else "/health"), 180)
             paths.append(BenchPath(label, (url + "/v1/chat/completions",), process_tree(process.pid)))
         gateway_pid = next((p.pids[0] for p in paths if p.label == "gateway"), 0)
         run_phases(args, paths, Profiler(args.profile, gateway_pid, args.duration_s / args.rounds + args.warmup_s))
@@ -498,19 +503,19 @@ def run_phases(args: argparse.Namespace, paths: list[BenchPath], profiler: Profi
         for path in paths:  # warm every path, its connection pools and the client processes
             pool.submit(closed_loop, list(path.urls), 4, 0.0, 0.5, True).result()
         print(f"\nclosed loop, concurrency {args.concurrency}, non-streaming")
-        print(f"{'path':<12}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'CPU us/req':>12}{'errors':>8}")
+        print(f"{'path':<16}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'CPU us/req':>12}{'errors':>8}")
         closed = interleaved(paths, args, profiler, "closed",
                              lambda path, d: run_closed(pool, list(path.urls), args, d))
         for label, rounds in closed.items():
             rps = median([r.result.num_ok / r.result.measured_s for r in rounds])
             cpu_us = median([r.cpu_us for r in rounds])
             summary[label].update(rps=rps, cpu_closed=cpu_us)
-            print(f"{label:<12}{rps:>10.0f}{median([percentile(r.result.total_ms, 0.5) for r in rounds]):>9.2f}"
+            print(f"{label:<16}{rps:>10.0f}{median([percentile(r.result.total_ms, 0.5) for r in rounds]):>9.2f}"
                   f"{median([percentile(r.result.total_ms, 0.99) for r in rounds]):>9.2f}{cpu_us:>12.0f}"
                   f"{sum(r.result.num_errors for r in rounds):>8}", flush=True)
         for rate in args.rates:
             print(f"\nopen loop, Poisson {rate:.0f} req/s, streaming {NUM_STREAM_TOKENS} tokens (ms)")
-            print(f"{'path':<12}{'TTFT p50':>10}{'TTFT p99':>10}{'total p50':>11}{'total p99':>11}"
+            print(f"{'path':<16}{'TTFT p50':>10}{'TTFT p99':>10}{'total p50':>11}{'total p99':>11}"
                   f"{'CPU us/req':>12}{'ok':>7}{'errors':>8}")
             opened = interleaved(paths, args, profiler, f"open{rate:.0f}", lambda path, d, rate=rate: pool.submit(
                 open_loop, list(path.urls), rate, args.warmup_s, d, True, args.seed).result())
@@ -521,13 +526,13 @@ def run_phases(args: argparse.Namespace, paths: list[BenchPath], profiler: Profi
                                                      ("total_ms", 0.5), ("total_ms", 0.99)))
                 cpu_us = median([r.cpu_us for r in rounds])
                 summary[label][f"cpu_stream{rate:.0f}"] = cpu_us
-                print(f"{label:<12}" + _cells(rows[label]) + f"{cpu_us:>12.0f}"
+                print(f"{label:<16}" + _cells(rows[label]) + f"{cpu_us:>12.0f}"
                       f"{sum(r.result.num_ok for r in rounds):>7}{sum(r.result.num_errors for r in rounds):>8}")
             for label in rows:
                 if label != "direct":
                     added = tuple(v - d for v, d in zip(rows[label], rows["direct"], strict=True))
                     summary[label].update({f"ttft50_{rate:.0f}": added[0], f"ttft99_{rate:.0f}": added[1]})
-                    print(f"{'+' + label:<12}" + _cells(added), flush=True)
+                    print(f"{'+' + label:<16}" + _cells(added), flush=True)
     for path in paths:
         summary[path.label]["rss"] = peak_rss_mb(path.pids)
     print_summary(summary, args.rates[-1] if args.rates else 0.0)
@@ -544,13 +549,19 @@ def print_summary(summary: dict[str, dict[str, float]], rate: float) -> None:
             (f"added TTFT p50 at {rate:.0f} rps, ms", f"ttft50_{rate:.0f}", "{:+.2f}"),
             (f"added TTFT p99 at {rate:.0f} rps, ms", f"ttft99_{rate:.0f}", "{:+.2f}"),
             ("peak RSS, MB", "rss", "{:.0f}")]
-    print(f"\n{'':<44}{'switchyard':>12}{'vllm-router':>13}{'ratio':>8}")
+    on_aiohttp = summary.get("gateway-aiohttp")  # the same gateway without its lean server, when measured
+    print(f"\n{'':<44}{'switchyard':>12}{'vllm-router':>13}{'ratio':>8}"
+          + (f"{'aiohttp-only':>14}{'ratio':>8}" if on_aiohttp else ""))
     for name, key, fmt in rows:
         scale = 1e-3 if key.startswith("cpu") else 1.0
         mine = ours.get(key, float("nan")) * scale
         base = theirs.get(key, float("nan")) * scale if theirs else float("nan")
         ratio = mine / base if base and base == base else float("nan")
-        print(f"{name:<44}{fmt.format(mine):>12}{fmt.format(base):>13}{ratio:>8.2f}")
+        line = f"{name:<44}{fmt.format(mine):>12}{fmt.format(base):>13}{ratio:>8.2f}"
+        if on_aiohttp:
+            before = on_aiohttp.get(key, float("nan")) * scale
+            line += f"{fmt.format(before):>14}{mine / before if before else float('nan'):>8.2f}"
+        print(line)
 
 
 def _cells(values: tuple[float, ...]) -> str:

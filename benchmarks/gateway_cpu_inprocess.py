@@ -1,8 +1,8 @@
-"""CPU per request through the gateway app in one process: the real app under aiohttp's TestServer, a fast
-in-process upstream (a fixed non-streaming completion) and concurrent clients, timed with
-`time.process_time()` (client + gateway + upstream together), on uvloop as the gateway runs. `--stream`:
-32-chunk SSE answers. Less exposed to a shared machine's load than
-gateway_bench.py, so it suits A/B runs of two checkouts: run it from each checkout's root, alternating.
+"""CPU per request through the gateway app in one process: the real app on its own site (the lean server
+unless `--no-lean-http`), a fast in-process upstream (a fixed non-streaming completion) and concurrent
+clients, timed with `time.process_time()` (client + gateway + upstream together), on uvloop as the gateway
+runs. `--stream`: 32-chunk SSE answers. Less exposed to a shared machine's load than gateway_bench.py, so
+it suits A/B runs of two checkouts: run it from each checkout's root, alternating.
 
     .venv/bin/python benchmarks/gateway_cpu_inprocess.py [--requests 4000] [--concurrency 8]
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import sys
 import time
 
@@ -22,7 +23,7 @@ import yaml
 from aiohttp import ClientSession, TCPConnector, web
 from aiohttp.test_utils import TestServer
 
-from gateway.app import _tune_gc, create_app
+from gateway.app import _tune_gc, create_app, make_site
 from gateway.config import parse_config
 
 CHAT = "/v1/chat/completions"
@@ -54,16 +55,26 @@ async def _health(request: web.Request) -> web.Response:
     return web.Response()
 
 
-async def run(num_requests: int, concurrency: int, stream: bool) -> None:
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def run(num_requests: int, concurrency: int, stream: bool, lean_http: bool) -> None:
     upstream_app = web.Application()
     upstream_app.add_routes([web.post(CHAT, _answer), web.get("/health", _health)])
     upstream = TestServer(upstream_app)
     await upstream.start_server()
     config = {"models": {"m": {"providers": ["p"], "policy": {"name": "least_tokens"}}},
               "providers": {"p": {"kind": "openai", "endpoints": [str(upstream.make_url("")).rstrip("/")]}}}
-    gateway = TestServer(create_app(parse_config(yaml.safe_dump(config), {})))
-    await gateway.start_server()
-    url = str(gateway.make_url(CHAT))
+    port = free_port()
+    config["listen"] = {"port": port, "lean_http": lean_http}
+    gateway_config = parse_config(yaml.safe_dump(config), {})
+    gateway = web.AppRunner(create_app(gateway_config))   # as `gateway.app.serve` runs it
+    await gateway.setup()
+    await make_site(gateway, gateway_config).start()
+    url = f"http://127.0.0.1:{port}{CHAT}"
     body = orjson.dumps({**orjson.loads(BODY), "stream": stream})
     async with ClientSession(connector=TCPConnector(limit=0)) as session:
         async def client(num: int) -> None:
@@ -77,10 +88,10 @@ async def run(num_requests: int, concurrency: int, stream: bool) -> None:
         cpu_s, wall_s = time.process_time(), time.perf_counter()
         await asyncio.gather(*[client(num_requests // concurrency) for _ in range(concurrency)])
         cpu_s, wall_s = time.process_time() - cpu_s, time.perf_counter() - wall_s
-    await gateway.close()
+    await gateway.cleanup()
     await upstream.close()
     num_done = num_requests // concurrency * concurrency
-    kind = "stream" if stream else "whole"
+    kind = ("stream" if stream else "whole") + ("" if lean_http else ", aiohttp server")
     print(f"{os.getcwd()} {kind}: {cpu_s / num_done * 1e6:.1f} us CPU/req (client + gateway + upstream), "
           f"{num_done / wall_s:.0f} req/s")
 
@@ -90,8 +101,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--stream", action="store_true", help="32-chunk SSE answers instead of whole ones")
+    parser.add_argument("--no-lean-http", dest="lean_http", action="store_false",
+                        help="generation requests on aiohttp's server (`listen.lean_http: false`)")
     args = parser.parse_args()
-    uvloop.run(run(args.requests, args.concurrency, args.stream))
+    uvloop.run(run(args.requests, args.concurrency, args.stream, args.lean_http))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from gateway.drain import DRAIN, Drain
 from gateway.errors import make_error_middleware
 from gateway.fallback import Retrier, RetryBudget
 from gateway.kv_events import KvEventConsumer
+from gateway.lean_http import LeanSite
 from gateway.legs import Legs
 from gateway.load import LoadTracker, OutputLengthEstimator
 from gateway.load_share import LoadSharer
@@ -143,6 +144,17 @@ def ssl_context(config: GatewayConfig) -> ssl.SSLContext | None:
     return context
 
 
+def make_site(runner: web.AppRunner, config: GatewayConfig, reuse_port: bool = False) -> web.BaseSite:
+    """The listening socket: generation requests through the lean server unless `listen.lean_http` is off."""
+    listen, limits, tls = config.listen, config.limits, ssl_context(config)
+    if not listen.lean_http:
+        return web.TCPSite(runner, listen.host, listen.port, ssl_context=tls, backlog=1024, reuse_address=True,
+                           reuse_port=reuse_port or None)
+    return LeanSite(runner, api.lean_routes(), listen.host, listen.port, max_head_bytes=limits.max_header_bytes,
+                    max_headers=limits.max_headers, max_body_bytes=config.max_body_bytes,
+                    idle_timeout_s=limits.idle_timeout_s, ssl_context=tls, backlog=1024, reuse_port=reuse_port or None)
+
+
 async def serve(config: GatewayConfig, reuse_port: bool = False) -> None:
     """Run the gateway until cancelled (the CLI runs this on uvloop). `reuse_port`: one of several
     processes on the same port (SO_REUSEPORT; the kernel spreads connections among them)."""
@@ -155,9 +167,7 @@ async def serve(config: GatewayConfig, reuse_port: bool = False) -> None:
                            keepalive_timeout=limits.idle_timeout_s, max_line_size=limits.max_header_bytes,
                            max_field_size=limits.max_header_bytes, max_headers=limits.max_headers)
     await runner.setup()
-    site = web.TCPSite(runner, config.listen.host, config.listen.port, ssl_context=ssl_context(config),
-                       backlog=1024, reuse_address=True, reuse_port=reuse_port or None)
-    await site.start()
+    await make_site(runner, config, reuse_port).start()
     _tune_gc()
     log.warning("switchyard gateway listening on %s://%s:%d", "https" if config.listen.tls else "http",
                 config.listen.host, config.listen.port)

@@ -55,6 +55,7 @@ class ListenConfig:
     host: str = "127.0.0.1"    # interface to bind
     port: int = 8080           # TCP port (0: any free port)
     tls: TlsConfig | None = None  # serve HTTPS when set
+    lean_http: bool = True     # generation requests through the lean server (gateway/lean_http.py); false: aiohttp's
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,7 +257,7 @@ def _limits(raw: Any) -> LimitsConfig:
 
 
 def _build_listen(raw: Mapping[str, Any], base_dir: Path) -> ListenConfig:
-    check_known(raw, {"host", "port", "tls"}, "listen")
+    check_known(raw, {"host", "port", "tls", "lean_http"}, "listen")
     tls_raw = raw.get("tls")
     tls = None
     if tls_raw:
@@ -268,7 +269,8 @@ def _build_listen(raw: Mapping[str, Any], base_dir: Path) -> ListenConfig:
     port = typed_field(raw, "port", int, 8080, "listen")
     if not 0 <= port <= 65535:
         raise ConfigError("listen.port: out of range")
-    return ListenConfig(host=typed_field(raw, "host", str, "127.0.0.1", "listen"), port=port, tls=tls)
+    return ListenConfig(host=typed_field(raw, "host", str, "127.0.0.1", "listen"), port=port, tls=tls,
+                        lean_http=typed_field(raw, "lean_http", bool, True, "listen"))
 
 
 def _build_provider(name: str, raw: Any) -> ProviderConfig:

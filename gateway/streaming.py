@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import orjson
 from aiohttp import web
 from aiohttp.http_writer import StreamWriter
 
+from gateway.lean_http import LeanRequest, LeanSse
 from gateway.tracing import REQUEST_ID_HEADER, request_id_var
 
 KEEPALIVE = b": keepalive\n\n"
@@ -111,6 +113,27 @@ class _SseResponse(web.StreamResponse):
     same socket write (one syscall, one packet less per stream); aiohttp's own `web.Response` does this."""
     _send_headers_immediately = False
 
+    def fast_writer(self) -> Callable[[bytes], bool]:
+        """See `ClientStream.fast_writer`: the chunk framed for the transfer encoding, one transport write."""
+        transport = self._req.transport if self._req is not None else None
+        chunked = self._payload_writer_().chunked
+
+        def write(chunk: bytes) -> bool:
+            if transport is None or transport.is_closing():
+                raise ConnectionResetError("the client closed its connection")
+            transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+            return transport.get_write_buffer_size() > WRITE_BUFFER_HIGH
+
+        return write
+
+    async def drain(self) -> None:
+        await self._payload_writer_().drain()
+
+    def _payload_writer_(self) -> StreamWriter:
+        writer = self._payload_writer  # the connection's writer, which this response wrote its head to
+        assert isinstance(writer, StreamWriter) and writer._compress is None
+        return writer
+
 
 # Builds the client's response from `status=` and `headers=`; another API surface passes one whose
 # `write` re-encodes the OpenAI events it is given (gateway/api/messages.py).
@@ -125,7 +148,10 @@ class ClientStream:
                  new_response: SseResponseFactory | None = None) -> None:
         self._request = request
         self._keepalive_s = keepalive_s
-        self._new_response: SseResponseFactory = new_response or _SseResponse
+        self.reencodes = new_response is not None   # another API's events, not OpenAI's SSE as relayed
+        if new_response is None:   # the connection's own kind of stream
+            new_response = partial(LeanSse, request.protocol) if isinstance(request, LeanRequest) else _SseResponse
+        self._new_response: SseResponseFactory = new_response
         self._lock = asyncio.Lock()
         self.response: web.StreamResponse | None = None
         self.data_started = False
@@ -184,33 +210,13 @@ class ClientStream:
         and bookkeeping. Returns True when the client's socket buffer is full: then `await drain()`.
         Raises ConnectionResetError where `send` raises ClientGone. None when the response has a write of
         its own (one that re-encodes the stream, e.g. /v1/messages): then the loop awaits `response.write`."""
-        assert self.response is not None
-        if type(self.response).write is not web.StreamResponse.write:
-            return None
-        transport = self._request.transport
-        chunked = self._payload_writer().chunked
-
-        def write(chunk: bytes) -> bool:
-            if transport is None or transport.is_closing():
-                raise ConnectionResetError("the client closed its connection")
-            transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
-            return transport.get_write_buffer_size() > WRITE_BUFFER_HIGH
-
-        return write
+        response = self.response
+        return response.fast_writer() if isinstance(response, (_SseResponse, LeanSse)) else None
 
     async def drain(self) -> None:
         """Wait until the client has read enough of what `fast_writer` queued."""
-        await self._payload_writer().drain()
-
-    def _payload_writer(self) -> StreamWriter:
-        writer = self._request._payload_writer  # the connection's writer, which the response wrote its head to
-        assert isinstance(writer, StreamWriter) and writer._compress is None
-        return writer
-
-    @property
-    def reencodes(self) -> bool:
-        """The response re-encodes the relayed stream into another API's events (not OpenAI's SSE as sent)."""
-        return self._new_response is not _SseResponse
+        assert isinstance(self.response, (_SseResponse, LeanSse))
+        await self.response.drain()
 
     async def send(self, chunk: bytes) -> None:
         try:

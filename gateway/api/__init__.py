@@ -1,9 +1,17 @@
 """HTTP handlers, one module per API surface; `routes()` is the gateway's one route table."""
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
 from aiohttp import web
 
 from gateway.api import completions, messages, models, openapi, ops, usage
+
+
+def lean_routes() -> Mapping[str, Callable[[Any], Awaitable[web.StreamResponse]]]:
+    """The POST routes that gateway/lean_http.py serves itself (the same handlers as in `routes`)."""
+    return {"/v1/chat/completions": completions.chat_completions, "/v1/completions": completions.completions}
 
 
 def routes() -> list[web.RouteDef]:

@@ -25,6 +25,7 @@ from gateway.access import caller_key
 from gateway.auth import ApiKey
 from gateway.config import LimitsConfig, ModelConfig
 from gateway.errors import BadRequest, GatewayError, NotFound, RateLimited, RequestTimeout
+from gateway.lean_http import LeanRequest
 from gateway.request import Outcome, RoutedRequest
 from gateway.services import SERVICES, Services
 from gateway.state import MemoryStore
@@ -178,6 +179,8 @@ async def _settle(services: Services, charge: Charge, num_prompt_tokens: int, us
 
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
     """The whole body, or 408 for a client that sends it too slowly to hold a connection with it."""
+    if isinstance(request, LeanRequest) and request.body_complete:
+        return await request.read()     # it came with the head (the usual case): nothing to time
     try:
         async with asyncio.timeout(timeout_s):
             return await request.read()
