@@ -32,9 +32,11 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Any], Awaitable[web.StreamResponse]]
 
 # The request line and headers this server takes (anything else goes to aiohttp): one of `paths`,
-# header names that are tokens, values of printable ASCII and tabs, CRLF line ends, no folding.
-_HEADER = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[ \t]*[\x20-\x7e\t]*\r\n"
-_FIELD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*([\x20-\x7e\t]*?)[ \t]*\r\n")
+# header names that are tokens, values of printable ASCII and tabs, CRLF line ends, no folding. No two
+# parts of a line can match the same bytes (a value starts with a visible character), so matching takes
+# linear time whatever the bytes: no input can make the regex engine backtrack quadratically.
+_HEADER = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[ \t]*(?:[\x21-\x7e][\x20-\x7e\t]*)?\r\n"
+_FIELD = re.compile(rb"([^:\r\n]+):[ \t]*([^\r\n]*)\r\n")   # on lines `_HEADER` matched: value's tail stripped
 HIGH_WATER = 64 * 1024     # unsent bytes above which a relay waits for the client (aiohttp's limit too)
 
 
@@ -244,7 +246,7 @@ class LeanProtocol(asyncio.Protocol):
         if match is None or match.end() != head_end + 4:
             self._hand_over()
             return
-        fields = [(name.decode(), value.decode()) for name, value in _FIELD.findall(match.group(2))]
+        fields = [(name.decode(), value.decode().rstrip(" \t")) for name, value in _FIELD.findall(match.group(2))]
         headers = CIMultiDictProxy(CIMultiDict(fields))
         lengths = headers.getall("Content-Length", ())
         connection = headers.get("Connection", "").lower()
