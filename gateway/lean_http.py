@@ -38,6 +38,7 @@ Handler = Callable[[Any], Awaitable[web.StreamResponse]]
 _HEADER = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[ \t]*(?:[\x21-\x7e][\x20-\x7e\t]*)?\r\n"
 _FIELD = re.compile(rb"([^:\r\n]+):[ \t]*([^\r\n]*)\r\n")   # on lines `_HEADER` matched: value's tail stripped
 HIGH_WATER = 64 * 1024     # unsent bytes above which a relay waits for the client (aiohttp's limit too)
+LINGER_S = 10.0            # the longest a connection answered before its body reads the rest (aiohttp's too)
 
 
 class LeanRequest(dict[Any, Any]):
@@ -186,6 +187,7 @@ class LeanProtocol(asyncio.Protocol):
         self.idle_since: float | None = None       # loop time since which no request head is whole (None: one is)
         self._writable: asyncio.Future[None] | None = None   # set while the transport is paused for writing
         self._reading_paused = False
+        self._discard_left: int | None = None      # lingering: body bytes still to drop before closing
         self.keep_alive = True
 
     # --- asyncio.Protocol --------------------------------------------------------------------------
@@ -196,6 +198,11 @@ class LeanProtocol(asyncio.Protocol):
         self.idle_since = self._loop.time()
 
     def data_received(self, data: bytes) -> None:
+        if self._discard_left is not None:   # lingering: the rest of a body that was answered early
+            self._discard_left -= len(data)
+            if self._discard_left <= 0:
+                self.close()
+            return
         self._buffer = self._buffer + data if self._buffer else data
         request = self._request
         if request is None:
@@ -275,12 +282,17 @@ class LeanProtocol(asyncio.Protocol):
         except Exception:
             log.exception("unhandled error on POST %s", request.path)
             response = error_response(GatewayError("internal gateway error", code="internal_error"))
+        if not request.body_complete:
+            self.keep_alive = False     # an answer before the body (an error): the connection ends after it
         if not self._write_response(response):
             self.close()
             return
         self._request = self._task = None
-        if not request.body_complete or not self.keep_alive:
-            self.close()   # an answer before the body (an error) or the client asked: no next request
+        if not request.body_complete:
+            self._linger()
+            return
+        if not self.keep_alive:
+            self.close()
             return
         self.idle_since = self._loop.time()
         if self._reading_paused and self.transport is not None:
@@ -288,6 +300,16 @@ class LeanProtocol(asyncio.Protocol):
             self.transport.resume_reading()
         if self._buffer:
             self._next()
+
+    def _linger(self) -> None:
+        """Read and drop the rest of the body, then close (RFC 9112 §9.6): a close with request bytes unread
+        resets the connection, and a client still sending would lose the answer. At most `LINGER_S`."""
+        self._discard_left = self._body_length - len(self._buffer)
+        self._buffer = b""
+        if self._discard_left <= 0:
+            self.close()
+            return
+        self._loop.call_later(LINGER_S, self.close)
 
     def _write_response(self, response: web.StreamResponse) -> bool:
         """Send a whole response (a stream sent itself); False when the connection must close after it."""
@@ -334,9 +356,12 @@ def _with_middlewares(handler: Handler, middlewares: Iterable[Any]) -> Handler:
 
 def encode_head(status: int, reason: str, headers: Iterable[tuple[str, str]], content_length: int | None = None,
                 keep_alive: bool = True) -> bytes:
+    """The status line and headers; the framing headers are this function's own (`content_length`, or the
+    caller's Transfer-Encoding when it is None) and Connection says only `close`, when not `keep_alive`."""
     lines = [f"HTTP/1.1 {status} {reason}\r\n"]
+    framing = _FRAMING if content_length is not None else _FRAMING[:2]
     for name, value in headers:
-        if name.lower() in ("content-length", "connection"):
+        if name.lower() in framing:
             continue
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
             raise ValueError(f"a line break in the response header {name!r}")
@@ -347,6 +372,9 @@ def encode_head(status: int, reason: str, headers: Iterable[tuple[str, str]], co
         lines.append("Connection: close\r\n")
     lines.append(_date_and_server())
     return "".join(lines).encode("latin-1")
+
+
+_FRAMING = ("content-length", "connection", "transfer-encoding")
 
 
 @functools.lru_cache(maxsize=2)
