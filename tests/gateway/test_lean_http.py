@@ -9,6 +9,7 @@ and a head that never completes (test_security.py::test_slow_clients_cannot_hold
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 
 import orjson
 import pytest
+import trustme
 from multidict import CIMultiDict
 
 from tests.gateway.conftest import gateway_config
@@ -101,9 +103,9 @@ class Connection:
 
 
 @asynccontextmanager
-async def connect(gateway: GatewayProcess) -> AsyncIterator[Connection]:
-    host, port = gateway.url.removeprefix("http://").split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
+async def connect(gateway: GatewayProcess, tls: ssl.SSLContext | None = None) -> AsyncIterator[Connection]:
+    host, port = gateway.url.split("://")[1].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port), ssl=tls)
     try:
         yield Connection(reader, writer)
     finally:
@@ -117,9 +119,10 @@ def num_upstream(fake: FakeUpstream) -> int:
 @pytest.fixture
 def start(start_fakes, start_gateway) -> Callable[..., tuple[FakeUpstream, GatewayProcess]]:
     """One fake upstream and a gateway over it; keyword arguments go into the gateway's config."""
-    def start(**extra: Any) -> tuple[FakeUpstream, GatewayProcess]:
+    def start(ca_file: str | None = None, **extra: Any) -> tuple[FakeUpstream, GatewayProcess]:
         (fake,) = start_fakes("a")
-        return fake, start_gateway(gateway_config({"p": [fake.url]}, **extra))
+        kwargs = {"ca_file": ca_file} if ca_file else {}   # an https gateway's probes trust this CA
+        return fake, start_gateway(gateway_config({"p": [fake.url]}, **extra), **kwargs)
     return start
 
 
@@ -268,6 +271,32 @@ async def test_a_stream_goes_out_chunked_and_the_connection_goes_on(start) -> No
     deltas = [orjson.loads(e.removeprefix(b"data: "))["choices"][0]["delta"] for e in events[:-1]]
     assert "".join(d.get("content", "") for d in deltas) == WORDS
     assert_chat_answer(after, lean=True)
+
+
+async def test_over_tls_the_lean_server_hands_over_too(start, tmp_path) -> None:
+    """On a TLS connection too: a lean request, then another route (aiohttp takes the connection over the TLS
+    transport), then a lean-shaped request that aiohttp answers."""
+    ca = trustme.CA()
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    issued = ca.issue_cert("127.0.0.1")
+    issued.private_key_and_cert_chain_pem.write_to_path(str(cert))
+    issued.private_key_pem.write_to_path(str(key))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    fake, gateway = start(ca_file=str(tmp_path / "ca.pem"),
+                          listen={"tls": {"cert_file": str(cert), "key_file": str(key)}})
+    client_tls = ssl.create_default_context()
+    ca.configure_trust(client_tls)
+    async with connect(gateway, client_tls) as connection:
+        await connection.send(post())
+        first = await connection.response()
+        await connection.send(b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n")
+        health = await connection.response()
+        await connection.send(post({**CHAT, "stream": True}))
+        stream = await connection.response()
+    assert_chat_answer(first, lean=True)
+    assert (health.status, health.lean) == (200, False)
+    assert (stream.status, stream.lean) == (200, False) and stream.body.endswith(b"data: [DONE]\n\n")
+    assert num_upstream(fake) == 2
 
 
 async def test_with_lean_http_off_aiohttp_answers(start) -> None:
