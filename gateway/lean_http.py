@@ -95,6 +95,7 @@ class LeanSse(web.StreamResponse):
 
     async def prepare(self, request: Any) -> None:
         self.headers["Transfer-Encoding"] = "chunked"
+        self._protocol.stream = self
         self._head = encode_head(self.status, self.reason, self.headers.items(), keep_alive=self._protocol.keep_alive)
         self._lean_prepared = True
 
@@ -180,8 +181,10 @@ class LeanProtocol(asyncio.Protocol):
         self._server = server
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
-        self._buffer = b""
+        self._buffer: bytes | bytearray = b""       # received, not yet served (a bytearray once it grows)
+        self._scanned = 0                          # how far the buffer holds no whole head
         self._request: LeanRequest | None = None   # the request being served
+        self.stream: LeanSse | None = None         # its streamed answer, once one started
         self._body_length = 0                      # its Content-Length, while its body is still arriving
         self._task: asyncio.Task[None] | None = None
         self.idle_since: float | None = None       # loop time since which no request head is whole (None: one is)
@@ -203,12 +206,17 @@ class LeanProtocol(asyncio.Protocol):
             if self._discard_left <= 0:
                 self.close()
             return
-        self._buffer = self._buffer + data if self._buffer else data
+        if not self._buffer:
+            self._buffer = data                   # the usual case: a whole request in one read, no copy
+        else:   # appended in place: a body or head in many reads costs no quadratic copying
+            if isinstance(self._buffer, bytes):
+                self._buffer = bytearray(self._buffer)
+            self._buffer += data
         request = self._request
         if request is None:
             self._next()
         elif not request.body_complete and len(self._buffer) >= self._body_length:
-            body, self._buffer = self._buffer[:self._body_length], self._buffer[self._body_length:]
+            body, self._buffer = bytes(self._buffer[:self._body_length]), self._buffer[self._body_length:]
             request.set_body(body)
         elif len(self._buffer) > self._server.max_body_bytes + self._server.max_head_bytes and self.transport:
             self.transport.pause_reading()    # a client racing ahead of its answers: it waits for them
@@ -244,11 +252,15 @@ class LeanProtocol(asyncio.Protocol):
     def _next(self) -> None:
         """Start the request at the buffer's front once its head is whole; or hand the connection over."""
         buffer, server = self._buffer, self._server
-        head_end = buffer.find(b"\r\n\r\n")
+        head_end = buffer.find(b"\r\n\r\n", self._scanned)
         if head_end < 0:
-            if len(buffer) > server.max_head_bytes or b"\n\n" in buffer or (buffer and buffer[:1] != b"P"):
+            if len(buffer) > server.max_head_bytes or buffer.find(b"\n\n", self._scanned) >= 0 \
+                    or (buffer and buffer[:1] != b"P"):
                 self._hand_over()
+                return
+            self._scanned = max(0, len(buffer) - 3)   # a head's end may straddle the next read
             return
+        self._scanned = 0
         match = server.head_re.match(buffer, 0, head_end + 4) if head_end < server.max_head_bytes else None
         if match is None or match.end() != head_end + 4:
             self._hand_over()
@@ -266,7 +278,7 @@ class LeanProtocol(asyncio.Protocol):
         self.keep_alive = "close" not in connection
         length, start = int(lengths[0]), head_end + 4
         complete = len(buffer) - start >= length
-        body = buffer[start:start + length] if complete else None
+        body = bytes(buffer[start:start + length]) if complete else None
         self._buffer = buffer[start + length:] if complete else buffer[start:]
         self._body_length = length
         path = match.group(1).decode()
@@ -284,6 +296,10 @@ class LeanProtocol(asyncio.Protocol):
             response = error_response(GatewayError("internal gateway error", code="internal_error"))
         if not request.body_complete:
             self.keep_alive = False     # an answer before the body (an error): the connection ends after it
+        stream, self.stream = self.stream, None
+        if stream is not None and (response is not stream or not stream.ended):
+            self.close()   # a stream cut short, or an error after it started: its framing cannot go on
+            return
         if not self._write_response(response):
             self.close()
             return
@@ -340,7 +356,7 @@ class LeanProtocol(asyncio.Protocol):
         transport.set_protocol(protocol)
         protocol.connection_made(transport)
         if buffer:
-            protocol.data_received(buffer)
+            protocol.data_received(bytes(buffer))
 
     def close(self) -> None:
         if self.transport is not None:

@@ -214,6 +214,24 @@ async def test_a_head_and_body_in_separate_sends(start) -> None:
     assert fake.stats()["last_body"]["messages"] == CHAT["messages"]
 
 
+async def test_a_head_in_small_pieces_and_a_large_body(start) -> None:
+    """A head in 7-byte sends (its blank line split across two reads) and a body of 800 kB (under the fake
+    upstream's 1 MiB limit) in many reads: both put together exactly, the request served by the lean server."""
+    fake, gateway = start()
+    text = "".join(f"{i:07d} " for i in range(100_000))     # every offset distinct
+    request = post({**CHAT, "messages": [{"role": "user", "content": text}]})
+    head_end = request.index(b"\r\n\r\n") + 4
+    async with connect(gateway) as connection:
+        for at in range(0, head_end - 3, 7):
+            await connection.send(request[at:min(at + 7, head_end - 3)])
+        await asyncio.sleep(0.05)   # only to make the blank line's last 3 bytes a read of their own
+        await connection.send(request[head_end - 3:head_end])    # "\n\r\n": the end straddles two reads
+        await connection.send(request[head_end:])
+        response = await connection.response()
+    assert_chat_answer(response, lean=True)
+    assert fake.stats()["last_body"]["messages"][0]["content"] == text
+
+
 async def test_a_body_that_never_completes_gets_408_then_close(start) -> None:
     fake, gateway = start(limits={"body_timeout_s": 0.5})
     async with connect(gateway) as connection:
