@@ -107,6 +107,8 @@ class LeanSse(web.StreamResponse):
         transport = self._protocol.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client closed its connection")
+        if not data:
+            return False     # an empty chunk would end the chunked body
         chunk = b"%x\r\n%b\r\n" % (len(data), data)
         if self._head is not None:
             chunk, self._head = self._head + chunk, None
