@@ -210,17 +210,26 @@ def check_body(body: Mapping[str, Any], surface: Surface, limits: LimitsConfig) 
         _check_messages(body.get("messages"), limits.max_messages)
     else:
         _check_prompt(body.get("prompt"))
-    _check_type(body, "stream", bool)
-    _check_type(body, "stream_options", dict)
-    for name in ("max_tokens", "max_completion_tokens", "n"):
-        value = _check_type(body, name, int)
-        if value is not None and value < 1:
+    for name in body:   # in the body's order: the first bad field is the one reported
+        kind = _CHECKED.get(name)
+        if kind is None:
+            continue
+        value = _check_type(body, name, kind)
+        if kind is not int or value is None:
+            continue
+        if value < 1:
             raise BadRequest(f"'{name}' must be at least 1", param=name)
-        if value is not None and name != "n" and value > limits.max_output_tokens:
+        if name != "n" and value > limits.max_output_tokens:
             raise BadRequest(f"'{name}' is {value}, above this gateway's ceiling of {limits.max_output_tokens}",
                              param=name)
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        _check_type(body, name, (int, float))
+
+
+# The optional fields the gateway reads or caps, and their types (the counts at least 1, the token counts
+# at most limits.max_output_tokens).
+_CHECKED: dict[str, type | tuple[type, ...]] = {
+    "stream": bool, "stream_options": dict, "max_tokens": int, "max_completion_tokens": int, "n": int,
+    "temperature": (int, float), "top_p": (int, float), "presence_penalty": (int, float),
+    "frequency_penalty": (int, float)}
 
 
 def _check_type(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
