@@ -15,7 +15,8 @@ import orjson
 from aiohttp import web
 from aiohttp.http_writer import StreamWriter
 
-from gateway.lean_http import LeanRequest, LeanSse
+from gateway.lean_http import LeanRequest
+from gateway.lean_response import LeanSse
 from gateway.tracing import REQUEST_ID_HEADER, request_id_var
 
 KEEPALIVE = b": keepalive\n\n"
