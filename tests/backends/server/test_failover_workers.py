@@ -76,10 +76,17 @@ class Fleet:
         await await_until(one_running, "a worker to run the stream")
         return found[-1]
 
-    def restart(self, worker: WorkerProcess) -> None:
+    async def restart(self, worker: WorkerProcess) -> None:
+        """The killed worker back on its port, and healthy in the gateway's view too: a stream whose worker is
+        killed before the gateway's health poll saw the other one come back would find nowhere to go on."""
         worker.wait_exit()
         index = self.workers.index(worker)
         self.workers[index] = WorkerProcess(ARGS, log_dir=self.workdir, port=worker.port)
+
+        async def all_healthy() -> bool:
+            endpoints = (await get(self.gateway.url + "/status.json"))["endpoints"]
+            return len(endpoints) == len(self.workers) and all(e["healthy"] for e in endpoints)
+        await await_until(all_healthy, "the gateway to see both workers healthy")
 
     def stop(self) -> None:
         self.gateway.stop()
@@ -173,7 +180,7 @@ async def test_sigkill_at_a_random_token_many_times(fleet: Fleet, references: li
             num_whole += 1
             usage = payloads[-1]["usage"]
             assert (usage["prompt_tokens"], usage["completion_tokens"]) == (num_prompt_tokens, len(ref.ids))
-        fleet.restart(killed)
+        await fleet.restart(killed)
     assert num_whole >= NUM_KILLS // 2, f"only {num_whole} answers could be compared whole"
     assert metric(fleet.gateway, "switchyard_stream_failovers_total", outcome="continued") == NUM_KILLS
     assert metric(fleet.gateway, "switchyard_stream_errors_total") == 0
