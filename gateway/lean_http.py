@@ -2,8 +2,8 @@
 
 aiohttp's server costs about a quarter of the gateway's CPU per request (its protocol, request and
 response objects, router and middleware plumbing). This one serves only what a generation request
-usually is: `POST /v1/chat/completions` or `/v1/completions`, HTTP/1.1, a Content-Length body, plain
-ASCII headers. It runs the app's own middlewares and handlers (`LeanRequest` has what they read), and
+usually is: `POST /v1/chat/completions`, `/v1/completions` or `/v1/messages`, HTTP/1.1, a Content-Length
+body, plain ASCII headers. It runs the app's own middlewares and handlers (`LeanRequest` has what they read), and
 writes their `web.Response`, or a stream through `LeanSse`, straight to the transport.
 
 Anything else on a connection (another route or method, a chunked body, `Expect`, `Upgrade`, HTTP/1.0,

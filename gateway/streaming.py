@@ -212,7 +212,9 @@ class ClientStream:
         Raises ConnectionResetError where `send` raises ClientGone. None when the response has a write of
         its own (one that re-encodes the stream, e.g. /v1/messages): then the loop awaits `response.write`."""
         response = self.response
-        return response.fast_writer() if isinstance(response, (_SseResponse, LeanSse)) else None
+        if self.reencodes or not isinstance(response, (_SseResponse, LeanSse)):
+            return None
+        return response.fast_writer()
 
     async def drain(self) -> None:
         """Wait until the client has read enough of what `fast_writer` queued."""

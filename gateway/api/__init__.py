@@ -11,7 +11,8 @@ from gateway.api import completions, messages, models, openapi, ops, usage
 
 def lean_routes() -> Mapping[str, Callable[[Any], Awaitable[web.StreamResponse]]]:
     """The POST routes that gateway/lean_http.py serves itself (the same handlers as in `routes`)."""
-    return {"/v1/chat/completions": completions.chat_completions, "/v1/completions": completions.completions}
+    return {"/v1/chat/completions": completions.chat_completions, "/v1/completions": completions.completions,
+            messages.ROUTE: messages.create_message}
 
 
 def routes() -> list[web.RouteDef]:

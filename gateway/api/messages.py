@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -18,6 +19,8 @@ from gateway.anthropic import inbound
 from gateway.anthropic.inbound import MessageEvents, MessageHeader
 from gateway.api.completions import Surface, check_body, read_body, serve
 from gateway.errors import BadRequest, GatewayError
+from gateway.lean_http import LeanProtocol, LeanRequest
+from gateway.lean_response import LeanSse
 from gateway.request import RoutedRequest
 from gateway.services import SERVICES
 from gateway.streaming import SseResponseFactory
@@ -35,8 +38,11 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     chat = inbound.to_chat_body(body)
     check_body(chat, Surface.CHAT, services.config.limits)
     header = MessageHeader(f"msg_{uuid.uuid4().hex}", chat["model"], inbound.stop_sequences(body))
+    # The stream's class for the connection's server: the lean one writes to the transport itself.
+    response_class = partial(LeanMessageEvents, request.protocol) if isinstance(request, LeanRequest) \
+        else MessageEventsResponse
     outcome = await serve(request, Surface.CHAT, chat, orjson.dumps(chat), started_s,
-                          partial(_sse_response, header))
+                          partial(_sse_response, header, response_class))
     return _translated(outcome.response, header)
 
 
@@ -65,21 +71,18 @@ def _translated(response: web.StreamResponse, header: MessageHeader) -> web.Stre
                         headers={k: v for k, v in response.headers.items() if k.lower() == "retry-after"})
 
 
-def _sse_response(header: MessageHeader, routed: RoutedRequest) -> SseResponseFactory:
+def _sse_response(header: MessageHeader, response_class: Callable[..., web.StreamResponse],
+                  routed: RoutedRequest) -> SseResponseFactory:
     """The streamed response's factory: message_start carries the gateway's prompt count."""
     events = MessageEvents(replace(header, num_input_tokens=routed.facts.num_prompt_tokens))
-    return partial(MessageEventsResponse, events)
+    return partial(response_class, events=events)
 
 
-class MessageEventsResponse(web.StreamResponse):
-    """The client's SSE response: whatever the dispatch writes (OpenAI chunks, keepalives, error events)
-    leaves as Anthropic events."""
+class _Reencoding(web.StreamResponse):
+    """Whatever the dispatch writes (OpenAI chunks, keepalives, error events) leaves as Anthropic events,
+    through the base response's own writes."""
 
-    _send_headers_immediately = False   # the status line and headers leave with the first events
-
-    def __init__(self, events: MessageEvents, *, status: int, headers: dict[str, str]) -> None:
-        super().__init__(status=status, headers=headers)
-        self._events = events
+    _events: MessageEvents
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         out = self._events.feed(bytes(data))
@@ -88,6 +91,25 @@ class MessageEventsResponse(web.StreamResponse):
 
     async def write_eof(self, data: bytes = b"") -> None:
         await super().write_eof(self._events.close() + data)   # close() is empty once the message ended
+
+
+class MessageEventsResponse(_Reencoding):
+    """The client's SSE response on aiohttp's server."""
+
+    _send_headers_immediately = False   # the status line and headers leave with the first events
+
+    def __init__(self, *, events: MessageEvents, status: int, headers: dict[str, str]) -> None:
+        super().__init__(status=status, headers=headers)
+        self._events = events
+
+
+class LeanMessageEvents(_Reencoding, LeanSse):
+    """The client's SSE response on the lean server (gateway/lean_http.py)."""
+
+    def __init__(self, protocol: LeanProtocol, *, events: MessageEvents, status: int,
+                 headers: dict[str, str]) -> None:
+        super().__init__(protocol, status=status, headers=headers)
+        self._events = events
 
 
 def error_response(error: GatewayError) -> web.Response:

@@ -317,6 +317,28 @@ async def test_over_tls_the_lean_server_hands_over_too(start, tmp_path) -> None:
     assert num_upstream(fake) == 2
 
 
+async def test_anthropic_messages_are_served_lean_whole_and_streamed(start) -> None:
+    """POST /v1/messages too: a whole message, then a stream re-encoded into Anthropic's events, on one
+    connection; an error keeps Anthropic's shape."""
+    _, gateway = start()
+    message = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hello"}]}
+    headers = ("anthropic-version: 2023-06-01",)
+    async with connect(gateway) as connection:
+        await connection.send(post(message, path="/v1/messages", headers=headers))
+        whole = await connection.response()
+        await connection.send(post({**message, "stream": True}, path="/v1/messages", headers=headers))
+        stream = await connection.response()
+        await connection.send(post({**message, "max_tokens": "many"}, path="/v1/messages", headers=headers))
+        refused = await connection.response()
+    assert (whole.status, whole.lean) == (200, True)
+    assert whole.json()["type"] == "message" and whole.json()["content"][0]["text"] == WORDS
+    assert (stream.status, stream.lean, stream.headers["Transfer-Encoding"]) == (200, True, "chunked")
+    events = [orjson.loads(e.split(b"\ndata: ", 1)[1]) for e in stream.body.split(b"\n\n") if e.startswith(b"event:")]
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop", events
+    assert "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta") == WORDS
+    assert (refused.status, refused.lean, refused.json()["type"]) == (400, True, "error")
+
+
 async def test_with_lean_http_off_aiohttp_answers(start) -> None:
     fake, gateway = start(listen={"lean_http": False})
     async with connect(gateway) as connection:
