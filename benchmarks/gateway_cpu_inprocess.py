@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import sys
 import time
 
@@ -25,6 +24,7 @@ from aiohttp.test_utils import TestServer
 
 from gateway.app import _tune_gc, create_app, make_site
 from gateway.config import parse_config
+from gateway.serve import free_port
 
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8})
@@ -53,12 +53,6 @@ async def _answer(request: web.Request) -> web.StreamResponse:
 
 async def _health(request: web.Request) -> web.Response:
     return web.Response()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def run(num_requests: int, concurrency: int, stream: bool, lean_http: bool) -> None:

@@ -43,13 +43,13 @@ class LeanRequest(dict[Any, Any]):
     """What the middlewares and generation handlers read of a request (the dict is aiohttp's
     per-request storage, e.g. the caller's key)."""
 
-    __slots__ = ("_body", "_body_arrived", "app", "headers", "method", "path", "protocol")
+    __slots__ = ("_body", "_body_arrived", "app", "headers", "path", "protocol")
+    method = "POST"
 
     def __init__(self, app: web.Application, path: str, headers: CIMultiDictProxy[str],
                  protocol: LeanProtocol, body: bytes | None) -> None:
         super().__init__()
         self.app = app
-        self.method = "POST"
         self.path = path
         self.headers = headers
         self.protocol = protocol
@@ -239,10 +239,9 @@ class LeanProtocol(asyncio.Protocol):
         if not request.body_complete:
             self.keep_alive = False     # an answer before the body (an error): the connection ends after it
         stream, self.stream = self.stream, None
-        if stream is not None and (response is not stream or not stream.ended):
-            self.close()   # a stream cut short, or an error after it started: its framing cannot go on
-            return
-        if not self._write_response(response):
+        # A stream sent itself; one cut short, or any response after a stream started, cannot go on framed.
+        sent = response is stream and stream.ended if stream is not None else self._write_response(response)
+        if not sent:
             self.close()
             return
         self._request = self._task = None
@@ -270,9 +269,7 @@ class LeanProtocol(asyncio.Protocol):
         self._loop.call_later(LINGER_S, self.close)
 
     def _write_response(self, response: web.StreamResponse) -> bool:
-        """Send a whole response (a stream sent itself); False when the connection must close after it."""
-        if isinstance(response, LeanSse):
-            return response.ended
+        """Send a whole response; False when it cannot be sent (the connection then closes)."""
         body = response.body if isinstance(response, web.Response) else response
         if not isinstance(body, (bytes, bytearray, type(None))) or response.prepared or response.chunked:
             log.error("the lean server cannot send %r", response)    # a handler's bug: nothing sends one
