@@ -22,7 +22,7 @@ from gateway.breaker import CircuitState
 from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.drain import DRAIN, Drain
-from gateway.errors import make_error_middleware
+from gateway.errors import answer_protocol_errors_in_json, make_error_middleware
 from gateway.fallback import Retrier, RetryBudget
 from gateway.kv_events import KvEventConsumer
 from gateway.lean_http import LeanSite
@@ -167,6 +167,7 @@ async def serve(config: GatewayConfig, reuse_port: bool = False) -> None:
                            keepalive_timeout=limits.idle_timeout_s, max_line_size=limits.max_header_bytes,
                            max_field_size=limits.max_header_bytes, max_headers=limits.max_headers)
     await runner.setup()
+    answer_protocol_errors_in_json(runner)
     await make_site(runner, config, reuse_port).start()
     _tune_gc()
     log.warning("switchyard gateway listening on %s://%s:%d", "https" if config.listen.tls else "http",

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from http import HTTPStatus
 from types import MappingProxyType
 
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Middleware
+from aiohttp.web_protocol import RequestHandler
 
 from gateway.tracing import REQUEST_ID_HEADER, RequestIds, request_id_var
 
@@ -107,6 +109,38 @@ def _from_http_exception(exc: web.HTTPException) -> GatewayError:
         error.error_type = "invalid_request_error" if exc.status < 500 else "server_error"
         error.code = exc.reason.lower().replace(" ", "_")
     return error
+
+
+class _JsonErrorsHandler(RequestHandler):
+    """aiohttp's connection protocol, answering what its HTTP parser refuses (a malformed head, a header
+    over the limits) with an OpenAI-style error rather than plain text; no middleware runs for these."""
+    __slots__ = ()
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)   # logs it; raises if a response already began
+        if status >= 500:
+            error = GatewayError("internal gateway error", code="internal_error")
+        else:
+            error = _HTTP_TO_ERROR.get(status, BadRequest)(message or HTTPStatus(status).phrase)
+        error.status = status
+        response = error_response(error)
+        response.force_close()
+        return response
+
+
+class _JsonErrorsServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JsonErrorsHandler(self, loop=self._loop, **self._kwargs)
+
+
+def answer_protocol_errors_in_json(runner: web.AppRunner) -> None:
+    """After `runner.setup()`: every connection of this runner's server answers HTTP protocol errors with
+    an OpenAI-style JSON error (aiohttp writes plain text)."""
+    server = runner.server
+    if type(server) is not web.Server:
+        raise TypeError(f"expected aiohttp's own web.Server, got {type(server)!r}")
+    server.__class__ = _JsonErrorsServer
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

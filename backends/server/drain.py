@@ -17,6 +17,7 @@ from aiohttp.typedefs import Middleware
 
 from backends.server.errors import APIError, ErrorType
 from backends.server.keys import ENGINE_KEY
+from backends.server.protocol_errors import answer_protocol_errors_in_json
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ async def serve(app: web.Application, host: str, port: int, drain_timeout_s: flo
     """Serve until SIGTERM or SIGINT, then drain for at most `drain_timeout_s` and close."""
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
+    answer_protocol_errors_in_json(runner)
     await web.TCPSite(runner, host, port).start()
     log.info("serving on http://%s:%d", host, port)
     stop = asyncio.Event()
