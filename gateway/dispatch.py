@@ -90,9 +90,9 @@ class Dispatcher:
 
 
 def _can_fail_over(routed: RoutedRequest, client: ClientStream | None) -> bool:
-    """A stream of one choice, relayed as the upstream sends it, for a model that allows failover."""
-    return client is not None and routed.model.mid_stream_failover and not client.reencodes \
-        and routed.body.get("n", 1) == 1
+    """A stream of one choice, for a model that allows failover. A stream re-encoded for another API (POST
+    /v1/messages) fails over too: the continuation's chunks feed the same translation."""
+    return client is not None and routed.model.mid_stream_failover and routed.body.get("n", 1) == 1
 
 
 class _ChainWalk:

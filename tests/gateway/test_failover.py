@@ -58,6 +58,34 @@ async def test_a_broken_stream_goes_on_elsewhere_as_one_stream(start_fakes, star
     assert metric(gateway, "switchyard_stream_errors_total") == 0
 
 
+async def test_an_anthropic_messages_stream_goes_on_elsewhere_as_one_message(start_fakes, start_gateway) -> None:
+    """POST /v1/messages re-encodes the OpenAI stream it relays: a continuation feeds the same translation, so
+    the client gets one message (one message_start, one text block, one message_stop) and no error."""
+    (a,) = start_fakes("a", behaviour=BREAKS)
+    (b,) = start_fakes("b")
+    gateway = start_gateway(two_providers(a.url, b.url))
+    body = {"model": "m", "max_tokens": 50, "stream": True, "messages": [{"role": "user", "content": "hello"}]}
+    async with aiohttp.ClientSession() as client, client.post(
+            gateway.url + "/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"}) as response:
+        assert response.status == 200
+        events = await read_events(response)
+    payloads = [orjson.loads(line[6:]) for e in events for line in e.split(b"\n") if line.startswith(b"data: ")]
+    kinds = [p["type"] for p in payloads]
+    assert "error" not in kinds, payloads
+    assert kinds.count("message_start") == kinds.count("content_block_start") == 1, kinds
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"], kinds
+    text = "".join(p["delta"]["text"] for p in payloads if p["type"] == "content_block_delta")
+    assert text == "tok0 tok1 tok0 tok1 tok2 "    # the fake's continuation starts over; ours would not
+    assert payloads[-2]["delta"]["stop_reason"] == "end_turn", payloads[-2]
+    assert payloads[-2]["usage"]["output_tokens"] == 5, payloads[-2]   # 2 before the break, 3 after
+    sent = b.stats()["last_body"]
+    assert sent["messages"][-1] == {"role": "assistant", "content": "tok0 tok1 "}
+    assert sent["continue_final_message"] is True and sent["max_tokens"] == 48
+    assert a.stats()["num_requests"] == 1 and b.stats()["num_requests"] == 1
+    assert metric(gateway, "switchyard_stream_failovers_total", outcome="continued") == 1
+    assert metric(gateway, "switchyard_stream_errors_total") == 0
+
+
 async def test_a_hung_stream_goes_on_elsewhere_after_its_quiet_limit(start_fakes, start_gateway) -> None:
     (a,) = start_fakes("a", behaviour={"chunks": 5, "chunk_gate": "never"})   # one chunk, then silence
     (b,) = start_fakes("b")

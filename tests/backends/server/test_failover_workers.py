@@ -20,7 +20,8 @@ import orjson
 import pytest
 import torch
 
-from tests.backends.numerics import assert_mostly_clear, choices, logit_tolerance, teacher_forced_logits
+from tests.backends.numerics import (assert_mostly_clear, assert_same_text, choices, first_unclear, logit_tolerance,
+                                     teacher_forced_logits)
 from tests.backends.test_disaggregation import Reference, sampling_params, text_of
 from tests.gateway.conftest import metric
 from tests.support.gateway_proc import GatewayProcess
@@ -108,44 +109,65 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         fleet.stop()
 
 
-@pytest.fixture(scope="module")
-def references(fleet: Fleet, hf_smollm2: torch.nn.Module,
-               hf_smollm2_f64: torch.nn.Module) -> list[tuple[Reference, int]]:
-    """Each request's uninterrupted answer from worker A, where float32 rounding could have drawn another
-    token (judged on transformers' logits for the same tokens), and its prompt's length."""
-    from transformers import AutoTokenizer
+# A Messages API request (POST /v1/messages); its reference is the worker's answer to the chat body the gateway
+# translates it into (no `ignore_eos` there: the answer may end early, and is long enough for a kill in it).
+MESSAGES = {"messages": [{"role": "user", "content": "Write two sentences about the sea."}], "max_tokens": 32,
+            "temperature": 0.0}
 
-    from backends.engine.engine import eos_token_ids
-    from backends.models.config import load_model_config
-    from backends.worker.loader import resolve_model
 
-    model_dir = resolve_model("smollm2")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    eos = eos_token_ids(load_model_config(model_dir), model_dir)
+class Referee:
+    """Uninterrupted answers from worker A, with where float32 rounding could have drawn another token (judged
+    on transformers' logits for the same tokens)."""
 
-    async def answer(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    def __init__(self, fleet: Fleet, hf_smollm2: torch.nn.Module, hf_smollm2_f64: torch.nn.Module) -> None:
+        from transformers import AutoTokenizer
+
+        from backends.engine.engine import eos_token_ids
+        from backends.models.config import load_model_config
+        from backends.worker.loader import resolve_model
+
+        model_dir = resolve_model("smollm2")
+        self.fleet, self.hf, self.hf64 = fleet, hf_smollm2, hf_smollm2_f64
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.eos = eos_token_ids(load_model_config(model_dir), model_dir)
+
+    async def reference(self, extra: dict[str, Any], chat: bool) -> tuple[Reference, int]:
+        """The answer to `extra` as a Reference, and its prompt's length."""
+        body = {"model": "smollm2", "return_token_ids": True, **extra}
+        payload = await self._answer(body, chat)
+        if chat:
+            text = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
+            prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            prompt = self.tokenizer(body["prompt"])["input_ids"]
+        output = payload["choices"][0]["token_ids"]
+        tolerance = logit_tolerance(self.hf, self.hf64, [prompt + output])
+        params = sampling_params(body)
+        logits = teacher_forced_logits(self.hf, prompt, output)
+        assert payload["usage"]["prompt_tokens"] == len(prompt)
+        return Reference(body, chat, text_of(payload["choices"][0]), output,
+                         choices(logits, params, params.seed, self.eos, tolerance, prompt)), len(prompt)
+
+    async def _answer(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        async with aiohttp.ClientSession() as session, session.post(fleet.workers[0].url + path, json=body) as r:
+        async with aiohttp.ClientSession() as session, \
+                session.post(self.fleet.workers[0].url + path, json=body) as r:
             assert r.status == 200, await r.text()
             return orjson.loads(await r.read())
 
-    refs = []
-    for extra, chat in REQUESTS:
-        body = {"model": "smollm2", "return_token_ids": True, **extra}
-        payload = asyncio.run(answer(body, chat))
-        if chat:
-            text = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
-            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            prompt = tokenizer(body["prompt"])["input_ids"]
-        output = payload["choices"][0]["token_ids"]
-        assert len(output) == body["max_tokens"]      # a kill anywhere in it is mid-stream
-        tolerance = logit_tolerance(hf_smollm2, hf_smollm2_f64, [prompt + output])
-        params = sampling_params(body)
-        logits = teacher_forced_logits(hf_smollm2, prompt, output)
-        assert payload["usage"]["prompt_tokens"] == len(prompt)
-        refs.append((Reference(body, chat, text_of(payload["choices"][0]), output,
-                               choices(logits, params, params.seed, eos, tolerance, prompt)), len(prompt)))
+
+@pytest.fixture(scope="module")
+def referee(fleet: Fleet, hf_smollm2: torch.nn.Module, hf_smollm2_f64: torch.nn.Module) -> Referee:
+    return Referee(fleet, hf_smollm2, hf_smollm2_f64)
+
+
+@pytest.fixture(scope="module")
+def references(referee: Referee) -> list[tuple[Reference, int]]:
+    async def all_of_them() -> list[tuple[Reference, int]]:
+        return [await referee.reference(extra, chat) for extra, chat in REQUESTS]
+    refs = asyncio.run(all_of_them())
+    for ref, _ in refs:
+        assert len(ref.ids) == ref.body["max_tokens"]      # a kill anywhere in it is mid-stream
     assert_mostly_clear([r.choices for r, _ in refs], "the uninterrupted answers")
     return refs
 
@@ -190,3 +212,37 @@ async def test_sigkill_at_a_random_token_many_times(fleet: Fleet, references: li
         return all(load["num_running"] == 0 and load["num_free_blocks"] == load["num_total_blocks"]
                    for load in loads)
     await await_until(nothing_in_use, "both workers to hold no blocks")
+
+
+async def test_sigkill_mid_stream_on_the_messages_api(fleet: Fleet, referee: Referee) -> None:
+    """POST /v1/messages: the gateway relays the worker's OpenAI stream re-encoded as Anthropic events; killed
+    mid-stream, it goes on on the other worker inside the same message, with the uninterrupted answer's text."""
+    ref, _ = await referee.reference(MESSAGES, chat=True)
+    kill_after = 4
+    assert len(ref.ids) >= kill_after + 4, f"the reference answer is too short to kill mid-stream: {ref.text!r}"
+    continued_before = metric(fleet.gateway, "switchyard_stream_failovers_total", outcome="continued")
+    body = {"model": "smollm2", **MESSAGES, "stream": True}
+    payloads: list[dict[str, Any]] = []
+    killed: WorkerProcess | None = None
+    async with aiohttp.ClientSession() as session, session.post(
+            fleet.gateway.url + "/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"}) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            payloads.append(orjson.loads(line[6:]))
+            if killed is None and sum(p["type"] == "content_block_delta" for p in payloads) == kill_after:
+                killed = await fleet.serving()
+                killed.send_signal(signal.SIGKILL)
+    assert killed is not None, f"the stream ended before {kill_after} text deltas"
+    kinds = [p["type"] for p in payloads]
+    assert "error" not in kinds, payloads[-1]
+    assert kinds.count("message_start") == kinds.count("content_block_start") == 1, kinds
+    assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"], kinds
+    text = "".join(p["delta"]["text"] for p in payloads if p["type"] == "content_block_delta")
+    assert_same_text(text, ref.ids, ref.choices, referee.tokenizer.decode, "the messages stream killed mid-way")
+    if first_unclear(ref.choices) >= len(ref.ids):   # the whole answer is the reference's: so is its usage
+        usage = payloads[-2]["usage"]
+        assert usage["output_tokens"] == len(ref.ids), usage
+    assert metric(fleet.gateway, "switchyard_stream_failovers_total", outcome="continued") == continued_before + 1
+    await fleet.restart(killed)
