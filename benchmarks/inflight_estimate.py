@@ -31,7 +31,8 @@ from pathlib import Path
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gateway_bench import ROOT, free_port, wait_http
+from gateway_bench import ROOT
+from gateway_bench_load import free_port, wait_http
 
 NUM_TOKENS = 32
 MODES = {"local": (0.0, False), "reports": (0.0, True), "shared": (0.25, False), "shared+reports": (0.25, True),
