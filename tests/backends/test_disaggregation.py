@@ -6,19 +6,16 @@ Token for token means: up to the first position where float32 rounding could dec
 worker's draw either way (tests/backends/numerics.py). Legs batched with other requests, or computed
 beside prefix-cache hits, round differently from the unified run; nothing makes them bit-identical.
 
-One module-scoped set of workers: P1 (prefill), P2 (both: the unified reference, also in the prefill
-pool), D1-D3 (decode). Prefill caches live in shared memory: D1 and D2 copy from them, D3 (started with
---no-kv-shared-memory) pulls over TCP, so both transports are checked. The failure tests kill workers,
-so they run last, in file order.
+One module-scoped set of workers (tests/backends/pd_cluster.py): P1 (prefill), P2 (both: the unified
+reference, also in the prefill pool), D1-D3 (decode). Prefill caches live in shared memory: D1 and D2
+copy from them, D3 (started with --no-kv-shared-memory) pulls over TCP, so both transports are checked.
+The failure tests kill workers, so they run last, in file order.
 """
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -26,17 +23,12 @@ import orjson
 import pytest
 import torch
 
-from backends.engine.sampling_params import SamplingParams
-from tests.backends.numerics import (Choice, assert_mostly_clear, assert_same_tokens, choices, logit_tolerance,
-                                     teacher_forced_logits)
+from tests.backends.numerics import assert_mostly_clear, logit_tolerance
+from tests.backends.pd_cluster import Cluster
+from tests.backends.references import Reference, prompt_ids, reference_of, smollm2_vocabulary, text_of
 from tests.gateway.conftest import metric
-from tests.support.gateway_proc import GatewayProcess
 from tests.support.wait import await_until
-from tests.support.worker_proc import WorkerProcess
 
-HOLD_TIMEOUT_S = 2.0
-COMMON = ["--threads", "1", "--num-blocks", "96", "--kv-hold-timeout-s", str(HOLD_TIMEOUT_S),
-          "--kv-idle-timeout-s", "2", "--debug-endpoints"]
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea. The sea is wide and deep, and every wave that reaches the shore tells a story",
@@ -46,43 +38,6 @@ PROMPTS = [
 ]
 CHATS = [[{"role": "user", "content": "Say hello to a friend in one sentence."}],
          [{"role": "user", "content": "What is two plus two? Explain briefly, please."}]]
-
-
-class Cluster:
-    def __init__(self, workdir: Path) -> None:
-        roles = {"p1": "prefill", "p2": "both", "d1": "decode", "d2": "decode", "d3": "decode"}
-        # D2 decodes with drafts (prompt lookup): its legs must equal the unified worker's as D1's do.
-        extra = {"d3": ["--no-kv-shared-memory"], "d2": ["--speculative", "ngram"]}
-        self.workers = {name: WorkerProcess(["--role", role, *COMMON, *extra.get(name, [])], log_dir=workdir,
-                                            wait=False)
-                        for name, role in roles.items()}
-        for worker in self.workers.values():
-            worker.wait_healthy()
-        from backends.worker.loader import resolve_model
-
-        urls = {name: w.url for name, w in self.workers.items()}
-        timeouts = {"connect_s": 1.0, "first_byte_s": 30.0, "total_s": 60.0}
-        provider = {"kind": "switchyard-pd", "prefill_endpoints": [urls["p1"], urls["p2"]],
-                    "endpoints": [urls["d1"], urls["d2"], urls["d3"]], "offers_load": False,
-                    "offers_kv_events": False, "offers_token_ids": True, "timeouts": timeouts}
-        config = {"models": {"smollm2": {"tokenizer": str(resolve_model("smollm2")), "providers": ["pd"]}},
-                  "providers": {"pd": provider},
-                  "pollers": {"health_interval_s": 60.0},
-                  "retries": {"max_attempts": 6, "backoff_initial_s": 0.01, "backoff_max_s": 0.05,
-                              "budget_min_retries": 100},
-                  "breaker": {"failure_threshold": 100}}
-        self.gateway = GatewayProcess(config, workdir)
-
-    def url(self, name: str) -> str:
-        return self.workers[name].url
-
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        os.kill(self.workers[name]._proc.pid, sig)
-
-    def stop(self) -> None:
-        self.gateway.stop()
-        for worker in self.workers.values():
-            worker.stop()
 
 
 @pytest.fixture(scope="module")
@@ -118,14 +73,6 @@ async def get(url: str) -> dict[str, Any]:
         return orjson.loads(await r.read())
 
 
-def text_of(choice: dict[str, Any]) -> str:
-    if "message" in choice:
-        return choice["message"]["content"]
-    if "delta" in choice:
-        return choice["delta"].get("content") or ""
-    return choice["text"]
-
-
 def requests() -> list[tuple[dict[str, Any], bool]]:
     """(body, is_chat): greedy and seeded, completions and chat."""
     out = []
@@ -139,47 +86,12 @@ def requests() -> list[tuple[dict[str, Any], bool]]:
     return out
 
 
-@dataclass(frozen=True)
-class Reference:
-    body: dict[str, Any]       # the request
-    chat: bool                 # /v1/chat/completions, not /v1/completions
-    text: str                  # the unified worker's answer
-    ids: list[int]             # its token ids
-    choices: list[Choice]      # where float32 rounding could have drawn another token
-
-    def check(self, ids: list[int], text: str | None, what: str) -> bool:
-        """`ids` (and `text`, when given) are this answer's, up to a position rounding decides; True if whole."""
-        same = assert_same_tokens(ids, self.ids, self.choices, what)
-        if same and text is not None:
-            assert text == self.text, what
-        return same
-
-
-def sampling_params(body: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(max_tokens=body["max_tokens"], temperature=body["temperature"], seed=body.get("seed"),
-                          ignore_eos=body.get("ignore_eos", False))
-
-
 @pytest.fixture(scope="module")
 def references(cluster: Cluster, hf_smollm2: torch.nn.Module, hf_smollm2_f64: torch.nn.Module) -> list[Reference]:
     """Each request's unified answer (text, token ids) from the `both` worker, and where float32 rounding
     could have decided it otherwise, judged on transformers' logits for the same tokens (every run lies
     within the tolerance of those)."""
-    from transformers import AutoTokenizer
-
-    from backends.engine.engine import eos_token_ids
-    from backends.models.config import load_model_config
-    from backends.worker.loader import resolve_model
-
-    model_dir = resolve_model("smollm2")
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    eos = eos_token_ids(load_model_config(model_dir), model_dir)
-
-    def prompt_ids(body: dict[str, Any], chat: bool) -> list[int]:   # as the worker tokenizes
-        if chat:
-            text = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
-            return tokenizer(text, add_special_tokens=False)["input_ids"]
-        return tokenizer(body["prompt"])["input_ids"]
+    tokenizer, eos = smollm2_vocabulary()
 
     async def collect() -> list[tuple[dict[str, Any], bool, dict[str, Any]]]:
         out = []
@@ -190,23 +102,19 @@ def references(cluster: Cluster, hf_smollm2: torch.nn.Module, hf_smollm2_f64: to
         return out
 
     answers = asyncio.run(collect())
-    prompts = [prompt_ids(body, chat) for body, chat, _ in answers]
+    prompts = [prompt_ids(tokenizer, body, chat) for body, chat, _ in answers]
     for prompt, (_, _, payload) in zip(prompts, answers, strict=True):
         assert len(prompt) == payload["usage"]["prompt_tokens"]
     outputs = [payload["choices"][0]["token_ids"] for _, _, payload in answers]
     tolerance = logit_tolerance(hf_smollm2, hf_smollm2_f64, [p + o for p, o in zip(prompts, outputs, strict=True)])
-    refs = []
-    for prompt, output, (body, chat, payload) in zip(prompts, outputs, answers, strict=True):
-        params = sampling_params(body)
-        logits = teacher_forced_logits(hf_smollm2, prompt, output)
-        refs.append(Reference(body, chat, text_of(payload["choices"][0]), output,
-                              choices(logits, params, params.seed, eos, tolerance, prompt)))
+    refs = [reference_of(body, chat, payload, prompt, hf_smollm2, eos, tolerance)
+            for prompt, (body, chat, payload) in zip(prompts, answers, strict=True)]
     assert_mostly_clear([r.choices for r in refs], "the unified worker's tokens")
     return refs
 
 
 async def assert_drained(cluster: Cluster, names: list[str]) -> None:
-    """No held blocks (unclaimed holds expire after HOLD_TIMEOUT_S), every block free or cached-and-free."""
+    """No held blocks (unclaimed holds expire after pd_cluster.HOLD_TIMEOUT_S), every block free or cached-and-free."""
     async def drained() -> bool:
         loads = [await get(cluster.url(n) + "/load") for n in names]
         return all(load["num_held_blocks"] == 0 and load["num_free_blocks"] == load["num_total_blocks"]

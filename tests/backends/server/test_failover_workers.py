@@ -20,9 +20,8 @@ import orjson
 import pytest
 import torch
 
-from tests.backends.numerics import (assert_mostly_clear, assert_same_text, choices, first_unclear, logit_tolerance,
-                                     teacher_forced_logits)
-from tests.backends.test_disaggregation import Reference, sampling_params, text_of
+from tests.backends.numerics import assert_mostly_clear, assert_same_text, first_unclear, logit_tolerance
+from tests.backends.references import Reference, prompt_ids, reference_of, smollm2_vocabulary, text_of
 from tests.gateway.conftest import metric
 from tests.support.gateway_proc import GatewayProcess
 from tests.support.wait import await_until
@@ -120,33 +119,17 @@ class Referee:
     on transformers' logits for the same tokens)."""
 
     def __init__(self, fleet: Fleet, hf_smollm2: torch.nn.Module, hf_smollm2_f64: torch.nn.Module) -> None:
-        from transformers import AutoTokenizer
-
-        from backends.engine.engine import eos_token_ids
-        from backends.models.config import load_model_config
-        from backends.worker.loader import resolve_model
-
-        model_dir = resolve_model("smollm2")
         self.fleet, self.hf, self.hf64 = fleet, hf_smollm2, hf_smollm2_f64
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.eos = eos_token_ids(load_model_config(model_dir), model_dir)
+        self.tokenizer, self.eos = smollm2_vocabulary()
 
     async def reference(self, extra: dict[str, Any], chat: bool) -> tuple[Reference, int]:
         """The answer to `extra` as a Reference, and its prompt's length."""
         body = {"model": "smollm2", "return_token_ids": True, **extra}
         payload = await self._answer(body, chat)
-        if chat:
-            text = self.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
-            prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            prompt = self.tokenizer(body["prompt"])["input_ids"]
-        output = payload["choices"][0]["token_ids"]
-        tolerance = logit_tolerance(self.hf, self.hf64, [prompt + output])
-        params = sampling_params(body)
-        logits = teacher_forced_logits(self.hf, prompt, output)
+        prompt = prompt_ids(self.tokenizer, body, chat)
+        tolerance = logit_tolerance(self.hf, self.hf64, [prompt + payload["choices"][0]["token_ids"]])
         assert payload["usage"]["prompt_tokens"] == len(prompt)
-        return Reference(body, chat, text_of(payload["choices"][0]), output,
-                         choices(logits, params, params.seed, self.eos, tolerance, prompt)), len(prompt)
+        return reference_of(body, chat, payload, prompt, self.hf, self.eos, tolerance), len(prompt)
 
     async def _answer(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
         path = "/v1/chat/completions" if chat else "/v1/completions"
