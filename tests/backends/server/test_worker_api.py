@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -18,9 +17,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from backends.engine.sampling_params import SamplingParams
-from tests.backends.numerics import (Choice, assert_mostly_clear, assert_same_text, assert_same_tokens, choices,
-                                    first_unclear, logit_tolerance, teacher_forced_logits)
-from tests.support.wait import DEFAULT_TIMEOUT_S, await_until
+from tests.backends.numerics import (assert_mostly_clear, assert_same_text, assert_same_tokens, choices, first_unclear,
+                                    teacher_forced_logits)
+from tests.backends.server.hf_greedy import (GreedyReference, HFGreedy, assert_greedy_text, hf_float32_model,
+                                             hf_greedy_run, num_clear_greedy)
+from tests.backends.server.worker_client import num_generated, post, stream_text, wait_idle, wait_running, worker_metric
 from tests.support.worker_proc import WorkerProcess, supervised
 
 pytestmark = pytest.mark.slow
@@ -34,7 +35,6 @@ MAX_REQUEST_MB = 1
 # the generated-token count shows it); a passing run is idle at once.
 RUN_OUT_S = 300.0
 EOS = (2,)               # SmolLM2's <|im_end|>, banned under ignore_eos
-GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
 PROMPTS = [
     "The capital of France is a city known for its museums, its food and its long history of",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively with two",
@@ -57,7 +57,7 @@ def worker() -> Iterator[WorkerProcess]:
 
 
 @pytest.fixture(scope="module")
-def worker_url(worker: WorkerProcess, hf_greedy: list[Reference]) -> Iterator[str]:
+def worker_url(worker: WorkerProcess, hf_greedy: list[GreedyReference]) -> Iterator[str]:
     with supervised(worker) as url:
         yield url
 
@@ -69,74 +69,26 @@ def prompt_ids(smollm2_tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
     return ids
 
 
-def _hf_model(request: pytest.FixtureRequest) -> torch.nn.Module:
-    try:
-        return request.getfixturevalue("hf_smollm2")
-    except pytest.FixtureLookupError:
-        from transformers import LlamaForCausalLM
-
-        from backends.worker.loader import resolve_model
-
-        return LlamaForCausalLM.from_pretrained(str(resolve_model(MODEL)), dtype=torch.float32).eval()
-
-
-@dataclass(frozen=True)
-class Reference:
-    tokens: list[int]          # transformers' greedy continuation (EOS suppressed, as under ignore_eos)
-    logprobs: list[float]      # each token's logprob
-    choices: list[Choice]      # whether float32 rounding could have chosen another token at each position
-
-
-@dataclass(frozen=True)
-class HFGreedy:
-    references: list[Reference]   # one per prompt
-    tolerance: float              # how far apart two float32 evaluations of these logits may land
-
-
 @pytest.fixture(scope="module")
 def hf_model(request: pytest.FixtureRequest) -> torch.nn.Module:
-    return _hf_model(request)
+    return hf_float32_model(request, MODEL)
 
 
 @pytest.fixture(scope="module")
 def hf_run(hf_model: torch.nn.Module, hf_smollm2_f64: torch.nn.Module, worker: WorkerProcess,
            prompt_ids: list[list[int]]) -> HFGreedy:
-    """transformers' greedy continuation of each prompt (EOS suppressed, like ignore_eos), each token's
-    logprob, where float32 rounding could decide otherwise, and the tolerance measured on them."""
-    model = hf_model
-    eos = model.generation_config.eos_token_id
-    model.generation_config.eos_token_id = None   # like ignore_eos: all 64 tokens come
-    try:
-        with torch.inference_mode():
-            out = model.generate(torch.tensor(prompt_ids), max_new_tokens=NUM_NEW_TOKENS, do_sample=False,
-                                 suppress_tokens=list(EOS), output_logits=True, return_dict_in_generate=True,
-                                 pad_token_id=0)
-    finally:
-        model.generation_config.eos_token_id = eos
-    tokens = out.sequences[:, PROMPT_LEN:]
-    raw = torch.stack(out.logits, dim=1).float()                      # [prompts, tokens, vocab], before suppression
-    logprobs = torch.log_softmax(raw, dim=-1)
-    chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    tolerance = logit_tolerance(model, hf_smollm2_f64, out.sequences.tolist())
-    refs = [Reference(tokens[i].tolist(), chosen[i].tolist(), choices(raw[i], GREEDY, None, EOS, tolerance))
-            for i in range(len(prompt_ids))]
-    assert_mostly_clear([r.choices for r in refs], "transformers' greedy tokens")
-    return HFGreedy(refs, tolerance)
+    """transformers' greedy references for the prompts (`worker` is requested so that it loads meanwhile)."""
+    return hf_greedy_run(hf_model, hf_smollm2_f64, prompt_ids, NUM_NEW_TOKENS, EOS)
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(hf_run: HFGreedy) -> list[Reference]:
+def hf_greedy(hf_run: HFGreedy) -> list[GreedyReference]:
     return hf_run.references
 
 
 @pytest.fixture(scope="module")
 def tolerance(hf_run: HFGreedy) -> float:
     return hf_run.tolerance
-
-
-async def post(session: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
-    async with session.post(url, json=body) as resp:
-        return resp.status, await resp.json()
 
 
 async def greedy(session: aiohttp.ClientSession, url: str, ids: list[int]) -> dict[str, Any]:
@@ -147,30 +99,8 @@ async def greedy(session: aiohttp.ClientSession, url: str, ids: list[int]) -> di
     return out
 
 
-async def wait_idle(session: aiohttp.ClientSession, url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
-    """Poll /load until nothing runs or waits and every block is free (cached ones count as free)."""
-    async def idle() -> dict[str, Any] | None:
-        async with session.get(f"{url}/load") as resp:
-            report = await resp.json()
-        quiet = report["num_running"] == 0 and report["num_waiting"] == 0
-        return report if quiet and report["num_free_blocks"] == report["num_total_blocks"] else None
-    return await await_until(idle, "the worker to be idle", timeout_s=timeout_s)
-
-
-async def worker_metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
-    """One unlabelled series of the worker's /metrics."""
-    async with session.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
-
-
-async def num_generated(session: aiohttp.ClientSession, url: str) -> float:
-    """Tokens the worker's engine has sampled so far (its /metrics counter)."""
-    return await worker_metric(session, url, "switchyard_generation_tokens_total")
-
-
 async def test_greedy_alone_matches_transformers(worker_url: str, prompt_ids: list[list[int]],
-                                                 hf_greedy: list[Reference], tolerance: float,
+                                                 hf_greedy: list[GreedyReference], tolerance: float,
                                                  smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
     async with aiohttp.ClientSession() as session:
         for i, (ids, ref) in enumerate(zip(prompt_ids, hf_greedy, strict=True)):
@@ -189,7 +119,7 @@ async def test_greedy_alone_matches_transformers(worker_url: str, prompt_ids: li
 
 
 async def test_greedy_in_concurrent_batch_matches_transformers(
-        worker_url: str, prompt_ids: list[list[int]], hf_greedy: list[Reference]) -> None:
+        worker_url: str, prompt_ids: list[list[int]], hf_greedy: list[GreedyReference]) -> None:
     picks = [i % len(prompt_ids) for i in range(16)]
     async with aiohttp.ClientSession() as session:
         outs = await asyncio.gather(*(greedy(session, worker_url, prompt_ids[i]) for i in picks))
@@ -221,23 +151,6 @@ async def test_seeded_sampling_same_alone_and_in_busy_batch(worker_url: str, pro
     assert_mostly_clear([reference], "the seeded draws")
     assert_same_tokens(busy["choices"][0]["token_ids"], tokens, reference, "busy against alone")
     assert other_seed["choices"][0]["token_ids"] != tokens
-
-
-def num_clear_greedy(top_logprobs: list[list[float]], tolerance: float) -> int:
-    """How many leading greedy tokens no run within the tolerance could choose otherwise: a logprob gap
-    between the best two tokens is their logit gap, and each logit may move by the tolerance."""
-    for i, top in enumerate(top_logprobs):
-        best = sorted(top, reverse=True)
-        if len(best) < 2 or best[0] - best[1] <= 2 * tolerance:   # (two tokens of one text share a key)
-            return i
-    return len(top_logprobs)
-
-
-def assert_greedy_text(got: str, want: str, want_token_texts: list[str], num_clear: int) -> None:
-    if num_clear == len(want_token_texts):
-        assert got == want
-    else:
-        assert got.startswith("".join(want_token_texts[:num_clear]).rstrip("\ufffd")), (got, want, num_clear)
 
 
 def test_openai_sdk_chat_stream_and_completions(worker_url: str, tolerance: float,
@@ -296,7 +209,7 @@ def test_openai_sdk_cached_tokens_on_repeated_prompt(worker_url: str, tolerance:
 
 
 async def test_stop_string_cuts_text_and_aborts(worker_url: str, prompt_ids: list[list[int]],
-                                                hf_greedy: list[Reference],
+                                                hf_greedy: list[GreedyReference],
                                                 smollm2_tokenizer: PreTrainedTokenizerBase) -> None:
     # The stop must come where our tokens surely equal transformers': in a prefix no rounding decides.
     pick = max(range(len(hf_greedy)), key=lambda i: (first_unclear(hf_greedy[i].choices), i == 1))
@@ -325,26 +238,10 @@ async def test_stop_string_cuts_text_and_aborts(worker_url: str, prompt_ids: lis
         await wait_idle(session, worker_url, timeout_s=RUN_OUT_S)
         assert await num_generated(session, worker_url) - before < body["max_tokens"]
         before = await num_generated(session, worker_url)
-        streamed = await _stream_text(session, f"{worker_url}/v1/completions", {**body, "stream": True})
+        streamed = await stream_text(session, f"{worker_url}/v1/completions", {**body, "stream": True})
         assert streamed == (full[:cut], "stop")
         await wait_idle(session, worker_url, timeout_s=RUN_OUT_S)
         assert await num_generated(session, worker_url) - before < body["max_tokens"]
-
-
-async def _stream_text(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[str, str | None]:
-    import orjson
-
-    text, finish = "", None
-    async with session.post(url, json=body) as resp:
-        assert resp.status == 200
-        assert resp.headers["Content-Type"].startswith("text/event-stream")
-        async for line in resp.content:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            choice = orjson.loads(line[6:])["choices"][0]
-            text += choice["text"]
-            finish = choice["finish_reason"] or finish
-    return text, finish
 
 
 BAD_REQUESTS = [
@@ -414,19 +311,12 @@ async def test_client_disconnect_aborts_sequence(worker_url: str, prompt_ids: li
         before = await num_generated(session, worker_url)
 
         pending = asyncio.ensure_future(session.post(url, json=body))   # non-streaming, then disconnect
-        await _wait_running(session, worker_url)
+        await wait_running(session, worker_url)
         pending.cancel()
         with pytest.raises(asyncio.CancelledError):
             await pending
         await wait_idle(session, worker_url, timeout_s=RUN_OUT_S)
         assert await num_generated(session, worker_url) - before < body["max_tokens"]
-
-
-async def _wait_running(session: aiohttp.ClientSession, url: str) -> None:
-    async def running() -> bool:
-        async with session.get(f"{url}/load") as resp:
-            return (await resp.json())["num_running"] > 0
-    await await_until(running, "the request to start running")
 
 
 async def test_ops_endpoints(worker_url: str, prompt_ids: list[list[int]]) -> None:
