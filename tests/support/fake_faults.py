@@ -1,4 +1,4 @@
-"""The fake upstream's broken answers (a request's behaviour with `"fault"`; tests/support/fake_upstream.py
+"""The fake upstream's broken answers (a request's behaviour with `"fault"`; tests/support/fake_upstream_app.py
 hands it here after its stalls and gates): cut, malformed and oversized answers as a failing or hostile
 OpenAI-compatible server sends them. Content is the fake's usual `tok{i} ` text, so tests expect the same words.
 
