@@ -5,7 +5,6 @@ It never walks the provider chain or retries (dispatch.py does) and never builds
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -20,6 +19,7 @@ from aiohttp import web
 from cache.prefix_index import NO_MATCH, MatchedByMedium, PrefixIndex, num_cached_tokens
 from gateway.breaker import CircuitBreaker, eligible
 from gateway.config import Pool
+from gateway.deadlines import TaskDeadline
 from gateway.failover import StreamBroken, Transcript, asks_token_ids, without_token_ids
 from gateway.fallback import RetryableFailure
 from gateway.load import Lease, LoadTracker
@@ -40,7 +40,7 @@ MAX_ERROR_BODY = 64 * 1024
 CONNECT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
 
 # Reads one leg's upstream response: (response, the first-byte deadline, the leg's lease) -> the result.
-ResponseReader = Callable[[aiohttp.ClientResponse, asyncio.Timeout, Lease], Awaitable[T]]
+ResponseReader = Callable[[aiohttp.ClientResponse, TaskDeadline, Lease], Awaitable[T]]
 
 
 class Chosen(NamedTuple):
@@ -173,10 +173,10 @@ class Legs:
         try:
             with self._tracker.lease(endpoint.endpoint_id, leg.num_prompt_tokens, leg.num_output_tokens) as lease:
                 try:
-                    async with asyncio.timeout(wire.first_byte_s) as first_byte_deadline:
-                        async with self._client.post(endpoint.endpoint_id + leg.path, data=leg.body,
-                                                     headers=leg.headers, timeout=wire.timeout) as response:
-                            result = await read(response, first_byte_deadline, lease)
+                    async with self._client.deadlines.timeout(wire.first_byte_s) as first_byte_deadline, \
+                            self._client.post(endpoint.endpoint_id + leg.path, data=leg.body, headers=leg.headers,
+                                              timeout=wire.timeout) as response:
+                        result = await read(response, first_byte_deadline, lease)
                 except ClientGone:
                     raise
                 except TimeoutError:
@@ -195,7 +195,7 @@ class Legs:
     # --- answers -----------------------------------------------------------------------------------
 
     async def relay(self, progress: Progress, endpoint: Endpoint, response: aiohttp.ClientResponse,
-                    first_byte_deadline: asyncio.Timeout, lease: Lease) -> Outcome:
+                    first_byte_deadline: TaskDeadline, lease: Lease) -> Outcome:
         """A `ResponseReader` for a leg that is the whole request: its answer goes to the client as it comes."""
         if response.status != 200:
             return await self.non_200(response, endpoint.breaker, progress.client)
@@ -206,7 +206,7 @@ class Legs:
         first = await self.first_chunk(response, first_byte_deadline, lease)
         return await self.relay_stream(progress, response, first, lease, endpoint)
 
-    async def first_chunk(self, response: aiohttp.ClientResponse, first_byte_deadline: asyncio.Timeout,
+    async def first_chunk(self, response: aiohttp.ClientResponse, first_byte_deadline: TaskDeadline,
                           lease: Lease) -> bytes:
         """The first body bytes of a stream: from here on the leg can no longer be retried."""
         first = await response.content.readany()

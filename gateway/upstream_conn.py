@@ -9,6 +9,8 @@ import time
 
 import aiohttp
 
+from gateway.deadlines import Deadlines
+
 MAX_BUFFER_BYTES = 256 * 1024    # stop reading the socket while this much is unread (backpressure)
 
 
@@ -19,10 +21,10 @@ class UpstreamProtocolError(aiohttp.ClientPayloadError):
 class UpstreamConnection(asyncio.Protocol):
     """One TCP connection: bytes arrive into `buffer`; one reader waits for more at a time."""
 
-    __slots__ = ("_paused", "_quiet_timer", "_waiter", "buffer", "closed_exc", "eof", "idle_since_s", "last_data_s",
-                 "transport")
+    __slots__ = ("_deadlines", "_paused", "_quiet_key", "_quiet_limit_s", "_waiter", "buffer", "closed_exc", "eof",
+                 "idle_since_s", "last_data_s", "transport")
 
-    def __init__(self) -> None:
+    def __init__(self, deadlines: Deadlines) -> None:
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.eof = False
@@ -31,7 +33,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.last_data_s = 0.0             # time.monotonic() of the last bytes received
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
-        self._quiet_timer: asyncio.TimerHandle | None = None
+        self._deadlines = deadlines
+        self._quiet_key: int | None = None     # the quiet-gap deadline, while watched
+        self._quiet_limit_s = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -65,26 +69,24 @@ class UpstreamConnection(asyncio.Protocol):
         self._wake()
 
     def watch_quiet(self, limit_s: float) -> None:
-        """From now on `limit_s` without a byte fails the connection with TimeoutError. The timer re-arms
-        from the last bytes, so a steady stream costs one timer per `limit_s`, not one per read."""
+        """From now on `limit_s` without a byte fails the connection with TimeoutError. The deadline moves
+        on from the last bytes when it comes, so a steady stream costs one per `limit_s`, not one per read."""
         self.last_data_s = time.monotonic()
-        self._arm_quiet(limit_s, limit_s)
+        self._quiet_limit_s = limit_s
+        self._quiet_key = self._deadlines.add(self.last_data_s + limit_s, self._check_quiet)
 
     def stop_watch(self) -> None:
-        if self._quiet_timer is not None:
-            self._quiet_timer.cancel()
-            self._quiet_timer = None
+        if self._quiet_key is not None:
+            self._deadlines.discard(self._quiet_key)
+            self._quiet_key = None
 
-    def _arm_quiet(self, limit_s: float, delay_s: float) -> None:
-        self._quiet_timer = asyncio.get_running_loop().call_later(delay_s, self._check_quiet, limit_s)
-
-    def _check_quiet(self, limit_s: float) -> None:
-        quiet_s = time.monotonic() - self.last_data_s
-        if quiet_s >= limit_s:
-            self._quiet_timer = None
+    def _check_quiet(self) -> None:
+        limit_s = self._quiet_limit_s
+        if time.monotonic() - self.last_data_s >= limit_s:
+            self._quiet_key = None
             self.fail(TimeoutError(f"upstream sent nothing for {limit_s}s mid-body"))
         else:
-            self._arm_quiet(limit_s, limit_s - quiet_s)
+            self._quiet_key = self._deadlines.add(self.last_data_s + limit_s, self._check_quiet)
 
     def _wake(self) -> None:
         waiter = self._waiter

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from multidict import CIMultiDict
 
+from gateway.deadlines import Deadlines
 from gateway.upstream_conn import UpstreamBody, UpstreamConnection, UpstreamProtocolError
 
 MAX_HEADER_BYTES = 64 * 1024     # a response head larger than this is a protocol error
@@ -80,14 +81,13 @@ class _Exchange:
         self._headers = headers
         self._timeout = timeout
         self._conn: UpstreamConnection | None = None
-        self._deadline: asyncio.TimerHandle | None = None
+        self._deadline: int | None = None   # the whole leg's, in the client's deadlines
         self._response: UpstreamResponse | None = None
 
     async def __aenter__(self) -> UpstreamResponse:
         conn = self._conn = await self._client.acquire(self._key, self._timeout.sock_connect or self._timeout.connect)
         if self._timeout.total:
-            self._deadline = asyncio.get_running_loop().call_later(
-                self._timeout.total, conn.fail, TimeoutError(f"upstream leg over {self._timeout.total}s"))
+            self._deadline = self._client.deadlines.add(time.monotonic() + self._timeout.total, self._over_total)
         head = [b"POST ", self._target, b" HTTP/1.1\r\nHost: ", self._client.host_header(self._key),
                 b"\r\nContent-Length: ", str(len(self._body)).encode(), b"\r\n"]
         for name, value in self._headers.items():
@@ -121,7 +121,7 @@ class _Exchange:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         if self._deadline is not None:
-            self._deadline.cancel()
+            self._client.deadlines.discard(self._deadline)
         conn, response = self._conn, self._response
         if conn is None:
             return
@@ -131,6 +131,10 @@ class _Exchange:
             self._client.release(self._key, conn)
         elif conn.transport is not None:
             conn.transport.abort()
+
+    def _over_total(self) -> None:
+        if self._conn is not None:
+            self._conn.fail(TimeoutError(f"upstream leg over {self._timeout.total}s"))
 
 
 class UpstreamClient:
@@ -143,6 +147,7 @@ class UpstreamClient:
         self._sweep: asyncio.TimerHandle | None = None   # closes connections idle past max_idle_s
         self._targets: dict[str, tuple[tuple[str, int], bytes] | None] = {}  # url -> (host:port, target)
         self._host_headers: dict[tuple[str, int], bytes] = {}
+        self.deadlines = Deadlines()   # the legs' timeouts: first byte, whole leg, quiet gaps
 
     def post(self, url: str, *, data: bytes, headers: Mapping[str, str], timeout: aiohttp.ClientTimeout) -> Any:
         target = self._targets.get(url)
@@ -174,7 +179,7 @@ class UpstreamClient:
                 conn.transport.close()
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(connect_timeout_s):
-            _, conn = await loop.create_connection(UpstreamConnection, key[0], key[1])
+            _, conn = await loop.create_connection(lambda: UpstreamConnection(self.deadlines), key[0], key[1])
         return conn
 
     def release(self, key: tuple[str, int], conn: UpstreamConnection) -> None:
@@ -208,6 +213,7 @@ class UpstreamClient:
                 max(0.0, oldest_s + self._max_idle_s - now_s), self._close_stale)
 
     def close(self) -> None:
+        self.deadlines.close()
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None

@@ -6,7 +6,6 @@ gateway/anthropic/outbound.py. Chat requests only: anything else is handed on do
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import replace
@@ -19,6 +18,7 @@ from aiohttp import web
 from gateway.anthropic import API_VERSION
 from gateway.anthropic.outbound import ChatChunks, Untranslatable, openai_error, to_chat_completion, to_messages_request
 from gateway.config import ConfigError, ProviderConfig
+from gateway.deadlines import TaskDeadline
 from gateway.fallback import RetryableFailure
 from gateway.legs import CONNECT_ERRORS, MAX_ERROR_BODY, Legs
 from gateway.load import Lease
@@ -65,7 +65,7 @@ class AnthropicProvider:
             return await legs.send(progress, leg, partial(self._read, progress, legs, endpoint))
 
     async def _read(self, progress: Progress, legs: Legs, endpoint: Endpoint, response: aiohttp.ClientResponse,
-                    first_byte_deadline: asyncio.Timeout, lease: Lease) -> Outcome:
+                    first_byte_deadline: TaskDeadline, lease: Lease) -> Outcome:
         if response.status != 200:
             body = openai_error(await response.content.read(MAX_ERROR_BODY))
             return await legs.answer_error(response, body, endpoint.breaker, progress.client)
