@@ -9,6 +9,10 @@ Starts everything itself: fake upstream processes (aiohttp, a fixed completion),
 
 The baseline is vLLM's Rust router (`vllm-router`, round robin) from .venv-bench (`make bench-setup`),
 measured in the same run, interleaved with the other paths; every figure is a median over the rounds.
+
+Scaling across cores (`--gateway-workers 1 2 4 --gateway-cpus 0-3`): each count is a path of its own in the
+same interleaved run, the gateway with N processes pinned to the first N of the gateway CPUs, and vllm-router
+pinned to the same N CPUs beside it; a last table gives each one's req/s against its own at the first count.
 """
 from __future__ import annotations
 
@@ -58,7 +62,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--duration-s", type=float, default=12.0, help="measured, per phase and path")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds per phase")
     parser.add_argument("--policy", default="round_robin", help="the gateway's (vllm-router: round_robin)")
-    parser.add_argument("--gateway-workers", type=int, default=1, help="switchyard gateway --workers N")
+    parser.add_argument("--gateway-workers", type=int, nargs="+", default=[1], metavar="N",
+                        help="switchyard gateway --workers N; several counts: a path each (scaling)")
     parser.add_argument("--redis", action="store_true", help="give the gateway a Redis store (always with "
                         "--gateway-workers > 1), started here on the upstreams' cpus")
     parser.add_argument("--vllm-router", type=pathlib.Path, default=VLLM_ROUTER,
@@ -67,7 +72,8 @@ def parse_args() -> argparse.Namespace:
                         help="which paths to measure (direct is always measured: the added TTFT needs it); "
                              "gateway-aiohttp: the gateway with `listen.lean_http: false`")
     parser.add_argument("--upstream-cpus", help="taskset CPU list for the fake upstreams (e.g. 1)")
-    parser.add_argument("--gateway-cpus", help="taskset CPU list for the gateway and vllm-router (e.g. 0)")
+    parser.add_argument("--gateway-cpus", help="taskset CPU list for the gateway and vllm-router (e.g. 0); with "
+                        "several --gateway-workers counts, a path of N processes gets the list's first N")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=pathlib.Path, metavar="PREFIX",
                         help="py-spy the gateway in each phase into PREFIX.<phase>.txt (raw stacks)")
@@ -76,6 +82,26 @@ def parse_args() -> argparse.Namespace:
 
 def _pinned(cpus: str | None, cmd: list[str]) -> list[str]:
     return ["taskset", "-c", cpus, *cmd] if cpus else cmd
+
+
+def cpu_list(spec: str) -> list[str]:
+    """A taskset list ("0-3", "0,2,5-6") as the CPUs it names, in order."""
+    cpus: list[str] = []
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cpus += [str(c) for c in range(int(first), int(last or first) + 1)]
+    return cpus
+
+
+def scaled(args: argparse.Namespace) -> list[tuple[int, str, str | None]]:
+    """(processes, label suffix, CPUs) per --gateway-workers count: the first count keeps the plain labels
+    (the summary against vllm-router reads them); with several counts, N processes get the first N CPUs."""
+    counts = args.gateway_workers
+    cpus = cpu_list(args.gateway_cpus) if args.gateway_cpus and len(counts) > 1 else None
+    if cpus is not None and max(counts) > len(cpus):
+        raise SystemExit(f"--gateway-cpus {args.gateway_cpus} has fewer CPUs than {max(counts)} processes")
+    return [(n, "" if i == 0 else f"-x{n}", ",".join(cpus[:n]) if cpus else args.gateway_cpus)
+            for i, n in enumerate(counts)]
 
 
 def main() -> None:
@@ -90,6 +116,7 @@ def main() -> None:
     if "vllm-router" in wanted and not args.vllm_router.exists():
         print(f"no baseline: {args.vllm_router} is missing (run `make bench-setup`)", flush=True)
         wanted.discard("vllm-router")
+    ROUTER_LOG.unlink(missing_ok=True)
     processes: list[subprocess.Popen] = []
     try:
         upstreams = []
@@ -106,31 +133,35 @@ def main() -> None:
         starts: list[tuple[str, subprocess.Popen, str]] = []
         if "relay" in wanted:
             port = free_port()
-            starts.append(("relay", subprocess.Popen(_pinned(args.gateway_cpus, [
+            starts.append(("relay", subprocess.Popen(_pinned(scaled(args)[0][2], [
                 sys.executable, __file__, "--relay", str(port), "--relay-to", *upstreams])),
                 f"http://127.0.0.1:{port}"))
         redis_url = None
-        if {"gateway", "gateway-aiohttp"} & wanted and (args.redis or args.gateway_workers > 1):
+        if {"gateway", "gateway-aiohttp"} & wanted and (args.redis or max(args.gateway_workers) > 1):
             redis_port = free_port()  # --workers N shares its state through Redis
             processes.append(subprocess.Popen(_pinned(args.upstream_cpus, [
                 "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no"]), stdout=subprocess.DEVNULL))
             redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        for label in ("gateway", "gateway-aiohttp"):  # the second: generation requests on aiohttp's server
-            if label not in wanted:
-                continue
-            port = free_port()
-            with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as config:
-                config.write(gateway_config(port, upstreams, args.policy, redis_url, lean_http=label == "gateway"))
-            starts.append((label, subprocess.Popen(_pinned(args.gateway_cpus, [
-                sys.executable, "-m", "gateway.cli", "gateway", "--config", config.name,
-                "--workers", str(args.gateway_workers)]), cwd=ROOT), f"http://127.0.0.1:{port}"))
-        if "vllm-router" in wanted:
-            port = free_port()
-            starts.append(("vllm-router", subprocess.Popen(_pinned(args.gateway_cpus, [
-                str(args.vllm_router), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *upstreams,
-                "--policy", "round_robin", "--log-level", "warning", "--prometheus-port", str(free_port())]),
-                stdout=subprocess.DEVNULL, stderr=ROUTER_LOG.open("wb")), f"http://127.0.0.1:{port}"))
+        for num_processes, suffix, cpus in scaled(args):
+            for label in ("gateway", "gateway-aiohttp", "vllm-router"):  # gateway-aiohttp: on aiohttp's server
+                if label not in wanted or (suffix and label == "gateway-aiohttp"):
+                    continue
+                port = free_port()
+                if label == "vllm-router":
+                    process = subprocess.Popen(_pinned(cpus, [
+                        str(args.vllm_router), "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+                        *upstreams, "--policy", "round_robin", "--log-level", "warning",
+                        "--prometheus-port", str(free_port())]),
+                        stdout=subprocess.DEVNULL, stderr=ROUTER_LOG.open("ab"))
+                else:
+                    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as config:
+                        config.write(gateway_config(port, upstreams, args.policy, redis_url,
+                                                    lean_http=label == "gateway"))
+                    process = subprocess.Popen(_pinned(cpus, [
+                        sys.executable, "-m", "gateway.cli", "gateway", "--config", config.name,
+                        "--workers", str(num_processes)]), cwd=ROOT)
+                starts.append((label + suffix, process, f"http://127.0.0.1:{port}"))
         for label, process, url in starts:
             processes.append(process)
             # slow starts on a loaded box
@@ -248,7 +279,8 @@ def median(values: list[float]) -> float:
 
 def run_phases(args: argparse.Namespace, paths: list[BenchPath], profiler: Profiler) -> None:
     print(f"fake upstreams: {args.num_upstreams} (token interval {args.token_interval_ms} ms, cpus "
-          f"{args.upstream_cpus or 'any'}); gateway policy {args.policy}, {args.gateway_workers} process(es), "
+          f"{args.upstream_cpus or 'any'}); gateway policy {args.policy}, "
+          f"{'/'.join(map(str, args.gateway_workers))} process(es), "
           f"cpus {args.gateway_cpus or 'any'}; {args.client_procs} client procs; cpus {os.cpu_count()}; "
           f"load average {os.getloadavg()[0]:.1f}; {args.duration_s:.0f} s per phase and path in "
           f"{args.rounds} interleaved rounds, each after {args.warmup_s:.1f} s warm-up; figures are medians "
@@ -292,6 +324,8 @@ def run_phases(args: argparse.Namespace, paths: list[BenchPath], profiler: Profi
     for path in paths:
         summary[path.label]["rss"] = peak_rss_mb(path.pids)
     print_summary(summary, args.rates[-1] if args.rates else 0.0)
+    if len(args.gateway_workers) > 1:
+        print_scaling(summary, scaled(args))
 
 
 def print_summary(summary: dict[str, dict[str, float]], rate: float) -> None:
@@ -318,6 +352,22 @@ def print_summary(summary: dict[str, dict[str, float]], rate: float) -> None:
             before = on_aiohttp.get(key, float("nan")) * scale
             line += f"{fmt.format(before):>14}{mine / before if before else float('nan'):>8.2f}"
         print(line)
+
+
+def print_scaling(summary: dict[str, dict[str, float]], counts: list[tuple[int, str, str | None]]) -> None:
+    """Closed-loop req/s per process count (CPUs), each against its own first count, and direct beside."""
+    print(f"\n{'processes (cpus)':<20}{'switchyard req/s':>18}{'scaling':>9}{'vllm-router req/s':>19}{'scaling':>9}"
+          f"{'direct req/s':>14}")
+    first = counts[0][1]
+    for num_processes, suffix, cpus in counts:
+        cells = []
+        for label in ("gateway", "vllm-router"):
+            rps = summary.get(label + suffix, {}).get("rps", float("nan"))
+            base = summary.get(label + first, {}).get("rps", float("nan"))
+            cells += [rps, rps / base]
+        where = f"{num_processes} ({cpus or 'any'})"
+        print(f"{where:<20}{cells[0]:>18,.0f}{cells[1]:>9.2f}{cells[2]:>19,.0f}"
+              f"{cells[3]:>9.2f}{summary['direct']['rps']:>14,.0f}")
 
 
 def _cells(values: tuple[float, ...]) -> str:
