@@ -47,6 +47,8 @@ class LeanSse(web.StreamResponse):
         transport = self._protocol.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client closed its connection")
+        if self.ended:
+            raise RuntimeError("a write after the response's end")   # as aiohttp's write after write_eof
         if not data:
             return False     # an empty chunk would end the chunked body
         chunk = b"%x\r\n%b\r\n" % (len(data), data)
@@ -65,12 +67,12 @@ class LeanSse(web.StreamResponse):
     async def write_eof(self, data: bytes = b"") -> None:
         if self.ended:
             return
-        if data:
-            self._write(data)
         transport = self._protocol.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client closed its connection")
-        transport.write((self._head or b"") + b"0\r\n\r\n")
+        # The last data, if any, and the chunked body's end in one write.
+        last = b"%x\r\n%b\r\n" % (len(data), data) if data else b""
+        transport.write((self._head or b"") + last + b"0\r\n\r\n")
         self._head = None
         self.ended = True
 

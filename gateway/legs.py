@@ -275,8 +275,6 @@ class Legs:
         elif progress.so_far is not None:
             self.metrics.on_failover(model, "continued")
         fast_write = client.fast_writer()
-        assert client.response is not None
-        own_write = client.response.write
         try:
             rewrite = progress.stitch is not None or not asks_token_ids(progress.request.body)
             before_last, last = b"", first    # the stream's end, to see that [DONE] came
@@ -296,14 +294,15 @@ class Legs:
                     if not num_tokens:
                         first_token_s = last_token_s
                     num_tokens += num_new
-                try:
-                    if fast_write is None:  # the response re-encodes what it writes
-                        await own_write(chunk)
-                    elif fast_write(chunk):  # one transport write; True: the client's buffer is full
-                        await client.drain()
-                except ConnectionResetError as exc:
-                    raise ClientGone() from exc
-            if transcript is not None and (rest := _outgoing(progress, transcript.flush())):
+                if fast_write is None or chunk.endswith(DONE_EVENT):  # re-encoded, or the end with the answer's
+                    await client.send(chunk)
+                else:
+                    try:
+                        if fast_write(chunk):  # one transport write; True: the client's buffer is full
+                            await client.drain()
+                    except ConnectionResetError as exc:
+                        raise ClientGone() from exc
+            if transcript is not None and not client.ended and (rest := _outgoing(progress, transcript.flush())):
                 await client.send(rest)
                 before_last, last = last, rest
             if DONE_EVENT[:12] not in before_last[-32:] + last[-32:]:

@@ -51,29 +51,34 @@ class SseCounter:
         if not self._tail and chunk.startswith(b"data: {") and chunk.find(b"\n\n") == len(chunk) - 2 \
                 and b'"usage"' not in chunk:
             # Exactly one whole JSON event without usage (an engine's usual token chunk): two scans.
-            if not self.usage.exact:
-                self.usage.num_output_tokens += 1
-            return 1
-        if not self._tail and chunk.endswith(b"\n\n") and b"\n\n\n" not in chunk \
-                and b'"usage"' not in chunk and b"data: [DONE]" not in chunk:
-            # Whole events, none of them usage or [DONE] (the common token chunk): count the
-            # events that start with "data:" without splitting (same count as the loop below).
-            num_new = chunk.startswith(b"data:") + chunk.count(b"\n\ndata:")
-            if not self.usage.exact:
-                self.usage.num_output_tokens += num_new
-            return num_new
-        data = self._tail + chunk if self._tail else chunk
-        events = data.split(b"\n\n")
-        self._tail = events.pop()
-        num_new = 0
-        for event in events:
-            if not event.startswith(b"data:") or event.startswith(b"data: [DONE]"):
-                continue
-            if b'"usage"' in event and self._read_usage(event):
-                continue
-            num_new += 1
+            num_new = 1
+        else:
+            # After a blank line (or at the start) more newlines are blank lines, not the start of an event.
+            num_new = self._count(self._tail + chunk if self._tail else chunk.lstrip(b"\n"))
         if not self.usage.exact:
             self.usage.num_output_tokens += num_new
+        return num_new
+
+    def _count(self, data: bytes) -> int:
+        """The whole events in `data` (up to its last blank line; the rest waits for more) counted with C-level
+        scans, however many arrived together: the events that begin with a `data:` line, less [DONE] and
+        usage-only ones. An event begins the stream or follows a blank line (a run of them is one, as SSE
+        parses it)."""
+        end = data.rfind(b"\n\n") + 2
+        if end < 2:
+            self._tail = data
+            return 0
+        self._tail = data[end:]
+        num_new = data.startswith(b"data:", 0, end) + data.count(b"\n\ndata:", 0, end)
+        if data.find(b"data: [DONE]", 0, end) >= 0:
+            num_new -= data.startswith(b"data: [DONE]", 0, end) + data.count(b"\n\ndata: [DONE]", 0, end)
+        at = data.find(b'"usage"', 0, end)
+        while at >= 0:   # each event that mentions usage, once
+            start, stop = data.rfind(b"\n\n", 0, at), data.find(b"\n\n", at)
+            event = data[start + 2 if start >= 0 else 0:stop]
+            if event.startswith(b"data:") and not event.startswith(b"data: [DONE]") and self._read_usage(event):
+                num_new -= 1
+            at = data.find(b'"usage"', stop, end)
         return num_new
 
     @property
@@ -201,9 +206,9 @@ class ClientStream:
             self.data_started = True
             try:
                 await self._ensure_prepared(200, content_type)
-                await self.response.write(chunk)  # type: ignore[union-attr]
             except ConnectionResetError as exc:
                 raise ClientGone() from exc
+            await self.send(chunk)
 
     def fast_writer(self) -> Callable[[bytes], bool] | None:
         """A synchronous write for a relay loop (after `send_first`): frames the chunk for the client's
@@ -212,7 +217,7 @@ class ClientStream:
         Raises ConnectionResetError where `send` raises ClientGone. None when the response has a write of
         its own (one that re-encodes the stream, e.g. /v1/messages): then the loop awaits `response.write`."""
         response = self.response
-        if self.reencodes or not isinstance(response, (_SseResponse, LeanSse)):
+        if self.reencodes or self.ended or not isinstance(response, (_SseResponse, LeanSse)):
             return None
         return response.fast_writer()
 
@@ -222,8 +227,14 @@ class ClientStream:
         await self.response.drain()
 
     async def send(self, chunk: bytes) -> None:
+        """Relay `chunk`. The one that ends the answer (`data: [DONE]`) goes out with the body's end in the
+        same write, where the response writes what it is given (not a re-encoding one): nothing follows it."""
+        assert self.response is not None
         try:
-            await self.response.write(chunk)  # type: ignore[union-attr]
+            if chunk.endswith(DONE_EVENT) and not self.reencodes:
+                await self.response.write_eof(chunk)
+            else:
+                await self.response.write(chunk)
         except ConnectionResetError as exc:
             raise ClientGone() from exc
         if chunk.endswith(DONE_EVENT):
