@@ -1,6 +1,7 @@
 """gateway/streaming.py: counting content events and usage in an SSE stream cut at any byte."""
 from __future__ import annotations
 
+import itertools
 import re
 
 import orjson
@@ -74,7 +75,7 @@ def test_counts_equal_the_whole_stream_rule_however_it_is_cut(events: list[bytes
     stream = b"".join(events)
     bounds = [0, *sorted({c % (len(stream) + 1) for c in cuts}), len(stream)]
     counter = SseCounter()
-    counted = sum(counter.feed(stream[a:b]) for a, b in zip(bounds, bounds[1:], strict=False) if b > a)
+    counted = sum(counter.feed(stream[a:b]) for a, b in itertools.pairwise(bounds) if b > a)
     num_events, completion, prompt, cached = reference_count(stream)
     assert counted == num_events
     usage = counter.usage

@@ -3,6 +3,7 @@ events, chunk extensions and trailers, with the bytes arriving in reads cut at a
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 from hypothesis import given, settings
@@ -39,7 +40,7 @@ async def decode_in_reads(wire: bytes, cuts: list[int]) -> tuple[bytes, Upstream
     body = UpstreamBody(conn, "chunked", 0)
     loop = asyncio.get_running_loop()
     bounds = [0, *sorted(set(cuts)), len(wire)]
-    for start, stop in zip(bounds, bounds[1:], strict=False):
+    for start, stop in itertools.pairwise(bounds):
         if stop > start:
             loop.call_soon(conn.data_received, wire[start:stop])
     out = bytearray()
