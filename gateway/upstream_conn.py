@@ -209,7 +209,7 @@ class UpstreamBody:
                 size = int(buffer[pos:line_end], 16)
             except ValueError:      # chunk extensions, or not a size at all
                 size = _chunk_size(buffer[pos:line_end])
-            if size < 0:            # int() takes a sign; a negative size would walk the buffer backwards
+            if size < 0:            # int() takes a sign, HTTP does not
                 raise UpstreamProtocolError("chunked body: bad chunk size")
             if size == 0:  # the last chunk, then trailers (if any) and a blank line
                 close = buffer.find(b"\r\n\r\n", line_end)
