@@ -109,10 +109,9 @@ class _Exchange:
         elif "chunked" in headers.get("Transfer-Encoding", "").lower():
             body = UpstreamBody(conn, "chunked", 0, quiet_s)
         elif (length := headers.get("Content-Length")) is not None:
-            try:
-                body = UpstreamBody(conn, "length", int(length), quiet_s)
-            except ValueError:
-                raise UpstreamProtocolError(f"bad Content-Length {length!r}") from None
+            if not (length.isascii() and length.isdigit()):   # int() would take "-1", "+3" and "1_0"
+                raise UpstreamProtocolError(f"bad Content-Length {length!r}")
+            body = UpstreamBody(conn, "length", int(length), quiet_s)
         else:
             body, keep_alive = UpstreamBody(conn, "close", 0, quiet_s), False
         self._response = UpstreamResponse(status, headers, body, keep_alive)

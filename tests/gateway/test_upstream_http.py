@@ -101,6 +101,17 @@ async def test_garbage_head_and_closed_before_answer_are_errors(client: Upstream
                 pass
 
 
+@pytest.mark.parametrize("length", [b"-1", b"+3", b"1_0", b"0x10", b"\xb2"])
+async def test_a_content_length_that_is_not_digits_is_a_payload_error(client: UpstreamClient, length: bytes) -> None:
+    """int() would read these (and -1 relayed all but the body's last byte); HTTP's Content-Length is digits."""
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: " + length + b"\r\n\r\nabcdefghijklmnop"
+    server, url, _ = await _raw_server(lambda _: [answer])
+    async with server:
+        with pytest.raises(aiohttp.ClientPayloadError, match="bad Content-Length"):
+            async with client.post(url, data=b"x", headers={}, timeout=TIMEOUT) as response:
+                await response.read()
+
+
 async def test_an_oversized_head_is_refused(client: UpstreamClient) -> None:
     """However the head is split into reads (one write here; whether one read takes it all depends on the
     machine, which made tests/faults' oversized-head case pass or fail by chance before the search was bounded)."""
