@@ -294,7 +294,7 @@ class Legs:
                     if not num_tokens:
                         first_token_s = last_token_s
                     num_tokens += num_new
-                if fast_write is None or chunk.endswith(DONE_EVENT):  # re-encoded, or the end with the answer's
+                if fast_write is None or chunk.endswith(DONE_EVENT):  # re-encoded, or the end of the answer
                     await client.send(chunk)
                 else:
                     try:

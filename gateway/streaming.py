@@ -215,7 +215,8 @@ class ClientStream:
         transfer encoding and hands it to the transport in one call, without aiohttp's per-write coroutine
         and bookkeeping. Returns True when the client's socket buffer is full: then `await drain()`.
         Raises ConnectionResetError where `send` raises ClientGone. None when the response has a write of
-        its own (one that re-encodes the stream, e.g. /v1/messages): then the loop awaits `response.write`."""
+        its own (one that re-encodes the stream, e.g. /v1/messages), or once the answer ended: then the loop
+        awaits `send`."""
         response = self.response
         if self.reencodes or self.ended or not isinstance(response, (_SseResponse, LeanSse)):
             return None

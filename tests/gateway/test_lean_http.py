@@ -340,12 +340,21 @@ async def test_anthropic_messages_are_served_lean_whole_and_streamed(start) -> N
 
 
 async def test_with_lean_http_off_aiohttp_answers(start) -> None:
+    """aiohttp's server answers everything, a stream too (its last chunk and the body's end in one write), and
+    the connection goes on after it."""
     fake, gateway = start(listen={"lean_http": False})
     async with connect(gateway) as connection:
         await connection.send(post())
         response = await connection.response()
+        await connection.send(post({**CHAT, "stream": True}))
+        stream = await connection.response()
+        await connection.send(post())
+        after = await connection.response()
     assert_chat_answer(response, lean=False)
-    assert num_upstream(fake) == 1
+    assert (stream.status, stream.lean, stream.headers["Transfer-Encoding"]) == (200, False, "chunked")
+    assert stream.body.endswith(b"data: [DONE]\n\n"), stream.body[-80:]
+    assert_chat_answer(after, lean=False)
+    assert num_upstream(fake) == 3
 
 
 async def test_a_key_is_checked_on_the_lean_server(start) -> None:
