@@ -8,7 +8,6 @@ Why not only the workers' `/load` reports: not every engine offers one (a fake, 
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 from collections.abc import Callable, Iterable
@@ -16,9 +15,6 @@ from collections.abc import Callable, Iterable
 from gateway.load import LoadTracker
 from gateway.periodic import Periodic
 from gateway.state import StateStore
-
-# The three counts a lease holds, each published under its own store key.
-_COUNTS = ("requests", "prefill", "decode")
 
 
 def replica_id() -> str:
@@ -39,14 +35,10 @@ class LoadSharer(Periodic):
         self.replica_id = replica_id()
 
     async def share_once(self) -> None:
-        """Publish our leases at every endpoint, then read the peers' sums back."""
+        """Publish our leases at every endpoint and read the peers' sums back, in one store call."""
         endpoint_ids = list(self._endpoint_ids())
-        await asyncio.gather(*(
-            self._store.publish_inflight(self.replica_id, f"{endpoint_id}#{name}", value, self._ttl_s)
-            for endpoint_id in endpoint_ids
-            for name, value in zip(_COUNTS, self._tracker.local_snapshot(endpoint_id), strict=True)))
-        sums = await asyncio.gather(*(
-            self._store.sum_inflight(f"{endpoint_id}#{name}", exclude_replica_id=self.replica_id)
-            for endpoint_id in endpoint_ids for name in _COUNTS))
-        for i, endpoint_id in enumerate(endpoint_ids):
-            self._tracker.set_peer_load(endpoint_id, *sums[3 * i:3 * i + 3])
+        peers = await self._store.share_inflight(
+            self.replica_id, {e: self._tracker.local_snapshot(e) for e in endpoint_ids}, self._ttl_s)
+        for endpoint_id in endpoint_ids:
+            num_requests, num_prefill, num_decode = [*peers.get(endpoint_id, ()), 0, 0, 0][:3]
+            self._tracker.set_peer_load(endpoint_id, num_requests, num_prefill, num_decode)

@@ -5,9 +5,10 @@ Owns only the interface; implementations are `memory.MemoryStore` (one replica),
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class StoreUnavailable(Exception):
@@ -99,12 +100,11 @@ class StateStore(Protocol):
 
     async def set_breaker(self, endpoint_id: str, state: BreakerState, ttl_s: float) -> None: ...
 
-    async def publish_inflight(self, replica_id: str, endpoint_id: str, num_tokens: int, ttl_s: float) -> None:
-        """This replica's in-flight tokens at the endpoint; forgotten after `ttl_s` unless republished."""
-        ...
-
-    async def sum_inflight(self, endpoint_id: str, exclude_replica_id: str | None = None) -> int:
-        """In-flight tokens at the endpoint over all live replicas (optionally all but one)."""
+    async def share_inflight(self, replica_id: str, counts: Mapping[str, Sequence[int]],
+                             ttl_s: float) -> dict[str, list[int]]:
+        """Publish this replica's in-flight counts per endpoint (replacing its last ones; forgotten after `ttl_s`
+        unless published again) and return the other live replicas' counts summed per endpoint, position by
+        position: one round trip however many endpoints."""
         ...
 
     async def publish_routed(self, replica_id: str, payload: str, max_entries: int) -> None:
@@ -123,3 +123,21 @@ class StateStore(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+def sum_counts(replicas: Iterable[Any]) -> dict[str, list[int]]:
+    """Per endpoint, the position-by-position sum of the replicas' counts (`share_inflight`). A replica's
+    entry that is not a mapping of endpoint to a list of integers (another version's, say) is skipped."""
+    sums: dict[str, list[int]] = {}
+    for counts in replicas:
+        if not isinstance(counts, Mapping):
+            continue
+        for endpoint_id, values in counts.items():
+            if not isinstance(values, (list, tuple)) or not all(type(v) is int for v in values):
+                continue
+            total = sums.setdefault(endpoint_id, [0] * len(values))
+            if len(total) < len(values):
+                total.extend([0] * (len(values) - len(total)))
+            for i, value in enumerate(values):
+                total[i] += value
+    return sums

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from gateway.state import bucket
-from gateway.state.base import UNLIMITED, BreakerState, RateDecision, RateLimits, Usage
+from gateway.state.base import UNLIMITED, BreakerState, RateDecision, RateLimits, Usage, sum_counts
 
 # Writes between two sweeps of expired entries (amortises the O(n) sweep).
 _SWEEP_EVERY = 512
@@ -40,7 +40,8 @@ class MemoryStore:
         self._sessions: dict[str, _Expiring] = {}
         self._breakers: dict[str, _Expiring] = {}
         self._usage: dict[str, Usage] = {}
-        self._inflight: dict[str, dict[str, tuple[int, float]]] = {}  # endpoint -> replica -> (tokens, expires_s)
+        # replica -> (its in-flight counts per endpoint, expires_s)
+        self._inflight: dict[str, tuple[dict[str, tuple[int, ...]], float]] = {}
         self._routed: deque[tuple[tuple[int, int], str, str]] = deque()  # (id as (ms, n), replica, payload)
         self._num_writes = 0
 
@@ -98,16 +99,12 @@ class MemoryStore:
         self._breakers[endpoint_id] = _Expiring(state.value, ttl_s, now_s + ttl_s)
         self._wrote(now_s)
 
-    async def publish_inflight(self, replica_id: str, endpoint_id: str, num_tokens: int, ttl_s: float) -> None:
+    async def share_inflight(self, replica_id: str, counts: Mapping[str, Sequence[int]],
+                             ttl_s: float) -> dict[str, list[int]]:
         now_s = self._clock()
-        self._inflight.setdefault(endpoint_id, {})[replica_id] = (num_tokens, now_s + ttl_s)
+        self._inflight[replica_id] = ({e: tuple(c) for e, c in counts.items()}, now_s + ttl_s)
         self._wrote(now_s)
-
-    async def sum_inflight(self, endpoint_id: str, exclude_replica_id: str | None = None) -> int:
-        now_s = self._clock()
-        replicas = self._inflight.get(endpoint_id, {})
-        return sum(num_tokens for replica_id, (num_tokens, expires_s) in replicas.items()
-                   if expires_s > now_s and replica_id != exclude_replica_id)
+        return sum_counts(c for r, (c, expires_s) in self._inflight.items() if r != replica_id and expires_s > now_s)
 
     async def publish_routed(self, replica_id: str, payload: str, max_entries: int) -> None:
         ms = time.time_ns() // 1_000_000   # ids as Redis streams give them: wall-clock ms, then a counter
@@ -155,13 +152,10 @@ class MemoryStore:
         for entries in (self._sessions, self._breakers, self._buckets):
             for key in [k for k, e in entries.items() if e.expires_s <= now_s]:
                 del entries[key]
-        for endpoint_id, replicas in list(self._inflight.items()):
-            for replica_id in [r for r, (_, expires_s) in replicas.items() if expires_s <= now_s]:
-                del replicas[replica_id]
-            if not replicas:
-                del self._inflight[endpoint_id]
+        for replica_id in [r for r, (_, expires_s) in self._inflight.items() if expires_s <= now_s]:
+            del self._inflight[replica_id]
 
     def num_entries(self) -> int:
         """Live and not yet swept entries (for tests and metrics)."""
         return (len(self._sessions) + len(self._breakers) + len(self._buckets)
-                + sum(len(r) for r in self._inflight.values()))
+                + len(self._inflight))

@@ -98,31 +98,24 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms)
 return redis.call('ZCARD', KEYS[1])
 """
 
-# KEYS[1]: endpoint's in-flight hash {replica: "tokens:expires_ms"}. ARGV: replica, tokens, ttl_ms.
-PUBLISH_INFLIGHT = """
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. ':' .. string.format('%d', now_ms + ttl))
+# KEYS[1]: the in-flight hash, one field per replica: "<expiry ms>|<its counts per endpoint, JSON>". ARGV[1]:
+# this replica, ARGV[2]: TTL in ms, ARGV[3]: its counts. Stores ours, deletes expired replicas (a dead
+# replica's leases vanish after its TTL) and returns the other live replicas' counts: one round trip.
+SHARE_INFLIGHT = _NOW_MS + """
+local ttl = tonumber(ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[1], string.format('%d', now_ms + ttl) .. '|' .. ARGV[3])
 if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
-return 1
-"""
-
-# KEYS[1]: endpoint's in-flight hash. ARGV[1]: replica to leave out ('' for none). Sums live entries
-# and deletes expired ones (a dead replica's tokens vanish after its TTL).
-SUM_INFLIGHT = """
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local all = redis.call('HGETALL', KEYS[1])
-local total = 0
+local others = {}
 for i = 1, #all, 2 do
   local v = all[i + 1]
-  local sep = string.find(v, ':', 1, true)
-  if tonumber(string.sub(v, sep + 1)) <= now_ms then
+  local sep = string.find(v, '|', 1, true)
+  local expires = sep and tonumber(string.sub(v, 1, sep - 1))
+  if not expires or expires <= now_ms then
     redis.call('HDEL', KEYS[1], all[i])
   elseif all[i] ~= ARGV[1] then
-    total = total + tonumber(string.sub(v, 1, sep - 1))
+    others[#others + 1] = string.sub(v, sep + 1)
   end
 end
-return total
+return others
 """

@@ -6,17 +6,19 @@ backoff make an outage surface within ~0.5 s as `StoreUnavailable`; `ResilientSt
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import orjson
 from redis import asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.state import bucket, redis_scripts
-from gateway.state.base import UNLIMITED, BreakerState, RateDecision, RateLimits, StoreUnavailable, Usage
+from gateway.state.base import (UNLIMITED, BreakerState, RateDecision, RateLimits, StoreUnavailable, Usage,
+                                 sum_counts)
 
 T = TypeVar("T")
 
@@ -56,8 +58,7 @@ class RedisStore:
         self._get_session = self._redis.register_script(redis_scripts.GET_SESSION)
         self._set_session = self._redis.register_script(redis_scripts.SET_SESSION)
         self._count_sessions = self._redis.register_script(redis_scripts.COUNT_SESSIONS)
-        self._publish_inflight = self._redis.register_script(redis_scripts.PUBLISH_INFLIGHT)
-        self._sum_inflight = self._redis.register_script(redis_scripts.SUM_INFLIGHT)
+        self._share_inflight = self._redis.register_script(redis_scripts.SHARE_INFLIGHT)
 
     @classmethod
     def from_url(cls, url: str, key_prefix: str = "switchyard:") -> RedisStore:
@@ -114,14 +115,11 @@ class RedisStore:
     async def set_breaker(self, endpoint_id: str, state: BreakerState, ttl_s: float) -> None:
         await self._run(self._redis.set(self._key("breaker", endpoint_id), state.value, px=_ms(ttl_s)))
 
-    async def publish_inflight(self, replica_id: str, endpoint_id: str, num_tokens: int, ttl_s: float) -> None:
-        await self._run(self._publish_inflight(
-            keys=[self._key("inflight", endpoint_id)], args=[replica_id, num_tokens, _ms(ttl_s)]))
-
-    async def sum_inflight(self, endpoint_id: str, exclude_replica_id: str | None = None) -> int:
-        total = await self._run(self._sum_inflight(
-            keys=[self._key("inflight", endpoint_id)], args=[exclude_replica_id or ""]))
-        return int(total)
+    async def share_inflight(self, replica_id: str, counts: Mapping[str, Sequence[int]],
+                             ttl_s: float) -> dict[str, list[int]]:
+        others: list[str] = await self._run(self._share_inflight(
+            keys=[self._key("inflight", "replicas")], args=[replica_id, _ms(ttl_s), orjson.dumps(counts).decode()]))
+        return sum_counts(_json_or_none(payload) for payload in others)
 
     async def publish_routed(self, replica_id: str, payload: str, max_entries: int) -> None:
         await self._run(self._redis.xadd(self._key("routed", "log"), {"r": replica_id, "p": payload},
@@ -157,3 +155,10 @@ class RedisStore:
 
 def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
+
+
+def _json_or_none(payload: str) -> Any:
+    try:
+        return orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 from gateway.state.base import BreakerState, RateDecision, RateLimits, StateStore, StoreUnavailable, Usage
@@ -67,11 +67,9 @@ class ResilientStore:
     async def set_breaker(self, endpoint_id: str, state: BreakerState, ttl_s: float) -> None:
         await self._call(lambda store: store.set_breaker(endpoint_id, state, ttl_s))
 
-    async def publish_inflight(self, replica_id: str, endpoint_id: str, num_tokens: int, ttl_s: float) -> None:
-        await self._call(lambda store: store.publish_inflight(replica_id, endpoint_id, num_tokens, ttl_s))
-
-    async def sum_inflight(self, endpoint_id: str, exclude_replica_id: str | None = None) -> int:
-        return await self._call(lambda store: store.sum_inflight(endpoint_id, exclude_replica_id))
+    async def share_inflight(self, replica_id: str, counts: Mapping[str, Sequence[int]],
+                             ttl_s: float) -> dict[str, list[int]]:
+        return await self._call(lambda store: store.share_inflight(replica_id, counts, ttl_s))
 
     async def publish_routed(self, replica_id: str, payload: str, max_entries: int) -> None:
         await self._call(lambda store: store.publish_routed(replica_id, payload, max_entries))

@@ -12,7 +12,7 @@ async def test_expired_entries_are_swept_by_later_writes() -> None:
         await store.set_session(f"s{i}", "http://a:1", ttl_s=10)
         await store.rate_limit(f"k{i}", RateLimits(5, None, window_s=1.0), 0)
         await store.set_breaker(f"http://e{i}:1", BreakerState.OPEN, ttl_s=10)
-        await store.publish_inflight("r1", f"http://e{i}:1", 3, ttl_s=10)
+        await store.share_inflight(f"r{i}", {"http://e:1": (1, 3, 0)}, ttl_s=10)
     assert store.num_entries() == 4000
     clock.now_s += 60                         # everything above has expired
     for i in range(600):                      # more than one sweep period of writes

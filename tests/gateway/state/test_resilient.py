@@ -79,8 +79,8 @@ async def _exercise_every_call(store: ResilientStore) -> None:
     await store.get_usage("k")
     await store.set_breaker("http://a:1", BreakerState.OPEN, ttl_s=30)
     assert await store.get_breaker("http://a:1") is BreakerState.OPEN
-    await store.publish_inflight("r1", "http://a:1", 5, ttl_s=30)
-    assert await store.sum_inflight("http://a:1") == 5
+    await store.share_inflight("r1", {"http://a:1": (1, 5, 0)}, ttl_s=30)
+    assert await store.share_inflight("r2", {}, ttl_s=30) == {"http://a:1": [1, 5, 0]}
     assert await store.ping()
 
 

@@ -96,22 +96,19 @@ async def test_breaker_state_is_shared_with_expiry(store: StateStore) -> None:
     await await_until(expired, "the breaker state to expire")
 
 
-async def test_inflight_sums_live_replicas_and_forgets_dead_ones(store: StateStore) -> None:
-    await store.publish_inflight("r1", "http://a:1", 100, ttl_s=30)
-    await store.publish_inflight("r2", "http://a:1", 40, ttl_s=30)
-    await store.publish_inflight("r3", "http://b:2", 7, ttl_s=30)
-    assert await store.sum_inflight("http://a:1") == 140
-    assert await store.sum_inflight("http://a:1", exclude_replica_id="r1") == 40
-    await store.publish_inflight("r1", "http://a:1", 60, ttl_s=30)   # republish replaces
-    assert await store.sum_inflight("http://a:1") == 100
-    await store.publish_inflight("r2", "http://a:1", 40, ttl_s=0.05)  # r2's last report, then it stops publishing
+async def test_inflight_sums_the_other_live_replicas_and_forgets_dead_ones(store: StateStore) -> None:
+    a, b = "http://a:1", "http://b:2"
+    assert await store.share_inflight("r1", {a: (1, 100, 10)}, ttl_s=30) == {}
+    assert await store.share_inflight("r2", {a: (2, 40, 0), b: (1, 7, 3)}, ttl_s=30) == {a: [1, 100, 10]}
+    assert await store.share_inflight("r3", {}, ttl_s=30) == {a: [3, 140, 10], b: [1, 7, 3]}
+    assert await store.share_inflight("r1", {a: (1, 60, 10)}, ttl_s=30) == {a: [2, 40, 0], b: [1, 7, 3]}
+    assert await store.share_inflight("r3", {}, ttl_s=30) == {a: [3, 100, 10], b: [1, 7, 3]}  # r1's replaced
+    await store.share_inflight("r2", {a: (2, 40, 0), b: (1, 7, 3)}, ttl_s=0.05)  # r2's last, then it stops
 
     async def r2_gone() -> bool:
-        return await store.sum_inflight("http://a:1") == 60
+        return await store.share_inflight("r3", {}, ttl_s=30) == {a: [1, 60, 10]}
 
-    await await_until(r2_gone, "r2's tokens to expire")
-    assert await store.sum_inflight("http://b:2") == 7
-    assert await store.sum_inflight("http://none:3") == 0
+    await await_until(r2_gone, "r2's leases to expire")
 
 
 async def test_the_routed_log_is_read_in_order_from_a_cursor_and_capped(store: StateStore) -> None:
