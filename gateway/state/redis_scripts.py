@@ -100,13 +100,15 @@ return redis.call('ZCARD', KEYS[1])
 
 # KEYS[1]: the in-flight hash, one field per replica: "<expiry ms>|<its counts per endpoint, JSON>". ARGV[1]:
 # this replica, ARGV[2]: TTL in ms, ARGV[3]: its counts. Stores ours, deletes expired replicas (a dead
-# replica's leases vanish after its TTL) and returns the other live replicas' counts: one round trip.
+# replica's leases vanish after its TTL) and returns the other live replicas' counts summed per endpoint, as
+# JSON: one round trip, and a reply the size of one replica's counts however many replicas there are. What
+# is not a JSON object of endpoint to numbers (another version's entry, say) adds nothing.
 SHARE_INFLIGHT = _NOW_MS + """
 local ttl = tonumber(ARGV[2])
 redis.call('HSET', KEYS[1], ARGV[1], string.format('%d', now_ms + ttl) .. '|' .. ARGV[3])
 if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
 local all = redis.call('HGETALL', KEYS[1])
-local others = {}
+local sums = {}
 for i = 1, #all, 2 do
   local v = all[i + 1]
   local sep = string.find(v, '|', 1, true)
@@ -114,8 +116,19 @@ for i = 1, #all, 2 do
   if not expires or expires <= now_ms then
     redis.call('HDEL', KEYS[1], all[i])
   elseif all[i] ~= ARGV[1] then
-    others[#others + 1] = string.sub(v, sep + 1)
+    local ok, counts = pcall(cjson.decode, string.sub(v, sep + 1))
+    if ok and type(counts) == 'table' then
+      for endpoint, values in pairs(counts) do
+        if type(endpoint) == 'string' and type(values) == 'table' then
+          local total = sums[endpoint] or {}
+          sums[endpoint] = total
+          for j, value in ipairs(values) do
+            total[j] = (total[j] or 0) + (type(value) == 'number' and value or 0)
+          end
+        end
+      end
+    end
   end
 end
-return others
+return cjson.encode(sums)
 """

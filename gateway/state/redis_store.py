@@ -117,9 +117,9 @@ class RedisStore:
 
     async def share_inflight(self, replica_id: str, counts: Mapping[str, Sequence[int]],
                              ttl_s: float) -> dict[str, list[int]]:
-        others: list[str] = await self._run(self._share_inflight(
+        sums = await self._run(self._share_inflight(
             keys=[self._key("inflight", "replicas")], args=[replica_id, _ms(ttl_s), orjson.dumps(counts).decode()]))
-        return sum_counts(_json_or_none(payload) for payload in others)
+        return sum_counts([orjson.loads(sums)])   # summed by the script; checked here
 
     async def publish_routed(self, replica_id: str, payload: str, max_entries: int) -> None:
         await self._run(self._redis.xadd(self._key("routed", "log"), {"r": replica_id, "p": payload},
@@ -156,9 +156,3 @@ class RedisStore:
 def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
 
-
-def _json_or_none(payload: str) -> Any:
-    try:
-        return orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        return None

@@ -111,6 +111,25 @@ async def test_inflight_sums_the_other_live_replicas_and_forgets_dead_ones(store
     await await_until(r2_gone, "r2's leases to expire")
 
 
+async def test_a_replica_entry_that_is_not_counts_adds_nothing_on_redis(redis_server: RedisProc) -> None:
+    """Another version's (or a damaged) entry in the shared hash is skipped by the script, not fatal."""
+    prefix = f"test-{uuid.uuid4().hex[:12]}:"
+    store = RedisStore(RedisOptions(url=redis_server.url, key_prefix=prefix))
+    admin = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    expires_ms = int(time.time() * 1000) + 60_000
+    try:
+        await store.share_inflight("r1", {"http://a:1": (1, 10, 2)}, ttl_s=30)
+        for field, value in (("old", "not json"), ("array", "[1, 2]"), ("strings", '{"http://a:1": ["x", 5]}'),
+                             ("no-expiry", '{"http://a:1": [100, 100, 100]}')):
+            await admin.hset(f"{prefix}inflight:replicas", field,
+                             value if field == "no-expiry" else f"{expires_ms}|{value}")
+        assert await store.share_inflight("r2", {}, ttl_s=30) == {"http://a:1": [1, 15, 2]}
+        assert not await admin.hexists(f"{prefix}inflight:replicas", "no-expiry")    # dropped as expired
+    finally:
+        await admin.aclose()
+        await store.close()
+
+
 async def test_the_routed_log_is_read_in_order_from_a_cursor_and_capped(store: StateStore) -> None:
     assert await store.read_routed("0-0", 10) == ("0-0", [])
     for i in range(5):
