@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from gateway_bench import cpu_s
+from gateway_bench import cpu_s, median
 from gateway_bench_load import closed_loop, free_port, gateway_config, wait_http
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -80,7 +80,7 @@ def main() -> None:
     print(f"idle gateway CPU, ms per second: {args.num_upstreams} upstreams, Redis {'on' if args.redis else 'off'}, "
           f"{args.seconds:.0f} s per run, {args.rounds} alternating runs, median")
     for label, values in results.items():
-        print(f"{label:<16}{sorted(values)[len(values) // 2]:>8.1f}   runs: {', '.join(f'{v:.1f}' for v in values)}")
+        print(f"{label:<16}{median(values):>8.1f}   runs: {', '.join(f'{v:.1f}' for v in values)}")
 
 
 if __name__ == "__main__":

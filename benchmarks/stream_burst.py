@@ -17,6 +17,8 @@ import subprocess
 import sys
 import timeit
 
+from gateway_bench import median
+
 HERE = pathlib.Path(__file__).resolve().parent
 
 
@@ -75,7 +77,7 @@ def main() -> None:
           f"alternating rounds")
     print(f"{'step':<20}" + "".join(f"{label:>16}" for label in checkouts) + ("   ratio" if len(checkouts) > 1 else ""))
     for step in results["this checkout"][0]:
-        medians = [sorted(r[step] for r in results[label])[len(results[label]) // 2] for label in checkouts]
+        medians = [median([r[step] for r in results[label]]) for label in checkouts]
         print(f"{step:<20}" + "".join(f"{m:>16.2f}" for m in medians)
               + (f"{medians[0] / medians[1]:>8.2f}" if len(medians) > 1 else ""))
 

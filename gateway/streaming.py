@@ -231,14 +231,15 @@ class ClientStream:
         """Relay `chunk`. The one that ends the answer (`data: [DONE]`) goes out with the body's end in the
         same write, where the response writes what it is given (not a re-encoding one): nothing follows it."""
         assert self.response is not None
+        last = chunk.endswith(DONE_EVENT)
         try:
-            if chunk.endswith(DONE_EVENT) and not self.reencodes:
+            if last and not self.reencodes:
                 await self.response.write_eof(chunk)
             else:
                 await self.response.write(chunk)
         except ConnectionResetError as exc:
             raise ClientGone() from exc
-        if chunk.endswith(DONE_EVENT):
+        if last:
             self.ended = True
 
     async def fail(self, event: bytes, mid_event: bool = False) -> None:
