@@ -9,7 +9,8 @@ plain engine ("none") as the baseline of the same run.
     .venv/bin/python benchmarks/spec_bench.py [--rounds 3] [--max-tokens 128] [--threads 2]
         [--draft-dir DIR] [--eagle-dir DIR] [--proposers none,ngram,draft,eagle]
 
-A proposer may name its own K: `--proposers none,ngram,ngram:8` compares K = --k with K = 8 in one run.
+A proposer may name its own K: `--proposers none,ngram,ngram:8` compares K = --k with K = 8 in one run;
+n-gram also its shortest n-gram: `ngram:8:1` is K = 8 matching down to single tokens (else `--ngram-min`).
 
 --draft-dir: a folder from `switchyard make-draft` (default $SWITCHYARD_CACHE/drafts/<model>-draft);
 --eagle-dir: a head from `switchyard train-draft` (default: where it saves, $SWITCHYARD_CACHE/eagle/<model>-head).
@@ -103,6 +104,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", type=int, default=5, help="--num-speculative-tokens")
+    ap.add_argument("--ngram-min", type=int, default=None,
+                    help="--ngram-min (default: the worker's)")
     ap.add_argument("--draft-dir", type=Path, default=None)
     ap.add_argument("--eagle-dir", type=Path, default=None)
     ap.add_argument("--proposers", default="none,ngram,draft,eagle")
@@ -132,7 +135,8 @@ def main() -> None:
             "eagle": args.eagle_dir or default_dir("eagle", model_dir)}
     configs: dict[str, EngineConfig] = {}
     for name in args.proposers.split(","):
-        kind, _, k = name.partition(":")      # "ngram:8": this proposer at K = 8 (else --k)
+        kind, _, rest = name.partition(":")   # "ngram:8": this proposer at K = 8 (else --k)
+        k, _, ngram_min = rest.partition(":")  # "ngram:8:1": and n-grams down to 1 (else --ngram-min)
         if kind in dirs and not dirs[kind].exists():
             print(f"# {kind}: no folder at {dirs[kind]} (build it: switchyard "
                   f"{'make-draft' if kind == 'draft' else 'train-draft'}); left out")
@@ -140,7 +144,8 @@ def main() -> None:
         configs[name] = EngineConfig(
             model_dir=str(model_dir), num_blocks=512, max_num_seqs=16,
             speculative=None if kind == "none" else kind, num_speculative_tokens=int(k or args.k),
-            speculative_model=str(dirs[kind]) if kind in dirs else None)
+            speculative_model=str(dirs[kind]) if kind in dirs else None,
+            **({"ngram_min": int(ngram_min or args.ngram_min)} if ngram_min or args.ngram_min else {}))
     levels = [int(c) for c in args.concurrency.split(",")]
     results: dict[tuple[str, int, str], list[Result]] = {}
     for r in range(args.rounds):
