@@ -104,8 +104,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", type=int, default=5, help="--num-speculative-tokens")
-    ap.add_argument("--ngram-min", type=int, default=None,
-                    help="--ngram-min (default: the worker's)")
+    ap.add_argument("--ngram-min", type=int, default=None, help="--ngram-min (default: the worker's)")
     ap.add_argument("--draft-dir", type=Path, default=None)
     ap.add_argument("--eagle-dir", type=Path, default=None)
     ap.add_argument("--proposers", default="none,ngram,draft,eagle")
