@@ -9,7 +9,8 @@ Rules:
 - `latest n..m`: the tokens after the latest earlier occurrence of the last n tokens, trying n from the
   longest down (what backends/spec/ngram.py does, with `--ngram-min m --ngram-max n`);
 - `oracle n>=m`: every earlier occurrence of every suffix of length >= m, the one the answer follows
-  furthest taken (what no proposer can know ahead; the ceiling of prompt lookup on these answers).
+  furthest taken (what no proposer can know ahead; the ceiling of prompt lookup on these answers). It drafts
+  only the tokens that will be accepted, so its rows per step are the least any rule needs for its steps.
 
 Prints, per workload and rule, steps against plain decoding's one step per token and draft rows per step.
 Tokens/s follows as fewer steps / (the cost of a verify step against a plain one): on the 2-core EPYC a
