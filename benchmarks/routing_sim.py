@@ -50,7 +50,7 @@ from gateway.load import Lease, LoadTracker, OutputLengthEstimator
 from policies.base import DecisionReason, EndpointState, Policy, RequestFacts
 from policies.registry import PolicyName, make_policy
 from routing_sim_report import UNLIMITED, print_row, print_targets, summarize
-from routing_sim_trace import BLOCK_TOKENS, TRACE, TraceRequest, load_trace, replay_unlimited
+from routing_sim_trace import BLOCK_TOKENS, TRACE, TraceRequest, load_trace, replay_unlimited, spread_arrivals
 from routing_sim_tiers import (NO_TIERS, UNLIMITED_TIERS, Lru, Medium, TierConfig, WorkerCache, add_tier_arguments,
                                block_tokens, matched_by_medium, tier_steps)
 
@@ -273,6 +273,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--utilization", type=float, default=0.8,
                         help="offered prefill load / fleet prefill capacity, with no cache hits")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--spread-arrivals", action="store_true",
+                        help="spread each 3-second timestamp slot's requests over the slot, in trace order")
     parser.add_argument("--json", action="store_true", help="also print one JSON line per policy")
     parser.add_argument("--gateways", type=int, default=1,
                         help="gateway processes (switchyard gateway --workers N), each request to a random one")
@@ -321,6 +323,8 @@ def main() -> None:
     if not args.trace.is_file():
         sys.exit(f"no trace at {args.trace}: pass --trace PATH (Mooncake's conversation trace, JSONL)")
     requests = load_trace(args.trace, args.limit)
+    if args.spread_arrivals:
+        requests = spread_arrivals(requests, args.seed)
     duration_s = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
     offered = sum(r.num_prompt_tokens for r in requests) / duration_s
     config = SimConfig(num_workers=args.workers, cache_blocks=args.cache_blocks,
