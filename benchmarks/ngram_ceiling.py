@@ -21,7 +21,7 @@ Tokens/s follows as fewer steps / (the cost of a verify step against a plain one
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from spec_bench import PROSE, STRUCTURED
@@ -29,32 +29,33 @@ from spec_bench import PROSE, STRUCTURED
 Rule = Callable[[Sequence[int], Sequence[int], int], list[int]]   # (context, answer ahead, K) -> drafts
 
 
+def followers(context: Sequence[int], longest: int, shortest: int) -> Iterator[int]:
+    """Where the tokens after each earlier occurrence of the context's last n tokens start, n from `longest`
+    down to `shortest`, latest occurrence first for each n."""
+    for n in range(longest, shortest - 1, -1):
+        if len(context) <= n:
+            continue
+        suffix = list(context[-n:])
+        for start in range(len(context) - n - 1, -1, -1):
+            if list(context[start:start + n]) == suffix:
+                yield start + n
+
+
 def latest(longest: int, shortest: int) -> Rule:
     def rule(context: Sequence[int], ahead: Sequence[int], k: int) -> list[int]:
-        for n in range(longest, shortest - 1, -1):
-            if len(context) <= n:
-                continue
-            suffix = list(context[-n:])
-            for start in range(len(context) - n - 1, -1, -1):
-                if list(context[start:start + n]) == suffix:
-                    return list(context[start + n:start + n + k])
-        return []
+        follow = next(followers(context, longest, shortest), None)
+        return [] if follow is None else list(context[follow:follow + k])
     return rule
 
 
 def oracle(shortest: int, longest: int = 8) -> Rule:
     def rule(context: Sequence[int], ahead: Sequence[int], k: int) -> list[int]:
         best: list[int] = []
-        for n in range(longest, shortest - 1, -1):
-            if len(context) <= n:
-                continue
-            suffix = list(context[-n:])
-            for start in range(len(context) - n - 1, -1, -1):
-                if list(context[start:start + n]) == suffix:
-                    drafts = list(context[start + n:start + n + k])
-                    run = accepted(drafts, ahead)
-                    if run > len(best):
-                        best = drafts[:run]
+        for follow in followers(context, longest, shortest):
+            drafts = list(context[follow:follow + k])
+            run = accepted(drafts, ahead)
+            if run > len(best):
+                best = drafts[:run]
         return best
     return rule
 
