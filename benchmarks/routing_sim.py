@@ -22,7 +22,8 @@ backends/kv_tiers/connector.py does). A hit may run on through the tiers; readin
 worker's prefill for its tokens x the medium's restore fraction of prefill time (`--cpu-restore` 1/20,
 `--disk-restore` 1/8, `--store-restore` 1/5). The gateway ranks a tier hit below a device hit: the device
 run comes from the index (KV events, as above), the tier blocks past it from the workers' tier holdings
-(what tier KV events would tell), weighted `--cpu-weight` 0.8, `--disk-weight` 0.5, `--store-weight` 0.3;
+(what tier KV events would tell), each weighted 1 - its medium's restore fraction, as prefix_aware weighs
+the restore fractions the workers measure and report (`--cpu-weight` etc. set a fixed weight instead);
 `prefix_aware` gets the weighted count in tokens (`num_matched_blocks` with a `block_size` of 1: it scores
 their product). A store block counts at every worker. `unlimited cache` is one unbounded store written
 through and read for free: the hit-rate ceiling under the sim's timing.

@@ -43,10 +43,12 @@ class TierConfig:
     cpu_restore: float = 1 / 20
     disk_restore: float = 1 / 8
     store_restore: float = 1 / 5
-    # A block's worth to the gateway's prefix scoring when a tier holds it, against 1.0 on the device.
-    cpu_weight: float = 0.8
-    disk_weight: float = 0.5
-    store_weight: float = 0.3
+    # A block's worth to the gateway's prefix scoring when a tier holds it, against 1.0 on the device. None:
+    # 1 - the medium's restore fraction, as prefix_aware scores it from the workers' measured fractions
+    # (`measured_tier_weights`); a number: a fixed weight (the policy's cpu/disk/store_weight).
+    cpu_weight: float | None = None
+    disk_weight: float | None = None
+    store_weight: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -54,7 +56,7 @@ class TierConfig:
 
     def describe(self) -> str:
         restore = "/".join(f"{v:.3g}" for v in (self.cpu_restore, self.disk_restore, self.store_restore))
-        weight = "/".join(f"{v:.3g}" for v in (self.cpu_weight, self.disk_weight, self.store_weight))
+        weight = "/".join(f"{self.weight(m):.3g}" for m in (Medium.CPU, Medium.DISK, Medium.STORE))
         return (f"RAM {self.cpu_blocks}, disk {self.disk_blocks} blocks per worker, store {self.store_blocks} for all;"
                 f" restore {restore} of prefill per token, scored {weight} of a device block (cpu/disk/store)")
 
@@ -62,7 +64,8 @@ class TierConfig:
         return (0.0, self.cpu_restore, self.disk_restore, self.store_restore)[medium]
 
     def weight(self, medium: Medium) -> float:
-        return (1.0, self.cpu_weight, self.disk_weight, self.store_weight)[medium]
+        fixed = (1.0, self.cpu_weight, self.disk_weight, self.store_weight)[medium]
+        return max(0.0, 1.0 - self.restore_fraction(medium)) if fixed is None else fixed
 
 
 class Lru:
@@ -185,7 +188,7 @@ def block_tokens(num_prompt_tokens: int, block_index: int, block_size: int) -> i
 
 NO_TIERS = TierConfig()
 # One unbounded store that every worker writes through and reads for free: the hit-rate ceiling.
-UNLIMITED_TIERS = TierConfig(store_blocks=None, store_write=StoreWrite.THROUGH, store_restore=0.0, store_weight=1.0)
+UNLIMITED_TIERS = TierConfig(store_blocks=None, store_write=StoreWrite.THROUGH, store_restore=0.0)
 
 
 def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
@@ -200,8 +203,9 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     for name in ("cpu", "disk", "store"):
         tiers.add_argument(f"--{name}-restore", type=float, default=getattr(defaults, f"{name}_restore"),
                            help=f"reading a token back from {name}, as a fraction of prefilling it")
-        tiers.add_argument(f"--{name}-weight", type=float, default=getattr(defaults, f"{name}_weight"),
-                           help=f"a {name} block's worth to prefix scoring, against 1 on the device")
+        tiers.add_argument(f"--{name}-weight", type=float, default=None,
+                           help=f"a {name} block's fixed worth to prefix scoring, against 1 on the device "
+                                f"(default: 1 - --{name}-restore, as the gateway weighs measured restore costs)")
 
 
 def tier_steps(args: argparse.Namespace) -> list[tuple[str, TierConfig]]:

@@ -118,8 +118,10 @@ class Legs:
         endpoint = self._registry.endpoints[endpoint_id]
         num_requests, num_prefill, num_decode = self._tracker.snapshot(endpoint_id)
         by_medium = matched.get(endpoint_id, NO_MATCH)
+        tiers = by_medium[1:]
+        fractions = self._tracker.restore_fractions(endpoint_id) if any(tiers) else (None, None, None)
         return EndpointState(endpoint_id, endpoint.healthy, num_requests, num_prefill, num_decode,
-                             by_medium[0], self._tracker.kv_free_fraction(endpoint_id), by_medium[1:])
+                             by_medium[0], self._tracker.kv_free_fraction(endpoint_id), tiers, fractions)
 
     def pool(self, provider_name: str, pool: Pool = Pool.MAIN) -> list[Endpoint]:
         """One of a provider's pools of endpoints."""

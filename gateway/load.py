@@ -22,6 +22,8 @@ DEFAULT_REPORT_TTL_S = 5.0
 # Peers' leases read longer ago than this are dropped (the sharing task stopped or the store is down).
 DEFAULT_PEER_TTL_S = 2.0
 
+RestoreFractions = tuple[float | None, float | None, float | None]
+
 
 @dataclass(frozen=True, slots=True)
 class LoadReport:
@@ -37,18 +39,24 @@ class LoadReport:
     # and, of those, the ones its prefix cache served.
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
+    # Per KV tier medium (cpu, disk, store): reading a token back from it against computing it, as the
+    # worker measured it (its `kv_tiers[].restore_fraction`); None where it has no such tier or no figure yet.
+    restore_fractions: RestoreFractions = (None, None, None)
 
     @classmethod
     def from_mapping(cls, body: Mapping[str, Any]) -> LoadReport:
         """Parse a worker's `/load` JSON body; raises ValueError when a field is missing or bad."""
-        values: dict[str, int] = {}
-        for name in cls.__slots__:
+        values: dict[str, Any] = {}
+        for name in _INT_FIELDS:
             value = body.get(name)
             if value is None and name in _OPTIONAL_FIELDS:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"load report field {name!r} must be a non-negative int, got {value!r}")
             values[name] = value
+        tiers = body.get("kv_tiers")
+        if tiers is not None:
+            values["restore_fractions"] = _restore_fractions(tiers)
         return cls(**values)
 
     @property
@@ -57,6 +65,27 @@ class LoadReport:
 
 
 _OPTIONAL_FIELDS = frozenset(f.name for f in fields(LoadReport) if f.default is not MISSING)
+_INT_FIELDS = tuple(f.name for f in fields(LoadReport) if f.name != "restore_fractions")
+TIER_MEDIA = ("cpu", "disk", "store")   # the order of RestoreFractions (and of the prefix index's tier matches)
+
+
+def _restore_fractions(tiers: Any) -> RestoreFractions:
+    """(cpu, disk, store) restore fractions from a report's `kv_tiers` list; media it lacks, or whose figure
+    is missing, give None."""
+    if not isinstance(tiers, list):
+        raise ValueError(f"load report field 'kv_tiers' must be a list, got {tiers!r}")
+    found: dict[str, float] = {}
+    for tier in tiers:
+        if not isinstance(tier, Mapping):
+            raise ValueError(f"a load report's kv_tiers entry must be an object, got {tier!r}")
+        value = tier.get("restore_fraction")
+        if value is None or tier.get("medium") not in TIER_MEDIA:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < math.inf:
+            raise ValueError(f"a kv_tiers restore_fraction must be a non-negative number, got {value!r}")
+        found[tier["medium"]] = float(value)
+    cpu, disk, store = (found.get(medium) for medium in TIER_MEDIA)
+    return (cpu, disk, store)
 
 
 class _EndpointLoad:
@@ -73,6 +102,7 @@ class _EndpointLoad:
         "peers",
         "prompt_tokens",
         "report_time_s",
+        "restore_fractions",
     )
 
     def __init__(self) -> None:
@@ -85,6 +115,7 @@ class _EndpointLoad:
         self.report_time_s = -math.inf  # when the last report arrived (tracker clock)
         self.kv_free_fraction: float | None = None
         self.prompt_tokens: tuple[int, int] | None = None   # last report's (prompt, cached) lifetime tokens
+        self.restore_fractions: RestoreFractions = (None, None, None)   # last report's, kept at any age
         self.peers = (0, 0, 0)          # the peers' leases: (requests, prefill tokens, decode tokens)
         self.peer_time_s = -math.inf    # when they were last read (tracker clock)
 
@@ -203,6 +234,12 @@ class LoadTracker:
         load = self._loads.get(endpoint_id)
         return None if load is None else load.prompt_tokens
 
+    def restore_fractions(self, endpoint_id: str) -> RestoreFractions:
+        """The worker's measured KV tier restore costs, (cpu, disk, store), from its last report that had
+        them (any age: a measurement of its hardware, not a load)."""
+        load = self._loads.get(endpoint_id)
+        return (None, None, None) if load is None else load.restore_fractions
+
     def reconcile(self, endpoint_id: str, report: LoadReport | Mapping[str, Any]) -> None:
         """Blend in the worker's own view: whatever it has beyond our leases and the peers' (direct
         clients) is added to our counts until the report goes stale. Our own leases stay exact, so a
@@ -218,6 +255,8 @@ class LoadTracker:
         load.kv_free_fraction = report.kv_free_fraction
         if report.num_prompt_tokens:
             load.prompt_tokens = (report.num_prompt_tokens, report.num_cached_prompt_tokens)
+        if any(f is not None for f in report.restore_fractions):
+            load.restore_fractions = report.restore_fractions
         load.report_time_s = self._clock()
 
     def set_peer_load(self, endpoint_id: str, num_requests: int, num_prefill_tokens: int,

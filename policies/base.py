@@ -43,6 +43,9 @@ class EndpointState:
     # The prompt's leading run past `num_matched_blocks` that its KV tiers hold, as (cpu, disk, store) blocks
     # by the medium each is read from (cache.prefix_index.MatchedByMedium).
     num_tier_matched_blocks: tuple[int, int, int] = (0, 0, 0)
+    # Reading a token back from each of those media, as a fraction of computing it, as the worker measured it
+    # (its load report); None where it has not. Filled in only when some tier holds part of the prompt.
+    tier_restore_fractions: tuple[float | None, float | None, float | None] = (None, None, None)
 
 
 @dataclass(frozen=True, slots=True)

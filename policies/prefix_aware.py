@@ -1,7 +1,9 @@
 """Cache-aware routing (after sgl-router's cache_aware policy): among the endpoints within a load
 bound, maximize prompt tokens already cached there minus `alpha` x tokens in flight. A token read back
-from a KV tier rather than found on the device counts at its medium's weight (`cpu_weight`, `disk_weight`,
-`store_weight`, at most 1: reading it back costs time a device hit does not). When no candidate holds any
+from a KV tier rather than found on the device counts for what reading it back saves of computing it:
+1 - the restore fraction its worker measured for that medium (`measured_tier_weights`), or, until the worker
+reports one, the medium's fixed weight (`cpu_weight`, `disk_weight`, `store_weight`, at most 1: reading it
+back costs time a device hit does not). When no candidate holds any
 of the prompt's leading blocks: with `prefix_key_tokens`, the ring home (within the bound) of a key from
 the prompt's prefix, so gateway processes whose indexes differ still agree where a new prefix goes;
 otherwise least_tokens.
@@ -29,15 +31,22 @@ class PrefixAwareConfig:
     seed: int | None = None       # seeds the tie-breaking RNG (tests)
     prefix_key_tokens: int = 0    # cold prompt: the ring home of its first N tokens' key (0: least_tokens)
     num_virtual_nodes: int = 100  # ring points per endpoint, for prefix_key_tokens
-    # A cached token's worth when it is read back from that KV tier, against 1.0 on the device. Defaults:
-    # a guess at the share of its prefill that a read from host RAM, a local disk or the shared store
-    # saves; no measurement behind them yet.
+    # A cached token's worth when it is read back from that KV tier, against 1.0 on the device: with
+    # `measured_tier_weights`, 1 - the restore fraction the endpoint's worker reports for the medium.
+    measured_tier_weights: bool = True
+    # The worth where no measurement is reported (another engine, or no restore yet), or with
+    # `measured_tier_weights` off: a guess at the share of its prefill that a read from host RAM, a local
+    # disk or the shared store saves (a CPU worker measured restore fractions of 0.01-0.04 at 1,024 tokens,
+    # docs/benchmarks.md: worth 0.96-0.99).
     cpu_weight: float = 0.8
     disk_weight: float = 0.5
     store_weight: float = 0.3
 
     def __post_init__(self) -> None:
         check_number("alpha", self.alpha, minimum=0.0)
+        if not isinstance(self.measured_tier_weights, bool):
+            raise ValueError(f"policy option 'measured_tier_weights' must be true or false, "
+                             f"got {self.measured_tier_weights!r}")
         for name in ("cpu_weight", "disk_weight", "store_weight"):
             check_number(name, getattr(self, name), minimum=0.0)
             if getattr(self, name) > 1.0:  # a tier hit must never outrank a device hit of the same length
@@ -102,11 +111,20 @@ class PrefixAwarePolicy:
             return None
         return Decision(chosen, DecisionReason.PREFIX_AFFINITY, None)
 
+    def _weights_at(self, endpoint: EndpointState) -> tuple[float, float, float]:
+        """(cpu, disk, store) worth of a block read back at `endpoint`: measured where its worker says, else fixed."""
+        fractions = endpoint.tier_restore_fractions
+        if not self._config.measured_tier_weights or fractions == (None, None, None):
+            return self._tier_weights
+        cpu, disk, store = (fixed if f is None else min(1.0, max(0.0, 1.0 - f))
+                            for f, fixed in zip(fractions, self._tier_weights, strict=True))
+        return (cpu, disk, store)
+
     def _negative_score(self, endpoint: EndpointState, block_size: int) -> float:
         cached_blocks: float = endpoint.num_matched_blocks
         num_cpu, num_disk, num_store = endpoint.num_tier_matched_blocks
         if num_cpu or num_disk or num_store:  # most endpoints hold none of it in a tier: skip the products
-            cpu_weight, disk_weight, store_weight = self._tier_weights
+            cpu_weight, disk_weight, store_weight = self._weights_at(endpoint)
             cached_blocks += cpu_weight * num_cpu + disk_weight * num_disk + store_weight * num_store
         return (self._alpha_prefill * endpoint.num_prefill_tokens
                 + self._alpha_decode * endpoint.num_decode_tokens

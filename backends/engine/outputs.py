@@ -40,6 +40,10 @@ class KVTierLoad:
     num_written_blocks: int      # blocks written into it
     up: bool = True              # a store: reachable now
     num_outages: int = 0         # a store: times it went down (the worker ran on without it meanwhile)
+    restore_seconds: float = 0.0  # time spent reading blocks back from it, over the worker's life
+    # Reading a token back from it, as a fraction of computing it (the engine's measured prefill cost per
+    # token): what a gateway's routing weighs a block held here by. None until both are measured.
+    restore_fraction: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import Counter, deque
+import time
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,9 @@ from backends.kv_tiers.base import KVTier, TierUsage
 from backends.kv_tiers.block_io import BlockIO
 
 log = logging.getLogger(__name__)
+
+# A tier's restore cost is reported once it read back this many blocks (fewer are mostly first-read noise).
+MIN_RESTORED_BLOCKS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +74,7 @@ class TieredKVConnector:
         self._loads: queue.SimpleQueue[_Load | None] = queue.SimpleQueue()
         # counters (each written by one thread)
         self.restored: Counter[str] = Counter()   # blocks loaded back, by medium
+        self.restore_seconds: dict[str, float] = defaultdict(float)   # time reading them back (read + copy)
         self.written: Counter[str] = Counter()    # blocks a tier took, by medium
         self.num_dropped_writes = 0               # evicted blocks not written down: no staging buffer free
         self.num_load_errors = 0
@@ -168,10 +173,12 @@ class TieredKVConnector:
         for i, (block_id, block_hash) in enumerate(zip(load.block_ids, load.block_hashes, strict=True)):
             if load.request_id in self._cancelled:
                 return i
+            started = time.perf_counter()
             tier = next((t for t in self.tiers if t.get(block_hash, out)), None)
             if tier is None:
                 return i
             self.block_io.write(block_id, buf)
+            self.restore_seconds[tier.medium] += time.perf_counter() - started
             self.restored[tier.medium] += 1
         return len(load.block_ids)
 
@@ -205,11 +212,20 @@ class TieredKVConnector:
     def usage(self) -> tuple[TierUsage, ...]:
         return tuple(t.usage() for t in self.tiers)
 
-    def load(self) -> tuple[KVTierLoad, ...]:
+    def load(self, seconds_per_token: float | None = None) -> tuple[KVTierLoad, ...]:
+        """Each tier's figures; with `seconds_per_token` (the engine's measured compute of a prompt token),
+        also what reading a token back from it costs against that, once it restored MIN_RESTORED_BLOCKS."""
         return tuple(KVTierLoad(u.medium, u.num_blocks, u.used_bytes, u.capacity_bytes, self.restored[u.medium],
                                 self.written[u.medium], bool(getattr(t, "is_up", True)),
-                                int(getattr(t, "num_outages", 0)))
+                                int(getattr(t, "num_outages", 0)), self.restore_seconds[u.medium],
+                                self._restore_fraction(u.medium, seconds_per_token))
                      for t, u in zip(self.tiers, self.usage(), strict=True))
+
+    def _restore_fraction(self, medium: str, seconds_per_token: float | None) -> float | None:
+        blocks = self.restored[medium]
+        if not seconds_per_token or blocks < MIN_RESTORED_BLOCKS:
+            return None
+        return self.restore_seconds[medium] / (blocks * self.block_size) / seconds_per_token
 
     def close(self) -> None:
         """Stop both threads (pending writes are finished first) and close the tiers."""

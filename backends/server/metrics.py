@@ -86,12 +86,21 @@ def _tier_metrics(report: LoadReport) -> Iterator[GaugeMetricFamily | CounterMet
         (GaugeMetricFamily, "kv_tier_up", "1 while a tier is reachable (a shared store can be down).", "up"),
         (CounterMetricFamily, "kv_tier_outages", "Times a tier went down (the worker ran on without it).",
          "num_outages"),
+        (CounterMetricFamily, "kv_tier_restore_seconds", "Time spent reading KV blocks back from a tier.",
+         "restore_seconds"),
     )
     for cls, name, documentation, attr in families:
         family = cls(f"{PREFIX}_{name}", documentation, labels=["medium"])
         for tier in report.kv_tiers:
             family.add_metric([tier.medium], float(getattr(tier, attr)))
         yield family
+    fraction = GaugeMetricFamily(f"{PREFIX}_kv_tier_restore_fraction",
+                                 "Reading a token back from a tier, as a fraction of computing it (once measured).",
+                                 labels=["medium"])
+    for tier in report.kv_tiers:
+        if tier.restore_fraction is not None:
+            fraction.add_metric([tier.medium], tier.restore_fraction)
+    yield fraction
     yield CounterMetricFamily(f"{PREFIX}_kv_tier_dropped_writes",
                               "Evicted KV blocks not written down because the write queue was full.",
                               value=report.num_kv_dropped_writes)

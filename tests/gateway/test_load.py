@@ -109,7 +109,7 @@ def test_sync_context_manager_releases_on_error() -> None:
     assert lease.released and tracker.snapshot("a") == (0, 0, 0)
 
 
-def report(**fields: int) -> dict[str, int]:
+def report(**fields: object) -> dict[str, object]:
     base = dict(num_running=0, num_waiting=0, num_prefill_tokens_pending=0, num_decode_tokens_pending=0,
                 num_free_blocks=75, num_total_blocks=100, num_cached_blocks=10, block_size=16)
     return {**base, **fields}
@@ -146,9 +146,29 @@ def test_prompt_token_counts_are_optional_and_kept_from_the_last_report_that_had
     assert tracker.prompt_tokens("a") == (1000, 640)
 
 
+def test_tier_restore_fractions_are_read_by_medium_and_kept_from_the_last_report_that_had_them() -> None:
+    tracker = LoadTracker()
+    assert tracker.restore_fractions("never-seen") == (None, None, None)
+    tiers = [{"medium": "cpu", "num_blocks": 3, "restore_fraction": 0.03},
+             {"medium": "disk", "num_blocks": 9, "restore_fraction": None},    # not measured yet
+             {"medium": "store", "num_blocks": -1, "restore_fraction": 0},
+             {"medium": "tape", "restore_fraction": 0.5}]                        # a medium we do not route by
+    tracker.reconcile("a", report(kv_tiers=tiers))
+    assert tracker.restore_fractions("a") == (0.03, None, 0.0)
+    tracker.reconcile("a", report(kv_tiers=[{"medium": "cpu"}]))    # no figure now: the last one stays
+    tracker.reconcile("a", report())
+    assert tracker.restore_fractions("a") == (0.03, None, 0.0)
+    tracker.reconcile("a", report(kv_tiers=[{"medium": "disk", "restore_fraction": 0.05}]))
+    assert tracker.restore_fractions("a") == (None, 0.05, None)
+
+
 @pytest.mark.parametrize("bad", [report(num_running=-1), report(block_size="16"),
                                  {k: v for k, v in report().items() if k != "num_waiting"},
-                                 report(num_free_blocks=True), report(num_cached_prompt_tokens=-5)])
+                                 report(num_free_blocks=True), report(num_cached_prompt_tokens=-5),
+                                 report(kv_tiers={"medium": "cpu"}), report(kv_tiers=["cpu"]),
+                                 report(kv_tiers=[{"medium": "cpu", "restore_fraction": -0.1}]),
+                                 report(kv_tiers=[{"medium": "disk", "restore_fraction": "0.1"}]),
+                                 report(kv_tiers=[{"medium": "disk", "restore_fraction": float("nan")}])])
 def test_malformed_reports_are_rejected(bad: dict) -> None:
     with pytest.raises(ValueError):
         LoadTracker().reconcile("a", bad)

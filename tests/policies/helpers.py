@@ -5,9 +5,11 @@ from policies.base import EndpointState, RequestFacts
 
 
 def ep(endpoint_id: str, *, healthy: bool = True, requests: int = 0, prefill: int = 0, decode: int = 0,
-       matched: int = 0, kv_free: float | None = None, tiers: tuple[int, int, int] = (0, 0, 0)) -> EndpointState:
-    """`matched`: device blocks; `tiers`: the (cpu, disk, store) blocks of the run past them."""
-    return EndpointState(endpoint_id, healthy, requests, prefill, decode, matched, kv_free, tiers)
+       matched: int = 0, kv_free: float | None = None, tiers: tuple[int, int, int] = (0, 0, 0),
+       restore: tuple[float | None, float | None, float | None] = (None, None, None)) -> EndpointState:
+    """`matched`: device blocks; `tiers`: the (cpu, disk, store) blocks of the run past them; `restore`: the
+    restore fractions its worker measured for those media."""
+    return EndpointState(endpoint_id, healthy, requests, prefill, decode, matched, kv_free, tiers, restore)
 
 
 def fleet(n: int, **kwargs: object) -> list[EndpointState]:

@@ -53,6 +53,20 @@ def test_choice_table(options, endpoints, expected, reason) -> None:
     # a disk hit outweighs less load than a device hit: 0.5 x 10 x 16 = 80 < 0.5 x 200 in flight < 160
     ({"load_factor": 10.0}, [ep("disk", tiers=(0, 10, 0), decode=200), ep("idle")], "idle"),
     ({"load_factor": 10.0}, [ep("dev", matched=10, decode=200), ep("idle")], "dev"),
+    # a measured restore fraction replaces the fixed weight: disk read back at 0.04 of its compute is worth
+    # 0.96 x 10 x 16 = 153.6 > 100 in flight...
+    ({"load_factor": 10.0}, [ep("disk", tiers=(0, 10, 0), decode=200, restore=(None, 0.04, None)), ep("idle")],
+     "disk"),
+    # ...unless measured weights are off, or the figure is for another medium (then 0.5 x 160 = 80 < 100)
+    ({"load_factor": 10.0, "measured_tier_weights": False},
+     [ep("disk", tiers=(0, 10, 0), decode=200, restore=(None, 0.04, None)), ep("idle")], "idle"),
+    ({"load_factor": 10.0}, [ep("disk", tiers=(0, 10, 0), decode=200, restore=(0.01, None, None)), ep("idle")],
+     "idle"),
+    # a slow medium measured at more than its compute is worth nothing (0 x 8 < 4 on the device), and a
+    # fraction below 0 counts as free, never above a device block (1 x 5 < 6, where 1.5 x 5 would win)
+    ({}, [ep("dev", matched=4), ep("store", tiers=(0, 0, 8), restore=(None, None, 1.7))], "dev"),
+    ({}, [ep("dev", matched=6), ep("cpu", tiers=(5, 0, 0), restore=(-0.5, None, None))], "dev"),
+    ({}, [ep("dev", matched=4), ep("cpu", tiers=(5, 0, 0), restore=(-0.5, None, None))], "cpu"),
 ])
 def test_tier_hits_are_discounted(options, endpoints, expected) -> None:
     d = select(endpoints, **options)
@@ -62,7 +76,7 @@ def test_tier_hits_are_discounted(options, endpoints, expected) -> None:
 
 
 def test_tier_weights_are_checked_and_a_tier_hit_counts_for_the_prefix_key() -> None:
-    for bad in ({"cpu_weight": 1.5}, {"disk_weight": -0.1}, {"store_weight": "0.3"}):
+    for bad in ({"cpu_weight": 1.5}, {"disk_weight": -0.1}, {"store_weight": "0.3"}, {"measured_tier_weights": "yes"}):
         with pytest.raises(ValueError):
             make_policy(PolicyName.PREFIX_AWARE, bad)
     policy = make_policy(PolicyName.PREFIX_AWARE, {"seed": 0, "cpu_weight": 1.0})

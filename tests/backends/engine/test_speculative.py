@@ -276,3 +276,19 @@ def test_step_cost_fits_fixed_plus_per_row_and_prices_a_row_by_batch() -> None:
     assert cost.verify_cost(1) == pytest.approx(0.005 / 0.035)
     assert cost.verify_cost(8) == pytest.approx(0.040 / 0.070)
     assert cost.verify_cost(1) < cost.verify_cost(8) < cost.verify_cost(32) < 1.0
+
+
+def test_step_cost_gives_a_row_price_only_when_it_was_measured() -> None:
+    cost = StepCost(prior_row_ratio=0.06)
+    assert cost.per_row_seconds() is None
+    for _ in range(20):                    # one size only: no slope to fit, and the prior is not a measurement
+        cost.observe(1, 0.032)
+    assert cost.per_row_seconds() is None
+    for rows in (1, 64, 1, 256):           # decodes and prefill chunks: the slope is measured
+        for _ in range(5):
+            cost.observe(rows, 0.030 + 0.002 * rows)
+    assert cost.per_row_seconds() == pytest.approx(0.002)
+    flat = StepCost()
+    for rows in (1, 64, 1, 256):           # a step that gets faster with more rows is no sound fit
+        flat.observe(rows, 0.050 - 0.0001 * rows)
+    assert flat.per_row_seconds() is None

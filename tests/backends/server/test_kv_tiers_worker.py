@@ -13,6 +13,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.load import LoadReport
 from tests.support.mooncake import Master
 from tests.support.wait import wait_until
 from tests.support.worker_proc import WorkerProcess, supervised, worker_process
@@ -75,8 +76,13 @@ def test_evicted_prefix_comes_back_from_ram_and_disk(tmp_path: Path) -> None:
         assert sum(restored.values()) == 4 and restored["disk"] >= 1   # RAM spilled the oldest to disk
         capacity = _tier_metric(url, "switchyard_kv_tier_capacity_bytes")
         assert capacity["cpu"] > 0 and capacity["disk"] > 0
+        seconds = _tier_metric(url, "switchyard_kv_tier_restore_seconds_total")
+        assert all((seconds[m] > 0) == (n > 0) for m, n in restored.items())
         load = orjson.loads(_get(url, "/load"))
         assert load["num_free_blocks"] == load["num_total_blocks"]     # nothing leaked
+        # the gateway reads each medium's measured restore cost from this very body (None: not measured yet)
+        by_medium = {t["medium"]: t["restore_fraction"] for t in load["kv_tiers"]}
+        assert LoadReport.from_mapping(load).restore_fractions == (by_medium["cpu"], by_medium["disk"], None)
 
 
 def test_a_restarted_worker_serves_the_last_runs_prefix_from_disk(tmp_path: Path) -> None:
