@@ -18,7 +18,9 @@ working set does not fit) behind a fresh gateway with the prefix_aware policy fe
   +ram+disk+store  and --kv-store, a fresh mooncake_master (backends/kv_tiers/mooncake_store.start_master);
              "not run" when the mooncake client or its master is not installed
 Rounds alternate the configurations' order; the table gives medians over rounds. `--policy session_affinity`
-(each request names its session) tells routing apart from the pool's pressure.
+(each request names its session) tells routing apart from the pool's pressure. prefix_aware weighs a block in a
+tier by 1 - the restore fraction its worker measured and reports (the table shows the last round's figures);
+`--fixed-tier-weights` makes it use the fixed cpu/disk/store weights instead.
 
     .venv/bin/python benchmarks/kv_tiers_replay.py [--rounds 2] [--requests 200] [--concurrency 4]
 """
@@ -269,7 +271,7 @@ def run_config(config: str, args: argparse.Namespace, turns: list[Turn], model_d
         urls = [w.url for w in starting]
         gateway_config = {
             "models": {MODEL: {"tokenizer": str(model_dir), "providers": ["local"],
-                               "policy": {"name": args.policy}}},
+                               "policy": policy_config(args)}},
             "providers": {"local": {"kind": "openai", "endpoints": urls, "offers_load": True,
                                     "offers_kv_events": True}},
             "pollers": {"health_interval_s": 0.5, "load_interval_s": 0.1, "kv_events_interval_s": 0.1},
@@ -286,10 +288,12 @@ def run_config(config: str, args: argparse.Namespace, turns: list[Turn], model_d
         loads = [get_json(url + "/load") for url in urls]
         served = [chats_served(url) - 1 for url in urls]
         tiers: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        fractions: dict[str, list[float | None]] = collections.defaultdict(list)   # per medium, each worker's
         for load in loads:
             for t in load["kv_tiers"]:
                 tiers[t["medium"]].update(restored=t["num_restored_blocks"], written=t["num_written_blocks"],
                                           held=max(0, t["num_blocks"]))
+                fractions[t["medium"]].append(t.get("restore_fraction"))
         dropped = sum(load["num_kv_dropped_writes"] for load in loads)
         not_freed = sum(load["num_total_blocks"] - load["num_free_blocks"] for load in loads)   # 0 once idle
         gateway_log = gateway.log()
@@ -298,7 +302,22 @@ def run_config(config: str, args: argparse.Namespace, turns: list[Turn], model_d
                                    if re.search(PROBLEM, line))
     shutil.rmtree(workdir, ignore_errors=True)
     return {"replay": result, "cpu_s": cpu_s, "served": served, "tiers": dict(tiers), "dropped": dropped,
-            "not_freed": not_freed, "problems": problems}
+            "not_freed": not_freed, "problems": problems, "fractions": dict(fractions)}
+
+
+def policy_config(args: argparse.Namespace) -> dict[str, Any]:
+    if args.policy == "prefix_aware" and args.fixed_tier_weights:
+        return {"name": args.policy, "measured_tier_weights": False}
+    return {"name": args.policy}
+
+
+def restore_fractions(run: dict[str, Any]) -> str:
+    """Each medium's restore fraction as each worker last reported it ("?": not measured)."""
+    def one(value: float | None) -> str:
+        return "?" if value is None else f"{value:.3f}"
+
+    return " / ".join(",".join(one(v) for v in run["fractions"][m]) if m in run["fractions"] else "–"
+                      for m in ("cpu", "disk", "store"))
 
 
 # ---------------------------------------------------------------- main
@@ -316,6 +335,8 @@ def main() -> None:
     ap.add_argument("--policy", default="prefix_aware", choices=["prefix_aware", "session_affinity"],
                     help="the gateway's; with session_affinity each request names its session")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    ap.add_argument("--fixed-tier-weights", action="store_true",
+                    help="prefix_aware with measured_tier_weights off (the fixed 0.8/0.5/0.3)")
     args = ap.parse_args()
 
     configs = list(args.configs)
@@ -335,7 +356,8 @@ def main() -> None:
           f"{sum(len(t.token_ids) for t in turns)} prompt tokens ({num_blocks} blocks, longest "
           f"{max(len(t.token_ids) for t in turns)} tokens), {args.max_tokens} out | unbounded-cache hit rate "
           f"{ideal_hit_rate(turns):.3f} | per worker: {args.num_blocks} device blocks, RAM tier {args.ram_blocks} "
-          f"blocks, disk {args.disk_gb} GiB | concurrency {args.concurrency} | policy {args.policy}", flush=True)
+          f"blocks, disk {args.disk_gb} GiB | concurrency {args.concurrency} | policy {args.policy}"
+          f"{' (fixed tier weights)' if args.fixed_tier_weights else ''}", flush=True)
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     for r in range(args.rounds):
         for config in configs if r % 2 == 0 else configs[::-1]:
@@ -347,7 +369,8 @@ def main() -> None:
                   f"{1e3 * pct(rep.ttft_s, 50):6.0f} p90 {1e3 * pct(rep.ttft_s, 90):6.0f} ms  replay "
                   f"{rep.wall_s:5.1f} s, workers' CPU {res['cpu_s']:5.1f} s (config {time.perf_counter() - t0:5.1f} "
                   f"s)  served {res['served']}  errors {rep.num_errors}  tiers {res['tiers']}  dropped writes "
-                  f"{res['dropped']}  device blocks not free once idle {res['not_freed']}", flush=True)
+                  f"{res['dropped']}  device blocks not free once idle {res['not_freed']}  restore fractions "
+                  f"{restore_fractions(res)}", flush=True)
             for line, n in res["problems"].most_common(8):
                 print(f"#     log x{n}: {line}")
     report(runs, configs)
@@ -363,11 +386,11 @@ def report(runs: dict[str, list[dict[str, Any]]], configs: list[str]) -> None:
 
     print("\n| configuration | prefix hit rate | TTFT p50 ms | TTFT p90 ms | replay s | workers' CPU s "
           "| requests per worker | restored blocks (cpu/disk/store) | written blocks (cpu/disk/store) | dropped writes "
-          "| errors |")
-    print("|---" * 11 + "|")
+          "| errors | restore fraction per worker (cpu/disk/store) |")
+    print("|---" * 12 + "|")
     for config in CONFIGS:
         if config not in configs:
-            print(f"| {config} | not run | | | | | | | | | |")
+            print(f"| {config} | not run | | | | | | | | | | |")
             continue
         last = runs[config][-1]
         cells = [f"{med(config, lambda r: r['replay'].num_cached_tokens / r['replay'].num_prompt_tokens):.3f}",
@@ -375,7 +398,7 @@ def report(runs: dict[str, list[dict[str, Any]]], configs: list[str]) -> None:
                  f"{med(config, lambda r: 1e3 * pct(r['replay'].ttft_s, 90)):.0f}",
                  f"{med(config, lambda r: r['replay'].wall_s):.1f}", f"{med(config, lambda r: r['cpu_s']):.1f}",
                  str(last["served"]), tier_counts(last, "restored"), tier_counts(last, "written"),
-                 str(last["dropped"]), str(last["replay"].num_errors)]
+                 str(last["dropped"]), str(last["replay"].num_errors), restore_fractions(last)]
         print(f"| {config} | " + " | ".join(cells) + " |")
     print("(medians over rounds; the counters are the last round's, summed over both workers)")
 

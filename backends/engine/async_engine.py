@@ -137,12 +137,15 @@ class AsyncEngine:
     # --- observation (any time, from the event loop) ------------------------------------------
     def load_report(self) -> LoadReport:
         """The engine's last published load; the KV tiers' part read now (their writer and loader
-        threads move blocks while the engine thread idles, and they count under their own locks)."""
+        threads move blocks while the engine thread idles, and they count under their own locks), priced
+        against the engine's latest measure of a prompt token's compute."""
         assert self._report is not None and self._engine is not None, "engine not started"
         tiers = self._engine.kv_tiers
         if tiers is None:
             return self._report
-        return dataclasses.replace(self._report, kv_tiers=tiers.load(), num_kv_dropped_writes=tiers.num_dropped_writes)
+        per_token = self._engine.seconds_per_prompt_token    # read once: the restore costs are priced against it
+        return dataclasses.replace(self._report, kv_tiers=tiers.load(per_token), seconds_per_prompt_token=per_token,
+                                   num_kv_dropped_writes=tiers.num_dropped_writes)
 
     def stats(self) -> EngineStats:
         assert self._stats is not None, "engine not started"

@@ -147,7 +147,7 @@ class LLMEngine:
         self.spec_policy = None if proposer is None else SpecPolicy(
             config.num_speculative_tokens, proposer.cost_per_token, adaptive=config.spec_adaptive)
         self.step_cost = StepCost()   # step time against rows: a draft row's price, a prompt token's
-        self.seconds_per_token: float | None = None   # a prompt token's compute, last measured (KV tier reports)
+        self.seconds_per_prompt_token: float | None = None   # a prompt token's compute, last measured (KV tier reports)
         self._counts = dict.fromkeys(("prompt", "cached", "generated", "finished", "failed", "steps",
                                       "spec_proposed", "spec_accepted", "spec_verifications"), 0)
 
@@ -237,8 +237,9 @@ class LLMEngine:
                           bm.num_cached_blocks, bm.block_size, bm.num_held_blocks,
                           self._counts["spec_proposed"], self._counts["spec_accepted"], self._counts["prompt"],
                           self._counts["cached"],
-                          () if self.kv_tiers is None else self.kv_tiers.load(self.seconds_per_token),
-                          0 if self.kv_tiers is None else self.kv_tiers.num_dropped_writes)
+                          () if self.kv_tiers is None else self.kv_tiers.load(self.seconds_per_prompt_token),
+                          0 if self.kv_tiers is None else self.kv_tiers.num_dropped_writes,
+                          self.seconds_per_prompt_token)
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[SequenceOutput]:
@@ -265,7 +266,7 @@ class LLMEngine:
                                    [s.seq.spec_token_ids[:s.num_spec_tokens] for s in sampled]))
             self.step_cost.observe(out.batch.num_tokens, time.perf_counter() - started)
             if self.kv_tiers is not None:
-                self.seconds_per_token = self.step_cost.per_row_seconds() or self.seconds_per_token
+                self.seconds_per_prompt_token = self.step_cost.per_row_seconds() or self.seconds_per_prompt_token
             rejected = [0] * len(out.scheduled)
             finishing: list[tuple[Sequence, FinishReason]] = []
             appended: list[SequenceOutput] = []

@@ -64,3 +64,6 @@ class LoadReport:
     num_cached_prompt_tokens: int = 0 # of those, served by the prefix cache (the gateway's hit rate per endpoint)
     kv_tiers: tuple[KVTierLoad, ...] = ()   # the KV tiers below the device pool, fastest first
     num_kv_dropped_writes: int = 0    # evicted blocks not written down (the write queue was full)
+    # A prompt token's compute, fitted from the engine's step times against their rows (None: not yet
+    # measured; kept only with KV tiers, whose restore cost is priced against it).
+    seconds_per_prompt_token: float | None = None

@@ -36,9 +36,6 @@ from backends.kv_tiers.block_io import BlockIO
 
 log = logging.getLogger(__name__)
 
-# A tier's restore cost is reported once it read back this many blocks (fewer are mostly first-read noise).
-MIN_RESTORED_BLOCKS = 4
-
 
 @dataclass(frozen=True, slots=True)
 class _Load:
@@ -214,7 +211,7 @@ class TieredKVConnector:
 
     def load(self, seconds_per_token: float | None = None) -> tuple[KVTierLoad, ...]:
         """Each tier's figures; with `seconds_per_token` (the engine's measured compute of a prompt token),
-        also what reading a token back from it costs against that, once it restored MIN_RESTORED_BLOCKS."""
+        also what reading a token back from it costs against that, once it restored a block."""
         return tuple(KVTierLoad(u.medium, u.num_blocks, u.used_bytes, u.capacity_bytes, self.restored[u.medium],
                                 self.written[u.medium], bool(getattr(t, "is_up", True)),
                                 int(getattr(t, "num_outages", 0)), self.restore_seconds[u.medium],
@@ -223,7 +220,7 @@ class TieredKVConnector:
 
     def _restore_fraction(self, medium: str, seconds_per_token: float | None) -> float | None:
         blocks = self.restored[medium]
-        if not seconds_per_token or blocks < MIN_RESTORED_BLOCKS:
+        if not seconds_per_token or not blocks:
             return None
         return self.restore_seconds[medium] / (blocks * self.block_size) / seconds_per_token
 

@@ -52,6 +52,9 @@ class EngineCollector(Collector):
                      used / report.num_total_blocks if report.num_total_blocks else 0.0)
         if report.kv_tiers:
             yield from _tier_metrics(report)
+        if report.seconds_per_prompt_token is not None:
+            yield _gauge("prompt_token_seconds", "A prompt token's compute, fitted from step times (with KV tiers).",
+                         report.seconds_per_prompt_token)
         stats = self._stats()
         yield _gauge("prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens, over the worker's life.",
                      stats.prefix_hit_rate)

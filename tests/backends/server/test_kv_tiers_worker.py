@@ -80,8 +80,14 @@ def test_evicted_prefix_comes_back_from_ram_and_disk(tmp_path: Path) -> None:
         assert all((seconds[m] > 0) == (n > 0) for m, n in restored.items())
         load = orjson.loads(_get(url, "/load"))
         assert load["num_free_blocks"] == load["num_total_blocks"]     # nothing leaked
-        # the gateway reads each medium's measured restore cost from this very body (None: not measured yet)
+        # Each medium's restore cost: its read-back time per token against the worker's measured compute of a
+        # prompt token (None while a fit of its step times has not measured that), as the gateway reads it.
+        per_token = load["seconds_per_prompt_token"]
         by_medium = {t["medium"]: t["restore_fraction"] for t in load["kv_tiers"]}
+        for tier in load["kv_tiers"]:
+            want = tier["restore_seconds"] / (tier["num_restored_blocks"] * BLOCK) / per_token if (
+                per_token is not None and tier["num_restored_blocks"]) else None
+            assert tier["restore_fraction"] == (None if want is None else pytest.approx(want))
         assert LoadReport.from_mapping(load).restore_fractions == (by_medium["cpu"], by_medium["disk"], None)
 
 
