@@ -307,7 +307,7 @@ def run_config(config: str, args: argparse.Namespace, turns: list[Turn], model_d
 
 def policy_config(args: argparse.Namespace) -> dict[str, Any]:
     if args.policy == "prefix_aware" and args.fixed_tier_weights:
-        return {"name": args.policy, "measured_tier_weights": False}
+        return {"name": args.policy, "options": {"measured_tier_weights": False}}
     return {"name": args.policy}
 
 
