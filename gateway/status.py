@@ -18,6 +18,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from gateway.breaker import CircuitState
+from gateway.load import TIER_MEDIA
 from gateway.services import SERVICES, Services
 from gateway.state import StoreUnavailable
 
@@ -96,6 +97,10 @@ def _endpoints(services: Services) -> list[dict[str, Any]]:
             # Cumulative, from the worker's /load (None: it does not report them); the page takes rates.
             "num_prompt_tokens": None if prompt is None else prompt[0],
             "num_cached_prompt_tokens": None if prompt is None else prompt[1],
+            # Reading a token back from each KV tier against computing it, as the worker measured it: what
+            # prefix_aware weighs that tier's blocks by (1 - fraction). Media it has not reported are left out.
+            "kv_restore_fractions": {medium: f for medium, f in zip(TIER_MEDIA, registry.restore_fractions(endpoint_id),
+                                                                     strict=True) if f is not None},
         })
     return rows
 

@@ -20,7 +20,7 @@ from cache.kv_events import KvEventBatch
 from cache.prefix_index import PrefixIndex
 from gateway.breaker import CircuitBreaker, CircuitState
 from gateway.config import GatewayConfig, Pool, ProviderConfig
-from gateway.load import LoadReport, LoadTracker
+from gateway.load import LoadReport, LoadTracker, RestoreFractions
 from gateway.metrics import EndpointRow, PollFailureRow
 from gateway.prefix_index import index_block_size, on_load_report
 from gateway.vllm_metrics import load_report_from_metrics
@@ -85,6 +85,10 @@ class UpstreamRegistry:
     def prompt_tokens(self, endpoint_id: str) -> tuple[int, int] | None:
         """For the status page: the endpoint's lifetime (prompt, prefix-cached) tokens from /load, if it sends them."""
         return self._tracker.prompt_tokens(endpoint_id)
+
+    def restore_fractions(self, endpoint_id: str) -> RestoreFractions:
+        """For the status page: the (cpu, disk, store) restore costs the endpoint's worker last reported."""
+        return self._tracker.restore_fractions(endpoint_id)
 
     def num_indexed_blocks(self, endpoint_id: str) -> int:
         """For the status page: prefix-cache blocks the gateway's index holds for the endpoint."""

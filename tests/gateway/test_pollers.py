@@ -59,6 +59,39 @@ async def test_a_device_hit_outranks_a_tier_hit_of_the_same_length(start_fakes, 
     assert metric(gateway, "switchyard_routing_decisions_total", reason="prefix_hit") == 3
 
 
+async def test_a_workers_measured_restore_cost_sets_its_tier_blocks_worth(start_fakes, start_gateway) -> None:
+    """a holds 3 of the prompt's 4 blocks on its device, b all 4 on disk. At the fixed disk weight (0.5 x 4 = 2 < 3)
+    a wins; once b's /load says a disk read costs 0.02 of computing the tokens (0.98 x 4 > 3), b does, and the
+    gateway's /status.json shows the figure it weighs b's disk by. With measured weights off, a again."""
+    prompt = list(range(3000, 3064))
+    hashes = block_hashes(prompt, 16)
+    report = {"num_running": 0, "num_waiting": 0, "num_prefill_tokens_pending": 0, "num_decode_tokens_pending": 0,
+              "num_free_blocks": 100, "num_total_blocks": 100, "num_cached_blocks": 4, "block_size": 16}
+    served = {}
+    for measured in (True, False):
+        a, b = start_fakes("a", "b")
+        a.control(kv_stored=hashes[:3], load_report=report)
+        b.control(kv_stored=hashes, kv_medium="disk", load_report=report)
+        config = gateway_config({"p": [a.url, b.url]}, policy="prefix_aware")
+        config["providers"]["p"].update(offers_kv_events=True, offers_load=True)
+        config["models"]["m"]["policy"]["options"] = {"measured_tier_weights": measured}
+        gateway = start_gateway(config)
+        await await_until(lambda: [(f.stats()["kv_since"] or 0) for f in (a, b)] == [3, 4], "the kv events")
+        async with aiohttp.ClientSession() as client:
+            before = await served_by(client, gateway.url, {"model": "m", "prompt": prompt, "max_tokens": 1})
+            b.control(load_report={**report, "kv_tiers": [{"medium": "disk", "restore_fraction": 0.02}]})
+
+            async def reported() -> bool:
+                async with client.get(gateway.url + "/status.json") as response:
+                    rows = orjson.loads(await response.read())["endpoints"]
+                return {e["id"]: e["kv_restore_fractions"] for e in rows} == {a.url: {}, b.url: {"disk": 0.02}}
+
+            await await_until(reported, "b's restore cost to reach the gateway")
+            after = await served_by(client, gateway.url, {"model": "m", "prompt": prompt, "max_tokens": 1})
+        served[measured] = (before, after)
+    assert served == {True: ("a", "b"), False: ("a", "a")}
+
+
 async def test_a_malformed_kv_events_poll_is_a_warning_and_a_counted_failure(start_fakes, start_gateway) -> None:
     fake, = start_fakes("a")
     # The field names the gateway once expected, which no worker sends: every poll of them fails.
