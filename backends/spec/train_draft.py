@@ -1,10 +1,11 @@
 """`switchyard train-draft`: distil an EAGLE head from the target within a CPU time budget, save it in the
 EAGLE layout and report its acceptance (mean accepted length of greedy drafts on held-out prompts).
 
-Steps: the target (transformers) writes answers to the built-in prompts (backends/spec/train_prompts.py);
-one forward over each text gives the target's final hidden states; the head learns to predict the next
-hidden state (smooth L1) and the target's next-token distribution (cross-entropy); the saved head is
-then measured through EagleProposer on the target's greedy answers to held-out prompts.
+Steps: the target writes sampled answers to the built-in prompts (backends/spec/train_prompts.py), with the
+final hidden states it computed on the way: by default our own engine, many sequences at once
+(train_texts.py), or transformers' batched generate (`--generator transformers`); the head learns to
+predict the next hidden state (smooth L1) and the target's next-token distribution (cross-entropy); the
+saved head is then measured through EagleProposer on transformers' greedy answers to held-out prompts.
 """
 from __future__ import annotations
 
@@ -96,6 +97,21 @@ def collect(model: Any, tokenizer: Any, prompts: Sequence[Prompt], *, batch_size
         samples += generate(model, tokenizer, prompts[start:start + batch_size], max_new_tokens, sample, seed + start)
         log.info("generated %d texts, %d tokens", len(samples), sum(len(s.token_ids) for s in samples))
     return samples
+
+
+def engine_samples(model_dir: Path, tokenizer: Any, prompts: Sequence[Prompt], *, batch_size: int,
+                   max_new_tokens: int, seed: int, deadline_s: float) -> list[Sample]:
+    """Sampled answers to `prompts` from our engine, with the hidden states it computed (train_texts.py)."""
+    from backends.spec.train_texts import chat_prompt_ids, engine_answers
+
+    def progress(texts: int, tokens: int) -> None:
+        if texts % 32 == 0:
+            log.info("generated %d texts, %d tokens", texts, tokens)
+
+    prompt_ids = [chat_prompt_ids(tokenizer, p.text) for p in prompts]
+    answered = engine_answers(model_dir, prompt_ids, max_new_tokens=max_new_tokens, sample=True, seed=seed,
+                              batch_size=batch_size, deadline_s=deadline_s, on_progress=progress)
+    return [Sample(prompts[i].kind, torch.tensor(ids), len(prompt_ids[i]), hidden) for i, ids, hidden in answered]
 
 
 # --- the head being trained -----------------------------------------------------------------------
@@ -328,7 +344,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-minutes", type=float, default=20.0, help="wall-clock budget of the whole run")
     p.add_argument("--max-samples", type=int, default=None, help="training texts at most (default: the budget's)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="answer length per training text")
-    p.add_argument("--batch-size", type=int, default=8, help="texts generated per batch")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="texts per transformers generate batch (the held-out texts; --generator transformers)")
+    p.add_argument("--generator", choices=("engine", "transformers"), default="engine",
+                   help="who writes the training answers: our engine (continuous batching, --engine-batch at once) "
+                        "or transformers' generate (--batch-size a batch); the held-out texts are transformers'")
+    p.add_argument("--engine-batch", type=int, default=32, help="sequences the engine runs at once")
     p.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts measured (default all 8)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="K of the acceptance measurement")
     p.add_argument("--draft-vocab", type=int, default=8192, help="tokens the head drafts among (0: all)")
@@ -360,9 +381,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     evaluation = collect(model, tokenizer, held_out, batch_size=args.batch_size,
                          max_new_tokens=min(args.max_new_tokens, EVAL_NEW_TOKENS), sample=False, seed=args.seed,
                          deadline_s=None)
-    samples = collect(model, tokenizer, train_prompts, batch_size=args.batch_size,
-                      max_new_tokens=args.max_new_tokens, sample=True, seed=args.seed,
-                      deadline_s=began + 0.5 * budget_s)
+    if args.generator == "engine":
+        samples = engine_samples(model_dir, tokenizer, train_prompts, batch_size=args.engine_batch,
+                                 max_new_tokens=args.max_new_tokens, seed=args.seed, deadline_s=began + 0.5 * budget_s)
+    else:
+        samples = collect(model, tokenizer, train_prompts, batch_size=args.batch_size,
+                          max_new_tokens=args.max_new_tokens, sample=True, seed=args.seed,
+                          deadline_s=began + 0.5 * budget_s)
     config = read_config_json(model_dir)
     vocab = config["vocab_size"]
     draft_ids = draft_vocabulary(samples, args.draft_vocab, vocab) if 0 < args.draft_vocab < vocab else None

@@ -148,7 +148,7 @@ def prompt_sets(seed: int) -> tuple[list[Prompt], list[Prompt]]:
     passages, eval_passages = _split(_PASSAGES, 1)
     rng = random.Random(seed)
     train: list[Prompt] = []
-    for i in range(400):   # more than any budget on a CPU gets through; order mixes the kinds
+    for i in range(4000):   # more than any budget on a CPU gets through; order mixes the kinds
         pick = i % 6
         if pick == 0:
             train.append(Prompt(STRUCTURED, _json_edit(rng)))

@@ -224,6 +224,23 @@ def test_train_draft_writes_a_loadable_head(tmp_path: Path, target: LlamaForCaus
     assert json.loads((out / "train_report.json").read_text())["acceptance"] == report["acceptance"]
 
 
+def test_engine_answers_carry_transformers_hidden_states(smollm2_dir: Path, hf_smollm2) -> None:
+    """train-draft's texts from our engine: three prompts through two sequence slots (one waits for a slot), and
+    the hidden state recorded at each position is transformers' final normed hidden state there."""
+    from backends.spec.train_texts import engine_answers
+
+    prompts = [list(range(200, 230)), list(range(500, 517)), list(range(900, 950))]
+    answered = engine_answers(smollm2_dir, prompts, max_new_tokens=6, sample=True, seed=3, batch_size=2,
+                              deadline_s=None)
+    assert [i for i, _, _ in answered] == [0, 1, 2]
+    for i, ids, hidden in answered:
+        assert ids[:len(prompts[i])] == prompts[i] and len(prompts[i]) < len(ids) <= len(prompts[i]) + 6
+        with torch.inference_mode():
+            want = hf_smollm2(torch.tensor([ids[:-1]]), output_hidden_states=True).hidden_states[-1][0]
+        assert hidden.shape == want.shape
+        assert float((hidden - want).norm() / want.norm()) < 1e-4
+
+
 def test_engine_greedy_with_an_eagle_head_equals_plain_decoding(tmp_path: Path, smollm2_dir: Path, runner: ModelRunner,
                                                                 hf_smollm2, hf_smollm2_f64) -> None:
     """Concurrent requests, then two that hit the prefix cache (the head starts past position 0), drafting
