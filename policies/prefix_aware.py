@@ -36,8 +36,8 @@ class PrefixAwareConfig:
     measured_tier_weights: bool = True
     # The worth where no measurement is reported (another engine, or no restore yet), or with
     # `measured_tier_weights` off: a guess at the share of its prefill that a read from host RAM, a local
-    # disk or the shared store saves (a CPU worker measured restore fractions of 0.01-0.04 at 1,024 tokens,
-    # docs/benchmarks.md: worth 0.96-0.99).
+    # disk or the shared store saves (CPU workers measured restore fractions of 0.003-0.04 for RAM and disk,
+    # up to 0.14 for a Mooncake store: docs/benchmarks.md).
     cpu_weight: float = 0.8
     disk_weight: float = 0.5
     store_weight: float = 0.3
