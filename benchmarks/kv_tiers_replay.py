@@ -30,9 +30,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
-import json
 import os
-import random
 import re
 import shutil
 import statistics
@@ -55,76 +53,17 @@ from backends.worker.loader import resolve_model  # noqa: E402
 from tests.support.gateway_proc import GatewayProcess  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.worker_proc import WorkerProcess  # noqa: E402
+from kv_tiers_replay_trace import BLOCK, Turn, ideal_hit_rate, trace_slice  # noqa: E402  (beside this script)
 from sse import data_chunks  # noqa: E402  (benchmarks/sse.py, beside this script)
 
 MODEL = "smollm2"
-BLOCK = 16                        # worker block; one trace block of 512 tokens maps onto one
-TRACE_BLOCK = 512
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"   # shared/ sits beside the checkout
 BLOCK_BYTES = 30 * 2 * BLOCK * 3 * 64 * 4   # one SmolLM2 fp32 block: 30 layers, K and V, 3 KV heads of 64
 CONFIGS = ("none", "+ram", "+ram+disk", "+ram+disk+store")
-
-
-@dataclass(frozen=True, slots=True)
-class Turn:
-    session: int                  # the trace's second block id: one conversation
-    index: int                    # the turn's place in its session
-    token_ids: tuple[int, ...]    # the scaled prompt
 
 
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))] if s else float("nan")
-
-
-# ---------------------------------------------------------------- the workload
-def block_tokens(hash_id: int) -> list[int]:
-    rng = random.Random(f"trace-block-{hash_id}")
-    return [rng.randrange(100, 20000) for _ in range(BLOCK)]
-
-
-def scaled_prompt(record: dict[str, Any]) -> tuple[int, ...]:
-    ids = record["hash_ids"]
-    tail = record["input_length"] - TRACE_BLOCK * (len(ids) - 1)
-    num_tail = max(1, min(BLOCK, round(tail * BLOCK / TRACE_BLOCK)))
-    out = [t for h in ids[:-1] for t in block_tokens(h)]
-    return tuple(out + block_tokens(ids[-1])[:num_tail])
-
-
-def trace_slice(num_requests: int, max_blocks: int, seed: int) -> list[Turn]:
-    records = [json.loads(line) for line in TRACE.open()]
-    sessions: dict[int, list[int]] = collections.defaultdict(list)
-    for i, r in enumerate(records):
-        if len(r["hash_ids"]) > 1:
-            sessions[r["hash_ids"][1]].append(i)
-    keys = sorted(k for k, v in sessions.items()
-                  if len(v) >= 2 and max(len(records[i]["hash_ids"]) for i in v) <= max_blocks)
-    random.Random(seed).shuffle(keys)
-    chosen: list[int] = []
-    n = 0
-    for k in keys:
-        if n >= num_requests:
-            break
-        chosen.append(k)
-        n += len(sessions[k])
-    order = sorted((i, k, t) for k in chosen for t, i in enumerate(sessions[k]))
-    return [Turn(k, t, scaled_prompt(records[i])) for i, k, t in order]
-
-
-def ideal_hit_rate(turns: list[Turn]) -> float:
-    """Leading full blocks already seen, over prompt tokens: one unbounded cache (the upper bound)."""
-    from cache.block_hash import block_hashes
-    seen: set[int] = set()
-    hit = total = 0
-    for t in turns:
-        hashes = block_hashes(t.token_ids[:-1], BLOCK)   # the last prompt token is always computed
-        n = 0
-        while n < len(hashes) and hashes[n] in seen:
-            n += 1
-        hit += n * BLOCK
-        total += len(t.token_ids)
-        seen.update(hashes)
-    return hit / total
 
 
 # ---------------------------------------------------------------- the replay

@@ -89,6 +89,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from backends.spec.train_texts import chat_prompt_ids
     from backends.worker.loader import resolve_model
 
     model_dir = resolve_model("smollm2")
@@ -98,9 +99,7 @@ def main() -> None:
     for name, texts in (("(a) structured", STRUCTURED), ("(b) prose", PROSE)):
         pairs = []
         for text in texts:
-            rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                               tokenize=False)
-            prompt = tok(rendered, add_special_tokens=False)["input_ids"]
+            prompt = chat_prompt_ids(tok, text)
             with torch.inference_mode():
                 out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=args.max_tokens)
             pairs.append((prompt, out[0, len(prompt):].tolist()))

@@ -116,19 +116,15 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from backends.engine.config import EngineConfig
+    from backends.spec.train_texts import chat_prompt_ids
     from backends.worker.loader import resolve_model
     from backends.worker.model_runner import ModelRunner
 
     model_dir = resolve_model("smollm2")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
 
-    def chat(text: str) -> list[int]:
-        rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                           tokenize=False)
-        return tok(rendered, add_special_tokens=False)["input_ids"]
-
-    workloads = {"(a) structured": [chat(t) for t in STRUCTURED[:args.prompts]],
-                 "(b) prose": [chat(t) for t in PROSE[:args.prompts]]}
+    workloads = {"(a) structured": [chat_prompt_ids(tok, t) for t in STRUCTURED[:args.prompts]],
+                 "(b) prose": [chat_prompt_ids(tok, t) for t in PROSE[:args.prompts]]}
     runner = ModelRunner(model_dir, dtype=torch.float32, device="cpu", num_blocks=512, block_size=16)
     dirs = {"draft": args.draft_dir or default_dir("draft", model_dir),
             "eagle": args.eagle_dir or default_dir("eagle", model_dir)}

@@ -264,7 +264,8 @@ class LLMEngine:
             sampled = [s for s in out.scheduled if s.want_logits]
             verified = iter(verify(logits, [self._row(s.seq) for s in sampled],
                                    [s.seq.spec_token_ids[:s.num_spec_tokens] for s in sampled]))
-            self.step_cost.observe(out.batch.num_tokens, time.perf_counter() - started)
+            if self.proposer is not None or self.kv_tiers is not None:   # the only readers of the step-time fit
+                self.step_cost.observe(out.batch.num_tokens, time.perf_counter() - started)
             if self.kv_tiers is not None:
                 self.seconds_per_prompt_token = self.step_cost.per_row_seconds() or self.seconds_per_prompt_token
             rejected = [0] * len(out.scheduled)

@@ -109,27 +109,31 @@ class StepCost:
         """(fixed, per_row) seconds; the prior's shape scaled to the mean step when the slope is unknown."""
         if self._w == 0.0:
             return 1.0, self.prior_row_ratio
+        line = self._line(min_variance=1.0)
+        if line is not None:
+            return line
         mean_x, mean_y = self._x / self._w, self._y / self._w
-        var_x = self._xx / self._w - mean_x * mean_x
-        if var_x >= 1.0:
-            per_row = (self._xy / self._w - mean_x * mean_y) / var_x
-            fixed = mean_y - per_row * mean_x
-            if per_row > 0.0 and fixed > 0.0:
-                return fixed, per_row
         fixed = mean_y / (1.0 + self.prior_row_ratio * mean_x)
         return fixed, fixed * self.prior_row_ratio
 
     def per_row_seconds(self, min_variance: float = 16.0) -> float | None:
         """The fitted seconds one more row adds to a step, when the steps seen spread their row counts
         (variance at least `min_variance`) and the fit is sound; None otherwise (never the prior)."""
+        line = self._line(max(1.0, min_variance))
+        return None if line is None else line[1]
+
+    def _line(self, min_variance: float) -> tuple[float, float] | None:
+        """(fixed, per_row) by least squares, when the row counts' variance is at least `min_variance` and
+        both come out positive; None otherwise."""
         if self._w == 0.0:
             return None
         mean_x, mean_y = self._x / self._w, self._y / self._w
         var_x = self._xx / self._w - mean_x * mean_x
-        if var_x < max(1.0, min_variance):
+        if var_x < min_variance:
             return None
         per_row = (self._xy / self._w - mean_x * mean_y) / var_x
-        return per_row if per_row > 0.0 and mean_y - per_row * mean_x > 0.0 else None
+        fixed = mean_y - per_row * mean_x
+        return (fixed, per_row) if per_row > 0.0 and fixed > 0.0 else None
 
     def verify_cost(self, rows: int) -> float:
         fixed, per_row = self.fit()

@@ -21,7 +21,6 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,84 +33,16 @@ from torch import nn
 from backends.models.config import ModelConfig, read_config_json
 from backends.models.layers import apply_rotary, rope_inv_freq
 from backends.spec.proposer import DraftRequest
-from backends.spec.train_prompts import PROSE, STRUCTURED, Prompt, prompt_sets
+from backends.spec.train_prompts import PROSE, STRUCTURED, prompt_sets
+from backends.spec.train_texts import Sample, collect, engine_samples
 from backends.worker.loader import default_cache_dir, resolve_model
 
 log = logging.getLogger("switchyard.train_draft")
 EVAL_NEW_TOKENS = 96   # answer length of the held-out greedy texts the acceptance replays
 
 
-@dataclass(frozen=True, slots=True)
-class Sample:
-    kind: str                 # STRUCTURED | PROSE
-    token_ids: torch.Tensor   # [n] int64: prompt then the target's answer
-    num_prompt_tokens: int    # leading tokens that are the prompt
-    hidden: torch.Tensor      # [n - 1, hidden] float32: the target's final normed hidden states (not the last
-                              # token's: generation ends before running it)
-
-
 def default_head_dir(model_dir: Path) -> Path:
     return default_cache_dir() / "eagle" / f"{model_dir.name}-head"
-
-
-# --- the target's text and hidden states --------------------------------------------------------
-def generate(model: Any, tokenizer: Any, prompts: Sequence[Prompt], max_new_tokens: int,
-             sample: bool, seed: int) -> list[Sample]:
-    """The target's answers to `prompts` in one batched generate, with the final normed hidden states it
-    computed on the way (a hook on the final norm: no second forward)."""
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False,
-                                           add_generation_prompt=True) for p in prompts]
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    normed: list[torch.Tensor] = []   # per forward, [batch, new positions, hidden]
-    hook = model.model.norm.register_forward_hook(lambda _m, _i, out: normed.append(out.detach().float()))
-    torch.manual_seed(seed)
-    try:
-        with torch.inference_mode():   # left padding: generate derives positions from the attention mask
-            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=sample,
-                                 temperature=0.7 if sample else None, top_p=0.95 if sample else None,
-                                 top_k=None, pad_token_id=tokenizer.pad_token_id)
-    finally:
-        hook.remove()
-    hidden = torch.cat(normed, dim=1)   # [batch, width + steps - 1, hidden]: every token but the last
-    width = batch["input_ids"].shape[1]
-    samples = []
-    for row, prompt in enumerate(prompts):
-        pad = int((batch["attention_mask"][row] == 0).sum())
-        prompt_ids = batch["input_ids"][row, pad:].tolist()
-        answer = out[row, width:].tolist()
-        if tokenizer.eos_token_id in answer:
-            answer = answer[:answer.index(tokenizer.eos_token_id) + 1]
-        ids = prompt_ids + answer
-        samples.append(Sample(prompt.kind, torch.tensor(ids), len(prompt_ids),
-                              hidden[row, pad:pad + len(ids) - 1].clone()))
-    return samples
-
-
-def collect(model: Any, tokenizer: Any, prompts: Sequence[Prompt], *, batch_size: int, max_new_tokens: int,
-            sample: bool, seed: int, deadline_s: float | None) -> list[Sample]:
-    """Samples for `prompts` batch by batch, stopping at `deadline_s` (after at least one batch)."""
-    samples: list[Sample] = []
-    for start in range(0, len(prompts), batch_size):
-        if samples and deadline_s is not None and time.monotonic() > deadline_s:
-            break
-        samples += generate(model, tokenizer, prompts[start:start + batch_size], max_new_tokens, sample, seed + start)
-        log.info("generated %d texts, %d tokens", len(samples), sum(len(s.token_ids) for s in samples))
-    return samples
-
-
-def engine_samples(model_dir: Path, tokenizer: Any, prompts: Sequence[Prompt], *, batch_size: int,
-                   max_new_tokens: int, seed: int, deadline_s: float) -> list[Sample]:
-    """Sampled answers to `prompts` from our engine, with the hidden states it computed (train_texts.py)."""
-    from backends.spec.train_texts import chat_prompt_ids, engine_answers
-
-    def progress(texts: int, tokens: int) -> None:
-        if texts % 32 == 0:
-            log.info("generated %d texts, %d tokens", texts, tokens)
-
-    prompt_ids = [chat_prompt_ids(tokenizer, p.text) for p in prompts]
-    answered = engine_answers(model_dir, prompt_ids, max_new_tokens=max_new_tokens, sample=True, seed=seed,
-                              batch_size=batch_size, deadline_s=deadline_s, on_progress=progress)
-    return [Sample(prompts[i].kind, torch.tensor(ids), len(prompt_ids[i]), hidden) for i, ids, hidden in answered]
 
 
 # --- the head being trained -----------------------------------------------------------------------
