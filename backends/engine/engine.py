@@ -147,6 +147,7 @@ class LLMEngine:
         self.spec_policy = None if proposer is None else SpecPolicy(
             config.num_speculative_tokens, proposer.cost_per_token, adaptive=config.spec_adaptive)
         self.step_cost = StepCost()   # step time against rows: a draft row's price, a prompt token's
+        self._spec_clock = 0          # steps that had draft candidates: probes fall on its multiples
         self.seconds_per_prompt_token: float | None = None   # a prompt token's compute, last measured (KV tier reports)
         self._counts = dict.fromkeys(("prompt", "cached", "generated", "finished", "failed", "steps",
                                       "spec_proposed", "spec_accepted", "spec_verifications"), 0)
@@ -297,20 +298,36 @@ class LLMEngine:
         return outputs
 
     def _propose(self) -> None:
-        """Ask the proposer for drafts for every decoding sequence; its K is the sequence's own."""
+        """Ask the proposer for drafts for every decoding sequence; the policy picks each one's k together."""
         assert self.proposer is not None and self.spec_policy is not None
-        requests: list[DraftRequest] = []
-        seqs: list[Sequence] = []
-        verify_cost = self.step_cost.verify_cost(len(self.scheduler.running))   # a row's price in this step
+        policy = self.spec_policy
+        candidates: list[tuple[Sequence, int]] = []
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling or not seq.params.speculative:
                 continue
-            k = min(seq.spec.next_k(self.spec_policy, verify_cost), seq.params.max_tokens - seq.num_output_tokens - 1,
-                    self.max_model_len - seq.num_tokens)
-            if k > 0:
-                requests.append(DraftRequest(seq.request_id, seq.token_ids, k))
-                seqs.append(seq)
+            cap = min(policy.max_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
+                      self.max_model_len - seq.num_tokens)
+            if cap > 0:
+                candidates.append((seq, cap))
+        if not candidates:
+            return
+        fixed, per_row = self.step_cost.fit()
+        rows = len(self.scheduler.running)
+        ks = policy.choose([seq.spec.rate for seq, _ in candidates], [cap for _, cap in candidates],
+                           fixed, per_row, rows)
+        self._spec_clock += 1
+        probing = (policy.adaptive and self._spec_clock % policy.probe_every == 0
+                   and policy.can_pay_off(len(candidates), fixed, per_row, rows))
+        requests: list[DraftRequest] = []
+        seqs: list[Sequence] = []
+        for (seq, _), k in zip(candidates, ks, strict=True):
+            if k == 0:
+                if not seq.spec.idle(policy, probing):
+                    continue
+                k = 1                       # a probe, with every other idle sequence due one
+            requests.append(DraftRequest(seq.request_id, seq.token_ids, k))
+            seqs.append(seq)
         if not requests:
             return
         try:

@@ -1,19 +1,28 @@
-"""How many tokens to draft for one sequence next step: chosen from its own recent acceptance.
+"""How many tokens to draft for each sequence next step: chosen for the whole batch from each
+sequence's own recent acceptance.
 
 Each sequence keeps decayed counts of draft tokens that the target checked and accepted. With a
-per-token acceptance rate a, drafting K tokens yields (1 - a^(K+1)) / (1 - a) tokens for a step
-that costs 1 + K * (draft cost + verify cost) of the sequence's share of a plain step; K is the value
-that maximises tokens per cost (0: plain decoding).
+per-token acceptance rate a, drafting k tokens yields (1 - a^(k+1)) / (1 - a) tokens instead of 1.
 
-The verify cost is not a constant: it is what one more row adds to a step, against one sequence's
-share of that step. `StepCost` fits the engine's own step times as fixed + per_row * rows, so at batch
-1 on a CPU a row costs 0.04-0.06 of a step (the step reads the weights; rows ride along), while in an
-8-sequence step it costs a quarter to a half of a sequence's share, and only high acceptance pays.
+The step's price comes from `StepCost`, the engine's own step times fitted as F + r * rows: each
+verify row costs r. The proposer runs once per draft depth over the sequences drafting that deep, and
+is priced like a model c times the target's size (c: its `cost_per_token`): c * F per depth, since it
+reads its weights once whichever sequences draft, plus c * r per drafted token. So a step where the
+deepest draft is D tokens and the drafts total S costs
 
-A sequence whose K fell to 0 tries again (K = 1) after `probe_every` steps, so speculation comes back
-when the text turns repetitive, unless drafting would gain less than 10% even at an acceptance rate
-of 0.9 (a draft model nearly as costly as the target, or a batch so big that rows are dear): then it
-is not probed, since each probe would also pay for the draft's catch-up.
+    F + r * rows + r * (1 + c) * S + c * F * D
+
+and yields sum over sequences of (1 - a^(k+1)) / (1 - a). The K of every sequence is chosen together
+to maximise tokens per second: a lone draft pays the proposer's whole weight reading, while eight
+sequences drafting together share it. At batch 1 this is the per-sequence rule tokens per cost of
+1 + k * (c + r / (F + r)). Drafting must beat plain decoding by 2%, and a depth the one below it by 2%.
+
+A sequence that drafts nothing for `probe_every` steps tries again (k = 1) at the next step whose
+count is a multiple of `probe_every`, together with every other idle sequence, so that speculation
+comes back when the text turns repetitive and the probes share one proposer pass. Each rejected probe
+in a row doubles its wait (up to 8 times `probe_every`), so unique prose probes rarely. Nothing is
+probed when drafting would gain less than 10% even at an acceptance rate of 0.9 (a draft model nearly
+as costly as the target, or a batch so big that rows are dear).
 """
 from __future__ import annotations
 
@@ -27,28 +36,63 @@ _HIGH_RATE = 0.9       # a proposer that would not pay off at this acceptance is
 
 @dataclass(frozen=True, slots=True)
 class SpecPolicy:
-    max_tokens: int            # K at most (--num-speculative-tokens)
-    draft_cost: float          # one drafted token, in target decode steps (the proposer's cost_per_token)
-    probe_every: int = 16      # steps between retries once K fell to 0
-    adaptive: bool = True      # False: always K = max_tokens
+    max_tokens: int            # k at most (--num-speculative-tokens)
+    draft_cost: float          # the proposer's size against the target's (its cost_per_token)
+    probe_every: int = 16      # steps between retries once a sequence's k fell to 0
+    adaptive: bool = True      # False: always k = max_tokens
 
-    def can_pay_off(self, verify_cost: float) -> bool:
-        """Whether drafting would gain at least 10% even at a 0.9 acceptance rate."""
-        return not self.adaptive or self._best(_HIGH_RATE, verify_cost)[1] >= 1.1
+    def choose(self, rates: list[float], caps: list[int], fixed: float, per_row: float, rows: int) -> list[int]:
+        """k for each candidate sequence (its acceptance rate, its cap) in a step of `rows` rows, for a step
+        time of `fixed` + `per_row` * rows seconds (StepCost.fit)."""
+        if not self.adaptive:
+            return [min(self.max_tokens, cap) for cap in caps]
+        return self._best(rates, caps, fixed, per_row, rows)[0]
 
-    def best_k(self, rate: float, verify_cost: float) -> int:
-        return self.max_tokens if not self.adaptive else self._best(rate, verify_cost)[0]
+    def can_pay_off(self, count: int, fixed: float, per_row: float, rows: int) -> bool:
+        """Whether `count` sequences drafting together would gain at least 10% at a 0.9 acceptance rate."""
+        if not self.adaptive:
+            return True
+        return count > 0 and self._best([_HIGH_RATE] * count, [self.max_tokens] * count, fixed, per_row, rows)[1] >= 1.1
 
-    def _best(self, rate: float, verify_cost: float) -> tuple[int, float]:
-        """The K with the most tokens per cost at this acceptance rate, and that ratio (K = 0: 1)."""
-        best_k, best_value = 0, 1.0
-        per_token = self.draft_cost + verify_cost
-        for k in range(1, self.max_tokens + 1):
-            expected = k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
-            value = expected / (1.0 + k * per_token)
-            if value > best_value * 1.02:     # a K must beat the one below it clearly
-                best_k, best_value = k, value
-        return best_k, best_value
+    def _best(self, rates: list[float], caps: list[int], fixed: float, per_row: float,
+              rows: int) -> tuple[list[int], float]:
+        """The ks with the most tokens per second, and their gain over plain decoding (1 when all are 0).
+
+        At a price per draft token, each sequence's best k is where one more draft would add fewer tokens
+        (rate^k) than it costs; a depth D caps every k at D. The price is the throughput to beat, raised
+        to the best found (Dinkelbach's step for a ratio), for a few rounds."""
+        c = self.draft_cost
+        rows = max(rows, len(rates), 1)
+        plain_seconds = fixed + per_row * rows
+        row_seconds = per_row * (1.0 + c)
+        best_ks, best_gain = [0] * len(rates), 1.0
+        for _ in range(3):
+            price = best_gain * rows / plain_seconds * row_seconds      # tokens a draft token must bring
+            gains = [_gains(rate, cap, price) for rate, cap in zip(rates, caps, strict=True)]
+            deepest = min(self.max_tokens, max((len(g) - 1 for g in gains), default=0))
+            found = False
+            for depth in range(1, deepest + 1):
+                ks = [min(depth, len(g) - 1) for g in gains]
+                extra = sum(g[k] for g, k in zip(gains, ks, strict=True))
+                seconds = plain_seconds + row_seconds * sum(ks) + c * fixed * depth
+                gain = (rows + extra) / seconds * plain_seconds / rows
+                if gain > best_gain * 1.02:
+                    best_ks, best_gain, found = ks, gain, True
+            if not found:
+                break
+        return best_ks, best_gain
+
+
+def _gains(rate: float, cap: int, price: float) -> list[float]:
+    """Expected extra tokens from drafting 0, 1, ... k tokens, up to the k where one more draft would add
+    (rate^(k+1)) no more than it costs (`price`) or `cap`."""
+    gains, more = [0.0], 1.0
+    while len(gains) <= cap:
+        more *= rate
+        if more <= price:
+            break
+        gains.append(gains[-1] + more)
+    return gains
 
 
 @dataclass(slots=True)
@@ -56,22 +100,23 @@ class SpecState:
     """One sequence's acceptance history (engine thread only)."""
     checked: float = _PRIOR_CHECKED      # decayed count of drafts the target judged
     accepted: float = _PRIOR_ACCEPTED    # decayed count of those it accepted
-    idle_steps: int = 0                  # steps since K last was > 0
+    idle_steps: int = 0                  # steps since it last drafted
+    probe_misses: int = 0                # probes in a row that the target rejected
+    probing: bool = False                # its last draft was a probe
 
     @property
     def rate(self) -> float:
         return self.accepted / self.checked if self.checked > 0 else 0.0
 
-    def next_k(self, policy: SpecPolicy, verify_cost: float) -> int:
-        """K for the next step; `verify_cost` from StepCost.verify_cost at the step's size."""
-        k = policy.best_k(self.rate, verify_cost)
-        if k > 0 or not policy.adaptive or not policy.can_pay_off(verify_cost):
-            return k
+    def idle(self, policy: SpecPolicy, tick: bool) -> bool:
+        """A step in which the policy gave it no drafts; whether to probe (k = 1) in it instead: on a
+        probe tick, once idle for probe_every steps, twice that after each rejected probe in a row (at
+        most 8 times), so prose that never repeats itself probes ever more rarely."""
         self.idle_steps += 1
-        if self.idle_steps >= policy.probe_every:
-            self.idle_steps = 0
-            return 1
-        return 0
+        if not tick or self.idle_steps < policy.probe_every << min(self.probe_misses, 3):
+            return False
+        self.idle_steps, self.probing = 0, True
+        return True
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
         """A verification: drafts are checked in order until the first rejection."""
@@ -81,14 +126,15 @@ class SpecState:
         self.checked = self.checked * _DECAY + judged
         self.accepted = self.accepted * _DECAY + num_accepted
         self.idle_steps = 0
+        if self.probing:
+            self.probe_misses, self.probing = (self.probe_misses + 1 if num_accepted == 0 else 0), False
 
 
 class StepCost:
     """The engine's step time as fixed + per_row * rows, fitted online by decayed least squares.
 
-    `verify_cost(rows)` is what one more row adds to a step of `rows` rows, in units of one row's share
-    of it: per_row * rows / (fixed + per_row * rows). Until the steps seen vary enough in size to fit
-    the slope, the ratio per_row / fixed is the prior (0.06: SmolLM2 in fp32 on a 2-core CPU at batch 1,
+    SpecPolicy prices drafts with it, and KV tiers a prompt token. Until the steps seen vary enough in
+    size to fit the slope, the ratio per_row / fixed is the prior (0.06: SmolLM2 in fp32 on a 2-core CPU at batch 1,
     docs/benchmarks.md).
     """
 
@@ -134,8 +180,3 @@ class StepCost:
         per_row = (self._xy / self._w - mean_x * mean_y) / var_x
         fixed = mean_y - per_row * mean_x
         return (fixed, per_row) if per_row > 0.0 and fixed > 0.0 else None
-
-    def verify_cost(self, rows: int) -> float:
-        fixed, per_row = self.fit()
-        rows = max(1, rows)
-        return per_row * rows / (fixed + per_row * rows)
