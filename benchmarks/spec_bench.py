@@ -7,8 +7,9 @@ shared model runner; rounds interleave the configurations and the table gives me
 plain engine ("none") as the baseline of the same run.
 
     .venv/bin/python benchmarks/spec_bench.py [--rounds 3] [--max-tokens 128] [--threads 2]
-        [--draft-dir DIR] [--eagle-dir DIR] [--proposers none,ngram,draft,eagle]
+        [--draft-dir DIR] [--eagle-dir DIR] [--proposers none,ngram,draft,eagle,ngram+eagle]
 
+`ngram+eagle` and `ngram+draft` draft by prompt lookup where it matches and with the model elsewhere.
 A proposer may name its own K: `--proposers none,ngram,ngram:8` compares K = --k with K = 8 in one run;
 n-gram also its shortest n-gram: `ngram:8:1` is K = 8 matching down to single tokens (else `--ngram-min`).
 
@@ -107,7 +108,7 @@ def main() -> None:
     ap.add_argument("--ngram-min", type=int, default=None, help="--ngram-min (default: the worker's)")
     ap.add_argument("--draft-dir", type=Path, default=None)
     ap.add_argument("--eagle-dir", type=Path, default=None)
-    ap.add_argument("--proposers", default="none,ngram,draft,eagle")
+    ap.add_argument("--proposers", default="none,ngram,draft,eagle,ngram+eagle")
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per workload (at most 8)")
     args = ap.parse_args()
@@ -132,14 +133,15 @@ def main() -> None:
     for name in args.proposers.split(","):
         kind, _, rest = name.partition(":")   # "ngram:8": this proposer at K = 8 (else --k)
         k, _, ngram_min = rest.partition(":")  # "ngram:8:1": and n-grams down to 1 (else --ngram-min)
-        if kind in dirs and not dirs[kind].exists():
-            print(f"# {kind}: no folder at {dirs[kind]} (build it: switchyard "
-                  f"{'make-draft' if kind == 'draft' else 'train-draft'}); left out")
+        model = kind.rpartition("+")[2]         # "ngram+eagle": prompt lookup first, the head elsewhere
+        if model in dirs and not dirs[model].exists():
+            print(f"# {kind}: no folder at {dirs[model]} (build it: switchyard "
+                  f"{'make-draft' if model == 'draft' else 'train-draft'}); left out")
             continue
         configs[name] = EngineConfig(
             model_dir=str(model_dir), num_blocks=512, max_num_seqs=16,
             speculative=None if kind == "none" else kind, num_speculative_tokens=int(k or args.k),
-            speculative_model=str(dirs[kind]) if kind in dirs else None,
+            speculative_model=str(dirs[model]) if model in dirs else None,
             **({"ngram_min": int(ngram_min or args.ngram_min)} if ngram_min or args.ngram_min else {}))
     levels = [int(c) for c in args.concurrency.split(",")]
     results: dict[tuple[str, int, str], list[Result]] = {}
@@ -157,7 +159,7 @@ def main() -> None:
                 if ln.startswith("model name")), platform.processor())
     print(f"\nmachine: {cpu}, {args.threads} threads; SmolLM2-135M fp32; greedy; {args.max_tokens} tokens max; "
           f"K={args.k}; {args.rounds} rounds, medians; baseline: 'none' (plain decoding), same run")
-    print(f"{'workload':<16} {'conc':>4} {'proposer':<8} {'out tok/s':>10} {'vs none':>8} {'accept len':>10} "
+    print(f"{'workload':<16} {'conc':>4} {'proposer':<11} {'out tok/s':>10} {'vs none':>8} {'accept len':>10} "
           f"{'accept rate':>11}")
     for workload in workloads:
         for conc in levels:
@@ -170,7 +172,7 @@ def main() -> None:
                 acc_len = (sum(x.accepted for x in rs) / ver + 1) if ver else float("nan")
                 rate = sum(x.accepted for x in rs) / max(1, sum(x.proposed for x in rs))
                 ratio = f"{tps / base:.2f}x" if base else "-"
-                print(f"{workload:<16} {conc:>4} {name:<8} {tps:>10.1f} {ratio:>8} {acc_len:>10.2f} {rate:>11.2f}")
+                print(f"{workload:<16} {conc:>4} {name:<11} {tps:>10.1f} {ratio:>8} {acc_len:>10.2f} {rate:>11.2f}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 
 TORCH_THREADS_ENV = "SWITCHYARD_TORCH_THREADS"
+# Prompt lookup, a draft model, an EAGLE head; "ngram+X": lookup first, X where it finds nothing.
+SPECULATIVE_PROPOSERS = ("ngram", "draft", "eagle", "ngram+draft", "ngram+eagle")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +32,7 @@ class EngineConfig:
     kv_shared_memory: bool = False            # CPU KV cache in shared memory (same-host KV transfer source)
     keep_weights_compressed: bool = False     # a compressed model's layer matrices stay compressed, expanded per use
     cuda_graphs: bool = True                  # on CUDA, decode batches replay graphs captured at start
-    speculative: str | None = None            # proposer: "ngram", "draft" or "eagle"; None: no speculation
+    speculative: str | None = None            # proposer, one of SPECULATIVE_PROPOSERS; None: no speculation
     num_speculative_tokens: int = 4           # drafts per sequence and step at most (K)
     speculative_model: str | None = None      # the draft model's folder ("draft") or the EAGLE head's ("eagle")
     spec_adaptive: bool = True                # each sequence's K follows its acceptance (0: plain decoding)
@@ -49,8 +51,8 @@ class EngineConfig:
             raise ValueError("num_blocks must be positive")
         if self.watermark_blocks < 0:
             raise ValueError("watermark_blocks must be >= 0")
-        if self.speculative not in (None, "ngram", "draft", "eagle"):
-            raise ValueError(f"unknown speculative proposer {self.speculative!r} (ngram, draft or eagle)")
+        if self.speculative not in (None, *SPECULATIVE_PROPOSERS):
+            raise ValueError(f"unknown speculative proposer {self.speculative!r} ({', '.join(SPECULATIVE_PROPOSERS)})")
         if self.speculative is not None and self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         if (self.kv_cpu_bytes or self.kv_disk_dir or self.kv_store) and not self.enable_prefix_caching:
@@ -59,7 +61,7 @@ class EngineConfig:
             raise ValueError("--kv-disk-dir needs a positive --kv-disk-gb")
         if self.kv_cpu_bytes < 0 or self.kv_write_queue_blocks < 1:
             raise ValueError("kv_cpu_bytes must be >= 0 and kv_write_queue_blocks >= 1")
-        if self.speculative in ("draft", "eagle") and not self.speculative_model:
+        if self.speculative not in (None, "ngram") and not self.speculative_model:
             raise ValueError(f"--speculative {self.speculative} needs --speculative-model")
 
     def resolved_torch_threads(self) -> int:

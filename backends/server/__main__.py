@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from backends.attention.base import AttentionBackendName
-from backends.engine.config import EngineConfig
+from backends.engine.config import SPECULATIVE_PROPOSERS, EngineConfig
 from backends.server.config import ServerConfig, WorkerRole
 
 if TYPE_CHECKING:
@@ -76,12 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on CUDA, run every decode step eagerly instead of replaying the CUDA graphs captured "
                         "at start for batches of up to min(--max-num-seqs, 256) sequences")
     spec = p.add_argument_group("speculative decoding")
-    spec.add_argument("--speculative", choices=["ngram", "draft", "eagle"], default=None,
-                      help="draft tokens with prompt lookup, a draft model, or an EAGLE head; the target verifies them")
+    spec.add_argument("--speculative", choices=SPECULATIVE_PROPOSERS, default=None,
+                      help="draft tokens with prompt lookup, a draft model, or an EAGLE head; ngram+draft and "
+                           "ngram+eagle: prompt lookup where it finds a match, the model elsewhere; the target "
+                           "verifies them")
     spec.add_argument("--num-speculative-tokens", type=int, default=4, help="drafts per sequence and step at most")
     spec.add_argument("--speculative-model", default=None,
-                      help="the draft model's folder (--speculative draft; see `switchyard make-draft`) or the "
-                           "EAGLE head's (--speculative eagle; see `switchyard train-draft`)")
+                      help="the draft model's folder (--speculative [ngram+]draft; see `switchyard make-draft`) or "
+                           "the EAGLE head's (--speculative [ngram+]eagle; see `switchyard train-draft`)")
     spec.add_argument("--no-adaptive-speculation", action="store_true",
                       help="always draft K tokens (default: each sequence's K follows its acceptance)")
     spec.add_argument("--ngram-min", type=int, default=2, help="prompt lookup: shortest n-gram matched")

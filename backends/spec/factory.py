@@ -10,15 +10,25 @@ from backends.spec.proposer import Proposer
 
 
 def build_proposer(config: EngineConfig, runner: Any) -> Proposer:
-    """`runner`: the target's model runner (its model, dtype, device and size, for model proposers)."""
-    if config.speculative == "ngram":
+    """`runner`: the target's model runner (its model, dtype, device and size, for model proposers).
+    "ngram+eagle" and "ngram+draft": prompt lookup first, the model proposer where it finds nothing."""
+    lookup, plus, kind = (config.speculative or "").rpartition("+")
+    if plus:
+        from backends.spec.lookup_first import LookupFirstProposer
+        assert lookup == "ngram"
+        lookup_proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        return LookupFirstProposer(_model_proposer(kind, config, runner), lookup_proposer)
+    if kind == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max)
-    if config.speculative == "draft":
+    return _model_proposer(kind, config, runner)
+
+
+def _model_proposer(kind: str, config: EngineConfig, runner: Any) -> Proposer:
+    assert config.speculative_model is not None
+    if kind == "draft":
         from backends.spec.draft import DraftModelProposer
-        assert config.speculative_model is not None
         return DraftModelProposer.for_target(Path(config.speculative_model), runner)
-    if config.speculative == "eagle":
+    if kind == "eagle":
         from backends.spec.eagle import EagleProposer
-        assert config.speculative_model is not None
         return EagleProposer.for_target(Path(config.speculative_model), runner)
     raise ValueError(f"unknown speculative proposer {config.speculative!r}")

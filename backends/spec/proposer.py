@@ -25,7 +25,7 @@ class DraftRequest:
 
 
 class Proposer(Protocol):
-    name: str                  # "ngram" | "draft" | "eagle": the label of its metrics
+    name: str                  # "ngram", "draft", "eagle", "ngram+eagle" ...: the label of its metrics
     # A drafted token's cost as a fraction of one target decode step, for the adaptive K.
     cost_per_token: float
     # True: the engine calls `observe` with the target's final hidden states (EAGLE heads).

@@ -13,6 +13,8 @@ from backends.attention.base import AttentionContext, AttentionShape, StepLayout
 from backends.models.config import read_config_json
 from backends.models.llama import LlamaForCausalLM
 from backends.spec.eagle import EagleProposer, load_eagle_head, read_head_weights
+from backends.spec.lookup_first import LookupFirstProposer
+from backends.spec.ngram import NgramProposer
 from backends.spec.proposer import DraftRequest
 from backends.worker.model_runner import ModelRunner
 
@@ -241,10 +243,13 @@ def test_engine_answers_carry_transformers_hidden_states(smollm2_dir: Path, hf_s
         assert float((hidden - want).norm() / want.norm()) < 1e-4
 
 
+@pytest.mark.parametrize("lookup_first", [False, True], ids=["eagle", "ngram+eagle"])
 def test_engine_greedy_with_an_eagle_head_equals_plain_decoding(tmp_path: Path, smollm2_dir: Path, runner: ModelRunner,
-                                                                hf_smollm2, hf_smollm2_f64) -> None:
+                                                                hf_smollm2, hf_smollm2_f64, lookup_first: bool) -> None:
     """Concurrent requests, then two that hit the prefix cache (the head starts past position 0), drafting
-    every step (adaptive K off): the tokens of plain decoding, judged where float32 rounding cannot decide."""
+    every step (adaptive K off): the tokens of plain decoding, judged where float32 rounding cannot decide.
+    With prompt lookup first, both proposers draft (the prompts are made to be copied) and the head, which
+    observes every position either way, drafts right after lookup's runs."""
     from transformers import AutoTokenizer
 
     from backends.engine.config import EngineConfig
@@ -264,9 +269,11 @@ def test_engine_greedy_with_an_eagle_head_equals_plain_decoding(tmp_path: Path, 
     # that nothing overwrites the blocks the speculative engine's prefix cache holds.
     plain, _ = make_engine(runner, smollm2_dir, 96, enable_prefix_caching=False)
     proposer = EagleProposer(folder, runner.model, num_blocks=96)
-    fast = LLMEngine(EngineConfig(model_dir=str(smollm2_dir), num_blocks=96, speculative="eagle",
-                                  speculative_model=str(folder), spec_adaptive=False, num_speculative_tokens=3),
-                     RunnerView(runner, 96), smollm2_dir, proposer=proposer)
+    both = LookupFirstProposer(proposer, NgramProposer())
+    fast = LLMEngine(EngineConfig(model_dir=str(smollm2_dir), num_blocks=96, speculative=both.name if lookup_first
+                                  else "eagle", speculative_model=str(folder), spec_adaptive=False,
+                                  num_speculative_tokens=3),
+                     RunnerView(runner, 96), smollm2_dir, proposer=both if lookup_first else proposer)
     want, got = [], []
     for engine, outs in ((plain, want), (fast, got)):
         for prompts in waves:
@@ -280,6 +287,25 @@ def test_engine_greedy_with_an_eagle_head_equals_plain_decoding(tmp_path: Path, 
             assert_same_tokens(tokens(g[rid]), tokens(w[rid]), ref, rid)
     stats = fast.stats()
     assert stats.num_spec_proposed_tokens > 0 and stats.num_cached_prompt_tokens > 0, stats
+    if lookup_first:
+        assert both.num_lookup_drafts > 0 and both.num_model_drafts > 0, (both.num_lookup_drafts, both.num_model_drafts)
+        assert fast.stats().speculative == "ngram+eagle"
     assert not proposer._states, "finished requests left drafting state"
     proposer.blocks.check_invariants()
     assert proposer.blocks.num_free_blocks == proposer.blocks.num_total_blocks
+
+
+def test_config_builds_lookup_first_around_the_head(tmp_path: Path, smollm2_dir: Path, runner: ModelRunner) -> None:
+    from backends.engine.config import EngineConfig
+    from backends.spec.factory import build_proposer
+
+    folder = write_head(tmp_path / "head", smollm2_dir, eagle1=False, fmt="safetensors", d2t=False)
+    built = build_proposer(EngineConfig(model_dir=str(smollm2_dir), speculative="ngram+eagle",
+                                        speculative_model=str(folder), ngram_min=3), runner)
+    assert isinstance(built, LookupFirstProposer) and isinstance(built.model, EagleProposer)
+    assert built.name == "ngram+eagle" and built.wants_hidden and built.cost_per_token == built.model.cost_per_token
+    assert built.lookup.propose([DraftRequest("r", [5, 6, 7, 9, 5, 6, 7], 2)]) == [[9, 5]]   # n >= 3 matched
+    with pytest.raises(ValueError, match="needs --speculative-model"):
+        EngineConfig(model_dir=str(smollm2_dir), speculative="ngram+draft")
+    with pytest.raises(ValueError, match="unknown speculative proposer"):
+        EngineConfig(model_dir=str(smollm2_dir), speculative="ngram+ngram")
