@@ -6,8 +6,8 @@ plain and speculative runs (the order flips each round), and prints each round's
 engine did: steps, verifications, drafts proposed and accepted, proposer passes and the time in them.
 Those counts do not depend on the machine's load, so an A/B of two checkouts reads them first:
 
-    cd <checkout> && PYTHONPATH=. /work/main/.venv/bin/python /work/main/benchmarks/spec_batch.py \
-        --workload prose --proposer eagle --eagle-dir DIR --rounds 4
+    .venv/bin/python benchmarks/spec_batch.py --workload prose --proposer eagle [--eagle-dir DIR] [--rounds 4]
+    cd <other checkout> && PYTHONPATH=. /work/main/.venv/bin/python /work/main/benchmarks/spec_batch.py ...
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def main() -> None:
     from backends.spec.train_texts import chat_prompt_ids
     from backends.worker.loader import resolve_model
     from backends.worker.model_runner import ModelRunner
-    from benchmarks.spec_bench import PROSE, STRUCTURED, default_dir
+    from spec_bench import PROSE, STRUCTURED, default_dir
 
     model_dir = resolve_model("smollm2")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
