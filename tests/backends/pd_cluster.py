@@ -19,7 +19,7 @@ class Cluster:
     def __init__(self, workdir: Path) -> None:
         roles = {"p1": "prefill", "p2": "both", "d1": "decode", "d2": "decode", "d3": "decode"}
         # D2 decodes with drafts (prompt lookup): its legs must equal the unified worker's as D1's do.
-        extra = {"d3": ["--no-kv-shared-memory"], "d2": ["--speculative", "ngram"]}
+        extra = {"d3": ["--no-kv-shared-memory"], "d2": ["--speculative", "ngram", "--no-adaptive-speculation"]}
         self.workers = {name: WorkerProcess(["--role", role, *COMMON, *extra.get(name, [])], log_dir=workdir,
                                             wait=False)
                         for name, role in roles.items()}

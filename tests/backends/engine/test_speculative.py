@@ -2,7 +2,9 @@
 tokens plain decoding produces (greedy and seeded), judged against transformers' logits where float32
 rounding cannot decide; max_tokens and EOS inside an accepted run, logprobs, a prefill chunk in the
 same step, the slots of rejected drafts given back. The sampling-distribution claim is checked
-exactly on a small vocabulary (a chi-square over many seeds)."""
+exactly on a small vocabulary (a chi-square over many seeds). These runs draft K tokens every step
+(adaptive K off): the adaptive policy prices drafts by the engine's wall-clock step times, so what it
+drafts depends on the machine's load; its own tests below give it fixed costs."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -84,7 +86,8 @@ def test_ngram_greedy_equals_plain_decoding_concurrently(smollm2_runner, smollm2
     prompts = {f"s{i}": tokenize(text) for i, text in enumerate(STRUCTURED)}
     greedy = SamplingParams(max_tokens=40, temperature=0.0)
     plain, want, fast, got, view = run_pair(smollm2_runner, smollm2_dir, prompts, dict.fromkeys(prompts, greedy),
-                                            speculative="ngram", num_speculative_tokens=5)
+                                            speculative="ngram", num_speculative_tokens=5,
+                                            spec_adaptive=False)
     refs, _ = greedy_reference(hf_smollm2, hf_smollm2_f64, list(prompts.values()),
                                [tokens(want[r]) for r in prompts], plain.eos_token_ids, greedy)
     for rid, ref in zip(prompts, refs, strict=True):
@@ -100,7 +103,7 @@ def test_max_tokens_and_eos_inside_an_accepted_run(smollm2_runner, smollm2_dir, 
     prompt = tokenize(STRUCTURED[2])
     full = SamplingParams(max_tokens=40, temperature=0.0)
     plain, want, _, got, _ = run_pair(smollm2_runner, smollm2_dir, {"full": prompt}, {"full": full},
-                                         speculative="ngram", num_speculative_tokens=4)
+                                      speculative="ngram", num_speculative_tokens=4, spec_adaptive=False)
     reference = tokens(want["full"])
     refs, _ = greedy_reference(hf_smollm2, hf_smollm2_f64, [prompt], [reference], plain.eos_token_ids, full)
     assert_same_tokens(tokens(got["full"]), reference, refs[0], "full")
@@ -113,7 +116,8 @@ def test_max_tokens_and_eos_inside_an_accepted_run(smollm2_runner, smollm2_dir, 
             cuts.append(done + 1)
         done += len(o.new_token_ids)
     assert cuts, "no step accepted a draft"
-    engine, _ = make_engine(smollm2_runner, smollm2_dir, 96, speculative="ngram", num_speculative_tokens=4)
+    engine, _ = make_engine(smollm2_runner, smollm2_dir, 96, speculative="ngram", num_speculative_tokens=4,
+                            spec_adaptive=False)
     for n in cuts[:6]:
         engine.add_request(f"m{n}", prompt, SamplingParams(max_tokens=n, temperature=0.0))
     outs = run_all_checked(engine)
@@ -129,7 +133,7 @@ def test_seeded_sampling_and_logprobs_equal_plain_decoding(smollm2_runner, smoll
     prompt = tokenize(STRUCTURED[0])
     params = SamplingParams(max_tokens=32, temperature=0.7, seed=77, logprobs=3, ignore_eos=True)
     plain, want, fast, got, _ = run_pair(smollm2_runner, smollm2_dir, {"r": prompt}, {"r": params},
-                                         speculative="ngram", num_speculative_tokens=4)
+                                         speculative="ngram", num_speculative_tokens=4, spec_adaptive=False)
     reference = tokens(want["r"])
     refs, tolerance = greedy_reference(hf_smollm2, hf_smollm2_f64, [prompt], [reference], plain.eos_token_ids,
                                        params)
@@ -149,7 +153,7 @@ def test_seeded_sampling_and_logprobs_equal_plain_decoding(smollm2_runner, smoll
 
 def test_drafts_share_a_step_with_a_prefill_chunk(smollm2_runner, smollm2_dir, tokenize) -> None:
     engine, view = make_engine(smollm2_runner, smollm2_dir, 96, speculative="ngram", num_speculative_tokens=4,
-                               max_num_batched_tokens=24)
+                               max_num_batched_tokens=24, spec_adaptive=False)
     engine.add_request("d", tokenize(STRUCTURED[2]), SamplingParams(max_tokens=24, temperature=0.0))
     for _ in range(4):      # its prefill, then decoding with drafts
         engine.step()
@@ -267,6 +271,11 @@ def test_the_batch_shares_the_proposers_pass() -> None:
     assert head.choose([0.6], [5], FIXED, ROW, 1)[0] > 0              # alone in its step, it drafts
     free = SpecPolicy(max_tokens=5, draft_cost=0.0)                     # prompt lookup costs no pass
     assert free.choose([0.6] + [0.0] * 7, [5] * 8, FIXED, ROW, 8)[0] > 0
+    # Prompt lookup's drafts in front of the head cost their rows only: a lone one drafts where the head's would
+    # not; the others, needing the head, still do not draft.
+    rates, caps = [0.6] + [0.0] * 7, [5] * 8
+    assert head.choose(rates, [3] + caps[1:], FIXED, ROW, 8, free=[True] + [False] * 7)[0] > 0
+    assert head.choose([0.6] + [0.3] * 7, caps, FIXED, ROW, 8, free=[True] + [False] * 7)[1:] == [0] * 7
     # A proposer nearly as costly as the target never pays off, nor a free one where rows are dear.
     assert not SpecPolicy(max_tokens=5, draft_cost=0.8).can_pay_off(1, FIXED, ROW, 1)
     assert head.can_pay_off(1, FIXED, ROW, 1) and head.can_pay_off(8, FIXED, ROW, 8)
@@ -309,6 +318,9 @@ def test_idle_sequences_probe_together(smollm2_runner, smollm2_dir, tokenize) ->
     engine, _ = make_engine(smollm2_runner, smollm2_dir, 96)
     proposer = Recording()
     engine.proposer, engine.spec_policy = proposer, SpecPolicy(4, 0.08, probe_every=4)
+    for rows in (1, 8):                            # a fixed step cost, whatever this machine's steps take
+        engine.step_cost.observe(rows, FIXED + ROW * rows)
+    engine.step_cost.observe = lambda rows, seconds: None
     for i, text in enumerate(STRUCTURED):
         state = SpecState()
         for _ in range(8):

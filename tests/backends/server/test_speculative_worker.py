@@ -22,7 +22,9 @@ PROMPT = ('Rewrite this JSON with "age" set to 31. Output only the JSON.\n'
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    args = ["--threads", "1", "--num-blocks", "64", "--speculative", "ngram", "--num-speculative-tokens", "5"]
+    # K drafts every step: the adaptive K reads wall-clock step times, so what it drafts depends on the load
+    args = ["--threads", "1", "--num-blocks", "64", "--speculative", "ngram", "--num-speculative-tokens", "5",
+            "--no-adaptive-speculation"]
     with worker_process(args, log_dir=tmp_path_factory.mktemp("spec-worker")) as url:
         yield url
 
