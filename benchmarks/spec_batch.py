@@ -3,7 +3,8 @@
 spec_bench's concurrency-8 figure is the median of a few rounds, and on a shared machine it moves by more
 than the 5% that separates a proposer's cost from none. This script runs only that batch, alternating
 plain and speculative runs (the order flips each round), and prints each round's ratio beside what the
-engine did: steps, verifications, drafts proposed and accepted, proposer passes and the time in them.
+engine did: steps, verifications, drafts proposed and accepted, passes of the proposer (of its model,
+behind prompt lookup) and the time in them.
 Those counts do not depend on the machine's load, so an A/B of two checkouts reads them first:
 
     .venv/bin/python benchmarks/spec_batch.py --workload prose --proposer eagle [--eagle-dir DIR] [--rounds 4]
@@ -43,7 +44,10 @@ def run(runner, model_dir: Path, prompts: list[list[int]], spec: dict | None, ma
     propose_seconds = [0.0]
     passes: Counter[tuple[int, int]] = Counter()
     if spec:
-        propose, inner = engine._propose, engine.proposer.propose
+        from backends.spec.lookup_first import LookupFirstProposer
+
+        drafting = engine.proposer.model if isinstance(engine.proposer, LookupFirstProposer) else engine.proposer
+        propose, inner = engine._propose, drafting.propose
 
         def timed_propose() -> None:
             t = time.perf_counter()
@@ -54,7 +58,7 @@ def run(runner, model_dir: Path, prompts: list[list[int]], spec: dict | None, ma
             passes[(len(requests), max(r.num_tokens for r in requests))] += 1
             return inner(requests)
 
-        engine._propose, engine.proposer.propose = timed_propose, counted
+        engine._propose, drafting.propose = timed_propose, counted
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)

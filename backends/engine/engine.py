@@ -28,7 +28,6 @@ from backends.engine.sampling_params import SamplingParams
 from backends.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from backends.engine.sequence import Sequence, SequenceStatus
 from backends.spec.adaptive import SpecPolicy, StepCost
-from backends.spec.lookup_first import LookupFirstProposer
 from backends.spec.proposer import DraftRequest, Proposer
 from backends.spec.verify import Verified, verify
 from backends.worker.batch import ForwardBatch
@@ -315,54 +314,30 @@ class LLMEngine:
             return
         fixed, per_row = self.step_cost.fit()
         rows = len(self.scheduler.running)
-        found = self._look_up(candidates)
-        pairs = list(zip(candidates, found, strict=True))
-        ks = policy.choose([seq.spec.lookup_rate if f else seq.spec.rate for (seq, _), f in pairs],
-                           [len(f) if f else cap for (_, cap), f in pairs], fixed, per_row, rows,
-                           [bool(f) for f in found])
+        ks = policy.choose([seq.spec.rate for seq, _ in candidates], [cap for _, cap in candidates],
+                           fixed, per_row, rows)
         self._spec_clock += 1
         probing = (policy.adaptive and self._spec_clock % policy.probe_every == 0
                    and policy.can_pay_off(len(candidates), fixed, per_row, rows))
         requests: list[DraftRequest] = []
         seqs: list[Sequence] = []
-        for (seq, _), k, lookup_draft in zip(candidates, ks, found, strict=True):
+        for (seq, _), k in zip(candidates, ks, strict=True):
             if k == 0:
                 if not seq.spec.idle(policy, probing):
                     continue
                 k = 1                       # a probe, with every other idle sequence due one
-            seq.spec.from_lookup = bool(lookup_draft)
-            if lookup_draft:
-                self._take_drafts(seq, lookup_draft[:k])
-            else:
-                requests.append(DraftRequest(seq.request_id, seq.token_ids, k))
-                seqs.append(seq)
+            requests.append(DraftRequest(seq.request_id, seq.token_ids, k))
+            seqs.append(seq)
         if not requests:
             return
         try:
-            if isinstance(self.proposer, LookupFirstProposer):
-                drafts = self.proposer.propose_unmatched(requests)
-            else:
-                drafts = self.proposer.propose(requests)
+            drafts = self.proposer.propose(requests)
         except Exception:  # boundary: a failing proposer costs speed, never a request
             log.exception("speculative proposer %s failed; decoding without drafts this step", self.proposer.name)
             return
         for seq, request, draft in zip(seqs, requests, drafts, strict=True):
-            self._take_drafts(seq, draft[:request.num_tokens])
-
-    def _look_up(self, candidates: list[tuple[Sequence, int]]) -> list[list[int]]:
-        """Prompt lookup's drafts, where it sits in front of a model proposer (else none): a sequence with one
-        is priced at its verify rows and lookup's own acceptance, and needs no pass of the model."""
-        if not isinstance(self.proposer, LookupFirstProposer):
-            return [[] for _ in candidates]
-        try:
-            return self.proposer.look_up([DraftRequest(seq.request_id, seq.token_ids, cap) for seq, cap in candidates])
-        except Exception:  # boundary: as a failing proposer, the model drafts for everyone this step
-            log.exception("prompt lookup failed; the model proposer drafts for every sequence this step")
-            return [[] for _ in candidates]
-
-    def _take_drafts(self, seq: Sequence, draft: list[int]) -> None:
-        tokens = [int(t) for t in draft]
-        seq.spec_token_ids = tokens if all(0 <= t < self.vocab_size for t in tokens) else []
+            tokens = [int(t) for t in draft[:request.num_tokens]]
+            seq.spec_token_ids = tokens if all(0 <= t < self.vocab_size for t in tokens) else []
 
     def _observe(self, out: SchedulerOutput, rejected: list[int], hidden: torch.Tensor) -> None:
         """Hand the proposer the target's hidden states of the positions this step verified."""

@@ -41,47 +41,40 @@ class SpecPolicy:
     probe_every: int = 16      # steps between retries once a sequence's k fell to 0
     adaptive: bool = True      # False: always k = max_tokens
 
-    def choose(self, rates: list[float], caps: list[int], fixed: float, per_row: float, rows: int,
-               free: list[bool] | None = None) -> list[int]:
+    def choose(self, rates: list[float], caps: list[int], fixed: float, per_row: float, rows: int) -> list[int]:
         """k for each candidate sequence (its acceptance rate, its cap) in a step of `rows` rows, for a step
-        time of `fixed` + `per_row` * rows seconds (StepCost.fit). `free`: the sequences whose drafts are
-        already in hand (prompt lookup's, in front of a model proposer): they cost their verify rows only."""
+        time of `fixed` + `per_row` * rows seconds (StepCost.fit)."""
         if not self.adaptive:
             return [min(self.max_tokens, cap) for cap in caps]
-        return self._best(rates, caps, fixed, per_row, rows, free or [False] * len(rates))[0]
+        return self._best(rates, caps, fixed, per_row, rows)[0]
 
     def can_pay_off(self, count: int, fixed: float, per_row: float, rows: int) -> bool:
         """Whether `count` sequences drafting together would gain at least 10% at a 0.9 acceptance rate."""
         if not self.adaptive:
             return True
-        return count > 0 and self._best([_HIGH_RATE] * count, [self.max_tokens] * count, fixed, per_row, rows,
-                                        [False] * count)[1] >= 1.1
+        return count > 0 and self._best([_HIGH_RATE] * count, [self.max_tokens] * count, fixed, per_row, rows)[1] >= 1.1
 
-    def _best(self, rates: list[float], caps: list[int], fixed: float, per_row: float, rows: int,
-              free: list[bool]) -> tuple[list[int], float]:
+    def _best(self, rates: list[float], caps: list[int], fixed: float, per_row: float,
+              rows: int) -> tuple[list[int], float]:
         """The ks with the most tokens per second, and their gain over plain decoding (1 when all are 0).
 
         At a price per draft token, each sequence's best k is where one more draft would add fewer tokens
-        (rate^k) than it costs; a depth D of the proposer's pass caps the k of every sequence that needs the
-        pass at D. The price is the throughput to beat, raised to the best found (Dinkelbach's step for a
-        ratio), for a few rounds."""
+        (rate^k) than it costs; a depth D caps every k at D. The price is the throughput to beat, raised
+        to the best found (Dinkelbach's step for a ratio), for a few rounds."""
         c = self.draft_cost
         rows = max(rows, len(rates), 1)
         plain_seconds = fixed + per_row * rows
-        row_seconds = [per_row * (1.0 if f else 1.0 + c) for f in free]
+        row_seconds = per_row * (1.0 + c)
         best_ks, best_gain = [0] * len(rates), 1.0
         for _ in range(3):
-            per_token = best_gain * rows / plain_seconds       # tokens a second of drafting must bring
-            gains = [_gains(rate, cap, per_token * row)
-                     for rate, cap, row in zip(rates, caps, row_seconds, strict=True)]
-            deepest = min(self.max_tokens, max((len(g) - 1 for g, f in zip(gains, free, strict=True) if not f),
-                                               default=0))
+            price = best_gain * rows / plain_seconds * row_seconds      # tokens a draft token must bring
+            gains = [_gains(rate, cap, price) for rate, cap in zip(rates, caps, strict=True)]
+            deepest = min(self.max_tokens, max((len(g) - 1 for g in gains), default=0))
             found = False
-            for depth in range(0 if any(free) else 1, deepest + 1):
-                ks = [len(g) - 1 if f else min(depth, len(g) - 1) for g, f in zip(gains, free, strict=True)]
+            for depth in range(1, deepest + 1):
+                ks = [min(depth, len(g) - 1) for g in gains]
                 extra = sum(g[k] for g, k in zip(gains, ks, strict=True))
-                seconds = (plain_seconds + sum(k * row for k, row in zip(ks, row_seconds, strict=True))
-                           + c * fixed * depth)
+                seconds = plain_seconds + row_seconds * sum(ks) + c * fixed * depth
                 gain = (rows + extra) / seconds * plain_seconds / rows
                 if gain > best_gain * 1.02:
                     best_ks, best_gain, found = ks, gain, True
@@ -107,9 +100,6 @@ class SpecState:
     """One sequence's acceptance history (engine thread only)."""
     checked: float = _PRIOR_CHECKED      # decayed count of drafts the target judged
     accepted: float = _PRIOR_ACCEPTED    # decayed count of those it accepted
-    lookup_checked: float = _PRIOR_CHECKED    # the same for prompt lookup's drafts in front of a model
-    lookup_accepted: float = _PRIOR_ACCEPTED
-    from_lookup: bool = False            # its pending drafts came from prompt lookup (set by the engine)
     idle_steps: int = 0                  # steps since it last drafted
     probe_misses: int = 0                # probes in a row that the target rejected
     probing: bool = False                # its last draft was a probe
@@ -117,10 +107,6 @@ class SpecState:
     @property
     def rate(self) -> float:
         return self.accepted / self.checked if self.checked > 0 else 0.0
-
-    @property
-    def lookup_rate(self) -> float:
-        return self.lookup_accepted / self.lookup_checked if self.lookup_checked > 0 else 0.0
 
     def idle(self, policy: SpecPolicy, tick: bool) -> bool:
         """A step in which the policy gave it no drafts; whether to probe (k = 1) in it instead: on a
@@ -137,12 +123,8 @@ class SpecState:
         if num_proposed <= 0:
             return
         judged = num_accepted + (1 if num_accepted < num_proposed else 0)
-        if self.from_lookup:
-            self.lookup_checked = self.lookup_checked * _DECAY + judged
-            self.lookup_accepted = self.lookup_accepted * _DECAY + num_accepted
-        else:
-            self.checked = self.checked * _DECAY + judged
-            self.accepted = self.accepted * _DECAY + num_accepted
+        self.checked = self.checked * _DECAY + judged
+        self.accepted = self.accepted * _DECAY + num_accepted
         self.idle_steps = 0
         if self.probing:
             self.probe_misses, self.probing = (self.probe_misses + 1 if num_accepted == 0 else 0), False

@@ -271,11 +271,6 @@ def test_the_batch_shares_the_proposers_pass() -> None:
     assert head.choose([0.6], [5], FIXED, ROW, 1)[0] > 0              # alone in its step, it drafts
     free = SpecPolicy(max_tokens=5, draft_cost=0.0)                     # prompt lookup costs no pass
     assert free.choose([0.6] + [0.0] * 7, [5] * 8, FIXED, ROW, 8)[0] > 0
-    # Prompt lookup's drafts in front of the head cost their rows only: a lone one drafts where the head's would
-    # not; the others, needing the head, still do not draft.
-    rates, caps = [0.6] + [0.0] * 7, [5] * 8
-    assert head.choose(rates, [3] + caps[1:], FIXED, ROW, 8, free=[True] + [False] * 7)[0] > 0
-    assert head.choose([0.6] + [0.3] * 7, caps, FIXED, ROW, 8, free=[True] + [False] * 7)[1:] == [0] * 7
     # A proposer nearly as costly as the target never pays off, nor a free one where rows are dear.
     assert not SpecPolicy(max_tokens=5, draft_cost=0.8).can_pay_off(1, FIXED, ROW, 1)
     assert head.can_pay_off(1, FIXED, ROW, 1) and head.can_pay_off(8, FIXED, ROW, 8)
