@@ -248,8 +248,8 @@ def test_engine_greedy_with_an_eagle_head_equals_plain_decoding(tmp_path: Path, 
                                                                 hf_smollm2, hf_smollm2_f64, lookup_first: bool) -> None:
     """Concurrent requests, then two that hit the prefix cache (the head starts past position 0), drafting
     every step (adaptive K off): the tokens of plain decoding, judged where float32 rounding cannot decide.
-    With prompt lookup first, both proposers draft (the prompts are made to be copied) and the head, which
-    observes every position either way, drafts right after lookup's runs."""
+    With prompt lookup first, both proposers draft (the prompts are made to be copied), and the head, which
+    observes every position whichever drafted, still gives plain decoding's tokens."""
     from transformers import AutoTokenizer
 
     from backends.engine.config import EngineConfig
