@@ -44,9 +44,7 @@ def run(runner, model_dir: Path, prompts: list[list[int]], spec: dict | None, ma
     propose_seconds = [0.0]
     passes: Counter[tuple[int, int]] = Counter()
     if spec:
-        from backends.spec.lookup_first import LookupFirstProposer
-
-        drafting = engine.proposer.model if isinstance(engine.proposer, LookupFirstProposer) else engine.proposer
+        drafting = getattr(engine.proposer, "model", engine.proposer)   # behind prompt lookup: its model
         propose, inner = engine._propose, drafting.propose
 
         def timed_propose() -> None:
