@@ -8,7 +8,7 @@ behind prompt lookup) and the time in them.
 Those counts do not depend on the machine's load, so an A/B of two checkouts reads them first:
 
     .venv/bin/python benchmarks/spec_batch.py --workload prose --proposer eagle [--eagle-dir DIR] [--rounds 4]
-    cd <other checkout> && PYTHONPATH=. /work/main/.venv/bin/python /work/main/benchmarks/spec_batch.py ...
+    cd <other checkout> && PYTHONPATH=. <this checkout>/.venv/bin/python <this checkout>/benchmarks/spec_batch.py ...
 """
 from __future__ import annotations
 

@@ -306,37 +306,24 @@ class LLMEngine:
             seq.spec_token_ids = []
             if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling or not seq.params.speculative:
                 continue
-            cap = min(policy.max_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
-                      self.max_model_len - seq.num_tokens)
+            cap = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
             if cap > 0:
                 candidates.append((seq, cap))
         if not candidates:
             return
-        fixed, per_row = self.step_cost.fit()
-        rows = len(self.scheduler.running)
-        ks = policy.choose([seq.spec.rate for seq, _ in candidates], [cap for _, cap in candidates],
-                           fixed, per_row, rows)
         self._spec_clock += 1
-        probing = (policy.adaptive and self._spec_clock % policy.probe_every == 0
-                   and policy.can_pay_off(len(candidates), fixed, per_row, rows))
-        requests: list[DraftRequest] = []
-        seqs: list[Sequence] = []
-        for (seq, _), k in zip(candidates, ks, strict=True):
-            if k == 0:
-                if not seq.spec.idle(policy, probing):
-                    continue
-                k = 1                       # a probe, with every other idle sequence due one
-            requests.append(DraftRequest(seq.request_id, seq.token_ids, k))
-            seqs.append(seq)
-        if not requests:
+        ks = policy.plan([seq.spec for seq, _ in candidates], [cap for _, cap in candidates], *self.step_cost.fit(),
+                         len(self.scheduler.running), tick=self._spec_clock % policy.probe_every == 0)
+        drafting = [(seq, k) for (seq, _), k in zip(candidates, ks, strict=True) if k > 0]
+        if not drafting:
             return
         try:
-            drafts = self.proposer.propose(requests)
+            drafts = self.proposer.propose([DraftRequest(seq.request_id, seq.token_ids, k) for seq, k in drafting])
         except Exception:  # boundary: a failing proposer costs speed, never a request
             log.exception("speculative proposer %s failed; decoding without drafts this step", self.proposer.name)
             return
-        for seq, request, draft in zip(seqs, requests, drafts, strict=True):
-            tokens = [int(t) for t in draft[:request.num_tokens]]
+        for (seq, k), draft in zip(drafting, drafts, strict=True):
+            tokens = [int(t) for t in draft[:k]]
             seq.spec_token_ids = tokens if all(0 <= t < self.vocab_size for t in tokens) else []
 
     def _observe(self, out: SchedulerOutput, rejected: list[int], hidden: torch.Tensor) -> None:

@@ -42,11 +42,18 @@ class SpecPolicy:
     adaptive: bool = True      # False: always k = max_tokens
 
     def choose(self, rates: list[float], caps: list[int], fixed: float, per_row: float, rows: int) -> list[int]:
-        """k for each candidate sequence (its acceptance rate, its cap) in a step of `rows` rows, for a step
-        time of `fixed` + `per_row` * rows seconds (StepCost.fit)."""
+        """k for each candidate sequence (its acceptance rate, its cap; never above max_tokens) in a step of
+        `rows` rows, for a step time of `fixed` + `per_row` * rows seconds (StepCost.fit)."""
         if not self.adaptive:
             return [min(self.max_tokens, cap) for cap in caps]
         return self._best(rates, caps, fixed, per_row, rows)[0]
+
+    def plan(self, states: list[SpecState], caps: list[int], fixed: float, per_row: float, rows: int,
+             tick: bool) -> list[int]:
+        """`choose` for these sequences, then k = 1 for each idle one due a probe, when `tick` is a probe step."""
+        ks = self.choose([state.rate for state in states], caps, fixed, per_row, rows)
+        probing = tick and self.adaptive and self.can_pay_off(len(states), fixed, per_row, rows)
+        return [k or int(state.idle(self, probing)) for k, state in zip(ks, states, strict=True)]
 
     def can_pay_off(self, count: int, fixed: float, per_row: float, rows: int) -> bool:
         """Whether `count` sequences drafting together would gain at least 10% at a 0.9 acceptance rate."""
