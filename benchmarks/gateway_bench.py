@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 # The processes started and the load sent live beside this script; this module measures and reports.
 from gateway_bench_load import (NUM_STREAM_TOKENS, PhaseResult, closed_loop, free_port, gateway_config, open_loop,
-                                percentile, run_relay, run_upstream, wait_http)
+                                percentile, run_byte_relay, run_relay, run_upstream, wait_http)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -51,6 +51,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--upstream", type=int, help=argparse.SUPPRESS)  # internal: serve a fake upstream
     parser.add_argument("--relay", type=int, help=argparse.SUPPRESS)     # internal: serve the bare relay
+    parser.add_argument("--relay-bytes", type=int, help=argparse.SUPPRESS)  # internal: serve the byte relay
     parser.add_argument("--relay-to", nargs="*", help=argparse.SUPPRESS)
     parser.add_argument("--num-upstreams", type=int, default=2)
     parser.add_argument("--token-interval-ms", type=float, default=0.0, help="fake upstream delay per token")
@@ -70,7 +71,8 @@ def parse_args() -> argparse.Namespace:
                         help="the baseline's launcher (`make bench-setup` installs it); absent: no baseline")
     parser.add_argument("--paths", nargs="+", default=["direct", "relay", "gateway", "vllm-router"],
                         help="which paths to measure (direct is always measured: the added TTFT needs it); "
-                             "gateway-aiohttp: the gateway with `listen.lean_http: false`")
+                             "gateway-aiohttp: the gateway with `listen.lean_http: false`; "
+                             "relay-bytes: bytes passed through on uvloop protocols, a Python relay's floor")
     parser.add_argument("--upstream-cpus", help="taskset CPU list for the fake upstreams (e.g. 1)")
     parser.add_argument("--gateway-cpus", help="taskset CPU list for the gateway and vllm-router (e.g. 0); with "
                         "several --gateway-workers counts, a path of N processes gets the list's first N")
@@ -112,6 +114,9 @@ def main() -> None:
     if args.relay is not None:
         run_relay(args.relay, args.relay_to)
         return
+    if args.relay_bytes is not None:
+        run_byte_relay(args.relay_bytes, args.relay_to)
+        return
     wanted = {"direct", *args.paths}
     if "vllm-router" in wanted and not args.vllm_router.exists():
         print(f"no baseline: {args.vllm_router} is missing (run `make bench-setup`)", flush=True)
@@ -131,11 +136,12 @@ def main() -> None:
         paths = [BenchPath("direct", tuple(u + "/v1/chat/completions" for u in upstreams),
                            tuple(p.pid for p in processes))]
         starts: list[tuple[str, subprocess.Popen, str]] = []
-        if "relay" in wanted:
-            port = free_port()
-            starts.append(("relay", subprocess.Popen(_pinned(scaled(args)[0][2], [
-                sys.executable, __file__, "--relay", str(port), "--relay-to", *upstreams])),
-                f"http://127.0.0.1:{port}"))
+        for relay in ("relay", "relay-bytes"):
+            if relay in wanted:
+                port = free_port()
+                starts.append((relay, subprocess.Popen(_pinned(scaled(args)[0][2], [
+                    sys.executable, __file__, "--" + relay, str(port), "--relay-to", *upstreams])),
+                    f"http://127.0.0.1:{port}"))
         redis_url = None
         if {"gateway", "gateway-aiohttp"} & wanted and (args.redis or max(args.gateway_workers) > 1):
             redis_port = free_port()  # --workers N shares its state through Redis
@@ -185,7 +191,7 @@ ROUTER_LOG = pathlib.Path(tempfile.gettempdir()) / "gateway_bench.vllm-router.lo
 
 @dataclass(frozen=True, slots=True)
 class BenchPath:
-    label: str                       # direct, relay, gateway or vllm-router
+    label: str                       # direct, relay, relay-bytes, gateway or vllm-router
     urls: tuple[str, ...]            # where the load generator sends
     pids: tuple[int, ...]            # the processes whose CPU time and memory are charged to this path
 
