@@ -274,3 +274,50 @@ def test_worker_with_a_draft_model_gives_the_targets_greedy_tokens(smollm2_dir: 
     for i, got in enumerate(outs):
         assert_same_tokens(got, wants[i % len(prompts)], refs[i % len(prompts)], f"request {i}")
     assert 0 < accepted < proposed, (accepted, proposed)
+
+
+# --- behind prompt lookup (`--speculative ngram+draft`) ----------------------------------------------
+
+def test_engine_greedy_with_lookup_then_a_draft_model_equals_plain_decoding(tmp_path: Path, smollm2_dir: Path,
+                                                                            hf_smollm2, hf_smollm2_f64) -> None:
+    """Concurrent structured prompts (made to be copied), K = 3 every step: prompt lookup drafts where it finds
+    a match, a 12-layer cut of the target everywhere else, and the tokens are plain decoding's, judged against
+    transformers where float32 rounding cannot decide. Both proposers drafted, and the draft model's blocks all
+    came back once the requests ended."""
+    from backends.engine.config import EngineConfig
+    from backends.engine.engine import LLMEngine
+    from backends.spec.lookup_first import LookupFirstProposer
+    from backends.spec.ngram import NgramProposer
+    from tests.backends.engine.runner_view import RunnerView
+    from tests.backends.engine.test_engine_model import make_engine, run_all, tokens
+    from tests.backends.engine.test_speculative import STRUCTURED, greedy_reference
+
+    make_draft(smollm2_dir, tmp_path / "d12", keep=12)
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    prompts = {f"s{i}": tokenizer(text)["input_ids"] for i, text in enumerate(STRUCTURED)}
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    runner = ModelRunner(smollm2_dir, dtype=torch.float32, device="cpu", num_blocks=96, block_size=16)
+    draft = DraftModelProposer(tmp_path / "d12", target_bytes_per_token=537_000_000, dtype=torch.float32,
+                               device="cpu", num_blocks=96)
+    both = LookupFirstProposer(draft, NgramProposer())
+    plain, _ = make_engine(runner, smollm2_dir, 96, enable_prefix_caching=False)
+    fast = LLMEngine(EngineConfig(model_dir=str(smollm2_dir), num_blocks=96, speculative=both.name,
+                                  speculative_model=str(tmp_path / "d12"), spec_adaptive=False,
+                                  num_speculative_tokens=3, enable_prefix_caching=False),
+                     RunnerView(runner, 96), smollm2_dir, proposer=both)
+    outs = []
+    for engine in (plain, fast):
+        for rid, prompt in prompts.items():
+            engine.add_request(rid, prompt, params)
+        outs.append(run_all(engine))
+    want, got = outs
+    refs, _ = greedy_reference(hf_smollm2, hf_smollm2_f64, list(prompts.values()),
+                               [tokens(want[r]) for r in prompts], plain.eos_token_ids, params)
+    for rid, ref in zip(prompts, refs, strict=True):
+        assert_same_tokens(tokens(got[rid]), tokens(want[rid]), ref, rid)
+    stats = fast.stats()
+    assert stats.speculative == "ngram+draft" and stats.num_spec_proposed_tokens > 0, stats
+    assert both.num_lookup_drafts > 0 and both.num_model_drafts > 0, (both.num_lookup_drafts, both.num_model_drafts)
+    assert draft.num_requests == 0
+    draft.blocks.check_invariants()
+    assert draft.blocks.num_used_blocks == 0
