@@ -4,7 +4,10 @@ clients, timed with `time.process_time()` (client + gateway + upstream together)
 runs. `--stream`: 32-chunk SSE answers. Less exposed to a shared machine's load than gateway_bench.py, so
 it suits A/B runs of two checkouts: run it from each checkout's root, alternating.
 
-    .venv/bin/python benchmarks/gateway_cpu_inprocess.py [--requests 4000] [--concurrency 8]
+`--bare-peers`: the client and the upstream are bare uvloop protocols that write canned bytes (a few µs a
+request), so nearly all of the CPU measured is the gateway's own: the instrument for changes of a few percent.
+
+    .venv/bin/python benchmarks/gateway_cpu_inprocess.py [--requests 4000] [--concurrency 8] [--bare-peers]
 """
 from __future__ import annotations
 
@@ -51,17 +54,114 @@ async def _answer(request: web.Request) -> web.StreamResponse:
     return response
 
 
+def _content_length(head: bytes) -> int:
+    at = head.find(b"content-length:")
+    return int(head[at + 15:head.find(b"\r\n", at) if head.find(b"\r\n", at) >= 0 else len(head)]) if at >= 0 else 0
+
+
+class _BareUpstream(asyncio.Protocol):
+    """Answers each request with canned bytes: the whole completion, or the 33 events as chunks, one per
+    loop turn (as an engine streams them)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport, self.buffer = transport, b""
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
+            size = end + 4 + _content_length(self.buffer[:end].lower())
+            if len(self.buffer) < size:
+                return
+            request, self.buffer = self.buffer[:size], self.buffer[size:]
+            if request.startswith(b"GET"):
+                self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            elif b'"stream":true' in request:
+                self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                                     b"Transfer-Encoding: chunked\r\n\r\n")
+                self._send_events(0)
+            else:
+                self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                                     + str(len(ANSWER)).encode() + b"\r\n\r\n" + ANSWER)
+
+    def _send_events(self, index: int) -> None:
+        if self.transport.is_closing():
+            return
+        if index == len(STREAM):
+            self.transport.write(b"0\r\n\r\n")
+            return
+        self.transport.write(b"%x\r\n%s\r\n" % (len(STREAM[index]), STREAM[index]))
+        asyncio.get_running_loop().call_soon(self._send_events, index + 1)
+
+
+class _BareClient(asyncio.Protocol):
+    """Sends `left` requests one after another on one keep-alive connection, each once the last answer
+    (Content-Length or chunked) is whole."""
+
+    def __init__(self, request: bytes, left: int, done: asyncio.Future) -> None:
+        self.request, self.left, self.done = request, left, done
+        self.buffer, self.need, self.at = b"", -1, 0   # need: -1 in the head, -2 chunked (at: next size line)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if self.need == -1:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buffer[:end].lower()
+            assert head.startswith(b"http/1.1 200"), head
+            self.buffer, self.at = self.buffer[end + 4:], 0
+            self.need = -2 if b"transfer-encoding: chunked" in head else _content_length(head)
+        if not self._whole():
+            return
+        self.buffer, self.need, self.left = b"", -1, self.left - 1
+        if self.left:
+            self.transport.write(self.request)
+        else:
+            self.transport.close()
+            self.done.set_result(None)
+
+    def _whole(self) -> bool:
+        if self.need >= 0:
+            return len(self.buffer) >= self.need
+        while (line_end := self.buffer.find(b"\r\n", self.at)) >= 0:
+            size = int(self.buffer[self.at:line_end], 16)
+            if size == 0:
+                return len(self.buffer) >= line_end + 4
+            self.at = line_end + 2 + size + 2
+        return False
+
+
+async def _bare_clients(port: int, body: bytes, num: int, concurrency: int) -> None:
+    loop = asyncio.get_running_loop()
+    request = (f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    done = [loop.create_future() for _ in range(concurrency)]
+    for future in done:
+        await loop.create_connection(lambda f=future: _BareClient(request, num, f), "127.0.0.1", port)
+    await asyncio.gather(*done)
+
+
 async def _health(request: web.Request) -> web.Response:
     return web.Response()
 
 
-async def run(num_requests: int, concurrency: int, stream: bool, lean_http: bool) -> None:
-    upstream_app = web.Application()
-    upstream_app.add_routes([web.post(CHAT, _answer), web.get("/health", _health)])
-    upstream = TestServer(upstream_app)
-    await upstream.start_server()
+async def run(num_requests: int, concurrency: int, stream: bool, lean_http: bool, bare: bool) -> None:
+    if bare:
+        upstream_port = free_port()
+        bare_upstream = await asyncio.get_running_loop().create_server(_BareUpstream, "127.0.0.1", upstream_port)
+        upstream_url = f"http://127.0.0.1:{upstream_port}"
+    else:
+        upstream_app = web.Application()
+        upstream_app.add_routes([web.post(CHAT, _answer), web.get("/health", _health)])
+        upstream = TestServer(upstream_app)
+        await upstream.start_server()
+        upstream_url = str(upstream.make_url("")).rstrip("/")
     config = {"models": {"m": {"providers": ["p"], "policy": {"name": "least_tokens"}}},
-              "providers": {"p": {"kind": "openai", "endpoints": [str(upstream.make_url("")).rstrip("/")]}}}
+              "providers": {"p": {"kind": "openai", "endpoints": [upstream_url]}}}
     port = free_port()
     config["listen"] = {"port": port, "lean_http": lean_http}
     gateway_config = parse_config(yaml.safe_dump(config), {})
@@ -70,22 +170,33 @@ async def run(num_requests: int, concurrency: int, stream: bool, lean_http: bool
     await make_site(gateway, gateway_config).start()
     url = f"http://127.0.0.1:{port}{CHAT}"
     body = orjson.dumps({**orjson.loads(BODY), "stream": stream})
-    async with ClientSession(connector=TCPConnector(limit=0)) as session:
-        async def client(num: int) -> None:
-            for _ in range(num):
-                async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as response:
-                    assert response.status == 200, await response.text()
-                    await response.read()
-
-        await asyncio.gather(*[client(50) for _ in range(concurrency)])  # warm-up
+    if bare:
+        await _bare_clients(port, body, 50, concurrency)   # warm-up
         _tune_gc()  # as `gateway.app.serve` does after start-up
         cpu_s, wall_s = time.process_time(), time.perf_counter()
-        await asyncio.gather(*[client(num_requests // concurrency) for _ in range(concurrency)])
+        await _bare_clients(port, body, num_requests // concurrency, concurrency)
         cpu_s, wall_s = time.process_time() - cpu_s, time.perf_counter() - wall_s
+    else:
+        async with ClientSession(connector=TCPConnector(limit=0)) as session:
+            async def client(num: int) -> None:
+                for _ in range(num):
+                    async with session.post(url, data=body,
+                                            headers={"Content-Type": "application/json"}) as response:
+                        assert response.status == 200, await response.text()
+                        await response.read()
+
+            await asyncio.gather(*[client(50) for _ in range(concurrency)])  # warm-up
+            _tune_gc()  # as `gateway.app.serve` does after start-up
+            cpu_s, wall_s = time.process_time(), time.perf_counter()
+            await asyncio.gather(*[client(num_requests // concurrency) for _ in range(concurrency)])
+            cpu_s, wall_s = time.process_time() - cpu_s, time.perf_counter() - wall_s
     await gateway.cleanup()
-    await upstream.close()
+    if bare:
+        bare_upstream.close()
+    else:
+        await upstream.close()
     num_done = num_requests // concurrency * concurrency
-    kind = ("stream" if stream else "whole") + ("" if lean_http else ", aiohttp server")
+    kind = ("stream" if stream else "whole") + ("" if lean_http else ", aiohttp server") + (", bare peers" if bare else "")
     print(f"{os.getcwd()} {kind}: {cpu_s / num_done * 1e6:.1f} us CPU/req (client + gateway + upstream), "
           f"{num_done / wall_s:.0f} req/s")
 
@@ -97,8 +208,10 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true", help="32-chunk SSE answers instead of whole ones")
     parser.add_argument("--no-lean-http", dest="lean_http", action="store_false",
                         help="generation requests on aiohttp's server (`listen.lean_http: false`)")
+    parser.add_argument("--bare-peers", action="store_true",
+                        help="client and upstream as bare protocols writing canned bytes: the gateway's CPU alone")
     args = parser.parse_args()
-    uvloop.run(run(args.requests, args.concurrency, args.stream, args.lean_http))
+    uvloop.run(run(args.requests, args.concurrency, args.stream, args.lean_http, args.bare_peers))
 
 
 if __name__ == "__main__":
