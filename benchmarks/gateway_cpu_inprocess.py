@@ -55,8 +55,12 @@ async def _answer(request: web.Request) -> web.StreamResponse:
 
 
 def _content_length(head: bytes) -> int:
+    """Content-Length from a lower-cased HTTP head (0 without one)."""
     at = head.find(b"content-length:")
-    return int(head[at + 15:head.find(b"\r\n", at) if head.find(b"\r\n", at) >= 0 else len(head)]) if at >= 0 else 0
+    if at < 0:
+        return 0
+    end = head.find(b"\r\n", at)
+    return int(head[at + 15:end if end >= 0 else len(head)])
 
 
 class _BareUpstream(asyncio.Protocol):
@@ -196,7 +200,8 @@ async def run(num_requests: int, concurrency: int, stream: bool, lean_http: bool
     else:
         await upstream.close()
     num_done = num_requests // concurrency * concurrency
-    kind = ("stream" if stream else "whole") + ("" if lean_http else ", aiohttp server") + (", bare peers" if bare else "")
+    kind = ("stream" if stream else "whole") + ("" if lean_http else ", aiohttp server")
+    kind += ", bare peers" if bare else ""
     print(f"{os.getcwd()} {kind}: {cpu_s / num_done * 1e6:.1f} us CPU/req (client + gateway + upstream), "
           f"{num_done / wall_s:.0f} req/s")
 
