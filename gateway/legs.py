@@ -1,11 +1,11 @@
 """What a provider drives its legs with (`Legs`): choose an endpoint in a pool, send one leg under a load
-lease, its breaker and the first-byte deadline, and relay a whole or streamed answer to the client.
+lease, its breaker and the first-byte deadline, and relay a whole answer to the client, or a streamed one
+through gateway/stream_relay.py.
 
 It never walks the provider chain or retries (dispatch.py does) and never builds a wire body (providers do).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -20,14 +20,13 @@ from cache.prefix_index import NO_MATCH, MatchedByMedium, PrefixIndex, num_cache
 from gateway.breaker import CircuitBreaker, eligible
 from gateway.config import Pool
 from gateway.deadlines import TaskDeadline
-from gateway.failover import StreamBroken, Transcript, asks_token_ids, without_token_ids
 from gateway.fallback import RetryableFailure
 from gateway.load import Lease, LoadTracker
 from gateway.metrics import Metrics
 from gateway.request import Leg, Outcome, Progress, ProviderExhausted, Wire
 from gateway.state import StateStore
-from gateway.streaming import (DONE_EVENT, ClientGone, ClientStream, SseCounter, StreamUsage, apply_usage,
-                               error_event)
+from gateway.stream_relay import CONNECT_ERRORS, relay_stream
+from gateway.streaming import ClientGone, ClientStream, StreamUsage, apply_usage
 from gateway.tracing import REQUEST_ID_HEADER, Tracing
 from gateway.upstream_http import UpstreamClient
 from gateway.upstreams import Endpoint, UpstreamRegistry
@@ -37,7 +36,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MAX_ERROR_BODY = 64 * 1024
-CONNECT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
 
 # Reads one leg's upstream response: (response, the first-byte deadline, the leg's lease) -> the result.
 ResponseReader = Callable[[aiohttp.ClientResponse, TaskDeadline, Lease], Awaitable[T]]
@@ -255,110 +253,8 @@ class Legs:
 
     async def relay_stream(self, progress: Progress, response: aiohttp.ClientResponse, first: bytes, lease: Lease,
                            endpoint: Endpoint, sent_before: bytes = b"") -> Outcome:
-        """Relay SSE bytes as they arrive. After the first byte a failure ends the stream with an error event,
-        or, where the request may fail over, raises `StreamBroken` for the dispatcher to continue it.
-        `sent_before`: whole events of this answer the provider sent itself (a disaggregated first token)."""
-        client, model = progress.client, progress.request.facts.model
-        assert client is not None
-        transcript = Transcript(sent_before) if progress.can_fail_over else None
-        if transcript is not None:
-            first = await self._whole_events(progress, transcript, response, first)
-        counter = SseCounter()
-        if progress.so_far is not None:       # a continuation: its count goes on from what the client has
-            counter.usage.num_output_tokens = progress.so_far.num_tokens
-        client.usage = counter.usage
-        num_tokens = counter.feed(first)
-        lease.on_output_tokens(num_tokens)
-        first_token_s = last_token_s = time.perf_counter()   # meaningful once num_tokens > 0
-        is_first_data = not client.data_started
-        await client.send_first(first, response.headers.get("Content-Type", "text/event-stream"))
-        if is_first_data:
-            self.metrics.observe_ttft(model, time.perf_counter() - progress.request.started_s)
-        elif progress.so_far is not None:
-            self.metrics.on_failover(model, "continued")
-        fast_write = client.fast_writer()
-        try:
-            rewrite = progress.stitch is not None or not asks_token_ids(progress.request.body)
-            before_last, last = b"", first    # the stream's end, to see that [DONE] came
-            # Up to [DONE]: the answer is whole there, and the client may close at once (the body's end is later).
-            while not last.endswith(DONE_EVENT) and (chunk := await response.content.readany()):
-                if transcript is not None:
-                    chunk = transcript.take_whole(chunk)
-                    if chunk and rewrite and (progress.stitch is not None or b'"token_ids"' in chunk):
-                        chunk = _outgoing(progress, chunk)
-                    if not chunk:
-                        continue
-                before_last, last = last, chunk
-                num_new = counter.feed(chunk)
-                if num_new:
-                    lease.on_output_tokens(num_new)
-                    last_token_s = time.perf_counter()
-                    if not num_tokens:
-                        first_token_s = last_token_s
-                    num_tokens += num_new
-                if fast_write is None or chunk.endswith(DONE_EVENT):  # re-encoded, or the end of the answer
-                    await client.send(chunk)
-                else:
-                    try:
-                        if fast_write(chunk):  # one transport write; True: the client's buffer is full
-                            await client.drain()
-                    except ConnectionResetError as exc:
-                        raise ClientGone() from exc
-            if transcript is not None and not client.ended and (rest := _outgoing(progress, transcript.flush())):
-                await client.send(rest)
-                before_last, last = last, rest
-            if DONE_EVENT[:12] not in before_last[-32:] + last[-32:]:
-                raise EndedEarly("the upstream ended its stream without data: [DONE]")
-            client.ended = True
-        except ClientGone:
-            raise
-        except (TimeoutError, *CONNECT_ERRORS) as exc:
-            endpoint.breaker.on_failure()
-            log.warning("upstream %s failed mid-stream: %r", endpoint.endpoint_id, exc)
-            if transcript is not None:
-                raise StreamBroken(endpoint.endpoint_id, type(exc).__name__, transcript, counter.usage) from None
-            self.metrics.on_stream_error(model)
-            await client.fail(error_event(f"upstream {endpoint.endpoint_id} failed mid-stream: "
-                                          f"{type(exc).__name__}"), mid_event=counter.mid_event)
-            return Outcome(await client.finish(), endpoint.endpoint_id, counter.usage)
-        endpoint.breaker.on_success()
-        if is_first_data and num_tokens > 1:    # one figure per response: its mean inter-token latency
-            self.metrics.observe_itl(model, (last_token_s - first_token_s) / (num_tokens - 1))
-        await _read_to_end(response)
-        return Outcome(await client.finish(), endpoint.endpoint_id, counter.usage)
-
-    @staticmethod
-    async def _whole_events(progress: Progress, transcript: Transcript, response: aiohttp.ClientResponse,
-                            first: bytes) -> bytes:
-        """The first bytes worth sending: whole events, rewritten for a continuation (one that only repeats
-        the role, which is dropped, is not worth sending). Until they come the leg can still be retried."""
-        chunk = _outgoing(progress, transcript.take_whole(first))
-        while not chunk:
-            more = await response.content.readany()
-            if not more:
-                raise RetryableFailure("empty response: upstream closed before a whole event")
-            chunk = _outgoing(progress, transcript.take_whole(more))
-        return chunk
-
-
-async def _read_to_end(response: aiohttp.ClientResponse) -> None:
-    """After `data: [DONE]`: the rest of the upstream's body (its chunked end, usually already here), so
-    its connection goes back to the pool. The answer is whole: a failure here changes nothing."""
-    with contextlib.suppress(TimeoutError, *CONNECT_ERRORS):
-        while await response.content.readany():
-            pass
-
-
-def _outgoing(progress: Progress, chunk: bytes) -> bytes:
-    """Whole events as the client gets them: a continuation's rewritten, our workers' token ids dropped when
-    the gateway asked for them and the client did not."""
-    if chunk and progress.stitch is not None:
-        chunk = progress.stitch(chunk)
-    return without_token_ids(chunk) if chunk and not asks_token_ids(progress.request.body) else chunk
-
-
-class EndedEarly(aiohttp.ClientPayloadError):
-    """An upstream's stream ended cleanly but before its `data: [DONE]`: an answer cut short."""
+        """Relay SSE bytes as they arrive (gateway/stream_relay.py)."""
+        return await relay_stream(self.metrics, progress, response, first, lease, endpoint, sent_before)
 
 
 def error_message(body: bytes) -> str:

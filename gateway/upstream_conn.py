@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import aiohttp
 
@@ -19,10 +20,11 @@ class UpstreamProtocolError(aiohttp.ClientPayloadError):
 
 
 class UpstreamConnection(asyncio.Protocol):
-    """One TCP connection: bytes arrive into `buffer`; one reader waits for more at a time."""
+    """One TCP connection: bytes arrive into `buffer`; one reader waits for more at a time, or one callback
+    (`on_bytes`, set by `UpstreamBody.pump`) runs in the data callback itself."""
 
     __slots__ = ("_deadlines", "_paused", "_quiet_key", "_quiet_limit_s", "_waiter", "buffer", "closed_exc", "eof",
-                 "idle_since_s", "last_data_s", "transport")
+                 "idle_since_s", "last_data_s", "on_bytes", "transport")
 
     def __init__(self, deadlines: Deadlines) -> None:
         self.transport: asyncio.Transport | None = None
@@ -32,6 +34,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.idle_since_s = 0.0
         self.last_data_s = 0.0             # time.monotonic() of the last bytes received
         self._waiter: asyncio.Future[None] | None = None
+        self.on_bytes: Callable[[], None] | None = None   # instead of a waiter: called on bytes, EOF or loss
         self._paused = False
         self._deadlines = deadlines
         self._quiet_key: int | None = None     # the quiet-gap deadline, while watched
@@ -89,6 +92,9 @@ class UpstreamConnection(asyncio.Protocol):
             self._quiet_key = self._deadlines.add(self.last_data_s + limit_s, self._check_quiet)
 
     def _wake(self) -> None:
+        if self.on_bytes is not None:
+            self.on_bytes()
+            return
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
@@ -136,25 +142,69 @@ class UpstreamBody:
         self.done = mode == "length" and length == 0
 
     async def readany(self) -> bytes:
+        while (data := self._next_now()) is None:
+            if self.done:
+                return b""
+            await self._conn.more()
+        return data
+
+    def pump(self, consume: Callable[[bytes], bool]) -> asyncio.Future[bool]:
+        """Hand each decoded chunk to `consume` as its bytes arrive, in the connection's data callback, so no
+        task wakes up per chunk, until `consume` returns False or the body ends: the future's result is True
+        when `consume` stopped it, False at the body's end. It fails as `readany` would raise (and with
+        whatever `consume` raises). Whoever awaits it and is cancelled must `unpump`."""
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        conn = self._conn
+
+        def on_bytes() -> None:
+            try:
+                while (data := self._next_now()) is not None:
+                    if not consume(data):
+                        self._end_pump(future, True)
+                        return
+                if self.done:
+                    self._end_pump(future, False)
+            except Exception as exc:  # noqa: BLE001 -- the awaiting task gets it, whatever it is
+                conn.on_bytes = None
+                if not future.done():
+                    future.set_exception(exc)
+
+        conn.on_bytes = on_bytes
+        on_bytes()   # what is buffered already
+        return future
+
+    def unpump(self) -> None:
+        self._conn.on_bytes = None
+
+    def _end_pump(self, future: asyncio.Future[bool], stopped: bool) -> None:
+        self._conn.on_bytes = None
+        if not future.done():
+            future.set_result(stopped)
+
+    def _next_now(self) -> bytes | None:
+        """`readany` without waiting: decoded bytes, or None when there are none until more arrive (or at the
+        body's end: then `done`). Raises where `readany` raises."""
         if self._pending:
             data, self._pending = self._pending, b""
             return data
-        while not self.done:
-            data = self._decode()
-            if data:
-                if self._quiet_s is not None:   # the first body bytes: from here on a gap is a hang
-                    self._conn.watch_quiet(self._quiet_s)
-                    self._quiet_s = None
-                return data
-            if self.done:
-                break
-            try:
-                await self._conn.more()
-            except aiohttp.ServerDisconnectedError:
-                if self._mode != "close":
-                    raise aiohttp.ClientPayloadError("upstream closed the connection mid-body") from None
-                self.done = True
-        return b""
+        if self.done:
+            return None
+        data = self._decode()
+        if data:
+            if self._quiet_s is not None:
+                self._conn.watch_quiet(self._quiet_s)
+                self._quiet_s = None
+            return data
+        conn = self._conn
+        if self.done:
+            return None
+        if conn.closed_exc is not None:
+            raise conn.closed_exc
+        if conn.eof:
+            if self._mode != "close":
+                raise aiohttp.ClientPayloadError("upstream closed the connection mid-body")
+            self.done = True
+        return None
 
     async def read(self, max_bytes: int = -1) -> bytes:
         if max_bytes < 0:

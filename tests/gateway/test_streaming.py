@@ -2,6 +2,9 @@
 during a stall, non-streaming relay with the model renamed, request ids, mid-stream failure."""
 from __future__ import annotations
 
+import asyncio
+import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -117,3 +120,41 @@ async def test_mid_stream_reset_ends_with_error_event_when_failover_is_off(start
     assert error["error"]["type"] == "upstream_error" and "mid-stream" in error["error"]["message"]
     assert events[-1] == b"data: [DONE]"
     assert a.stats()["num_requests"] + b.stats()["num_requests"] == 1  # the upstream was hit once
+
+
+def _read_slowly(base_url: str, body: dict[str, Any]) -> bytes:
+    """POST over a socket with a 4 KiB receive buffer, read 2 KiB at a time with a pause between reads; the
+    response's body, de-chunked."""
+    host, port = base_url.removeprefix("http://").split(":")
+    raw = orjson.dumps(body)
+    head = (f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\nConnection: close\r\n\r\n").encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(60)
+        sock.connect((host, int(port)))
+        sock.sendall(head + raw)
+        reply = b""
+        while chunk := sock.recv(2048):
+            reply += chunk
+            time.sleep(0.0005)    # slower than the gateway writes: its buffer for this client fills
+    response_head, _, chunked = reply.partition(b"\r\n\r\n")
+    assert response_head.startswith(b"HTTP/1.1 200") and b"chunked" in response_head.lower(), response_head
+    data, at = b"", 0
+    while (size := int(chunked[at:chunked.index(b"\r\n", at)], 16)) > 0:
+        start = chunked.index(b"\r\n", at) + 2
+        data += chunked[start:start + size]
+        at = start + size + 2
+    return data
+
+
+async def test_a_slow_reader_gets_a_long_stream_whole(one_upstream) -> None:
+    """20,000 events (about 3 MB) to a client that reads slowly through a small socket buffer: the relay
+    fills the client's buffer, waits for it to drain and goes on. Every event arrives once, in order, then
+    [DONE]."""
+    _, gateway = one_upstream
+    data = await asyncio.to_thread(_read_slowly, gateway.url, chat_body(stream=True, fake={"chunks": 20000}))
+    events = data.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    contents = [orjson.loads(e[6:])["choices"][0]["delta"]["content"] for e in events if e.startswith(b"data: {")]
+    assert contents == [f"tok{i} " for i in range(20000)]

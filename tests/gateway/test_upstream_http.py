@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from gateway.upstream_conn import UpstreamBody
 from gateway.upstream_http import UpstreamClient
 from tests.support.wait import await_until
 
@@ -49,7 +50,37 @@ async def _raw_server(answer: Callable[[bytes], list[bytes]]) -> tuple[asyncio.S
     return server, f"http://127.0.0.1:{port}/v1/x", connections
 
 
-async def test_chunked_split_anywhere_with_trailers_and_reuse(client: UpstreamClient) -> None:
+async def _pumped(body: UpstreamBody, stop_every: int = 0) -> bytes:
+    """The whole body through `pump`, as the stream relay reads it; `stop_every`: stop after that many chunks
+    each time and pump again (as a relay does after draining a full client buffer)."""
+    parts: list[bytes] = []
+
+    def consume(chunk: bytes) -> bool:
+        parts.append(chunk)
+        return not stop_every or len(parts) % stop_every != 0
+
+    try:
+        while await body.pump(consume):
+            pass
+    finally:
+        body.unpump()
+    return b"".join(parts)
+
+
+async def _read_all(body: UpstreamBody, how: str) -> bytes:
+    if how == "readany":
+        data = b""
+        while chunk := await body.readany():
+            data += chunk
+        return data
+    return await _pumped(body, stop_every=2 if how == "pump, stopping" else 0)
+
+
+READERS = pytest.mark.parametrize("how", ["readany", "pump", "pump, stopping"])
+
+
+@READERS
+async def test_chunked_split_anywhere_with_trailers_and_reuse(client: UpstreamClient, how: str) -> None:
     events = [b"data: {\"n\": %d}\n\n" % i for i in range(5)]
     wire = b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in events) + b"0\r\nX-Trailer: 1\r\n\r\n"
     head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -60,9 +91,7 @@ async def test_chunked_split_anywhere_with_trailers_and_reuse(client: UpstreamCl
             async with client.post(url, data=b"{}", headers={"Content-Type": "application/json"},
                                    timeout=TIMEOUT) as response:
                 assert response.status == 200 and response.content_type == "text/event-stream"
-                body = b""
-                while chunk := await response.content.readany():
-                    body += chunk
+                body = await _read_all(response.content, how)
             assert body == b"".join(events)
     assert len(connections) == 1  # the connection went back to the pool and was reused
 
@@ -81,12 +110,13 @@ async def test_content_length_and_read_to_close(client: UpstreamClient) -> None:
     assert len(connections) == 1
 
 
-async def test_cut_mid_body_is_a_payload_error(client: UpstreamClient) -> None:
+@READERS
+async def test_cut_mid_body_is_a_payload_error(client: UpstreamClient, how: str) -> None:
     server, url, _ = await _raw_server(
         lambda _: [b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial", b"<close>"])
     async with server, client.post(url, data=b"x", headers={}, timeout=TIMEOUT) as response:
         with pytest.raises(aiohttp.ClientPayloadError):
-            await response.read()
+            await _read_all(response.content, how)
 
 
 async def test_garbage_head_and_closed_before_answer_are_errors(client: UpstreamClient) -> None:
@@ -216,3 +246,42 @@ async def test_a_body_quiet_past_sock_read_after_its_first_bytes_times_out(clien
                 await response.content.readany()
     finally:
         server.close()
+
+
+async def test_a_pumped_body_quiet_past_sock_read_fails_the_pump(client: UpstreamClient) -> None:
+    async def quiet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await reader.read()      # then silence, until the client gives up
+
+    server = await asyncio.start_server(quiet, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/x"
+    got: list[bytes] = []
+    try:
+        async with client.post(url, data=b"x", headers={},
+                               timeout=aiohttp.ClientTimeout(total=30, sock_read=0.2)) as response:
+            with pytest.raises(TimeoutError, match="sent nothing"):
+                await response.content.pump(lambda chunk: got.append(chunk) is None)
+    finally:
+        server.close()
+    assert got == [b"first"]
+
+
+async def test_what_consume_raises_fails_the_pump_and_unhooks_it(client: UpstreamClient) -> None:
+    """A relay's client write that fails (the client left) ends the pump with that error, and the connection
+    calls nothing more."""
+    pieces = [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\none\r\n3\r\ntwo\r\n0\r\n\r\n"]
+    server, url, _ = await _raw_server(lambda _: pieces)
+    calls: list[bytes] = []
+
+    def consume(chunk: bytes) -> bool:
+        calls.append(chunk)
+        raise ConnectionResetError("the client left")
+
+    async with server, client.post(url, data=b"x", headers={}, timeout=TIMEOUT) as response:
+        with pytest.raises(ConnectionResetError, match="the client left"):
+            await response.content.pump(consume)
+        assert response.content._conn.on_bytes is None
+        assert await response.content.readany() == b""
+    assert calls == [b"onetwo"]
