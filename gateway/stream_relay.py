@@ -132,7 +132,7 @@ async def _relay_to_done(relay: _Relay, client: ClientStream, body: aiohttp.Stre
         if fast_write is None or chunk.endswith(DONE_EVENT):  # re-encoded, or the end of the answer
             await client.send(chunk)
         elif _write(fast_write, chunk):
-            await client.drain()
+            await _drain(client)
 
 
 async def _pump_to_done(relay: _Relay, client: ClientStream, body: UpstreamBody,
@@ -153,13 +153,22 @@ async def _pump_to_done(relay: _Relay, client: ClientStream, body: UpstreamBody,
         if relay.done:
             await client.send(relay.last)
         else:
-            await client.drain()
+            await _drain(client)
 
 
 def _write(fast_write: Callable[[bytes], bool], chunk: bytes) -> bool:
-    """One transport write of `chunk`; True when the client's buffer is full."""
+    """One transport write of `chunk`; True when the client's buffer is full. A client gone is `ClientGone`,
+    never a connection error, which would count against the upstream."""
     try:
         return fast_write(chunk)
+    except ConnectionResetError as exc:
+        raise ClientGone() from exc
+
+
+async def _drain(client: ClientStream) -> None:
+    """Wait until the client's buffer is below its high-water mark (`_write`'s errors)."""
+    try:
+        await client.drain()
     except ConnectionResetError as exc:
         raise ClientGone() from exc
 

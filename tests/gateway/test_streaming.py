@@ -12,7 +12,8 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.gateway.conftest import gateway_config
+from tests.gateway.conftest import gateway_config, metric
+from tests.support.wait import await_until
 
 CHAT = "/v1/chat/completions"
 
@@ -149,12 +150,40 @@ def _read_slowly(base_url: str, body: dict[str, Any]) -> bytes:
 
 
 async def test_a_slow_reader_gets_a_long_stream_whole(one_upstream) -> None:
-    """20,000 events (about 3 MB) to a client that reads slowly through a small socket buffer: the relay
-    fills the client's buffer, waits for it to drain and goes on. Every event arrives once, in order, then
-    [DONE]."""
+    """40,000 events (about 6.6 MB, more than a socket's send buffer grows to on Linux, 4 MiB) to a client that
+    reads slowly through a small socket buffer: the relay fills the client's buffer, waits for it to drain and
+    goes on. Every event arrives once, in order, then [DONE]."""
     _, gateway = one_upstream
-    data = await asyncio.to_thread(_read_slowly, gateway.url, chat_body(stream=True, fake={"chunks": 20000}))
+    data = await asyncio.to_thread(_read_slowly, gateway.url, chat_body(stream=True, fake={"chunks": 40000}))
     events = data.split(b"\n\n")
     assert events[-2:] == [b"data: [DONE]", b""]
     contents = [orjson.loads(e[6:])["choices"][0]["delta"]["content"] for e in events if e.startswith(b"data: {")]
-    assert contents == [f"tok{i} " for i in range(20000)]
+    assert contents == [f"tok{i} " for i in range(40000)]
+
+
+@pytest.mark.parametrize("lean_http", [True, False], ids=["lean server", "aiohttp server"])
+async def test_a_client_that_leaves_while_the_relay_waits_for_it_is_not_the_upstreams_failure(
+        start_fakes, start_gateway, lean_http: bool) -> None:
+    """The client stops reading a stream longer than the sockets between them hold, then closes. That ends
+    the request as the client's leaving, whether the relay was writing or waiting for the client's buffer:
+    no failover to the other upstream (it would be a second request), and the lease is released."""
+    a, b = start_fakes("a", "b")
+    config = gateway_config({"p": [a.url, b.url]})
+    config["listen"] = {"lean_http": lean_http}
+    gateway = start_gateway(config)
+    host, port = gateway.url.removeprefix("http://").split(":")
+    raw = orjson.dumps(chat_body(stream=True, fake={"chunks": 40000}))   # 6.6 MB: more than the socket holds
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        # The upstream serving it has sent far more than the client read: the gateway holds the rest.
+        await await_until(lambda: a.stats()["num_requests"] + b.stats()["num_requests"] == 1, "the upstream request")
+        await await_until(lambda: metric(gateway, "switchyard_inflight_requests", endpoint=a.url)
+                          + metric(gateway, "switchyard_inflight_requests", endpoint=b.url) == 1, "the lease")
+    await await_until(lambda: metric(gateway, "switchyard_inflight_requests", endpoint=a.url)
+                      + metric(gateway, "switchyard_inflight_requests", endpoint=b.url) == 0,
+                      "the lease to be released")
+    assert a.stats()["num_requests"] + b.stats()["num_requests"] == 1
+    assert gateway.alive
