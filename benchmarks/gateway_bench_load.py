@@ -129,7 +129,7 @@ def run_relay(port: int, upstreams: list[str]) -> None:
     uvloop.run(serve())
 
 
-def _content_length(head: bytes) -> int:
+def content_length(head: bytes) -> int:
     """Content-Length from a lower-cased HTTP head (0 without one)."""
     at = head.find(b"content-length:")
     if at < 0:
@@ -171,7 +171,7 @@ def run_byte_relay(port: int, upstreams: list[str]) -> None:
                 if end < 0:
                     return
                 head, data, self.head = self.head[:end].lower(), self.head[end + 4:], b""
-                self.left = -2 if b"transfer-encoding: chunked" in head else _content_length(head)
+                self.left = -2 if b"transfer-encoding: chunked" in head else content_length(head)
             if self.left == -2:
                 self.tail = (self.tail + data)[-5:]
                 if self.tail == b"0\r\n\r\n":
@@ -195,7 +195,7 @@ def run_byte_relay(port: int, upstreams: list[str]) -> None:
             end = self.buffer.find(b"\r\n\r\n")
             if end < 0:
                 return
-            size = end + 4 + _content_length(self.buffer[:end].lower())
+            size = end + 4 + content_length(self.buffer[:end].lower())
             if len(self.buffer) < size:
                 return
             request, self.buffer = self.buffer[:size], self.buffer[size:]

@@ -28,6 +28,7 @@ from aiohttp.test_utils import TestServer
 from gateway.app import _tune_gc, create_app, make_site
 from gateway.config import parse_config
 from gateway.serve import free_port
+from gateway_bench_load import content_length  # beside this script
 
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8})
@@ -54,15 +55,6 @@ async def _answer(request: web.Request) -> web.StreamResponse:
     return response
 
 
-def _content_length(head: bytes) -> int:
-    """Content-Length from a lower-cased HTTP head (0 without one)."""
-    at = head.find(b"content-length:")
-    if at < 0:
-        return 0
-    end = head.find(b"\r\n", at)
-    return int(head[at + 15:end if end >= 0 else len(head)])
-
-
 class _BareUpstream(asyncio.Protocol):
     """Answers each request with canned bytes: the whole completion, or the 33 events as chunks, one per
     loop turn (as an engine streams them)."""
@@ -73,7 +65,7 @@ class _BareUpstream(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
-            size = end + 4 + _content_length(self.buffer[:end].lower())
+            size = end + 4 + content_length(self.buffer[:end].lower())
             if len(self.buffer) < size:
                 return
             request, self.buffer = self.buffer[:size], self.buffer[size:]
@@ -118,7 +110,7 @@ class _BareClient(asyncio.Protocol):
             head = self.buffer[:end].lower()
             assert head.startswith(b"http/1.1 200"), head
             self.buffer, self.at = self.buffer[end + 4:], 0
-            self.need = -2 if b"transfer-encoding: chunked" in head else _content_length(head)
+            self.need = -2 if b"transfer-encoding: chunked" in head else content_length(head)
         if not self._whole():
             return
         self.buffer, self.need, self.left = b"", -1, self.left - 1
