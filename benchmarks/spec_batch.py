@@ -72,9 +72,11 @@ def run(runner, model_dir: Path, prompts: list[list[int]], spec: dict | None, ma
 
 
 def main() -> None:
+    from backends.engine.config import SPECULATIVE_PROPOSERS
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=("prose", "structured"), default="prose")
-    ap.add_argument("--proposer", choices=("ngram", "draft", "eagle", "ngram+draft", "ngram+eagle"), default="eagle")
+    ap.add_argument("--proposer", choices=SPECULATIVE_PROPOSERS, default="eagle")
     ap.add_argument("--eagle-dir", type=Path, default=None)
     ap.add_argument("--draft-dir", type=Path, default=None)
     ap.add_argument("--k", type=int, default=5)

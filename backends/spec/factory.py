@@ -13,14 +13,14 @@ def build_proposer(config: EngineConfig, runner: Any) -> Proposer:
     """`runner`: the target's model runner (its model, dtype, device and size, for model proposers).
     "ngram+eagle" and "ngram+draft": prompt lookup first, the model proposer where it finds nothing."""
     lookup, plus, kind = (config.speculative or "").rpartition("+")
-    if plus:
-        from backends.spec.lookup_first import LookupFirstProposer
-        assert lookup == "ngram"
-        lookup_proposer = NgramProposer(config.ngram_min, config.ngram_max)
-        return LookupFirstProposer(_model_proposer(kind, config, runner), lookup_proposer)
     if kind == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max)
-    return _model_proposer(kind, config, runner)
+    model = _model_proposer(kind, config, runner)
+    if not plus:
+        return model
+    from backends.spec.lookup_first import LookupFirstProposer
+    assert lookup == "ngram"
+    return LookupFirstProposer(model, NgramProposer(config.ngram_min, config.ngram_max))
 
 
 def _model_proposer(kind: str, config: EngineConfig, runner: Any) -> Proposer:
