@@ -21,11 +21,17 @@ table gives medians. Repetitions alternate the engines and rotate their order.
 
     .venv/bin/python benchmarks/kv_restore_cost.py [--prompt-tokens 256 1024] [--reps 7] [--threads 1]
         [--tiers cpu disk store]
+
+On a GPU (the host tier then lives in pinned buffers), with random weights of a model whose weights are not
+at hand (a step takes as long whatever the values; the restored bytes are the same size):
+
+    python3 benchmarks/kv_restore_cost.py --device cuda --dtype bfloat16 --model smollm2-shape --tiers cpu disk   (or --model llama3-8b)
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import platform
 import shutil
@@ -133,7 +139,7 @@ class TierEngine:
 
 
 def make_engine(medium: str, pool_blocks: int, model_dir: Path, workdir: Path, store_url: str | None,
-                threads: int) -> TierEngine:
+                args: argparse.Namespace) -> TierEngine:
     kw: dict[str, Any] = {}
     if medium == "cpu":
         kw["kv_cpu_bytes"] = 2 << 30
@@ -141,9 +147,37 @@ def make_engine(medium: str, pool_blocks: int, model_dir: Path, workdir: Path, s
         kw.update(kv_disk_dir=str(workdir / "disk"), kv_disk_bytes=4 << 30)
     else:
         kw["kv_store"] = store_url
-    config = EngineConfig(model_dir=str(model_dir), block_size=BLOCK, num_blocks=pool_blocks,
-                          kv_write_queue_blocks=512, torch_num_threads=threads, **kw)
-    return TierEngine(medium, LLMEngine(config, model_dir=model_dir), pool_blocks)
+    config = EngineConfig(model_dir=str(model_dir), block_size=BLOCK, num_blocks=pool_blocks, device=args.device,
+                          dtype=args.dtype, kv_write_queue_blocks=512, torch_num_threads=args.threads, **kw)
+    runner = None
+    if args.model != "smollm2":    # random weights: a folder with the config alone
+        from backends.worker.model_runner import ModelRunner
+        runner = ModelRunner(model_dir, dtype=getattr(torch, args.dtype), device=args.device, num_blocks=pool_blocks,
+                             block_size=BLOCK, random_weights=True)
+    return TierEngine(medium, LLMEngine(config, runner=runner, model_dir=model_dir), pool_blocks)
+
+
+# SmolLM2-135M's shape (its config.json), for a machine without the model package
+SMOLLM2_SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+                 "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                 "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+                 "max_position_embeddings": 8192, "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def model_folder(name: str, workdir: Path) -> Path:
+    """The bundled SmolLM2, or a folder holding only a config.json (its weights are drawn at random)."""
+    if name == "smollm2":
+        return resolve_model("smollm2")
+    from benchmarks.gpu_bench import LLAMA3_8B
+
+    folder = workdir / name
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(LLAMA3_8B if name == "llama3-8b" else SMOLLM2_SHAPE))
+    return folder
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else "the CPU"
 
 
 # ---------------------------------------------------------------- page cache
@@ -208,16 +242,21 @@ def main() -> None:
                     help="torch threads (default 1: with 2 on this 2-core VM, another tenant's process on one core "
                          "stalls every OpenMP barrier and steps take 5-10x as long)")
     ap.add_argument("--workdir", default=None, help="where the disk tier writes (default: a new folder in /var/tmp)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the host tier's buffers are then pinned")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "smollm2-shape", "llama3-8b"],
+                    help="smollm2-shape, llama3-8b: that model's shape with random weights (for a GPU)")
     args = ap.parse_args()
 
-    model_dir = resolve_model("smollm2")
     pool_blocks = max(args.prompt_tokens) // BLOCK + 8
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kv-restore-", dir="/var/tmp"))
+    model_dir = model_folder(args.model, workdir)
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.machine())
     torch.set_num_threads(args.threads)     # as the worker's step thread does (AsyncEngine)
     print(f"# {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC | {cpu} | {os.cpu_count()} cores | torch "
-          f"{torch.__version__} | fp32, {args.threads} torch thread(s) | device pool {pool_blocks} blocks of {BLOCK} "
+          f"{torch.__version__} | {args.model}, {args.dtype} on {device_name(args.device)}, {args.threads} torch "
+          f"thread(s) | device pool {pool_blocks} blocks of {BLOCK} "
           f"| load average {os.getloadavg()[0]:.1f} | disk tier in {workdir}", flush=True)
 
     master = None
@@ -234,7 +273,7 @@ def main() -> None:
         except (ImportError, RuntimeError) as exc:
             print(f"# store: not run ({exc})")
             tiers.remove("store")
-    engines = [make_engine(m, pool_blocks, model_dir, workdir, store_url, args.threads) for m in tiers]
+    engines = [make_engine(m, pool_blocks, model_dir, workdir, store_url, args) for m in tiers]
     for te in engines:   # the fixed fillers' blocks are computed once; later evictions write them down
         te.evict_all(FIXED_FILLERS)
     gc.freeze()

@@ -84,14 +84,15 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0)
 
 
-def evict_prefix(engine: LLMEngine, medium: str, num_blocks: int) -> None:
+def evict_prefix(engine: LLMEngine, medium: str, num_blocks: int,
+                 make_prompt: Callable[[int, int], list[int]] = prompt) -> None:
     """Run small prompts until the first prompt's `num_blocks` leading blocks left the device pool (the
     least recently used go first, one or two a prompt), then wait until `medium` has taken that many."""
     assert engine.kv_tiers is not None
     events = engine.kv_events.since(0, limit=10_000).events
     prefix = {e.block_hash for e in events[:num_blocks]}
     for i in range(20):
-        engine.add_request(f"filler{i}", prompt(100 + i, BLOCK + 3), greedy(1))
+        engine.add_request(f"filler{i}", make_prompt(100 + i, BLOCK + 3), greedy(1))
         run_all(engine)
         events = engine.kv_events.since(0, limit=10_000).events
         if prefix <= {e.block_hash for e in events if e.kind is KVEventKind.REMOVED and e.medium == "device"}:
