@@ -25,7 +25,8 @@ table gives medians. Repetitions alternate the engines and rotate their order.
 On a GPU (the host tier then lives in pinned buffers), with random weights of a model whose weights are not
 at hand (a step takes as long whatever the values; the restored bytes are the same size):
 
-    python3 benchmarks/kv_restore_cost.py --device cuda --dtype bfloat16 --model smollm2-shape --tiers cpu disk   (or --model llama3-8b)
+    python3 benchmarks/kv_restore_cost.py --device cuda --dtype bfloat16 --model smollm2-shape --tiers cpu disk
+        (or --model llama3-8b)
 """
 from __future__ import annotations
 
