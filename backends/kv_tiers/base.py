@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import crc32c
+import numpy as np
 
 from backends.kv_transfer.base import KVLayout
 
@@ -34,6 +35,9 @@ class TierUsage:
     capacity_bytes: int    # 0: unbounded or unknown
 
 
+Borrowed = tuple[np.ndarray, Callable[[], None]]   # a block's bytes in place, and their release
+
+
 class KVTier(Protocol):
     medium: str
 
@@ -47,6 +51,12 @@ class KVTier(Protocol):
 
     def put(self, block_hash: int, data: memoryview) -> bool:
         """Keep a copy of the block; False: not kept (writer thread)."""
+        ...
+
+    def borrow(self, block_hash: int) -> Borrowed | None:
+        """The block's bytes where the tier keeps them, for a copy straight into the cache, and what
+        gives them back once it has landed; None: not held, or this tier only copies out (`get`)
+        (loader thread)."""
         ...
 
     def usage(self) -> TierUsage: ...

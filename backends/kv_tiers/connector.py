@@ -9,9 +9,11 @@ buffer is free the block is dropped: decode never waits on a tier.
 
 Reading back: on a device miss, the scheduler asks for the leading run of the sequence's next blocks
 held in any tier (in-memory indexes; the store answers one batched query). The sequence waits in
-WAITING_FOR_REMOTE_KV while the loader thread copies each block from the fastest tier holding it; a
-block missing or corrupt there ends the run, and the load reports only what it wrote: the rest is
-recomputed. No step waits on I/O.
+WAITING_FOR_REMOTE_KV while the loader thread copies each block from the fastest tier holding it:
+straight from where host RAM keeps it, through a staging buffer from disk or the store. A block
+missing or corrupt there ends the run, and the load reports only what it wrote: the rest is
+recomputed. No step waits on I/O. On CUDA the copies out and in are queued and the threads wait for
+them, not the engine (block_io.py); a load ends when its last copy has landed.
 
 KV events: each tier's STORED and REMOVED carry its medium (backends/engine/kv_events.py).
 """
@@ -32,7 +34,7 @@ from backends.engine.kv_events import KVEventKind, KVEventRing
 from backends.engine.outputs import KVTierLoad
 from backends.engine.sequence import Sequence as EngineSequence
 from backends.kv_tiers.base import KVTier, TierUsage
-from backends.kv_tiers.block_io import BlockIO
+from backends.kv_tiers.block_io import BlockIO, Pending, StagingRing
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ class TieredKVConnector:
         self._max_staging = write_queue_blocks
         self._num_staging = 0
         self._free_staging: deque[np.ndarray] = deque()
-        self._writes: queue.SimpleQueue[tuple[KVTier, int, np.ndarray] | None] = queue.SimpleQueue()
+        self._writes: queue.SimpleQueue[tuple[KVTier, int, np.ndarray, Pending] | None] = queue.SimpleQueue()
         self._loads: queue.SimpleQueue[_Load | None] = queue.SimpleQueue()
         # counters (each written by one thread)
         self.restored: Counter[str] = Counter()   # blocks loaded back, by medium
@@ -75,6 +77,7 @@ class TieredKVConnector:
         self.written: Counter[str] = Counter()    # blocks a tier took, by medium
         self.num_dropped_writes = 0               # evicted blocks not written down: no staging buffer free
         self.num_load_errors = 0
+        self._last_medium = ""                    # loader thread: the tier of the last block it restored
         self._threads = [threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True),
                          threading.Thread(target=self._load_loop, name="kv-tier-loader", daemon=True)]
         for thread in self._threads:
@@ -100,8 +103,7 @@ class TieredKVConnector:
                 return
             buf = self.block_io.buffer()
             self._num_staging += 1
-        self.block_io.read(block_id, buf)
-        self._writes.put((tier, block_hash, buf))
+        self._writes.put((tier, block_hash, buf, self.block_io.read(block_id, buf)))
 
     # --- KVConnector, scheduler side (engine thread) ------------------------------------------------
     def get_num_new_matched_tokens(self, seq: EngineSequence, num_computed_tokens: int) -> int | None:
@@ -153,37 +155,65 @@ class TieredKVConnector:
 
     # --- loader thread ------------------------------------------------------------------------------
     def _load_loop(self) -> None:
-        buf = self.block_io.buffer()
+        staging = StagingRing(self.block_io)
         while (load := self._loads.get()) is not None:
+            copies: list[tuple[Pending, Callable[[], None]]] = []
             num_blocks = 0
             try:
-                num_blocks = self._load(load, buf)
+                num_blocks = self._load(load, staging, copies)
             except Exception:  # boundary: the blocks not written are recomputed; the worker goes on
                 self.num_load_errors += 1
-                log.exception("KV tier load for %s failed after %d blocks", load.request_id, num_blocks)
+                log.exception("KV tier load for %s failed after %d blocks", load.request_id, len(copies))
+            finally:
+                started = time.perf_counter()
+                for pending, release in copies:    # every copy landed before the sequence may run
+                    self.block_io.wait(pending)
+                    release()
+                if num_blocks and copies:          # the copies' tail, counted with the last block's tier
+                    self.restore_seconds[self._last_medium] += time.perf_counter() - started
             self._loaded.append(LoadResult(load.request_id, None, num_blocks * self.block_size))
             self.wake()
 
-    def _load(self, load: _Load, buf: np.ndarray) -> int:
-        """Fill the load's blocks in order from the fastest tier holding each; the count written."""
-        out = buf.data
+    def _load(self, load: _Load, staging: StagingRing, copies: list[tuple[Pending, Callable[[], None]]]) -> int:
+        """Queue the copies of the load's blocks, in order, from the fastest tier holding each; the count
+        queued. On CUDA they land after this returns: `copies` holds what to wait for and release."""
+        self.block_io.begin_writes()
         for i, (block_id, block_hash) in enumerate(zip(load.block_ids, load.block_hashes, strict=True)):
             if load.request_id in self._cancelled:
                 return i
             started = time.perf_counter()
-            tier = next((t for t in self.tiers if t.get(block_hash, out)), None)
-            if tier is None:
+            medium = self._copy_in(block_id, block_hash, staging, copies)
+            if medium is None:
                 return i
-            self.block_io.write(block_id, buf)
-            self.restore_seconds[tier.medium] += time.perf_counter() - started
-            self.restored[tier.medium] += 1
+            self.restore_seconds[medium] += time.perf_counter() - started
+            self.restored[medium] += 1
+            self._last_medium = medium
         return len(load.block_ids)
+
+    def _copy_in(self, block_id: int, block_hash: int, staging: StagingRing,
+                 copies: list[tuple[Pending, Callable[[], None]]]) -> str | None:
+        """Queue the copy of one block into `block_id` from the first tier holding it: straight from
+        where a tier keeps it (RAM), or through a staging buffer; the tier's medium, None: none has it."""
+        for tier in self.tiers:
+            borrowed = tier.borrow(block_hash)
+            if borrowed is not None:
+                data, release = borrowed
+                copies.append((self.block_io.write(block_id, data), release))
+                return tier.medium
+            buf = staging.take()
+            if tier.get(block_hash, buf.data):
+                pending = self.block_io.write(block_id, buf)
+                staging.copying(pending)
+                copies.append((pending, _nothing))
+                return tier.medium
+        return None
 
     # --- writer thread ------------------------------------------------------------------------------
     def _write_loop(self) -> None:
         while (item := self._writes.get()) is not None:
-            tier, block_hash, buf = item
+            tier, block_hash, buf, pending = item
             try:
+                self.block_io.wait(pending)         # the copy out of the device has landed
                 if tier is not self.store or not tier.leading_hits((block_hash,)):
                     self._put(tier, block_hash, buf.data)
             except Exception:  # boundary: a failed write loses a cached block, nothing else
@@ -232,3 +262,7 @@ class TieredKVConnector:
             thread.join(timeout=10)
         for tier in self.tiers:
             tier.close()
+
+
+def _nothing() -> None:
+    pass

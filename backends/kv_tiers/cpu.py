@@ -3,10 +3,12 @@ worker, simply a second, larger pool), LRU by use. A block it evicts is first ha
 (the next tier down), then forgotten.
 
 Threads: `put` runs only in the writer thread, so a slot leaves the index before it is reused and
-no reader can find it; `get` pins its slot while it copies, and eviction skips pinned slots.
+no reader can find it; `get` and `borrow` pin the slot until its copy is done, and eviction skips
+pinned slots.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
@@ -15,7 +17,7 @@ import numpy as np
 import torch
 
 from backends.engine.kv_events import CPU
-from backends.kv_tiers.base import TierUsage, leading_run
+from backends.kv_tiers.base import Borrowed, TierUsage, leading_run
 
 Spill = Callable[[int, memoryview], object]     # (block hash, its bytes): write it one tier down
 Removed = Callable[[int], None]                 # a block hash this tier no longer holds
@@ -48,19 +50,30 @@ class CpuTier:
             return leading_run(self._index, block_hashes)
 
     def get(self, block_hash: int, out: memoryview) -> bool:
+        borrowed = self.borrow(block_hash)
+        if borrowed is None:
+            return False
+        data, release = borrowed
+        try:
+            np.frombuffer(out, dtype=np.uint8)[:] = data
+        finally:
+            release()
+        return True
+
+    def borrow(self, block_hash: int) -> Borrowed | None:
+        """The block's slot (pinned memory on a CUDA worker), kept from reuse until `release`."""
         with self._lock:
             slot = self._index.get(block_hash)
             if slot is None:
-                return False
+                return None
             self._index.move_to_end(block_hash)
             self._pins[slot] += 1
-        try:
-            np.frombuffer(out, dtype=np.uint8)[:] = self._pool[slot]
-        finally:
-            with self._lock:
-                self._pins[slot] -= 1
         self.num_hits += 1
-        return True
+        return self._pool[slot], functools.partial(self._unpin, slot)
+
+    def _unpin(self, slot: int) -> None:
+        with self._lock:
+            self._pins[slot] -= 1
 
     def put(self, block_hash: int, data: memoryview) -> bool:
         with self._lock:

@@ -87,6 +87,9 @@ class DiskTier:
         self._forget(block_hash)
         return False
 
+    def borrow(self, block_hash: int) -> None:
+        return None     # blocks are read into the caller's buffer (`get`)
+
     def put(self, block_hash: int, data: memoryview) -> bool:
         with self._lock:
             if block_hash in self._index:

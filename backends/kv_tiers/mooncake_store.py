@@ -104,6 +104,9 @@ class MooncakeStoreTier:
             self._mark_down("get failed")
         return False
 
+    def borrow(self, block_hash: int) -> None:
+        return None     # blocks are read into the caller's buffer (`get`)
+
     def put(self, block_hash: int, data: memoryview) -> bool:
         client = self._usable()
         if client is None:

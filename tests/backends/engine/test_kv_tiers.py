@@ -250,9 +250,26 @@ def test_block_io_copies_one_block_of_every_layer(device: str, dtype: torch.dtyp
     io = BlockIO(stacked)
     assert io.block_nbytes == 3 * 2 * 4 * 2 * 8 * stacked.element_size()
     buf = io.buffer()
-    io.read(3, buf)
+    io.wait(io.read(3, buf))
     before = stacked.clone()
-    io.write(1, buf)
+    io.begin_writes()
+    io.wait(io.write(1, buf))
     assert torch.equal(stacked[:, :, 1], before[:, :, 3])
     others = [b for b in range(5) if b != 1]
     assert torch.equal(stacked[:, :, others], before[:, :, others])
+
+
+def test_a_borrowed_ram_slot_is_not_reused_until_released() -> None:
+    from backends.kv_tiers.cpu import CpuTier
+
+    tier = CpuTier(2 * 8, 8)          # two slots of 8 bytes
+    for h in (1, 2):
+        assert tier.put(h, memoryview(bytes([h]) * 8))
+    (one, release_one), (two, release_two) = tier.borrow(1), tier.borrow(2)
+    assert tier.borrow(9) is None
+    assert not tier.put(3, memoryview(b"\x03" * 8))      # both slots are lent: nothing can go
+    assert bytes(one) == b"\x01" * 8 and bytes(two) == b"\x02" * 8
+    release_one()
+    assert tier.put(3, memoryview(b"\x03" * 8))          # the released slot is reused
+    assert tier.leading_hits([1]) == 0 and tier.leading_hits([2]) == 1 and bytes(two) == b"\x02" * 8
+    release_two()
