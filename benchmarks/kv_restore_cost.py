@@ -80,6 +80,7 @@ class TierEngine:
 
     def __post_init__(self) -> None:
         self.engine.set_wake(self.woken.set)
+        self.engine.kv_tiers.skip_slower_tiers = False    # every restore is measured, even one slower than computing
 
     @property
     def tier(self) -> Any:

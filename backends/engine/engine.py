@@ -267,8 +267,9 @@ class LLMEngine:
                                    [s.seq.spec_token_ids[:s.num_spec_tokens] for s in sampled]))
             if self.proposer is not None or self.kv_tiers is not None:   # the only readers of the step-time fit
                 self.step_cost.observe(out.batch.num_tokens, time.perf_counter() - started)
-            if self.kv_tiers is not None:
-                self.seconds_per_prompt_token = self.step_cost.per_row_seconds() or self.seconds_per_prompt_token
+            if self.kv_tiers is not None:   # the tiers price their reads against it
+                self.seconds_per_prompt_token = self.kv_tiers.compute_seconds_per_token = \
+                    self.step_cost.per_row_seconds() or self.seconds_per_prompt_token
             rejected = [0] * len(out.scheduled)
             finishing: list[tuple[Sequence, FinishReason]] = []
             appended: list[SequenceOutput] = []

@@ -37,6 +37,7 @@ from backends.kv_tiers.base import KVTier, TierUsage
 from backends.kv_tiers.block_io import BlockIO, Pending, StagingRing
 
 log = logging.getLogger(__name__)
+PROBE_EVERY = 16     # a tier slower than computing is still read on one lookup in this many that it could serve
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +79,11 @@ class TieredKVConnector:
         self.num_dropped_writes = 0               # evicted blocks not written down: no staging buffer free
         self.num_load_errors = 0
         self._last_medium = ""                    # loader thread: the tier of the last block it restored
+        # engine thread: a prompt token's compute as the engine measured it, and the tiers slower than that
+        self.compute_seconds_per_token: float | None = None
+        self.skip_slower_tiers = True
+        self._slower: set[str] = set()
+        self.num_skipped = 0                      # lookups that passed a slower tier's blocks by
         self._threads = [threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True),
                          threading.Thread(target=self._load_loop, name="kv-tier-loader", daemon=True)]
         for thread in self._threads:
@@ -111,15 +117,37 @@ class TieredKVConnector:
             return None                     # a decode leg: its prompt's KV comes from the prefill worker
         bs = self.block_size
         hashes = [seq.block_hash(i, bs) for i in range(num_computed_tokens // bs, (seq.num_tokens - 1) // bs)]
-        n = 0
-        while n < len(hashes) and any(t.leading_hits((hashes[n],)) for t in self.local):
-            n += 1
-        if self.store is not None and n < len(hashes):
-            n += self.store.leading_hits(hashes[n:])
+        slower = [t for t in self.tiers if self._slower_than_computing(t)]
+        n = self._leading_run(hashes, slower)
+        if slower and (n_all := self._leading_run(hashes, ())) > n:
+            self.num_skipped += 1           # a tier slower than computing held more of the prefix
+            if self.num_skipped % PROBE_EVERY == 0:
+                n = n_all                   # read it anyway, now and then, so that its figure follows the machine
         if n == 0:
             return None
         self._plans[seq.request_id] = tuple(hashes[:n])
         return n * bs
+
+    def _leading_run(self, hashes: list[int], without: Sequence[KVTier]) -> int:
+        """How many of `hashes`, from the first, the tiers but `without` hold (the store only after RAM and disk)."""
+        local = [t for t in self.local if t not in without]
+        n = 0
+        while n < len(hashes) and any(t.leading_hits((hashes[n],)) for t in local):
+            n += 1
+        if self.store is not None and self.store not in without and n < len(hashes):
+            n += self.store.leading_hits(hashes[n:])
+        return n
+
+    def _slower_than_computing(self, tier: KVTier) -> bool:
+        """Whether reading a token back from `tier` was measured to cost more than computing it (on a GPU a
+        disk read can cost more than the prefill it saves); not yet measured: no."""
+        fraction = self._restore_fraction(tier.medium, self.compute_seconds_per_token)
+        slower = self.skip_slower_tiers and fraction is not None and fraction >= 1.0
+        if slower != (tier.medium in self._slower):
+            self._slower.symmetric_difference_update((tier.medium,))
+            log.info("KV tier %s: reading a token back costs %.2fx computing it; %s", tier.medium, fraction,
+                     f"read on 1 lookup in {PROBE_EVERY} it could serve" if slower else "read again")
+        return slower
 
     def update_state_after_alloc(self, seq: EngineSequence, num_external_tokens: int) -> None:
         hashes = self._plans.pop(seq.request_id)

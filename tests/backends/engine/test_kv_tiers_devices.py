@@ -115,3 +115,32 @@ def test_prefix_restored_on_each_device_matches_transformers(make_engine, hf_tin
     assert_same_tokens(tokens(out_b), want, reference, "b")
     engine.block_manager.check_invariants()
     assert engine.block_manager.num_free_blocks == POOL
+
+
+def test_a_tier_slower_than_computing_is_read_only_now_and_then(make_engine, tmp_path: Path) -> None:
+    """Once reading a prefix back from a tier is measured to cost more than computing it (disk on a fast GPU),
+    the engine computes it instead, and reads that tier on one lookup in PROBE_EVERY that it could serve."""
+    from backends.engine.kv_events import DISK
+    from backends.kv_tiers.connector import PROBE_EVERY
+
+    engine, _ = make_engine("cpu", kv_disk_dir=str(tmp_path), kv_disk_bytes=64 << 20)
+    tiers = engine.kv_tiers
+    shared = prompt(1, 4 * BLOCK)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.add_request("a", shared + prompt(2, 7), one)
+    run_all(engine)
+    evict_prefix(engine, DISK, 4, prompt)
+    restored = []
+    for i in range(2 * PROBE_EVERY):
+        engine.add_request(f"b{i}", shared + prompt(10 + i, 5), one)
+        restored.append(run_all(engine)[f"b{i}"][-1].num_cached_tokens == 4 * BLOCK)
+        if i == 0:       # measured once (faster than computing, here); now say it cost far more than a prefill
+            assert restored[0] and tiers.num_skipped == 0
+            tiers.restore_seconds[DISK] = 1e6
+        for j in range(2):   # two fillers of more than half the pool: the prefix leaves the device again
+            engine.add_request(f"filler{i}-{j}", prompt(1000 + 2 * i + j, (POOL // 2 + 1) * BLOCK), one)
+            run_all(engine)
+    assert not any(restored[1:PROBE_EVERY // 2])
+    assert 1 <= sum(restored[1:]) <= 3 and tiers.num_skipped >= PROBE_EVERY
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.num_free_blocks == POOL
