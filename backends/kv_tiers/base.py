@@ -82,22 +82,30 @@ def namespace(model_name: str, layout: KVLayout) -> str:
     return hashlib.blake2b(ident.encode(), digest_size=8).hexdigest()
 
 
+def frame_header(block_hash: int, payload: memoryview | bytes) -> bytes:
+    """What precedes a block's bytes in a disk file or store value: its hash, size and checksum."""
+    return _HEADER.pack(_MAGIC, _VERSION, 0, block_hash, len(payload), crc32c.crc32c(payload))
+
+
 def frame(block_hash: int, payload: memoryview | bytes) -> bytes:
-    """The bytes a disk file or store value holds: a header with the block's hash and a checksum, then
-    the payload."""
-    return _HEADER.pack(_MAGIC, _VERSION, 0, block_hash, len(payload), crc32c.crc32c(payload)) + bytes(payload)
+    """The header and the payload in one value."""
+    return frame_header(block_hash, payload) + bytes(payload)
+
+
+def check_frame(block_hash: int, header: bytes | bytearray | memoryview, payload: bytes | memoryview) -> bool:
+    """Whether `header` and `payload`, read apart, are a whole frame of `block_hash` that nothing corrupted."""
+    if len(header) != HEADER_BYTES:
+        return False
+    magic, version, _, stored_hash, size, crc = _HEADER.unpack_from(header)
+    return (magic == _MAGIC and version == _VERSION and stored_hash == block_hash and size == len(payload)
+            and crc32c.crc32c(payload) == crc)
 
 
 def unframe(block_hash: int, data: memoryview | bytes, out: memoryview) -> bool:
     """Check a framed block against its hash, size and checksum, copying the payload into `out`;
     False (out unspecified) when anything disagrees."""
-    if len(data) != HEADER_BYTES + len(out):
+    view = memoryview(data)
+    if len(view) != HEADER_BYTES + len(out) or not check_frame(block_hash, view[:HEADER_BYTES], view[HEADER_BYTES:]):
         return False
-    magic, version, _, stored_hash, size, crc = _HEADER.unpack_from(data)
-    if magic != _MAGIC or version != _VERSION or stored_hash != block_hash or size != len(out):
-        return False
-    payload = memoryview(data)[HEADER_BYTES:]
-    if crc32c.crc32c(payload) != crc:
-        return False
-    out[:] = payload
+    out[:] = view[HEADER_BYTES:]
     return True

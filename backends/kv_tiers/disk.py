@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from backends.engine.kv_events import DISK
-from backends.kv_tiers.base import HEADER_BYTES, TierUsage, frame, leading_run, unframe
+from backends.kv_tiers.base import HEADER_BYTES, TierUsage, check_frame, frame_header, leading_run
 
 log = logging.getLogger(__name__)
 _SUFFIX = ".kv"
@@ -74,12 +74,13 @@ class DiskTier:
             if block_hash not in self._index:
                 return False
             self._index.move_to_end(block_hash)
-        try:
-            with open(self._path(block_hash), "rb") as f:
-                data = f.read(self.file_nbytes + 1)
+        header = bytearray(HEADER_BYTES)
+        try:   # straight into `out` (no copy of the block in between), and nothing after it
+            with open(self._path(block_hash), "rb", buffering=0) as f:
+                whole = os.readv(f.fileno(), [header, out]) == self.file_nbytes and not f.read(1)
         except OSError:
-            data = b""
-        if unframe(block_hash, data, out):
+            whole = False
+        if whole and check_frame(block_hash, header, out):
             self.num_hits += 1
             return True
         self.num_corrupt += 1
@@ -104,8 +105,10 @@ class DiskTier:
         path = self._path(block_hash)
         tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
         try:
-            with open(tmp, "wb") as f:
-                f.write(frame(block_hash, data))
+            with open(tmp, "wb", buffering=0) as f:
+                header = frame_header(block_hash, data)
+                if f.write(header) != len(header) or f.write(data) != len(data):
+                    raise OSError("short write")
             os.replace(tmp, path)
         except OSError as exc:
             self.num_errors += 1
