@@ -145,7 +145,8 @@ class TieredKVConnector:
         slower = self.skip_slower_tiers and fraction is not None and fraction >= 1.0
         if slower != (tier.medium in self._slower):
             self._slower.symmetric_difference_update((tier.medium,))
-            log.info("KV tier %s: reading a token back costs %.2fx computing it; %s", tier.medium, fraction,
+            log.info("KV tier %s: reading a token back costs %s computing it; %s", tier.medium,
+                     "an unknown share of" if fraction is None else f"{fraction:.2f}x",
                      f"read on 1 lookup in {PROBE_EVERY} it could serve" if slower else "read again")
         return slower
 
