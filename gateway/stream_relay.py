@@ -161,7 +161,7 @@ def _write(fast_write: Callable[[bytes], bool], chunk: bytes) -> bool:
     never a connection error, which would count against the upstream."""
     try:
         return fast_write(chunk)
-    except ConnectionResetError as exc:
+    except ConnectionError as exc:      # reset, broken pipe, or aiohttp's "Connection lost" on a paused drain
         raise ClientGone() from exc
 
 
@@ -169,7 +169,7 @@ async def _drain(client: ClientStream) -> None:
     """Wait until the client's buffer is below its high-water mark (`_write`'s errors)."""
     try:
         await client.drain()
-    except ConnectionResetError as exc:
+    except ConnectionError as exc:      # reset, broken pipe, or aiohttp's "Connection lost" on a paused drain
         raise ClientGone() from exc
 
 

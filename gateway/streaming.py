@@ -187,7 +187,7 @@ class ClientStream:
             try:
                 await self._ensure_prepared(200, "text/event-stream")
                 await self.response.write(KEEPALIVE)  # type: ignore[union-attr]
-            except (ConnectionResetError, RuntimeError):
+            except (ConnectionError, RuntimeError):
                 return  # the client went away; the handler is being cancelled
         self.arm_keepalive()
 
@@ -206,7 +206,7 @@ class ClientStream:
             self.data_started = True
             try:
                 await self._ensure_prepared(200, content_type)
-            except ConnectionResetError as exc:
+            except ConnectionError as exc:
                 raise ClientGone() from exc
             await self.send(chunk)
 
@@ -214,7 +214,7 @@ class ClientStream:
         """A synchronous write for a relay loop (after `send_first`): frames the chunk for the client's
         transfer encoding and hands it to the transport in one call, without aiohttp's per-write coroutine
         and bookkeeping. Returns True when the client's socket buffer is full: then `await drain()`.
-        Raises ConnectionResetError where `send` raises ClientGone. None when the response has a write of
+        Raises ConnectionError where `send` raises ClientGone. None when the response has a write of
         its own (one that re-encodes the stream, e.g. /v1/messages), or once the answer ended: then the loop
         awaits `send`."""
         response = self.response
@@ -237,7 +237,7 @@ class ClientStream:
                 await self.response.write_eof(chunk)
             else:
                 await self.response.write(chunk)
-        except ConnectionResetError as exc:
+        except ConnectionError as exc:
             raise ClientGone() from exc
         if last:
             self.ended = True
@@ -255,7 +255,7 @@ class ClientStream:
         assert self.response is not None
         try:
             await self.response.write_eof()
-        except ConnectionResetError as exc:
+        except ConnectionError as exc:
             raise ClientGone() from exc
         return self.response
 
