@@ -77,7 +77,7 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
     configure_prefix_index(prefix_index, config)
     kv_events = KvEventConsumer(config, prefix_index)
     registry = UpstreamRegistry(config, tracker, prefix_index, on_circuit_change=_log_circuit_change)
-    metrics = Metrics(registry.rows, registry.poll_failure_rows)
+    metrics = Metrics(registry.rows, registry.poll_failure_rows, kv_events.rows)
     # One pooled session for every upstream call; bodies are relayed as they come (no decompression),
     # and upstream cookies are never kept or sent (a dummy jar skips the per-request cookie filtering).
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),

@@ -64,13 +64,14 @@ def subscriber_address(source: KvEventSource, endpoint_id: str) -> tuple[str, bo
 
 
 class EngineStream:
-    """One engine's events: its block map and the last sequence number seen."""
-    __slots__ = ("block_map", "endpoint_id", "last_seq")
+    """One engine's events: its block map, the last sequence number seen, and the batches applied."""
+    __slots__ = ("block_map", "endpoint_id", "last_seq", "num_batches")
 
     def __init__(self, endpoint_id: str, block_map: VllmBlockMap) -> None:
         self.endpoint_id = endpoint_id
         self.block_map = block_map
         self.last_seq = -1
+        self.num_batches = 0
 
 
 class KvEventConsumer:
@@ -82,6 +83,7 @@ class KvEventConsumer:
         self._block_size = index_block_size(config)  # vLLM's block size must be a multiple of it
         self._tasks: list[asyncio.Task[None]] = []
         self._context: zmq.asyncio.Context | None = None
+        self._streams: list[EngineStream] = []
 
     def start(self) -> None:
         if not self._plans:
@@ -111,8 +113,13 @@ class KvEventConsumer:
                 socket.connect(plan.address)
             streams = {topic.encode(): EngineStream(endpoint_id, VllmBlockMap(self._block_size))
                        for topic, endpoint_id in plan.topics.items()}
+            self._streams.extend(streams.values())
             self._tasks.append(asyncio.create_task(self._consume(plan, socket, streams)))
         log.info("consuming KV events on %d socket(s)", len(self._plans))
+
+    def rows(self) -> list[tuple[str, int]]:
+        """(endpoint, event batches applied to the index) per engine, for /metrics."""
+        return [(stream.endpoint_id, stream.num_batches) for stream in self._streams]
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -152,6 +159,7 @@ class KvEventConsumer:
             log.debug("KV events of %s: %d batches missed", stream.endpoint_id, seq - stream.last_seq - 1)
         stream.last_seq = seq
         apply_batch(self._index, stream.endpoint_id, stream.block_map, frames[2])
+        stream.num_batches += 1
 
     def _clear(self, stream: EngineStream) -> None:
         self._index.reset(stream.endpoint_id)

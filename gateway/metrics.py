@@ -61,6 +61,18 @@ class _PollFailureCollector(Collector):
         yield failures
 
 
+class _KvEventCollector(Collector):
+    def __init__(self, rows: Callable[[], Iterable[tuple[str, int]]]) -> None:
+        self._rows = rows
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        batches = CounterMetricFamily("switchyard_kv_event_batches", "KV event batches from an engine (vLLM's "
+                                      "ZMQ publisher) applied to the prefix index", labels=["endpoint"])
+        for endpoint, count in self._rows():
+            batches.add_metric([endpoint], count)
+        yield batches
+
+
 class _RuntimeCollector(Collector):
     """asyncio tasks alive at scrape time: a count that grows under steady load is a leak."""
 
@@ -78,7 +90,8 @@ class Metrics:
     """The gateway's counters and histograms; `child(...)` lookups are cached dict hits."""
 
     def __init__(self, endpoint_rows: Callable[[], Iterable[EndpointRow]],
-                 poll_failure_rows: Callable[[], Iterable[PollFailureRow]] = tuple) -> None:
+                 poll_failure_rows: Callable[[], Iterable[PollFailureRow]] = tuple,
+                 kv_event_rows: Callable[[], Iterable[tuple[str, int]]] = tuple) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self._requests = Counter("switchyard_requests", "Requests by model and HTTP status", ["model", "status"],
@@ -114,6 +127,7 @@ class Metrics:
                                   "no retry budget left", ["model", "outcome"], registry=r)
         r.register(_EndpointCollector(endpoint_rows))
         r.register(_PollFailureCollector(poll_failure_rows))
+        r.register(_KvEventCollector(kv_event_rows))
         r.register(_RuntimeCollector())
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, CPU seconds
         self._children: dict[tuple[Any, ...], Any] = {}

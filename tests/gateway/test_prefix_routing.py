@@ -103,6 +103,10 @@ async def test_vllm_kv_events_over_zmq_steer_routing(start_fakes, start_gateway)
         context.destroy(linger=0)
     assert homes_b == ["b"] * 3 and homes_c == ["c"] * 3
     assert metric(gateway, "switchyard_routing_decisions_total", reason="prefix_hit") >= 8
+    # what reached the index, per engine: at most what was sent (PUB drops until the subscription is up)
+    for fake, name in ((a, "a"), (b, "b"), (c, "c")):
+        applied = metric(gateway, "switchyard_kv_event_batches_total", endpoint=fake.url)
+        assert (applied == 0) if name == "a" else (1 <= applied <= seq[name]), (name, applied)
 
 
 async def test_a_leases_prefill_work_is_what_the_endpoint_does_not_hold(start_fakes, start_gateway) -> None:

@@ -99,11 +99,20 @@ def test_prefix_aware_routing_from_vllm_kv_events(vllm_pair: Pair, start_gateway
     client = OpenAI(base_url=gateway.url + "/v1", api_key="unused")
     fresh = itertools.count()
 
-    def follows_events(engine: VllmServer) -> bool:
+    def batches(engine: VllmServer) -> float:
+        return metric(gateway, "switchyard_kv_event_batches_total", endpoint=engine.url)
+
+    def follows_events(engine: VllmServer, events_flow: bool = True) -> bool:
         """Warm `engine` directly with a new system prompt, then send a new question under the same
-        prompt through the gateway: True when it went there, chosen for its cached prefix."""
+        prompt through the gateway: True when it went there, chosen for its cached prefix. Once events
+        flow, the question waits until the gateway has applied the warm-up's (vLLM publishes them after its
+        step, and the gateway reads them in its own time)."""
         system = long_system_prompt(next(fresh))
+        before = batches(engine)
         engine.chat([system, {"role": "user", "content": "First question?"}])
+        if events_flow:
+            wait_until(lambda: batches(engine) > before, f"vLLM {engine.name}'s KV events of the warm-up",
+                       timeout_s=30, interval_s=0.05)
         hits = metric(gateway, "switchyard_routing_decisions_total", reason="prefix_hit")
         home = served_by(vllm_pair, chat(client, [system, {"role": "user", "content": "Second question?"}]))
         return home == engine.name and metric(gateway, "switchyard_routing_decisions_total",
@@ -111,7 +120,7 @@ def test_prefix_aware_routing_from_vllm_kv_events(vllm_pair: Pair, start_gateway
 
     # Until each SUB socket has joined its publisher, events are dropped (PUB/SUB): wait for one hit each.
     for engine in vllm_pair:
-        wait_until(lambda e=engine: follows_events(e), f"vLLM {engine.name}'s KV events to reach the gateway",
+        wait_until(lambda e=engine: follows_events(e, events_flow=False), f"vLLM {engine.name}'s KV events to reach the gateway",
                    timeout_s=120, interval_s=0.2)
     results = [(engine.name, follows_events(engine)) for _ in range(3) for engine in (a, b)]
     assert results == [("a", True), ("b", True)] * 3
