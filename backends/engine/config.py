@@ -43,6 +43,7 @@ class EngineConfig:
     kv_disk_bytes: int = 0                    # its size
     kv_store: str | None = None               # shared KV store, "mooncake://HOST:PORT" (its master); None: none
     kv_write_queue_blocks: int = 64           # evicted blocks waiting to be written down at most (then dropped)
+    kv_read_slower_tiers: bool = False        # read a tier even once measured slower than computing its tokens
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:

@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="shared KV store across workers: a Mooncake Store master's address")
     tiers.add_argument("--kv-write-queue-blocks", type=int, default=64,
                        help="evicted blocks waiting to be written down at most; more are dropped, never waited for")
+    tiers.add_argument("--kv-read-slower-tiers", action="store_true",
+                       help="read a prefix back from a tier even once that was measured slower than computing it "
+                            "(default: compute it, and read that tier on 1 lookup in 16): it spares the GPU's "
+                            "compute for other requests at the cost of this one's TTFT")
     p.add_argument("--attention-backend", choices=[b.value for b in AttentionBackendName], default=None,
                    help="default: flash or triton on CUDA where available, sdpa on CPU")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
@@ -140,6 +144,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         kv_disk_bytes=int(args.kv_disk_gb * 2**30),
         kv_store=args.kv_store,
         kv_write_queue_blocks=args.kv_write_queue_blocks,
+        kv_read_slower_tiers=args.kv_read_slower_tiers,
     )
     server_config = ServerConfig(
         model_dir=model_dir,

@@ -117,13 +117,17 @@ def test_prefix_restored_on_each_device_matches_transformers(make_engine, hf_tin
     assert engine.block_manager.num_free_blocks == POOL
 
 
-def test_a_tier_slower_than_computing_is_read_only_now_and_then(make_engine, tmp_path: Path) -> None:
+@pytest.mark.parametrize("read_slower", [False, True], ids=["computed instead", "--kv-read-slower-tiers"])
+def test_a_tier_slower_than_computing_is_read_only_now_and_then(make_engine, tmp_path: Path,
+                                                                read_slower: bool) -> None:
     """Once reading a prefix back from a tier is measured to cost more than computing it (disk on a fast GPU),
-    the engine computes it instead, and reads that tier on one lookup in PROBE_EVERY that it could serve."""
+    the engine computes it instead, and reads that tier on one lookup in PROBE_EVERY that it could serve;
+    unless the worker was told to read such tiers all the same (to spare a busy GPU's compute)."""
     from backends.engine.kv_events import DISK
     from backends.kv_tiers.connector import PROBE_EVERY
 
-    engine, _ = make_engine("cpu", kv_disk_dir=str(tmp_path), kv_disk_bytes=64 << 20)
+    engine, _ = make_engine("cpu", kv_disk_dir=str(tmp_path), kv_disk_bytes=64 << 20,
+                            kv_read_slower_tiers=read_slower)
     tiers = engine.kv_tiers
     shared = prompt(1, 4 * BLOCK)
     one = SamplingParams(max_tokens=1, temperature=0.0)
@@ -140,7 +144,10 @@ def test_a_tier_slower_than_computing_is_read_only_now_and_then(make_engine, tmp
         for j in range(2):   # two fillers of more than half the pool: the prefix leaves the device again
             engine.add_request(f"filler{i}-{j}", prompt(1000 + 2 * i + j, (POOL // 2 + 1) * BLOCK), one)
             run_all(engine)
-    assert not any(restored[1:PROBE_EVERY // 2])
-    assert 1 <= sum(restored[1:]) <= 3 and tiers.num_skipped >= PROBE_EVERY
+    if read_slower:
+        assert all(restored) and tiers.num_skipped == 0
+    else:
+        assert not any(restored[1:PROBE_EVERY // 2])
+        assert 1 <= sum(restored[1:]) <= 3 and tiers.num_skipped >= PROBE_EVERY
     engine.block_manager.check_invariants()
     assert engine.block_manager.num_free_blocks == POOL
