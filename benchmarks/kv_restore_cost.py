@@ -80,7 +80,6 @@ class TierEngine:
 
     def __post_init__(self) -> None:
         self.engine.set_wake(self.woken.set)
-        self.engine.kv_tiers.skip_slower_tiers = False    # every restore is measured, even one slower than computing
 
     @property
     def tier(self) -> Any:
@@ -150,7 +149,8 @@ def make_engine(medium: str, pool_blocks: int, model_dir: Path, workdir: Path, s
     else:
         kw["kv_store"] = store_url
     config = EngineConfig(model_dir=str(model_dir), block_size=BLOCK, num_blocks=pool_blocks, device=args.device,
-                          dtype=args.dtype, kv_write_queue_blocks=512, torch_num_threads=args.threads, **kw)
+                          dtype=args.dtype, kv_write_queue_blocks=512, torch_num_threads=args.threads,
+                          kv_read_slower_tiers=True, **kw)   # every restore is measured, even one slower than computing
     runner = None
     if args.model != "smollm2":    # random weights: a folder with the config alone
         from backends.worker.model_runner import ModelRunner
