@@ -143,7 +143,7 @@ class AsyncEngine:
         tiers = self._engine.kv_tiers
         if tiers is None:
             return self._report
-        per_token = self._engine.seconds_per_prompt_token    # read once: the restore costs are priced against it
+        per_token = tiers.compute_seconds_per_token    # read once: the restore costs are priced against it
         return dataclasses.replace(self._report, kv_tiers=tiers.load(per_token), seconds_per_prompt_token=per_token,
                                    num_kv_dropped_writes=tiers.num_dropped_writes)
 

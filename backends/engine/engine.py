@@ -148,7 +148,6 @@ class LLMEngine:
             config.num_speculative_tokens, proposer.cost_per_token, adaptive=config.spec_adaptive)
         self.step_cost = StepCost()   # step time against rows: a draft row's price, a prompt token's
         self._spec_clock = 0          # steps that had draft candidates: probes fall on its multiples
-        self.seconds_per_prompt_token: float | None = None   # a prompt token's compute, last measured (KV tier reports)
         self._counts = dict.fromkeys(("prompt", "cached", "generated", "finished", "failed", "steps",
                                       "spec_proposed", "spec_accepted", "spec_verifications"), 0)
 
@@ -238,9 +237,9 @@ class LLMEngine:
                           bm.num_cached_blocks, bm.block_size, bm.num_held_blocks,
                           self._counts["spec_proposed"], self._counts["spec_accepted"], self._counts["prompt"],
                           self._counts["cached"],
-                          () if self.kv_tiers is None else self.kv_tiers.load(self.seconds_per_prompt_token),
+                          () if self.kv_tiers is None else self.kv_tiers.load(self.kv_tiers.compute_seconds_per_token),
                           0 if self.kv_tiers is None else self.kv_tiers.num_dropped_writes,
-                          self.seconds_per_prompt_token)
+                          None if self.kv_tiers is None else self.kv_tiers.compute_seconds_per_token)
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[SequenceOutput]:
@@ -267,9 +266,8 @@ class LLMEngine:
                                    [s.seq.spec_token_ids[:s.num_spec_tokens] for s in sampled]))
             if self.proposer is not None or self.kv_tiers is not None:   # the only readers of the step-time fit
                 self.step_cost.observe(out.batch.num_tokens, time.perf_counter() - started)
-            if self.kv_tiers is not None:   # the tiers price their reads against it
-                self.seconds_per_prompt_token = self.kv_tiers.compute_seconds_per_token = \
-                    self.step_cost.per_row_seconds() or self.seconds_per_prompt_token
+            if self.kv_tiers is not None:   # the tiers price their reads against it, and report it
+                self.kv_tiers.observe_compute(self.step_cost.per_row_seconds())
             rejected = [0] * len(out.scheduled)
             finishing: list[tuple[Sequence, FinishReason]] = []
             appended: list[SequenceOutput] = []

@@ -49,7 +49,7 @@ class _Load:
 
 class TieredKVConnector:
     def __init__(self, block_io: BlockIO, block_size: int, local: Sequence[KVTier], store: KVTier | None,
-                 events: KVEventRing, write_queue_blocks: int = 64) -> None:
+                 events: KVEventRing, write_queue_blocks: int = 64, read_slower_tiers: bool = False) -> None:
         if write_queue_blocks < 1:
             raise ValueError("write_queue_blocks must be at least 1")
         self.block_io = block_io
@@ -79,9 +79,10 @@ class TieredKVConnector:
         self.num_dropped_writes = 0               # evicted blocks not written down: no staging buffer free
         self.num_load_errors = 0
         self._last_medium = ""                    # loader thread: the tier of the last block it restored
-        # engine thread: a prompt token's compute as the engine measured it, and the tiers slower than that
+        # engine thread: a prompt token's compute as the engine last measured it (None: not yet; the
+        # /load report's figure too), and the tiers slower than that
         self.compute_seconds_per_token: float | None = None
-        self.skip_slower_tiers = True
+        self.skip_slower_tiers = not read_slower_tiers
         self._slower: set[str] = set()
         self.num_skipped = 0                      # lookups that passed a slower tier's blocks by
         self._threads = [threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True),
@@ -127,6 +128,11 @@ class TieredKVConnector:
             return None
         self._plans[seq.request_id] = tuple(hashes[:n])
         return n * bs
+
+    def observe_compute(self, seconds_per_token: float | None) -> None:
+        """The engine's latest fit of a prompt token's compute; None (no fit this step) keeps the last one."""
+        if seconds_per_token:
+            self.compute_seconds_per_token = seconds_per_token
 
     def _leading_run(self, hashes: list[int], without: Sequence[KVTier]) -> int:
         """How many of `hashes`, from the first, the tiers but `without` hold (the store only after RAM and disk)."""

@@ -38,8 +38,7 @@ def build_tiered_connector(config: EngineConfig, kv_cache: Any, model_name: str,
         from backends.kv_tiers.mooncake_store import MooncakeStoreTier
         store = MooncakeStoreTier(config.kv_store, space, block_io.block_nbytes)
     connector = TieredKVConnector(block_io, kv_cache.spec.block_size, local, store, events,
-                                  config.kv_write_queue_blocks)
-    connector.skip_slower_tiers = not config.kv_read_slower_tiers
+                                  config.kv_write_queue_blocks, config.kv_read_slower_tiers)
     for tier in (cpu, disk):
         if tier is not None:
             tier.removed = connector.removed_from(tier.medium)
