@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 from aiohttp import web
@@ -21,8 +21,8 @@ from gateway.upstreams import Endpoint
 from policies.base import Policy, RequestFacts
 
 
-@dataclass(frozen=True, slots=True)
-class RoutedRequest:
+# Built for every request: NamedTuples, immutable and cheaper to build than frozen dataclasses (policies/base.py).
+class RoutedRequest(NamedTuple):
     model: ModelConfig                  # the client's model, resolved from config
     api_path: str                       # "/v1/chat/completions" or "/v1/completions"
     body: Mapping[str, Any]             # the parsed client body
@@ -71,8 +71,7 @@ class Wire:
     first_byte_s: float                 # request sent -> first body byte
 
 
-@dataclass(frozen=True, slots=True)
-class Leg:
+class Leg(NamedTuple):
     wire: Wire                          # the provider's way of calling upstream
     endpoint: Endpoint                  # where the leg goes
     kind: LegKind                       # for metrics
