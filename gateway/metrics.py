@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.breaker import CircuitState
+from gateway.counts import CountsCollector, LabelledCounter, LabelledHistogram
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # Mean gaps between a stream's output tokens (a CPU worker's decode step is 20-100 ms).
@@ -87,99 +87,97 @@ class _RuntimeCollector(Collector):
 
 
 class Metrics:
-    """The gateway's counters and histograms; `child(...)` lookups are cached dict hits."""
+    """The gateway's counters and histograms (gateway/counts.py: a dict update per event)."""
 
     def __init__(self, endpoint_rows: Callable[[], Iterable[EndpointRow]],
                  poll_failure_rows: Callable[[], Iterable[PollFailureRow]] = tuple,
                  kv_event_rows: Callable[[], Iterable[tuple[str, int]]] = tuple) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self._requests = Counter("switchyard_requests", "Requests by model and HTTP status", ["model", "status"],
-                                 registry=r)
-        self._errors = Counter("switchyard_upstream_errors", "Failed upstream legs by provider and cause",
-                               ["provider", "cause"], registry=r)
-        self._retries = Counter("switchyard_retries", "Upstream legs retried, by model", ["model"], registry=r)
-        self._fallbacks = Counter("switchyard_fallbacks", "Moves to the next provider in a chain",
-                                  ["model", "from_provider", "to_provider"], registry=r)
-        self._latency = Histogram("switchyard_upstream_latency_seconds", "Upstream leg duration by leg kind "
-                                  "(single, prefill, decode)", ["provider", "leg"], buckets=_LATENCY_BUCKETS,
-                                  registry=r)
-        self._pd_fallbacks = Counter("switchyard_pd_fallbacks", "Disaggregated requests handed to the next "
-                                     "provider, by cause", ["model", "provider", "cause"], registry=r)
-        self._pd_redos = Counter("switchyard_pd_redos", "Disaggregated requests redone from a new prefill after "
-                                 "the decode leg's KV transfer failed", ["model", "code"], registry=r)
-        self._ttft = Histogram("switchyard_ttft_seconds", "Time to the first byte relayed to the client",
-                               ["model"], buckets=_LATENCY_BUCKETS, registry=r)
-        self._itl = Histogram("switchyard_itl_seconds", "Mean time between output tokens of each streamed response, "
-                              "after its first token", ["model"], buckets=_ITL_BUCKETS, registry=r)
-        self._decisions = Counter("switchyard_routing_decisions", "Routing decisions by reason",
-                                  ["model", "reason"], registry=r)
-        self._moves = Counter("switchyard_session_moves", "Sessions re-homed to another endpoint", ["model"],
-                              registry=r)
-        self._shared = Counter("switchyard_shared_routing_decisions", "Peer processes' routing decisions to "
-                               "endpoints without KV events, applied to this process's approximate prefix index",
-                               registry=r)
-        self._stream_errors = Counter("switchyard_stream_errors", "Streams ended by an upstream failure after the "
-                                      "first byte", ["model"], registry=r)
-        self._failovers = Counter("switchyard_stream_failovers", "Streams whose upstream failed after the first "
-                                  "byte, by what followed: continued elsewhere, failed (no endpoint took the "
-                                  "continuation), not continuable (tool calls, an error event), "
-                                  "no retry budget left", ["model", "outcome"], registry=r)
+        self._requests = LabelledCounter("switchyard_requests", "Requests by model and HTTP status",
+                                         ["model", "status"])
+        self._errors = LabelledCounter("switchyard_upstream_errors", "Failed upstream legs by provider and cause",
+                                       ["provider", "cause"])
+        self._retries = LabelledCounter("switchyard_retries", "Upstream legs retried, by model", ["model"])
+        self._fallbacks = LabelledCounter("switchyard_fallbacks", "Moves to the next provider in a chain",
+                                          ["model", "from_provider", "to_provider"])
+        self._latency = LabelledHistogram("switchyard_upstream_latency_seconds", "Upstream leg duration by leg "
+                                          "kind (single, prefill, decode)", ["provider", "leg"], _LATENCY_BUCKETS)
+        self._pd_fallbacks = LabelledCounter("switchyard_pd_fallbacks", "Disaggregated requests handed to the "
+                                             "next provider, by cause", ["model", "provider", "cause"])
+        self._pd_redos = LabelledCounter("switchyard_pd_redos", "Disaggregated requests redone from a new prefill "
+                                         "after the decode leg's KV transfer failed", ["model", "code"])
+        self._ttft = LabelledHistogram("switchyard_ttft_seconds", "Time to the first byte relayed to the client",
+                                       ["model"], _LATENCY_BUCKETS)
+        self._itl = LabelledHistogram("switchyard_itl_seconds", "Mean time between output tokens of each streamed "
+                                      "response, after its first token", ["model"], _ITL_BUCKETS)
+        self._decisions = LabelledCounter("switchyard_routing_decisions", "Routing decisions by reason",
+                                          ["model", "reason"])
+        self._moves = LabelledCounter("switchyard_session_moves", "Sessions re-homed to another endpoint", ["model"])
+        self._shared = LabelledCounter("switchyard_shared_routing_decisions", "Peer processes' routing decisions "
+                                       "to endpoints without KV events, applied to this process's approximate "
+                                       "prefix index")
+        self._stream_errors = LabelledCounter("switchyard_stream_errors", "Streams ended by an upstream failure "
+                                              "after the first byte", ["model"])
+        self._failovers = LabelledCounter("switchyard_stream_failovers", "Streams whose upstream failed after the "
+                                          "first byte, by what followed: continued elsewhere, failed (no endpoint "
+                                          "took the continuation), not continuable (tool calls, an error event), "
+                                          "no retry budget left", ["model", "outcome"])
+        self._statuses: dict[int, str] = {}   # an HTTP status -> its label
+        r.register(CountsCollector([
+            self._requests, self._errors, self._retries, self._fallbacks, self._latency, self._pd_fallbacks,
+            self._pd_redos, self._ttft, self._itl, self._decisions, self._moves, self._shared, self._stream_errors,
+            self._failovers]))
         r.register(_EndpointCollector(endpoint_rows))
         r.register(_PollFailureCollector(poll_failure_rows))
         r.register(_KvEventCollector(kv_event_rows))
         r.register(_RuntimeCollector())
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, CPU seconds
-        self._children: dict[tuple[Any, ...], Any] = {}
-
-    def _child(self, metric: Any, *labels: str) -> Any:
-        key = (id(metric), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
 
     def on_request(self, model: str, status: int) -> None:
-        self._child(self._requests, model, str(status)).inc()
+        label = self._statuses.get(status)
+        if label is None:
+            label = self._statuses[status] = str(status)
+        self._requests.inc((model, label))
 
     def on_upstream_error(self, provider: str, cause: str) -> None:
-        self._child(self._errors, provider, cause).inc()
+        self._errors.inc((provider, cause))
 
     def on_retry(self, model: str) -> None:
-        self._child(self._retries, model).inc()
+        self._retries.inc((model,))
 
     def on_fallback(self, model: str, from_provider: str, to_provider: str) -> None:
-        self._child(self._fallbacks, model, from_provider, to_provider).inc()
+        self._fallbacks.inc((model, from_provider, to_provider))
 
     def observe_upstream(self, provider: str, leg: str, seconds: float) -> None:
-        self._child(self._latency, provider, leg).observe(seconds)
+        self._latency.observe((provider, leg), seconds)
 
     def on_pd_fallback(self, model: str, provider: str, cause: str) -> None:
-        self._child(self._pd_fallbacks, model, provider, cause).inc()
+        self._pd_fallbacks.inc((model, provider, cause))
 
     def on_pd_redo(self, model: str, code: str) -> None:
-        self._child(self._pd_redos, model, code).inc()
+        self._pd_redos.inc((model, code))
 
     def observe_ttft(self, model: str, seconds: float) -> None:
-        self._child(self._ttft, model).observe(seconds)
+        self._ttft.observe((model,), seconds)
 
     def observe_itl(self, model: str, seconds: float) -> None:
-        self._child(self._itl, model).observe(seconds)
+        self._itl.observe((model,), seconds)
 
     def on_decision(self, model: str, reason: str) -> None:
-        self._child(self._decisions, model, reason).inc()
+        self._decisions.inc((model, reason))
 
     def on_session_move(self, model: str) -> None:
-        self._child(self._moves, model).inc()
+        self._moves.inc((model,))
 
     def on_shared_decisions(self, num_decisions: int) -> None:
-        self._shared.inc(num_decisions)
+        self._shared.inc((), num_decisions)
 
     def on_stream_error(self, model: str) -> None:
-        self._child(self._stream_errors, model).inc()
+        self._stream_errors.inc((model,))
 
     def on_failover(self, model: str, outcome: str) -> None:
-        self._child(self._failovers, model, outcome).inc()
+        self._failovers.inc((model, outcome))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
