@@ -8,9 +8,8 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -19,8 +18,7 @@ from tokenizers import Tokenizer
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class PromptTokens:
+class PromptTokens(NamedTuple):   # built for every request (policies/base.py: why not a frozen dataclass)
     num_tokens: int                      # prompt tokens (exact with a tokenizer, else estimated)
     token_ids: Sequence[int] | None      # the ids, when a tokenizer produced them (for block hashes)
 

@@ -55,12 +55,13 @@ def _parse_head(head: bytes) -> tuple[int, CIMultiDict[str], bool]:
         status = int(status_line[9:12])
     except ValueError:
         raise UpstreamProtocolError(f"bad status line {status_line[:40]!r}") from None
-    headers: CIMultiDict[str] = CIMultiDict()
+    fields = []
     for line in lines[1:]:
         name, sep, value = line.partition(":")
         if not sep:
             raise UpstreamProtocolError(f"bad header line {line[:40]!r}")
-        headers.add(name.strip(), value.strip())
+        fields.append((name.strip(), value.strip()))
+    headers = CIMultiDict(fields)   # built whole: cheaper than adding the fields one by one
     connection = headers.get("Connection", "").lower()
     keep_alive = "close" not in connection if status_line.startswith("HTTP/1.1") else "keep-alive" in connection
     return status, headers, keep_alive
