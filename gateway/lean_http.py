@@ -35,7 +35,6 @@ Handler = Callable[[Any], Awaitable[web.StreamResponse]]
 # parts of a line can match the same bytes (a value starts with a visible character), so matching takes
 # linear time whatever the bytes: no input can make the regex engine backtrack quadratically.
 _HEADER = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[ \t]*(?:[\x21-\x7e][\x20-\x7e\t]*)?\r\n"
-_FIELD = re.compile(r"([^:\r\n]+):[ \t]*([^\r\n]*)\r\n")    # on lines `_HEADER` matched: value's tail stripped
 LINGER_S = 10.0            # the longest a connection answered before its body reads the rest (aiohttp's too)
 
 
@@ -207,7 +206,10 @@ class LeanProtocol(asyncio.Protocol):
         if match is None or match.end() != head_end + 4:
             self._hand_over()
             return
-        fields = [(name, value.rstrip(" \t")) for name, value in _FIELD.findall(match.group(2).decode("ascii"))]
+        fields = []
+        for line in match.group(2).decode("ascii").split("\r\n")[:-1]:   # lines `_HEADER` matched: name:value
+            name, _, value = line.partition(":")
+            fields.append((name, value.strip(" \t")))
         headers = CIMultiDictProxy(CIMultiDict(fields))
         lengths = headers.getall("Content-Length", ())
         connection = headers.get("Connection", "").lower()
