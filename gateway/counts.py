@@ -28,6 +28,8 @@ class LabelledCounter:
         self._values: dict[tuple[str, ...], float] = {}
 
     def inc(self, label_values: tuple[str, ...] = (), amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError(f"{self.name}: a counter only goes up, not by {amount}")
         values = self._values
         values[label_values] = values.get(label_values, 0) + amount
 

@@ -49,6 +49,8 @@ def test_counters_and_histograms_expose_what_prometheus_client_does() -> None:
     assert counter.value(("a", "200")) == expected[("demo_requests_total", (("model", "a"), ("status", "200")))]
 
 
-def test_histogram_buckets_must_increase() -> None:
+def test_histogram_buckets_must_increase_and_counters_only_go_up() -> None:
     with pytest.raises(ValueError, match="increasing"):
         LabelledHistogram("demo_seconds", "Durations", ["model"], (0.1, 0.05))
+    with pytest.raises(ValueError, match="only goes up"):
+        LabelledCounter("demo_requests", "Requests").inc((), -1)   # as prometheus_client's Counter.inc(-1)
