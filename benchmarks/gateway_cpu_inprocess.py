@@ -57,7 +57,11 @@ async def _answer(request: web.Request) -> web.StreamResponse:
 
 class _BareUpstream(asyncio.Protocol):
     """Answers each request with canned bytes: the whole completion, or the 33 events as chunks, one per
-    loop turn (as an engine streams them)."""
+    loop turn (as an engine streams them), or with `together` all in one write (as events that were ready
+    together, gateway_bench.py's `--token-interval-ms 0`)."""
+
+    def __init__(self, together: bool = False) -> None:
+        self.together = together
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport, self.buffer = transport, b""
@@ -72,9 +76,14 @@ class _BareUpstream(asyncio.Protocol):
             if request.startswith(b"GET"):
                 self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
             elif b'"stream":true' in request:
-                self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                                     b"Transfer-Encoding: chunked\r\n\r\n")
-                self._send_events(0)
+                head = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                        b"Transfer-Encoding: chunked\r\n\r\n")
+                if self.together:
+                    self.transport.write(head + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in STREAM)
+                                         + b"0\r\n\r\n")
+                else:
+                    self.transport.write(head)
+                    self._send_events(0)
             else:
                 self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
                                      + str(len(ANSWER)).encode() + b"\r\n\r\n" + ANSWER)
@@ -145,10 +154,12 @@ async def _health(request: web.Request) -> web.Response:
     return web.Response()
 
 
-async def run(num_requests: int, concurrency: int, stream: bool, lean_http: bool, bare: bool) -> None:
+async def run(num_requests: int, concurrency: int, stream: bool, lean_http: bool, bare: bool,
+              together: bool = False) -> None:
     if bare:
         upstream_port = free_port()
-        bare_upstream = await asyncio.get_running_loop().create_server(_BareUpstream, "127.0.0.1", upstream_port)
+        bare_upstream = await asyncio.get_running_loop().create_server(
+            lambda: _BareUpstream(together), "127.0.0.1", upstream_port)
         upstream_url = f"http://127.0.0.1:{upstream_port}"
     else:
         upstream_app = web.Application()
@@ -194,6 +205,7 @@ async def run(num_requests: int, concurrency: int, stream: bool, lean_http: bool
     num_done = num_requests // concurrency * concurrency
     kind = ("stream" if stream else "whole") + ("" if lean_http else ", aiohttp server")
     kind += ", bare peers" if bare else ""
+    kind += ", events together" if together else ""
     print(f"{os.getcwd()} {kind}: {cpu_s / num_done * 1e6:.1f} us CPU/req (client + gateway + upstream), "
           f"{num_done / wall_s:.0f} req/s")
 
@@ -207,8 +219,12 @@ def main() -> None:
                         help="generation requests on aiohttp's server (`listen.lean_http: false`)")
     parser.add_argument("--bare-peers", action="store_true",
                         help="client and upstream as bare protocols writing canned bytes: the gateway's CPU alone")
+    parser.add_argument("--events-together", action="store_true",
+                        help="with --stream --bare-peers: the upstream writes a stream's 33 events in one write")
     args = parser.parse_args()
-    uvloop.run(run(args.requests, args.concurrency, args.stream, args.lean_http, args.bare_peers))
+    if args.events_together and not (args.stream and args.bare_peers):
+        parser.error("--events-together needs --stream and --bare-peers")
+    uvloop.run(run(args.requests, args.concurrency, args.stream, args.lean_http, args.bare_peers, args.events_together))
 
 
 if __name__ == "__main__":

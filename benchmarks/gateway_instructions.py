@@ -30,13 +30,15 @@ HERE = Path(__file__).resolve().parent
 INPROCESS = HERE / "gateway_cpu_inprocess.py"
 
 
-def count(checkout: Path, num_requests: int, stream: bool) -> int:
+def count(checkout: Path, num_requests: int, stream: bool, together: bool = False) -> int:
     """Instructions that `gateway_cpu_inprocess.py --bare-peers` executes from `checkout`, start-up included."""
     with tempfile.TemporaryDirectory() as tmp:
         command = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={tmp}/out",
                    sys.executable, str(INPROCESS), "--bare-peers", "--requests", str(num_requests)]
         if stream:
             command.append("--stream")
+        if together:
+            command.append("--events-together")
         env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(checkout)}
         done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True, check=False)
     match = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
@@ -56,10 +58,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", type=Path, help="another checkout to compare with (e.g. a git worktree)")
     parser.add_argument("--stream", action="store_true", help="32-chunk SSE answers instead of whole ones")
+    parser.add_argument("--events-together", action="store_true",
+                        help="with --stream: each stream's events in one upstream write")
     parser.add_argument("--requests", type=int, nargs=2, default=(1000, 3000), metavar=("N1", "N2"),
                         help="the two request counts (multiples of 8, the in-process client's concurrency)")
     parser.add_argument("--repeat", type=int, default=1, help="measure each checkout this many times")
     args = parser.parse_args()
+    if args.events_together and not args.stream:
+        parser.error("--events-together needs --stream")
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind)")
     low, high = args.requests
@@ -74,12 +80,13 @@ def main() -> None:
         totals: dict[str, dict[int, int]] = {name: {} for name in checkouts}
         for num_requests in (low, high):
             for name, checkout in checkouts.items():   # alternating, so a change in the machine hits both
-                totals[name][num_requests] = count(checkout, num_requests, args.stream)
+                totals[name][num_requests] = count(checkout, num_requests, args.stream, args.events_together)
                 print(f"{name:<9} {round_index:>5} {num_requests:>8} {totals[name][num_requests]:>16,}", flush=True)
         for name in checkouts:
             per_request[name].append((totals[name][high] - totals[name][low]) / (high - low))
 
     kind = "32-chunk streams" if args.stream else "whole answers"
+    kind += ", events together" if args.events_together else ""
     print(f"\ninstructions per request ({kind}; client, gateway and upstream in one process):")
     print(f"{'checkout':<9} {'per request':>12} {'runs':<24} {'vs baseline':>11}  commit")
     base = per_request.get("baseline")
