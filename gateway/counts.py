@@ -33,9 +33,6 @@ class LabelledCounter:
         values = self._values
         values[label_values] = values.get(label_values, 0) + amount
 
-    def value(self, label_values: tuple[str, ...] = ()) -> float:
-        return self._values.get(label_values, 0)
-
     def family(self) -> CounterMetricFamily:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
         for label_values, value in self._values.items():

@@ -123,7 +123,6 @@ class Metrics:
                                           "first byte, by what followed: continued elsewhere, failed (no endpoint "
                                           "took the continuation), not continuable (tool calls, an error event), "
                                           "no retry budget left", ["model", "outcome"])
-        self._statuses: dict[int, str] = {}   # an HTTP status -> its label
         r.register(CountsCollector([
             self._requests, self._errors, self._retries, self._fallbacks, self._latency, self._pd_fallbacks,
             self._pd_redos, self._ttft, self._itl, self._decisions, self._moves, self._shared, self._stream_errors,
@@ -135,10 +134,7 @@ class Metrics:
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, CPU seconds
 
     def on_request(self, model: str, status: int) -> None:
-        label = self._statuses.get(status)
-        if label is None:
-            label = self._statuses[status] = str(status)
-        self._requests.inc((model, label))
+        self._requests.inc((model, str(status)))
 
     def on_upstream_error(self, provider: str, cause: str) -> None:
         self._errors.inc((provider, cause))
