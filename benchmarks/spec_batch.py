@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-int8-drafts", action="store_true", help="an EAGLE head in float32 (default: int8)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -97,13 +98,14 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = [chat_prompt_ids(tok, t) for t in (PROSE if args.workload == "prose" else STRUCTURED)]
     runner = ModelRunner(model_dir, dtype=torch.float32, device="cpu", num_blocks=512, block_size=16)
-    spec: dict = {"speculative": args.proposer, "num_speculative_tokens": args.k}
+    spec: dict = {"speculative": args.proposer, "num_speculative_tokens": args.k, "spec_int8": not args.no_int8_drafts}
     model = args.proposer.rpartition("+")[2]
     if model != "ngram":
         folder = getattr(args, f"{model}_dir") or default_dir(model, model_dir)
         spec["speculative_model"] = str(folder)
 
-    print(f"{args.workload}, 8 prompts at once, {args.max_tokens} tokens, {args.proposer} K={args.k}; "
+    print(f"{args.workload}, 8 prompts at once, {args.max_tokens} tokens, {args.proposer} K={args.k}"
+          f"{' float32' if args.no_int8_drafts else ''}; "
           f"baseline: plain decoding, alternating")
     print(f"{'round':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'steps':>9} {'ms/step':>13} "
           f"{'propose ms':>10} {'verifs':>6} {'proposed':>8} {'accepted':>8} {'passes':>6}")

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="always draft K tokens (default: each sequence's K follows its acceptance)")
     spec.add_argument("--ngram-min", type=int, default=2, help="prompt lookup: shortest n-gram matched")
     spec.add_argument("--ngram-max", type=int, default=4, help="prompt lookup: longest n-gram matched")
+    spec.add_argument("--no-int8-drafts", action="store_true",
+                      help="keep an EAGLE head's weights in float32 on a CPU worker (default: int8, half the "
+                           "drafting time; drafts are verified either way, so output tokens do not change)")
     p.add_argument("--debug-endpoints", action="store_true", help="serve /debug/* (tests only)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM: how long requests in flight and held KV blocks may take to finish")
@@ -139,6 +142,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         spec_adaptive=not args.no_adaptive_speculation,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
+        spec_int8=not args.no_int8_drafts,
         kv_cpu_bytes=int(args.kv_cpu_gb * 2**30),
         kv_disk_dir=args.kv_disk_dir,
         kv_disk_bytes=int(args.kv_disk_gb * 2**30),

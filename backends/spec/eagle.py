@@ -21,6 +21,7 @@ from backends.engine.block_manager import BlockManager
 from backends.engine.sampling_params import SamplingParams
 from backends.engine.sequence import Sequence as BlockOwner
 from backends.models.config import ModelConfig, load_model_config
+from backends.models.int8_linear import Int8Linear, int8_available, int8_lm_head, matmul_cost, replace_linears
 from backends.models.layers import Linear, LMHead, rope_inv_freq, rotary_tables
 from backends.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from backends.spec.proposer import DraftRequest
@@ -97,8 +98,9 @@ class LoadedHead:
     config: ModelConfig        # the head's config.json
 
 
-def load_eagle_head(head_dir: Path, target: LlamaForCausalLM) -> LoadedHead:
-    """Read a head folder in the EAGLE layout for `target` (same hidden size; its vocabulary)."""
+def load_eagle_head(head_dir: Path, target: LlamaForCausalLM, int8: bool = False) -> LoadedHead:
+    """Read a head folder in the EAGLE layout for `target` (same hidden size; its vocabulary); `int8`: its
+    projections with int8 weights (backends/models/int8_linear.py, float32 CPU targets only)."""
     head_dir = Path(head_dir)
     config = load_model_config(head_dir)
     if config.hidden_size != target.config.hidden_size:
@@ -111,6 +113,8 @@ def load_eagle_head(head_dir: Path, target: LlamaForCausalLM) -> LoadedHead:
                for name, t in weights.items()}
     head = EagleHead(config, "fc.bias" in weights, "layers.0.input_layernorm.weight" in weights)
     head.to(device=device, dtype=dtype)
+    if int8:
+        replace_linears(head)
     with torch.no_grad():
         head.load_weights(weights)
     draft_ids = None
@@ -120,17 +124,6 @@ def load_eagle_head(head_dir: Path, target: LlamaForCausalLM) -> LoadedHead:
         if int(draft_ids.min()) < 0 or int(draft_ids.max()) >= target.config.vocab_size:
             raise ValueError("d2t maps draft tokens outside the target's vocabulary")
     return LoadedHead(head=head.eval(), draft_token_ids=draft_ids, config=config)
-
-
-def matmul_elements(module: nn.Module) -> int:
-    """Weight elements a forward of `module` reads through its matmuls (packed weights counted by shape)."""
-    total = 0
-    for sub in module.modules():
-        if isinstance(sub, Linear):
-            total += sub.in_features * sub.out_features
-        elif isinstance(sub, LMHead):
-            total += sub.weight.numel()
-    return total
 
 
 @dataclass(eq=False, slots=True)
@@ -167,20 +160,24 @@ class EagleProposer:
     wants_hidden = True
 
     def __init__(self, head_dir: Path, target: LlamaForCausalLM, *, num_blocks: int, block_size: int = 16,
-                 attention_backend: str | None = None) -> None:
-        """`num_blocks`: the target's KV blocks (the head keeps as many positions, in 1/num_layers the memory)."""
-        loaded = load_eagle_head(head_dir, target)
-        self.head, self.target = loaded.head, target
+                 attention_backend: str | None = None, int8: bool | None = None) -> None:
+        """`num_blocks`: the target's KV blocks (the head keeps as many positions, in 1/num_layers the memory).
+        `int8`: the head's projections and its LM head in int8; None: wherever int8_available says so."""
         self.device, self.dtype = target.embed_tokens.weight.device, target.embed_tokens.weight.dtype
+        self.int8 = int8_available(self.device, self.dtype) if int8 is None else int8
+        loaded = load_eagle_head(head_dir, target, self.int8)
+        self.head, self.target = loaded.head, target
         self.draft_token_ids = loaded.draft_token_ids
-        if self.draft_token_ids is None:
-            self.lm_head: LMHead = target.lm_head
-        else:
-            self.lm_head = LMHead(target.config.hidden_size, int(self.draft_token_ids.numel())).to(self.device)
-            with torch.no_grad():
-                self.lm_head.load(target.lm_head.weight.index_select(0, self.draft_token_ids).to(self.dtype))
-        head_elems = matmul_elements(self.head) + matmul_elements(self.lm_head)
-        self.cost_per_token = head_elems / max(1, matmul_elements(target))
+        self.lm_head: LMHead | Int8Linear = target.lm_head
+        rows = target.lm_head.weight if self.draft_token_ids is None else \
+            target.lm_head.weight.index_select(0, self.draft_token_ids)
+        with torch.no_grad():
+            if self.int8:
+                self.lm_head = int8_lm_head(rows)
+            elif self.draft_token_ids is not None:
+                self.lm_head = LMHead(target.config.hidden_size, int(rows.shape[0])).to(self.device)
+                self.lm_head.load(rows.to(self.dtype))
+        self.cost_per_token = (matmul_cost(self.head) + matmul_cost(self.lm_head)) / max(1.0, matmul_cost(target))
         attn = self.head.layer.self_attn
         self.block_size = block_size
         self.blocks = BlockManager(num_blocks + _KV_SLACK_BLOCKS, block_size, enable_prefix_caching=False)
@@ -193,11 +190,11 @@ class EagleProposer:
         self._states: dict[str, _RequestState] = {}
 
     @classmethod
-    def for_target(cls, head_dir: Path, target: ModelRunner) -> EagleProposer:
+    def for_target(cls, head_dir: Path, target: ModelRunner, int8: bool | None = None) -> EagleProposer:
         """A head beside `target`: its model (embeddings, LM head, dtype, device), attention backend, block
         size, and as many KV blocks (tokens) as its cache, which cost 1/num_layers of its KV memory."""
         return cls(head_dir, target.model, num_blocks=target.num_blocks, block_size=target.block_size,
-                   attention_backend=target.attention.name.value)
+                   attention_backend=target.attention.name.value, int8=int8)
 
     # --- the Proposer interface ------------------------------------------------------------------
     def observe(self, request_id: str, start: int, token_ids: Sequence[int], hidden: torch.Tensor) -> None:

@@ -30,5 +30,6 @@ def _model_proposer(kind: str, config: EngineConfig, runner: Any) -> Proposer:
         return DraftModelProposer.for_target(Path(config.speculative_model), runner)
     if kind == "eagle":
         from backends.spec.eagle import EagleProposer
-        return EagleProposer.for_target(Path(config.speculative_model), runner)
+        return EagleProposer.for_target(Path(config.speculative_model), runner,
+                                        int8=None if config.spec_int8 else False)
     raise ValueError(f"unknown speculative proposer {config.speculative!r}")

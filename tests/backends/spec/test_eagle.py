@@ -11,6 +11,7 @@ import torch
 
 from backends.attention.base import AttentionContext, AttentionShape, StepLayout, create_backend
 from backends.models.config import read_config_json
+from backends.models.int8_linear import INT8_COST, int8_available
 from backends.models.llama import LlamaForCausalLM
 from backends.spec.eagle import EagleProposer, load_eagle_head, read_head_weights
 from backends.spec.lookup_first import LookupFirstProposer
@@ -148,7 +149,8 @@ def test_catch_up_and_rollback_give_the_drafts_of_a_fresh_proposer(tmp_path: Pat
     h = target.config.hidden_size
     tokens_a, hidden_a = _history(2, 60, h)
     tokens_b, hidden_b = _history(3, 45, h)
-    live = EagleProposer(folder, target, num_blocks=16, block_size=4)
+    # float32: int8 quantizes the activations of a whole call with one scale, so its drafts depend on the batch
+    live = EagleProposer(folder, target, num_blocks=16, block_size=4, int8=False)
     # a: a prompt of 20 in two prefill chunks, then steps that accept 2 drafts and 0 drafts
     live.observe("a", 0, tokens_a[:12], hidden_a[:12])
     live.observe("a", 12, tokens_a[:21], hidden_a[12:20])
@@ -167,7 +169,7 @@ def test_catch_up_and_rollback_give_the_drafts_of_a_fresh_proposer(tmp_path: Pat
     live.observe("b", 28, tokens_b[:36], hidden_b2[28:35])
     after = live.propose([DraftRequest("a", tokens_a[:25], 4), DraftRequest("b", tokens_b[:36], 4)])
 
-    fresh = EagleProposer(folder, target, num_blocks=16, block_size=4)
+    fresh = EagleProposer(folder, target, num_blocks=16, block_size=4, int8=False)
     fresh.observe("a", 0, tokens_a[:25], hidden_a[:24])
     fresh.observe("b", 0, tokens_b[:36], hidden_b2[:35])
     expected = [fresh.propose([DraftRequest("a", tokens_a[:25], 4)])[0],
@@ -203,13 +205,17 @@ def test_free_releases_every_block(tmp_path: Path, smollm2_dir: Path, target: Ll
 
 def test_cost_per_token_counts_one_layer_and_the_draft_vocabulary(tmp_path: Path, smollm2_dir: Path,
                                                                   target: LlamaForCausalLM) -> None:
-    full = EagleProposer(write_head(tmp_path / "full", smollm2_dir, eagle1=True, fmt="safetensors", d2t=False),
-                         target, num_blocks=4)
+    full_dir = write_head(tmp_path / "full", smollm2_dir, eagle1=True, fmt="safetensors", d2t=False)
+    full = EagleProposer(full_dir, target, num_blocks=4, int8=False)
     reduced = EagleProposer(write_head(tmp_path / "small", smollm2_dir, eagle1=True, fmt="safetensors", d2t=True),
-                            target, num_blocks=4)
+                            target, num_blocks=4, int8=False)
     # SmolLM2: 30 layers of 3.5M weights and a 28M-weight LM head; the head reads one layer, fc and the LM head
     assert 0.2 < full.cost_per_token < 0.3
     assert reduced.cost_per_token < 0.05
+    if int8_available(torch.device("cpu"), torch.float32):
+        assert EagleProposer(full_dir, target, num_blocks=4).int8   # the default where it is available
+        assert EagleProposer(full_dir, target, num_blocks=4, int8=True).cost_per_token == \
+            pytest.approx(INT8_COST * full.cost_per_token)
 
 
 def test_train_draft_writes_a_loadable_head(tmp_path: Path, target: LlamaForCausalLM) -> None:
@@ -243,13 +249,18 @@ def test_engine_answers_carry_transformers_hidden_states(smollm2_dir: Path, hf_s
         assert float((hidden - want).norm() / want.norm()) < 1e-4
 
 
-@pytest.mark.parametrize("lookup_first", [False, True], ids=["eagle", "ngram+eagle"])
+@pytest.mark.parametrize(("lookup_first", "int8"), [(False, False), (False, True), (True, True)],
+                         ids=["eagle-f32", "eagle-int8", "ngram+eagle-int8"])
 def test_engine_greedy_with_an_eagle_head_equals_plain_decoding(tmp_path: Path, smollm2_dir: Path, runner: ModelRunner,
-                                                                hf_smollm2, hf_smollm2_f64, lookup_first: bool) -> None:
+                                                                hf_smollm2, hf_smollm2_f64, lookup_first: bool,
+                                                                int8: bool) -> None:
     """Concurrent requests, then two that hit the prefix cache (the head starts past position 0), drafting
     every step (adaptive K off): the tokens of plain decoding, judged where float32 rounding cannot decide.
     With prompt lookup first, both proposers draft (the prompts are made to be copied), and the head, which
-    observes every position whichever drafted, still gives plain decoding's tokens."""
+    observes every position whichever drafted, still gives plain decoding's tokens. The head in int8 drafts
+    other tokens at times, and the target's verification keeps the output the same."""
+    if int8 and not int8_available(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch build has no fbgemm quantized engine")
     from transformers import AutoTokenizer
 
     from backends.engine.config import EngineConfig
@@ -268,7 +279,7 @@ def test_engine_greedy_with_an_eagle_head_equals_plain_decoding(tmp_path: Path, 
     # The engines share the runner's KV tensors: plain (no prefix cache) runs every wave first, so
     # that nothing overwrites the blocks the speculative engine's prefix cache holds.
     plain, _ = make_engine(runner, smollm2_dir, 96, enable_prefix_caching=False)
-    proposer = EagleProposer(folder, runner.model, num_blocks=96)
+    proposer = EagleProposer(folder, runner.model, num_blocks=96, int8=int8)
     both = LookupFirstProposer(proposer, NgramProposer())
     fast = LLMEngine(EngineConfig(model_dir=str(smollm2_dir), num_blocks=96, speculative=both.name if lookup_first
                                   else "eagle", speculative_model=str(folder), spec_adaptive=False,
