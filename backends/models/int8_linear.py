@@ -26,8 +26,18 @@ INT8_COST = 0.5
 
 def int8_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether int8 projections can stand in for `dtype` ones on `device`: float32 on a CPU with fbgemm
-    (x86 with AVX2 or better)."""
-    return device.type == "cpu" and dtype == torch.float32 and "fbgemm" in torch.backends.quantized.supported_engines
+    (x86 with AVX2 or better), in a torch that still has its quantized ops (it marks them deprecated)."""
+    return (device.type == "cpu" and dtype == torch.float32 and _fbgemm_ops())
+
+
+@functools.cache
+def _fbgemm_ops() -> bool:
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:
+        return all(hasattr(torch.ops.quantized, op) for op in ("linear_prepack", "linear_dynamic"))
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @functools.cache
@@ -36,7 +46,8 @@ def activation_levels() -> int:
     32 bits; 128 elsewhere, where fbgemm adds pairs of products in 16 bits, which 8-bit activations could
     saturate. 7 bits cost an EAGLE head 4% of its accepted length on spec_bench's structured prompts (1.75
     against 1.82 in float32); 8 bits none (1.83)."""
-    return 256 if torch.cpu._is_vnni_supported() else 128
+    vnni = getattr(torch.cpu, "_is_vnni_supported", None)   # private in torch 2.13: 128 levels without it
+    return 256 if vnni is not None and vnni() else 128
 
 
 class Int8Linear(nn.Module):
