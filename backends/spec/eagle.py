@@ -7,6 +7,7 @@ draft vocabulary in EAGLE-3's convention: target id = draft id + d2t[draft id]).
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -28,6 +29,8 @@ from backends.spec.proposer import DraftRequest
 
 if TYPE_CHECKING:
     from backends.worker.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 # Hidden states of one request that wait for the head (observed, not yet run) before a catch-up runs
 # them at once, so a sequence that stops asking for drafts does not pile them up.
@@ -178,6 +181,9 @@ class EagleProposer:
                 self.lm_head = LMHead(target.config.hidden_size, int(rows.shape[0])).to(self.device)
                 self.lm_head.load(rows.to(self.dtype))
         self.cost_per_token = (matmul_cost(self.head) + matmul_cost(self.lm_head)) / max(1.0, matmul_cost(target))
+        log.info("EAGLE head %s: %s weights, %d draft tokens, cost per draft %.3f of a target step", head_dir,
+                 "int8" if self.int8 else str(self.dtype).removeprefix("torch."),
+                 int(rows.shape[0]), self.cost_per_token)
         attn = self.head.layer.self_attn
         self.block_size = block_size
         self.blocks = BlockManager(num_blocks + _KV_SLACK_BLOCKS, block_size, enable_prefix_caching=False)
