@@ -6,7 +6,7 @@ prompts one after another) and 8 (all at once). Each configuration runs the same
 shared model runner; rounds interleave the configurations and the table gives medians, with the
 plain engine ("none") as the baseline of the same run.
 
-    .venv/bin/python benchmarks/spec_bench.py [--rounds 3] [--max-tokens 128] [--threads 2]
+    .venv/bin/python benchmarks/spec_bench.py [--rounds 3] [--max-tokens 128] [--threads 2] [--dtype bfloat16]
         [--draft-dir DIR] [--eagle-dir DIR] [--proposers none,ngram,draft,eagle,ngram+eagle]
 
 `ngram+eagle` and `ngram+draft` draft by prompt lookup where it matches and with the model elsewhere.
@@ -105,6 +105,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the target's (and a model proposer's) dtype; a worker's --dtype auto picks bfloat16 on CPUs "
+                         "with AVX512-BF16 or AMX")
     ap.add_argument("--k", type=int, default=5, help="--num-speculative-tokens")
     ap.add_argument("--ngram-min", type=int, default=None, help="--ngram-min (default: the worker's)")
     ap.add_argument("--draft-dir", type=Path, default=None)
@@ -127,7 +130,7 @@ def main() -> None:
 
     workloads = {"(a) structured": [chat_prompt_ids(tok, t) for t in STRUCTURED[:args.prompts]],
                  "(b) prose": [chat_prompt_ids(tok, t) for t in PROSE[:args.prompts]]}
-    runner = ModelRunner(model_dir, dtype=torch.float32, device="cpu", num_blocks=512, block_size=16)
+    runner = ModelRunner(model_dir, dtype=getattr(torch, args.dtype), device="cpu", num_blocks=512, block_size=16)
     dirs = {"draft": args.draft_dir or default_dir("draft", model_dir),
             "eagle": args.eagle_dir or default_dir("eagle", model_dir)}
     configs: dict[str, EngineConfig] = {}
@@ -141,7 +144,7 @@ def main() -> None:
                   f"{'make-draft' if model == 'draft' else 'train-draft'}); left out")
             continue
         configs[name] = EngineConfig(
-            model_dir=str(model_dir), num_blocks=512, max_num_seqs=16,
+            model_dir=str(model_dir), dtype=args.dtype, num_blocks=512, max_num_seqs=16,
             speculative=None if kind == "none" else kind, num_speculative_tokens=int(k or args.k),
             speculative_model=str(dirs[model]) if model in dirs else None,
             spec_int8=not float_head,
@@ -160,7 +163,7 @@ def main() -> None:
     import platform
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
-    print(f"\nmachine: {cpu}, {args.threads} threads; SmolLM2-135M fp32; greedy; {args.max_tokens} tokens max; "
+    print(f"\nmachine: {cpu}, {args.threads} threads; SmolLM2-135M {args.dtype}; greedy; {args.max_tokens} tokens max; "
           f"K={args.k}; {args.rounds} rounds, medians; baseline: 'none' (plain decoding), same run")
     print(f"{'workload':<16} {'conc':>4} {'proposer':<11} {'out tok/s':>10} {'vs none':>8} {'accept len':>10} "
           f"{'accept rate':>11}")

@@ -25,9 +25,9 @@ INT8_COST = 0.5
 
 
 def int8_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether int8 projections can stand in for `dtype` ones on `device`: float32 on a CPU with fbgemm
-    (x86 with AVX2 or better), in a torch that still has its quantized ops (it marks them deprecated)."""
-    return (device.type == "cpu" and dtype == torch.float32 and _fbgemm_ops())
+    """Whether int8 projections can stand in for `dtype` ones on `device`: float32 or bfloat16 on a CPU with
+    fbgemm (x86 with AVX2 or better), in a torch that still has its quantized ops (it marks them deprecated)."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _fbgemm_ops()
 
 
 @functools.cache
@@ -76,7 +76,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         assert self.packed is not None, "Int8Linear used before load"
-        out = torch.ops.quantized.linear_dynamic(x, self.packed, activation_levels() < 256)
+        out = torch.ops.quantized.linear_dynamic(x.float(), self.packed, activation_levels() < 256).to(x.dtype)
         return out if residual is None else residual + out
 
 

@@ -103,7 +103,7 @@ class LoadedHead:
 
 def load_eagle_head(head_dir: Path, target: LlamaForCausalLM, int8: bool = False) -> LoadedHead:
     """Read a head folder in the EAGLE layout for `target` (same hidden size; its vocabulary); `int8`: its
-    projections with int8 weights (backends/models/int8_linear.py, float32 CPU targets only)."""
+    projections with int8 weights (backends/models/int8_linear.py: CPU targets only)."""
     head_dir = Path(head_dir)
     config = load_model_config(head_dir)
     if config.hidden_size != target.config.hidden_size:
@@ -168,6 +168,9 @@ class EagleProposer:
         `int8`: the head's projections and its LM head in int8; None: wherever int8_available says so."""
         self.device, self.dtype = target.embed_tokens.weight.device, target.embed_tokens.weight.dtype
         self.int8 = int8_available(self.device, self.dtype) if int8 is None else int8
+        if self.int8 and not int8_available(self.device, self.dtype):
+            raise ValueError(f"int8 drafts need a float32 or bfloat16 target on a CPU with fbgemm, not {self.dtype} "
+                             f"on {self.device}")
         loaded = load_eagle_head(head_dir, target, self.int8)
         self.head, self.target = loaded.head, target
         self.draft_token_ids = loaded.draft_token_ids
@@ -178,7 +181,7 @@ class EagleProposer:
             if self.int8:
                 self.lm_head = int8_lm_head(rows)
             elif self.draft_token_ids is not None:
-                self.lm_head = LMHead(target.config.hidden_size, int(rows.shape[0])).to(self.device)
+                self.lm_head = LMHead(target.config.hidden_size, int(rows.shape[0])).to(self.device, self.dtype)
                 self.lm_head.load(rows.to(self.dtype))
         self.cost_per_token = (matmul_cost(self.head) + matmul_cost(self.lm_head)) / max(1.0, matmul_cost(target))
         log.info("EAGLE head %s: %s weights, %d draft tokens, cost per draft %.3f of a target step", head_dir,

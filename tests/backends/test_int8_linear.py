@@ -43,6 +43,16 @@ def test_outputs_within_the_rounding_of_int8_weights_and_activations(rows: int, 
     assert torch.allclose(layer(x, residual), residual + layer(x), atol=1e-6)
 
 
+def test_a_bfloat16_model_gets_bfloat16_outputs_of_the_same_products() -> None:
+    g = torch.Generator().manual_seed(3)
+    layer = Int8Linear(64, 48, True)
+    layer.load([torch.randn(48, 64, generator=g)], [torch.randn(48, generator=g)])
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, layer(x.float()).bfloat16())
+
+
 def test_the_largest_products_do_not_saturate() -> None:
     """Every activation at its top level and every weight at 127: where pairs of products were summed in 16 bits
     with 8-bit activations (255 * 127 * 2 > 32767), these outputs would come out far too small."""

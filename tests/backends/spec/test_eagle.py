@@ -186,6 +186,22 @@ def test_no_drafts_without_the_hidden_states_of_every_verified_position(tmp_path
     assert proposer.propose([DraftRequest("a", tokens[:21], 4), DraftRequest("unknown", tokens, 2)]) == [[], []]
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16-head", "int8-head"])
+def test_a_bfloat16_target_drafts_with_its_head(tmp_path: Path, smollm2_dir: Path, int8: bool) -> None:
+    """A worker's --dtype auto is bfloat16 on CPUs with AVX512-BF16: the head and its draft LM head follow the
+    target's dtype (until 2026-11-27 the draft LM head stayed float32 and every draft failed), or run in int8."""
+    if int8 and not int8_available(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("this torch build has no fbgemm quantized engine")
+    target = ModelRunner(smollm2_dir, dtype=torch.bfloat16, device="cpu", num_blocks=8, block_size=16).model
+    folder = write_head(tmp_path / "head", smollm2_dir, eagle1=True, fmt="safetensors", d2t=True)
+    proposer = EagleProposer(folder, target, num_blocks=8, block_size=4, int8=int8)
+    tokens, hidden = _history(6, 30, target.config.hidden_size)
+    proposer.observe("a", 0, tokens[:21], hidden[:20].bfloat16())
+    drafts = proposer.propose([DraftRequest("a", tokens[:21], 4)])
+    assert len(drafts[0]) == 4 and proposer.draft_token_ids is not None
+    assert set(drafts[0]) <= set(proposer.draft_token_ids.tolist())
+
+
 def test_free_releases_every_block(tmp_path: Path, smollm2_dir: Path, target: LlamaForCausalLM) -> None:
     folder = write_head(tmp_path / "head", smollm2_dir, eagle1=True, fmt="safetensors", d2t=True)
     tokens, hidden = _history(5, 80, target.config.hidden_size)
