@@ -38,7 +38,7 @@ class EngineConfig:
     spec_adaptive: bool = True                # each sequence's K follows its acceptance (0: plain decoding)
     ngram_min: int = 2                        # prompt lookup: shortest n-gram matched
     ngram_max: int = 4                        # prompt lookup: longest n-gram matched
-    spec_int8: bool = True                    # an EAGLE head's weights in int8 on a float32 CPU target
+    spec_int8: bool = True                    # an EAGLE head's weights in int8 on a CPU (float32/bf16) target
     kv_cpu_bytes: int = 0                     # host-RAM KV tier (0: none)
     kv_disk_dir: str | None = None            # local-disk KV tier's folder (None: none)
     kv_disk_bytes: int = 0                    # its size

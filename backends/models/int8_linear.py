@@ -1,8 +1,8 @@
 """Projections with int8 weights on CPU for draft models: fbgemm's dynamic quantization (each output row of the
 weight scaled to int8 once at load, the activations quantized per call), a quarter of float32's bytes.
 
-Only proposers use it: verification checks every draft against the float32 target, so a draft's rounding can
-lower its acceptance but never changes an output token. An EAGLE head and its draft LM head read 36 MB of float32
+Only proposers use it: verification checks every draft against the target, so a draft's rounding can lower
+its acceptance but never changes an output token. An EAGLE head and its draft LM head read 36 MB of float32
 weights a draft, which the target's 540 MB forward evicts from the cache every step; in int8 the same products
 took 0.98 ms instead of 2.41 ms for one row with a cold cache on the 2-core EPYC, 1.08 against 2.06 ms for four
 (docs/benchmarks.md, "EAGLE head in int8").

@@ -93,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--ngram-min", type=int, default=2, help="prompt lookup: shortest n-gram matched")
     spec.add_argument("--ngram-max", type=int, default=4, help="prompt lookup: longest n-gram matched")
     spec.add_argument("--no-int8-drafts", action="store_true",
-                      help="keep an EAGLE head's weights in float32 on a CPU worker (default: int8, half the "
-                           "drafting time; drafts are verified either way, so output tokens do not change)")
+                      help="keep an EAGLE head's weights in the model's dtype on a CPU worker (default: int8, "
+                           "under half the drafting time of float32; drafts are verified either way, so output "
+                           "tokens do not change)")
     p.add_argument("--debug-endpoints", action="store_true", help="serve /debug/* (tests only)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM: how long requests in flight and held KV blocks may take to finish")
