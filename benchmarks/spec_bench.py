@@ -12,7 +12,8 @@ plain engine ("none") as the baseline of the same run.
 `ngram+eagle` and `ngram+draft` draft by prompt lookup where it matches and with the model elsewhere.
 A proposer may name its own K: `--proposers none,ngram,ngram:8` compares K = --k with K = 8 in one run;
 n-gram also its shortest n-gram: `ngram:8:1` is K = 8 matching down to single tokens (else `--ngram-min`).
-An EAGLE head runs in int8 on this CPU; `eagle-f32` (or `ngram+eagle-f32`) runs it in float32 beside it.
+An EAGLE head runs in int8 on this CPU; `eagle-f32` (or `ngram+eagle-f32`) runs it in the target's dtype (float32
+unless `--dtype bfloat16`) beside it.
 
 --draft-dir: a folder from `switchyard make-draft` (default $SWITCHYARD_CACHE/drafts/<model>-draft);
 --eagle-dir: a head from `switchyard train-draft` (default: where it saves, $SWITCHYARD_CACHE/eagle/<model>-head).
@@ -135,7 +136,7 @@ def main() -> None:
             "eagle": args.eagle_dir or default_dir("eagle", model_dir)}
     configs: dict[str, EngineConfig] = {}
     for name in args.proposers.split(","):
-        spec, float_head = name.removesuffix("-f32"), name.endswith("-f32")   # "eagle-f32": the head in float32
+        spec, float_head = name.removesuffix("-f32"), name.endswith("-f32")   # "eagle-f32": the head not in int8
         kind, _, rest = spec.partition(":")   # "ngram:8": this proposer at K = 8 (else --k)
         k, _, ngram_min = rest.partition(":")  # "ngram:8:1": and n-grams down to 1 (else --ngram-min)
         model = kind.rpartition("+")[2]         # "ngram+eagle": prompt lookup first, the head elsewhere

@@ -1,6 +1,7 @@
 """Int8 projections for draft models (backends/models/int8_linear.py): each output within the error that int8
-weights (per row) and 7-bit activations (per call) allow, measured against a float64 product; fusing, biases,
-residuals, and the module swap and cost count the EAGLE proposer relies on."""
+weights (per row) and 7- or 8-bit activations (per call) allow, measured against a float64 product; fusing,
+biases, residuals, bfloat16 models, sums that must not saturate, and the module swap and cost count the EAGLE
+proposer relies on."""
 from __future__ import annotations
 
 import pytest
