@@ -136,7 +136,7 @@ def main() -> None:
             "eagle": args.eagle_dir or default_dir("eagle", model_dir)}
     configs: dict[str, EngineConfig] = {}
     for name in args.proposers.split(","):
-        spec, float_head = name.removesuffix("-f32"), name.endswith("-f32")   # "eagle-f32": the head not in int8
+        spec, keep_dtype = name.removesuffix("-f32"), name.endswith("-f32")   # "eagle-f32": the head not in int8
         kind, _, rest = spec.partition(":")   # "ngram:8": this proposer at K = 8 (else --k)
         k, _, ngram_min = rest.partition(":")  # "ngram:8:1": and n-grams down to 1 (else --ngram-min)
         model = kind.rpartition("+")[2]         # "ngram+eagle": prompt lookup first, the head elsewhere
@@ -148,7 +148,7 @@ def main() -> None:
             model_dir=str(model_dir), dtype=args.dtype, num_blocks=512, max_num_seqs=16,
             speculative=None if kind == "none" else kind, num_speculative_tokens=int(k or args.k),
             speculative_model=str(dirs[model]) if model in dirs else None,
-            spec_int8=not float_head,
+            spec_int8=not keep_dtype,
             **({"ngram_min": int(ngram_min or args.ngram_min)} if ngram_min or args.ngram_min else {}))
     levels = [int(c) for c in args.concurrency.split(",")]
     results: dict[tuple[str, int, str], list[Result]] = {}

@@ -17,7 +17,7 @@ import torch
 from backends.engine.block_manager import BlockManager
 from backends.engine.sampling_params import SamplingParams
 from backends.engine.sequence import Sequence
-from backends.models.layers import Linear, LMHead
+from backends.models.int8_linear import matmul_cost
 from backends.spec.proposer import DraftRequest
 from backends.worker.batch import ForwardBatch, SeqChunk
 from backends.worker.model_runner import ModelRunner
@@ -34,9 +34,7 @@ def weight_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """Bytes of weights one decode token reads: every projection matrix and the LM head (the embedding
     table is a one-row lookup unless it is the head). Counted from shapes, so packed or compressed
     layers (whose `weight` is empty) count in full."""
-    elements = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Linear))
-    elements += sum(m.weight.numel() for m in model.modules() if isinstance(m, LMHead))
-    return elements * torch.empty((), dtype=dtype).element_size()
+    return int(matmul_cost(model)) * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(slots=True)
