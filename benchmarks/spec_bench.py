@@ -4,7 +4,8 @@ Workloads: (a) repetitive or structured (rewrite a JSON with one field changed, 
 passage, emit a tool-call JSON) and (b) unique prose; greedy, chat template, at concurrency 1 (the
 prompts one after another) and 8 (all at once). Each configuration runs the same engine code on one
 shared model runner; rounds interleave the configurations and the table gives medians, with the
-plain engine ("none") as the baseline of the same run.
+plain engine ("none") as the baseline of the same run: "vs none" is the median over rounds of each
+round's ratio to plain decoding in that round.
 
     .venv/bin/python benchmarks/spec_bench.py [--rounds 3] [--max-tokens 128] [--threads 2] [--dtype bfloat16]
         [--draft-dir DIR] [--eagle-dir DIR] [--proposers none,ngram,draft,eagle,ngram+eagle]
@@ -165,20 +166,24 @@ def main() -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
     print(f"\nmachine: {cpu}, {args.threads} threads; SmolLM2-135M {args.dtype}; greedy; {args.max_tokens} tokens max; "
-          f"K={args.k}; {args.rounds} rounds, medians; baseline: 'none' (plain decoding), same run")
+          f"K={args.k}; {args.rounds} rounds, medians; baseline: 'none' (plain decoding), same run; 'vs none': the "
+          f"median of each round's ratio to plain decoding in that round")
     print(f"{'workload':<16} {'conc':>4} {'proposer':<11} {'out tok/s':>10} {'vs none':>8} {'accept len':>10} "
           f"{'accept rate':>11}")
     for workload in workloads:
         for conc in levels:
-            base = statistics.median(x.tokens / x.seconds for x in results[(workload, conc, "none")]) \
-                if (workload, conc, "none") in results else None
+            base = results.get((workload, conc, "none"))
             for name in configs:
                 rs = results[(workload, conc, name)]
                 tps = statistics.median(x.tokens / x.seconds for x in rs)
+                # paired by round: a round runs one workload's configurations back to back, so a shared
+                # machine's drift from round to round cancels
+                paired = statistics.median(x.tokens / x.seconds / (b.tokens / b.seconds)
+                                           for x, b in zip(rs, base, strict=True)) if base else None
                 ver = sum(x.verifications for x in rs)
                 acc_len = (sum(x.accepted for x in rs) / ver + 1) if ver else float("nan")
                 rate = sum(x.accepted for x in rs) / max(1, sum(x.proposed for x in rs))
-                ratio = f"{tps / base:.2f}x" if base else "-"
+                ratio = f"{paired:.2f}x" if paired is not None else "-"
                 print(f"{workload:<16} {conc:>4} {name:<11} {tps:>10.1f} {ratio:>8} {acc_len:>10.2f} {rate:>11.2f}")
 
 
