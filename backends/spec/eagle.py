@@ -167,8 +167,9 @@ class EagleProposer:
         """`num_blocks`: the target's KV blocks (the head keeps as many positions, in 1/num_layers the memory).
         `int8`: the head's projections and its LM head in int8; None: wherever int8_available says so."""
         self.device, self.dtype = target.embed_tokens.weight.device, target.embed_tokens.weight.dtype
-        self.int8 = int8_available(self.device, self.dtype) if int8 is None else int8
-        if self.int8 and not int8_available(self.device, self.dtype):
+        available = int8_available(self.device, self.dtype)
+        self.int8 = available if int8 is None else int8
+        if self.int8 and not available:
             raise ValueError(f"int8 drafts need a float32 or bfloat16 target on a CPU with fbgemm, not {self.dtype} "
                              f"on {self.device}")
         loaded = load_eagle_head(head_dir, target, self.int8)
