@@ -155,7 +155,7 @@ def make_engine(medium: str, pool_blocks: int, model_dir: Path, workdir: Path, s
     if args.model != "smollm2":    # random weights: a folder with the config alone
         from backends.worker.model_runner import ModelRunner
         runner = ModelRunner(model_dir, dtype=getattr(torch, args.dtype), device=args.device, num_blocks=pool_blocks,
-                             block_size=BLOCK, random_weights=True)
+                             block_size=BLOCK, random_weights=True, fingerprint_weights=True)
     return TierEngine(medium, LLMEngine(config, runner=runner, model_dir=model_dir), pool_blocks)
 
 

@@ -94,7 +94,8 @@ def build_runner(config: EngineConfig, model_dir: Path) -> ModelRunnerLike:
                        attention_backend=config.attention_backend, kv_cache_memory_gb=kv_gb,
                        kv_shared_memory=config.kv_shared_memory,
                        keep_weights_compressed=config.keep_weights_compressed,
-                       cuda_graph_max_batch=min(config.max_num_seqs, MAX_CUDA_GRAPH_BATCH) if config.cuda_graphs else 0)
+                       cuda_graph_max_batch=min(config.max_num_seqs, MAX_CUDA_GRAPH_BATCH) if config.cuda_graphs else 0,
+                       fingerprint_weights=bool(config.kv_disk_dir or config.kv_store))
 
 
 def eos_token_ids(hf_config: Any, model_dir: Path | None) -> tuple[int, ...]:
@@ -157,8 +158,8 @@ class LLMEngine:
             return None
         from backends.kv_tiers.factory import build_tiered_connector
 
-        name = (model_dir or Path(config.model_dir or "bundled")).name
-        return build_tiered_connector(config, runner.kv_cache, name, self.kv_events)  # type: ignore[attr-defined]
+        return build_tiered_connector(config, runner.kv_cache,  # type: ignore[attr-defined]
+                                      getattr(runner, "weights_fingerprint", None), self.kv_events)
 
     def set_wake(self, wake: Callable[[], None]) -> None:
         """How a KV tier's loader thread gets the engine thread stepping when a load ends."""

@@ -1,7 +1,8 @@
 """What a KV tier below the device pool offers the tiered KV connector (backends/kv_tiers/connector.py):
 host RAM, local disk, a shared store. A tier keeps whole blocks (K and V of every layer, the bytes of
 `KVLayout.block_nbytes`) under their chained block hash (cache/block_hash.py), inside a namespace that
-names the model, dtype and block layout, so two models never share a block.
+names the weights and config (their fingerprint, backends/worker/fingerprint.py), the dtype and the block
+layout, so two models, or two revisions of one, never share a block.
 
 Threads: `leading_hits` runs in the engine thread and must not wait on a disk (in-memory indexes;
 a remote store answers with one bounded round trip); `get` runs in the loader thread, `put` in the
@@ -74,10 +75,12 @@ def leading_run(held: Container[int], block_hashes: Sequence[int]) -> int:
     return n
 
 
-def namespace(model_name: str, layout: KVLayout) -> str:
-    """A short name for (model, dtype, block layout, frame format): blocks are shared only within one
-    namespace, so files and store values of another format are never read (nor adopted)."""
-    ident = f"v{_VERSION}|{model_name}|{layout.dtype.value}|{layout.num_layers}|{layout.block_size}|" \
+def namespace(weights_fingerprint: str, layout: KVLayout) -> str:
+    """A short name for (the weights and config, dtype, block layout, frame format): blocks are shared only
+    within one namespace, so files and store values of other weights or another format are never read (nor
+    adopted). `weights_fingerprint`: backends/worker/fingerprint.model_fingerprint, not the model's name,
+    which two revisions of a model can share."""
+    ident = f"v{_VERSION}|{weights_fingerprint}|{layout.dtype.value}|{layout.num_layers}|{layout.block_size}|" \
             f"{layout.num_kv_heads}|{layout.head_dim}"
     return hashlib.blake2b(ident.encode(), digest_size=8).hexdigest()
 

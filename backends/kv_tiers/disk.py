@@ -42,6 +42,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self.num_hits = self.num_puts = self.num_corrupt = self.num_errors = 0
         self._adopt()
+        self._note_other_namespaces()
 
     def _path(self, block_hash: int) -> Path:
         return self.dir / f"{block_hash:016x}{_SUFFIX}"
@@ -64,6 +65,26 @@ class DiskTier:
             self._path(self._index.popitem(last=False)[0]).unlink(missing_ok=True)
         if self._index:
             log.info("KV disk tier %s: adopted %d blocks", self.dir, len(self._index))
+
+    def _note_other_namespaces(self) -> None:
+        """Say what blocks of other namespaces (other weights, an earlier revision) hold in the same directory:
+        `capacity_bytes` bounds this namespace only, and those are never read here, nor deleted (another
+        worker may still use them)."""
+        num_files = num_bytes = 0
+        others = []
+        for entry in os.scandir(self.dir.parent):
+            if not entry.is_dir() or entry.name == self.dir.name:
+                continue
+            files = [f for f in os.scandir(entry.path) if f.name.endswith(_SUFFIX)]
+            if files:
+                others.append(entry.name)
+                num_files += len(files)
+                num_bytes += sum(f.stat().st_size for f in files)
+        if others:
+            log.warning("KV disk tier: %s also holds %d blocks (%.2f GiB) of %d other namespaces (%s): other "
+                        "weights or model revisions. They do not count against this worker's limit; delete them "
+                        "when no worker uses them.", self.dir.parent, num_files, num_bytes / 2**30, len(others),
+                        ", ".join(sorted(others)))
 
     def leading_hits(self, block_hashes: Sequence[int]) -> int:
         with self._lock:

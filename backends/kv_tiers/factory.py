@@ -17,14 +17,18 @@ from backends.kv_transfer.torch_cache import TorchPagedKV
 log = logging.getLogger(__name__)
 
 
-def build_tiered_connector(config: EngineConfig, kv_cache: Any, model_name: str,
+def build_tiered_connector(config: EngineConfig, kv_cache: Any, weights_fingerprint: str | None,
                            events: KVEventRing) -> TieredKVConnector | None:
-    """`kv_cache`: the runner's backends/worker/kv_cache.KVCache."""
+    """`kv_cache`: the runner's backends/worker/kv_cache.KVCache. `weights_fingerprint`: the runner's
+    (backends/worker/fingerprint.py); a disk or store tier files its blocks under it."""
     if not (config.kv_cpu_bytes or config.kv_disk_dir or config.kv_store):
         return None
+    if weights_fingerprint is None and (config.kv_disk_dir or config.kv_store):
+        raise ValueError("a KV tier on disk or in a shared store needs the weights' fingerprint "
+                         "(ModelRunner(fingerprint_weights=True)): without it, other weights' KV could be read")
     block_io = BlockIO(kv_cache.stacked)
     layout = TorchPagedKV(list(zip(kv_cache.k, kv_cache.v, strict=True))).layout()
-    space = namespace(model_name, layout)
+    space = namespace(weights_fingerprint or "", layout)
     local: list[KVTier] = []
     cpu = disk = None
     if config.kv_cpu_bytes:

@@ -6,6 +6,7 @@ sequence holds; the runner validates the batch, builds every index tensor in one
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from backends.models.config import load_model_config
 from backends.models.llama import LlamaForCausalLM
 from backends.worker.batch import ForwardBatch
 from backends.worker.cuda_graphs import DecodeGraphs, StaticInputs
+from backends.worker.fingerprint import model_fingerprint
 from backends.worker.kv_cache import KVCache, KVCacheSpec
 from backends.worker.loader import load_weights
 from backends.worker.random_weights import RandomCheckpoint
@@ -33,11 +35,12 @@ class ModelRunner:
                  block_size: int = 16, attention_backend: str | None = None,
                  kv_cache_memory_gb: float | None = None, kv_shared_memory: bool = False,
                  keep_weights_compressed: bool = False, cuda_graph_max_batch: int = 0,
-                 random_weights: bool = False) -> None:
+                 random_weights: bool = False, fingerprint_weights: bool = False) -> None:
         """`cuda_graph_max_batch`: on CUDA, decode steps of up to this many sequences replay CUDA graphs
         captured here (0: every step runs eagerly). `random_weights`: no checkpoint is read; every weight
         is drawn at random (benchmarks of model shapes whose weights are not here: speed does not depend
-        on the values)."""
+        on the values). `fingerprint_weights`: digest the weights as they are loaded (`weights_fingerprint`,
+        which KV tiers on disk or in a shared store file their blocks under); else it is None."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = torch.device(device)
@@ -47,7 +50,8 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = dtype
         self.config = load_model_config(Path(model_dir))
-        self.model = self._load_model(Path(model_dir), keep_weights_compressed, random_weights)
+        self.weights_fingerprint: str | None = None
+        self.model = self._load_model(Path(model_dir), keep_weights_compressed, random_weights, fingerprint_weights)
         attn = self.model.decoder_layer(0).self_attn
         self.block_size = block_size
         self.num_blocks = num_blocks or self._blocks_for_memory(kv_cache_memory_gb, attn.num_kv_heads, attn.head_dim)
@@ -91,7 +95,8 @@ class ModelRunner:
         hidden = self.model(token_ids, positions, context)
         return self.model.compute_logits(hidden).float(), hidden
 
-    def _load_model(self, model_dir: Path, keep_compressed: bool, random_weights: bool) -> LlamaForCausalLM:
+    def _load_model(self, model_dir: Path, keep_compressed: bool, random_weights: bool,
+                    fingerprint: bool) -> LlamaForCausalLM:
         """`keep_compressed`: the decoder layers' matrices of a compressed folder stay compressed on the
         device and are expanded just before each layer runs (less memory, more work per step)."""
         with torch.device("meta"):   # shapes only: nothing is allocated until _materialize_empty
@@ -105,6 +110,9 @@ class ModelRunner:
             model.load_weights(weights, keep_compressed=keep_compressed)
         log.info("weights of %s read in %.2f s, placed in %.2f s", model_dir, read_s,
                  time.perf_counter() - start - read_s)
+        if fingerprint:   # random weights: a digest no other runner has (their KV is worth sharing with none)
+            self.weights_fingerprint = (f"random-{os.urandom(8).hex()}" if random_weights
+                                        else model_fingerprint(self.config, weights))
         return model.eval()
 
     def _blocks_for_memory(self, memory_gb: float | None, num_kv_heads: int, head_dim: int) -> int:

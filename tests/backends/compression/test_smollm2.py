@@ -96,3 +96,16 @@ def test_weights_kept_compressed_on_cuda_match_the_expanded_runner(smollm2_folde
     for ours, want in zip(logits[1], logits[0]):
         assert torch.isfinite(want).all()
         assert torch.equal(ours.view(torch.int16), want.view(torch.int16))   # exact: as on the CPU above
+
+
+def test_kv_tier_fingerprint_is_the_same_compressed_or_not(smollm2_folders: tuple[Path, Path, Path]) -> None:
+    """A worker on the compressed folder, expanded or kept compressed, files KV blocks on disk or in the store
+    under the same fingerprint as one on the bf16 folder (the same weights, bit for bit), and under another than
+    one on the float32 source (other bytes: its KV differs too)."""
+    runner_module = pytest.importorskip("backends.worker.model_runner")
+    src, bf16, compressed = smollm2_folders
+    digests = [runner_module.ModelRunner(folder, dtype=torch.bfloat16, device="cpu", num_blocks=4, block_size=16,
+                                         keep_weights_compressed=keep, fingerprint_weights=True).weights_fingerprint
+               for folder, keep in ((bf16, False), (compressed, False), (compressed, True), (src, False))]
+    assert all(isinstance(d, str) and len(d) == 32 for d in digests)
+    assert digests[0] == digests[1] == digests[2] != digests[3]

@@ -11,4 +11,5 @@ import torch
 def smollm2_runner(smollm2_dir: Path):  # -> ModelRunner (imported lazily: pure tests need no model)
     from backends.worker.model_runner import ModelRunner
 
-    return ModelRunner(smollm2_dir, dtype=torch.float32, device="cpu", num_blocks=96, block_size=16)
+    return ModelRunner(smollm2_dir, dtype=torch.float32, device="cpu", num_blocks=96, block_size=16,
+                       fingerprint_weights=True)   # for KV tiers on disk or in a store

@@ -20,6 +20,7 @@ class RunnerView:
         self.max_model_len, self.vocab_size = runner.max_model_len, runner.vocab_size
         self.num_blocks = num_blocks or runner.num_blocks
         self.kv_cache = runner.kv_cache   # its first num_blocks blocks are the view's
+        self.weights_fingerprint = runner.weights_fingerprint
         self.steps: list[tuple[ForwardBatch, torch.Tensor]] = []
         self.fail_if: Callable[[ForwardBatch], bool] = lambda batch: False
         self.on_step: Callable[[ForwardBatch], None] = lambda batch: None

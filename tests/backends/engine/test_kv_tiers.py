@@ -4,12 +4,16 @@ recomputing them. The tokens and logits after a restore are held to transformers
 greedy `generate`; a corrupt block is recomputed; no block leaks."""
 from __future__ import annotations
 
+import logging
+import re
+import shutil
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from backends.engine.config import EngineConfig
 from backends.engine.engine import LLMEngine
@@ -19,7 +23,8 @@ from backends.engine.sampling_params import SamplingParams
 from backends.worker.model_runner import ModelRunner
 from tests.backends.engine.runner_view import RunnerView
 from tests.backends.engine.test_engine_model import hf_greedy, prompt, rel_err, tokens
-from tests.backends.numerics import assert_mostly_clear, assert_same_tokens, choices, logit_tolerance
+from tests.backends.numerics import (assert_mostly_clear, assert_same_tokens, choices, float64_copy,
+                                    logit_tolerance)
 from tests.support.mooncake import Master
 from tests.support.wait import wait_until
 
@@ -200,6 +205,62 @@ def test_corrupt_disk_block_is_recomputed(make_engine, tmp_path: Path, hf_smollm
     assert rel_err(logits[-1], ref) < 1e-4
     engine.block_manager.check_invariants()
     assert engine.block_manager.num_free_blocks == POOL
+
+
+def test_other_weights_in_a_folder_of_the_same_name_never_read_its_disk_blocks(
+        make_engine, smollm2_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A disk tier outlives its worker, so the next worker on the directory may run other weights: a fine-tune
+    or a new revision, in a folder of the same name. It must not read the blocks the old weights computed (its
+    tokens would then follow KV its own weights never produced). The blocks are filed under the weights'
+    fingerprint, not the folder's name: the other weights recompute the prefix and match transformers on
+    themselves, and the first weights still read them back."""
+    from transformers import LlamaForCausalLM
+
+    disk = {"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_bytes": 64 * (BLOCK_BYTES + 64)}
+    engine, _ = make_engine(**disk)
+    shared = prompt(1, 4 * BLOCK)
+    engine.add_request("a", shared + prompt(2, 7), greedy(1))
+    run_all(engine)
+    evict_prefix(engine, DISK, 4)
+    engine.close()
+
+    # The same model folder's name and files, with every layer's k_proj scaled: other KV for the same tokens.
+    other_dir = tmp_path / "revision-2" / smollm2_dir.name
+    shutil.copytree(smollm2_dir, other_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    for file in smollm2_dir.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        save_file({k: v * 1.25 if k.endswith("k_proj.weight") else v for k, v in tensors.items()},
+                  str(other_dir / file.name))
+    other_runner = ModelRunner(other_dir, dtype=torch.float32, device="cpu", num_blocks=POOL, block_size=BLOCK,
+                               fingerprint_weights=True)
+    assert other_runner.weights_fingerprint != engine.runner.weights_fingerprint
+    view = RunnerView(other_runner)
+    with caplog.at_level(logging.WARNING, logger="backends.kv_tiers.disk"):
+        other = LLMEngine(EngineConfig(model_dir=str(other_dir), block_size=BLOCK, num_blocks=POOL, **disk), view,
+                          other_dir)
+    # The first weights' files stay (another worker may use them), and the worker says what they hold.
+    held = re.search(r"also holds (\d+) blocks .* of 1 other namespaces", caplog.text)
+    assert held is not None and int(held.group(1)) >= 4
+    try:
+        second = shared + prompt(3, 5)
+        other.add_request("b", second, greedy(8))
+        out_b = run_all(other)["b"]
+        assert out_b[-1].num_cached_tokens == 0 and sum(other.kv_tiers.restored.values()) == 0
+        hf_other = LlamaForCausalLM.from_pretrained(str(other_dir), dtype=torch.float32).eval()
+        (want, want_logits), = hf_greedy(hf_other, [second], 8, other.eos_token_ids)
+        tolerance = logit_tolerance(hf_other, float64_copy(hf_other), [second + want])
+        reference = choices(want_logits, greedy(8), None, other.eos_token_ids, tolerance)
+        assert_mostly_clear([reference], "transformers' greedy tokens on the other weights")
+        assert_same_tokens(tokens(out_b), want, reference, "b on the other weights")
+        other.block_manager.check_invariants()
+    finally:
+        other.close()
+
+    # The first weights again: the blocks are on disk, and read back.
+    again, _ = make_engine(**disk)
+    again.add_request("c", second, greedy(1))
+    assert run_all(again)["c"][-1].num_cached_tokens == 4 * BLOCK
+    assert again.kv_tiers.restored[DISK] == 4
 
 
 def test_abort_during_a_load_frees_its_blocks_once_the_load_ends(make_engine) -> None:
