@@ -73,13 +73,18 @@ class DiskTier:
         num_files = num_bytes = 0
         others = []
         for entry in os.scandir(self.dir.parent):
-            if not entry.is_dir() or entry.name == self.dir.name:
+            if entry.name == self.dir.name:
                 continue
-            files = [f for f in os.scandir(entry.path) if f.name.endswith(_SUFFIX)]
-            if files:
+            try:   # whatever else lies there, or cannot be read, is not ours to count
+                if not entry.is_dir():
+                    continue
+                sizes = [f.stat().st_size for f in os.scandir(entry.path) if f.name.endswith(_SUFFIX)]
+            except OSError:
+                continue
+            if sizes:
                 others.append(entry.name)
-                num_files += len(files)
-                num_bytes += sum(f.stat().st_size for f in files)
+                num_files += len(sizes)
+                num_bytes += sum(sizes)
         if others:
             log.warning("KV disk tier: %s also holds %d blocks (%.2f GiB) of %d other namespaces (%s): other "
                         "weights or model revisions. They do not count against this worker's limit; delete them "
