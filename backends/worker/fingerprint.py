@@ -21,9 +21,10 @@ import torch
 
 from backends.models.layers import CompressedWeight, dense
 
-# Config keys that do not change what the model computes: where it came from, and the dtype it was saved in
+# Config keys that do not change what the model computes (besides those that start with "_", such as
+# `_name_or_path`): the transformers version that wrote it, and the dtype the weights were saved in
 # (the worker's own dtype is part of the KV layout, which the namespace names apart).
-_IGNORED_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype", "name_or_path"})
+_IGNORED_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype"})
 
 
 def model_fingerprint(config: Any, weights: Mapping[str, torch.Tensor | CompressedWeight]) -> str:
