@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from backends.engine.config import EngineConfig
 from backends.engine.engine import LLMEngine
-from backends.engine.kv_events import CPU, DISK, KVEventKind
+from backends.engine.kv_events import CPU, DISK, STORE, KVEventKind
 from backends.engine.outputs import SequenceOutput
 from backends.engine.sampling_params import SamplingParams
 from backends.worker.model_runner import ModelRunner
@@ -207,22 +207,29 @@ def test_corrupt_disk_block_is_recomputed(make_engine, tmp_path: Path, hf_smollm
     assert engine.block_manager.num_free_blocks == POOL
 
 
-def test_other_weights_in_a_folder_of_the_same_name_never_read_its_disk_blocks(
-        make_engine, smollm2_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A disk tier outlives its worker, so the next worker on the directory may run other weights: a fine-tune
-    or a new revision, in a folder of the same name. It must not read the blocks the old weights computed (its
-    tokens would then follow KV its own weights never produced). The blocks are filed under the weights'
-    fingerprint, not the folder's name: the other weights recompute the prefix and match transformers on
-    themselves, and the first weights still read them back."""
+@pytest.mark.parametrize("tier", [DISK, STORE])
+def test_other_weights_in_a_folder_of_the_same_name_never_read_their_blocks(
+        make_engine, smollm2_dir: Path, tmp_path: Path, tier: str, request: pytest.FixtureRequest,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A disk tier outlives its worker, and a store is shared by every worker that names it, so a worker may
+    meet blocks that other weights computed: a fine-tune or a new revision, in a folder of the same name (a
+    rolling upgrade). It must not read them (its tokens would then follow KV its own weights never produced).
+    Blocks are filed under the weights' fingerprint, not the folder's name: the other weights recompute the
+    prefix and match transformers on themselves, and the first weights still read the blocks back."""
     from transformers import LlamaForCausalLM
 
-    disk = {"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_bytes": 64 * (BLOCK_BYTES + 64)}
-    engine, _ = make_engine(**disk)
+    if tier == DISK:
+        kw: dict[str, object] = {"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_bytes": 64 * (BLOCK_BYTES + 64)}
+    else:   # a real Mooncake master; the first engine stays up: its blocks live in the RAM it lends the store
+        kw = {"kv_store": request.getfixturevalue("mooncake_master").url}
+    engine, _ = make_engine(**kw)
     shared = prompt(1, 4 * BLOCK)
     engine.add_request("a", shared + prompt(2, 7), greedy(1))
     run_all(engine)
-    evict_prefix(engine, DISK, 4)
-    engine.close()
+    if tier == DISK:
+        evict_prefix(engine, DISK, 4)
+    else:       # written through as they are computed
+        wait_until(lambda: engine.kv_tiers.written[STORE] >= 4, "the prefix's 4 blocks in the store")
 
     # The same model folder's name and files, with every layer's k_proj scaled: other KV for the same tokens.
     other_dir = tmp_path / "revision-2" / smollm2_dir.name
@@ -236,11 +243,11 @@ def test_other_weights_in_a_folder_of_the_same_name_never_read_its_disk_blocks(
     assert other_runner.weights_fingerprint != engine.runner.weights_fingerprint
     view = RunnerView(other_runner)
     with caplog.at_level(logging.WARNING, logger="backends.kv_tiers.disk"):
-        other = LLMEngine(EngineConfig(model_dir=str(other_dir), block_size=BLOCK, num_blocks=POOL, **disk), view,
+        other = LLMEngine(EngineConfig(model_dir=str(other_dir), block_size=BLOCK, num_blocks=POOL, **kw), view,
                           other_dir)
-    # The first weights' files stay (another worker may use them), and the worker says what they hold.
-    held = re.search(r"also holds (\d+) blocks .* of 1 other namespaces", caplog.text)
-    assert held is not None and int(held.group(1)) >= 4
+    if tier == DISK:   # the first weights' files stay (another worker may use them); the worker says what they hold
+        held = re.search(r"also holds (\d+) blocks .* of 1 other namespaces", caplog.text)
+        assert held is not None and int(held.group(1)) >= 4
     try:
         second = shared + prompt(3, 5)
         other.add_request("b", second, greedy(8))
@@ -256,11 +263,13 @@ def test_other_weights_in_a_folder_of_the_same_name_never_read_its_disk_blocks(
     finally:
         other.close()
 
-    # The first weights again: the blocks are on disk, and read back.
-    again, _ = make_engine(**disk)
+    # The first weights in a new engine (an empty device pool): the blocks are there, and read back.
+    again, _ = make_engine(**kw)
     again.add_request("c", second, greedy(1))
     assert run_all(again)["c"][-1].num_cached_tokens == 4 * BLOCK
-    assert again.kv_tiers.restored[DISK] == 4
+    assert again.kv_tiers.restored[tier] == 4
+    again.close()
+    engine.close()           # (again at teardown: idempotent) while a store's master is still up
 
 
 def test_abort_during_a_load_frees_its_blocks_once_the_load_ends(make_engine) -> None:
