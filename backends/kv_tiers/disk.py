@@ -129,7 +129,7 @@ class DiskTier:
                 victim, _ = self._index.popitem(last=False)
             self._evict(victim)
         path = self._path(block_hash)
-        tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
+        tmp = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")   # thread ids repeat across processes
         try:
             with open(tmp, "wb", buffering=0) as f:
                 header = frame_header(block_hash, data)
