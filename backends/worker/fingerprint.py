@@ -7,7 +7,7 @@ a fine-tune or a new revision in a folder of the same name, or the same weights 
 The same weights and config give the same digest in any folder, and whether they are compressed on disk or not.
 
 It reads every weight once, at the speed of CRC-32C's hardware instruction: 0.04 s for SmolLM2-135M's 538 MB
-in float32 on one core of the 2-core VM (14 GB/s, with a test suite running beside it).
+in float32 on one core of the 2-core VM, 15% of the model runner's build (benchmarks/fingerprint_cost.py).
 """
 from __future__ import annotations
 
