@@ -100,8 +100,8 @@ def test_weights_kept_compressed_on_cuda_match_the_expanded_runner(smollm2_folde
 
 def test_kv_tier_fingerprint_is_the_same_compressed_or_not(smollm2_folders: tuple[Path, Path, Path]) -> None:
     """A worker on the compressed folder, expanded or kept compressed, files KV blocks on disk or in the store
-    under the same fingerprint as one on the bf16 folder (the same weights, bit for bit), and under another than
-    one on the float32 source (other bytes: its KV differs too)."""
+    under the same fingerprint as one on the bf16 folder (the same weights, bit for bit). A worker on the float32
+    source has another (other bytes, so other KV)."""
     runner_module = pytest.importorskip("backends.worker.model_runner")
     src, bf16, compressed = smollm2_folders
     digests = [runner_module.ModelRunner(folder, dtype=torch.bfloat16, device="cpu", num_blocks=4, block_size=16,

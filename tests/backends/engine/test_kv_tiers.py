@@ -161,7 +161,7 @@ def test_prefix_restored_from_a_tier_matches_transformers(make_engine, tmp_path:
         assert fraction == pytest.approx(tier.restore_seconds / (n * BLOCK) / 0.001)
         per_token = report.seconds_per_prompt_token
         assert tier.restore_fraction == (None if per_token is None else pytest.approx(fraction * 0.001 / per_token))
-    engine.close()           # (idempotent) while a store's master is still up
+    engine.close()           # (again at teardown: idempotent) while a store's master is still up
 
 
 def test_tier_events_name_their_medium(make_engine, tmp_path: Path) -> None:
@@ -270,7 +270,7 @@ def test_other_weights_in_a_folder_of_the_same_name_never_read_their_blocks(
     assert run_all(again)["c"][-1].num_cached_tokens == 4 * BLOCK
     assert again.kv_tiers.restored[tier] == 4
     again.close()
-    engine.close()           # (idempotent) while a store's master is still up
+    engine.close()           # (again at teardown: idempotent) while a store's master is still up
 
 
 def test_abort_during_a_load_frees_its_blocks_once_the_load_ends(make_engine) -> None:
