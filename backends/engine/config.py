@@ -57,7 +57,7 @@ class EngineConfig:
             raise ValueError(f"unknown speculative proposer {self.speculative!r} ({', '.join(SPECULATIVE_PROPOSERS)})")
         if self.speculative is not None and self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
-        if (self.kv_cpu_bytes or self.kv_disk_dir or self.kv_store) and not self.enable_prefix_caching:
+        if self.has_kv_tiers and not self.enable_prefix_caching:
             raise ValueError("KV tiers keep blocks by prefix hash: they need prefix caching")
         if self.kv_disk_dir and self.kv_disk_bytes <= 0:
             raise ValueError("--kv-disk-dir needs a positive --kv-disk-gb")
@@ -65,6 +65,17 @@ class EngineConfig:
             raise ValueError("kv_cpu_bytes must be >= 0 and kv_write_queue_blocks >= 1")
         if self.speculative not in (None, "ngram") and not self.speculative_model:
             raise ValueError(f"--speculative {self.speculative} needs --speculative-model")
+
+    @property
+    def has_kv_tiers(self) -> bool:
+        """Whether any KV tier below the device pool is asked for."""
+        return bool(self.kv_cpu_bytes or self.kv_disk_dir or self.kv_store)
+
+    @property
+    def has_kv_tiers_beyond_worker(self) -> bool:
+        """Whether a KV tier outlives the worker or is shared with others (disk, store): its blocks are filed
+        under the weights' fingerprint (backends/worker/fingerprint.py)."""
+        return bool(self.kv_disk_dir or self.kv_store)
 
     def resolved_torch_threads(self) -> int:
         if self.torch_num_threads is not None:

@@ -95,7 +95,7 @@ def build_runner(config: EngineConfig, model_dir: Path) -> ModelRunnerLike:
                        kv_shared_memory=config.kv_shared_memory,
                        keep_weights_compressed=config.keep_weights_compressed,
                        cuda_graph_max_batch=min(config.max_num_seqs, MAX_CUDA_GRAPH_BATCH) if config.cuda_graphs else 0,
-                       fingerprint_weights=bool(config.kv_disk_dir or config.kv_store))
+                       fingerprint_weights=config.has_kv_tiers_beyond_worker)
 
 
 def eos_token_ids(hf_config: Any, model_dir: Path | None) -> tuple[int, ...]:
@@ -154,7 +154,7 @@ class LLMEngine:
 
     def _build_tiers(self, runner: ModelRunnerLike, model_dir: Path | None) -> TieredKVConnector | None:
         config = self.config
-        if not (config.kv_cpu_bytes or config.kv_disk_dir or config.kv_store):
+        if not config.has_kv_tiers:
             return None
         from backends.kv_tiers.factory import build_tiered_connector
 

@@ -21,9 +21,9 @@ def build_tiered_connector(config: EngineConfig, kv_cache: Any, weights_fingerpr
                            events: KVEventRing) -> TieredKVConnector | None:
     """`kv_cache`: the runner's backends/worker/kv_cache.KVCache. `weights_fingerprint`: the runner's
     (backends/worker/fingerprint.py); a disk or store tier files its blocks under it."""
-    if not (config.kv_cpu_bytes or config.kv_disk_dir or config.kv_store):
+    if not config.has_kv_tiers:
         return None
-    if weights_fingerprint is None and (config.kv_disk_dir or config.kv_store):
+    if weights_fingerprint is None and config.has_kv_tiers_beyond_worker:
         raise ValueError("a KV tier on disk or in a shared store needs the weights' fingerprint "
                          "(ModelRunner(fingerprint_weights=True)): without it, other weights' KV could be read")
     block_io = BlockIO(kv_cache.stacked)
