@@ -165,6 +165,11 @@ class AsyncEngine:
         """Where the cache lies in shared memory (EngineConfig.kv_shared_memory), if it does."""
         return self._require_started().runner.kv_cache.shared_region  # type: ignore[attr-defined]
 
+    def weights_fingerprint(self) -> str:
+        """The weights' fingerprint (backends/worker/fingerprint.py; "" where the runner has none): a KV
+        transfer's two ends compare theirs."""
+        return getattr(self._require_started().runner, "weights_fingerprint", None) or ""
+
     def wake(self) -> None:
         """Any thread: the KV connector has news (finished transfers); step soon, even if idle."""
         with self._cond:

@@ -74,7 +74,7 @@ class EngineConfig:
     @property
     def has_kv_tiers_beyond_worker(self) -> bool:
         """Whether a KV tier outlives the worker or is shared with others (disk, store): its blocks are filed
-        under the weights' fingerprint (backends/worker/fingerprint.py)."""
+        under the weights' fingerprint (backends/worker/fingerprint.py), which the runner must then have."""
         return bool(self.kv_disk_dir or self.kv_store)
 
     def resolved_torch_threads(self) -> int:

@@ -95,7 +95,7 @@ def build_runner(config: EngineConfig, model_dir: Path) -> ModelRunnerLike:
                        kv_shared_memory=config.kv_shared_memory,
                        keep_weights_compressed=config.keep_weights_compressed,
                        cuda_graph_max_batch=min(config.max_num_seqs, MAX_CUDA_GRAPH_BATCH) if config.cuda_graphs else 0,
-                       fingerprint_weights=config.has_kv_tiers_beyond_worker)
+                       fingerprint_weights=True)   # KV tiers and KV transfers name the weights by it
 
 
 def eos_token_ids(hf_config: Any, model_dir: Path | None) -> tuple[int, ...]:

@@ -33,12 +33,16 @@ _ITEMSIZE = {KVDtype.FLOAT32: 4, KVDtype.FLOAT16: 2, KVDtype.BFLOAT16: 2,
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """Shape of one worker's paged KV cache; both ends of a transfer must agree on all of it."""
+    """One worker's paged KV cache: its shape, and the weights whose KV it holds. Both ends of a transfer must
+    agree on all of it."""
     num_layers: int      # attention layers, each with a K and a V tensor
     block_size: int      # tokens per block
     num_kv_heads: int    # KV heads held by this worker (after any tensor-parallel split)
     head_dim: int        # elements per head
     dtype: KVDtype       # element type of K and V
+    # backends/worker/fingerprint.model_fingerprint of the weights that compute this KV. "": not known (a peer
+    # from before it was sent); then it is not compared, as before.
+    weights: str = ""
 
     @property
     def block_nbytes(self) -> int:
@@ -50,16 +54,21 @@ class KVLayout:
         return 2 * num_blocks * self.block_nbytes
 
     def mismatch(self, other: KVLayout) -> str | None:
-        """A human-readable list of the fields that differ (this side first), or None if equal."""
+        """A human-readable list of the fields that differ (this side first), or None if equal. The weights
+        count only where both sides know theirs."""
         mine, theirs = self.to_wire(), other.to_wire()
+        if not (self.weights and other.weights):
+            mine.pop("weights", None)
         diffs = [f"{name}: {mine[name]} here vs {theirs[name]} at the peer" for name in mine
                  if mine[name] != theirs[name]]
         return "; ".join(diffs) or None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"num_layers": self.num_layers, "block_size": self.block_size,
-                "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "dtype": self.dtype.value}
+        wire = {"num_layers": self.num_layers, "block_size": self.block_size, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "dtype": self.dtype.value}
+        if self.weights:
+            wire["weights"] = self.weights
+        return wire
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> KVLayout:
@@ -67,12 +76,15 @@ class KVLayout:
         try:
             ints = [data[k] for k in ("num_layers", "block_size", "num_kv_heads", "head_dim")]
             dtype = KVDtype(data["dtype"])
-        except (KeyError, TypeError, ValueError) as exc:
+            weights = data.get("weights", "")
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"bad KV layout {data!r}: {exc}") from None
         if not all(type(v) is int and v > 0 for v in ints):
             raise ValueError(f"bad KV layout {data!r}: sizes must be positive integers")
+        if type(weights) is not str:
+            raise ValueError(f"bad KV layout {data!r}: weights must be a string")
         num_layers, block_size, num_kv_heads, head_dim = ints
-        return cls(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        return cls(num_layers, block_size, num_kv_heads, head_dim, dtype, weights)
 
 
 class ChecksumKind(str, enum.Enum):
@@ -93,7 +105,7 @@ class ReleaseMode(str, enum.Enum):
 class KVErrorCode(str, enum.Enum):
     """Why a transfer failed; the first four also travel in ERROR frames."""
     UNKNOWN_TRANSFER = "unknown_transfer"   # no blocks held under that id (never, released, expired)
-    LAYOUT_MISMATCH = "layout_mismatch"     # the two caches differ in shape or dtype
+    LAYOUT_MISMATCH = "layout_mismatch"     # the two caches differ in shape, dtype or weights
     BAD_REQUEST = "bad_request"             # malformed request or block range
     INTERNAL = "internal"                   # the peer failed while serving
     PROTOCOL = "protocol"                   # bad magic/version, unexpected or oversized frame

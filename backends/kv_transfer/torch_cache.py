@@ -63,10 +63,11 @@ def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
 
 
 class TorchPagedKV:
-    """Per-layer (K, V) tensors of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Per-layer (K, V) tensors of shape [num_blocks, block_size, num_kv_heads, head_dim]. `weights`: the
+    fingerprint of the weights that fill them (`KVLayout.weights`; "": not known)."""
 
     def __init__(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 holds: BlockHolds | None = None, region: SharedRegion | None = None) -> None:
+                 holds: BlockHolds | None = None, region: SharedRegion | None = None, weights: str = "") -> None:
         k0 = layers[0][0]
         if k0.dtype not in _DTYPES:
             raise ValueError(f"unsupported KV dtype {k0.dtype}")
@@ -81,7 +82,7 @@ class TorchPagedKV:
         self.holds = holds if holds is not None else DictBlockHolds()
         self.region = region   # where these tensors lie in shared memory, if they do
         self._layout = KVLayout(num_layers=len(layers), block_size=k0.shape[1], num_kv_heads=k0.shape[2],
-                                head_dim=k0.shape[3], dtype=_DTYPES[k0.dtype])
+                                head_dim=k0.shape[3], dtype=_DTYPES[k0.dtype], weights=weights)
         self._free_staging: list[torch.Tensor] = []
 
     # -- KVBlockSource / KVBlockSink ----------------------------------------------------------

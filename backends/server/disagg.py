@@ -66,7 +66,7 @@ def kv_transfer_ctx(config: ServerConfig) -> Callable[[web.Application], AsyncIt
         from backends.kv_transfer.torch_cache import TorchPagedKV
         from backends.worker.kv_adapter import EngineKVSource, block_digests
 
-        kv = TorchPagedKV(engine.kv_layers(), region=engine.kv_region())
+        kv = TorchPagedKV(engine.kv_layers(), region=engine.kv_region(), weights=engine.weights_fingerprint())
         transport = TcpKVConnector(KVTransferConfig(idle_timeout_s=config.kv_idle_timeout_s,
                                                     shared_memory=config.kv_shared_memory))
         digest = partial(block_digests, engine.kv_layers()) if config.debug_endpoints else None

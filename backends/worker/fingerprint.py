@@ -2,9 +2,11 @@
 fields that shape the forward pass (the rotary base and scaling, the norms' epsilon, the head counts).
 
 KV tiers that outlive a worker or are shared between workers (a local disk, the shared store) file their
-blocks under it (backends/kv_tiers/base.namespace). A worker then never reads KV that other weights computed:
-a fine-tune or a new revision in a folder of the same name, or the same weights with another rotary scaling.
-The same weights and config give the same digest in any folder, and whether they are compressed on disk or not.
+blocks under it (backends/kv_tiers/base.namespace), and the two ends of a KV transfer compare theirs
+(backends/kv_transfer/base.KVLayout). A worker then never reads KV that other weights computed: a fine-tune or
+a new revision in a folder of the same name (a rolling upgrade), or the same weights with another rotary
+scaling. The same weights and config give the same digest in any folder, and whether they are compressed on
+disk or not.
 
 It reads every weight once, at the speed of CRC-32C's hardware instruction: 0.04 s for SmolLM2-135M's 538 MB
 in float32 on one core of the 2-core VM, 15% of the model runner's build (benchmarks/fingerprint_cost.py).

@@ -40,7 +40,8 @@ class ModelRunner:
         captured here (0: every step runs eagerly). `random_weights`: no checkpoint is read; every weight
         is drawn at random (benchmarks of model shapes whose weights are not here: speed does not depend
         on the values). `fingerprint_weights`: digest the weights as they are loaded (`weights_fingerprint`,
-        which KV tiers on disk or in a shared store file their blocks under); else it is None."""
+        which KV tiers on disk or in a shared store file their blocks under, and KV transfers compare); else it
+        is None."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = torch.device(device)

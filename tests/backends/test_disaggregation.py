@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -24,10 +25,11 @@ import pytest
 import torch
 
 from tests.backends.numerics import assert_mostly_clear, logit_tolerance
-from tests.backends.pd_cluster import Cluster
+from tests.backends.pd_cluster import COMMON, Cluster
 from tests.backends.references import Reference, prompt_ids, reference_of, smollm2_vocabulary, text_of
 from tests.gateway.conftest import metric
 from tests.support.wait import await_until
+from tests.support.worker_proc import WorkerProcess
 
 PROMPTS = [
     "The capital of France is",
@@ -250,6 +252,33 @@ async def test_bad_decode_legs_are_clear_errors_without_leaks(cluster: Cluster, 
     status, err = await post(cluster.url("d2"), {**body, "kv_transfer_params": {"do_remote_decode": True}})
     assert status == 400   # a decode-role worker has no KV listener to hold blocks for
     await assert_drained(cluster, ["p1", "d2"])   # includes the unclaimed hold expiring
+
+
+async def test_a_decode_worker_on_other_weights_refuses_their_kv(cluster: Cluster, references,
+                                                                 smollm2_revision_dir: Path, tmp_path: Path) -> None:
+    """A rolling upgrade halfway: a decode worker whose folder has the model's name holds a new revision. The KV
+    that P1 holds was computed by the old weights, and decoding on from it would give tokens that neither revision
+    computes. The new worker refuses it (400 kv_transfer_mismatch, naming the weights: the gateway redoes the
+    request with a new prefill), P1 keeps the hold for a decode worker of its own weights, and no block leaks."""
+    worker = WorkerProcess(["--role", "decode", "--model", str(smollm2_revision_dir), "--served-model-name",
+                            "smollm2", *COMMON], log_dir=tmp_path)
+    try:
+        body = references[3].body
+        status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1,
+                                                     "kv_transfer_params": {"do_remote_decode": True}})
+        assert status == 200, pre
+        kv = pre["kv_transfer_params"]
+        status, err = await post(worker.url, {**body, "kv_transfer_params": kv})
+        assert status == 400 and err["error"]["code"] == "kv_transfer_mismatch", err
+        assert "weights: " in err["error"]["message"], err
+        status, dec = await post(cluster.url("d1"), {**body, "kv_transfer_params": {**kv, "response_id": pre["id"]}})
+        assert status == 200, dec
+        references[3].check(kv["first_token_ids"] + dec["choices"][0]["token_ids"], None, "the same weights' pull")
+        await assert_drained(cluster, ["p1", "d1"])
+        load = await get(worker.url + "/load")
+        assert load["num_held_blocks"] == 0 and load["num_free_blocks"] == load["num_total_blocks"], load
+    finally:
+        worker.stop()
 
 
 async def test_transfer_cut_midway_fails_cleanly_and_hold_survives(cluster: Cluster, references) -> None:

@@ -16,8 +16,9 @@ NUM_LAYERS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 3, 4, 2, 8
 
 
 def make_kv(num_blocks: int, dtype: torch.dtype = torch.float32, seed: int = 0, *,
-            num_kv_heads: int = NUM_KV_HEADS, block_size: int = BLOCK_SIZE) -> TorchPagedKV:
-    """A cache filled with random bytes (every bit pattern, NaNs included), each layer's K and V apart."""
+            num_kv_heads: int = NUM_KV_HEADS, block_size: int = BLOCK_SIZE, weights: str = "") -> TorchPagedKV:
+    """A cache filled with random bytes (every bit pattern, NaNs included), each layer's K and V apart, of the
+    weights `weights` names ("": not known)."""
     gen = torch.Generator().manual_seed(seed)
     shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
     nbytes = torch.Size(shape).numel() * dtype.itemsize
@@ -25,7 +26,7 @@ def make_kv(num_blocks: int, dtype: torch.dtype = torch.float32, seed: int = 0, 
     def tensor() -> torch.Tensor:
         return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).view(dtype).view(shape)
 
-    return TorchPagedKV([(tensor(), tensor()) for _ in range(NUM_LAYERS)])
+    return TorchPagedKV([(tensor(), tensor()) for _ in range(NUM_LAYERS)], weights=weights)
 
 
 def snapshot(kv: TorchPagedKV) -> list[tuple[torch.Tensor, torch.Tensor]]:

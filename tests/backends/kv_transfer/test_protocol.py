@@ -1,6 +1,7 @@
 """Frame encoding, request validation, layouts and checksums, without sockets."""
 from __future__ import annotations
 
+import dataclasses
 import struct
 import zlib
 
@@ -84,6 +85,17 @@ def test_layout_mismatch_names_every_differing_field() -> None:
                                       "dtype: bfloat16 here vs float16 at the peer")
     assert LAYOUT.block_nbytes == 16 * 3 * 64 * 2
     assert LAYOUT.layer_nbytes(10) == 2 * 10 * LAYOUT.block_nbytes
+
+
+def test_layouts_compare_weights_where_both_sides_know_theirs() -> None:
+    mine, theirs = (dataclasses.replace(LAYOUT, weights=w) for w in ("f00d", "beef"))
+    assert mine.mismatch(theirs) == "weights: f00d here vs beef at the peer"
+    assert mine.mismatch(mine) is None
+    assert mine.mismatch(LAYOUT) is None and LAYOUT.mismatch(mine) is None   # a peer that sends none
+    assert KVLayout.from_wire(mine.to_wire()) == mine and KVLayout.from_wire(LAYOUT.to_wire()) == LAYOUT
+    assert "weights" not in LAYOUT.to_wire()
+    with pytest.raises(ValueError, match="weights must be a string"):
+        KVLayout.from_wire({**LAYOUT.to_wire(), "weights": 7})
 
 
 def test_checksums_match_published_check_values_across_split_views() -> None:

@@ -128,6 +128,30 @@ async def test_layout_mismatch_is_refused(served, sink, needle: str) -> None:
     assert src.holds.lookup("m") == tuple(SRC_IDS)  # refused, not released
 
 
+async def test_kv_of_other_weights_is_refused() -> None:
+    """Caches of one shape filled by other weights (a new revision mid rolling-upgrade): the pull is refused,
+    naming the weights, and the hold stays. A side that does not know its weights (a peer from before they
+    were sent) is not compared on them, so it pulls as it did."""
+    src = make_kv(64, seed=1, weights="a1" * 16)
+    server = TcpKVConnector(KVTransferConfig(idle_timeout_s=2.0))
+    _, port = await server.serve(src, "127.0.0.1", 0)
+    try:
+        src.holds.hold("w", SRC_IDS)
+        other = make_kv(64, seed=2, weights="b2" * 16)
+        before = snapshot(other)
+        with pytest.raises(KVTransferError) as info:
+            await TcpKVConnector().pull(remote(port, "w"), other, DST_IDS)
+        assert info.value.code is KVErrorCode.LAYOUT_MISMATCH
+        assert f"weights: {'a1' * 16} here vs {'b2' * 16} at the peer" in str(info.value)
+        assert_untouched(other, before, [])
+        assert src.holds.lookup("w") == tuple(SRC_IDS)  # refused, not released
+        for weights in ("a1" * 16, ""):
+            await pull_and_check(src, port, make_kv(64, seed=3, weights=weights), KVTransferConfig(),
+                                 f"same-{weights}", SRC_IDS, DST_IDS)
+    finally:
+        await server.close()
+
+
 async def test_block_count_mismatches(served) -> None:
     src, _, port = served
     src.holds.hold("n", SRC_IDS)
