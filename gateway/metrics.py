@@ -105,8 +105,9 @@ class Metrics:
                                           "kind (single, prefill, decode)", ["provider", "leg"], _LATENCY_BUCKETS)
         self._pd_fallbacks = LabelledCounter("switchyard_pd_fallbacks", "Disaggregated requests handed to the "
                                              "next provider, by cause", ["model", "provider", "cause"])
-        self._pd_redos = LabelledCounter("switchyard_pd_redos", "Disaggregated requests redone from a new prefill "
-                                         "after the decode leg's KV transfer failed", ["model", "code"])
+        self._pd_redos = LabelledCounter("switchyard_pd_redos", "Disaggregated requests whose decode leg did not get "
+                                         "the prefill's KV, redone without it, by the decode worker's error code",
+                                         ["model", "code"])
         self._ttft = LabelledHistogram("switchyard_ttft_seconds", "Time to the first byte relayed to the client",
                                        ["model"], _LATENCY_BUCKETS)
         self._itl = LabelledHistogram("switchyard_itl_seconds", "Mean time between output tokens of each streamed "

@@ -16,7 +16,7 @@ import orjson
 from aiohttp import web
 
 from gateway.config import ConfigError, Pool, ProviderConfig
-from gateway.failover import Stitcher, asks_token_ids, leg_body, without_token_ids
+from gateway.failover import StreamBroken, Stitcher, Transcript, asks_token_ids, leg_body, without_token_ids
 from gateway.fallback import RetryableFailure
 from gateway.legs import MAX_ERROR_BODY, Chosen, Legs, error_code, error_message
 from gateway.load import Lease
@@ -93,7 +93,7 @@ class _PdRun:
         if progress.num_failures:
             legs.metrics.on_retry(progress.request.facts.model)
         if progress.so_far is not None:
-            return await self._continue()
+            return await self._whole_on_decode()
         decode_pool = legs.pool(self._config.name, Pool.MAIN)
         held = self._held
         if held is None:
@@ -123,15 +123,17 @@ class _PdRun:
         except KvTransferFailed as exc:
             return await self._redo(exc)
 
-    async def _continue(self) -> Outcome:
-        """A stream broken mid-way (here or elsewhere) goes on as one leg on a decode worker, from the output
-        so far; the KV of that output is recomputed there (a decode worker serves whole requests too)."""
+    async def _whole_on_decode(self) -> Outcome:
+        """One leg on a decode worker, which computes the KV itself (a decode worker serves whole requests too):
+        a stream broken mid-way (here or elsewhere) goes on from the output so far (`progress.so_far`); a request
+        whose held KV other weights computed starts there afresh."""
         progress, legs, request = self._progress, self._legs, self._progress.request
-        assert progress.so_far is not None
-        built = leg_body(self._config, request.body, request.raw, can_fail_over=True, so_far=progress.so_far)
+        built = leg_body(self._config, request.body, request.raw, can_fail_over=progress.can_fail_over,
+                         so_far=progress.so_far)
         if built is None:
             raise ProviderExhausted("cannot continue a token-id prompt from text")
-        progress.stitch = Stitcher(progress.so_far, request.api_path.endswith("chat/completions"), built[1])
+        if progress.so_far is not None:
+            progress.stitch = Stitcher(progress.so_far, request.api_path.endswith("chat/completions"), built[1])
         chosen = legs.choose(progress, legs.pool(self._config.name, Pool.MAIN), self._provider.decode_policy)
         if chosen is None:
             raise self._fall_back("decode_pool_exhausted")
@@ -156,16 +158,26 @@ class _PdRun:
         return ProviderExhausted(cause.replace("_", " "))
 
     async def _redo(self, exc: KvTransferFailed) -> Outcome:
-        """The held KV is lost: start over with a new prefill, unless the client already has a token."""
+        """The held KV did not reach the decode worker. Once the client has the first token, the stream goes on
+        from it on a decode worker (the dispatcher's mid-stream failover; where the model allows none, an error
+        event ends it). Before that: KV of other weights (`kv_transfer_mismatch`: the pools hold two revisions,
+        as in a rolling upgrade) is not asked for again, the request runs whole on a decode worker; a transfer
+        that failed is redone from a new prefill."""
         progress, name = self._progress, self._config.name
-        self._held = None
+        held, self._held = self._held, None
+        assert held is not None
         self._legs.metrics.on_pd_redo(progress.request.facts.model, exc.code)
         if exc.code == _KV_TRANSFER_MISMATCH:
             log.error("provider %s: %s (do the prefill and decode pools run the same model?)", name, exc)
         client = progress.client
         if client is not None and client.data_started:
+            if progress.can_fail_over:
+                sent = Transcript(_chunk(progress, held, {"role": "assistant", "content": held.text}, None))
+                raise StreamBroken(held.endpoint_id, exc.code, sent, StreamUsage())
             await client.fail(error_event(f"disaggregated decode failed: {exc}", code=exc.code))
             return Outcome(await client.finish(), None, StreamUsage())
+        if exc.code == _KV_TRANSFER_MISMATCH:
+            return await self._whole_on_decode()
         failure = RetryableFailure(str(exc))
         self._legs.record_failure(progress, name, None, failure)
         raise failure

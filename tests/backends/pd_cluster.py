@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 from tests.support.gateway_proc import GatewayProcess
 from tests.support.worker_proc import WorkerProcess
@@ -25,20 +26,9 @@ class Cluster:
                         for name, role in roles.items()}
         for worker in self.workers.values():
             worker.wait_healthy()
-        from backends.worker.loader import resolve_model
-
         urls = {name: w.url for name, w in self.workers.items()}
-        timeouts = {"connect_s": 1.0, "first_byte_s": 30.0, "total_s": 60.0}
-        provider = {"kind": "switchyard-pd", "prefill_endpoints": [urls["p1"], urls["p2"]],
-                    "endpoints": [urls["d1"], urls["d2"], urls["d3"]], "offers_load": False,
-                    "offers_kv_events": False, "offers_token_ids": True, "timeouts": timeouts}
-        config = {"models": {"smollm2": {"tokenizer": str(resolve_model("smollm2")), "providers": ["pd"]}},
-                  "providers": {"pd": provider},
-                  "pollers": {"health_interval_s": 60.0},
-                  "retries": {"max_attempts": 6, "backoff_initial_s": 0.01, "backoff_max_s": 0.05,
-                              "budget_min_retries": 100},
-                  "breaker": {"failure_threshold": 100}}
-        self.gateway = GatewayProcess(config, workdir)
+        self.gateway = GatewayProcess(gateway_config([urls["p1"], urls["p2"]], [urls["d1"], urls["d2"], urls["d3"]]),
+                                      workdir)
 
     def url(self, name: str) -> str:
         return self.workers[name].url
@@ -50,3 +40,18 @@ class Cluster:
         self.gateway.stop()
         for worker in self.workers.values():
             worker.stop()
+
+
+def gateway_config(prefill_urls: list[str], decode_urls: list[str]) -> dict[str, Any]:
+    """A gateway serving "smollm2" through one switchyard-pd provider over these pools."""
+    from backends.worker.loader import resolve_model
+
+    timeouts = {"connect_s": 1.0, "first_byte_s": 30.0, "total_s": 60.0}
+    provider = {"kind": "switchyard-pd", "prefill_endpoints": prefill_urls, "endpoints": decode_urls,
+                "offers_load": False, "offers_kv_events": False, "offers_token_ids": True, "timeouts": timeouts}
+    return {"models": {"smollm2": {"tokenizer": str(resolve_model("smollm2")), "providers": ["pd"]}},
+            "providers": {"pd": provider},
+            "pollers": {"health_interval_s": 60.0},
+            "retries": {"max_attempts": 6, "backoff_initial_s": 0.01, "backoff_max_s": 0.05,
+                        "budget_min_retries": 100},
+            "breaker": {"failure_threshold": 100}}

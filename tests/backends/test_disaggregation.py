@@ -24,10 +24,14 @@ import orjson
 import pytest
 import torch
 
-from tests.backends.numerics import assert_mostly_clear, logit_tolerance
-from tests.backends.pd_cluster import COMMON, Cluster
+from backends.engine.sampling_params import SamplingParams
+from tests.backends.engine.test_engine_model import hf_greedy
+from tests.backends.numerics import (assert_mostly_clear, assert_same_tokens, choices, float64_copy,
+                                     logit_tolerance)
+from tests.backends.pd_cluster import COMMON, Cluster, gateway_config
 from tests.backends.references import Reference, prompt_ids, reference_of, smollm2_vocabulary, text_of
 from tests.gateway.conftest import metric
+from tests.support.gateway_proc import GatewayProcess
 from tests.support.wait import await_until
 from tests.support.worker_proc import WorkerProcess
 
@@ -258,12 +262,18 @@ async def test_a_decode_worker_on_other_weights_refuses_their_kv(cluster: Cluste
                                                                  smollm2_revision_dir: Path, tmp_path: Path) -> None:
     """A rolling upgrade halfway: a decode worker whose folder has the model's name holds a new revision. The KV
     that P1 holds was computed by the old weights, and decoding on from it would give tokens that neither revision
-    computes. The new worker refuses it (400 kv_transfer_mismatch, naming the weights: the gateway redoes the
-    request with a new prefill), P1 keeps the hold for a decode worker of its own weights, and no block leaks."""
+    computes. The new worker refuses it (400 kv_transfer_mismatch, naming the weights), P1 keeps the hold for a
+    decode worker of its own weights, and no block leaks. Through a gateway that pairs P1 with the new worker, a
+    request then runs whole on the new worker, and a stream goes on there from P1's first token: each matches
+    transformers on the new weights."""
+    from transformers import LlamaForCausalLM
+
     worker = WorkerProcess(["--role", "decode", "--model", str(smollm2_revision_dir), "--served-model-name",
                             "smollm2", *COMMON], log_dir=tmp_path)
+    gateway = None
     try:
-        body = references[3].body
+        ref = references[0]    # greedy
+        body = ref.body
         status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1,
                                                      "kv_transfer_params": {"do_remote_decode": True}})
         assert status == 200, pre
@@ -273,11 +283,36 @@ async def test_a_decode_worker_on_other_weights_refuses_their_kv(cluster: Cluste
         assert "weights: " in err["error"]["message"], err
         status, dec = await post(cluster.url("d1"), {**body, "kv_transfer_params": {**kv, "response_id": pre["id"]}})
         assert status == 200, dec
-        references[3].check(kv["first_token_ids"] + dec["choices"][0]["token_ids"], None, "the same weights' pull")
+        ref.check(kv["first_token_ids"] + dec["choices"][0]["token_ids"], None, "the same weights' pull")
+
+        gateway = GatewayProcess(gateway_config([cluster.url("p1")], [worker.url]), tmp_path)
+        tokenizer, eos = smollm2_vocabulary()
+        prompt = prompt_ids(tokenizer, body, chat=False)
+        hf_new = LlamaForCausalLM.from_pretrained(str(smollm2_revision_dir), dtype=torch.float32).eval()
+        hf_new_f64 = float64_copy(hf_new)
+
+        def check_new_weights(context: list[int], got: list[int], what: str) -> None:
+            (want, want_logits), = hf_greedy(hf_new, [context], len(got), eos)
+            tolerance = logit_tolerance(hf_new, hf_new_f64, [context + want])
+            expected = choices(want_logits, SamplingParams(max_tokens=len(got), temperature=0.0), None, eos,
+                               tolerance)
+            assert_same_tokens(got, want, expected, what)
+
+        status, whole = await post(gateway.url, body)
+        assert status == 200, whole
+        check_new_weights(prompt, whole["choices"][0]["token_ids"], "the request run whole on the new weights")
+        events = await stream(gateway.url, body)
+        assert all("error" not in e for e in events), events[-1]
+        ids = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
+        assert len(ids) == body["max_tokens"] and ids[0] == kv["first_token_ids"][0]   # P1's first token
+        check_new_weights(prompt + ids[:1], ids[1:], "the stream gone on from P1's first token")
+        assert metric(gateway, "switchyard_pd_redos_total", code="kv_transfer_mismatch") == 2
         await assert_drained(cluster, ["p1", "d1"])
         load = await get(worker.url + "/load")
         assert load["num_held_blocks"] == 0 and load["num_free_blocks"] == load["num_total_blocks"], load
     finally:
+        if gateway is not None:
+            gateway.stop()
         worker.stop()
 
 

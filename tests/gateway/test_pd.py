@@ -190,12 +190,33 @@ async def test_kv_transfer_failed_redoes_the_request_with_a_new_prefill(pd: Pd) 
     assert status == 200 and answer["choices"][0]["message"]["content"] == "first tok1 tok2 tok3 "
     assert pd.prefill[0].stats()["num_transfers"] == transfers + 2  # prefilled twice
     assert metric(pd.gateway, "switchyard_pd_redos_total", code="kv_transfer_failed") == 1
-    # A stream already has the first token: it ends with an error event instead.
-    pd.decode[0].control(behaviour={"status": 400, "code": "kv_transfer_mismatch"}, times=1)
+
+
+@pytest.mark.parametrize("code", ["kv_transfer_mismatch", "kv_transfer_failed"])
+async def test_kv_that_does_not_arrive_after_the_first_token_is_recomputed_on_a_decode_worker(
+        pd: Pd, code: str) -> None:
+    """A stream already has the prefill's first token: it goes on from it on a decode worker, which serves it
+    whole (the fake's plain answer, tok0...), not ended by an error event."""
+    continued = metric(pd.gateway, "switchyard_stream_failovers_total", model="m", outcome="continued")
+    pd.decode[0].control(behaviour={"status": 400 if code == "kv_transfer_mismatch" else 503, "code": code}, times=1)
     events = await stream(pd.gateway.url, BODY)
-    assert stream_text(events[:-2]) == "first "
-    assert orjson.loads(events[-2])["error"]["code"] == "kv_transfer_mismatch"
-    assert events[-1] == b"[DONE]"
+    assert stream_text(events) == "first tok0 tok1 tok2 " and events[-1] == b"[DONE]"
+    assert all("error" not in orjson.loads(e) for e in events[:-1])
+    assert metric(pd.gateway, "switchyard_stream_failovers_total", model="m", outcome="continued") == continued + 1
+    await wait_idle(pd.gateway, [pd.prefill[0].url, pd.decode[0].url])
+
+
+async def test_kv_of_other_weights_is_not_asked_for_again(pd: Pd) -> None:
+    """A decode worker refuses KV of other weights (the pools hold two revisions, halfway through a rolling
+    upgrade): a new prefill could meet the same difference, so the request runs whole on a decode worker."""
+    transfers = pd.prefill[0].stats()["num_transfers"]
+    redos = metric(pd.gateway, "switchyard_pd_redos_total", code="kv_transfer_mismatch")
+    pd.decode[0].control(behaviour={"status": 400, "code": "kv_transfer_mismatch"}, times=1)
+    status, answer = await post(pd.gateway.url, BODY)
+    assert status == 200 and answer["choices"][0]["message"]["content"] == "tok0 tok1 tok2 ", answer
+    assert pd.prefill[0].stats()["num_transfers"] == transfers + 1   # prefilled once
+    assert metric(pd.gateway, "switchyard_pd_redos_total", code="kv_transfer_mismatch") == redos + 1
+    await wait_idle(pd.gateway, [pd.prefill[0].url, pd.decode[0].url])
 
 
 async def test_leases_follow_each_pool_and_return_to_zero_on_cancel(pd: Pd) -> None:

@@ -29,8 +29,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state.last_headers = dict(request.headers)
     state.last_body = body
     state.arrivals.append(time.time())
-    if state.role != "both":
-        return await pd_leg(request, state, body)
+    if state.role == "prefill" or (state.role == "decode" and "kv_transfer_params" in body):
+        return await pd_leg(request, state, body)    # else a decode worker serves a whole request, as ours do
     behaviour = body.get("fake") or (orjson.loads(request.headers["x-fake"]) if "x-fake" in request.headers
                                      else state.behaviour)
     if not behaviour and not body.get("stream"):
