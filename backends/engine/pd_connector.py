@@ -17,12 +17,17 @@ from dataclasses import dataclass
 from backends.engine.kv_connector import FinishedTransfers, LoadResult
 from backends.engine.outputs import FinishReason
 from backends.engine.sequence import Sequence as EngineSequence
-from backends.kv_transfer.base import KVBlockSink, KVTransferError, KVTransport, RemoteBlocks
+from backends.kv_transfer.base import KVBlockSink, KVErrorCode, KVTransferError, KVTransport, RemoteBlocks
 
 __all__ = ["KVHold", "PDConnector"]
 log = logging.getLogger(__name__)
 _MAX_KEPT_ERRORS = 1024     # pull errors nobody asked for (the client left) are dropped past this
 _MAX_DEBUG_RECORDS = 256
+# Refusals that no decode worker would get past (another layout or weights, another block count): the gateway
+# does not ask for the hold again (it runs the request whole on a decode worker), so it is released at once,
+# not left to expire. Halfway through a rolling upgrade every such request would otherwise pin its prompt's
+# blocks on the prefill worker for the hold timeout.
+_HOLD_USELESS = (KVErrorCode.LAYOUT_MISMATCH, KVErrorCode.BAD_REQUEST)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +176,8 @@ class PDConnector:
             while len(self._errors) > _MAX_KEPT_ERRORS:
                 self._errors.popitem(last=False)
             error = f"KV transfer failed: {exc}"
+            if exc.code in _HOLD_USELESS:
+                await self._release_useless(remote)
         except Exception as exc:  # boundary: a background task; its sequence fails, the worker goes on
             log.exception("KV pull of %s failed", remote.transfer_id)
             error = f"KV transfer failed: {exc!r}"
@@ -178,6 +185,13 @@ class PDConnector:
             self._pulls.pop(load.request_id, None)
             self._loaded.append(LoadResult(load.request_id, error))
             self._wake()
+
+    async def _release_useless(self, remote: RemoteBlocks) -> None:
+        assert self._transport is not None
+        try:
+            await self._transport.release(remote)
+        except KVTransferError as exc:   # it expires on its own
+            log.info("could not release the refused KV hold %s: %s", remote.transfer_id, exc)
 
     def take_load_error(self, request_id: str) -> KVTransferError | None:
         """Why the pull for `request_id` failed, once (the decode leg maps it to an HTTP answer)."""

@@ -136,20 +136,26 @@ async def test_engine_loop_failure_spares_a_decode_leg_whose_pull_is_in_flight(
     await all_free(engine)
 
 
-async def test_a_failed_pull_fails_the_leg_and_keeps_the_remote_hold(
-        pd: tuple[AsyncEngine, PDConnector, CopyTransport]) -> None:
+@pytest.mark.parametrize("code", [KVErrorCode.PEER_CLOSED, KVErrorCode.LAYOUT_MISMATCH])
+async def test_a_failed_pull_fails_the_leg_and_releases_only_a_refused_hold(
+        pd: tuple[AsyncEngine, PDConnector, CopyTransport], code: KVErrorCode) -> None:
+    """A pull that broke leaves the remote hold for a retry; one the peer refused (other weights or layout,
+    which no retry gets past) releases it."""
     engine, connector, transport = pd
     target = list(range(600, 630))
     first = token_ids(await collect(engine.generate("pre", target, SamplingParams(max_tokens=1), PREFILL)))
-    transport.error = KVTransferError(KVErrorCode.LAYOUT_MISMATCH, "dtype differs")
+    transport.error = KVTransferError(code, "the pull went wrong")
     transport.go.set()
     outputs = await asyncio.wait_for(collect(engine.generate("dec", target, SamplingParams(max_tokens=4),
                                                              decode_leg("pre", first))), 30)
-    assert outputs[-1].finish_reason is FinishReason.ABORT and "dtype differs" in (outputs[-1].error or "")
+    assert outputs[-1].finish_reason is FinishReason.ABORT and "the pull went wrong" in (outputs[-1].error or "")
     error = connector.take_load_error("dec")
     assert error is transport.error and connector.take_load_error("dec") is None
-    assert connector.hold("pre") is not None   # kept for a retry
-    assert connector.release_transfer("pre") and not connector.release_transfer("pre")
+    if code is KVErrorCode.LAYOUT_MISMATCH:
+        assert transport.num_releases == 1 and connector.hold("pre") is None
+    else:
+        assert transport.num_releases == 0 and connector.hold("pre") is not None   # kept for a retry
+        assert connector.release_transfer("pre") and not connector.release_transfer("pre")
     await all_free(engine)
 
 
