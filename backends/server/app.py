@@ -74,7 +74,8 @@ def _engine_ctx(
         engine = engine_factory(engine_config)
         await engine.start()
         app[ENGINE_KEY] = engine
-        app[METRICS_KEY] = ServerMetrics(EngineCollector(engine.load_report, engine.stats))
+        app[METRICS_KEY] = ServerMetrics(EngineCollector(engine.load_report, engine.stats),
+                                         engine.weights_fingerprint())
         log.info("engine started: max_model_len=%d block_size=%d", engine.max_model_len, engine.block_size)
         try:
             yield

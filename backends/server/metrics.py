@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -116,9 +116,15 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
 class ServerMetrics:
     """All metrics of one worker app; `render()` is the /metrics body."""
 
-    def __init__(self, engine_collector: Collector | None = None) -> None:
+    def __init__(self, engine_collector: Collector | None = None, weights: str = "") -> None:
+        """`weights`: the fingerprint of the weights served (backends/worker/fingerprint.py), shown as
+        `switchyard_model_weights_info{weights=...}`: workers that may share KV show one value (during a rolling
+        upgrade, it tells the revisions apart)."""
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
+        if weights:
+            Info(f"{PREFIX}_model_weights", "Fingerprint of the weights this worker serves.",
+                 registry=reg).info({"weights": weights})
         self.requests = Counter(f"{PREFIX}_requests", "Finished HTTP requests by route and status.",
                                 ["route", "status"], registry=reg)
         self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "Arrival to first output token.",

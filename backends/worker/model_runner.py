@@ -114,6 +114,7 @@ class ModelRunner:
         if fingerprint:   # random weights: a digest no other runner has (their KV is worth sharing with none)
             self.weights_fingerprint = (f"random-{os.urandom(8).hex()}" if random_weights
                                         else model_fingerprint(self.config, weights))
+            log.info("weights fingerprint %s", self.weights_fingerprint)
         return model.eval()
 
     def _blocks_for_memory(self, memory_gb: float | None, num_kv_heads: int, head_dim: int) -> int:

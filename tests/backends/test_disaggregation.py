@@ -14,6 +14,7 @@ The failure tests kill workers, so they run last, in file order.
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,6 +78,11 @@ async def stream(url: str, body: dict[str, Any], chat: bool = False,
 async def get(url: str) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s, s.get(url) as r:
         return orjson.loads(await r.read())
+
+
+async def get_text(url: str) -> str:
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        return await r.text()
 
 
 def requests() -> list[tuple[dict[str, Any], bool]]:
@@ -281,6 +287,10 @@ async def test_a_decode_worker_on_other_weights_refuses_their_kv(cluster: Cluste
         status, err = await post(worker.url, {**body, "kv_transfer_params": kv})
         assert status == 400 and err["error"]["code"] == "kv_transfer_mismatch", err
         assert "weights: " in err["error"]["message"], err
+        served = {name: re.search(r'switchyard_model_weights_info\{weights="(\w+)"\} 1\.0', text).group(1)
+                  for name, text in [("old", await get_text(cluster.url("p1") + "/metrics")),
+                                     ("new", await get_text(worker.url + "/metrics"))]}
+        assert served["old"] != served["new"] and served["old"] in err["error"]["message"], served
         status, dec = await post(cluster.url("d1"), {**body, "kv_transfer_params": {**kv, "response_id": pre["id"]}})
         assert status == 503 and dec["error"]["code"] == "kv_transfer_failed", dec   # released, or expired:
         assert f"KV hold {kv['remote_request_id']} expired" not in cluster.workers["p1"].log()   # released

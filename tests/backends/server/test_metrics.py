@@ -55,3 +55,8 @@ def test_each_app_has_its_own_registry() -> None:
     one, two = ServerMetrics(), ServerMetrics()
     one.observe_request("/health", 200)
     assert ("switchyard_requests_total", (("route", "/health"), ("status", "200"))) not in samples(two)
+
+
+def test_the_weights_fingerprint_is_an_info_metric_where_known() -> None:
+    assert samples(ServerMetrics(weights="f00d"))[("switchyard_model_weights_info", (("weights", "f00d"),))] == 1
+    assert not any(name.startswith("switchyard_model_weights") for name, _ in samples(ServerMetrics()))
