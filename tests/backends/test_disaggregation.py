@@ -292,7 +292,7 @@ async def test_a_decode_worker_on_other_weights_refuses_their_kv(cluster: Cluste
                                      ("new", await get_text(worker.url + "/metrics"))]}
         assert served["old"] != served["new"] and served["old"] in err["error"]["message"], served
         status, dec = await post(cluster.url("d1"), {**body, "kv_transfer_params": {**kv, "response_id": pre["id"]}})
-        assert status == 503 and dec["error"]["code"] == "kv_transfer_failed", dec   # released, or expired:
+        assert status == 503 and dec["error"]["code"] == "kv_transfer_failed", dec   # the hold is gone:
         assert f"KV hold {kv['remote_request_id']} expired" not in cluster.workers["p1"].log()   # released
 
         gateway = GatewayProcess(gateway_config([cluster.url("p1")], [worker.url]), tmp_path)
@@ -314,7 +314,7 @@ async def test_a_decode_worker_on_other_weights_refuses_their_kv(cluster: Cluste
         events = await stream(gateway.url, body)
         assert all("error" not in e for e in events), events[-1]
         ids = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
-        assert len(ids) == body["max_tokens"] and ids[0] == kv["first_token_ids"][0]   # P1's first token
+        assert ids[0] == ref.ids[0] or not ref.choices[0].clear, (ids, ref.ids)   # P1's first token
         check_new_weights(prompt + ids[:1], ids[1:], "the stream gone on from P1's first token")
         assert metric(gateway, "switchyard_pd_redos_total", code="kv_transfer_mismatch") == 2
         await assert_drained(cluster, ["p1", "d1"])

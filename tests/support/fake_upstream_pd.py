@@ -1,8 +1,8 @@
 """The fake upstream's PD mode (`--role prefill|decode`, following docs/disaggregation.md): a prefill leg
 answers the first token and holds a transfer id, a decode leg claims that transfer from the prefill fake
 (its stand-in for a KV pull) and streams the rest. A decode fake serves a request without
-`kv_transfer_params` whole, as the plain fake does (our decode workers serve whole requests too). Scripted like the plain mode, by `fake.prefill` /
-`fake.decode` in the body or the process default."""
+`kv_transfer_params` whole, as the plain fake does (our decode workers serve whole requests too). Scripted like
+the plain mode, by `fake.prefill` / `fake.decode` in the body or the process default."""
 from __future__ import annotations
 
 import asyncio
