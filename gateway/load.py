@@ -42,6 +42,9 @@ class LoadReport:
     # Per KV tier medium (cpu, disk, store): reading a token back from it against computing it, as the
     # worker measured it (its `kv_tiers[].restore_fraction`); None where it has no such tier or no figure yet.
     restore_fractions: RestoreFractions = (None, None, None)
+    # The fingerprint of the worker's weights (backends/worker/fingerprint.py): workers with other weights refuse
+    # each other's KV. "": not reported.
+    weights: str = ""
 
     @classmethod
     def from_mapping(cls, body: Mapping[str, Any]) -> LoadReport:
@@ -57,6 +60,11 @@ class LoadReport:
         tiers = body.get("kv_tiers")
         if tiers is not None:
             values["restore_fractions"] = _restore_fractions(tiers)
+        weights = body.get("weights")
+        if weights is not None:
+            if not isinstance(weights, str):
+                raise ValueError(f"load report field 'weights' must be a string, got {weights!r}")
+            values["weights"] = weights
         return cls(**values)
 
     @property
@@ -65,7 +73,7 @@ class LoadReport:
 
 
 _OPTIONAL_FIELDS = frozenset(f.name for f in fields(LoadReport) if f.default is not MISSING)
-_INT_FIELDS = tuple(f.name for f in fields(LoadReport) if f.name != "restore_fractions")
+_INT_FIELDS = tuple(f.name for f in fields(LoadReport) if f.name not in ("restore_fractions", "weights"))
 TIER_MEDIA = ("cpu", "disk", "store")   # the order of RestoreFractions (and of the prefix index's tier matches)
 
 

@@ -32,7 +32,7 @@ class Endpoint:
     """Runtime state of one upstream server (shared by every provider that lists its URL)."""
 
     __slots__ = ("breaker", "endpoint_id", "failing_polls", "health_checked", "healthy", "kv_since",
-                 "poll_failures")
+                 "poll_failures", "weights")
 
     def __init__(self, endpoint_id: str, breaker: CircuitBreaker) -> None:
         self.endpoint_id = endpoint_id
@@ -42,6 +42,7 @@ class Endpoint:
         self.kv_since = 0                # the `next` cursor of /kv_events
         self.poll_failures: dict[tuple[str, str], int] = {}  # (poller, cause) -> failures so far
         self.failing_polls: set[str] = set()  # pollers whose bad answer was logged, not yet followed by a success
+        self.weights = ""                # its weights' fingerprint, as its last /load said ("": not said)
 
 
 class UpstreamRegistry:
@@ -171,7 +172,9 @@ class UpstreamRegistry:
     async def _poll_load(self, endpoint: Endpoint, session: aiohttp.ClientSession,
                          client_timeout: aiohttp.ClientTimeout, provider: ProviderConfig) -> None:
         payload = await _get_json(session, f"{endpoint.endpoint_id}/load", client_timeout)
-        self._on_report(endpoint.endpoint_id, LoadReport.from_mapping(payload))
+        report = LoadReport.from_mapping(payload)
+        endpoint.weights = report.weights
+        self._on_report(endpoint.endpoint_id, report)
 
     async def _poll_vllm_metrics(self, endpoint: Endpoint, session: aiohttp.ClientSession,
                                  client_timeout: aiohttp.ClientTimeout, provider: ProviderConfig) -> None:

@@ -240,7 +240,8 @@ class LLMEngine:
                           self._counts["cached"],
                           () if self.kv_tiers is None else self.kv_tiers.load(self.kv_tiers.compute_seconds_per_token),
                           0 if self.kv_tiers is None else self.kv_tiers.num_dropped_writes,
-                          None if self.kv_tiers is None else self.kv_tiers.compute_seconds_per_token)
+                          None if self.kv_tiers is None else self.kv_tiers.compute_seconds_per_token,
+                          getattr(self.runner, "weights_fingerprint", None) or "")
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[SequenceOutput]:

@@ -67,3 +67,4 @@ class LoadReport:
     # A prompt token's compute, fitted from the engine's step times against their rows (None: not yet
     # measured; kept only with KV tiers, whose restore cost is priced against it).
     seconds_per_prompt_token: float | None = None
+    weights: str = ""                 # the weights' fingerprint (backends/worker/fingerprint.py; "": none)

@@ -115,13 +115,25 @@ class _PdRun:
                 legs.metrics.observe_ttft(progress.request.facts.model,
                                           time.perf_counter() - progress.request.started_s)
             self._held = held
-        chosen = legs.choose(progress, decode_pool, provider.decode_policy)
+        chosen = legs.choose(progress, self._same_weights(held, decode_pool), provider.decode_policy)
         if chosen is None:
             raise self._fall_back("decode_pool_exhausted")
         try:
             return await self._decode(held, chosen.endpoint, chosen.decision)
         except KvTransferFailed as exc:
             return await self._redo(exc)
+
+    def _same_weights(self, held: PrefillResult, decode_pool: list[Endpoint]) -> list[Endpoint]:
+        """The decode workers that hold the prefill worker's weights, as their `/load` reports say (halfway
+        through a rolling upgrade the others would refuse its KV), with those that do not say; the whole pool
+        when none of them could take the leg."""
+        prefill = next((e for e in self._legs.pool(self._config.name, Pool.PREFILL)
+                        if e.endpoint_id == held.endpoint_id), None)
+        if prefill is None or not prefill.weights:
+            return decode_pool
+        same = [e for e in decode_pool if e.weights in (prefill.weights, "")]
+        return same if len(same) < len(decode_pool) and self._legs.has_candidate(self._progress, same) \
+            else decode_pool
 
     async def _whole_on_decode(self) -> Outcome:
         """One leg on a decode worker, which computes the KV itself (a decode worker serves whole requests too):

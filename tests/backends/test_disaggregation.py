@@ -291,6 +291,7 @@ async def test_a_decode_worker_on_other_weights_refuses_their_kv(cluster: Cluste
                   for name, text in [("old", await get_text(cluster.url("p1") + "/metrics")),
                                      ("new", await get_text(worker.url + "/metrics"))]}
         assert served["old"] != served["new"] and served["old"] in err["error"]["message"], served
+        assert (await get(worker.url + "/load"))["weights"] == served["new"]   # the gateway pairs workers by it
         status, dec = await post(cluster.url("d1"), {**body, "kv_transfer_params": {**kv, "response_id": pre["id"]}})
         assert status == 503 and dec["error"]["code"] == "kv_transfer_failed", dec   # the hold is gone:
         assert f"KV hold {kv['remote_request_id']} expired" not in cluster.workers["p1"].log()   # released

@@ -168,10 +168,16 @@ def test_tier_restore_fractions_are_read_by_medium_and_kept_from_the_last_report
                                  report(kv_tiers={"medium": "cpu"}), report(kv_tiers=["cpu"]),
                                  report(kv_tiers=[{"medium": "cpu", "restore_fraction": -0.1}]),
                                  report(kv_tiers=[{"medium": "disk", "restore_fraction": "0.1"}]),
-                                 report(kv_tiers=[{"medium": "disk", "restore_fraction": float("nan")}])])
+                                 report(kv_tiers=[{"medium": "disk", "restore_fraction": float("nan")}]),
+                                 report(weights=7)])
 def test_malformed_reports_are_rejected(bad: dict) -> None:
     with pytest.raises(ValueError):
         LoadTracker().reconcile("a", bad)
+
+
+def test_the_weights_fingerprint_is_optional() -> None:
+    assert LoadReport.from_mapping(report(weights="f00d")).weights == "f00d"
+    assert LoadReport.from_mapping(report()).weights == ""      # another engine, or an older worker
 
 
 def test_report_object_and_zero_block_fleet() -> None:

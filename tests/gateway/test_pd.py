@@ -259,6 +259,31 @@ async def test_prefill_failure_is_retried_on_another_prefill_worker(tmp_path: Pa
         pair.stop()
 
 
+async def test_decode_legs_go_to_workers_of_the_prefill_workers_weights(tmp_path: Path) -> None:
+    """Halfway through a rolling upgrade (weights a -> b) the gateway pairs a prefill worker with the decode
+    workers of its weights, as their /load reports say, over a less busy one that would refuse its KV; where no
+    decode worker has its weights, with any."""
+    pair = Pd(tmp_path, ["p1"], ["old", "new"])
+    try:
+        p1, (old, new) = pair.prefill[0], pair.decode
+
+        async def report(fake: FakeUpstream, load: dict[str, Any], weights: str) -> None:
+            fake.control(load_report={**load, "weights": weights})
+            await wait_load_report(pair.gateway, fake.url, load)
+
+        await report(old, BUSY, "a")
+        await report(new, {**LOAD_IDLE, "num_decode_tokens_pending": 1}, "b")
+        for step, (weights, served_by) in enumerate([("a", old), ("b", new), ("c", new)], start=1):
+            await report(p1, {**LOAD_IDLE, "num_prefill_tokens_pending": step}, weights)
+            before = {fake.url: fake.stats()["num_requests"] for fake in pair.decode}
+            status, answer = await post(pair.gateway.url, BODY)
+            assert status == 200 and answer["choices"][0]["message"]["content"] == "first tok1 tok2 tok3 "
+            assert {fake.url: fake.stats()["num_requests"] - before[fake.url] for fake in pair.decode} == \
+                {served_by.url: 1, ({old, new} - {served_by}).pop().url: 0}, weights
+    finally:
+        pair.stop()
+
+
 async def test_decode_failure_is_retried_on_another_decode_worker(tmp_path: Path) -> None:
     pair = Pd(tmp_path, ["p1"], ["bad", "good"])
     try:
