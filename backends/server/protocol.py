@@ -187,7 +187,7 @@ def _parse_message(index: int, message: Any) -> ChatMessage:
     if not isinstance(message, dict):
         raise invalid_param(param, f"{param} must be an object.")
     role = message.get("role")
-    if role not in _CHAT_ROLES:
+    if not isinstance(role, str) or role not in _CHAT_ROLES:    # an object is no role (and no set member)
         raise invalid_param(f"{param}.role", f"{param}.role must be one of {sorted(_CHAT_ROLES)}.")
     content = message.get("content")
     if content is None and role == "assistant":

@@ -72,7 +72,7 @@ def to_chat_body(body: Any) -> dict[str, Any]:
         chat_messages.append({"role": "system", "content": _text(body["system"], "system")})
     for index, message in enumerate(messages):
         where = f"messages.{index}"
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or message["role"] not in ROLES:
             raise BadRequest(f"{where}: an object with role 'user' or 'assistant'", param=f"{where}.role")
         chat_messages.append({"role": message["role"], "content": _text(message.get("content"), f"{where}.content")})
     chat: dict[str, Any] = {"model": model, "messages": chat_messages, "max_tokens": max_tokens}

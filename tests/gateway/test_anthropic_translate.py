@@ -46,6 +46,7 @@ def test_messages_request_becomes_a_chat_body(body: dict[str, Any], chat: dict[s
     ({"model": "m", "max_tokens": True, "messages": HELLO}, "max_tokens"),
     ({"model": "m", "max_tokens": 5, "messages": []}, "messages"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": {"a": 1}, "content": "x"}]}, "messages.0.role"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
      "messages.0.content.0"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": []}]}, "messages.0.content"),

@@ -82,6 +82,8 @@ BAD = [
     (CHAT, {"messages": []}, 400, "messages", "invalid_value"),
     (CHAT, {"messages": "hi"}, 400, "messages", "invalid_value"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "invalid_value"),
+    (CHAT, {"messages": [{"role": {"a": 1}, "content": "x"}]}, 400, "messages[0].role", "invalid_value"),
+    (CHAT, {"messages": [{"role": ["user"], "content": "x"}]}, 400, "messages[0].role", "invalid_value"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", "invalid_value"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content",
      "invalid_value"),
