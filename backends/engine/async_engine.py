@@ -168,7 +168,7 @@ class AsyncEngine:
     def weights_fingerprint(self) -> str:
         """The weights' fingerprint (backends/worker/fingerprint.py; "" where the runner has none): a KV
         transfer's two ends compare theirs."""
-        return getattr(self._require_started().runner, "weights_fingerprint", None) or ""
+        return self._require_started().weights_fingerprint
 
     def wake(self) -> None:
         """Any thread: the KV connector has news (finished transfers); step soon, even if idle."""

@@ -123,6 +123,7 @@ class LLMEngine:
             model_dir = model_dir or resolve_model_dir(config)
             runner = build_runner(config, model_dir)
         self.runner = runner
+        self.weights_fingerprint: str = getattr(runner, "weights_fingerprint", None) or ""   # "": the runner has none
         self.block_size = runner.block_size
         self.vocab_size = runner.vocab_size
         self.eos_token_ids = eos_token_ids(runner.config, model_dir)
@@ -134,7 +135,7 @@ class LLMEngine:
         self.kv_events = KVEventRing(config.max_kv_events)
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
                                           config.enable_prefix_caching, self.kv_events)
-        self.kv_tiers = self._build_tiers(runner, model_dir)
+        self.kv_tiers = self._build_tiers(runner)
         if self.kv_tiers is not None:
             self.block_manager.observer = self.kv_tiers
             kv_connector = self.kv_tiers if kv_connector is None else ConnectorChain(kv_connector, self.kv_tiers)
@@ -152,14 +153,13 @@ class LLMEngine:
         self._counts = dict.fromkeys(("prompt", "cached", "generated", "finished", "failed", "steps",
                                       "spec_proposed", "spec_accepted", "spec_verifications"), 0)
 
-    def _build_tiers(self, runner: ModelRunnerLike, model_dir: Path | None) -> TieredKVConnector | None:
-        config = self.config
-        if not config.has_kv_tiers:
+    def _build_tiers(self, runner: ModelRunnerLike) -> TieredKVConnector | None:
+        if not self.config.has_kv_tiers:
             return None
         from backends.kv_tiers.factory import build_tiered_connector
 
-        return build_tiered_connector(config, runner.kv_cache,  # type: ignore[attr-defined]
-                                      getattr(runner, "weights_fingerprint", None), self.kv_events)
+        return build_tiered_connector(self.config, runner.kv_cache,  # type: ignore[attr-defined]
+                                      self.weights_fingerprint, self.kv_events)
 
     def set_wake(self, wake: Callable[[], None]) -> None:
         """How a KV tier's loader thread gets the engine thread stepping when a load ends."""
@@ -232,16 +232,14 @@ class LLMEngine:
                            c["spec_verifications"], "" if self.proposer is None else self.proposer.name)
 
     def load_report(self) -> LoadReport:
-        sched, bm = self.scheduler, self.block_manager
+        sched, bm, c, tiers = self.scheduler, self.block_manager, self._counts, self.kv_tiers
         return LoadReport(sched.num_running, sched.num_waiting, sched.num_prefill_tokens_pending(),
                           sched.num_decode_tokens_pending(), bm.num_free_blocks, bm.num_total_blocks,
-                          bm.num_cached_blocks, bm.block_size, bm.num_held_blocks,
-                          self._counts["spec_proposed"], self._counts["spec_accepted"], self._counts["prompt"],
-                          self._counts["cached"],
-                          () if self.kv_tiers is None else self.kv_tiers.load(self.kv_tiers.compute_seconds_per_token),
-                          0 if self.kv_tiers is None else self.kv_tiers.num_dropped_writes,
-                          None if self.kv_tiers is None else self.kv_tiers.compute_seconds_per_token,
-                          getattr(self.runner, "weights_fingerprint", None) or "")
+                          bm.num_cached_blocks, bm.block_size, bm.num_held_blocks, c["spec_proposed"],
+                          c["spec_accepted"], c["prompt"], c["cached"],
+                          () if tiers is None else tiers.load(tiers.compute_seconds_per_token),
+                          0 if tiers is None else tiers.num_dropped_writes,
+                          None if tiers is None else tiers.compute_seconds_per_token, self.weights_fingerprint)
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[SequenceOutput]:

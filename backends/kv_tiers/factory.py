@@ -17,18 +17,18 @@ from backends.kv_transfer.torch_cache import TorchPagedKV
 log = logging.getLogger(__name__)
 
 
-def build_tiered_connector(config: EngineConfig, kv_cache: Any, weights_fingerprint: str | None,
+def build_tiered_connector(config: EngineConfig, kv_cache: Any, weights_fingerprint: str,
                            events: KVEventRing) -> TieredKVConnector | None:
     """`kv_cache`: the runner's backends/worker/kv_cache.KVCache. `weights_fingerprint`: the runner's
-    (backends/worker/fingerprint.py); a disk or store tier files its blocks under it."""
+    (backends/worker/fingerprint.py; "": none); a disk or store tier files its blocks under it."""
     if not config.has_kv_tiers:
         return None
-    if weights_fingerprint is None and config.has_kv_tiers_beyond_worker:
+    if not weights_fingerprint and config.has_kv_tiers_beyond_worker:
         raise ValueError("a KV tier on disk or in a shared store needs the weights' fingerprint "
                          "(ModelRunner(fingerprint_weights=True)): without it, other weights' KV could be read")
     block_io = BlockIO(kv_cache.stacked)
     layout = TorchPagedKV(list(zip(kv_cache.k, kv_cache.v, strict=True))).layout()
-    space = namespace(weights_fingerprint or "", layout)
+    space = namespace(weights_fingerprint, layout)
     local: list[KVTier] = []
     cpu = disk = None
     if config.kv_cpu_bytes:

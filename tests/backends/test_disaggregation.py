@@ -14,27 +14,19 @@ The failure tests kill workers, so they run last, in file order.
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import aiohttp
-import orjson
 import pytest
 import torch
 
-from backends.engine.sampling_params import SamplingParams
-from tests.backends.engine.test_engine_model import hf_greedy
-from tests.backends.numerics import (assert_mostly_clear, assert_same_tokens, choices, float64_copy,
-                                     logit_tolerance)
-from tests.backends.pd_cluster import COMMON, Cluster, gateway_config
+from tests.backends.numerics import assert_mostly_clear, logit_tolerance
+from tests.backends.pd_cluster import Cluster
+from tests.backends.pd_http import assert_idle, get, post, stream
 from tests.backends.references import Reference, prompt_ids, reference_of, smollm2_vocabulary, text_of
 from tests.gateway.conftest import metric
-from tests.support.gateway_proc import GatewayProcess
 from tests.support.wait import await_until
-from tests.support.worker_proc import WorkerProcess
 
 PROMPTS = [
     "The capital of France is",
@@ -54,35 +46,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield c
     finally:
         c.stop()
-
-
-async def post(url: str, body: dict[str, Any], chat: bool = False) -> tuple[int, dict[str, Any]]:
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
-        return r.status, orjson.loads(await r.read())
-
-
-async def stream(url: str, body: dict[str, Any], chat: bool = False,
-                 events: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """The SSE events of one streamed request, appended to `events` (if given) as they arrive."""
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    events = [] if events is None else events
-    async with aiohttp.ClientSession() as s, s.post(url + path, json={**body, "stream": True}) as r:
-        assert r.status == 200, await r.text()
-        async for line in r.content:
-            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
-                events.append(orjson.loads(line[6:]))
-    return events
-
-
-async def get(url: str) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as s, s.get(url) as r:
-        return orjson.loads(await r.read())
-
-
-async def get_text(url: str) -> str:
-    async with aiohttp.ClientSession() as s, s.get(url) as r:
-        return await r.text()
 
 
 def requests() -> list[tuple[dict[str, Any], bool]]:
@@ -126,12 +89,7 @@ def references(cluster: Cluster, hf_smollm2: torch.nn.Module, hf_smollm2_f64: to
 
 
 async def assert_drained(cluster: Cluster, names: list[str]) -> None:
-    """No held blocks (unclaimed holds expire after pd_cluster.HOLD_TIMEOUT_S), every block free or cached-and-free."""
-    async def drained() -> bool:
-        loads = [await get(cluster.url(n) + "/load") for n in names]
-        return all(load["num_held_blocks"] == 0 and load["num_free_blocks"] == load["num_total_blocks"]
-                   for load in loads)
-    await await_until(drained, f"{names} to hold nothing")
+    await assert_idle([cluster.url(name) for name in names])
 
 
 # --- equivalence ----------------------------------------------------------------------------------
@@ -262,69 +220,6 @@ async def test_bad_decode_legs_are_clear_errors_without_leaks(cluster: Cluster, 
     status, err = await post(cluster.url("d2"), {**body, "kv_transfer_params": {"do_remote_decode": True}})
     assert status == 400   # a decode-role worker has no KV listener to hold blocks for
     await assert_drained(cluster, ["p1", "d2"])   # includes the unclaimed hold expiring
-
-
-async def test_a_decode_worker_on_other_weights_refuses_their_kv(cluster: Cluster, references,
-                                                                 smollm2_revision_dir: Path, tmp_path: Path) -> None:
-    """A rolling upgrade halfway: a decode worker whose folder has the model's name holds a new revision. The KV
-    that P1 holds was computed by the old weights, and decoding on from it would give tokens that neither revision
-    computes. The new worker refuses it (400 kv_transfer_mismatch, naming the weights) and releases the hold
-    (nobody asks for it again: left to expire, every such request would pin its prompt's blocks on P1), and no
-    block leaks. Through a gateway that pairs P1 with the new worker, a request then runs whole on the new
-    worker, and a stream goes on there from P1's first token: each matches transformers on the new weights."""
-    from transformers import LlamaForCausalLM
-
-    worker = WorkerProcess(["--role", "decode", "--model", str(smollm2_revision_dir), "--served-model-name",
-                            "smollm2", *COMMON], log_dir=tmp_path)
-    gateway = None
-    try:
-        ref = references[0]    # greedy
-        body = ref.body
-        status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1,
-                                                     "kv_transfer_params": {"do_remote_decode": True}})
-        assert status == 200, pre
-        kv = pre["kv_transfer_params"]
-        status, err = await post(worker.url, {**body, "kv_transfer_params": kv})
-        assert status == 400 and err["error"]["code"] == "kv_transfer_mismatch", err
-        assert "weights: " in err["error"]["message"], err
-        served = {name: re.search(r'switchyard_model_weights_info\{weights="(\w+)"\} 1\.0', text).group(1)
-                  for name, text in [("old", await get_text(cluster.url("p1") + "/metrics")),
-                                     ("new", await get_text(worker.url + "/metrics"))]}
-        assert served["old"] != served["new"] and served["old"] in err["error"]["message"], served
-        assert (await get(worker.url + "/load"))["weights"] == served["new"]   # the gateway pairs workers by it
-        status, dec = await post(cluster.url("d1"), {**body, "kv_transfer_params": {**kv, "response_id": pre["id"]}})
-        assert status == 503 and dec["error"]["code"] == "kv_transfer_failed", dec   # the hold is gone:
-        assert f"KV hold {kv['remote_request_id']} expired" not in cluster.workers["p1"].log()   # released
-
-        gateway = GatewayProcess(gateway_config([cluster.url("p1")], [worker.url]), tmp_path)
-        tokenizer, eos = smollm2_vocabulary()
-        prompt = prompt_ids(tokenizer, body, chat=False)
-        hf_new = LlamaForCausalLM.from_pretrained(str(smollm2_revision_dir), dtype=torch.float32).eval()
-        hf_new_f64 = float64_copy(hf_new)
-
-        def check_new_weights(context: list[int], got: list[int], what: str) -> None:
-            (want, want_logits), = hf_greedy(hf_new, [context], len(got), eos)
-            tolerance = logit_tolerance(hf_new, hf_new_f64, [context + want])
-            expected = choices(want_logits, SamplingParams(max_tokens=len(got), temperature=0.0), None, eos,
-                               tolerance)
-            assert_same_tokens(got, want, expected, what)
-
-        status, whole = await post(gateway.url, body)
-        assert status == 200, whole
-        check_new_weights(prompt, whole["choices"][0]["token_ids"], "the request run whole on the new weights")
-        events = await stream(gateway.url, body)
-        assert all("error" not in e for e in events), events[-1]
-        ids = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
-        assert ids[0] == ref.ids[0] or not ref.choices[0].clear, (ids, ref.ids)   # P1's first token
-        check_new_weights(prompt + ids[:1], ids[1:], "the stream gone on from P1's first token")
-        assert metric(gateway, "switchyard_pd_redos_total", code="kv_transfer_mismatch") == 2
-        await assert_drained(cluster, ["p1", "d1"])
-        load = await get(worker.url + "/load")
-        assert load["num_held_blocks"] == 0 and load["num_free_blocks"] == load["num_total_blocks"], load
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        worker.stop()
 
 
 async def test_transfer_cut_midway_fails_cleanly_and_hold_survives(cluster: Cluster, references) -> None:
