@@ -21,6 +21,7 @@ from gateway.fallback import RetryableFailure
 from gateway.legs import MAX_ERROR_BODY, Chosen, Legs, error_code, error_message
 from gateway.load import Lease
 from gateway.providers.base import ProviderRun
+from gateway.providers.pd_pairs import PdPairs
 from gateway.providers.openai import openai_wire
 from gateway.request import Leg, LegKind, Outcome, Progress, ProviderExhausted, Wire
 from gateway.streaming import DONE_EVENT, StreamUsage, error_event
@@ -48,9 +49,10 @@ class PrefillResult:
 class KvTransferFailed(Exception):
     """The decode worker could not get the held KV (`kv_transfer_failed` / `kv_transfer_mismatch`)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, endpoint: Endpoint) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+        self.endpoint = endpoint         # the decode worker
 
 
 class SwitchyardPdProvider:
@@ -66,6 +68,7 @@ class SwitchyardPdProvider:
         # Decode: least output tokens in flight, among the workers with KV headroom.
         self.decode_policy = make_policy(PolicyName.LEAST_TOKENS, {
             "prefill_weight": 0.0, "decode_weight": 1.0, "min_kv_free_fraction": _MIN_KV_FREE_FRACTION})
+        self.pairs = PdPairs()          # which decode workers refuse which prefill worker's KV
 
     def start(self, progress: Progress, legs: Legs) -> ProviderRun:
         return _PdRun(self, progress, legs)
@@ -115,7 +118,7 @@ class _PdRun:
                 legs.metrics.observe_ttft(progress.request.facts.model,
                                           time.perf_counter() - progress.request.started_s)
             self._held = held
-        chosen = legs.choose(progress, self._same_weights(held, decode_pool), provider.decode_policy)
+        chosen = legs.choose(progress, self._takers(held, decode_pool), provider.decode_policy)
         if chosen is None:
             raise self._fall_back("decode_pool_exhausted")
         try:
@@ -123,17 +126,19 @@ class _PdRun:
         except KvTransferFailed as exc:
             return await self._redo(exc)
 
-    def _same_weights(self, held: PrefillResult, decode_pool: list[Endpoint]) -> list[Endpoint]:
-        """The decode workers that hold the prefill worker's weights, as their `/load` reports say (halfway
-        through a rolling upgrade the others would refuse its KV), with those that do not say; the whole pool
-        when none of them could take the leg."""
-        prefill = next((e for e in self._legs.pool(self._config.name, Pool.PREFILL)
-                        if e.endpoint_id == held.endpoint_id), None)
-        if prefill is None or not prefill.weights:
+    def _takers(self, held: PrefillResult, decode_pool: list[Endpoint]) -> list[Endpoint]:
+        """The decode workers not known to refuse the prefill worker's KV (`PdPairs`: by the weights their
+        `/load` reports or by a refusal); the whole pool when none of them could take the leg."""
+        prefill = self._prefill_endpoint(held)
+        if prefill is None:
             return decode_pool
-        same = [e for e in decode_pool if e.weights in (prefill.weights, "")]
-        return same if len(same) < len(decode_pool) and self._legs.has_candidate(self._progress, same) \
+        takers = self._provider.pairs.takers(prefill, decode_pool, time.monotonic())
+        return takers if len(takers) < len(decode_pool) and self._legs.has_candidate(self._progress, takers) \
             else decode_pool
+
+    def _prefill_endpoint(self, held: PrefillResult) -> Endpoint | None:
+        return next((e for e in self._legs.pool(self._config.name, Pool.PREFILL) if e.endpoint_id == held.endpoint_id),
+                    None)
 
     async def _whole_on_decode(self) -> Outcome:
         """One leg on a decode worker, which computes the KV itself (a decode worker serves whole requests too):
@@ -179,8 +184,12 @@ class _PdRun:
         held, self._held = self._held, None
         assert held is not None
         self._legs.metrics.on_pd_redo(progress.request.facts.model, exc.code)
-        if exc.code == _KV_TRANSFER_MISMATCH:
-            log.error("provider %s: %s (do the prefill and decode pools run the same model?)", name, exc)
+        prefill = self._prefill_endpoint(held)
+        if exc.code == _KV_TRANSFER_MISMATCH and prefill is not None \
+                and self._provider.pairs.refuse(prefill, exc.endpoint, time.monotonic()):
+            log.warning("provider %s: decode worker %s refuses the KV of prefill worker %s, which its next decode legs "
+                        "avoid (two revisions of the model, as in a rolling upgrade?): %s",
+                        name, exc.endpoint.endpoint_id, prefill.endpoint_id, exc)
         client = progress.client
         if client is not None and client.data_started:
             if progress.can_fail_over:
@@ -280,7 +289,7 @@ class _PdRun:
             body = await response.content.read(MAX_ERROR_BODY)
             code = error_code(body)
             if code in (_KV_TRANSFER_FAILED, _KV_TRANSFER_MISMATCH):
-                raise KvTransferFailed(code, error_message(body))
+                raise KvTransferFailed(code, error_message(body), endpoint)
             return await legs.answer_error(response, body, endpoint.breaker, client)
         if client is None:
             payload = orjson.loads(await response.read())

@@ -284,6 +284,47 @@ async def test_decode_legs_go_to_workers_of_the_prefill_workers_weights(tmp_path
         pair.stop()
 
 
+async def test_a_decode_worker_that_refused_a_prefill_workers_kv_is_passed_over_for_its_next_legs(
+        tmp_path: Path) -> None:
+    """With no weights reported (workers from before the field, or a fleet whose loads are not polled yet), a
+    decode worker that refused a prefill worker's KV once is passed over for its next decode legs, here for a
+    busier one, instead of each request costing a refusal and a second computation of its prompt; once the two
+    report the same weights (the decode worker restarted on the prefill worker's revision), it takes them again."""
+    pair = Pd(tmp_path, ["p1"], ["near", "far"])
+    try:
+        p1, (near, far) = pair.prefill[0], pair.decode
+        near.control(refuses_kv=True)
+        far.control(load_report=BUSY)
+        await wait_load_report(pair.gateway, far.url, BUSY)
+        status, answer = await post(pair.gateway.url, BODY)
+        assert status == 200 and answer["choices"][0]["message"]["content"] == "tok0 tok1 tok2 ", answer  # whole
+        assert metric(pair.gateway, "switchyard_pd_redos_total", code="kv_transfer_mismatch") == 1
+
+        async def served(expected: FakeUpstream) -> None:
+            before = {fake.url: fake.stats()["num_requests"] for fake in pair.decode}
+            transfers = p1.stats()["num_transfers"]
+            status, answer = await post(pair.gateway.url, BODY)
+            assert status == 200 and answer["choices"][0]["message"]["content"] == "first tok1 tok2 tok3 ", answer
+            assert {fake.url: fake.stats()["num_requests"] - before[fake.url] for fake in pair.decode} == \
+                {expected.url: 1, ({near, far} - {expected}).pop().url: 0}
+            assert p1.stats()["num_transfers"] == transfers + 1
+
+        for _ in range(3):
+            await served(far)
+        assert metric(pair.gateway, "switchyard_pd_redos_total", code="kv_transfer_mismatch") == 1
+        near.control(refuses_kv=False, load_report={**LOAD_IDLE, "num_decode_tokens_pending": 1, "weights": "a"})
+        p1.control(load_report={**LOAD_IDLE, "num_prefill_tokens_pending": 1, "weights": "a"})
+        await wait_load_report(pair.gateway, near.url, {**LOAD_IDLE, "num_decode_tokens_pending": 1})
+        await wait_load_report(pair.gateway, p1.url, {**LOAD_IDLE, "num_prefill_tokens_pending": 1})
+        await served(near)
+        far.control(load_report=LOAD_IDLE)
+        near.control(load_report=LOAD_IDLE)
+        p1.control(load_report=LOAD_IDLE)
+        await wait_idle(pair.gateway, [p1.url, near.url, far.url])
+    finally:
+        pair.stop()
+
+
 async def test_decode_failure_is_retried_on_another_decode_worker(tmp_path: Path) -> None:
     pair = Pd(tmp_path, ["p1"], ["bad", "good"])
     try:

@@ -139,7 +139,8 @@ async def control(request: web.Request) -> web.Response:
     """POST {"behaviour": {...}, "times": N (then back to {}), "healthy": bool, "load_report": {...},
     "kv_stored": [block hashes of one prompt, in order], "kv_removed": [block hashes], "kv_block_size": 16,
     "kv_medium": "device" (or "cpu", "disk", "store": where kv_stored/kv_removed happen),
-    "kv_events": [raw events, served verbatim], "reset_stats": true, "release": {gate: permits}}."""
+    "kv_events": [raw events, served verbatim], "reset_stats": true, "release": {gate: permits},
+    "refuses_kv": bool (PD decode: every leg's KV refused with kv_transfer_mismatch)}."""
     state: FakeState = request.app["state"]
     body = await request.json()
     if "behaviour" in body:
@@ -148,6 +149,8 @@ async def control(request: web.Request) -> web.Response:
         state.healthy = bool(body["healthy"])
     if "load_report" in body:
         state.load_report = body["load_report"]
+    if "refuses_kv" in body:
+        state.refuses_kv = bool(body["refuses_kv"])
     if "kv_events" in body:
         state.kv_events.extend(body["kv_events"])
     for key, kind in (("kv_stored", KvEventType.STORED), ("kv_removed", KvEventType.REMOVED)):

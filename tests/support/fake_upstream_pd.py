@@ -33,6 +33,8 @@ def _error(status: int, message: str, code: str) -> web.Response:
 async def pd_leg(request: web.Request, state: FakeState, body: dict[str, Any]) -> web.StreamResponse:
     """PD mode: `fake.prefill` / `fake.decode` in the body (or the process default) script the leg;
     besides the usual fields, `code` sets the error code of a non-200 and `finish` the prefill's finish_reason."""
+    if state.refuses_kv and state.role == "decode":
+        return _error(400, f"fake decode: {state.name} holds other weights", "kv_transfer_mismatch")
     behaviour = (body.get("fake") or {}).get(state.role) or _default_behaviour(state)
     if behaviour.get("die"):
         os._exit(3)
