@@ -10,16 +10,16 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from backends.engine.block_manager import BlockManager
-from backends.engine.connector_chain import ConnectorChain
 from backends.engine.config import EngineConfig
+from backends.engine.connector_chain import ConnectorChain
 from backends.engine.errors import EngineRequestError
 from backends.engine.kv_connector import KVConnector, KVTransferParams
 from backends.engine.kv_events import KVEventRing
