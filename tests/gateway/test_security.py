@@ -157,6 +157,29 @@ async def test_limits_answer_with_openai_errors(start_fakes, start_gateway) -> N
     assert fake.stats()["num_requests"] == 3  # only the three requests within the limits went upstream
 
 
+async def test_fields_between_the_gateway_and_its_workers_are_refused_from_clients(start_fakes, start_gateway) -> None:
+    """The body goes upstream as it came. A client's `kv_transfer_params` would have a worker connect to the host
+    and port they name (a KV pull: any address the workers can reach) or hold a prompt's KV blocks for a decode
+    that never comes; its `resume_token_ids` would be taken as output already generated. Both are 400s, with or
+    without keys, streaming or not, on both generation routes, and nothing reaches the upstream."""
+    (fake,) = start_fakes("a")
+    gateway = start_gateway(gateway_config({"p": [fake.url]}))
+    pull = {"do_remote_prefill": True, "remote_host": "10.0.0.1", "remote_port": 6379, "remote_request_id": "x",
+            "num_prompt_tokens": 8, "first_token_ids": [1]}
+    completion = {"model": "m", "prompt": "hello", "max_tokens": 4}
+    async with aiohttp.ClientSession() as client:
+        for path, body in [("/v1/chat/completions", CHAT), ("/v1/completions", completion)]:
+            for name, value in [("kv_transfer_params", pull), ("kv_transfer_params", {"do_remote_decode": True}),
+                                ("resume_token_ids", [1, 2, 3])]:
+                for stream in (False, True):
+                    got, error = await fetch(client, "POST", gateway.url + path, None,
+                                             json={**body, name: value, "stream": stream})
+                    assert_openai_error(error, 400, got)
+                    assert error["error"]["param"] == name and "not accepted from clients" in error["error"]["message"]
+            assert (await fetch(client, "POST", gateway.url + path, None, json=body))[0] == 200
+    assert fake.stats()["num_requests"] == 2   # only the two plain requests went upstream
+
+
 async def test_slow_clients_cannot_hold_a_connection(start_fakes, start_gateway) -> None:
     (fake,) = start_fakes("a")
     gateway = start_gateway(gateway_config({"p": [fake.url]}, limits={"idle_timeout_s": 1.0, "body_timeout_s": 1.0}))
