@@ -23,6 +23,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0       # OpenAI semantics, over output tokens
     repetition_penalty: float = 1.0      # HF/vLLM semantics, over prompt and output tokens
     logprobs: int | None = None          # None: none; k >= 0: the sampled token's logprob + top-k
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit): OpenAI's logit_bias
     speculative: bool = True             # False: this request never runs drafts (the worker's setting otherwise)
     # Stop strings are matched by the server on detokenized text; the engine never sees them.
     stop: tuple[str, ...] = field(default=())

@@ -1,7 +1,8 @@
 """Parsing and validation of OpenAI request bodies into `SamplingParams` (no I/O, no engine).
 
 Bad bodies raise `APIError` with the field named in `param`; unknown fields are ignored, as
-OpenAI-compatible servers do. Response bodies are built in `responses.py`.
+OpenAI-compatible servers do, but OpenAI fields whose contract this worker cannot keep (`n` > 1, `echo`,
+`suffix`, tool use, a JSON `response_format`) are refused. Response bodies are built in `responses.py`.
 """
 from __future__ import annotations
 
@@ -151,9 +152,26 @@ def _refuse_unsupported(body: dict[str, Any], kind: RequestKind) -> None:
         raise invalid_param("echo", "echo=true is not supported.")
     if kind is RequestKind.COMPLETION and body.get("suffix") is not None:
         raise invalid_param("suffix", "suffix is not supported.")
+    if kind is RequestKind.CHAT:
+        _refuse_tools_and_formats(body)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid_param("user", "`user` must be a string.")
+
+
+def _refuse_tools_and_formats(body: dict[str, Any]) -> None:
+    """What this worker cannot honour is refused, not ignored: it parses no tool calls and constrains no output,
+    so an answer would break the contract the client asked for (route such requests to vLLM or SGLang)."""
+    if body.get("tools") or body.get("functions"):
+        name = "tools" if body.get("tools") else "functions"
+        raise invalid_param(name, "Tool use is not supported by this worker.")
+    tool_choice = body.get("tool_choice")
+    if tool_choice is not None and tool_choice != "none" and tool_choice != "auto":
+        raise invalid_param("tool_choice", "tool_choice needs tools, which this worker does not support.")
+    response_format = body.get("response_format")
+    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
+        raise invalid_param("response_format", "Only response_format {\"type\": \"text\"} is supported by this "
+                                               "worker: it does not constrain its output to JSON.")
 
 
 def _parse_prompt(prompt: Any, vocab_size: int) -> tuple[str | None, tuple[int, ...] | None]:
@@ -247,6 +265,7 @@ def _parse_sampling(body: dict[str, Any], vocab_size: int, max_tokens: int | Non
         frequency_penalty=_default(_opt_float(body, "frequency_penalty", -2.0, 2.0), 0.0),
         repetition_penalty=_default(_opt_float(body, "repetition_penalty", 0.0, 10.0, low_open=True), 1.0),
         logprobs=logprobs,
+        logit_bias=_parse_logit_bias(body.get("logit_bias"), vocab_size),
         stop=_parse_stop(body.get("stop")),
         speculative=_default(_opt_bool(body, "speculative"), True),
     )
@@ -271,6 +290,24 @@ def _parse_stop_token_ids(ids: Any, vocab_size: int) -> tuple[int, ...]:
     if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
         raise invalid_param("stop_token_ids", f"`stop_token_ids` must be an array of token ids in [0, {vocab_size}).")
     return tuple(ids)
+
+
+def _parse_logit_bias(bias: Any, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: token ids (as JSON object keys, so strings) to a bias in [-100, 100]."""
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise invalid_param("logit_bias", "`logit_bias` must be an object of token ids to numbers.")
+    out = []
+    for key, value in bias.items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < vocab_size:
+            raise invalid_param("logit_bias", f"`logit_bias` keys must be token ids in [0, {vocab_size}), got {key!r}.")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:
+            raise invalid_param("logit_bias", f"`logit_bias[{key!r}]` must be a number in [-100, 100].")
+        if value:
+            out.append((token, float(value)))
+    return tuple(out)
 
 
 def _parse_resume_token_ids(ids: Any, vocab_size: int) -> tuple[int, ...]:

@@ -55,7 +55,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
     # temperature, top-k/p), as vLLM does by default: they describe the model, not the sampler.
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    logits = _mask_banned_tokens(apply_penalties(logits, rows), rows)
+    logits = _mask_banned_tokens(apply_penalties(add_logit_bias(logits, rows), rows), rows)
 
     greedy_idx = [i for i, r in enumerate(rows) if r.params.greedy]
     random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -117,6 +117,21 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
                            zero).expand_as(ids)
         logits = logits.scatter(1, ids, logits.gather(1, ids) - once)
     return logits
+
+
+def add_logit_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Each row's `logit_bias` added to its tokens' logits, before the penalties (as vLLM and transformers'
+    `sequence_bias` order them). Never writes into the caller's tensor."""
+    if not any(r.params.logit_bias for r in rows):
+        return logits
+    vocab = logits.shape[1]
+    entries = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias if 0 <= t < vocab]
+    if not entries:
+        return logits
+    row_idx, tok_idx, bias = zip(*entries, strict=True)
+    index = torch.tensor([row_idx, tok_idx], dtype=torch.long).to(logits.device, non_blocking=True)
+    return logits.index_put((index[0], index[1]), torch.tensor(bias, dtype=logits.dtype).to(logits.device),
+                            accumulate=True)
 
 
 def _mask_banned_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:

@@ -80,8 +80,12 @@ def choice(logits: torch.Tensor, params: SamplingParams, seed: int | None, promp
         raise NotImplementedError("margins for min_p are not worked out")
     sample_row = SampleRow(params, seed or 0, tuple(prompt), tuple(output), tuple(eos_token_ids))
     token = sample(logits[None].float(), [sample_row]).token_ids[0]
-    # Penalties are elementwise: they scale a logit's error by the repetition penalty at most.
-    penalized = apply_penalties(logits[None].float(), [sample_row])[0].double()
+    # The bias is added first (as transformers' sequence_bias and vLLM order them), then the penalties, which are
+    # elementwise: they scale a logit's error by the repetition penalty at most.
+    biased = logits[None].float().clone()
+    for token_id, bias in params.logit_bias:
+        biased[0, token_id] += bias
+    penalized = apply_penalties(biased, [sample_row])[0].double()
     tolerance *= max(params.repetition_penalty, 1 / params.repetition_penalty)
     step = len(output)
     banned = set(eos_token_ids) if params.ignore_eos or step < params.min_tokens else set()

@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
-from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                          TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
 from backends.engine.sampling_params import SamplingParams
-from backends.worker.sampler import SampleRow, apply_penalties, filtered_probs, sample, step_seed, step_uniform
+from backends.worker.sampler import (SampleRow, add_logit_bias, apply_penalties, filtered_probs, sample, step_seed,
+                                     step_uniform)
 from tests.backends.numerics import choice
 
 V = 12
@@ -58,6 +59,41 @@ def test_presence_and_frequency_penalties_follow_openai_formula() -> None:
             count = r.output_token_ids.count(tok)
             ref[i, tok] -= count * r.params.frequency_penalty + r.params.presence_penalty
     torch.testing.assert_close(got, ref)
+
+
+def test_logit_bias_then_repetition_penalty_match_transformers() -> None:
+    """logit_bias is added before the penalties, as transformers' sequence_bias (one-token sequences) and
+    vLLM order them. Row 0 is built so that the order decides the token: token 3 (seen, logit 2, bias +2,
+    penalty 2) scores 2 biased first, against 3 penalized first, and the unseen token 5 scores 2.5."""
+    logits = rand_logits(4)
+    logits[0] = -5.0
+    logits[0, 3], logits[0, 5] = 2.0, 2.5
+    rows = [row(prompt=(3,), temperature=0.0, repetition_penalty=2.0, logit_bias=((3, 2.0),)),
+            row(prompt=(1, 4), output=(4,), temperature=0.0, repetition_penalty=1.3,
+                logit_bias=((4, 3.5), (7, -100.0), (0, 1.25))),
+            row(output=(9, 9), temperature=0.0, logit_bias=((11, 100.0),)),
+            row(temperature=0.0)]
+    got = sample(logits.clone(), rows).token_ids
+    for i, r in enumerate(rows):
+        ids = torch.tensor([list(r.prompt_token_ids) + list(r.output_token_ids) or [0]])
+        ref = logits[i:i + 1].clone()
+        if r.params.logit_bias:
+            ref = SequenceBiasLogitsProcessor({(t,): b for t, b in r.params.logit_bias})(ids, ref)
+        if r.params.repetition_penalty != 1.0:
+            ref = RepetitionPenaltyLogitsProcessor(r.params.repetition_penalty)(ids, ref)
+        assert got[i] == int(ref.argmax()), (i, got[i], ref)
+    assert got[0] == 5 and got[2] == 11
+    # The biased logits themselves, and the caller's tensor untouched.
+    before = logits.clone()
+    biased = add_logit_bias(logits, rows)
+    assert torch.equal(logits, before)
+    want = logits.clone()
+    want[0, 3] += 2.0
+    want[1, 4] += 3.5
+    want[1, 7] -= 100.0
+    want[1, 0] += 1.25
+    want[2, 11] += 100.0
+    torch.testing.assert_close(biased, want)
 
 
 @pytest.mark.parametrize("kw", [

@@ -50,6 +50,11 @@ GOOD = [
     (CHAT, {"logprobs": True}, {"logprobs": 0}),
     (CHAT, {"logprobs": False}, {"logprobs": None}),
     (CHAT, {"max_completion_tokens": 9, "max_tokens": 100}, {"max_tokens": 9}),
+    (C, {"logit_bias": {"5": 2.5, "999": -100, "0": 100, "7": 0}}, {"logit_bias": ((5, 2.5), (999, -100.0), (0, 100.0))}),
+    (CHAT, {"logit_bias": {}}, {"logit_bias": ()}),
+    (CHAT, {"logit_bias": None}, {"logit_bias": ()}),
+    (CHAT, {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}}, {}),
+    (CHAT, {"tool_choice": "auto", "parallel_tool_calls": False}, {}),
 ]
 
 
@@ -126,6 +131,17 @@ BAD = [
     (C, {"stream": True, "stream_options": {"include_usage": 1}}, 400, "stream_options.include_usage",
      "invalid_value"),
     (C, {"user": 5}, 400, "user", "invalid_value"),
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "invalid_value"),
+    (CHAT, {"functions": [{"name": "f"}]}, 400, "functions", "invalid_value"),
+    (CHAT, {"tool_choice": "required"}, 400, "tool_choice", "invalid_value"),
+    (CHAT, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tool_choice", "invalid_value"),
+    (CHAT, {"response_format": {"type": "json_object"}}, 400, "response_format", "invalid_value"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 400,
+     "response_format", "invalid_value"),
+    *[(kind, {"logit_bias": bias}, 400, "logit_bias", "invalid_value") for kind, bias in [
+        (C, [1, 2]), (CHAT, "5"), (C, {"1000": 1}), (C, {"-1": 1}), (C, {"+5": 1}), (C, {" 5": 1}), (C, {"abc": 1}),
+        (C, {"\u0663": 1}), (C, {"": 1}), (CHAT, {"5": 101}), (C, {"5": -100.5}), (C, {"5": "1"}), (C, {"5": True}),
+        (C, {"5": None})]],
 ]
 
 

@@ -128,6 +128,41 @@ async def test_greedy_in_concurrent_batch_matches_transformers(
         await wait_idle(session, worker_url)
 
 
+async def test_logit_bias_matches_transformers_sequence_bias(worker_url: str, prompt_ids: list[list[int]],
+                                                             hf_greedy: list[GreedyReference], hf_model: torch.nn.Module,
+                                                             tolerance: float) -> None:
+    """OpenAI's logit_bias, greedy, against transformers' generate with the same biases as one-token
+    `sequence_bias`: the unbiased greedy first token banned (-100), a token it never chose favoured (+4), under
+    a repetition penalty (the bias comes first in both). The output must differ from the unbiased one."""
+    ids, plain = prompt_ids[1], hf_greedy[1].tokens
+    with torch.inference_mode():
+        step0 = hf_model(torch.tensor([ids])).logits[0, -1]
+    favoured = next(t for t in step0.topk(8).indices.tolist() if t not in plain and t not in EOS)
+    bias = {plain[0]: -100.0, favoured: 4.0}
+    penalty = 1.3
+    default_eos = hf_model.generation_config.eos_token_id
+    hf_model.generation_config.eos_token_id = None   # like ignore_eos
+    try:
+        with torch.inference_mode():
+            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=NUM_NEW_TOKENS // 2, do_sample=False,
+                                    suppress_tokens=list(EOS), repetition_penalty=penalty, pad_token_id=0,
+                                    sequence_bias={(t,): b for t, b in bias.items()})
+    finally:
+        hf_model.generation_config.eos_token_id = default_eos
+    want = out[0, len(ids):].tolist()
+    assert want[0] != plain[0] and want != plain[:len(want)]
+    params = SamplingParams(max_tokens=len(want), temperature=0.0, ignore_eos=True, repetition_penalty=penalty,
+                            logit_bias=tuple(bias.items()))
+    reference = choices(teacher_forced_logits(hf_model, ids, want), params, None, EOS, tolerance, prompt=ids)
+    async with aiohttp.ClientSession() as session:
+        body = {"model": MODEL, "prompt": ids, "max_tokens": len(want), "temperature": 0, "ignore_eos": True,
+                "repetition_penalty": penalty, "return_token_ids": True,
+                "logit_bias": {str(t): b for t, b in bias.items()}}
+        status, got = await post(session, f"{worker_url}/v1/completions", body)
+    assert status == 200, got
+    assert_same_tokens(got["choices"][0]["token_ids"], want, reference, "logit_bias")
+
+
 async def test_seeded_sampling_same_alone_and_in_busy_batch(worker_url: str, prompt_ids: list[list[int]],
                                                             hf_model: torch.nn.Module, tolerance: float) -> None:
     def body(seed: int | None, prompt: list[int], temperature: float = 0.9) -> dict[str, Any]:
