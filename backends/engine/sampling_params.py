@@ -8,10 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_BELOW = 1e-5   # a temperature below this samples greedily
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16                 # output tokens at most (the engine also caps at the context)
-    temperature: float = 1.0             # 0 means greedy
+    temperature: float = 1.0             # 0 (below GREEDY_BELOW) means greedy
     top_p: float = 1.0                   # nucleus mass kept, in (0, 1]
     top_k: int = 0                       # 0 (or < 0) disables
     min_p: float = 0.0                   # drop tokens below min_p * max prob
@@ -30,4 +33,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        """Temperature 0, or one so small that sampling at it is greedy anyway (dividing float32 logits by it
+        could overflow them into NaN probabilities): below 1e-5, as vLLM rounds it."""
+        return self.temperature < GREEDY_BELOW

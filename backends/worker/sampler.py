@@ -161,7 +161,10 @@ def filtered_probs(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Ten
     """Temperature, then top-k, top-p (nucleus) and min-p; returns [n, vocab] probabilities."""
     dev = logits.device
     temp = torch.tensor([r.params.temperature for r in rows], device=dev).unsqueeze(1)
-    logits = _top_k_top_p(logits / temp, [r.params.top_k for r in rows], [r.params.top_p for r in rows])
+    # A penalty far below 1 can scale a seen token's logit past float32's range: +inf would make the softmax
+    # NaN, so it is the largest finite value, and such tokens share the mass (the limit it tends to).
+    scaled = (logits / temp).clamp_(max=torch.finfo(logits.dtype).max)
+    logits = _top_k_top_p(scaled, [r.params.top_k for r in rows], [r.params.top_p for r in rows])
     probs = logits.softmax(dim=-1)
     min_p = [r.params.min_p for r in rows]
     if any(p > 0.0 for p in min_p):

@@ -61,6 +61,29 @@ def test_presence_and_frequency_penalties_follow_openai_formula() -> None:
     torch.testing.assert_close(got, ref)
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-30, 1e-6])
+def test_a_temperature_below_float32s_reach_samples_greedily(temperature: float) -> None:
+    """1e-300 is 0 in float32: dividing by it gave NaN probabilities, and the inverse CDF a token the logits
+    rank nowhere (a real worker answered "ectable" a dozen times, at logprob -25). The limit is greedy."""
+    logits = rand_logits(6, vocab=5000, seed=3)
+    rows = [row(seed=i, temperature=temperature) for i in range(6)]
+    assert rows[0].params.greedy and not SamplingParams(temperature=1e-5).greedy
+    assert list(sample(logits, rows).token_ids) == logits.argmax(-1).tolist()
+
+
+def test_a_penalty_that_overflows_a_logit_samples_among_the_overflowing_tokens() -> None:
+    """repetition_penalty 1e-40 divides the seen tokens' positive logits past float32's range (+inf, then NaN
+    probabilities). Those tokens share the mass instead, as the penalty's limit says; no other is drawn."""
+    logits = rand_logits(1, vocab=5000, seed=4).clamp(max=1.0)
+    logits[0, 3], logits[0, 7], logits[0, 9] = 2.0, 1.5, -1.0      # seen: 3 and 7 overflow; 9 goes to -0
+    rows = [row(seed=i, prompt=(3, 9), output=(7,), temperature=1.0, repetition_penalty=1e-40) for i in range(64)]
+    probs = filtered_probs(apply_penalties(logits.expand(64, -1).clone(), rows), rows)
+    assert not probs.isnan().any()
+    torch.testing.assert_close(probs[0, [3, 7]], torch.tensor([0.5, 0.5]))
+    drawn = {t for i in range(64) for t in sample(logits.clone(), [rows[i]]).token_ids}
+    assert drawn == {3, 7}
+
+
 def test_logit_bias_then_repetition_penalty_match_transformers() -> None:
     """logit_bias is added before the penalties, as transformers' sequence_bias (one-token sequences) and
     vLLM order them. Row 0 is built so that the order decides the token: token 3 (seen, logit 2, bias +2,
