@@ -65,6 +65,7 @@ class PDConnector:
         self._draining: list[KVHold] = []     # released while a reader still had their blocks
         self._pins: Counter[int] = Counter()  # block id -> open readers
         self._pulls: dict[str, asyncio.Task[None]] = {}
+        self._releases: set[asyncio.Task[None]] = set()   # release_refused's messages in flight
         self._errors: OrderedDict[str, KVTransferError] = OrderedDict()
         self.received: OrderedDict[str, dict[str, object]] = OrderedDict()   # debug: digests of pulled blocks
         self.totals: dict[str, float] = {"pulls": 0, "bytes": 0, "seconds": 0.0, "shared_memory_pulls": 0}
@@ -192,6 +193,14 @@ class PDConnector:
             await self._transport.release(remote)
         except KVTransferError as exc:   # it expires on its own
             log.info("could not release the refused KV hold %s: %s", remote.transfer_id, exc)
+
+    def release_refused(self, remote: RemoteBlocks) -> None:
+        """Event loop: a decode leg this worker refused before its pull (its body does not fit this worker, or
+        does not match the held prompt): no decode leg will ask for that hold, so the prefill worker is told to
+        release it now rather than keep the prompt's blocks until it expires."""
+        task = asyncio.get_running_loop().create_task(self._release_useless(remote))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     def take_load_error(self, request_id: str) -> KVTransferError | None:
         """Why the pull for `request_id` failed, once (the decode leg maps it to an HTTP answer)."""

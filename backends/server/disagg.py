@@ -145,10 +145,17 @@ def decode_leg(app: web.Application, kind: RequestKind, req: GenerateRequest, pr
     token(s) and whose KV the engine's connector pulls, and a builder that counts them in usage."""
     _state(app)
     engine, tokenizer = app[ENGINE_KEY], app[TOKENIZER_KEY]
-    leg = parse_decode_leg(params_in, len(prompt_ids), engine.block_size, min(tokenizer.vocab_size, engine.vocab_size))
-    params = resolve_max_tokens(req, len(prompt_ids), engine.max_model_len)
-    if len(leg.first_token_ids) >= params.max_tokens:
-        raise invalid_param("max_tokens", "max_tokens leaves nothing to decode after the first token.")
+    try:
+        leg = parse_decode_leg(params_in, len(prompt_ids), engine.block_size,
+                               min(tokenizer.vocab_size, engine.vocab_size))
+        params = resolve_max_tokens(req, len(prompt_ids), engine.max_model_len)
+        if len(leg.first_token_ids) >= params.max_tokens:
+            raise invalid_param("max_tokens", "max_tokens leaves nothing to decode after the first token.")
+    except APIError:   # e.g. min_tokens above max_tokens, or no room in the context: the prefill leg, run
+        remote = _remote_or_none(params_in)   # with max_tokens 1, could not tell; its hold is of no use now
+        if remote is not None:
+            app[PD_CONNECTOR_KEY].release_refused(remote)
+        raise
     spec = SequenceSpec(request_id, prompt_ids + leg.first_token_ids, params, req.skip_special_tokens, arrival_s,
                         num_prior_output_tokens=len(leg.first_token_ids),
                         kv_transfer=KVTransferParams(remote=leg.remote, first_token_ids=leg.first_token_ids))
@@ -173,6 +180,13 @@ def kv_load_errors(app: web.Application, request_id: str) -> Iterator[None]:
                            code=KV_TRANSFER_MISMATCH) from None
         raise APIError(f"KV transfer failed: {exc}", status=HTTPStatus.SERVICE_UNAVAILABLE,
                        error_type=ErrorType.UNAVAILABLE, code=KV_TRANSFER_FAILED) from None
+
+
+def _remote_or_none(params: Mapping[str, Any]) -> RemoteBlocks | None:
+    try:
+        return RemoteBlocks.from_params(params)
+    except ValueError:
+        return None
 
 
 def parse_decode_leg(params: Mapping[str, Any], num_prompt_tokens: int, block_size: int, vocab_size: int) -> DecodeLeg:

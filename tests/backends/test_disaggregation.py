@@ -222,6 +222,25 @@ async def test_bad_decode_legs_are_clear_errors_without_leaks(cluster: Cluster, 
     await assert_drained(cluster, ["p1", "d2"])   # includes the unclaimed hold expiring
 
 
+async def test_a_decode_leg_refused_before_its_pull_releases_the_hold_at_once(cluster: Cluster, references) -> None:
+    """min_tokens above max_tokens: the prefill leg, run with max_tokens 1, cannot tell, and the decode worker
+    refuses the leg (400). No decode leg will ask for that hold, so the decode worker has the prefill worker
+    release it then, rather than the prompt's blocks staying held until the hold expires."""
+    body = references[1].body
+    status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    kv = pre["kv_transfer_params"]
+    assert status == 200 and (await get(cluster.url("p1") + "/load"))["num_held_blocks"] > 0
+    status, err = await post(cluster.url("d1"), {**body, "max_tokens": 4, "min_tokens": 10, "kv_transfer_params": kv})
+    assert status == 400 and err["error"]["param"] == "min_tokens", err
+    await await_until(lambda: holds_nothing(cluster.url("p1")), "P1's hold to be released", timeout_s=30)
+    assert f"KV hold {kv['remote_request_id']} expired" not in cluster.workers["p1"].log()   # released, not expired
+    await assert_drained(cluster, ["p1", "d1"])
+
+
+async def holds_nothing(url: str) -> bool:
+    return (await get(url + "/load"))["num_held_blocks"] == 0
+
+
 async def test_transfer_cut_midway_fails_cleanly_and_hold_survives(cluster: Cluster, references) -> None:
     body = references[2].body
     status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
