@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from gateway.errors import GatewayError, NoUpstreamAvailable, UpstreamsFailed, UpstreamsRateLimited
+from gateway.errors import BadRequest, GatewayError, NoUpstreamAvailable, UpstreamsFailed, UpstreamsRateLimited
 from gateway.failover import StreamBroken, answered_so_far
 from gateway.fallback import Retrier, RetryableFailure
 from gateway.legs import Legs
@@ -99,13 +99,14 @@ class _ChainWalk:
     """One request's walk along its chain; each call is one try: the current provider, or the next
     ones when it has nothing left."""
 
-    __slots__ = ("_dispatcher", "_index", "_progress", "_run")
+    __slots__ = ("_dispatcher", "_index", "_progress", "_run", "_unsupported")
 
     def __init__(self, dispatcher: Dispatcher, progress: Progress) -> None:
         self._dispatcher = dispatcher
         self._progress = progress
         self._index = 0                         # the provider being tried
         self._run: ProviderRun | None = None    # its run for this request, once started
+        self._unsupported: list[str | None] = []   # each exhausted provider's `ProviderExhausted.unsupported`
 
     async def __call__(self) -> Outcome:
         dispatcher, progress = self._dispatcher, self._progress
@@ -124,11 +125,13 @@ class _ChainWalk:
                 progress.log.append(f"{name}: {exc.description}")
                 if progress.client_has_data:
                     raise _NothingToTry() from None  # the client has part of an answer: no other provider
+                self._unsupported.append(exc.unsupported)
             self._index += 1
             self._run = None
             if self._index < len(chain):
                 dispatcher.metrics.on_fallback(progress.request.facts.model, name, chain[self._index])
-        raise _NothingToTry()
+        unsupported = len(self._unsupported) == len(chain) and None not in self._unsupported
+        raise _NothingToTry(next((p for p in self._unsupported if p), "") if unsupported else None)
 
     def _anything_left(self, chain: tuple[str, ...]) -> bool:
         """Some provider from the current one on has an endpoint a retry could use (a disaggregated one may
@@ -138,7 +141,12 @@ class _ChainWalk:
 
 
 class _NothingToTry(Exception):
-    """No candidate endpoint is left in any provider of the chain."""
+    """No candidate endpoint is left in any provider of the chain. `unsupported`: every provider refused the
+    request itself (the field to blame, or ""); None otherwise."""
+
+    def __init__(self, unsupported: str | None = None) -> None:
+        super().__init__()
+        self.unsupported = unsupported
 
 
 def _final_error(progress: Progress, exc: Exception) -> GatewayError:
@@ -149,6 +157,8 @@ def _final_error(progress: Progress, exc: Exception) -> GatewayError:
     if progress.num_failures and progress.num_rate_limited == progress.num_failures:
         return UpstreamsRateLimited(f"every upstream for model {model!r} is rate limiting; tried: {tried}",
                                     headers=headers)
+    if isinstance(exc, _NothingToTry) and exc.unsupported is not None and not progress.num_failures:
+        return BadRequest(f"model {model!r} cannot serve this request: {tried}", param=exc.unsupported or None)
     if progress.tried or progress.num_failures:
         return UpstreamsFailed(f"all upstreams failed for model {model!r}; tried: {tried}", headers=headers)
     return NoUpstreamAvailable(f"no upstream available for model {model!r}: {tried}", headers=headers)

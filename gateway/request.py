@@ -90,8 +90,12 @@ class Outcome:
 
 
 class ProviderExhausted(Exception):
-    """The provider has nothing (left) to try for this request: the dispatcher moves to the next one."""
+    """The provider has nothing (left) to try for this request: the dispatcher moves to the next one.
+    `unsupported`: the request itself is outside what the provider serves (n > 1 where it is disaggregated, a
+    completions request to a Messages API), naming the field where one is to blame ("" where none is); when
+    every provider of the chain says so, the client gets a 400, not a 503."""
 
-    def __init__(self, description: str) -> None:
+    def __init__(self, description: str, unsupported: str | None = None) -> None:
         super().__init__(description)
         self.description = description
+        self.unsupported = unsupported

@@ -50,13 +50,13 @@ class AnthropicProvider:
         """One leg to the endpoint the model's policy picks among this provider's untried endpoints."""
         request = progress.request
         if request.api_path != CHAT_PATH:
-            raise ProviderExhausted("an anthropic provider serves chat completions only")
+            raise ProviderExhausted("an anthropic provider serves chat completions only", unsupported="")
         if progress.so_far is not None:   # the Messages API has no way to go on from part of an answer here
             raise ProviderExhausted("an anthropic provider does not continue a broken stream")
         try:
             body = to_messages_request(request.body, self.config.upstream_model or request.model.name)
         except Untranslatable as exc:
-            raise ProviderExhausted(f"no Messages API form for {exc}") from None
+            raise ProviderExhausted(f"no Messages API form for {exc}", unsupported="") from None
         endpoint, decision, num_uncached = await legs.take(progress, self.config.name)
         with legs.tracing.span("upstream_attempt") as span:
             headers = legs.leg_headers(progress, span, self._wire, endpoint.endpoint_id, decision)

@@ -92,7 +92,8 @@ class _PdRun:
         progress, legs, provider = self._progress, self._legs, self._provider
         body = progress.request.body
         if body.get("n", 1) != 1 or _is_prompt_batch(body.get("prompt")):
-            raise ProviderExhausted("n > 1 and prompt batches are not disaggregated")
+            raise ProviderExhausted("n > 1 and prompt batches are not disaggregated",
+                                    unsupported="n" if body.get("n", 1) != 1 else "prompt")
         if progress.num_failures:
             legs.metrics.on_retry(progress.request.facts.model)
         if progress.so_far is not None:
