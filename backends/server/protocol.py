@@ -300,7 +300,7 @@ def _parse_logit_bias(bias: Any, vocab_size: int) -> tuple[tuple[int, float], ..
         raise invalid_param("logit_bias", "`logit_bias` must be an object of token ids to numbers.")
     out = []
     for key, value in bias.items():
-        token = int(key) if key.isascii() and key.isdigit() else -1
+        token = int(key) if key.isascii() and key.isdigit() and len(key) <= 10 else -1   # int() of 4,301 digits raises
         if not 0 <= token < vocab_size:
             raise invalid_param("logit_bias", f"`logit_bias` keys must be token ids in [0, {vocab_size}), got {key!r}.")
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:

@@ -214,7 +214,7 @@ def check_body(body: Mapping[str, Any], surface: Surface, limits: LimitsConfig) 
         kind = _CHECKED.get(name)
         if kind is None:
             continue
-        if kind is _INTERNAL:
+        if kind is _Internal:
             raise BadRequest(f"'{name}' is not accepted from clients: the gateway sets it on its own requests to "
                              f"its workers", param=name)
         value = _check_type(body, name, kind)
@@ -230,18 +230,15 @@ def check_body(body: Mapping[str, Any], surface: Surface, limits: LimitsConfig) 
 class _Internal:
     """The kind of a field that only the gateway sends to its workers (below)."""
 
-
-_INTERNAL = _Internal
-
 # The optional fields the gateway reads or caps, and their types (the counts at least 1, the token counts
-# at most limits.max_output_tokens). `_INTERNAL`: a field between the gateway and our workers, refused from a
+# at most limits.max_output_tokens). `_Internal`: a field between the gateway and our workers, refused from a
 # client, since the body goes upstream as it came: `kv_transfer_params` would have a worker connect to the
 # host and port it names (to pull KV) or hold a prompt's KV blocks for a decode that never comes, and
 # `resume_token_ids` would put words in the model's mouth as output already counted (docs/reliability.md, Security).
 _CHECKED: dict[str, type | tuple[type, ...]] = {
     "stream": bool, "stream_options": dict, "max_tokens": int, "max_completion_tokens": int, "n": int,
     "temperature": (int, float), "top_p": (int, float), "presence_penalty": (int, float),
-    "frequency_penalty": (int, float), "kv_transfer_params": _INTERNAL, "resume_token_ids": _INTERNAL}
+    "frequency_penalty": (int, float), "kv_transfer_params": _Internal, "resume_token_ids": _Internal}
 
 
 def _check_type(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
