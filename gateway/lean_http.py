@@ -213,7 +213,8 @@ class LeanProtocol(asyncio.Protocol):
         headers = CIMultiDictProxy(CIMultiDict(fields))
         lengths = headers.getall("Content-Length", ())
         connection = headers.get("Connection", "").lower()
-        if len(lengths) != 1 or not lengths[0].isdigit() or int(lengths[0]) > server.max_body_bytes \
+        if len(lengths) != 1 or not lengths[0].isdigit() or len(lengths[0]) > 18 \
+                or int(lengths[0]) > server.max_body_bytes \
                 or "Transfer-Encoding" in headers or "Expect" in headers or "Upgrade" in headers \
                 or "upgrade" in connection:
             self._hand_over()

@@ -110,7 +110,8 @@ class _Exchange:
         elif "chunked" in headers.get("Transfer-Encoding", "").lower():
             body = UpstreamBody(conn, "chunked", 0, quiet_s)
         elif (length := headers.get("Content-Length")) is not None:
-            if not (length.isascii() and length.isdigit()):   # int() would take "-1", "+3" and "1_0"
+            # int() would take "-1", "+3" and "1_0", and raise a ValueError past 4,300 digits
+            if not (length.isascii() and length.isdigit() and len(length) <= 18):
                 raise UpstreamProtocolError(f"bad Content-Length {length!r}")
             body = UpstreamBody(conn, "length", int(length), quiet_s)
         else:

@@ -131,9 +131,10 @@ async def test_garbage_head_and_closed_before_answer_are_errors(client: Upstream
                 pass
 
 
-@pytest.mark.parametrize("length", [b"-1", b"+3", b"1_0", b"0x10", b"\xb2"])
+@pytest.mark.parametrize("length", [b"-1", b"+3", b"1_0", b"0x10", b"\xb2", b"9" * 5000])
 async def test_a_content_length_that_is_not_digits_is_a_payload_error(client: UpstreamClient, length: bytes) -> None:
-    """int() would read these (and -1 relayed all but the body's last byte); HTTP's Content-Length is digits."""
+    """int() would read these (and -1 relayed all but the body's last byte), or raise a ValueError past 4,300
+    digits; HTTP's Content-Length is digits."""
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: " + length + b"\r\n\r\nabcdefghijklmnop"
     server, url, _ = await _raw_server(lambda _: [answer])
     async with server:
