@@ -7,6 +7,7 @@ It never walks the provider chain or retries (dispatch.py does) and never builds
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from email.utils import parsedate_to_datetime
@@ -277,9 +278,11 @@ def _retry_after_s(value: str | None) -> float | None:
     if not value:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
         pass
+    else:   # "inf" and "1e400" are floats too: no finite wait, so no Retry-After (round() of one raised)
+        return max(0.0, seconds) if math.isfinite(seconds) else None
     try:
         return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
     except (TypeError, ValueError):

@@ -105,6 +105,19 @@ async def test_retry_after_holds_the_endpoint_off_and_the_retry_goes_elsewhere(s
     assert (limited.stats()["num_requests"], good.stats()["num_requests"]) == (1, 6)
 
 
+@pytest.mark.parametrize("retry_after", ["inf", "1e400", "nan", "-5"])
+async def test_a_retry_after_that_is_no_finite_wait_is_ignored(start_fakes, start_gateway, retry_after: str) -> None:
+    """float() reads "inf" and "1e400" as infinity: the 429 the client got then rounded it for its own
+    Retry-After and raised (a 500). Such a header is no wait at all; "-5" is no wait either."""
+    (limited,) = start_fakes("limited", behaviour={"status": 429, "retry_after": retry_after})
+    gateway = start_gateway(gateway_config({"p": [limited.url]}))
+    async with aiohttp.ClientSession() as client:
+        async with client.post(gateway.url + CHAT, json=BODY) as response:
+            assert response.status == 429, await response.text()
+            assert (await response.json())["error"]["code"] == "upstream_rate_limited"
+            assert int(response.headers.get("Retry-After", "1")) >= 1
+
+
 async def test_circuit_breaker_opens_half_opens_and_closes(start_fakes, start_gateway) -> None:
     (bad,) = start_fakes("bad", behaviour={"status": 500})
     (good,) = start_fakes("good")
