@@ -69,6 +69,33 @@ def test_stop_string_inside_an_accepted_run(worker: str, smollm2_dir: Path, hf_s
         assert cut_fast["finish_reason"] == cut_plain["finish_reason"] == "stop"
 
 
+def test_logit_bias_binds_the_drafts_too(worker: str, smollm2_dir: Path, hf_smollm2: torch.nn.Module,
+                                        hf_smollm2_f64: torch.nn.Module) -> None:
+    """A token of the copied JSON banned by logit_bias: prompt lookup keeps drafting it (the prompt has it), and
+    verification must refuse it as plain decoding does, so the answers with and without drafts agree and
+    neither has it. Checked against transformers' logits with the same bias."""
+    from transformers import AutoTokenizer
+
+    unbiased = complete(worker, max_tokens=48, speculative=False)["choices"][0]["token_ids"]
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    # "Spring" of "Springfield", which the answer copies from the prompt: drafted there after `"city": "`.
+    banned = next((t for t in unbiased if tokenizer.decode([t]) == "Spring" and t in prompt_ids), None)
+    assert banned is not None, tokenizer.decode(unbiased)
+    bias = {str(banned): -100}
+    plain = complete(worker, max_tokens=48, speculative=False, logit_bias=bias)["choices"][0]
+    before = counters(worker)
+    fast = complete(worker, max_tokens=48, logit_bias=bias)["choices"][0]
+    assert counters(worker)[1] > before[1], "no draft was accepted"
+    assert banned not in plain["token_ids"] and banned not in fast["token_ids"]
+    ids = plain["token_ids"]
+    tolerance = logit_tolerance(hf_smollm2, hf_smollm2_f64, [prompt_ids + ids])
+    params = SamplingParams(max_tokens=48, temperature=0.0, logit_bias=((banned, -100.0),))
+    reference = choices(teacher_forced_logits(hf_smollm2, prompt_ids, ids), params, None, (2,), tolerance, prompt_ids)
+    assert_same_tokens(ids, ids, reference, "the plain answer against transformers' logits")
+    assert_same_tokens(fast["token_ids"], ids, reference, "with drafts against without")
+
+
 def test_counters_in_metrics_and_load_and_the_switch(worker: str) -> None:
     complete(worker, max_tokens=24)
     metrics = httpx.get(f"{worker}/metrics").text
