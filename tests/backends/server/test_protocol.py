@@ -50,7 +50,8 @@ GOOD = [
     (CHAT, {"logprobs": True}, {"logprobs": 0}),
     (CHAT, {"logprobs": False}, {"logprobs": None}),
     (CHAT, {"max_completion_tokens": 9, "max_tokens": 100}, {"max_tokens": 9}),
-    (C, {"logit_bias": {"5": 2.5, "999": -100, "0": 100, "7": 0}}, {"logit_bias": ((5, 2.5), (999, -100.0), (0, 100.0))}),
+    (C, {"logit_bias": {"5": 2.5, "999": -100, "0": 100, "7": 0}},
+     {"logit_bias": ((5, 2.5), (999, -100.0), (0, 100.0))}),
     (CHAT, {"logit_bias": {}}, {"logit_bias": ()}),
     (CHAT, {"logit_bias": None}, {"logit_bias": ()}),
     (CHAT, {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}}, {}),
@@ -140,8 +141,8 @@ BAD = [
      "response_format", "invalid_value"),
     *[(kind, {"logit_bias": bias}, 400, "logit_bias", "invalid_value") for kind, bias in [
         (C, [1, 2]), (CHAT, "5"), (C, {"1000": 1}), (C, {"-1": 1}), (C, {"+5": 1}), (C, {" 5": 1}), (C, {"abc": 1}),
-        (C, {"\u0663": 1}), (C, {"": 1}), (C, {"9" * 5000: 1}), (CHAT, {"5": 101}), (C, {"5": -100.5}), (C, {"5": "1"}), (C, {"5": True}),
-        (C, {"5": None})]],
+        (C, {"\u0663": 1}), (C, {"": 1}), (C, {"9" * 5000: 1}), (CHAT, {"5": 101}), (C, {"5": -100.5}),
+        (C, {"5": "1"}), (C, {"5": True}), (C, {"5": None})]],
 ]
 
 

@@ -128,9 +128,9 @@ async def test_greedy_in_concurrent_batch_matches_transformers(
         await wait_idle(session, worker_url)
 
 
-async def test_logit_bias_matches_transformers_sequence_bias(worker_url: str, prompt_ids: list[list[int]],
-                                                             hf_greedy: list[GreedyReference], hf_model: torch.nn.Module,
-                                                             tolerance: float) -> None:
+async def test_logit_bias_matches_transformers_sequence_bias(
+        worker_url: str, prompt_ids: list[list[int]], hf_greedy: list[GreedyReference], hf_model: torch.nn.Module,
+        tolerance: float) -> None:
     """OpenAI's logit_bias, greedy, against transformers' generate with the same biases as one-token
     `sequence_bias`: the unbiased greedy first token banned (-100), a token it never chose favoured (+4), under
     a repetition penalty (the bias comes first in both). The output must differ from the unbiased one."""
