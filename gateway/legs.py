@@ -6,6 +6,7 @@ It never walks the provider chain or retries (dispatch.py does) and never builds
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -35,6 +36,8 @@ from policies.base import Decision, EndpointState, Policy
 
 log = logging.getLogger(__name__)
 
+_NOTIFY_TIMEOUT_S = 5.0   # a `notify` post's whole exchange
+
 T = TypeVar("T")
 MAX_ERROR_BODY = 64 * 1024
 
@@ -55,6 +58,8 @@ class Legs:
                  prefix_index: PrefixIndex, store: StateStore, metrics: Metrics, tracing: Tracing,
                  max_retry_after_s: float, on_routed: Callable[[str, Sequence[int]], None] | None = None) -> None:
         self._client = UpstreamClient(session)  # plain http endpoints; https through `session`
+        self._session = session
+        self._notes: set[asyncio.Task[None]] = set()   # `notify`'s posts in flight
         self._max_retry_after_s = max_retry_after_s   # an endpoint's Retry-After holds it off up to this
         self._registry = registry
         self._tracker = tracker
@@ -67,6 +72,23 @@ class Legs:
     def close(self) -> None:
         """Close the pooled upstream connections (app cleanup)."""
         self._client.close()
+
+    def notify(self, wire: Wire, url: str, body: Mapping[str, Any]) -> None:
+        """POST `body` to `url` in the background: a hint the upstream may act on (a KV hold to free), which
+        nothing waits for; a failure is logged at debug and changes nothing."""
+        task = asyncio.get_running_loop().create_task(self._notify(wire, url, body))
+        self._notes.add(task)
+        task.add_done_callback(self._notes.discard)
+
+    async def _notify(self, wire: Wire, url: str, body: Mapping[str, Any]) -> None:
+        try:
+            async with self._session.post(url, data=orjson.dumps(body), headers=wire.headers,
+                                          timeout=aiohttp.ClientTimeout(total=_NOTIFY_TIMEOUT_S)) as response:
+                await response.read()
+                if response.status != 200:
+                    log.debug("POST %s: HTTP %d", url, response.status)
+        except (TimeoutError, *CONNECT_ERRORS) as exc:
+            log.debug("POST %s failed: %r", url, exc)
 
     # --- choosing ----------------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ def create_app(
         web.get("/metrics", ops_routes.metrics),
         web.get("/load", ops_routes.load),
         web.get("/kv_events", ops_routes.kv_events),
+        web.post("/kv_holds/release", disagg.release_hold),
         web.get("/openapi.json", openapi.handler()),
         *status.routes(),
     ])

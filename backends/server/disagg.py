@@ -24,7 +24,7 @@ from backends.engine.pd_connector import PDConnector
 from backends.kv_transfer.base import (KVErrorCode, KVTransferConfig, KVTransport, RemoteBlocks,
                                        prefill_kv_transfer_params)
 from backends.server.config import ServerConfig, WorkerRole
-from backends.server.errors import APIError, ErrorType, invalid_param
+from backends.server.errors import APIError, ErrorType, invalid_param, read_json
 from backends.server.generation import GenerationDelta, SequenceSpec, generate_deltas
 from backends.server.keys import ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY
 from backends.server.protocol import GenerateRequest, RequestKind, resolve_max_tokens
@@ -209,6 +209,21 @@ def parse_decode_leg(params: Mapping[str, Any], num_prompt_tokens: int, block_si
     if response_id is not None and (not isinstance(response_id, str) or not response_id):
         raise invalid_param("kv_transfer_params.response_id", "response_id must be a non-empty string.")
     return DecodeLeg(remote, held, tuple(first), response_id)
+
+
+async def release_hold(request: web.Request) -> web.Response:
+    """POST /kv_holds/release {"transfer_id": X}: the caller (the gateway) will send no decode leg for that hold
+    (it fell back to another provider, redid the prefill, or its client went away), so its blocks are freed now,
+    not when the hold expires. `released` is false for a transfer this worker does not hold (any more)."""
+    state = _state(request.app)
+    if state.address is None:
+        raise invalid_param("transfer_id", "A decode-role worker holds no KV for others.")
+    body = await read_json(request)
+    transfer_id = body.get("transfer_id") if isinstance(body, dict) else None
+    if not isinstance(transfer_id, str) or not transfer_id:
+        raise invalid_param("transfer_id", "`transfer_id` must be a non-empty string.")
+    released = request.app[PD_CONNECTOR_KEY].release_transfer(transfer_id)
+    return web.Response(body=orjson.dumps({"released": released}), content_type="application/json")
 
 
 # --- debug ----------------------------------------------------------------------------------------

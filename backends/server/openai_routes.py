@@ -16,7 +16,7 @@ from aiohttp import web
 
 from backends.engine.kv_connector import KVTransferParams
 from backends.server import disagg
-from backends.server.errors import APIError, invalid_param
+from backends.server.errors import APIError, invalid_param, read_json
 from backends.server.generation import GenerationDelta, SequenceSpec, generate_deltas
 from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
 from backends.server.protocol import (GenerateRequest, ParseContext, RequestKind, kv_transfer_params, parse_request,
@@ -49,15 +49,6 @@ async def models(request: web.Request) -> web.Response:
         for name in config.served_model_names
     ]
     return json_response({"object": "list", "data": data})
-
-
-async def read_json(request: web.Request) -> object:
-    """The decoded body; 400 when it is not JSON (413 comes from aiohttp's size limit)."""
-    raw = await request.read()
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise APIError(f"The request body is not valid JSON: {exc}", code="invalid_json") from exc
 
 
 async def _generate(request: web.Request, kind: RequestKind) -> web.StreamResponse:

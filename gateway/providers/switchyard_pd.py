@@ -4,6 +4,7 @@ that carries the prefill's `kv_transfer_params`. Each pool has its own policy an
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Mapping
@@ -24,7 +25,7 @@ from gateway.providers.base import ProviderRun
 from gateway.providers.pd_pairs import PdPairs
 from gateway.providers.openai import openai_wire
 from gateway.request import Leg, LegKind, Outcome, Progress, ProviderExhausted, Wire
-from gateway.streaming import DONE_EVENT, StreamUsage, error_event
+from gateway.streaming import DONE_EVENT, ClientGone, StreamUsage, error_event
 from gateway.upstreams import Endpoint
 from policies.base import Decision
 from policies.registry import PolicyName, make_policy
@@ -88,6 +89,13 @@ class _PdRun:
         self._held: PrefillResult | None = None   # the prefill whose KV a decode leg may still claim
 
     async def __call__(self) -> Outcome:
+        try:
+            return await self._attempt()
+        except (asyncio.CancelledError, ClientGone):
+            self._abandon()   # the client left: no decode leg will claim what the prefill holds
+            raise
+
+    async def _attempt(self) -> Outcome:
         """Prefill (unless a held prefill survives from a failed decode leg), then decode."""
         progress, legs, provider = self._progress, self._legs, self._provider
         body = progress.request.body
@@ -112,13 +120,13 @@ class _PdRun:
             held = prefilled
             if held.kv_transfer_params is None or held.finish_reason == "stop" or _max_tokens(body) == 1:
                 return await self._answer_prefill_only(held)
+            self._held = held
             if progress.client is not None:
                 first = _chunk(progress, held, {"role": "assistant", "content": held.text}, None)
                 await progress.client.send_first(first if asks_token_ids(body) else without_token_ids(first),
                                                  "text/event-stream")
                 legs.metrics.observe_ttft(progress.request.facts.model,
                                           time.perf_counter() - progress.request.started_s)
-            self._held = held
         chosen = legs.choose(progress, self._takers(held, decode_pool), provider.decode_policy)
         if chosen is None:
             raise self._fall_back("decode_pool_exhausted")
@@ -164,6 +172,18 @@ class _PdRun:
                       num_uncached, request.facts.num_expected_output_tokens)
             return await legs.send(progress, leg, partial(legs.relay, progress, endpoint))
 
+    def _abandon(self) -> None:
+        """No decode leg will claim the held prefill (the request goes to another provider or its client left)."""
+        held, self._held = self._held, None
+        if held is not None:
+            self._release(held)
+
+    def _release(self, held: PrefillResult) -> None:
+        """Ask the prefill worker to free the blocks it holds for `held` now, not when the hold expires."""
+        transfer_id = (held.kv_transfer_params or {}).get("remote_request_id")
+        if isinstance(transfer_id, str) and transfer_id:
+            self._legs.notify(self.wire, f"{held.endpoint_id}/kv_holds/release", {"transfer_id": transfer_id})
+
     @property
     def wire(self) -> Wire:
         return self._provider.wire
@@ -171,6 +191,7 @@ class _PdRun:
     def _fall_back(self, cause: str) -> ProviderExhausted:
         """The error that hands the request to the next provider (the dispatcher cannot once the client
         has a token)."""
+        self._abandon()
         if not self._progress.client_has_data:
             self._legs.metrics.on_pd_fallback(self._progress.request.facts.model, self._config.name, cause)
         return ProviderExhausted(cause.replace("_", " "))
@@ -184,6 +205,8 @@ class _PdRun:
         progress, name = self._progress, self._config.name
         held, self._held = self._held, None
         assert held is not None
+        if exc.code == _KV_TRANSFER_FAILED:   # a pull that broke leaves the hold (a mismatch's is released)
+            self._release(held)
         self._legs.metrics.on_pd_redo(progress.request.facts.model, exc.code)
         prefill = self._prefill_endpoint(held)
         if exc.code == _KV_TRANSFER_MISMATCH and prefill is not None \
@@ -297,6 +320,7 @@ class _PdRun:
             endpoint.breaker.on_success()
             return _join(held, payload, endpoint.endpoint_id)
         first = await legs.first_chunk(response, first_byte_deadline, lease)
+        self._held = None   # a token came: the decode worker has the KV (its pull released the hold)
         sent = _chunk(self._progress, held, {"role": "assistant", "content": held.text}, None)
         return await legs.relay_stream(self._progress, response, first, lease, endpoint, sent_before=sent)
 

@@ -28,6 +28,11 @@ async def stream(url: str, body: dict[str, Any], chat: bool = False,
     return events
 
 
+async def post_json(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
+        return r.status, orjson.loads(await r.read())
+
+
 async def get(url: str) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s, s.get(url) as r:
         return orjson.loads(await r.read())
@@ -36,6 +41,10 @@ async def get(url: str) -> dict[str, Any]:
 async def get_text(url: str) -> str:
     async with aiohttp.ClientSession() as s, s.get(url) as r:
         return await r.text()
+
+
+async def holds_nothing(url: str) -> bool:
+    return (await get(url + "/load"))["num_held_blocks"] == 0
 
 
 async def assert_idle(worker_urls: list[str]) -> None:

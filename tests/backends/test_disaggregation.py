@@ -23,7 +23,7 @@ import torch
 
 from tests.backends.numerics import assert_mostly_clear, logit_tolerance
 from tests.backends.pd_cluster import Cluster
-from tests.backends.pd_http import assert_idle, get, post, stream
+from tests.backends.pd_http import assert_idle, get, holds_nothing, post, post_json, stream
 from tests.backends.references import Reference, prompt_ids, reference_of, smollm2_vocabulary, text_of
 from tests.gateway.conftest import metric
 from tests.support.wait import await_until
@@ -237,8 +237,23 @@ async def test_a_decode_leg_refused_before_its_pull_releases_the_hold_at_once(cl
     await assert_drained(cluster, ["p1", "d1"])
 
 
-async def holds_nothing(url: str) -> bool:
-    return (await get(url + "/load"))["num_held_blocks"] == 0
+async def test_the_gateway_can_release_a_hold_no_decode_leg_will_claim(cluster: Cluster, references) -> None:
+    """POST /kv_holds/release (the gateway's call when it falls back, redoes the prefill or its client leaves):
+    the blocks are freed at once, a second call finds nothing, and a decode worker holds nothing to release."""
+    body = references[1].body
+    status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    transfer_id = pre["kv_transfer_params"]["remote_request_id"]
+    assert status == 200 and (await get(cluster.url("p1") + "/load"))["num_held_blocks"] > 0
+    for released in (True, False):
+        assert await post_json(cluster.url("p1") + "/kv_holds/release", {"transfer_id": transfer_id}) == \
+            (200, {"released": released})
+    assert (await get(cluster.url("p1") + "/load"))["num_held_blocks"] == 0
+    assert f"KV hold {transfer_id} expired" not in cluster.workers["p1"].log()
+    status, err = await post_json(cluster.url("d1") + "/kv_holds/release", {"transfer_id": transfer_id})
+    assert status == 400 and err["error"]["param"] == "transfer_id", err
+    status, err = await post_json(cluster.url("p1") + "/kv_holds/release", {"transfer_id": 7})
+    assert status == 400 and err["error"]["param"] == "transfer_id", err
+    await assert_drained(cluster, ["p1", "d1"])
 
 
 async def test_transfer_cut_midway_fails_cleanly_and_hold_survives(cluster: Cluster, references) -> None:

@@ -325,30 +325,6 @@ async def test_a_decode_worker_that_refused_a_prefill_workers_kv_is_passed_over_
         pair.stop()
 
 
-async def test_what_no_provider_of_the_chain_serves_is_a_400_and_a_provider_that_does_serves_it(
-        tmp_path: Path) -> None:
-    """n > 1 is not disaggregated. With the PD provider alone that is the request's fault, not an outage: 400
-    naming `n` (it was a 503 `no_upstream_available`). With a unified provider after it, that one serves it."""
-    (tmp_path / "alone").mkdir()
-    (tmp_path / "chained").mkdir()
-    alone = Pd(tmp_path / "alone", ["p1"], ["d1"])
-    try:
-        status, error = await post(alone.gateway.url, {**BODY, "n": 2})
-        assert status == 400 and error["error"]["param"] == "n", error
-        assert error["error"]["type"] == "invalid_request_error" and "not disaggregated" in error["error"]["message"]
-        status, error = await post(alone.gateway.url, {**BODY, "prompt": ["a", "b"]}, path=COMPLETIONS)
-        assert status == 400 and error["error"]["param"] == "prompt", error
-        assert alone.prefill[0].stats()["num_requests"] == 0 and alone.decode[0].stats()["num_requests"] == 0
-    finally:
-        alone.stop()
-    chained = Pd(tmp_path / "chained", ["p1"], ["d1"], both=("u1",))
-    try:
-        status, answer = await post(chained.gateway.url, {**BODY, "n": 2})
-        assert status == 200 and answer["served_by"] == "u1", answer
-    finally:
-        chained.stop()
-
-
 async def test_decode_failure_is_retried_on_another_decode_worker(tmp_path: Path) -> None:
     pair = Pd(tmp_path, ["p1"], ["bad", "good"])
     try:

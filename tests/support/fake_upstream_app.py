@@ -14,7 +14,7 @@ from aiohttp import web
 from cache.block_hash import ROOT_HASH
 from cache.kv_events import DEVICE, KvEvent, KvEventType
 from tests.support import fake_faults
-from tests.support.fake_upstream_pd import claim, pd_leg
+from tests.support.fake_upstream_pd import claim, pd_leg, release_hold
 from tests.support.fake_upstream_state import FakeState, chunk_event, full_answer, gate, pass_gate
 
 
@@ -129,6 +129,7 @@ async def stats(request: web.Request) -> web.Response:
     state: FakeState = request.app["state"]
     return web.json_response({"name": state.name, "num_requests": state.num_requests, "arrivals": state.arrivals,
                               "held": sorted(state.held), "num_transfers": state.num_transfers,
+                              "released": state.released,
                               "request_ids": state.request_ids, "models": state.models,
                               "last_headers": state.last_headers, "last_body": state.last_body,
                               "waiting": {name: n for name, n in state.waiting.items() if n},
@@ -176,6 +177,7 @@ def make_app(state: FakeState) -> web.Application:
     app.router.add_get("/stats", stats)
     app.router.add_post("/control", control)
     app.router.add_get("/fake_kv/{transfer_id}", claim)
+    app.router.add_post("/kv_holds/release", release_hold)
     app.cleanup_ctx.append(_client_ctx)
     return app
 

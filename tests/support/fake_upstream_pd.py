@@ -88,6 +88,16 @@ async def claim(request: web.Request) -> web.Response:
     return web.json_response({"ok": True})
 
 
+async def release_hold(request: web.Request) -> web.Response:
+    """PD prefill: POST /kv_holds/release, as our workers serve it (the gateway's leg will never come)."""
+    state: FakeState = request.app["state"]
+    transfer_id = (await request.json())["transfer_id"]
+    state.released.append(transfer_id)
+    released = transfer_id in state.held
+    state.held.discard(transfer_id)
+    return web.json_response({"released": released})
+
+
 async def _pd_decode(request: web.Request, state: FakeState, body: dict[str, Any],
                      behaviour: dict[str, Any]) -> web.StreamResponse:
     """Checks it got the prefill's kv_transfer_params, claims the transfer, streams tokens after the first."""

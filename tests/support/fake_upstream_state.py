@@ -17,6 +17,7 @@ class FakeState:
         self.behaviour = behaviour
         self.behaviour_times: int | None = None  # the default behaviour applies this many more times
         self.held: set[str] = set()       # PD prefill: transfer ids whose "blocks" are held
+        self.released: list[str] = []     # PD prefill: transfer ids POST /kv_holds/release named, in order
         self.refuses_kv = False           # PD decode: refuse every leg's KV, as a worker on other weights does
         self.num_transfers = 0
         self.arrivals: list[float] = []   # time.time() at each request's arrival

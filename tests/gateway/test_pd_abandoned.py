@@ -1,0 +1,102 @@
+"""What the disaggregated provider gives up: a prefill's held KV that no decode leg will claim is released on
+the prefill worker at once (the request falls back to another provider, is redone from a new prefill, or its
+client leaves), and a request that no provider of the chain serves is the client's 400."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+
+from tests.gateway.test_pd import BODY, COMPLETIONS, Pd, post, wait_idle
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.wait import await_until
+
+
+async def released(prefill: FakeUpstream, transfer_ids: list[str]) -> None:
+    """The gateway asked `prefill` to release these holds, and it holds nothing."""
+    await await_until(lambda: prefill.stats()["released"] == transfer_ids and not prefill.stats()["held"],
+                      f"{transfer_ids} to be released", timeout_s=10)
+
+
+async def test_a_hold_is_released_when_the_decode_pool_gives_out_and_the_request_falls_back(tmp_path: Path) -> None:
+    pair = Pd(tmp_path, ["p1"], ["d1"], both=("u1",))
+    try:
+        pair.decode[0].control(behaviour={"status": 502})
+        status, answer = await post(pair.gateway.url, BODY)
+        assert status == 200 and answer["served_by"] == "u1", answer
+        await released(pair.prefill[0], ["xfer-p1-1"])   # it would have been held until it expired
+    finally:
+        pair.stop()
+
+
+async def test_a_hold_whose_pull_broke_is_released_before_the_redo(tmp_path: Path) -> None:
+    pair = Pd(tmp_path, ["p1"], ["d1"])
+    try:
+        pair.decode[0].control(behaviour={"status": 503, "code": "kv_transfer_failed"}, times=1)
+        status, answer = await post(pair.gateway.url, BODY)
+        assert status == 200 and answer["choices"][0]["message"]["content"] == "first tok1 tok2 tok3 ", answer
+        await released(pair.prefill[0], ["xfer-p1-1"])   # the redo's own hold, xfer-p1-2, was claimed
+    finally:
+        pair.stop()
+
+
+async def test_a_hold_is_released_when_the_client_leaves_before_the_decode_leg_claims_it(tmp_path: Path) -> None:
+    pair = Pd(tmp_path, ["p1"], ["d1"])
+    try:
+        body = {**BODY, "stream": True, "fake": {"decode": {"stall_gate": "before-claim"}}}
+        async with aiohttp.ClientSession() as client, client.post(pair.gateway.url + "/v1/chat/completions",
+                                                                  json=body) as response:
+            assert response.status == 200
+            assert b"first" in await response.content.readuntil(b"\n\n")   # the prefill's token, then leave
+            await await_until(lambda: pair.decode[0].num_waiting("before-claim") == 1, "the decode leg to wait")
+        await released(pair.prefill[0], ["xfer-p1-1"])
+        pair.decode[0].control(release={"before-claim": 1})
+    finally:
+        pair.stop()
+
+
+async def test_a_claimed_hold_is_not_released(tmp_path: Path) -> None:
+    """Once the decode leg has a token, its pull has released the hold: a client that leaves then asks nothing
+    of the prefill worker. The release after it, of a request that does fall back, is the only one it sees."""
+    pair = Pd(tmp_path, ["p1"], ["d1"], both=("u1",))
+    try:
+        # The decode leg streams one token, then is held mid-stream until the client has left.
+        body = {**BODY, "stream": True, "max_tokens": 500, "fake": {"decode": {"chunks": 200, "chunk_gate": "mid"}}}
+        async with aiohttp.ClientSession() as client, client.post(pair.gateway.url + "/v1/chat/completions",
+                                                                  json=body) as response:
+            assert b"first" in await response.content.readuntil(b"\n\n")
+            assert b"tok1" in await response.content.readuntil(b"\n\n")   # the decode leg's first: then leave
+            await await_until(lambda: pair.decode[0].num_waiting("mid") == 1, "the decode leg to be mid-stream")
+        await wait_idle(pair.gateway, [pair.prefill[0].url, pair.decode[0].url])   # the gateway saw it go
+        pair.decode[0].control(behaviour={"status": 502})
+        status, answer = await post(pair.gateway.url, BODY)
+        assert status == 200 and answer["served_by"] == "u1", answer
+        await released(pair.prefill[0], ["xfer-p1-2"])
+    finally:
+        pair.stop()
+
+
+async def test_what_no_provider_of_the_chain_serves_is_a_400_and_a_provider_that_does_serves_it(
+        tmp_path: Path) -> None:
+    """n > 1 is not disaggregated. With the PD provider alone that is the request's fault, not an outage: 400
+    naming `n` (it was a 503 `no_upstream_available`). With a unified provider after it, that one serves it."""
+    (tmp_path / "alone").mkdir()
+    (tmp_path / "chained").mkdir()
+    alone = Pd(tmp_path / "alone", ["p1"], ["d1"])
+    try:
+        status, error = await post(alone.gateway.url, {**BODY, "n": 2})
+        assert status == 400 and error["error"]["param"] == "n", error
+        assert error["error"]["type"] == "invalid_request_error" and "not disaggregated" in error["error"]["message"]
+        status, error = await post(alone.gateway.url, {**BODY, "prompt": ["a", "b"]}, path=COMPLETIONS)
+        assert status == 400 and error["error"]["param"] == "prompt", error
+        assert alone.prefill[0].stats()["num_requests"] == 0 and alone.decode[0].stats()["num_requests"] == 0
+    finally:
+        alone.stop()
+    chained = Pd(tmp_path / "chained", ["p1"], ["d1"], both=("u1",))
+    try:
+        status, answer = await post(chained.gateway.url, {**BODY, "n": 2})
+        assert status == 200 and answer["served_by"] == "u1", answer
+    finally:
+        chained.stop()
+
+
