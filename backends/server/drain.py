@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Routes a draining worker still serves: probes, scrapes and the gateway's pollers.
-_ALWAYS = frozenset({"/metrics", "/load", "/kv_events"})
+_ALWAYS = frozenset({"/metrics", "/load", "/kv_events", "/kv_holds/release"})   # a release speeds the drain
 _POLL_S = 0.05
 
 

@@ -56,6 +56,9 @@ async def test_sigterm_drains_then_exits_zero(tmp_path) -> None:
             await await_until(health_says_draining, "/health to turn 503")
             error = await refused("POST", "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
             assert error["code"] == "shutting_down" and error["type"] == "service_unavailable_error"
+            # A gateway's release of a KV hold still lands: the drain waits for held blocks to go.
+            async with client.post(url + "/kv_holds/release", json={"transfer_id": "none-held"}) as response:
+                assert (response.status, await response.json()) == (200, {"released": False})
             assert not any(t.done() for t in tasks), "a stream ended before the checks: make NUM_TOKENS larger"
 
             results = await asyncio.gather(*tasks)
