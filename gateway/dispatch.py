@@ -48,14 +48,16 @@ class Dispatcher:
                             can_fail_over=_can_fail_over(routed, client))
         try:
             while True:
+                walk = _ChainWalk(self, progress)
                 try:
-                    return await self._retrier.run(_ChainWalk(self, progress))
+                    return await self._retrier.run(walk)
                 except StreamBroken as broken:
                     assert client is not None
                     ended = await self._continue_or_end(progress, client, broken)
                     if ended is not None:
                         return ended
         except (RetryableFailure, _NothingToTry) as exc:
+            walk.give_up()
             error = _final_error(progress, exc)
             if client is None or not client.prepared:
                 raise error from None
@@ -132,6 +134,13 @@ class _ChainWalk:
                 dispatcher.metrics.on_fallback(progress.request.facts.model, name, chain[self._index])
         unsupported = len(self._unsupported) == len(chain) and None not in self._unsupported
         raise _NothingToTry(next((p for p in self._unsupported if p), "") if unsupported else None)
+
+    def give_up(self) -> None:
+        """The request ends unserved with this walk's run current: a run that holds something upstream for a
+        later try (a disaggregated run's held prefill) lets it go (`abandon`)."""
+        abandon = getattr(self._run, "abandon", None)
+        if abandon is not None:
+            abandon()
 
     def _anything_left(self, chain: tuple[str, ...]) -> bool:
         """Some provider from the current one on has an endpoint a retry could use (a disaggregated one may

@@ -13,7 +13,9 @@ from gateway.request import Outcome, Progress
 if TYPE_CHECKING:
     from gateway.legs import Legs
 
-# One try at serving the request; the dispatcher calls it again after a `RetryableFailure`.
+# One try at serving the request; the dispatcher calls it again after a `RetryableFailure`. A run that keeps
+# something upstream between tries may also have `abandon()`, which the dispatcher calls when it gives the
+# request up with that run current (its retries ran out).
 ProviderRun = Callable[[], Awaitable[Outcome]]
 
 

@@ -92,7 +92,7 @@ class _PdRun:
         try:
             return await self._attempt()
         except (asyncio.CancelledError, ClientGone):
-            self._abandon()   # the client left: no decode leg will claim what the prefill holds
+            self.abandon()   # the client left: no decode leg will claim what the prefill holds
             raise
 
     async def _attempt(self) -> Outcome:
@@ -172,8 +172,8 @@ class _PdRun:
                       num_uncached, request.facts.num_expected_output_tokens)
             return await legs.send(progress, leg, partial(legs.relay, progress, endpoint))
 
-    def _abandon(self) -> None:
-        """No decode leg will claim the held prefill (the request goes to another provider or its client left)."""
+    def abandon(self) -> None:
+        """No decode leg will claim the held prefill (another provider serves, the client left, retries ran out)."""
         held, self._held = self._held, None
         if held is not None:
             self._release(held)
@@ -191,7 +191,7 @@ class _PdRun:
     def _fall_back(self, cause: str) -> ProviderExhausted:
         """The error that hands the request to the next provider (the dispatcher cannot once the client
         has a token)."""
-        self._abandon()
+        self.abandon()
         if not self._progress.client_has_data:
             self._legs.metrics.on_pd_fallback(self._progress.request.facts.model, self._config.name, cause)
         return ProviderExhausted(cause.replace("_", " "))

@@ -27,7 +27,7 @@ BUSY = {**LOAD_IDLE, "num_prefill_tokens_pending": 100000, "num_decode_tokens_pe
 
 
 def pd_config(prefill: list[FakeUpstream], decode: list[FakeUpstream], both: list[FakeUpstream] | None = None,
-              health_interval_s: float = 0.2) -> dict[str, Any]:
+              health_interval_s: float = 0.2, max_attempts: int = 4) -> dict[str, Any]:
     timeouts = {"connect_s": 1.0, "first_byte_s": 5.0, "total_s": 30.0}
     providers: dict[str, Any] = {"pd": {
         "kind": "switchyard-pd", "prefill_endpoints": [f.url for f in prefill], "endpoints": [f.url for f in decode],
@@ -38,7 +38,8 @@ def pd_config(prefill: list[FakeUpstream], decode: list[FakeUpstream], both: lis
         "models": {"m": {"providers": list(providers), "policy": {"name": "least_tokens"}}},
         "providers": providers,
         "pollers": {"health_interval_s": health_interval_s, "load_interval_s": 0.1, "kv_events_interval_s": 0.2},
-        "retries": {"backoff_initial_s": 0.01, "backoff_max_s": 0.05, "backoff_jitter_s": 0.01},
+        "retries": {"backoff_initial_s": 0.01, "backoff_max_s": 0.05, "backoff_jitter_s": 0.01,
+                    "max_attempts": max_attempts},
         "breaker": {"failure_threshold": 100},
     }
 

@@ -1,6 +1,6 @@
 """What the disaggregated provider gives up: a prefill's held KV that no decode leg will claim is released on
-the prefill worker at once (the request falls back to another provider, is redone from a new prefill, or its
-client leaves), and a request that no provider of the chain serves is the client's 400."""
+the prefill worker at once (the request falls back to another provider, is redone from a new prefill, runs out
+of retries, or its client leaves), and a request that no provider of the chain serves is the client's 400."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -51,6 +51,21 @@ async def test_a_hold_is_released_when_the_client_leaves_before_the_decode_leg_c
             await await_until(lambda: pair.decode[0].num_waiting("before-claim") == 1, "the decode leg to wait")
         await released(pair.prefill[0], ["xfer-p1-1"])
         pair.decode[0].control(release={"before-claim": 1})
+    finally:
+        pair.stop()
+
+
+async def test_a_hold_is_released_when_the_retries_run_out(tmp_path: Path) -> None:
+    """Two attempts allowed, and both decode legs fail with a decode worker left untried: the request ends
+    (502) while the run still holds the prefill, which the dispatcher's give-up lets go."""
+    pair = Pd(tmp_path, ["p1"], ["d1", "d2", "d3"], max_attempts=2)
+    try:
+        for decode in pair.decode:
+            decode.control(behaviour={"status": 502})
+        status, error = await post(pair.gateway.url, BODY)
+        assert status == 502, error
+        assert sum(d.stats()["num_requests"] for d in pair.decode) == 2
+        await released(pair.prefill[0], ["xfer-p1-1"])
     finally:
         pair.stop()
 
