@@ -20,7 +20,7 @@ from tests.backends.pd_http import assert_idle, get, get_text, post, stream
 from tests.backends.references import prompt_ids, smollm2_vocabulary
 from tests.gateway.conftest import metric
 from tests.support.gateway_proc import GatewayProcess
-from tests.support.worker_proc import WorkerProcess
+from tests.support.worker_proc import WorkerProcess, started_workers
 
 BODY = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0.0,
         "return_token_ids": True}
@@ -28,17 +28,11 @@ BODY = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 
 
 @pytest.fixture(scope="module")
 def workers(smollm2_revision_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, WorkerProcess]]:
-    log_dir = tmp_path_factory.mktemp("pd-revisions")
     roles = {"p1": ["--role", "prefill"], "d1": ["--role", "decode"],
              "new": ["--role", "decode", "--model", str(smollm2_revision_dir), "--served-model-name", "smollm2"]}
-    started = {name: WorkerProcess([*args, *COMMON], log_dir=log_dir, wait=False) for name, args in roles.items()}
-    try:
-        for worker in started.values():
-            worker.wait_healthy()
-        yield started
-    finally:
-        for worker in started.values():
-            worker.stop()
+    with started_workers({name: [*args, *COMMON] for name, args in roles.items()},
+                         tmp_path_factory.mktemp("pd-revisions")) as workers:
+        yield workers
 
 
 def check_greedy(model: torch.nn.Module, context: list[int], got: list[int], what: str) -> None:

@@ -19,7 +19,7 @@ from backends.engine.sampling_params import SamplingParams
 from tests.backends.numerics import assert_mostly_clear, assert_same_tokens, choices, logit_tolerance, \
     teacher_forced_logits
 from tests.support.wait import await_until
-from tests.support.worker_proc import WorkerProcess
+from tests.support.worker_proc import WorkerProcess, started_workers
 
 pytestmark = pytest.mark.gpu
 
@@ -31,16 +31,9 @@ COMMON = ["--device", "cuda", "--dtype", "float32", "--num-blocks", "256", "--ma
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, WorkerProcess]]:
-    logs = tmp_path_factory.mktemp("cuda-roles")
-    procs = {role: WorkerProcess(["--role", role, *COMMON], log_dir=logs, wait=False)
-             for role in ("both", "prefill", "decode")}
-    try:
-        for proc in procs.values():
-            proc.wait_healthy()
-        yield procs
-    finally:
-        for proc in procs.values():
-            proc.stop()
+    with started_workers({role: ["--role", role, *COMMON] for role in ("both", "prefill", "decode")},
+                         tmp_path_factory.mktemp("cuda-roles")) as workers:
+        yield workers
 
 
 async def post(url: str, body: dict[str, Any]) -> dict[str, Any]:

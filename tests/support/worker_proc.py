@@ -14,7 +14,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -120,6 +120,19 @@ def worker_process(
     worker = WorkerProcess(args, env=env, log_dir=log_dir, startup_timeout_s=startup_timeout_s, wait=False)
     with supervised(worker) as url:
         yield url
+
+
+@contextmanager
+def started_workers(args_by_name: Mapping[str, Sequence[str]], log_dir: Path) -> Iterator[dict[str, WorkerProcess]]:
+    """Workers started together (they load at once), each healthy before the block runs; stopped after it."""
+    workers = {name: WorkerProcess(args, log_dir=log_dir, wait=False) for name, args in args_by_name.items()}
+    try:
+        for worker in workers.values():
+            worker.wait_healthy()
+        yield workers
+    finally:
+        for worker in workers.values():
+            worker.stop()
 
 
 @contextmanager
