@@ -161,7 +161,7 @@ def decode_leg(app: web.Application, kind: RequestKind, req: GenerateRequest, pr
                         kv_transfer=KVTransferParams(remote=leg.remote, first_token_ids=leg.first_token_ids))
     builder = ResponseBuilder(kind, leg.response_id or request_id, req.model, tokenizer.backend,
                               return_token_ids=req.return_token_ids,
-                              num_prior_completion_tokens=len(leg.first_token_ids))
+                              prior_completion_ids=leg.first_token_ids)
     return spec, builder
 
 

@@ -82,7 +82,7 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
                         num_prior_output_tokens=len(resumed),
                         kv_transfer=KVTransferParams(first_token_ids=resumed) if resumed else None)
     builder = ResponseBuilder(kind, request_id, req.model, tokenizer.backend, return_token_ids=req.return_token_ids,
-                              num_prior_completion_tokens=len(resumed))
+                              prior_completion_ids=resumed)
     return await respond(request, req, engine, spec, builder)
 
 

@@ -7,6 +7,7 @@ vLLM's `stop_reason` (the stop string that ended the output, else null).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,34 +38,36 @@ class ResponseBuilder:
 
     def __init__(
         self, kind: RequestKind, response_id: str, model: str, tokenizer: Tokenizer, *, return_token_ids: bool,
-        num_prior_completion_tokens: int = 0,
+        prior_completion_ids: Sequence[int] = (),
     ) -> None:
-        """`num_prior_completion_tokens`: output tokens produced elsewhere (a decode leg's first token),
-        counted in usage but not sent."""
+        """`prior_completion_ids`: output tokens the client got from elsewhere (a decode leg's first token, a
+        resumed stream's tokens): counted in usage and in completions' `text_offset`, not sent."""
         self._kind = kind
         self._id = response_id
         self._model = model
         self._tokenizer = tokenizer
         self._return_token_ids = return_token_ids
         self._created = int(time.time())
-        self._text_offset = 0          # completions logprobs: characters before the next token
-        self._num_chunks = 0
+        self._text_offset = sum(len(self._token_text(t)) for t in prior_completion_ids) \
+            if kind is RequestKind.COMPLETION else 0   # completions logprobs: characters before the next token
+        self._role_sent = bool(prior_completion_ids)   # chat: the stream that began elsewhere has it
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
-        self._num_completion_tokens = num_prior_completion_tokens
+        self._num_completion_tokens = len(prior_completion_ids)
 
     @property
     def usage(self) -> Usage:
         return Usage(self._num_prompt_tokens, self._num_cached_tokens, self._num_completion_tokens)
 
     def chunk(self, delta: GenerationDelta) -> dict[str, Any]:
-        """One stream chunk for `delta` (the first chat chunk also carries the role)."""
+        """One stream chunk for `delta` (the first chat chunk of the stream also carries the role)."""
         self._count(delta)
         choice: dict[str, Any] = {"index": 0}
         if self._kind is RequestKind.CHAT:
             message: dict[str, Any] = {"content": delta.text}
-            if self._num_chunks == 0:
+            if not self._role_sent:
                 message = {"role": "assistant", **message}
+                self._role_sent = True
             choice["delta"] = message
         else:
             choice["text"] = delta.text
@@ -74,7 +77,6 @@ class ResponseBuilder:
             choice["stop_reason"] = delta.stop_string
         if self._return_token_ids:
             choice["token_ids"] = list(delta.token_ids)
-        self._num_chunks += 1
         return self._envelope([choice], stream=True)
 
     def usage_chunk(self) -> dict[str, Any]:

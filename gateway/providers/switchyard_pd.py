@@ -8,13 +8,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
 
 from gateway.config import ConfigError, Pool, ProviderConfig
 from gateway.failover import StreamBroken, Stitcher, Transcript, asks_token_ids, leg_body, without_token_ids
@@ -22,6 +20,8 @@ from gateway.fallback import RetryableFailure
 from gateway.legs import MAX_ERROR_BODY, Chosen, Legs, error_code, error_message
 from gateway.load import Lease
 from gateway.providers.base import ProviderRun
+from gateway.providers.pd_answer import (PrefillResult, cached_tokens, chunk_base, joined, json_response,
+                                           sse_chunk, stream_usage, usage_body)
 from gateway.providers.pd_pairs import PdPairs
 from gateway.providers.openai import openai_wire
 from gateway.request import Leg, LegKind, Outcome, Progress, ProviderExhausted, Wire
@@ -35,16 +35,6 @@ log = logging.getLogger(__name__)
 _KV_TRANSFER_FAILED = "kv_transfer_failed"      # 503: the pull broke or the transfer id expired
 _KV_TRANSFER_MISMATCH = "kv_transfer_mismatch"  # 400: the pools disagree on the prompt or KV layout
 _MIN_KV_FREE_FRACTION = 0.05                    # decode workers below this free KV are used only if all are
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillResult:
-    endpoint_id: str                     # the prefill worker (it holds the blocks)
-    payload: Mapping[str, Any]           # its completion response, kv_transfer_params removed
-    text: str                            # the first token's text
-    finish_reason: str | None            # as the prefill reported it ("stop": nothing is held)
-    kv_transfer_params: Mapping[str, Any] | None  # what the decode leg sends back; None: nothing held
-    usage: Mapping[str, Any]             # the prefill's usage (prompt and cached tokens are the request's)
 
 
 class KvTransferFailed(Exception):
@@ -122,7 +112,7 @@ class _PdRun:
                 return await self._answer_prefill_only(held)
             self._held = held
             if progress.client is not None:
-                first = _chunk(progress, held, {"role": "assistant", "content": held.text}, None)
+                first = sse_chunk(progress, held, {"role": "assistant", "content": held.text}, None)
                 await progress.client.send_first(first if asks_token_ids(body) else without_token_ids(first),
                                                  "text/event-stream")
                 legs.metrics.observe_ttft(progress.request.facts.model,
@@ -217,7 +207,7 @@ class _PdRun:
         client = progress.client
         if client is not None and client.data_started:
             if progress.can_fail_over:
-                sent = Transcript(_chunk(progress, held, {"role": "assistant", "content": held.text}, None))
+                sent = Transcript(sse_chunk(progress, held, {"role": "assistant", "content": held.text}, None))
                 raise StreamBroken(held.endpoint_id, exc.code, sent, StreamUsage())
             await client.fail(error_event(f"disaggregated decode failed: {exc}", code=exc.code))
             return Outcome(await client.finish(), None, StreamUsage())
@@ -268,20 +258,20 @@ class _PdRun:
     async def _answer_prefill_only(self, held: PrefillResult) -> Outcome:
         """The first token ended the request (or max_tokens is 1): no decode leg."""
         progress = self._progress
-        usage = _usage(held.usage, held.usage.get("completion_tokens", 1))
+        usage = usage_body(held.usage, held.usage.get("completion_tokens", 1))
         finish_reason = held.finish_reason or "length"
         if progress.client is None:
-            return Outcome(_json_response(held.payload), held.endpoint_id, _stream_usage(usage))
+            return Outcome(json_response(held.payload), held.endpoint_id, stream_usage(usage))
         client = progress.client
-        events = _chunk(progress, held, {"role": "assistant", "content": held.text}, None) + \
-            _chunk(progress, held, {}, finish_reason)
+        events = sse_chunk(progress, held, {"role": "assistant", "content": held.text}, None) + \
+            sse_chunk(progress, held, {}, finish_reason)
         if (progress.request.body.get("stream_options") or {}).get("include_usage"):
-            events += b"data: " + orjson.dumps({**_chunk_base(progress, held), "choices": [], "usage": usage}) \
+            events += b"data: " + orjson.dumps({**chunk_base(progress, held), "choices": [], "usage": usage}) \
                 + b"\n\n"
         await client.send_first(events + DONE_EVENT, "text/event-stream")
         self._legs.metrics.observe_ttft(progress.request.facts.model,
                                         time.perf_counter() - progress.request.started_s)
-        return Outcome(await client.finish(), held.endpoint_id, _stream_usage(usage))
+        return Outcome(await client.finish(), held.endpoint_id, stream_usage(usage))
 
     # --- leg 2: decode -----------------------------------------------------------------------------
 
@@ -301,7 +291,7 @@ class _PdRun:
             outcome = await legs.send(progress, leg, partial(self._read_decode, held, endpoint))
         if outcome.endpoint_id is not None:  # prompt and cached tokens are the prefill's to report
             outcome.usage.num_prompt_tokens = held.usage.get("prompt_tokens", outcome.usage.num_prompt_tokens)
-            outcome.usage.num_cached_tokens = _cached(held.usage)
+            outcome.usage.num_cached_tokens = cached_tokens(held.usage)
             if not outcome.usage.exact:
                 outcome.usage.num_output_tokens += 1  # the first token came from the prefill
         return outcome
@@ -318,78 +308,16 @@ class _PdRun:
         if client is None:
             payload = orjson.loads(await response.read())
             endpoint.breaker.on_success()
-            return _join(held, payload, endpoint.endpoint_id)
+            return joined(held, payload, endpoint.endpoint_id)
         first = await legs.first_chunk(response, first_byte_deadline, lease)
         self._held = None   # a token came: the decode worker has the KV (its pull released the hold)
-        sent = _chunk(self._progress, held, {"role": "assistant", "content": held.text}, None)
+        sent = sse_chunk(self._progress, held, {"role": "assistant", "content": held.text}, None)
         return await legs.relay_stream(self._progress, response, first, lease, endpoint, sent_before=sent)
 
     def _asks_token_ids(self) -> bool:
         """Legs ask for token ids when the stream may fail over (they are dropped before the client unless it
         asked for them too)."""
         return self._progress.can_fail_over and self._config.offers_token_ids
-
-
-# --- the client's view -------------------------------------------------------------------------------
-
-def _join(held: PrefillResult, payload: dict[str, Any], endpoint_id: str) -> Outcome:
-    """First token text + decode text; prompt/cached usage from the prefill, completion from the decode."""
-    try:
-        choice = payload["choices"][0]
-        if "message" in choice:
-            choice["message"]["content"] = held.text + (choice["message"].get("content") or "")
-        else:
-            choice["text"] = held.text + (choice.get("text") or "")
-        if isinstance(choice.get("token_ids"), list):  # the token-id extension: the first token is the prefill's
-            choice["token_ids"] = _first_token_ids(held) + choice["token_ids"]
-    except (KeyError, IndexError, TypeError):
-        raise RetryableFailure("bad decode answer: no choices") from None
-    decode_usage = payload.get("usage") or {}
-    usage = _usage(held.usage, decode_usage.get("completion_tokens", held.usage.get("completion_tokens", 1)))
-    payload.update(id=held.payload.get("id", payload.get("id")), usage=usage)
-    return Outcome(_json_response(payload), endpoint_id, _stream_usage(usage))
-
-
-def _usage(prefill_usage: Mapping[str, Any], num_completion: int) -> dict[str, Any]:
-    num_prompt = prefill_usage.get("prompt_tokens", 0)
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion,
-            "prompt_tokens_details": {"cached_tokens": _cached(prefill_usage)}}
-
-
-def _cached(usage: Mapping[str, Any]) -> int:
-    details = usage.get("prompt_tokens_details")
-    return details.get("cached_tokens", 0) if isinstance(details, dict) else 0
-
-
-def _stream_usage(usage: Mapping[str, Any]) -> StreamUsage:
-    return StreamUsage(usage["completion_tokens"], usage["prompt_tokens"], _cached(usage), exact=True)
-
-
-def _json_response(payload: Mapping[str, Any]) -> web.Response:
-    return web.Response(body=orjson.dumps(payload), content_type="application/json")
-
-
-def _chunk_base(progress: Progress, held: PrefillResult) -> dict[str, Any]:
-    chat = progress.request.api_path.endswith("chat/completions")
-    return {"id": held.payload.get("id"), "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": held.payload.get("created", int(time.time())), "model": held.payload.get("model")}
-
-
-def _first_token_ids(held: PrefillResult) -> list[int]:
-    ids = held.payload["choices"][0].get("token_ids")
-    return ids if isinstance(ids, list) else []
-
-
-def _chunk(progress: Progress, held: PrefillResult, delta: Mapping[str, Any], finish_reason: str | None) -> bytes:
-    """One SSE event as the upstream would stream it: chat `delta`, completions `text`."""
-    if progress.request.api_path.endswith("chat/completions"):
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": delta.get("content", ""), "finish_reason": finish_reason}
-    if "role" in delta and _first_token_ids(held):  # the first chunk carries the prefill's token
-        choice["token_ids"] = _first_token_ids(held)
-    return b"data: " + orjson.dumps({**_chunk_base(progress, held), "choices": [choice]}) + b"\n\n"
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:

@@ -21,22 +21,13 @@ from typing import Any
 import pytest
 import torch
 
-from tests.backends.numerics import assert_mostly_clear, logit_tolerance
+from tests.backends.numerics import logit_tolerance, teacher_forced_logits
 from tests.backends.pd_cluster import Cluster
 from tests.backends.pd_http import assert_idle, get, holds_nothing, post, post_json, stream
-from tests.backends.references import Reference, prompt_ids, reference_of, smollm2_vocabulary, text_of
+from tests.backends.pd_references import CHATS, PROMPTS, unified_references
+from tests.backends.references import Reference, prompt_ids, smollm2_vocabulary, text_of
 from tests.gateway.conftest import metric
 from tests.support.wait import await_until
-
-PROMPTS = [
-    "The capital of France is",
-    "Write a haiku about the sea. The sea is wide and deep, and every wave that reaches the shore tells a story",
-    "List three colors:",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Quote it exactly. Passage: the quick brown fox jumps over the lazy dog.\nQuote: the quick brown fox",
-]
-CHATS = [[{"role": "user", "content": "Say hello to a friend in one sentence."}],
-         [{"role": "user", "content": "What is two plus two? Explain briefly, please."}]]
 
 
 @pytest.fixture(scope="module")
@@ -48,44 +39,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         c.stop()
 
 
-def requests() -> list[tuple[dict[str, Any], bool]]:
-    """(body, is_chat): greedy and seeded, completions and chat."""
-    out = []
-    for i, prompt in enumerate(PROMPTS):
-        out.append(({"model": "smollm2", "prompt": prompt, "max_tokens": 10, "temperature": 0.0, "return_token_ids": True}, False))
-        out.append(({"model": "smollm2", "prompt": prompt, "max_tokens": 10, "temperature": 0.9, "seed": 100 + i,
-                     "return_token_ids": True}, False))
-    for i, messages in enumerate(CHATS):
-        out.append(({"model": "smollm2", "messages": messages, "max_tokens": 10, "temperature": 0.7, "seed": 7 + i,
-                     "ignore_eos": True, "return_token_ids": True}, True))
-    return out
-
-
 @pytest.fixture(scope="module")
 def references(cluster: Cluster, hf_smollm2: torch.nn.Module, hf_smollm2_f64: torch.nn.Module) -> list[Reference]:
-    """Each request's unified answer (text, token ids) from the `both` worker, and where float32 rounding
-    could have decided it otherwise, judged on transformers' logits for the same tokens (every run lies
-    within the tolerance of those)."""
-    tokenizer, eos = smollm2_vocabulary()
-
-    async def collect() -> list[tuple[dict[str, Any], bool, dict[str, Any]]]:
-        out = []
-        for body, chat in requests():
-            status, payload = await post(cluster.url("p2"), body, chat)
-            assert status == 200, payload
-            out.append((body, chat, payload))
-        return out
-
-    answers = asyncio.run(collect())
-    prompts = [prompt_ids(tokenizer, body, chat) for body, chat, _ in answers]
-    for prompt, (_, _, payload) in zip(prompts, answers, strict=True):
-        assert len(prompt) == payload["usage"]["prompt_tokens"]
-    outputs = [payload["choices"][0]["token_ids"] for _, _, payload in answers]
-    tolerance = logit_tolerance(hf_smollm2, hf_smollm2_f64, [p + o for p, o in zip(prompts, outputs, strict=True)])
-    refs = [reference_of(body, chat, payload, prompt, hf_smollm2, eos, tolerance)
-            for prompt, (body, chat, payload) in zip(prompts, answers, strict=True)]
-    assert_mostly_clear([r.choices for r in refs], "the unified worker's tokens")
-    return refs
+    return unified_references(cluster.url("p2"), hf_smollm2, hf_smollm2_f64)
 
 
 async def assert_drained(cluster: Cluster, names: list[str]) -> None:
@@ -167,6 +123,41 @@ async def test_gateway_equals_unified_alone_and_concurrent(cluster: Cluster, ref
     await asyncio.gather(*jobs[:8])
     await asyncio.gather(*jobs[8:])
     await assert_drained(cluster, ["p1", "p2", "d1", "d2", "d3"])
+
+
+async def test_logprobs_cover_the_first_token_and_offsets_run_on(cluster: Cluster, hf_smollm2: torch.nn.Module,
+                                                                hf_smollm2_f64: torch.nn.Module) -> None:
+    """Logprobs through the gateway, whole and streamed, have one entry per output token, the prefill's first
+    token included, each transformers' log-softmax for that token in that context; completions' text_offset
+    counts on across the legs, and only the first chat chunk carries the role."""
+    tokenizer, _ = smollm2_vocabulary()
+    base = {"model": "smollm2", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    for chat, body in ((False, {**base, "prompt": PROMPTS[2], "logprobs": 2}),
+                       (True, {**base, "messages": CHATS[0], "logprobs": True, "top_logprobs": 2})):
+        prompt = prompt_ids(tokenizer, body, chat)
+        status, whole = await post(cluster.gateway.url, body, chat)
+        assert status == 200, whole
+        events = await stream(cluster.gateway.url, body, chat)
+        streamed = [e["choices"][0] for e in events if e.get("choices")]
+        assert sum("role" in c.get("delta", {}) for c in streamed) == (1 if chat else 0)
+        for choices in ([whole["choices"][0]], streamed):
+            ids = [t for c in choices for t in c["token_ids"]]
+            text = "".join(text_of(c) for c in choices)
+            if chat:
+                entries = [e for c in choices for e in c["logprobs"]["content"]]
+                tokens, logprobs = [e["token"] for e in entries], [e["logprob"] for e in entries]
+                assert all(len(e["top_logprobs"]) == 2 for e in entries)
+            else:
+                lists = {k: [v for c in choices for v in c["logprobs"][k]] for k in choices[0]["logprobs"]}
+                tokens, logprobs = lists["tokens"], lists["token_logprobs"]
+                assert lists["text_offset"] == [len("".join(tokens[:i])) for i in range(len(tokens))]
+                assert all(len(top) == 2 for top in lists["top_logprobs"])
+            assert len(ids) == len(tokens) == 6 and "".join(tokens) == text, (ids, tokens, text)
+            reference = torch.log_softmax(teacher_forced_logits(hf_smollm2, prompt, ids), dim=-1)
+            want = reference[torch.arange(len(ids)), torch.tensor(ids)].tolist()
+            tolerance = logit_tolerance(hf_smollm2, hf_smollm2_f64, [prompt + ids])
+            assert logprobs == pytest.approx(want, abs=2 * tolerance + 1e-5), (chat, ids)
+    await assert_drained(cluster, ["p1", "p2"])
 
 
 # --- refusals and cut transfers -------------------------------------------------------------------

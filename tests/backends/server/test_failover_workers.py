@@ -31,11 +31,12 @@ ARGS = ["--threads", "1", "--num-blocks", "64"]
 NUM_KILLS = 8
 REQUESTS: list[tuple[dict[str, Any], bool]] = [
     ({"prompt": "The capital of France is", "max_tokens": 32, "temperature": 0.0, "ignore_eos": True}, False),
-    ({"prompt": "List three colors:", "max_tokens": 32, "temperature": 0.9, "seed": 11, "ignore_eos": True}, False),
+    ({"prompt": "List three colors:", "max_tokens": 32, "temperature": 0.9, "seed": 11, "ignore_eos": True,
+      "logprobs": 1}, False),
     ({"messages": [{"role": "user", "content": "Say hello to a friend in one sentence."}], "max_tokens": 32,
       "temperature": 0.0, "ignore_eos": True}, True),
     ({"messages": [{"role": "user", "content": "What is two plus two? Explain briefly."}], "max_tokens": 32,
-      "temperature": 0.7, "seed": 3, "ignore_eos": True}, True),
+      "temperature": 0.7, "seed": 3, "ignore_eos": True, "logprobs": True}, True),
 ]
 
 
@@ -181,6 +182,14 @@ async def test_sigkill_at_a_random_token_many_times(fleet: Fleet, references: li
         if ref.chat:
             assert [c for c in chosen if "role" in c["delta"]] == chosen[:1], "the role is sent once"
         ids = [t for c in chosen for t in c.get("token_ids", [])]
+        if "logprobs" in ref.body:   # one entry per token across the kill; completions' offsets count on
+            logprobs = [c["logprobs"] for c in chosen if c.get("logprobs")]
+            tokens = [e["token"] for lp in logprobs for e in lp["content"]] if ref.chat else \
+                [t for lp in logprobs for t in lp["tokens"]]
+            assert len(tokens) == len(ids), f"request {i}: {len(tokens)} logprobs for {len(ids)} tokens"
+            if not ref.chat:
+                assert [o for lp in logprobs for o in lp["text_offset"]] == \
+                    [len("".join(tokens[:k])) for k in range(len(tokens))], f"request {i}"
         if ref.check(ids, "".join(text_of(c) for c in chosen), f"request {i} killed after {kill_after} events"):
             num_whole += 1
             usage = payloads[-1]["usage"]
