@@ -8,16 +8,18 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from typing import Any
 
 import orjson
 from aiohttp import web
 
 from backends.engine.kv_connector import KVTransferParams
 from backends.server import disagg
+from backends.server.choices import Choices
 from backends.server.errors import APIError, invalid_param, read_json
-from backends.server.generation import GenerationDelta, SequenceSpec, generate_deltas
+from backends.server.generation import SequenceSpec, generate_deltas
 from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
 from backends.server.protocol import (GenerateRequest, ParseContext, RequestKind, kv_transfer_params, parse_request,
                                       resolve_max_tokens)
@@ -65,6 +67,8 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
     request_id = _ID_PREFIX[kind] + uuid.uuid4().hex
     if kv_params is not None and req.resume_token_ids:
         raise invalid_param("resume_token_ids", "`resume_token_ids` cannot be combined with `kv_transfer_params`.")
+    if kv_params is not None and req.num_choices != 1:
+        raise invalid_param("n", "A disaggregated leg samples one choice: n must be 1.")
     if kv_params is not None and kv_params.get("do_remote_decode") is True:
         return await disagg.prefill_leg(request, kind, req, prompt_ids, request_id, arrival_s)
     if kv_params is not None:
@@ -72,6 +76,9 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
         with disagg.kv_load_errors(app, request_id):
             return await respond(request, req, engine, spec, builder)
     params = resolve_max_tokens(req, len(prompt_ids), engine.max_model_len)
+    if req.num_choices > 1:
+        return await _respond_choices(request, req, Choices(engine, tokenizer, app[METRICS_KEY], req, prompt_ids,
+                                                            params, request_id, arrival_s))
     resumed = req.resume_token_ids
     if len(resumed) >= params.max_tokens:
         raise invalid_param("resume_token_ids", f"{len(resumed)} resumed tokens leave nothing to generate "
@@ -93,28 +100,39 @@ async def respond(request: web.Request, req: GenerateRequest, engine: WorkerEngi
     try:
         async with aclosing(generate_deltas(engine, tokenizer.backend, spec, metrics)) as deltas:
             if req.stream:
-                return await _stream(request, req, deltas, builder)
+                return await stream(request, req, (builder.chunk(delta) async for delta in deltas),
+                                    builder.usage_chunk)
             collected = [delta async for delta in deltas]
             return json_response(builder.final(collected))
     finally:
         metrics.observe_request_duration(time.monotonic() - spec.arrival_s)
 
 
-async def _stream(
-    request: web.Request, req: GenerateRequest, deltas: AsyncIterator[GenerationDelta], builder: ResponseBuilder
-) -> web.StreamResponse:
-    """SSE: headers go out with the first delta, so a refusal before it is still a plain 4xx."""
-    first = await anext(deltas)
+async def _respond_choices(request: web.Request, req: GenerateRequest, choices: Choices) -> web.StreamResponse:
+    """`n` > 1: every choice generated side by side, answered as SSE chunks or one JSON body."""
+    try:
+        async with choices:
+            if req.stream:
+                return await stream(request, req, choices.chunks(), choices.usage_chunk)
+            return json_response(await choices.final())
+    finally:
+        request.app[METRICS_KEY].observe_request_duration(time.monotonic() - choices.arrival_s)
+
+
+async def stream(request: web.Request, req: GenerateRequest, chunks: AsyncIterator[dict[str, Any]],
+                 usage_chunk: Callable[[], dict[str, Any]]) -> web.StreamResponse:
+    """SSE: headers go out with the first chunk, so a refusal before it is still a plain 4xx."""
+    first = await anext(chunks)
     response = web.StreamResponse(headers=_SSE_HEADERS)
     await response.prepare(request)
     try:
-        await _send(response, builder.chunk(first))
-        async for delta in deltas:
-            await _send(response, builder.chunk(delta))
+        await _send(response, first)
+        async for chunk in chunks:
+            await _send(response, chunk)
         if req.include_usage:
-            await _send(response, builder.usage_chunk())
+            await _send(response, usage_chunk())
     except APIError as exc:   # after the first byte the status is sent: report in-band
-        log.warning("stream %s failed: %s", builder.usage, exc.message)
+        log.warning("stream failed: %s", exc.message)
         await _send(response, exc.body())
     except ConnectionResetError:   # the client went away; leaving the context aborts the sequence
         log.info("client disconnected mid-stream")

@@ -1,8 +1,8 @@
 """Parsing and validation of OpenAI request bodies into `SamplingParams` (no I/O, no engine).
 
 Bad bodies raise `APIError` with the field named in `param`; unknown fields are ignored, as
-OpenAI-compatible servers do, but OpenAI fields whose contract this worker cannot keep (`n` > 1, `echo`,
-`suffix`, tool use, a JSON `response_format`) are refused. Response bodies are built in `responses.py`.
+OpenAI-compatible servers do, but OpenAI fields whose contract this worker cannot keep (`best_of` above `n`,
+`echo`, `suffix`, tool use, a JSON `response_format`) are refused. Response bodies are built in `responses.py`.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from backends.engine.sampling_params import SamplingParams
 from backends.server.errors import APIError, invalid_param, model_not_found
 
 MAX_LOGPROBS = 20             # top alternatives per token, as OpenAI's top_logprobs allows
+MAX_CHOICES = 16              # `n`: choices per request, each a sequence of its own in the batch
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -50,6 +51,7 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...] | None    # completions: a pre-tokenized prompt
     messages: tuple[ChatMessage, ...] | None    # chat: rendered with the tokenizer's template
     params: SamplingParams                      # max_tokens is provisional until resolve_max_tokens
+    num_choices: int                            # `n`: sequences sampled from the prompt, choices 0..n-1
     max_tokens: int | None                      # as asked; None fills the context (chat)
     stream: bool
     include_usage: bool                         # stream_options.include_usage: a final usage chunk
@@ -64,7 +66,8 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
     if not isinstance(body, dict):
         raise APIError("The request body must be a JSON object.")
     model = _parse_model(body, ctx)
-    _refuse_unsupported(body, kind)
+    num_choices = _opt_int(body, "n", 1, MAX_CHOICES) or 1
+    _refuse_unsupported(body, kind, num_choices)
     prompt_text, prompt_ids, messages = None, None, None
     if kind is RequestKind.CHAT:
         messages = _parse_messages(body.get("messages"))
@@ -86,11 +89,12 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
         prompt_token_ids=prompt_ids,
         messages=messages,
         params=params,
+        num_choices=num_choices,
         max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
         return_token_ids=_opt_bool(body, "return_token_ids") or False,
-        resume_token_ids=_parse_resume_token_ids(body.get("resume_token_ids"), ctx.vocab_size),
+        resume_token_ids=_parse_resume_token_ids(body.get("resume_token_ids"), ctx.vocab_size, num_choices),
         skip_special_tokens=_default(_opt_bool(body, "skip_special_tokens"), True),
     )
 
@@ -141,13 +145,10 @@ def _parse_model(body: dict[str, Any], ctx: ParseContext) -> str:
     return model
 
 
-def _refuse_unsupported(body: dict[str, Any], kind: RequestKind) -> None:
-    n = _opt_int(body, "n", 1)
-    if n is not None and n != 1:
-        raise invalid_param("n", "Only n=1 is supported.")
+def _refuse_unsupported(body: dict[str, Any], kind: RequestKind, num_choices: int) -> None:
     best_of = _opt_int(body, "best_of", 1)
-    if best_of is not None and best_of != 1:
-        raise invalid_param("best_of", "Only best_of=1 is supported.")
+    if best_of is not None and best_of != num_choices:
+        raise invalid_param("best_of", f"best_of must equal n ({num_choices}): choosing among more is not supported.")
     if kind is RequestKind.COMPLETION and _opt_bool(body, "echo"):
         raise invalid_param("echo", "echo=true is not supported.")
     if kind is RequestKind.COMPLETION and body.get("suffix") is not None:
@@ -310,9 +311,11 @@ def _parse_logit_bias(bias: Any, vocab_size: int) -> tuple[tuple[int, float], ..
     return tuple(out)
 
 
-def _parse_resume_token_ids(ids: Any, vocab_size: int) -> tuple[int, ...]:
+def _parse_resume_token_ids(ids: Any, vocab_size: int, num_choices: int) -> tuple[int, ...]:
     if ids is None:
         return ()
+    if num_choices != 1:
+        raise invalid_param("resume_token_ids", "`resume_token_ids` continues one choice: it needs n=1.")
     if not isinstance(ids, list) or not ids or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
         raise invalid_param("resume_token_ids",
                             f"`resume_token_ids` must be a non-empty array of token ids in [0, {vocab_size}).")

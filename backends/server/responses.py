@@ -33,16 +33,25 @@ class Usage:
         }
 
 
+def combined_usage(usages: Sequence[Usage]) -> Usage:
+    """One request's usage over its choices: the prompt (and its cache hits, as the first choice met them)
+    once, every choice's output tokens."""
+    return Usage(usages[0].num_prompt_tokens, usages[0].num_cached_tokens,
+                 sum(u.num_completion_tokens for u in usages))
+
+
 class ResponseBuilder:
     """Builds one request's chunks (streaming) or final body; tracks usage and text offsets."""
 
     def __init__(
         self, kind: RequestKind, response_id: str, model: str, tokenizer: Tokenizer, *, return_token_ids: bool,
-        prior_completion_ids: Sequence[int] = (),
+        prior_completion_ids: Sequence[int] = (), index: int = 0,
     ) -> None:
         """`prior_completion_ids`: output tokens the client got from elsewhere (a decode leg's first token, a
-        resumed stream's tokens): counted in usage and in completions' `text_offset`, not sent."""
+        resumed stream's tokens): counted in usage and in completions' `text_offset`, not sent. `index`: the
+        choice this builder's sequence is (one of `n`)."""
         self._kind = kind
+        self._index = index
         self._id = response_id
         self._model = model
         self._tokenizer = tokenizer
@@ -62,7 +71,7 @@ class ResponseBuilder:
     def chunk(self, delta: GenerationDelta) -> dict[str, Any]:
         """One stream chunk for `delta` (the first chat chunk of the stream also carries the role)."""
         self._count(delta)
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self._index}
         if self._kind is RequestKind.CHAT:
             message: dict[str, Any] = {"content": delta.text}
             if not self._role_sent:
@@ -79,10 +88,11 @@ class ResponseBuilder:
             choice["token_ids"] = list(delta.token_ids)
         return self._envelope([choice], stream=True)
 
-    def usage_chunk(self) -> dict[str, Any]:
-        """The last chunk when stream_options.include_usage is set: usage and no choices."""
+    def usage_chunk(self, usage: Usage | None = None) -> dict[str, Any]:
+        """The last chunk when stream_options.include_usage is set: usage (this sequence's by default) and no
+        choices."""
         body = self._envelope([], stream=True)
-        body["usage"] = self.usage.body()
+        body["usage"] = (usage or self.usage).body()
         return body
 
     def final(self, deltas: list[GenerationDelta]) -> dict[str, Any]:
@@ -95,7 +105,7 @@ class ResponseBuilder:
         if deltas and deltas[0].logprobs is not None:
             logprobs = tuple(lp for d in deltas for lp in (d.logprobs or ()))
         finish = next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self._index}
         if self._kind is RequestKind.CHAT:
             choice["message"] = {"role": "assistant", "content": text}
         else:

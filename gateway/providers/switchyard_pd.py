@@ -89,12 +89,11 @@ class _PdRun:
         """Prefill (unless a held prefill survives from a failed decode leg), then decode."""
         progress, legs, provider = self._progress, self._legs, self._provider
         body = progress.request.body
-        if body.get("n", 1) != 1 or _is_prompt_batch(body.get("prompt")):
-            raise ProviderExhausted("n > 1 and prompt batches are not disaggregated",
-                                    unsupported="n" if body.get("n", 1) != 1 else "prompt")
+        if _is_prompt_batch(body.get("prompt")):
+            raise ProviderExhausted("prompt batches are not served by switchyard workers", unsupported="prompt")
         if progress.num_failures:
             legs.metrics.on_retry(progress.request.facts.model)
-        if progress.so_far is not None:
+        if progress.so_far is not None or body.get("n", 1) != 1:
             return await self._whole_on_decode()
         decode_pool = legs.pool(self._config.name, Pool.MAIN)
         held = self._held
@@ -142,7 +141,7 @@ class _PdRun:
     async def _whole_on_decode(self) -> Outcome:
         """One leg on a decode worker, which computes the KV itself (a decode worker serves whole requests too):
         a stream broken mid-way (here or elsewhere) goes on from the output so far (`progress.so_far`); a request
-        whose held KV other weights computed starts there afresh."""
+        whose held KV other weights computed starts there afresh; `n` > 1 choices (a prefill leg samples one)."""
         progress, legs, request = self._progress, self._legs, self._progress.request
         built = leg_body(self._config, request.body, request.raw, can_fail_over=progress.can_fail_over,
                          so_far=progress.so_far)

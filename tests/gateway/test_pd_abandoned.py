@@ -93,23 +93,26 @@ async def test_a_claimed_hold_is_not_released(tmp_path: Path) -> None:
 
 async def test_what_no_provider_of_the_chain_serves_is_a_400_and_a_provider_that_does_serves_it(
         tmp_path: Path) -> None:
-    """n > 1 is not disaggregated. With the PD provider alone that is the request's fault, not an outage: 400
-    naming `n` (it was a 503 `no_upstream_available`). With a unified provider after it, that one serves it."""
+    """Our workers take one prompt per request. With the PD provider alone a batch of prompts is the request's
+    fault, not an outage: 400 naming `prompt` (it was a 503 `no_upstream_available`). With a unified provider
+    after it, that one serves it. n > 1 runs whole on a decode worker: a prefill leg samples one choice."""
     (tmp_path / "alone").mkdir()
     (tmp_path / "chained").mkdir()
     alone = Pd(tmp_path / "alone", ["p1"], ["d1"])
+    batch = {**BODY, "prompt": ["a", "b"]}
     try:
-        status, error = await post(alone.gateway.url, {**BODY, "n": 2})
-        assert status == 400 and error["error"]["param"] == "n", error
-        assert error["error"]["type"] == "invalid_request_error" and "not disaggregated" in error["error"]["message"]
-        status, error = await post(alone.gateway.url, {**BODY, "prompt": ["a", "b"]}, path=COMPLETIONS)
+        status, error = await post(alone.gateway.url, batch, path=COMPLETIONS)
         assert status == 400 and error["error"]["param"] == "prompt", error
+        assert error["error"]["type"] == "invalid_request_error" and "prompt batches" in error["error"]["message"]
         assert alone.prefill[0].stats()["num_requests"] == 0 and alone.decode[0].stats()["num_requests"] == 0
+        status, answer = await post(alone.gateway.url, {**BODY, "n": 2})
+        assert status == 200 and answer["served_by"] == "d1", answer
+        assert alone.prefill[0].stats()["num_requests"] == 0 and alone.decode[0].stats()["num_requests"] == 1
     finally:
         alone.stop()
     chained = Pd(tmp_path / "chained", ["p1"], ["d1"], both=("u1",))
     try:
-        status, answer = await post(chained.gateway.url, {**BODY, "n": 2})
+        status, answer = await post(chained.gateway.url, batch, path=COMPLETIONS)
         assert status == 200 and answer["served_by"] == "u1", answer
     finally:
         chained.stop()

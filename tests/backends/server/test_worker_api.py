@@ -292,7 +292,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 2}, 400, "top_p", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens", "invalid_value"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", "invalid_value"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": [5, 10**9]}, 400, "prompt", "invalid_value"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens",
      "context_length_exceeded"),
