@@ -21,6 +21,14 @@ from gateway.upstreams import Endpoint
 from policies.base import Policy, RequestFacts
 
 
+def num_sequences(body: Mapping[str, Any]) -> int:
+    """The sequences a request samples upstream: `n` choices of each prompt of a batch (a validated body)."""
+    prompt = body.get("prompt")
+    num_prompts = len(prompt) if isinstance(prompt, list) and len(prompt) > 1 and \
+        not all(isinstance(t, int) for t in prompt) else 1
+    return (body.get("n") or 1) * num_prompts
+
+
 # Built for every request: NamedTuples, immutable and cheaper to build than frozen dataclasses (policies/base.py).
 class RoutedRequest(NamedTuple):
     model: ModelConfig                  # the client's model, resolved from config

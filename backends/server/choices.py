@@ -1,7 +1,8 @@
-"""A request for `n` > 1 choices: n sequences of one prompt, generated side by side in the engine's batch and
-answered as one response whose choices carry their index (their chunks interleave as they come when
-streamed). The prompt is counted once in usage, every choice's output tokens. A seeded request samples choice
-k with seed + k: reproducible, and its choices differ.
+"""A request of several sequences: `n` > 1 choices of a prompt, or a batch of prompts (n each), generated side by
+side in the engine's batch and answered as one response whose choices carry their index, prompt i's choice k
+at i * n + k (their chunks interleave as they come when streamed). Each prompt is counted once in usage, every
+choice's output tokens. A seeded request samples choice k with seed + k: reproducible, its choices differ,
+and a prompt of a batch gets what it would alone.
 
 Any way the response ends (answered, client gone, one choice refused) ends every sequence in the engine.
 """
@@ -18,7 +19,7 @@ from backends.engine.sampling_params import SamplingParams
 from backends.server.generation import GenerationDelta, SequenceSpec, TokenTimingObserver, generate_deltas
 from backends.server.keys import WorkerEngine
 from backends.server.protocol import GenerateRequest
-from backends.server.responses import ResponseBuilder, combined_usage
+from backends.server.responses import ResponseBuilder, Usage
 from backends.server.tokenization import PromptTokenizer
 
 _SEED_SPAN = 2**64   # seeds wrap within what SamplingParams accepts: [-(2**63), 2**64)
@@ -34,20 +35,23 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 
 
 class Choices:
-    """`req.num_choices` sequences of `prompt_ids` running, read as stream chunks or as one final body."""
+    """`req.num_choices` sequences of each prompt running, read as stream chunks or as one final body."""
 
     def __init__(self, engine: WorkerEngine, tokenizer: PromptTokenizer, timing: TokenTimingObserver,
-                 req: GenerateRequest, prompt_ids: tuple[int, ...], params: SamplingParams, request_id: str,
+                 req: GenerateRequest, prompts: list[tuple[tuple[int, ...], SamplingParams]], request_id: str,
                  arrival_s: float) -> None:
+        """`prompts`: each prompt's tokens and its sampling parameters (max_tokens resolved for it)."""
         self._engine, self._tokenizer, self._timing = engine, tokenizer, timing
         self.arrival_s = arrival_s
+        self._num_choices = n = req.num_choices
         self._specs = [
-            SequenceSpec(f"{request_id}-{k}", prompt_ids, dataclasses.replace(params, seed=choice_seed(params.seed, k)),
-                         req.skip_special_tokens, arrival_s)
-            for k in range(req.num_choices)]
+            SequenceSpec(f"{request_id}-{i * n + k}", ids,
+                         dataclasses.replace(params, seed=choice_seed(params.seed, k)), req.skip_special_tokens,
+                         arrival_s)
+            for i, (ids, params) in enumerate(prompts) for k in range(n)]
         self._builders = [ResponseBuilder(req.kind, request_id, req.model, tokenizer.backend,
-                                          return_token_ids=req.return_token_ids, index=k)
-                          for k in range(req.num_choices)]
+                                          return_token_ids=req.return_token_ids, index=index)
+                          for index in range(len(self._specs))]
         self._queue: asyncio.Queue[tuple[int, GenerationDelta | BaseException | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -67,7 +71,7 @@ class Choices:
             yield self._builders[k].chunk(delta)
 
     def usage_chunk(self) -> dict[str, Any]:
-        return self._builders[0].usage_chunk(combined_usage([b.usage for b in self._builders]))
+        return self._builders[0].usage_chunk(self._usage())
 
     async def final(self) -> dict[str, Any]:
         """The non-streaming body: every choice, in index order, and the request's usage."""
@@ -77,8 +81,15 @@ class Choices:
         bodies = [builder.final(deltas) for builder, deltas in zip(self._builders, collected, strict=True)]
         body = bodies[0]
         body["choices"] = [b["choices"][0] for b in bodies]
-        body["usage"] = combined_usage([b.usage for b in self._builders]).body()
+        body["usage"] = self._usage().body()
         return body
+
+    def _usage(self) -> Usage:
+        """Each prompt (and its cache hits, as its first choice met them) once, every choice's output tokens."""
+        usages = [b.usage for b in self._builders]
+        firsts = usages[::self._num_choices]
+        return Usage(sum(u.num_prompt_tokens for u in firsts), sum(u.num_cached_tokens for u in firsts),
+                     sum(u.num_completion_tokens for u in usages))
 
     async def _deltas(self) -> AsyncIterator[tuple[int, GenerationDelta]]:
         """(choice, delta) until every choice has finished; a choice's error is raised here."""

@@ -63,12 +63,18 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
     req = parse_request(kind, body, ctx)
     assert isinstance(body, dict)  # parse_request refused anything else
     kv_params = kv_transfer_params(body)
-    prompt_ids = tokenizer.encode_request(req)
     request_id = _ID_PREFIX[kind] + uuid.uuid4().hex
     if kv_params is not None and req.resume_token_ids:
         raise invalid_param("resume_token_ids", "`resume_token_ids` cannot be combined with `kv_transfer_params`.")
-    if kv_params is not None and req.num_choices != 1:
-        raise invalid_param("n", "A disaggregated leg samples one choice: n must be 1.")
+    if kv_params is not None and req.num_sequences != 1:
+        raise invalid_param("n" if req.num_choices != 1 else "prompt",
+                            "A disaggregated leg samples one sequence: one prompt, n=1.")
+    if req.num_sequences > 1:
+        prompts = [(ids, resolve_max_tokens(one, len(ids), engine.max_model_len))
+                   for one in req.each_prompt() for ids in (tokenizer.encode_request(one),)]
+        return await _respond_choices(request, req, Choices(engine, tokenizer, app[METRICS_KEY], req, prompts,
+                                                            request_id, arrival_s))
+    prompt_ids = tokenizer.encode_request(req)
     if kv_params is not None and kv_params.get("do_remote_decode") is True:
         return await disagg.prefill_leg(request, kind, req, prompt_ids, request_id, arrival_s)
     if kv_params is not None:
@@ -76,9 +82,6 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
         with disagg.kv_load_errors(app, request_id):
             return await respond(request, req, engine, spec, builder)
     params = resolve_max_tokens(req, len(prompt_ids), engine.max_model_len)
-    if req.num_choices > 1:
-        return await _respond_choices(request, req, Choices(engine, tokenizer, app[METRICS_KEY], req, prompt_ids,
-                                                            params, request_id, arrival_s))
     resumed = req.resume_token_ids
     if len(resumed) >= params.max_tokens:
         raise invalid_param("resume_token_ids", f"{len(resumed)} resumed tokens leave nothing to generate "
@@ -109,7 +112,8 @@ async def respond(request: web.Request, req: GenerateRequest, engine: WorkerEngi
 
 
 async def _respond_choices(request: web.Request, req: GenerateRequest, choices: Choices) -> web.StreamResponse:
-    """`n` > 1: every choice generated side by side, answered as SSE chunks or one JSON body."""
+    """Several sequences (n > 1, a batch of prompts): generated side by side, answered as SSE chunks or one
+    JSON body."""
     try:
         async with choices:
             if req.stream:

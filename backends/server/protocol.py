@@ -17,7 +17,8 @@ from backends.engine.sampling_params import SamplingParams
 from backends.server.errors import APIError, invalid_param, model_not_found
 
 MAX_LOGPROBS = 20             # top alternatives per token, as OpenAI's top_logprobs allows
-MAX_CHOICES = 16              # `n`: choices per request, each a sequence of its own in the batch
+MAX_CHOICES = 16              # `n`: choices per prompt, each a sequence of its own in the batch
+MAX_SEQUENCES = 64            # prompts x n in one request
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -43,12 +44,16 @@ class ChatMessage:
     content: str     # text parts joined; the chat template renders it
 
 
+Prompt = tuple[str | None, tuple[int, ...] | None]   # a completions prompt: its text, or its token ids
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
     kind: RequestKind
     model: str                                  # the served name the client asked for
     prompt_text: str | None                     # completions: a text prompt
     prompt_token_ids: tuple[int, ...] | None    # completions: a pre-tokenized prompt
+    batch: tuple[Prompt, ...]                   # completions: a batch of 2+ prompts (the first is the above)
     messages: tuple[ChatMessage, ...] | None    # chat: rendered with the tokenizer's template
     params: SamplingParams                      # max_tokens is provisional until resolve_max_tokens
     num_choices: int                            # `n`: sequences sampled from the prompt, choices 0..n-1
@@ -60,6 +65,17 @@ class GenerateRequest:
                                                 # failover); the answer goes on after them
     skip_special_tokens: bool                   # special tokens stay out of the text
 
+    @property
+    def num_sequences(self) -> int:
+        """Sequences this request samples: n for each prompt."""
+        return max(1, len(self.batch)) * self.num_choices
+
+    def each_prompt(self) -> list[GenerateRequest]:
+        """This request once per prompt of its batch (itself, without one)."""
+        if not self.batch:
+            return [self]
+        return [dataclasses.replace(self, prompt_text=text, prompt_token_ids=ids, batch=()) for text, ids in self.batch]
+
 
 def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRequest:
     """Validate a decoded JSON body for `kind`; raise APIError on the first bad field."""
@@ -69,12 +85,16 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
     num_choices = _opt_int(body, "n", 1, MAX_CHOICES) or 1
     _refuse_unsupported(body, kind, num_choices)
     prompt_text, prompt_ids, messages = None, None, None
+    batch: tuple[Prompt, ...] = ()
     if kind is RequestKind.CHAT:
         messages = _parse_messages(body.get("messages"))
         max_tokens = _opt_int(body, "max_completion_tokens", 1) or _opt_int(body, "max_tokens", 1)
         logprobs = _parse_chat_logprobs(body)
     else:
-        prompt_text, prompt_ids = _parse_prompt(body.get("prompt"), ctx.vocab_size)
+        prompts = _parse_prompts(body.get("prompt"), ctx.vocab_size)
+        (prompt_text, prompt_ids), batch = prompts[0], prompts if len(prompts) > 1 else ()
+        if len(batch) * num_choices > MAX_SEQUENCES:
+            raise invalid_param("prompt", f"{len(batch)} prompts x n={num_choices} is over {MAX_SEQUENCES} sequences.")
         max_tokens = _opt_int(body, "max_tokens", 1)
         if max_tokens is None:
             max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
@@ -87,6 +107,7 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
         model=model,
         prompt_text=prompt_text,
         prompt_token_ids=prompt_ids,
+        batch=batch,
         messages=messages,
         params=params,
         num_choices=num_choices,
@@ -94,7 +115,8 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
         stream=stream,
         include_usage=include_usage,
         return_token_ids=_opt_bool(body, "return_token_ids") or False,
-        resume_token_ids=_parse_resume_token_ids(body.get("resume_token_ids"), ctx.vocab_size, num_choices),
+        resume_token_ids=_parse_resume_token_ids(body.get("resume_token_ids"), ctx.vocab_size,
+                                                 max(1, len(batch)) * num_choices),
         skip_special_tokens=_default(_opt_bool(body, "skip_special_tokens"), True),
     )
 
@@ -175,22 +197,29 @@ def _refuse_tools_and_formats(body: dict[str, Any]) -> None:
                                                "worker: it does not constrain its output to JSON.")
 
 
-def _parse_prompt(prompt: Any, vocab_size: int) -> tuple[str | None, tuple[int, ...] | None]:
+def _parse_prompts(prompt: Any, vocab_size: int) -> tuple[Prompt, ...]:
+    """One prompt (a string, or token ids), or a batch of them."""
     if prompt is None:
         raise APIError("`prompt` is required.", param="prompt", code="missing_required_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]   # a batch of one prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_SEQUENCES:
+            raise invalid_param("prompt", f"A batch holds at most {MAX_SEQUENCES} prompts.")
+        if len(prompt) == 1:
+            return (_parse_prompt(prompt[0], vocab_size, "prompt"),)   # a batch of one prompt
+        return tuple(_parse_prompt(p, vocab_size, f"prompt[{i}]") for i, p in enumerate(prompt))
+    return (_parse_prompt(prompt, vocab_size, "prompt"),)
+
+
+def _parse_prompt(prompt: Any, vocab_size: int, param: str) -> Prompt:
     if isinstance(prompt, str):
         if not prompt:
-            raise invalid_param("prompt", "The prompt is empty.")
+            raise invalid_param(param, "The prompt is empty.")
         return prompt, None
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         if any(not 0 <= t < vocab_size for t in prompt):
-            raise invalid_param("prompt", f"Token ids in the prompt must be in [0, {vocab_size}).")
+            raise invalid_param(param, f"Token ids in the prompt must be in [0, {vocab_size}).")
         return None, tuple(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise invalid_param("prompt", "Batched prompts are not supported; send one prompt per request.")
-    raise invalid_param("prompt", "`prompt` must be a non-empty string or a non-empty list of token ids.")
+    raise invalid_param(param, f"`{param}` must be a non-empty string or a non-empty list of token ids.")
 
 
 def _parse_messages(messages: Any) -> tuple[ChatMessage, ...]:
@@ -311,11 +340,12 @@ def _parse_logit_bias(bias: Any, vocab_size: int) -> tuple[tuple[int, float], ..
     return tuple(out)
 
 
-def _parse_resume_token_ids(ids: Any, vocab_size: int, num_choices: int) -> tuple[int, ...]:
+def _parse_resume_token_ids(ids: Any, vocab_size: int, num_sequences: int) -> tuple[int, ...]:
     if ids is None:
         return ()
-    if num_choices != 1:
-        raise invalid_param("resume_token_ids", "`resume_token_ids` continues one choice: it needs n=1.")
+    if num_sequences != 1:
+        raise invalid_param("resume_token_ids", "`resume_token_ids` continues one sequence: it needs one prompt "
+                            "and n=1.")
     if not isinstance(ids, list) or not ids or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
         raise invalid_param("resume_token_ids",
                             f"`resume_token_ids` must be a non-empty array of token ids in [0, {vocab_size}).")

@@ -33,13 +33,6 @@ class Usage:
         }
 
 
-def combined_usage(usages: Sequence[Usage]) -> Usage:
-    """One request's usage over its choices: the prompt (and its cache hits, as the first choice met them)
-    once, every choice's output tokens."""
-    return Usage(usages[0].num_prompt_tokens, usages[0].num_cached_tokens,
-                 sum(u.num_completion_tokens for u in usages))
-
-
 class ResponseBuilder:
     """Builds one request's chunks (streaming) or final body; tracks usage and text offsets."""
 

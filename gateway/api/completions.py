@@ -26,7 +26,7 @@ from gateway.auth import ApiKey
 from gateway.config import LimitsConfig, ModelConfig
 from gateway.errors import BadRequest, GatewayError, NotFound, RateLimited, RequestTimeout
 from gateway.lean_http import LeanRequest
-from gateway.request import Outcome, RoutedRequest
+from gateway.request import Outcome, RoutedRequest, num_sequences
 from gateway.services import SERVICES, Services
 from gateway.state import MemoryStore
 from gateway.streaming import ClientGone, SseResponseFactory, StreamUsage
@@ -74,7 +74,7 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
             span.set_attribute("switchyard.request_id", request_id_var.get())
         prompt = _count_prompt(services, model, body, surface)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        num_choices = body.get("n") or 1   # each choice is a sequence of its own upstream
+        num_choices = num_sequences(body)
         num_expected = num_choices * services.estimator.estimate(model.name, max_tokens)
         charge = await charge_rate_limit(services, caller_key(request), prompt.num_tokens + num_expected)
         session_key = request.headers.get(SESSION_HEADER) or None

@@ -24,7 +24,7 @@ from gateway.providers.pd_answer import (PrefillResult, cached_tokens, chunk_bas
                                            sse_chunk, stream_usage, usage_body)
 from gateway.providers.pd_pairs import PdPairs
 from gateway.providers.openai import openai_wire
-from gateway.request import Leg, LegKind, Outcome, Progress, ProviderExhausted, Wire
+from gateway.request import Leg, LegKind, Outcome, Progress, ProviderExhausted, Wire, num_sequences
 from gateway.streaming import DONE_EVENT, ClientGone, StreamUsage, error_event
 from gateway.upstreams import Endpoint
 from policies.base import Decision
@@ -89,11 +89,9 @@ class _PdRun:
         """Prefill (unless a held prefill survives from a failed decode leg), then decode."""
         progress, legs, provider = self._progress, self._legs, self._provider
         body = progress.request.body
-        if _is_prompt_batch(body.get("prompt")):
-            raise ProviderExhausted("prompt batches are not served by switchyard workers", unsupported="prompt")
         if progress.num_failures:
             legs.metrics.on_retry(progress.request.facts.model)
-        if progress.so_far is not None or body.get("n", 1) != 1:
+        if progress.so_far is not None or num_sequences(body) != 1:
             return await self._whole_on_decode()
         decode_pool = legs.pool(self._config.name, Pool.MAIN)
         held = self._held
@@ -141,7 +139,8 @@ class _PdRun:
     async def _whole_on_decode(self) -> Outcome:
         """One leg on a decode worker, which computes the KV itself (a decode worker serves whole requests too):
         a stream broken mid-way (here or elsewhere) goes on from the output so far (`progress.so_far`); a request
-        whose held KV other weights computed starts there afresh; `n` > 1 choices (a prefill leg samples one)."""
+        whose held KV other weights computed starts there afresh; n > 1 or a batch of prompts (a prefill leg
+        samples one sequence)."""
         progress, legs, request = self._progress, self._legs, self._progress.request
         built = leg_body(self._config, request.body, request.raw, can_fail_over=progress.can_fail_over,
                          so_far=progress.so_far)
@@ -321,7 +320,3 @@ class _PdRun:
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:
     return body.get("max_completion_tokens") or body.get("max_tokens")
-
-
-def _is_prompt_batch(prompt: Any) -> bool:
-    return isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt)

@@ -1,6 +1,7 @@
 """What the disaggregated provider gives up: a prefill's held KV that no decode leg will claim is released on
 the prefill worker at once (the request falls back to another provider, is redone from a new prefill, runs out
-of retries, or its client leaves), and a request that no provider of the chain serves is the client's 400."""
+of retries, or its client leaves); what a prefill leg cannot serve (n > 1, a batch of prompts) runs whole on a
+decode worker."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -91,30 +92,17 @@ async def test_a_claimed_hold_is_not_released(tmp_path: Path) -> None:
         pair.stop()
 
 
-async def test_what_no_provider_of_the_chain_serves_is_a_400_and_a_provider_that_does_serves_it(
-        tmp_path: Path) -> None:
-    """Our workers take one prompt per request. With the PD provider alone a batch of prompts is the request's
-    fault, not an outage: 400 naming `prompt` (it was a 503 `no_upstream_available`). With a unified provider
-    after it, that one serves it. n > 1 runs whole on a decode worker: a prefill leg samples one choice."""
-    (tmp_path / "alone").mkdir()
-    (tmp_path / "chained").mkdir()
-    alone = Pd(tmp_path / "alone", ["p1"], ["d1"])
-    batch = {**BODY, "prompt": ["a", "b"]}
+async def test_n_choices_and_a_batch_of_prompts_run_whole_on_a_decode_worker(tmp_path: Path) -> None:
+    """A prefill leg samples one sequence: n > 1 and a batch of prompts go to a decode worker whole (they were
+    refused: with the PD provider alone, a 503 and then a 400)."""
+    pd = Pd(tmp_path, ["p1"], ["d1"])
     try:
-        status, error = await post(alone.gateway.url, batch, path=COMPLETIONS)
-        assert status == 400 and error["error"]["param"] == "prompt", error
-        assert error["error"]["type"] == "invalid_request_error" and "prompt batches" in error["error"]["message"]
-        assert alone.prefill[0].stats()["num_requests"] == 0 and alone.decode[0].stats()["num_requests"] == 0
-        status, answer = await post(alone.gateway.url, {**BODY, "n": 2})
+        status, answer = await post(pd.gateway.url, {**BODY, "n": 2})
         assert status == 200 and answer["served_by"] == "d1", answer
-        assert alone.prefill[0].stats()["num_requests"] == 0 and alone.decode[0].stats()["num_requests"] == 1
+        status, answer = await post(pd.gateway.url, {**BODY, "prompt": ["a", "b"]}, path=COMPLETIONS)
+        assert status == 200 and answer["served_by"] == "d1", answer
+        assert pd.prefill[0].stats()["num_requests"] == 0 and pd.decode[0].stats()["num_requests"] == 2
     finally:
-        alone.stop()
-    chained = Pd(tmp_path / "chained", ["p1"], ["d1"], both=("u1",))
-    try:
-        status, answer = await post(chained.gateway.url, batch, path=COMPLETIONS)
-        assert status == 200 and answer["served_by"] == "u1", answer
-    finally:
-        chained.stop()
+        pd.stop()
 
 

@@ -1,6 +1,7 @@
-"""`n` > 1 choices on a real worker (bundled SmolLM2, fp32 CPU): choice k of a seeded request is the draw
-that seed + k gives on transformers' logits for the same tokens, whole and streamed, completions and chat;
-the prompt is counted once; bad combinations are 400s; a client that leaves ends every choice's sequence."""
+"""`n` > 1 choices and batches of prompts on a real worker (bundled SmolLM2, fp32 CPU): choice k of a seeded
+request is the draw that seed + k gives on transformers' logits for the same tokens, whole and streamed,
+completions and chat, each prompt of a batch in order; each prompt is counted once; bad combinations are 400s;
+a client that leaves ends every choice's sequence."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -87,6 +88,31 @@ async def test_each_choice_is_its_seeds_draw_whole_and_streamed(worker_url: str,
         await wait_idle(session, worker_url)
 
 
+async def test_a_batch_of_prompts_answers_each_in_order(worker_url: str, hf_smollm2: torch.nn.Module,
+                                                       hf_smollm2_f64: torch.nn.Module) -> None:
+    """Prompt i's choice k is choice i * n + k, the draw seed + k gives for that prompt (as it would alone)."""
+    tokenizer, eos = smollm2_vocabulary()
+    texts = ["Once upon a time", "My favourite fruit is"]
+    body = {**BASE, "n": 2, "prompt": [texts[0], tokenizer(texts[1])["input_ids"]]}   # text and token ids
+    prompts = [prompt_ids(tokenizer, {"prompt": text}, False) for text in texts]
+    async with aiohttp.ClientSession() as session:
+        status, whole = await post(session, worker_url + "/v1/completions", body)
+        assert status == 200, whole
+        assert [c["index"] for c in whole["choices"]] == [0, 1, 2, 3]
+        assert whole["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+        assert whole["usage"]["completion_tokens"] == 4 * 8
+        answers = [c["token_ids"] for c in whole["choices"]]
+        tolerance = logit_tolerance(hf_smollm2, hf_smollm2_f64, [prompts[j // 2] + a for j, a in enumerate(answers)])
+        for j, answer in enumerate(answers):
+            prompt, params = prompts[j // 2], sampling_params({**body, "seed": SEED + j % 2})
+            reference = choices(teacher_forced_logits(hf_smollm2, prompt, answer), params, params.seed, eos,
+                                tolerance, prompt)
+            assert_same_tokens(answer, answer, reference, f"prompt {j // 2}, choice {j % 2}")
+        streamed, _ = await streamed_choices(session, worker_url + "/v1/completions", {**body, "stream": True})
+        assert sorted(streamed) == [0, 1, 2, 3]
+        await wait_idle(session, worker_url)
+
+
 @pytest.mark.parametrize(("extra", "param"), [
     ({"n": 17}, "n"),
     ({"n": 0}, "n"),
@@ -94,6 +120,12 @@ async def test_each_choice_is_its_seeds_draw_whole_and_streamed(worker_url: str,
     ({"n": 2, "resume_token_ids": [5]}, "resume_token_ids"),
     ({"n": 2, "kv_transfer_params": {"do_remote_decode": True}}, "n"),
     ({"n": 2, "max_tokens": 9000}, "max_tokens"),
+    ({"prompt": ["Hi"] * 65}, "prompt"),
+    ({"prompt": ["Hi"] * 8, "n": 9}, "prompt"),
+    ({"prompt": ["Hi", ""]}, "prompt[1]"),
+    ({"prompt": ["Hi", [1] * 2040]}, "max_tokens"),   # the worker's context: 2048 (128 blocks)
+    ({"prompt": ["Hi", "Yo"], "resume_token_ids": [5]}, "resume_token_ids"),
+    ({"prompt": ["Hi", "Yo"], "kv_transfer_params": {"do_remote_decode": True}}, "prompt"),
 ])
 async def test_bad_choice_requests_are_400s(worker_url: str, extra: dict[str, Any], param: str) -> None:
     async with aiohttp.ClientSession() as session:

@@ -83,8 +83,11 @@ BAD = [
     (C, {"prompt": [1, "a"]}, 400, "prompt", "invalid_value"),
     (C, {"prompt": [1, 1000]}, 400, "prompt", "invalid_value"),
     (C, {"prompt": [1, -1]}, 400, "prompt", "invalid_value"),
-    (C, {"prompt": ["a", "b"]}, 400, "prompt", "invalid_value"),
-    (C, {"prompt": [[1], [2]]}, 400, "prompt", "invalid_value"),
+    (C, {"prompt": ["a", ""]}, 400, "prompt[1]", "invalid_value"),
+    (C, {"prompt": [[1], [1000]]}, 400, "prompt[1]", "invalid_value"),
+    (C, {"prompt": [[1], 2]}, 400, "prompt", "invalid_value"),
+    (C, {"prompt": ["a"] * 65}, 400, "prompt", "invalid_value"),
+    (C, {"prompt": ["a"] * 5, "n": 13}, 400, "prompt", "invalid_value"),
     (CHAT, {"messages": []}, 400, "messages", "invalid_value"),
     (CHAT, {"messages": "hi"}, 400, "messages", "invalid_value"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "invalid_value"),
@@ -164,6 +167,11 @@ def test_prompt_forms() -> None:
     assert parse_request(C, body(C, prompt=[5, 6]), CTX).prompt_token_ids == (5, 6)
     assert parse_request(C, body(C, prompt=[[5, 6]]), CTX).prompt_token_ids == (5, 6)
     assert parse_request(C, body(C, prompt=["abc"]), CTX).prompt_text == "abc"
+    assert parse_request(C, body(C, prompt=["abc"]), CTX).batch == ()
+    batch = parse_request(C, body(C, prompt=["abc", [5, 6]], n=3), CTX)
+    assert batch.batch == (("abc", None), (None, (5, 6))) and batch.num_sequences == 6
+    assert [(r.prompt_text, r.prompt_token_ids, r.batch) for r in batch.each_prompt()] == \
+        [("abc", None, ()), (None, (5, 6), ())]
     assert parse_request(C, body(C, model=...), CTX).model == "smollm2"
     assert parse_request(C, body(C, model="alias"), CTX).model == "alias"
 
