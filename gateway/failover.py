@@ -156,7 +156,13 @@ def leg_body(config: ProviderConfig, body: Mapping[str, Any], raw: bytes, *, can
                 return None
             out[limit] -= so_far.num_tokens
     if "messages" in out:
-        out["messages"] = [*out["messages"], {"role": "assistant", "content": so_far.text}]
+        *before, last = out["messages"]
+        prefilled = out.get("continue_final_message") is True and isinstance(last, dict) and \
+            last.get("role") == "assistant" and isinstance(last.get("content"), str)
+        if prefilled:   # the answer continues the last message in place: so does its continuation
+            out["messages"] = [*before, {**last, "content": last["content"] + so_far.text}]
+        else:
+            out["messages"] = [*out["messages"], {"role": "assistant", "content": so_far.text}]
         out.update(continue_final_message=True, add_generation_prompt=False)
     elif isinstance(out.get("prompt"), str):
         out["prompt"] += so_far.text

@@ -64,6 +64,9 @@ class GenerateRequest:
     resume_token_ids: tuple[int, ...]           # extension: output tokens the client already has (mid-stream
                                                 # failover); the answer goes on after them
     skip_special_tokens: bool                   # special tokens stay out of the text
+    continue_final_message: bool = False        # chat: the answer goes on from the last (assistant) message
+                                                # in place, as vLLM's extension and Anthropic's prefill do
+    add_generation_prompt: bool = True          # chat: the template opens a new assistant turn at the end
 
     @property
     def num_sequences(self) -> int:
@@ -86,8 +89,10 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
     _refuse_unsupported(body, kind, num_choices)
     prompt_text, prompt_ids, messages = None, None, None
     batch: tuple[Prompt, ...] = ()
+    continue_final, add_generation_prompt = False, True
     if kind is RequestKind.CHAT:
         messages = _parse_messages(body.get("messages"))
+        continue_final, add_generation_prompt = _parse_final_message(body, messages)
         max_tokens = _opt_int(body, "max_completion_tokens", 1) or _opt_int(body, "max_tokens", 1)
         logprobs = _parse_chat_logprobs(body)
     else:
@@ -118,6 +123,8 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
         resume_token_ids=_parse_resume_token_ids(body.get("resume_token_ids"), ctx.vocab_size,
                                                  max(1, len(batch)) * num_choices),
         skip_special_tokens=_default(_opt_bool(body, "skip_special_tokens"), True),
+        continue_final_message=continue_final,
+        add_generation_prompt=add_generation_prompt,
     )
 
 
@@ -228,6 +235,20 @@ def _parse_messages(messages: Any) -> tuple[ChatMessage, ...]:
     if not isinstance(messages, list) or not messages:
         raise invalid_param("messages", "`messages` must be a non-empty array.")
     return tuple(_parse_message(i, m) for i, m in enumerate(messages))
+
+
+def _parse_final_message(body: dict[str, Any], messages: tuple[ChatMessage, ...]) -> tuple[bool, bool]:
+    """(continue_final_message, add_generation_prompt): continuing the last message opens no new turn, and it
+    must be the assistant's (a prefilled answer)."""
+    continue_final = _opt_bool(body, "continue_final_message") or False
+    add_generation_prompt = _default(_opt_bool(body, "add_generation_prompt"), not continue_final)
+    if continue_final and add_generation_prompt:
+        raise invalid_param("continue_final_message", "continue_final_message and add_generation_prompt cannot "
+                            "both be true: the answer either continues the last message or opens a new turn.")
+    if continue_final and messages[-1].role != "assistant":
+        raise invalid_param("continue_final_message", "continue_final_message continues an assistant message: "
+                            f"the last message is the {messages[-1].role}'s.")
+    return continue_final, add_generation_prompt
 
 
 def _parse_message(index: int, message: Any) -> ChatMessage:

@@ -51,7 +51,8 @@ class PromptTokenizer:
     def _encode_chat(self, req: GenerateRequest) -> tuple[int, ...]:
         messages = [{"role": m.role, "content": m.content} for m in req.messages or ()]
         try:
-            text = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self._hf.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                continue_final_message=req.continue_final_message, tokenize=False)
         except (jinja2.TemplateError, ValueError) as exc:
             raise invalid_param("messages", f"The chat template refused the messages: {exc}") from exc
         # The template already wrote the special tokens (BOS, role markers): add none.

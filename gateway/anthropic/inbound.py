@@ -76,6 +76,8 @@ def to_chat_body(body: Any) -> dict[str, Any]:
             raise BadRequest(f"{where}: an object with role 'user' or 'assistant'", param=f"{where}.role")
         chat_messages.append({"role": message["role"], "content": _text(message.get("content"), f"{where}.content")})
     chat: dict[str, Any] = {"model": model, "messages": chat_messages, "max_tokens": max_tokens}
+    if chat_messages[-1]["role"] == "assistant":   # a prefilled answer: continued in place, as vLLM takes it
+        chat.update(continue_final_message=True, add_generation_prompt=False)
     for name in ("temperature", "top_p"):
         if body.get(name) is not None:
             chat[name] = _number(body, name)

@@ -33,6 +33,10 @@ HEADER = MessageHeader("msg_1", "m", ("END",), num_input_tokens=7)
       "messages": [{"role": "user", "content": [{"type": "text", "text": "C", "cache_control": {"type": "x"}}]}]},
      {"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "A\nB"},
                                                   {"role": "user", "content": "C"}]}),
+    # a prefilled answer is continued in place, not answered in a new assistant turn
+    ({"model": "m", "max_tokens": 5, "messages": [*HELLO, {"role": "assistant", "content": "Hel"}]},
+     {"model": "m", "max_tokens": 5, "messages": [*HELLO, {"role": "assistant", "content": "Hel"}],
+      "continue_final_message": True, "add_generation_prompt": False}),
 ])
 def test_messages_request_becomes_a_chat_body(body: dict[str, Any], chat: dict[str, Any]) -> None:
     assert to_chat_body(body) == chat

@@ -195,6 +195,10 @@ def test_leg_bodies() -> None:
     text, counted = leg_body(provider(False), body, raw, can_fail_over=True, so_far=so_far) or (b"", True)
     assert orjson.loads(text)["messages"][-1] == {"role": "assistant", "content": "Hi yo"}
     assert orjson.loads(text)["max_tokens"] == 7 and not counted
+    prefilled = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "Well, "}],
+                 "continue_final_message": True, "add_generation_prompt": False}
+    text, _ = leg_body(provider(False), prefilled, raw, can_fail_over=True, so_far=so_far) or (b"", True)
+    assert orjson.loads(text)["messages"][1:] == [{"role": "assistant", "content": "Well, Hi yo"}]   # in place
     spent = SoFar({"id": "x"}, "Hi yo", None, 10, False)
     assert leg_body(provider(False), body, raw, can_fail_over=True, so_far=spent) is None
 
