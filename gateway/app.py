@@ -52,7 +52,8 @@ def create_app(config: GatewayConfig) -> web.Application:
         make_provider(provider)
     access = make_access_middleware(Authenticator.from_config(config.api_keys), config.limits)
     drain = Drain()
-    error_middleware = make_error_middleware(RequestIds(), {messages.ROUTE: messages.error_response})
+    anthropic_errors = {route: messages.error_response for route in (messages.ROUTE, messages.COUNT_TOKENS_ROUTE)}
+    error_middleware = make_error_middleware(RequestIds(), anthropic_errors)
     app = web.Application(middlewares=[error_middleware, drain.middleware(), access],
                           client_max_size=config.max_body_bytes)
     app[CONFIG] = config

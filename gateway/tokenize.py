@@ -50,12 +50,17 @@ class ModelTokenizer:
             value = config.get(name)
             self._specials[name] = value.get("content") if isinstance(value, dict) else value
 
-    def count_chat(self, messages: list[Any]) -> PromptTokens:
+    def count_chat(self, messages: list[Any], continue_final: bool = False) -> PromptTokens:
+        """`continue_final`: the answer continues the last message in place (vLLM's `continue_final_message`):
+        the rendering ends with its text, as transformers cuts it."""
         if self._template is None:
             text = "\n".join(_message_text(m) for m in messages)
             return self.count_text(text)
         try:
-            text = self._template.render(messages=messages, add_generation_prompt=True, **self._specials)
+            text = self._template.render(messages=messages, add_generation_prompt=not continue_final, **self._specials)
+            final = _message_text(messages[-1]).strip() if continue_final and messages else ""
+            if final and final in text:
+                text = text[:text.rindex(final) + len(final)]
         except Exception as exc:  # noqa: BLE001 - a template rejecting odd messages must not fail routing
             log.debug("chat template failed (%s); counting plain text", exc)
             text = "\n".join(_message_text(m) for m in messages)
@@ -101,9 +106,9 @@ class TokenCounter:
                 loaded[folder] = ModelTokenizer(folder)
             self._by_model[model] = loaded[folder]
 
-    def count_chat(self, model: str, messages: list[Any]) -> PromptTokens:
+    def count_chat(self, model: str, messages: list[Any], continue_final: bool = False) -> PromptTokens:
         tokenizer = self._by_model.get(model)
-        return estimate_chat(messages) if tokenizer is None else tokenizer.count_chat(messages)
+        return estimate_chat(messages) if tokenizer is None else tokenizer.count_chat(messages, continue_final)
 
     def count_prompt(self, model: str, prompt: str | list[Any]) -> PromptTokens:
         """A completions prompt: a string, a list of token ids, or a list of strings (a batch)."""

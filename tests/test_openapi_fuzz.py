@@ -2,8 +2,9 @@
 
 A bounded, seeded campaign: every operation, positive and negative bodies, MAX_EXAMPLES each, no
 shrinking, no stateful phase. Every response must be a non-5xx that conforms to the document (status
-code, content type, body), every 4xx must be in OpenAI's error shape (Anthropic's on /v1/messages), and
-the processes must still be alive and healthy afterwards. All failures are collected and reported together.
+code, content type, body), every 4xx must be in OpenAI's error shape (Anthropic's on /v1/messages and
+/v1/messages/count_tokens), and the processes must still be alive and healthy afterwards. All failures are
+collected and reported together.
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def _fuzz(operation: schemathesis.APIOperation, mode: GenerationMode, base_url: 
         except FailureGroup as group:
             problems.extend(str(exc) for exc in group.exceptions)
         if 400 <= response.status_code < 600:
-            anthropic = operation.path == "/v1/messages"
+            anthropic = operation.path.startswith("/v1/messages")
             problems.extend(_anthropic_error_problems(response) if anthropic else _error_shape_problems(response))
         if problems:
             request = response.request

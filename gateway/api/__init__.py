@@ -21,6 +21,8 @@ def routes() -> list[web.RouteDef]:
         web.post("/v1/completions", completions.completions),
         web.post(messages.ROUTE, messages.create_message),
         web.get("/v1/models", models.list_models),
+        web.get("/v1/models/{model:.+}", models.get_model),
+        web.post(messages.COUNT_TOKENS_ROUTE, messages.count_tokens),
         web.get("/v1/usage", usage.get_usage),
         web.get("/health", ops.health),
         web.get("/ready", ops.ready),

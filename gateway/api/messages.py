@@ -18,7 +18,7 @@ from aiohttp import web
 from gateway.anthropic import inbound
 from gateway.anthropic.inbound import MessageEvents, MessageHeader
 from gateway.api.completions import Surface, check_body, read_body, serve
-from gateway.errors import BadRequest, GatewayError
+from gateway.errors import BadRequest, GatewayError, NotFound
 from gateway.lean_http import LeanProtocol, LeanRequest
 from gateway.lean_response import LeanSse
 from gateway.request import RoutedRequest
@@ -26,6 +26,7 @@ from gateway.services import SERVICES
 from gateway.streaming import SseResponseFactory
 
 ROUTE = "/v1/messages"
+COUNT_TOKENS_ROUTE = "/v1/messages/count_tokens"
 VERSION_HEADER = "anthropic-version"
 
 
@@ -44,6 +45,23 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     outcome = await serve(request, Surface.CHAT, chat, orjson.dumps(chat), started_s,
                           partial(_sse_response, header, response_class))
     return _translated(outcome.response, header)
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """POST /v1/messages/count_tokens: the prompt tokens a Messages request would have, by the model's
+    tokenizer and chat template as the gateway counts them for routing (an estimate where no tokenizer is
+    configured). Nothing is sent upstream."""
+    services = request.app[SERVICES]
+    inbound.check_version(request.headers.get(VERSION_HEADER))
+    body = _decode(await read_body(request, services.config.limits.body_timeout_s))
+    if isinstance(body, dict) and body.get("max_tokens") is None:
+        body = {**body, "max_tokens": 1}    # counting takes no max_tokens; the translation needs one
+    chat = inbound.to_chat_body(body)
+    check_body(chat, Surface.CHAT, services.config.limits)
+    if chat["model"] not in services.config.models:
+        raise NotFound(f"The model {chat['model']!r} does not exist", param="model", code="model_not_found")
+    counted = services.counter.count_chat(chat["model"], chat["messages"], chat.get("continue_final_message") is True)
+    return web.Response(body=orjson.dumps({"input_tokens": counted.num_tokens}), content_type="application/json")
 
 
 def _decode(raw: bytes) -> Any:

@@ -3,7 +3,10 @@ behind it: whole and streamed messages, a system prompt, prefix-cache reads in u
 errors in Anthropic's shape. Sessions are pinned with `x-session-affinity` as for the OpenAI clients."""
 from __future__ import annotations
 
+import urllib.request
+
 import anthropic
+import orjson
 import pytest
 from anthropic.types import Message
 
@@ -68,6 +71,25 @@ def test_stop_sequences(system: System) -> None:
         final = stream.get_final_message()
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "e")
     assert "e" not in final.content[0].text
+
+
+def test_count_tokens_is_the_prompt_a_worker_takes(system: System) -> None:
+    """messages.count_tokens against what a worker (transformers' chat template) counts for the same chat, a
+    prefilled answer included; no request reaches a worker for the count itself."""
+    sdk = client(system)
+    teacher = "You are a geography teacher."
+    before = system.finished_sequences()
+    for messages in (QUESTION, [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]):
+        counted = sdk.messages.count_tokens(model=MODEL, system=teacher, messages=messages)
+        chat = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "system", "content": teacher}, *messages],
+                **({"continue_final_message": True} if messages[-1]["role"] == "assistant" else {})}
+        request = urllib.request.Request(system.worker_urls[0] + "/v1/chat/completions", data=orjson.dumps(chat),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert counted.input_tokens == orjson.loads(response.read())["usage"]["prompt_tokens"]
+    assert sum(system.finished_sequences()) - sum(before) == 2     # only the two direct requests ran
+    with pytest.raises(anthropic.NotFoundError):
+        sdk.messages.count_tokens(model="no-such-model", messages=QUESTION)
 
 
 def test_errors_in_anthropics_shape(system: System) -> None:

@@ -26,6 +26,13 @@ def test_sync_client(system: System) -> None:
     completion = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0)
     assert completion.choices[0].text and completion.usage.completion_tokens <= 4
     assert [m.id for m in client.models.list()] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    several = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, n=2, seed=3)
+    assert [c.index for c in several.choices] == [0, 1] and several.usage.completion_tokens <= 8
+    batch = client.completions.create(model=MODEL, prompt=["The sky is", "Grass is"], max_tokens=2, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1] and all(c.text for c in batch.choices)
 
 
 def test_async_client(system: System) -> None:

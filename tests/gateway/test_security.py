@@ -63,7 +63,7 @@ async def test_every_route_but_the_probes_needs_a_key(start_fakes, start_gateway
                 status, body = await fetch(client, method, gateway.url + path, secret, json=CHAT)
                 if open_route:
                     assert status == 200, (path, body)
-                elif path == "/v1/messages":    # Anthropic's API, Anthropic's error shape
+                elif path.startswith("/v1/messages"):    # Anthropic's API, Anthropic's error shape
                     assert status == 401 and body["error"]["type"] == "authentication_error", body
                 else:
                     assert_openai_error(body, 401, status)
