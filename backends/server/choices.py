@@ -49,7 +49,7 @@ class Choices:
                          dataclasses.replace(params, seed=choice_seed(params.seed, k)), req.skip_special_tokens,
                          arrival_s)
             for i, (ids, params) in enumerate(prompts) for k in range(n)]
-        self._builders = [ResponseBuilder(req.kind, request_id, req.model, tokenizer.backend,
+        self._builders = [ResponseBuilder(req.kind, request_id, req.model, tokenizer,
                                           return_token_ids=req.return_token_ids, index=index)
                           for index in range(len(self._specs))]
         self._queue: asyncio.Queue[tuple[int, GenerationDelta | BaseException | None]] = asyncio.Queue()

@@ -114,7 +114,7 @@ async def prefill_leg(request: web.Request, kind: RequestKind, req: GenerateRequ
     params = resolve_max_tokens(one, len(prompt_ids), engine.max_model_len)
     spec = SequenceSpec(request_id, prompt_ids, params, req.skip_special_tokens, arrival_s, continues_elsewhere=True,
                         kv_transfer=KVTransferParams(do_remote_decode=True))
-    builder = ResponseBuilder(kind, request_id, req.model, tokenizer.backend, return_token_ids=req.return_token_ids)
+    builder = ResponseBuilder(kind, request_id, req.model, tokenizer, return_token_ids=req.return_token_ids)
     async with aclosing(generate_deltas(engine, tokenizer.backend, spec, metrics)) as deltas:
         collected = [delta async for delta in deltas]
     body = builder.final(collected)
@@ -159,7 +159,7 @@ def decode_leg(app: web.Application, kind: RequestKind, req: GenerateRequest, pr
     spec = SequenceSpec(request_id, prompt_ids + leg.first_token_ids, params, req.skip_special_tokens, arrival_s,
                         num_prior_output_tokens=len(leg.first_token_ids),
                         kv_transfer=KVTransferParams(remote=leg.remote, first_token_ids=leg.first_token_ids))
-    builder = ResponseBuilder(kind, leg.response_id or request_id, req.model, tokenizer.backend,
+    builder = ResponseBuilder(kind, leg.response_id or request_id, req.model, tokenizer,
                               return_token_ids=req.return_token_ids,
                               prior_completion_ids=leg.first_token_ids)
     return spec, builder

@@ -91,7 +91,7 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
     spec = SequenceSpec(request_id, prompt_ids + resumed, params, req.skip_special_tokens, arrival_s,
                         num_prior_output_tokens=len(resumed),
                         kv_transfer=KVTransferParams(first_token_ids=resumed) if resumed else None)
-    builder = ResponseBuilder(kind, request_id, req.model, tokenizer.backend, return_token_ids=req.return_token_ids,
+    builder = ResponseBuilder(kind, request_id, req.model, tokenizer, return_token_ids=req.return_token_ids,
                               prior_completion_ids=resumed)
     return await respond(request, req, engine, spec, builder)
 

@@ -11,11 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenizers import Tokenizer
-
 from backends.engine.outputs import TokenLogprob
 from backends.server.generation import GenerationDelta
 from backends.server.protocol import RequestKind
+from backends.server.tokenization import PromptTokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +36,7 @@ class ResponseBuilder:
     """Builds one request's chunks (streaming) or final body; tracks usage and text offsets."""
 
     def __init__(
-        self, kind: RequestKind, response_id: str, model: str, tokenizer: Tokenizer, *, return_token_ids: bool,
+        self, kind: RequestKind, response_id: str, model: str, tokenizer: PromptTokenizer, *, return_token_ids: bool,
         prior_completion_ids: Sequence[int] = (), index: int = 0,
     ) -> None:
         """`prior_completion_ids`: output tokens the client got from elsewhere (a decode leg's first token, a
@@ -132,14 +131,13 @@ class ResponseBuilder:
         return self._completion_logprobs(logprobs)
 
     def _chat_logprob(self, lp: TokenLogprob) -> dict[str, Any]:
-        token = self._token_text(lp.token_id)
+        token_bytes = self._tokenizer.token_bytes   # the token's own: a piece of a character is not U+FFFD's
         return {
-            "token": token,
+            "token": self._token_text(lp.token_id),
             "logprob": lp.logprob,
-            "bytes": list(token.encode("utf-8")),
+            "bytes": list(token_bytes(lp.token_id)),
             "top_logprobs": [
-                {"token": (t := self._token_text(tid)), "logprob": v, "bytes": list(t.encode("utf-8"))}
-                for tid, v in lp.top
+                {"token": self._token_text(tid), "logprob": v, "bytes": list(token_bytes(tid))} for tid, v in lp.top
             ],
         }
 
@@ -157,4 +155,4 @@ class ResponseBuilder:
         }
 
     def _token_text(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._tokenizer.backend.decode([token_id], skip_special_tokens=False)

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBas
 from backends.models.config import read_config_json
 from backends.server.errors import invalid_param
 from backends.server.protocol import GenerateRequest, RequestKind
+from backends.server.token_bytes import TokenBytes
 
 
 class PromptTokenizer:
@@ -27,6 +28,7 @@ class PromptTokenizer:
             raise ValueError("the model needs a fast (tokenizers-backed) tokenizer")
         self._hf = hf_tokenizer
         self._backend = backend
+        self.token_bytes = TokenBytes(backend)   # each token's own bytes (chat logprobs)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> PromptTokenizer:

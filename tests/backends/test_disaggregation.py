@@ -147,6 +147,7 @@ async def test_logprobs_cover_the_first_token_and_offsets_run_on(cluster: Cluste
                 entries = [e for c in choices for e in c["logprobs"]["content"]]
                 tokens, logprobs = [e["token"] for e in entries], [e["logprob"] for e in entries]
                 assert all(len(e["top_logprobs"]) == 2 for e in entries)
+                assert bytes(b for e in entries for b in e["bytes"]).decode() == text
             else:
                 lists = {k: [v for c in choices for v in c["logprobs"][k]] for k in choices[0]["logprobs"]}
                 tokens, logprobs = lists["tokens"], lists["token_logprobs"]
