@@ -6,13 +6,13 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.api import completions, messages, models, openapi, ops, usage
+from gateway.api import completions, messages, models, openapi, ops, responses, usage
 
 
 def lean_routes() -> Mapping[str, Callable[[Any], Awaitable[web.StreamResponse]]]:
     """The POST routes that gateway/lean_http.py serves itself (the same handlers as in `routes`)."""
     return {"/v1/chat/completions": completions.chat_completions, "/v1/completions": completions.completions,
-            messages.ROUTE: messages.create_message}
+            messages.ROUTE: messages.create_message, responses.ROUTE: responses.create_response}
 
 
 def routes() -> list[web.RouteDef]:
@@ -20,6 +20,7 @@ def routes() -> list[web.RouteDef]:
         web.post("/v1/chat/completions", completions.chat_completions),
         web.post("/v1/completions", completions.completions),
         web.post(messages.ROUTE, messages.create_message),
+        web.post(responses.ROUTE, responses.create_response),
         web.get("/v1/models", models.list_models),
         web.get("/v1/models/{model:.+}", models.get_model),
         web.post(messages.COUNT_TOKENS_ROUTE, messages.count_tokens),

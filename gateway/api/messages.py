@@ -19,8 +19,7 @@ from gateway.anthropic import inbound
 from gateway.anthropic.inbound import MessageEvents, MessageHeader
 from gateway.api.completions import Surface, check_body, read_body, serve
 from gateway.errors import BadRequest, GatewayError, NotFound
-from gateway.lean_http import LeanProtocol, LeanRequest
-from gateway.lean_response import LeanSse
+from gateway.api.reencoded import reencoded_response_class
 from gateway.request import RoutedRequest
 from gateway.services import SERVICES
 from gateway.streaming import SseResponseFactory
@@ -39,11 +38,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     chat = inbound.to_chat_body(body)
     check_body(chat, Surface.CHAT, services.config.limits)
     header = MessageHeader(f"msg_{uuid.uuid4().hex}", chat["model"], inbound.stop_sequences(body))
-    # The stream's class for the connection's server: the lean one writes to the transport itself.
-    response_class = partial(LeanMessageEvents, request.protocol) if isinstance(request, LeanRequest) \
-        else MessageEventsResponse
     outcome = await serve(request, Surface.CHAT, chat, orjson.dumps(chat), started_s,
-                          partial(_sse_response, header, response_class))
+                          partial(_sse_response, header, reencoded_response_class(request)))
     return _translated(outcome.response, header)
 
 
@@ -94,40 +90,6 @@ def _sse_response(header: MessageHeader, response_class: Callable[..., web.Strea
     """The streamed response's factory: message_start carries the gateway's prompt count."""
     events = MessageEvents(replace(header, num_input_tokens=routed.facts.num_prompt_tokens))
     return partial(response_class, events=events)
-
-
-class _Reencoding(web.StreamResponse):
-    """Whatever the dispatch writes (OpenAI chunks, keepalives, error events) leaves as Anthropic events,
-    through the base response's own writes."""
-
-    _events: MessageEvents
-
-    async def write(self, data: bytes | bytearray | memoryview) -> None:
-        out = self._events.feed(bytes(data))
-        if out:
-            await super().write(out)
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        await super().write_eof(self._events.close() + data)   # close() is empty once the message ended
-
-
-class MessageEventsResponse(_Reencoding):
-    """The client's SSE response on aiohttp's server."""
-
-    _send_headers_immediately = False   # the status line and headers leave with the first events
-
-    def __init__(self, *, events: MessageEvents, status: int, headers: dict[str, str]) -> None:
-        super().__init__(status=status, headers=headers)
-        self._events = events
-
-
-class LeanMessageEvents(_Reencoding, LeanSse):
-    """The client's SSE response on the lean server (gateway/lean_http.py)."""
-
-    def __init__(self, protocol: LeanProtocol, *, events: MessageEvents, status: int,
-                 headers: dict[str, str]) -> None:
-        super().__init__(protocol, status=status, headers=headers)
-        self._events = events
 
 
 def error_response(error: GatewayError) -> web.Response:

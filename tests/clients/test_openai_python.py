@@ -63,3 +63,22 @@ def test_streaming(system: System) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=system.openai_base_url, api_key="wrong", max_retries=0).chat.completions.create(
             model=MODEL, messages=QUESTION, max_tokens=2)
+
+
+def test_responses_api(system: System) -> None:
+    """POST /v1/responses, whole and streamed through the SDK's own stream helper, and a refusal."""
+    client = openai.OpenAI(base_url=system.openai_base_url, api_key=system.api_key, max_retries=0,
+                           default_headers={SESSION_HEADER: "py-responses"})
+    with same_worker(system, 2):
+        whole = client.responses.create(model=MODEL, input=QUESTION, instructions="Answer in one word.",
+                                        max_output_tokens=8, temperature=0)
+        with client.responses.stream(model=MODEL, input=QUESTION, instructions="Answer in one word.",
+                                     max_output_tokens=200, temperature=0) as stream:
+            deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+            final = stream.get_final_response()
+    assert whole.id.startswith("resp_") and whole.output_text and whole.status in ("completed", "incomplete")
+    assert whole.usage is not None and whole.usage.input_tokens > 5 and 0 < whole.usage.output_tokens <= 8
+    assert final.status == "completed" and final.output_text and "".join(deltas) == final.output_text
+    assert final.usage is not None and final.usage.output_tokens > 0
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_0")
