@@ -11,9 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
-from gateway.anthropic.sse import SseEvent, SseFramer, named_event
+from gateway.anthropic.sse import named_event
+from gateway.chat_stream import ChatStreamTranslator
 from gateway.errors import BadRequest
 
 ROLES = frozenset({"user", "assistant", "system", "developer"})
@@ -166,77 +165,34 @@ def to_response(completion: Any, header: ResponseHeader) -> dict[str, Any]:
 
 # --- the stream --------------------------------------------------------------------------------------
 
-class ResponseEvents:
+class ResponseEvents(ChatStreamTranslator):
     """OpenAI chat chunks in, the Responses stream's events out: response.created, response.in_progress,
     output_item.added and content_part.added before the first text, an output_text.delta per chunk of text,
     then output_text.done, content_part.done, output_item.done and response.completed (response.incomplete
     when max_output_tokens ended it) at [DONE]. Every event carries its sequence_number. A keepalive stays a
     comment; an error event becomes response.failed and ends the stream."""
 
-    __slots__ = ("_ended", "_finish", "_framer", "_header", "_num_deltas", "_sequence", "_started", "_text", "_usage")
+    __slots__ = ("_header", "_sequence", "_texts")
 
     def __init__(self, header: ResponseHeader) -> None:
+        super().__init__()
         self._header = header
-        self._framer = SseFramer()
-        self._started = False       # response.created went out
-        self._ended = False         # a terminal event went out: nothing more follows
         self._sequence = 0
-        self._text: list[str] = []
-        self._finish: str | None = None
-        self._usage: Any = None
-        self._num_deltas = 0
-
-    def feed(self, chunk: bytes) -> bytes:
-        out = b""
-        for event in self._framer.feed(chunk):
-            if not self._ended:
-                out += self._translate(event)
-        return out
-
-    def close(self) -> bytes:
-        """The end of the upstream's stream: a started response that did not end is ended now."""
-        if self._ended or not self._started:
-            return b""
-        return self._end()
-
-    def _translate(self, event: SseEvent) -> bytes:
-        if event.data is None:
-            return b": keepalive\n\n"
-        if event.data == b"[DONE]":
-            return self._start() + self._end()
-        try:
-            payload = orjson.loads(event.data)
-        except orjson.JSONDecodeError:
-            return b""
-        if not isinstance(payload, dict):
-            return b""
-        if isinstance(payload.get("error"), dict) and not payload.get("choices"):
-            return self._failed(payload["error"])
-        out = self._start()
-        if isinstance(payload.get("usage"), dict):
-            self._usage = payload["usage"]
-        choices = payload.get("choices")
-        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            choice = choices[0]
-            delta = choice.get("delta")
-            text = delta.get("content") if isinstance(delta, dict) else None
-            if isinstance(text, str) and text:
-                self._text.append(text)
-                self._num_deltas += 1
-                out += self._event("response.output_text.delta", item_id=self._header.message_id, output_index=0,
-                                   content_index=0, delta=text, logprobs=[])
-            if isinstance(choice.get("finish_reason"), str):
-                self._finish = choice["finish_reason"]
-        return out
+        self._texts: list[str] = []
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         self._sequence += 1
         return named_event({"type": kind, "sequence_number": self._sequence - 1, **fields})
 
-    def _start(self) -> bytes:
-        if self._started:
-            return b""
-        self._started = True
+    def _keepalive(self) -> bytes:
+        return b": keepalive\n\n"
+
+    def _text(self, text: str) -> bytes:
+        self._texts.append(text)
+        return self._event("response.output_text.delta", item_id=self._header.message_id, output_index=0,
+                           content_index=0, delta=text, logprobs=[])
+
+    def _opening(self) -> bytes:
         header = self._header
         created = response_object(header, None, None)
         return (self._event("response.created", response=created)
@@ -246,10 +202,9 @@ class ResponseEvents:
                 + self._event("response.content_part.added", item_id=header.message_id, output_index=0,
                               content_index=0, part=_text_part("")))
 
-    def _end(self) -> bytes:
-        self._ended = True
-        header, text = self._header, "".join(self._text)
-        final = response_object(header, text, self._finish, self._usage, self._num_deltas)
+    def _closing(self) -> bytes:
+        header, text = self._header, "".join(self._texts)
+        final = response_object(header, text, self._finish.get("finish_reason"), self._usage, self._num_deltas)
         return (self._event("response.output_text.done", item_id=header.message_id, output_index=0,
                             content_index=0, text=text, logprobs=[])
                 + self._event("response.content_part.done", item_id=header.message_id, output_index=0,
@@ -257,9 +212,8 @@ class ResponseEvents:
                 + self._event("response.output_item.done", output_index=0, item=final["output"][0])
                 + self._event(f"response.{final['status']}", response=final))
 
-    def _failed(self, error: Mapping[str, Any]) -> bytes:
+    def _failure(self, error: Mapping[str, Any]) -> bytes:
         out = self._start()
-        self._ended = True
         failed = {**response_object(self._header, None, None), "status": "failed",
                   "error": {"code": str(error.get("code") or "server_error"),
                             "message": str(error.get("message") or "upstream error")}}

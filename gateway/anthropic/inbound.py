@@ -13,7 +13,8 @@ from typing import Any, TypeGuard
 import orjson
 
 from gateway.anthropic import FIRST_VERSION
-from gateway.anthropic.sse import SseEvent, SseFramer, named_event
+from gateway.anthropic.sse import named_event
+from gateway.chat_stream import ChatStreamTranslator
 from gateway.errors import BadRequest
 
 ROLES = frozenset({"user", "assistant"})
@@ -205,69 +206,25 @@ def _openai_message(body: bytes) -> str:
 
 # --- the stream --------------------------------------------------------------------------------------
 
-class MessageEvents:
+class MessageEvents(ChatStreamTranslator):
     """OpenAI chat chunks in, Anthropic stream events out: message_start, content_block_start and ping
     before the first text, a content_block_delta per chunk of text, then content_block_stop,
     message_delta (stop reason and usage) and message_stop at [DONE]. A keepalive comment becomes a
     ping; an error event becomes `event: error` and ends the stream."""
 
-    __slots__ = ("_ended", "_framer", "_header", "_num_deltas", "_started", "_stop", "_usage")
+    __slots__ = ("_header",)
 
     def __init__(self, header: MessageHeader) -> None:
+        super().__init__()
         self._header = header
-        self._framer = SseFramer()
-        self._started = False          # message_start went out
-        self._ended = False            # message_stop or an error went out: nothing more follows
-        self._stop: tuple[str | None, str | None] = (None, None)  # (stop_reason, stop_sequence)
-        self._usage: Any = None        # the upstream's usage object, when it sends one
-        self._num_deltas = 0           # text chunks relayed (output tokens when no usage comes)
 
-    def feed(self, chunk: bytes) -> bytes:
-        out = b""
-        for event in self._framer.feed(chunk):
-            if not self._ended:
-                out += self._translate(event)
-        return out
+    def _keepalive(self) -> bytes:
+        return named_event({"type": "ping"})
 
-    def close(self) -> bytes:
-        """The end of the upstream's stream: a started message that did not end is ended now."""
-        if self._ended or not self._started:
-            return b""
-        return self._end()
+    def _text(self, text: str) -> bytes:
+        return named_event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})
 
-    def _translate(self, event: SseEvent) -> bytes:
-        if event.data is None:
-            return named_event({"type": "ping"})
-        if event.data == b"[DONE]":
-            return self._start() + self._end()
-        try:
-            payload = orjson.loads(event.data)
-        except orjson.JSONDecodeError:
-            return b""
-        if not isinstance(payload, dict):
-            return b""
-        if isinstance(payload.get("error"), dict) and not payload.get("choices"):
-            return self._error(payload["error"])
-        out = self._start()
-        if isinstance(payload.get("usage"), dict):
-            self._usage = payload["usage"]
-        choices = payload.get("choices")
-        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            choice = choices[0]
-            delta = choice.get("delta")
-            text = delta.get("content") if isinstance(delta, dict) else None
-            if isinstance(text, str) and text:
-                self._num_deltas += 1
-                out += named_event({"type": "content_block_delta", "index": 0,
-                                    "delta": {"type": "text_delta", "text": text}})
-            if choice.get("finish_reason") is not None:
-                self._stop = stop_reason(choice, self._header.stop_sequences)
-        return out
-
-    def _start(self) -> bytes:
-        if self._started:
-            return b""
-        self._started = True
+    def _opening(self) -> bytes:
         header = self._header
         message: dict[str, Any] = {
             "id": header.message_id, "type": "message", "role": "assistant", "model": header.model, "content": [],
@@ -277,17 +234,15 @@ class MessageEvents:
                                "content_block": {"type": "text", "text": ""}})
                 + named_event({"type": "ping"}))
 
-    def _end(self) -> bytes:
-        self._ended = True
-        reason, sequence = self._stop
+    def _closing(self) -> bytes:
+        reason, sequence = stop_reason(self._finish, self._header.stop_sequences)
         return (named_event({"type": "content_block_stop", "index": 0})
                 + named_event({"type": "message_delta", "delta": {"stop_reason": reason or "end_turn",
                                                                    "stop_sequence": sequence},
                                "usage": usage(self._usage, self._header.num_input_tokens, self._num_deltas)})
                 + named_event({"type": "message_stop"}))
 
-    def _error(self, error: Mapping[str, Any]) -> bytes:
-        self._ended = True
+    def _failure(self, error: Mapping[str, Any]) -> bytes:
         kind = "overloaded_error" if error.get("code") == "no_upstream_available" else \
             STREAM_ERROR_TYPES.get(str(error.get("type")), "api_error")
         message = error.get("message") if isinstance(error.get("message"), str) else "upstream error"

@@ -189,13 +189,18 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
         raise RequestTimeout(f"The request body did not arrive within {timeout_s:g} s") from None
 
 
-def parse_body(raw: bytes, surface: Surface, limits: LimitsConfig) -> dict[str, Any]:
+def decode_json(raw: bytes) -> Any:
+    """A request body's JSON (any value), or a 400 for an empty or malformed one."""
     if not raw:
         raise BadRequest("The request body is empty; expected a JSON object")
     try:
-        body = orjson.loads(raw)
+        return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"The request body is not valid JSON: {exc}") from None
+
+
+def parse_body(raw: bytes, surface: Surface, limits: LimitsConfig) -> dict[str, Any]:
+    body = decode_json(raw)
     if not isinstance(body, dict):
         raise BadRequest("The request body must be a JSON object")
     check_body(body, surface, limits)

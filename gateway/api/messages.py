@@ -10,16 +10,15 @@ import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from typing import Any
 
 import orjson
 from aiohttp import web
 
 from gateway.anthropic import inbound
 from gateway.anthropic.inbound import MessageEvents, MessageHeader
-from gateway.api.completions import Surface, check_body, read_body, serve
-from gateway.errors import BadRequest, GatewayError, NotFound
+from gateway.api.completions import Surface, check_body, decode_json, read_body, serve
 from gateway.api.reencoded import reencoded_response_class
+from gateway.errors import GatewayError, NotFound
 from gateway.request import RoutedRequest
 from gateway.services import SERVICES
 from gateway.streaming import SseResponseFactory
@@ -34,7 +33,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     services = request.app[SERVICES]
     inbound.check_version(request.headers.get(VERSION_HEADER))
     raw = await read_body(request, services.config.limits.body_timeout_s)
-    body = _decode(raw)
+    body = decode_json(raw)
     chat = inbound.to_chat_body(body)
     check_body(chat, Surface.CHAT, services.config.limits)
     header = MessageHeader(f"msg_{uuid.uuid4().hex}", chat["model"], inbound.stop_sequences(body))
@@ -49,7 +48,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     configured). Nothing is sent upstream."""
     services = request.app[SERVICES]
     inbound.check_version(request.headers.get(VERSION_HEADER))
-    body = _decode(await read_body(request, services.config.limits.body_timeout_s))
+    body = decode_json(await read_body(request, services.config.limits.body_timeout_s))
     if isinstance(body, dict) and body.get("max_tokens") is None:
         body = {**body, "max_tokens": 1}    # counting takes no max_tokens; the translation needs one
     chat = inbound.to_chat_body(body)
@@ -58,15 +57,6 @@ async def count_tokens(request: web.Request) -> web.Response:
         raise NotFound(f"The model {chat['model']!r} does not exist", param="model", code="model_not_found")
     counted = services.counter.count_chat(chat["model"], chat["messages"], chat.get("continue_final_message") is True)
     return web.Response(body=orjson.dumps({"input_tokens": counted.num_tokens}), content_type="application/json")
-
-
-def _decode(raw: bytes) -> Any:
-    if not raw:
-        raise BadRequest("The request body is empty; expected a JSON object")
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"The request body is not valid JSON: {exc}") from None
 
 
 def _translated(response: web.StreamResponse, header: MessageHeader) -> web.StreamResponse:

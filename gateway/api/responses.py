@@ -12,9 +12,9 @@ import orjson
 from aiohttp import web
 
 from gateway import openai_responses
-from gateway.api.completions import Surface, check_body, read_body, serve
+from gateway.api.completions import Surface, check_body, decode_json, read_body, serve
 from gateway.api.reencoded import reencoded_response_class
-from gateway.errors import BadRequest, UpstreamsFailed
+from gateway.errors import UpstreamsFailed
 from gateway.openai_responses import ResponseEvents, ResponseHeader
 from gateway.request import RoutedRequest
 from gateway.services import SERVICES
@@ -26,13 +26,7 @@ ROUTE = "/v1/responses"
 async def create_response(request: web.Request) -> web.StreamResponse:
     started_s = time.perf_counter()
     services = request.app[SERVICES]
-    raw = await read_body(request, services.config.limits.body_timeout_s)
-    if not raw:
-        raise BadRequest("The request body is empty; expected a JSON object")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"The request body is not valid JSON: {exc}") from None
+    body = decode_json(await read_body(request, services.config.limits.body_timeout_s))
     chat = openai_responses.to_chat_body(body)
     check_body(chat, Surface.CHAT, services.config.limits)
     header = ResponseHeader(f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}", int(time.time()), body)

@@ -3,7 +3,6 @@ refusals as a table, a whole chat completion as a Response, and the stream trans
 of the upstream's bytes gives the same events, in order, with consecutive sequence numbers)."""
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import orjson
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 from gateway.anthropic.sse import SseFramer
 from gateway.errors import BadRequest
 from gateway.openai_responses import ResponseEvents, ResponseHeader, to_chat_body, to_response
+from tests.gateway.test_anthropic_translate import cut
 
 HELLO = [{"role": "user", "content": "Hi"}]
 REQUEST = {"model": "m", "input": "Hi", "instructions": "Be brief.", "max_output_tokens": 5, "metadata": {"k": "v"}}
@@ -103,11 +103,6 @@ def events(data: bytes) -> list[dict[str, Any]]:
         assert event.name == payload["type"] and payload["sequence_number"] == len(out)
         out.append(payload)
     return out
-
-
-def cut(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({0, len(data), *(c % (len(data) + 1) for c in cuts)})
-    return [data[a:b] for a, b in itertools.pairwise(points)]
 
 
 @settings(max_examples=60, deadline=None)
