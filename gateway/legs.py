@@ -40,6 +40,7 @@ _NOTIFY_TIMEOUT_S = 5.0   # a `notify` post's whole exchange
 
 T = TypeVar("T")
 MAX_ERROR_BODY = 64 * 1024
+UNSUPPORTED_PARAMETER = "unsupported_parameter"   # an upstream's 400 code for a field it cannot honour (OpenAI's)
 
 # Reads one leg's upstream response: (response, the first-byte deadline, the leg's lease) -> the result.
 ResponseReader = Callable[[aiohttp.ClientResponse, TaskDeadline, Lease], Awaitable[T]]
@@ -256,6 +257,10 @@ class Legs:
             raise RetryableFailure(f"HTTP {status}: {error_message(body)}", rate_limited=status == 429,
                                    retry_after_s=retry_after_s)
         breaker.on_success()
+        if status == 400 and error_code(body) == UNSUPPORTED_PARAMETER and (client is None or not client.prepared):
+            # The request asks what this upstream cannot honour (our workers: tools, a JSON response_format):
+            # the next provider of the chain may (a 400 naming the field where none does).
+            raise ProviderExhausted(error_message(body), unsupported=error_param(body) or "")
         if client is not None and client.prepared:
             await client.fail(b"data: " + body.replace(b"\n", b" ") + b"\n\n")
             return Outcome(await client.finish(), None, StreamUsage())
@@ -289,11 +294,20 @@ def error_message(body: bytes) -> str:
 
 def error_code(body: bytes) -> str | None:
     """`error.code` of an OpenAI-style error body, when it has one."""
+    return _error_field(body, "code")
+
+
+def error_param(body: bytes) -> str | None:
+    """`error.param` of an OpenAI-style error body, when it has one."""
+    return _error_field(body, "param")
+
+
+def _error_field(body: bytes, name: str) -> str | None:
     try:
-        code = orjson.loads(body)["error"]["code"]
+        value = orjson.loads(body)["error"][name]
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return None
-    return code if isinstance(code, str) else None
+    return value if isinstance(value, str) else None
 
 
 def _retry_after_s(value: str | None) -> float | None:

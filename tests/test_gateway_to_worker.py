@@ -18,6 +18,7 @@ import torch
 from backends.engine.sampling_params import SamplingParams
 from tests.backends.numerics import (Choice, assert_mostly_clear, assert_same_text, choices, float64_copy,
                                      logit_tolerance)
+from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_proc import GatewayProcess
 from tests.support.worker_proc import worker_process
 
@@ -30,21 +31,28 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colours."]
 
 @pytest.fixture(scope="module")
 def gateway_url(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`smollm2` is served by the real worker alone; `smollm2-chain` by the worker, then by `fallback`, a fake
+    of a third-party OpenAI-compatible API (one that takes tools, as vLLM does)."""
     workdir = tmp_path_factory.mktemp("e2e")
+    fallback = FakeUpstream("fallback")
     with worker_process(["--model", "smollm2", "--served-model-name", "smollm2", "--max-num-seqs", "8"],
                         log_dir=workdir) as worker_url:
         config = {
             "api_keys": [{"key_id": "team-a", "key": API_KEY, "max_requests_per_min": 1000}],
             "models": {"smollm2": {"tokenizer": str(smollm2_dir), "providers": ["local"],
-                                   "policy": {"name": "session_affinity"}}},
+                                   "policy": {"name": "session_affinity"}},
+                       "smollm2-chain": {"tokenizer": str(smollm2_dir), "providers": ["local-chained", "fallback"]}},
             "providers": {"local": {"kind": "openai", "endpoints": [worker_url],
-                                    "offers_load": True, "offers_kv_events": True}},
+                                    "offers_load": True, "offers_kv_events": True},
+                          "local-chained": {"kind": "openai", "endpoints": [worker_url], "upstream_model": "smollm2"},
+                          "fallback": {"kind": "openai", "endpoints": [fallback.url]}},
         }
         gateway = GatewayProcess(config, workdir)
         try:
             yield gateway.url
         finally:
             gateway.stop()
+            fallback.stop()
 
 
 @dataclass(frozen=True)
@@ -142,3 +150,19 @@ def test_bad_key_and_bad_input_never_reach_the_worker(gateway_url: str) -> None:
     ok = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=2,
                                         messages=[{"role": "user", "content": "hi"}])
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_what_the_worker_cannot_honour_goes_to_the_next_provider(gateway_url: str) -> None:
+    """The worker refuses tools with `unsupported_parameter`: with a provider after it in the chain, that one
+    serves the request; with none, the client gets the 400 naming the field. What the worker serves stays there."""
+    client = openai.OpenAI(base_url=gateway_url + "/v1", api_key=API_KEY, max_retries=0)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    raw = client.chat.completions.with_raw_response.create(model="smollm2-chain", messages=question, tools=tools,
+                                                           max_tokens=4)
+    assert orjson.loads(raw.content)["served_by"] == "fallback"
+    plain = client.chat.completions.with_raw_response.create(model="smollm2-chain", messages=question, max_tokens=2)
+    assert "served_by" not in orjson.loads(plain.content)      # the worker's own answer
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="smollm2", messages=question, tools=tools, max_tokens=4)
+    assert refused.value.status_code == 400 and refused.value.body["param"] == "tools"

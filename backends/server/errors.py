@@ -55,6 +55,12 @@ def invalid_param(param: str, message: str) -> APIError:
     return APIError(message, param=param, code="invalid_value")
 
 
+def unsupported_param(param: str, message: str) -> APIError:
+    """A field this worker cannot honour (OpenAI's code for it): not the request's fault, so the gateway hands the
+    request to the next provider of its chain (vLLM, SGLang) where there is one."""
+    return APIError(message, param=param, code="unsupported_parameter")
+
+
 def model_not_found(model: str) -> APIError:
     return APIError(
         f"The model `{model}` does not exist.",

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from backends.engine.sampling_params import SamplingParams
-from backends.server.errors import APIError, invalid_param, model_not_found
+from backends.server.errors import APIError, invalid_param, model_not_found, unsupported_param
 
 MAX_LOGPROBS = 20             # top alternatives per token, as OpenAI's top_logprobs allows
 MAX_CHOICES = 16              # `n`: choices per prompt, each a sequence of its own in the batch
@@ -177,11 +177,12 @@ def _parse_model(body: dict[str, Any], ctx: ParseContext) -> str:
 def _refuse_unsupported(body: dict[str, Any], kind: RequestKind, num_choices: int) -> None:
     best_of = _opt_int(body, "best_of", 1)
     if best_of is not None and best_of != num_choices:
-        raise invalid_param("best_of", f"best_of must equal n ({num_choices}): choosing among more is not supported.")
+        raise unsupported_param("best_of", f"best_of must equal n ({num_choices}): choosing among more is not "
+                                "supported.")
     if kind is RequestKind.COMPLETION and _opt_bool(body, "echo"):
-        raise invalid_param("echo", "echo=true is not supported.")
+        raise unsupported_param("echo", "echo=true is not supported.")
     if kind is RequestKind.COMPLETION and body.get("suffix") is not None:
-        raise invalid_param("suffix", "suffix is not supported.")
+        raise unsupported_param("suffix", "suffix is not supported.")
     if kind is RequestKind.CHAT:
         _refuse_tools_and_formats(body)
     user = body.get("user")
@@ -194,14 +195,16 @@ def _refuse_tools_and_formats(body: dict[str, Any]) -> None:
     so an answer would break the contract the client asked for (route such requests to vLLM or SGLang)."""
     if body.get("tools") or body.get("functions"):
         name = "tools" if body.get("tools") else "functions"
-        raise invalid_param(name, "Tool use is not supported by this worker.")
+        raise unsupported_param(name, "Tool use is not supported by this worker.")
     tool_choice = body.get("tool_choice")
     if tool_choice is not None and tool_choice != "none" and tool_choice != "auto":
-        raise invalid_param("tool_choice", "tool_choice needs tools, which this worker does not support.")
+        raise unsupported_param("tool_choice", "tool_choice needs tools, which this worker does not support.")
     response_format = body.get("response_format")
-    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
-        raise invalid_param("response_format", "Only response_format {\"type\": \"text\"} is supported by this "
-                                               "worker: it does not constrain its output to JSON.")
+    if response_format is not None and not isinstance(response_format, dict):
+        raise invalid_param("response_format", "`response_format` must be an object.")
+    if response_format is not None and response_format.get("type") != "text":
+        raise unsupported_param("response_format", "Only response_format {\"type\": \"text\"} is supported by this "
+                                                   "worker: it does not constrain its output to JSON.")
 
 
 def _parse_prompts(prompt: Any, vocab_size: int) -> tuple[Prompt, ...]:
