@@ -19,7 +19,7 @@ from gateway.fallback import Retrier, RetryableFailure
 from gateway.legs import Legs
 from gateway.metrics import Metrics
 from gateway.providers import Provider, ProviderRun
-from gateway.request import Outcome, Progress, ProviderExhausted, RoutedRequest
+from gateway.request import Outcome, Progress, ProviderExhausted, RoutedRequest, num_sequences
 from gateway.streaming import DONE_EVENT, ClientStream, SseResponseFactory, StreamUsage, error_event
 from policies.base import Policy
 
@@ -94,7 +94,7 @@ class Dispatcher:
 def _can_fail_over(routed: RoutedRequest, client: ClientStream | None) -> bool:
     """A stream of one choice, for a model that allows failover. A stream re-encoded for another API (POST
     /v1/messages) fails over too: the continuation's chunks feed the same translation."""
-    return client is not None and routed.model.mid_stream_failover and routed.body.get("n", 1) == 1
+    return client is not None and routed.model.mid_stream_failover and num_sequences(routed.body) == 1
 
 
 class _ChainWalk:

@@ -74,8 +74,8 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
             span.set_attribute("switchyard.request_id", request_id_var.get())
         prompt = _count_prompt(services, model, body, surface)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-        num_choices = num_sequences(body)
-        num_expected = num_choices * services.estimator.estimate(model.name, max_tokens)
+        num_seqs = num_sequences(body)   # each samples its own output
+        num_expected = num_seqs * services.estimator.estimate(model.name, max_tokens)
         charge = await charge_rate_limit(services, caller_key(request), prompt.num_tokens + num_expected)
         session_key = request.headers.get(SESSION_HEADER) or None
         session_id = f"{model.name}\x00{session_key}" if session_key else None
@@ -89,7 +89,7 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
         new_response = sse_response(routed) if sse_response is not None and routed.stream else None
         outcome = await _dispatch(services, request, routed, charge, new_response)
     if outcome.endpoint_id is not None:
-        services.estimator.observe(model.name, outcome.usage.num_output_tokens // num_choices)
+        services.estimator.observe(model.name, outcome.usage.num_output_tokens // num_seqs)
     return outcome
 
 
