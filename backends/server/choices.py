@@ -4,7 +4,9 @@ at i * n + k (their chunks interleave as they come when streamed). Each prompt i
 choice's output tokens. A seeded request samples choice k with seed + k: reproducible, its choices differ,
 and a prompt of a batch gets what it would alone.
 
-Any way the response ends (answered, client gone, one choice refused) ends every sequence in the engine.
+A prompt's first choice prefills it alone and the others follow once it has, so that they read its KV from the
+prefix cache. Any way the response ends (answered, client gone, one choice refused) ends every sequence in the
+engine.
 """
 from __future__ import annotations
 
@@ -54,6 +56,9 @@ class Choices:
                           for index in range(len(self._specs))]
         self._queue: asyncio.Queue[tuple[int, GenerationDelta | BaseException | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        # Each prompt's first choice prefills it alone; the others start once it has (its first delta), so that
+        # they take its KV from the prefix cache instead of computing the same prompt side by side.
+        self._prefilled = [asyncio.Event() for _ in prompts]
 
     async def __aenter__(self) -> Choices:
         self._tasks = [asyncio.create_task(self._run(k)) for k in range(len(self._specs))]
@@ -104,13 +109,20 @@ class Choices:
                 yield k, item
 
     async def _run(self, k: int) -> None:
+        prompt, choice = divmod(k, self._num_choices)
+        prefilled = self._prefilled[prompt]
         try:
+            if choice:     # not the prompt's first
+                await prefilled.wait()
             async with aclosing(generate_deltas(self._engine, self._tokenizer.backend, self._specs[k],
                                                 self._timing)) as deltas:
                 async for delta in deltas:
+                    prefilled.set()
                     self._queue.put_nowait((k, delta))
         except Exception as exc:  # noqa: BLE001 - raised again in the reader, as one sequence would raise it
             self._queue.put_nowait((k, exc))
             return
+        finally:
+            prefilled.set()     # a first choice that failed or was cancelled holds no one back
         self._queue.put_nowait((k, None))
 

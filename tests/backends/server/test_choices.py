@@ -4,6 +4,7 @@ completions and chat, each prompt of a batch in order; each prompt is counted on
 a client that leaves ends every choice's sequence."""
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -111,6 +112,26 @@ async def test_a_batch_of_prompts_answers_each_in_order(worker_url: str, hf_smol
         streamed, _ = await streamed_choices(session, worker_url + "/v1/completions", {**body, "stream": True})
         assert sorted(streamed) == [0, 1, 2, 3]
         await wait_idle(session, worker_url)
+
+
+async def test_the_other_choices_read_the_prompt_the_first_one_computed(worker_url: str) -> None:
+    """A prompt's first choice prefills it alone; the others take every full block of it from the prefix cache
+    (side by side, each computed the whole prompt again)."""
+    prompt = f"{uuid.uuid4().hex} " + "The quick brown fox jumps over the lazy dog. " * 8   # new to the cache
+    async with aiohttp.ClientSession() as session:
+        async with session.get(worker_url + "/load") as resp:
+            before = await resp.json()
+        status, answer = await post(session, worker_url + "/v1/completions",
+                                    {"prompt": prompt, "max_tokens": 2, "n": 3})
+        assert status == 200, answer
+        async with session.get(worker_url + "/load") as resp:
+            after = await resp.json()
+    # the blocks before the prompt's last token (that one is always computed, to sample from)
+    num_full_blocks = (answer["usage"]["prompt_tokens"] - 1) // after["block_size"]
+    assert num_full_blocks >= 4
+    assert after["num_prompt_tokens"] - before["num_prompt_tokens"] == 3 * answer["usage"]["prompt_tokens"]
+    read = after["num_cached_prompt_tokens"] - before["num_cached_prompt_tokens"]
+    assert read == 2 * num_full_blocks * after["block_size"], (read, num_full_blocks)
 
 
 @pytest.mark.parametrize(("extra", "param"), [
