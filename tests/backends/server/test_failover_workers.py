@@ -238,3 +238,36 @@ async def test_sigkill_mid_stream_on_the_messages_api(fleet: Fleet, referee: Ref
         assert usage["output_tokens"] == len(ref.ids), usage
     assert metric(fleet.gateway, "switchyard_stream_failovers_total", outcome="continued") == continued_before + 1
     await fleet.restart(killed)
+
+
+async def test_sigkill_mid_stream_on_the_responses_api(fleet: Fleet, referee: Referee) -> None:
+    """POST /v1/responses: the same re-encoding path as /v1/messages, with the Responses stream's events; killed
+    mid-stream, it goes on on the other worker inside the same response, with the uninterrupted answer's text."""
+    ref, _ = await referee.reference(MESSAGES, chat=True)
+    kill_after = 4
+    assert len(ref.ids) >= kill_after + 4, f"the reference answer is too short to kill mid-stream: {ref.text!r}"
+    continued_before = metric(fleet.gateway, "switchyard_stream_failovers_total", outcome="continued")
+    body = {"model": "smollm2", "input": MESSAGES["messages"], "max_output_tokens": MESSAGES["max_tokens"],
+            "temperature": MESSAGES["temperature"], "stream": True}
+    payloads: list[dict[str, Any]] = []
+    killed: WorkerProcess | None = None
+    async with aiohttp.ClientSession() as session, session.post(fleet.gateway.url + "/v1/responses", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            payloads.append(orjson.loads(line[6:]))
+            if killed is None and sum(p["type"] == "response.output_text.delta" for p in payloads) == kill_after:
+                killed = await fleet.serving()
+                killed.send_signal(signal.SIGKILL)
+    assert killed is not None, f"the stream ended before {kill_after} text deltas"
+    kinds = [p["type"] for p in payloads]
+    assert "response.failed" not in kinds, payloads[-1]
+    assert kinds.count("response.created") == kinds.count("response.output_item.added") == 1, kinds
+    assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
+    assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+    text = "".join(p["delta"] for p in payloads if p["type"] == "response.output_text.delta")
+    assert payloads[-1]["response"]["output"][0]["content"][0]["text"] == text
+    assert_same_text(text, ref.ids, ref.choices, referee.tokenizer.decode, "the responses stream killed mid-way")
+    assert metric(fleet.gateway, "switchyard_stream_failovers_total", outcome="continued") == continued_before + 1
+    await fleet.restart(killed)
