@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from backends.engine.sampling_params import SamplingParams
 from backends.server.errors import APIError, invalid_param, model_not_found, unsupported_param
+from backends.server.fields import default, is_int, opt_bool, opt_float, opt_int
 
 MAX_LOGPROBS = 20             # top alternatives per token, as OpenAI's top_logprobs allows
 MAX_CHOICES = 16              # `n`: choices per prompt, each a sequence of its own in the batch
@@ -24,7 +24,6 @@ MAX_STOP_STRING_CHARS = 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1   # what torch.Generator.manual_seed accepts
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-_T = TypeVar("_T")
 
 
 class RequestKind(str, enum.Enum):
@@ -85,7 +84,7 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
     if not isinstance(body, dict):
         raise APIError("The request body must be a JSON object.")
     model = _parse_model(body, ctx)
-    num_choices = _opt_int(body, "n", 1, MAX_CHOICES) or 1
+    num_choices = opt_int(body, "n", 1, MAX_CHOICES) or 1
     _refuse_unsupported(body, kind, num_choices)
     prompt_text, prompt_ids, messages = None, None, None
     batch: tuple[Prompt, ...] = ()
@@ -93,18 +92,18 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
     if kind is RequestKind.CHAT:
         messages = _parse_messages(body.get("messages"))
         continue_final, add_generation_prompt = _parse_final_message(body, messages)
-        max_tokens = _opt_int(body, "max_completion_tokens", 1) or _opt_int(body, "max_tokens", 1)
+        max_tokens = opt_int(body, "max_completion_tokens", 1) or opt_int(body, "max_tokens", 1)
         logprobs = _parse_chat_logprobs(body)
     else:
         prompts = _parse_prompts(body.get("prompt"), ctx.vocab_size)
         (prompt_text, prompt_ids), batch = prompts[0], prompts if len(prompts) > 1 else ()
         if len(batch) * num_choices > MAX_SEQUENCES:
             raise invalid_param("prompt", f"{len(batch)} prompts x n={num_choices} is over {MAX_SEQUENCES} sequences.")
-        max_tokens = _opt_int(body, "max_tokens", 1)
+        max_tokens = opt_int(body, "max_tokens", 1)
         if max_tokens is None:
             max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
-        logprobs = _opt_int(body, "logprobs", 0, MAX_LOGPROBS)
-    stream = _opt_bool(body, "stream") or False
+        logprobs = opt_int(body, "logprobs", 0, MAX_LOGPROBS)
+    stream = opt_bool(body, "stream") or False
     include_usage = _parse_stream_options(body, stream)
     params = _parse_sampling(body, ctx.vocab_size, max_tokens, logprobs)
     return GenerateRequest(
@@ -119,10 +118,10 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
         max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
-        return_token_ids=_opt_bool(body, "return_token_ids") or False,
+        return_token_ids=opt_bool(body, "return_token_ids") or False,
         resume_token_ids=_parse_resume_token_ids(body.get("resume_token_ids"), ctx.vocab_size,
                                                  max(1, len(batch)) * num_choices),
-        skip_special_tokens=_default(_opt_bool(body, "skip_special_tokens"), True),
+        skip_special_tokens=default(opt_bool(body, "skip_special_tokens"), True),
         continue_final_message=continue_final,
         add_generation_prompt=add_generation_prompt,
     )
@@ -175,11 +174,11 @@ def _parse_model(body: dict[str, Any], ctx: ParseContext) -> str:
 
 
 def _refuse_unsupported(body: dict[str, Any], kind: RequestKind, num_choices: int) -> None:
-    best_of = _opt_int(body, "best_of", 1)
+    best_of = opt_int(body, "best_of", 1)
     if best_of is not None and best_of != num_choices:
         raise unsupported_param("best_of", f"best_of must equal n ({num_choices}): choosing among more is not "
                                 "supported.")
-    if kind is RequestKind.COMPLETION and _opt_bool(body, "echo"):
+    if kind is RequestKind.COMPLETION and opt_bool(body, "echo"):
         raise unsupported_param("echo", "echo=true is not supported.")
     if kind is RequestKind.COMPLETION and body.get("suffix") is not None:
         raise unsupported_param("suffix", "suffix is not supported.")
@@ -225,7 +224,7 @@ def _parse_prompt(prompt: Any, vocab_size: int, param: str) -> Prompt:
         if not prompt:
             raise invalid_param(param, "The prompt is empty.")
         return prompt, None
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         if any(not 0 <= t < vocab_size for t in prompt):
             raise invalid_param(param, f"Token ids in the prompt must be in [0, {vocab_size}).")
         return None, tuple(prompt)
@@ -243,8 +242,8 @@ def _parse_messages(messages: Any) -> tuple[ChatMessage, ...]:
 def _parse_final_message(body: dict[str, Any], messages: tuple[ChatMessage, ...]) -> tuple[bool, bool]:
     """(continue_final_message, add_generation_prompt): continuing the last message opens no new turn, and it
     must be the assistant's (a prefilled answer)."""
-    continue_final = _opt_bool(body, "continue_final_message") or False
-    add_generation_prompt = _default(_opt_bool(body, "add_generation_prompt"), not continue_final)
+    continue_final = opt_bool(body, "continue_final_message") or False
+    add_generation_prompt = default(opt_bool(body, "add_generation_prompt"), not continue_final)
     if continue_final and add_generation_prompt:
         raise invalid_param("continue_final_message", "continue_final_message and add_generation_prompt cannot "
                             "both be true: the answer either continues the last message or opens a new turn.")
@@ -281,8 +280,8 @@ def _join_text_parts(param: str, parts: list[Any]) -> str:
 
 
 def _parse_chat_logprobs(body: dict[str, Any]) -> int | None:
-    wanted = _opt_bool(body, "logprobs") or False
-    top = _opt_int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    wanted = opt_bool(body, "logprobs") or False
+    top = opt_int(body, "top_logprobs", 0, MAX_LOGPROBS)
     if top is not None and not wanted:
         raise invalid_param("top_logprobs", "top_logprobs requires logprobs=true.")
     return (top or 0) if wanted else None
@@ -304,24 +303,24 @@ def _parse_stream_options(body: dict[str, Any], stream: bool) -> bool:
 
 def _parse_sampling(body: dict[str, Any], vocab_size: int, max_tokens: int | None,
                     logprobs: int | None) -> SamplingParams:
-    seed = _opt_int(body, "seed", _SEED_MIN, _SEED_MAX)
+    seed = opt_int(body, "seed", _SEED_MIN, _SEED_MAX)
     return SamplingParams(
         max_tokens=max_tokens or 1,
-        temperature=_default(_opt_float(body, "temperature", 0.0, 2.0), 1.0),
-        top_p=_default(_opt_float(body, "top_p", 0.0, 1.0, low_open=True), 1.0),
-        top_k=_default(_opt_int(body, "top_k", -1, vocab_size), 0),
-        min_p=_default(_opt_float(body, "min_p", 0.0, 1.0), 0.0),
+        temperature=default(opt_float(body, "temperature", 0.0, 2.0), 1.0),
+        top_p=default(opt_float(body, "top_p", 0.0, 1.0, low_open=True), 1.0),
+        top_k=default(opt_int(body, "top_k", -1, vocab_size), 0),
+        min_p=default(opt_float(body, "min_p", 0.0, 1.0), 0.0),
         seed=seed,
         stop_token_ids=_parse_stop_token_ids(body.get("stop_token_ids"), vocab_size),
-        ignore_eos=_opt_bool(body, "ignore_eos") or False,
-        min_tokens=_default(_opt_int(body, "min_tokens", 0), 0),
-        presence_penalty=_default(_opt_float(body, "presence_penalty", -2.0, 2.0), 0.0),
-        frequency_penalty=_default(_opt_float(body, "frequency_penalty", -2.0, 2.0), 0.0),
-        repetition_penalty=_default(_opt_float(body, "repetition_penalty", 0.0, 10.0, low_open=True), 1.0),
+        ignore_eos=opt_bool(body, "ignore_eos") or False,
+        min_tokens=default(opt_int(body, "min_tokens", 0), 0),
+        presence_penalty=default(opt_float(body, "presence_penalty", -2.0, 2.0), 0.0),
+        frequency_penalty=default(opt_float(body, "frequency_penalty", -2.0, 2.0), 0.0),
+        repetition_penalty=default(opt_float(body, "repetition_penalty", 0.0, 10.0, low_open=True), 1.0),
         logprobs=logprobs,
         logit_bias=_parse_logit_bias(body.get("logit_bias"), vocab_size),
         stop=_parse_stop(body.get("stop")),
-        speculative=_default(_opt_bool(body, "speculative"), True),
+        speculative=default(opt_bool(body, "speculative"), True),
     )
 
 
@@ -341,7 +340,7 @@ def _parse_stop(stop: Any) -> tuple[str, ...]:
 def _parse_stop_token_ids(ids: Any, vocab_size: int) -> tuple[int, ...]:
     if ids is None:
         return ()
-    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+    if not isinstance(ids, list) or not all(is_int(t) and 0 <= t < vocab_size for t in ids):
         raise invalid_param("stop_token_ids", f"`stop_token_ids` must be an array of token ids in [0, {vocab_size}).")
     return tuple(ids)
 
@@ -370,49 +369,7 @@ def _parse_resume_token_ids(ids: Any, vocab_size: int, num_sequences: int) -> tu
     if num_sequences != 1:
         raise invalid_param("resume_token_ids", "`resume_token_ids` continues one sequence: it needs one prompt "
                             "and n=1.")
-    if not isinstance(ids, list) or not ids or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+    if not isinstance(ids, list) or not ids or not all(is_int(t) and 0 <= t < vocab_size for t in ids):
         raise invalid_param("resume_token_ids",
                             f"`resume_token_ids` must be a non-empty array of token ids in [0, {vocab_size}).")
     return tuple(ids)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _default(value: _T | None, default: _T) -> _T:
-    return default if value is None else value
-
-
-def _opt_bool(body: dict[str, Any], name: str) -> bool | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise invalid_param(name, f"`{name}` must be a boolean.")
-    return value
-
-
-def _opt_int(body: dict[str, Any], name: str, low: int | None = None, high: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not _is_int(value):
-        raise invalid_param(name, f"`{name}` must be an integer.")
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise invalid_param(name, f"`{name}` must be in [{low}, {high}], got {value}.")
-    return value
-
-
-def _opt_float(
-    body: dict[str, Any], name: str, low: float, high: float, *, low_open: bool = False
-) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise invalid_param(name, f"`{name}` must be a number.")
-    if value < low or value > high or (low_open and value == low):
-        bracket = "(" if low_open else "["
-        raise invalid_param(name, f"`{name}` must be in {bracket}{low}, {high}], got {value}.")
-    return float(value)
