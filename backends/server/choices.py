@@ -20,20 +20,18 @@ from typing import Any
 from backends.engine.sampling_params import SamplingParams
 from backends.server.generation import GenerationDelta, SequenceSpec, TokenTimingObserver, generate_deltas
 from backends.server.keys import WorkerEngine
-from backends.server.protocol import GenerateRequest
+from backends.server.protocol import SEED_MAX, GenerateRequest
 from backends.server.responses import ResponseBuilder, Usage
 from backends.server.tokenization import PromptTokenizer
 
-_SEED_SPAN = 2**64   # seeds wrap within what SamplingParams accepts: [-(2**63), 2**64)
-_SEED_MAX = 2**64 - 1
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
     """Choice `index`'s seed: None stays None (each sequence draws its own at arrival)."""
     if seed is None:
         return None
-    seed += index
-    return seed - _SEED_SPAN if seed > _SEED_MAX else seed
+    seed += index     # past SEED_MAX: the same seed modulo 2**64, as the sampler reads it
+    return seed - 2**64 if seed > SEED_MAX else seed
 
 
 class Choices:

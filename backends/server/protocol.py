@@ -22,7 +22,7 @@ MAX_SEQUENCES = 64            # prompts x n in one request
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1   # what torch.Generator.manual_seed accepts
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1     # what torch.Generator.manual_seed accepts
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -303,7 +303,7 @@ def _parse_stream_options(body: dict[str, Any], stream: bool) -> bool:
 
 def _parse_sampling(body: dict[str, Any], vocab_size: int, max_tokens: int | None,
                     logprobs: int | None) -> SamplingParams:
-    seed = opt_int(body, "seed", _SEED_MIN, _SEED_MAX)
+    seed = opt_int(body, "seed", SEED_MIN, SEED_MAX)
     return SamplingParams(
         max_tokens=max_tokens or 1,
         temperature=default(opt_float(body, "temperature", 0.0, 2.0), 1.0),

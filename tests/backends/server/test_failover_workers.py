@@ -206,6 +206,26 @@ async def test_sigkill_at_a_random_token_many_times(fleet: Fleet, references: li
     await await_until(nothing_in_use, "both workers to hold no blocks")
 
 
+async def killed_mid_stream(fleet: Fleet, path: str, body: dict[str, Any], text_event: str, kill_after: int,
+                            headers: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], WorkerProcess]:
+    """A stream of named events (`type` in each payload) whose worker is SIGKILLed once `kill_after` text events
+    (`text_event`) came: every payload, and the worker killed."""
+    payloads: list[dict[str, Any]] = []
+    killed: WorkerProcess | None = None
+    async with aiohttp.ClientSession() as session, session.post(fleet.gateway.url + path, json=body,
+                                                                headers=headers) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            payloads.append(orjson.loads(line[6:]))
+            if killed is None and sum(p["type"] == text_event for p in payloads) == kill_after:
+                killed = await fleet.serving()
+                killed.send_signal(signal.SIGKILL)
+    assert killed is not None, f"the stream ended before {kill_after} text deltas"
+    return payloads, killed
+
+
 async def test_sigkill_mid_stream_on_the_messages_api(fleet: Fleet, referee: Referee) -> None:
     """POST /v1/messages: the gateway relays the worker's OpenAI stream re-encoded as Anthropic events; killed
     mid-stream, it goes on on the other worker inside the same message, with the uninterrupted answer's text."""
@@ -214,19 +234,8 @@ async def test_sigkill_mid_stream_on_the_messages_api(fleet: Fleet, referee: Ref
     assert len(ref.ids) >= kill_after + 4, f"the reference answer is too short to kill mid-stream: {ref.text!r}"
     continued_before = metric(fleet.gateway, "switchyard_stream_failovers_total", outcome="continued")
     body = {"model": "smollm2", **MESSAGES, "stream": True}
-    payloads: list[dict[str, Any]] = []
-    killed: WorkerProcess | None = None
-    async with aiohttp.ClientSession() as session, session.post(
-            fleet.gateway.url + "/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"}) as r:
-        assert r.status == 200, await r.text()
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            payloads.append(orjson.loads(line[6:]))
-            if killed is None and sum(p["type"] == "content_block_delta" for p in payloads) == kill_after:
-                killed = await fleet.serving()
-                killed.send_signal(signal.SIGKILL)
-    assert killed is not None, f"the stream ended before {kill_after} text deltas"
+    payloads, killed = await killed_mid_stream(fleet, "/v1/messages", body, "content_block_delta", kill_after,
+                                               headers={"anthropic-version": "2023-06-01"})
     kinds = [p["type"] for p in payloads]
     assert "error" not in kinds, payloads[-1]
     assert kinds.count("message_start") == kinds.count("content_block_start") == 1, kinds
@@ -249,18 +258,7 @@ async def test_sigkill_mid_stream_on_the_responses_api(fleet: Fleet, referee: Re
     continued_before = metric(fleet.gateway, "switchyard_stream_failovers_total", outcome="continued")
     body = {"model": "smollm2", "input": MESSAGES["messages"], "max_output_tokens": MESSAGES["max_tokens"],
             "temperature": MESSAGES["temperature"], "stream": True}
-    payloads: list[dict[str, Any]] = []
-    killed: WorkerProcess | None = None
-    async with aiohttp.ClientSession() as session, session.post(fleet.gateway.url + "/v1/responses", json=body) as r:
-        assert r.status == 200, await r.text()
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            payloads.append(orjson.loads(line[6:]))
-            if killed is None and sum(p["type"] == "response.output_text.delta" for p in payloads) == kill_after:
-                killed = await fleet.serving()
-                killed.send_signal(signal.SIGKILL)
-    assert killed is not None, f"the stream ended before {kill_after} text deltas"
+    payloads, killed = await killed_mid_stream(fleet, "/v1/responses", body, "response.output_text.delta", kill_after)
     kinds = [p["type"] for p in payloads]
     assert "response.failed" not in kinds, payloads[-1]
     assert kinds.count("response.created") == kinds.count("response.output_item.added") == 1, kinds
