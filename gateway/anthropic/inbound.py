@@ -13,6 +13,8 @@ from typing import Any, TypeGuard
 import orjson
 
 from gateway.anthropic import FIRST_VERSION
+from gateway.anthropic.inbound_tools import chat_messages as chat_messages_of
+from gateway.anthropic.inbound_tools import chat_tools, tool_use_blocks
 from gateway.anthropic.sse import named_event
 from gateway.chat_stream import ChatStreamTranslator
 from gateway.errors import BadRequest
@@ -63,8 +65,6 @@ def to_chat_body(body: Any) -> dict[str, Any]:
     max_tokens = body.get("max_tokens")
     if not _is_int(max_tokens) or max_tokens < 1:
         raise BadRequest("max_tokens: field required (an integer of at least 1)", param="max_tokens")
-    if body.get("tools"):
-        raise BadRequest("tools: tool use is not supported by this gateway", param="tools")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages: field required (a non-empty array)", param="messages")
@@ -75,9 +75,13 @@ def to_chat_body(body: Any) -> dict[str, Any]:
         where = f"messages.{index}"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or message["role"] not in ROLES:
             raise BadRequest(f"{where}: an object with role 'user' or 'assistant'", param=f"{where}.role")
-        chat_messages.append({"role": message["role"], "content": _text(message.get("content"), f"{where}.content")})
-    chat: dict[str, Any] = {"model": model, "messages": chat_messages, "max_tokens": max_tokens}
-    if chat_messages[-1]["role"] == "assistant":   # a prefilled answer: continued in place, as vLLM takes it
+        chat_messages += chat_messages_of(message["role"], message.get("content"), f"{where}.content")
+    chat: dict[str, Any] = {"model": model, "messages": chat_messages, "max_tokens": max_tokens, **chat_tools(body)}
+    last = chat_messages[-1]
+    if last["role"] == "assistant":   # a prefilled answer: continued in place, as vLLM takes it
+        if last.get("tool_calls"):
+            raise BadRequest(f"messages.{len(messages) - 1}: a tool_use must be answered by tool_result blocks in "
+                             "a user message after it", param=f"messages.{len(messages) - 1}")
         chat.update(continue_final_message=True, add_generation_prompt=False)
     for name in ("temperature", "top_p"):
         if body.get(name) is not None:
@@ -172,11 +176,14 @@ def to_message(completion: Any, header: MessageHeader) -> dict[str, Any]:
     choices = completion.get("choices") if isinstance(completion, dict) else None
     choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
     message = choice.get("message")
-    text = message.get("content") if isinstance(message, dict) else None
+    message = message if isinstance(message, dict) else {}
+    text = message.get("content")
     text = text if isinstance(text, str) else ""
+    calls = tool_use_blocks(message)
+    content = ([{"type": "text", "text": text}] if text or not calls else []) + calls
     reason, sequence = stop_reason(choice, header.stop_sequences)
     return {"id": header.message_id, "type": "message", "role": "assistant", "model": header.model,
-            "content": [{"type": "text", "text": text}], "stop_reason": reason, "stop_sequence": sequence,
+            "content": content, "stop_reason": reason, "stop_sequence": sequence,
             "usage": usage(completion.get("usage") if isinstance(completion, dict) else None,
                            header.num_input_tokens, 0)}
 
@@ -207,36 +214,65 @@ def _openai_message(body: bytes) -> str:
 # --- the stream --------------------------------------------------------------------------------------
 
 class MessageEvents(ChatStreamTranslator):
-    """OpenAI chat chunks in, Anthropic stream events out: message_start, content_block_start and ping
-    before the first text, a content_block_delta per chunk of text, then content_block_stop,
-    message_delta (stop reason and usage) and message_stop at [DONE]. A keepalive comment becomes a
-    ping; an error event becomes `event: error` and ends the stream."""
+    """OpenAI chat chunks in, Anthropic stream events out: message_start first; a content block per run of
+    text (`text_delta`s) and per tool call (`tool_use`, its arguments as `input_json_delta`s), each started
+    when its first piece comes and stopped when the next starts, a ping after the first block's start; then
+    message_delta (stop reason and usage) and message_stop at [DONE]. An answer with no content gets one
+    empty text block. A keepalive comment becomes a ping; an error event becomes `event: error` and ends
+    the stream."""
 
-    __slots__ = ("_header",)
+    __slots__ = ("_block", "_header", "_in_call", "_num_blocks", "_tool_blocks")
 
     def __init__(self, header: MessageHeader) -> None:
         super().__init__()
         self._header = header
+        self._block: int | None = None        # the index of the open content block
+        self._in_call = False                 # the open block is a tool call's
+        self._num_blocks = 0
+        self._tool_blocks: dict[int, int] = {}   # tool call number -> its block's index
 
     def _keepalive(self) -> bytes:
         return named_event({"type": "ping"})
 
     def _text(self, text: str) -> bytes:
-        return named_event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}})
+        out = self._open_block({"type": "text", "text": ""}) if self._block is None or self._in_call else b""
+        return out + named_event({"type": "content_block_delta", "index": self._block,
+                                  "delta": {"type": "text_delta", "text": text}})
+
+    def _tool_call(self, number: int, call_id: str, name: str) -> bytes:
+        out = self._open_block({"type": "tool_use", "id": call_id, "name": name, "input": {}}, in_call=True)
+        assert self._block is not None
+        self._tool_blocks[number] = self._block
+        return out
+
+    def _tool_arguments(self, number: int, piece: str) -> bytes:
+        return named_event({"type": "content_block_delta", "index": self._tool_blocks[number],
+                            "delta": {"type": "input_json_delta", "partial_json": piece}})
+
+    def _open_block(self, block: dict[str, Any], in_call: bool = False) -> bytes:
+        out = self._close_block()
+        self._block, self._in_call = self._num_blocks, in_call
+        self._num_blocks += 1
+        out += named_event({"type": "content_block_start", "index": self._block, "content_block": block})
+        return out + named_event({"type": "ping"}) if self._block == 0 else out
+
+    def _close_block(self) -> bytes:
+        if self._block is None:
+            return b""
+        index, self._block = self._block, None
+        return named_event({"type": "content_block_stop", "index": index})
 
     def _opening(self) -> bytes:
         header = self._header
         message: dict[str, Any] = {
             "id": header.message_id, "type": "message", "role": "assistant", "model": header.model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": usage(None, header.num_input_tokens, 0)}
-        return (named_event({"type": "message_start", "message": message})
-                + named_event({"type": "content_block_start", "index": 0,
-                               "content_block": {"type": "text", "text": ""}})
-                + named_event({"type": "ping"}))
+        return named_event({"type": "message_start", "message": message})
 
     def _closing(self) -> bytes:
         reason, sequence = stop_reason(self._finish, self._header.stop_sequences)
-        return (named_event({"type": "content_block_stop", "index": 0})
+        out = self._open_block({"type": "text", "text": ""}) if self._num_blocks == 0 else b""
+        return (out + self._close_block()
                 + named_event({"type": "message_delta", "delta": {"stop_reason": reason or "end_turn",
                                                                    "stop_sequence": sequence},
                                "usage": usage(self._usage, self._header.num_input_tokens, self._num_deltas)})

@@ -125,7 +125,8 @@ async def _dispatch(services: Services, request: web.Request, routed: RoutedRequ
 
 def _count_prompt(services: Services, model: ModelConfig, body: Mapping[str, Any], surface: Surface) -> PromptTokens:
     if surface is Surface.CHAT:
-        return services.counter.count_chat(model.name, body["messages"], body.get("continue_final_message") is True)
+        return services.counter.count_chat(model.name, body["messages"], body.get("continue_final_message") is True,
+                                           body.get("tools"))
     return services.counter.count_prompt(model.name, body["prompt"])
 
 

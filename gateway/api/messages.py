@@ -55,7 +55,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     check_body(chat, Surface.CHAT, services.config.limits)
     if chat["model"] not in services.config.models:
         raise NotFound(f"The model {chat['model']!r} does not exist", param="model", code="model_not_found")
-    counted = services.counter.count_chat(chat["model"], chat["messages"], chat.get("continue_final_message") is True)
+    counted = services.counter.count_chat(chat["model"], chat["messages"], chat.get("continue_final_message") is True,
+                                          chat.get("tools"))
     return web.Response(body=orjson.dumps({"input_tokens": counted.num_tokens}), content_type="application/json")
 
 

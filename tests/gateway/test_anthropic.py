@@ -33,6 +33,7 @@ class Upstream:
     answers: list[tuple[int, str]] = field(default_factory=list)  # (status, error type) to answer next
     stream_error: str | None = None              # anthropic: open the next stream with this error event
     break_stream: bool = False                   # openai: cut the connection after the first text chunk
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)   # openai: answer with these tool calls
     bodies: list[dict[str, Any]] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)
     server: TestServer | None = None
@@ -49,6 +50,8 @@ async def _openai_answer(request: web.Request, upstream: Upstream, body: dict[st
     end = {"finish_reason": "stop", "stop_reason": stop[0]} if stop else {"finish_reason": "stop"}
     usage = {"prompt_tokens": 20, "completion_tokens": 2, "total_tokens": 22,
              "prompt_tokens_details": {"cached_tokens": 16}}
+    if upstream.calls:
+        return await _openai_tool_calls(request, upstream.calls, body, usage)
     if not body.get("stream"):
         return web.json_response({"id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
                                   "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello there"},
@@ -66,6 +69,33 @@ async def _openai_answer(request: web.Request, upstream: Upstream, body: dict[st
         return response
     if (body.get("stream_options") or {}).get("include_usage"):
         events += b"data: " + orjson.dumps({"id": "c", "choices": [], "usage": usage}) + b"\n\n"
+    return await _stream(request, events + b"data: [DONE]\n\n")
+
+
+async def _openai_tool_calls(request: web.Request, calls: list[tuple[str, dict[str, Any]]], body: dict[str, Any],
+                             usage: dict[str, Any]) -> web.StreamResponse:
+    """'Let me check.' and then `calls`, as vLLM's tool parsers send them: a call's id and name first, its
+    arguments in 5-character pieces; streamed calls are numbered from 3 (an upstream's `index` is only a key)."""
+    tool_calls = [{"id": f"call_{i}", "type": "function",
+                   "function": {"name": name, "arguments": orjson.dumps(args).decode()}}
+                  for i, (name, args) in enumerate(calls)]
+    if not body.get("stream"):
+        message = {"role": "assistant", "content": "Let me check.", "tool_calls": tool_calls}
+        return web.json_response({"id": "chatcmpl-1", "object": "chat.completion", "model": body["model"],
+                                  "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}],
+                                  "usage": usage})
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}, {"content": "Let me check."}]
+    for i, call in enumerate(tool_calls):
+        arguments = call["function"]["arguments"]
+        deltas.append({"tool_calls": [{"index": i + 3, "id": call["id"], "type": "function",
+                                       "function": {"name": call["function"]["name"], "arguments": ""}}]})
+        deltas += [{"tool_calls": [{"index": i + 3, "function": {"arguments": arguments[at:at + 5]}}]}
+                   for at in range(0, len(arguments), 5)]
+    chunks = [{"index": 0, "delta": d, "finish_reason": None} for d in deltas]
+    chunks.append({"index": 0, "delta": {}, "finish_reason": "tool_calls"})
+    events = b"".join(b"data: " + orjson.dumps({"id": "c", "object": "chat.completion.chunk", "choices": [c]}) + b"\n\n"
+                      for c in chunks)
+    events += b"data: " + orjson.dumps({"id": "c", "choices": [], "usage": usage}) + b"\n\n"
     return await _stream(request, events + b"data: [DONE]\n\n")
 
 
@@ -237,6 +267,56 @@ async def test_stop_sequences_are_reported(start: Start) -> None:
     async with sdk.messages.stream(model="m", max_tokens=50, messages=HELLO, stop_sequences=["END"]) as stream:
         final = await stream.get_final_message()
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "END")
+
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+CALLS = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Tōkyō", "days": [1, 2]})]
+
+
+async def test_tool_use_both_ways_whole_and_streamed(start: Start) -> None:
+    """Claude Code's loop through the gateway: tools go up in OpenAI's form, the upstream's tool calls come
+    back as tool_use blocks (whole, and streamed as the SDK accumulates them), and the next turn's
+    tool_use and tool_result blocks go up as tool_calls and tool messages."""
+    upstream = await start("openai")
+    upstream.calls = CALLS
+    client = await start(_config({"p": {"kind": "openai", "endpoints": [upstream.url]}}))
+    sdk = _sdk(client)
+    asked = [{"role": "user", "content": "Weather in Paris and Tokyo?"}]
+    message = await sdk.messages.create(model="m", max_tokens=50, messages=asked, tools=[WEATHER],
+                                        tool_choice={"type": "any", "disable_parallel_tool_use": False})
+    async with sdk.messages.stream(model="m", max_tokens=50, messages=asked, tools=[WEATHER]) as stream:
+        final = await stream.get_final_message()
+    for answer in (message, final):
+        assert answer.stop_reason == "tool_use"
+        assert [b.type for b in answer.content] == ["text", "tool_use", "tool_use"]
+        assert answer.content[0].text == "Let me check."
+        assert [(b.id, b.name, b.input) for b in answer.content[1:]] == [
+            ("call_0", "get_weather", {"city": "Paris"}), ("call_1", "get_weather", {"city": "Tōkyō", "days": [1, 2]})]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": WEATHER["input_schema"]}}]
+    assert upstream.bodies[0]["tools"] == tools and upstream.bodies[0]["tool_choice"] == "required"
+    assert upstream.bodies[1]["tools"] == tools and "tool_choice" not in upstream.bodies[1]
+    # count_tokens counts the tools too (this gateway has no tokenizer for "m": the estimate)
+    with_tools = await sdk.messages.count_tokens(model="m", messages=asked, tools=[WEATHER])
+    assert with_tools.input_tokens > (await sdk.messages.count_tokens(model="m", messages=asked)).input_tokens
+
+    upstream.calls = []
+    results = [{"type": "tool_result", "tool_use_id": "call_0", "content": "18 C"},
+               {"type": "tool_result", "tool_use_id": "call_1", "content": [{"type": "text", "text": "no data"}],
+                "is_error": True},
+               {"type": "text", "text": "Summarise."}]
+    turn = await sdk.messages.create(model="m", max_tokens=50, tools=[WEATHER], messages=[
+        *asked, {"role": "assistant", "content": final.content}, {"role": "user", "content": results}])
+    assert turn.content[0].text == "Hello there" and turn.stop_reason == "end_turn"
+    assert upstream.bodies[-1]["messages"][1:] == [
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city":"Tōkyō","days":[1,2]}'}}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "18 C"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Error: no data"},
+        {"role": "user", "content": "Summarise."}]
 
 
 async def test_errors_have_anthropics_shape_and_status(start: Start) -> None:

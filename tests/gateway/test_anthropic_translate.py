@@ -18,6 +18,9 @@ from gateway.errors import BadRequest
 
 HELLO = [{"role": "user", "content": "Hi"}]
 HEADER = MessageHeader("msg_1", "m", ("END",), num_input_tokens=7)
+TOOL = {"name": "get_weather", "description": "The weather in a city",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+CALL = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
 
 
 # --- requests ----------------------------------------------------------------------------------------
@@ -56,7 +59,23 @@ def test_messages_request_becomes_a_chat_body(body: dict[str, Any], chat: dict[s
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": []}]}, "messages.0.content"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user"}]}, "messages.0.content"),
     ({"model": "m", "max_tokens": 5, "messages": HELLO, "system": 3}, "system"),
-    ({"model": "m", "max_tokens": 5, "messages": HELLO, "tools": [{"name": "t"}]}, "tools"),
+    ({"model": "m", "max_tokens": 5, "messages": HELLO, "tools": [{"name": "t"}]}, "tools.0.input_schema"),
+    ({"model": "m", "max_tokens": 5, "messages": HELLO, "tools": {"name": "t"}}, "tools"),
+    ({"model": "m", "max_tokens": 5, "messages": HELLO, "tools": [{"input_schema": {}}]}, "tools.0.name"),
+    ({"model": "m", "max_tokens": 5, "messages": HELLO, "tools": [{"type": "web_search_20250305", "name": "w"}]},
+     "tools.0.type"),
+    ({"model": "m", "max_tokens": 5, "messages": HELLO, "tools": [TOOL], "tool_choice": {"type": "tool", "name": "x"}},
+     "tool_choice.name"),
+    ({"model": "m", "max_tokens": 5, "messages": HELLO, "tools": [TOOL], "tool_choice": "auto"}, "tool_choice"),
+    ({"model": "m", "max_tokens": 5, "messages": HELLO, "tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"model": "m", "max_tokens": 5, "messages": [*HELLO, {"role": "assistant", "content": [CALL]}]}, "messages.1"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [CALL]}]}, "messages.0.content.0"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "assistant", "content": [{**CALL, "input": "x"}]}, *HELLO]},
+     "messages.0.content.0.input"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
+     "messages.0.content.0.tool_use_id"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "image"}]}]}]}, "messages.0.content.0.content.0"),
     ({"model": "m", "max_tokens": 5, "messages": HELLO, "stop_sequences": "x"}, "stop_sequences"),
     ({"model": "m", "max_tokens": 5, "messages": HELLO, "stop_sequences": [""]}, "stop_sequences"),
     ({"model": "m", "max_tokens": 5, "messages": HELLO, "temperature": "hot"}, "temperature"),

@@ -61,3 +61,38 @@ def test_text_and_token_id_prompts(folder: Path) -> None:
     assert counter.count_prompt("m", [text, text]).num_tokens == 2 * len(reference(text)["input_ids"])
     estimate = counter.count_prompt("n", "x" * 400)  # no tokenizer: chars / 4, no ids
     assert estimate.num_tokens == 100 and estimate.token_ids is None
+
+
+# A template in the manner of Qwen's and Llama 3's: tools as JSON (`tojson` with its options), the date,
+# tool calls and results, and `{% break %}`.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntoday {{ strftime_now('%Y') }}; tools:\n{% for tool in tools %}"
+    "{{ tool | tojson }}\n{{ tool.function.parameters | tojson(indent=2, sort_keys=true) }}\n{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for message in messages %}{% if loop.index > 8 %}{% break %}{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather in a city, é",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOL_MESSAGES = [{"role": "user", "content": "weather in the world?"},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "x"}'}}]},
+                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+
+
+def test_tool_definitions_and_calls_count_as_transformers_renders_them(tmp_path: Path, folder: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    (tmp_path / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TOOLS_TEMPLATE}))
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), chat_template=TOOLS_TEMPLATE)
+    expected = reference.apply_chat_template(TOOL_MESSAGES, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    if not isinstance(expected, list):
+        expected = expected["input_ids"]
+    counter = TokenCounter({"m": tmp_path, "n": None})
+    counted = counter.count_chat("m", TOOL_MESSAGES, tools=TOOLS)
+    assert list(counted.token_ids) == list(expected)
+    assert counted.num_tokens > counter.count_chat("m", TOOL_MESSAGES).num_tokens
+    # without a tokenizer the estimate counts the tools' and calls' JSON too
+    assert counter.count_chat("n", TOOL_MESSAGES, tools=TOOLS).num_tokens > \
+        counter.count_chat("n", TOOL_MESSAGES).num_tokens > counter.count_chat("n", TOOL_MESSAGES[:1] * 3).num_tokens
