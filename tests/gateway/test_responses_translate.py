@@ -1,8 +1,10 @@
-"""OpenAI's Responses API over the chat dispatch (gateway/openai_responses.py): requests as chat bodies and
-refusals as a table, a whole chat completion as a Response, and the stream translator as a property (any cut
-of the upstream's bytes gives the same events, in order, with consecutive sequence numbers)."""
+"""OpenAI's Responses API over the chat dispatch (gateway/openai_responses.py, gateway/openai_responses_tools.py):
+requests (function tools and tool-call items included) as chat bodies and refusals as tables, a whole chat
+completion as a Response, and the stream translator as a property (any cut of the upstream's bytes gives the
+same events, in order, with consecutive sequence numbers), text alone and text with tool calls."""
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import orjson
@@ -18,6 +20,25 @@ from tests.gateway.test_anthropic_translate import cut
 HELLO = [{"role": "user", "content": "Hi"}]
 REQUEST = {"model": "m", "input": "Hi", "instructions": "Be brief.", "max_output_tokens": 5, "metadata": {"k": "v"}}
 HEADER = ResponseHeader("resp_1", "msg_1", 1700000000, REQUEST)
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather", "parameters": SCHEMA,
+           "strict": True}
+CLOCK = {"type": "function", "name": "get_time"}
+CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather",
+                                                 "parameters": SCHEMA, "strict": True}}
+CHAT_CLOCK = {"type": "function", "function": {"name": "get_time"}}
+
+
+def function_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"type": "function_call", "call_id": call_id, "name": name, "arguments": arguments}
+
+
+def function_call_output(call_id: str, output: Any) -> dict[str, Any]:
+    return {"type": "function_call_output", "call_id": call_id, "output": output}
+
+
+def chat_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 @pytest.mark.parametrize(("body", "chat"), [
@@ -37,13 +58,70 @@ def test_responses_request_becomes_a_chat_body(body: dict[str, Any], chat: dict[
     assert to_chat_body(body) == chat
 
 
+@pytest.mark.parametrize(("fields", "chat"), [
+    ({"tools": [WEATHER, CLOCK]}, {"tools": [CHAT_WEATHER, CHAT_CLOCK]}),
+    ({"tools": [WEATHER], "tool_choice": "auto"}, {"tools": [CHAT_WEATHER], "tool_choice": "auto"}),
+    ({"tools": [WEATHER], "tool_choice": "required"}, {"tools": [CHAT_WEATHER], "tool_choice": "required"}),
+    ({"tools": [WEATHER], "tool_choice": "none"}, {"tools": [CHAT_WEATHER], "tool_choice": "none"}),
+    ({"tools": [WEATHER, CLOCK], "tool_choice": {"type": "function", "name": "get_time"}, "parallel_tool_calls": False},
+     {"tools": [CHAT_WEATHER, CHAT_CLOCK], "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+      "parallel_tool_calls": False}),
+    ({"tools": [WEATHER], "parallel_tool_calls": True}, {"tools": [CHAT_WEATHER], "parallel_tool_calls": True}),
+    ({"tools": [{**CLOCK, "description": None, "parameters": None, "strict": None}]}, {"tools": [CHAT_CLOCK]}),
+    # no tools: nothing about them goes up (a chat upstream may refuse tool_choice without tools)
+    ({"tools": [], "tool_choice": "auto", "parallel_tool_calls": True}, {}),
+    ({"tool_choice": "none"}, {}),
+])
+def test_function_tools_become_chat_tools(fields: dict[str, Any], chat: dict[str, Any]) -> None:
+    assert to_chat_body({"model": "m", "input": "Hi", **fields}) == {"model": "m", "messages": HELLO, **chat}
+
+
+USER = {"role": "user", "content": "Hi"}
+PARIS = chat_call("call_0", "get_weather", '{"city":"Paris"}')
+TIME = chat_call("call_1", "get_time", "{}")
+
+
+@pytest.mark.parametrize(("items", "messages"), [
+    # the SDK's round trip: a previous answer's output items (its message, then its calls), then their outputs
+    ([USER, {"type": "message", "id": "msg_0", "status": "completed", "role": "assistant",
+             "content": [{"type": "output_text", "text": "Let me check.", "annotations": [], "logprobs": []}]},
+      {**function_call("call_0", "get_weather", '{"city":"Paris"}'), "id": "fc_0", "status": "completed"},
+      function_call("call_1", "get_time", "{}"),
+      function_call_output("call_0", "18 C"),
+      function_call_output("call_1", [{"type": "input_text", "text": "12:00"}, {"type": "input_text", "text": "UTC"}])],
+     [USER, {"role": "assistant", "content": "Let me check.", "tool_calls": [PARIS, TIME]},
+      {"role": "tool", "tool_call_id": "call_0", "content": "18 C"},
+      {"role": "tool", "tool_call_id": "call_1", "content": "12:00\nUTC"}]),
+    # calls alone, one turn after another; Codex's reasoning items are skipped
+    ([USER, {"type": "reasoning", "id": "rs_0", "summary": [], "encrypted_content": "e"},
+      function_call("call_0", "get_weather", '{"city":"Paris"}'), function_call_output("call_0", "18 C"),
+      {"type": "reasoning", "id": "rs_1", "summary": []},
+      function_call("call_1", "get_time", "{}"), function_call_output("call_1", "12:00"),
+      {"role": "user", "content": "Thanks"}],
+     [USER, {"role": "assistant", "content": None, "tool_calls": [PARIS]},
+      {"role": "tool", "tool_call_id": "call_0", "content": "18 C"},
+      {"role": "assistant", "content": None, "tool_calls": [TIME]},
+      {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}, {"role": "user", "content": "Thanks"}]),
+    # an empty assistant text before the calls is no content; a user message between calls parts them
+    ([USER, {"role": "assistant", "content": ""}, function_call("call_0", "get_weather", '{"city":"Paris"}'),
+      USER, function_call("call_1", "get_time", "{}"),
+      function_call_output("call_1", "12:00"), function_call_output("call_0", "18 C")],
+     [USER, {"role": "assistant", "content": None, "tool_calls": [PARIS]}, USER,
+      {"role": "assistant", "content": None, "tool_calls": [TIME]},
+      {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+      {"role": "tool", "tool_call_id": "call_0", "content": "18 C"}]),
+])
+def test_function_call_items_become_chat_messages(items: list[dict[str, Any]], messages: list[dict[str, Any]]) -> None:
+    body = {"model": "m", "input": items, "tools": [WEATHER, CLOCK]}
+    assert to_chat_body(body) == {"model": "m", "messages": messages, "tools": [CHAT_WEATHER, CHAT_CLOCK]}
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ([], None),
     ({"input": "x"}, "model"),
     ({"model": "m"}, "input"),
     ({"model": "m", "input": ""}, "input"),
     ({"model": "m", "input": []}, "input"),
-    ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
     ({"model": "m", "input": "x", "previous_response_id": "resp_0"}, "previous_response_id"),
     ({"model": "m", "input": "x", "conversation": "conv_0"}, "conversation"),
     ({"model": "m", "input": "x", "background": True}, "background"),
@@ -53,11 +131,39 @@ def test_responses_request_becomes_a_chat_body(body: dict[str, Any], chat: dict[
     ({"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"model": "m", "input": "x", "max_output_tokens": "5"}, "max_output_tokens"),
     ({"model": "m", "input": "x", "stream": "yes"}, "stream"),
-    ({"model": "m", "input": [{"type": "function_call_output", "call_id": "c", "output": "o"}]}, "input[0]"),
+    ({"model": "m", "input": [{"type": "item_reference", "id": "fc_0"}]}, "input[0]"),
+    ({"model": "m", "input": [{"type": "reasoning", "summary": []}]}, "input"),
     ({"model": "m", "input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
      "input[0].content[0]"),
     ({"model": "m", "input": [{"role": "user", "content": 3}]}, "input[0].content"),
+    ({"model": "m", "input": "x", "tools": {"type": "function", "name": "f"}}, "tools"),
+    ({"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"model": "m", "input": "x", "tools": [WEATHER, {"type": "custom", "name": "apply_patch"}]}, "tools[1].type"),
+    ({"model": "m", "input": "x", "tools": [{"name": "f"}]}, "tools[0].type"),
+    ({"model": "m", "input": "x", "tools": ["f"]}, "tools[0]"),
+    ({"model": "m", "input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f", "parameters": "{}"}]},
+     "tools[0].parameters"),
+    ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f", "strict": "yes"}]}, "tools[0].strict"),
+    ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "f", "description": 1}]},
+     "tools[0].description"),
+    ({"model": "m", "input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_time"}},
+     "tool_choice.name"),
+    ({"model": "m", "input": "x", "tools": [WEATHER], "tool_choice": "any"}, "tool_choice"),
+    ({"model": "m", "input": "x", "tools": [WEATHER], "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
+    ({"model": "m", "input": "x", "tool_choice": "required"}, "tool_choice"),
+    ({"model": "m", "input": "x", "tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({"model": "m", "input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"model": "m", "input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input[0].name"),
+    ({"model": "m", "input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]},
+     "input[0].arguments"),
+    ({"model": "m", "input": [function_call_output("c", "o")]}, "input[0].call_id"),   # no call before it
+    ({"model": "m", "input": [function_call("c", "f", "{}"), function_call_output("d", "o")]}, "input[1].call_id"),
+    ({"model": "m", "input": [function_call("c", "f", "{}"), function_call_output("c", 3)]}, "input[1].output"),
+    ({"model": "m", "input": [function_call("c", "f", "{}"),
+                              function_call_output("c", [{"type": "input_image", "image_url": "u"}])]},
+     "input[1].output[0]"),
 ])
 def test_what_has_no_chat_form_is_refused(body: Any, param: str | None) -> None:
     with pytest.raises(BadRequest) as info:
@@ -81,6 +187,37 @@ def test_whole_chat_completion_to_response() -> None:
     completion["choices"][0]["finish_reason"] = "stop"
     assert to_response(completion, HEADER)["status"] == "completed"
     assert to_response(completion, HEADER)["incomplete_details"] is None
+
+
+def test_whole_answer_with_tool_calls_to_response() -> None:
+    request = {"model": "m", "input": "Hi", "tools": [WEATHER, CLOCK], "tool_choice": "required",
+               "parallel_tool_calls": False}
+    header = ResponseHeader("resp_2", "msg_2", 1700000000, request)
+    message = {"role": "assistant", "content": "Let me check.", "tool_calls": [PARIS, TIME]}
+    completion = {"choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}],
+                  "usage": {"prompt_tokens": 9, "completion_tokens": 5}}
+    response = to_response(completion, header)
+    assert response["status"] == "completed" and response["incomplete_details"] is None
+    assert (response["tools"], response["tool_choice"], response["parallel_tool_calls"]) == (
+        [WEATHER, CLOCK], "required", False)
+    text, *calls = response["output"]
+    assert text == {"type": "message", "id": "msg_2", "status": "completed", "role": "assistant",
+                    "content": [{"type": "output_text", "text": "Let me check.", "annotations": [], "logprobs": []}]}
+    assert [{k: v for k, v in c.items() if k != "id"} for c in calls] == [
+        {"type": "function_call", "call_id": "call_0", "name": "get_weather", "arguments": '{"city":"Paris"}',
+         "status": "completed"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": "{}", "status": "completed"}]
+    assert all(c["id"].startswith("fc_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+    # tool calls alone: no message item; cut by max_output_tokens: the last item is incomplete
+    completion["choices"][0].update(message={**message, "content": None}, finish_reason="length")
+    response = to_response(completion, header)
+    assert [(i["type"], i["status"]) for i in response["output"]] == [
+        ("function_call", "completed"), ("function_call", "incomplete")]
+    assert response["status"] == "incomplete"
+    # a request without tools echoes OpenAI's defaults
+    plain = to_response({"choices": [{"message": {"content": ""}, "finish_reason": "stop"}]}, HEADER)
+    assert (plain["tools"], plain["tool_choice"], plain["parallel_tool_calls"]) == ([], "auto", True)
+    assert [i["type"] for i in plain["output"]] == ["message"]
 
 
 def openai_stream(texts: list[str], finish: str, with_usage: bool = True) -> bytes:
@@ -144,3 +281,103 @@ def test_response_events_keepalive_error_and_cut_streams() -> None:
     data = openai_stream(["a", "b"], "length", with_usage=False).removesuffix(b"data: [DONE]\n\n")
     got = events(cut_short.feed(data) + cut_short.close())
     assert got[-1]["type"] == "response.incomplete" and got[-1]["response"]["usage"] is None
+
+
+def tool_stream(before: list[str], calls: list[tuple[str, str, list[str]]], after: list[str]) -> bytes:
+    """Text pieces, then each call (id, name, argument pieces) as vLLM's tool parsers send them (id and name
+    first, under an `index` that is only a key), then more text, a tool_calls finish, usage and [DONE]."""
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": ""}, *({"content": t} for t in before)]
+    for number, (call_id, name, pieces) in enumerate(calls):
+        key = number + 3
+        deltas.append({"tool_calls": [{"index": key, "id": call_id, "type": "function",
+                                       "function": {"name": name, "arguments": ""}}]})
+        deltas += [{"tool_calls": [{"index": key, "function": {"arguments": piece}}]} for piece in pieces]
+    deltas += [{"content": t} for t in after]
+    chunks = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    chunks += [{"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+               {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 7}}]
+    return b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def split(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    return [text[a:b] for a, b in itertools.pairwise(points)]
+
+
+MESSAGE_EVENTS = ["response.output_item.added", "response.content_part.added"]
+MESSAGE_DONE = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+CALL_DONE = ["response.function_call_arguments.done", "response.output_item.done"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(before=st.lists(st.text(min_size=1, max_size=6), max_size=3),
+       after=st.lists(st.text(min_size=1, max_size=6), max_size=2),
+       arguments=st.lists(st.dictionaries(st.text(max_size=4), st.text(max_size=8) | st.integers(-99, 99),
+                                          max_size=3), min_size=2, max_size=2),
+       argument_cuts=st.lists(st.integers(0, 100), max_size=6),
+       cuts=st.lists(st.integers(0, 10**6), max_size=12))
+def test_tool_call_events_from_any_cut(before: list[str], after: list[str], arguments: list[dict[str, Any]],
+                                       argument_cuts: list[int], cuts: list[int]) -> None:
+    """Text, two calls whose arguments come in pieces, maybe text after them: each part is its own output
+    item, opened at the next output_index and done before the next opens; the completed response lists them."""
+    jsons = [orjson.dumps(a).decode() for a in arguments]
+    calls = [("call_a", "get_weather", split(jsons[0], argument_cuts)),
+             ("call_b", "get_time", split(jsons[1], argument_cuts[::-1]))]
+    data = tool_stream(before, calls, after)
+    translator = ResponseEvents(HEADER)
+    got = events(b"".join(translator.feed(piece) for piece in cut(data, cuts)) + translator.close())
+    expected = ["response.created", "response.in_progress"]
+    if before:
+        expected += [*MESSAGE_EVENTS, *["response.output_text.delta"] * len(before), *MESSAGE_DONE]
+    for _, _, pieces in calls:
+        expected += ["response.output_item.added", *["response.function_call_arguments.delta"] * len(pieces),
+                     *CALL_DONE]
+    if after:
+        expected += [*MESSAGE_EVENTS, *["response.output_text.delta"] * len(after), *MESSAGE_DONE]
+    assert [e["type"] for e in got] == [*expected, "response.completed"]
+
+    final = got[-1]["response"]
+    output = final["output"]
+    kinds = ["message"] * bool(before) + ["function_call"] * 2 + ["message"] * bool(after)
+    assert [item["type"] for item in output] == kinds and all(i["status"] == "completed" for i in output)
+    assert final["status"] == "completed" and final["usage"]["output_tokens"] == 7
+    function_calls = [item for item in output if item["type"] == "function_call"]
+    assert [(c["call_id"], c["name"], orjson.loads(c["arguments"])) for c in function_calls] == [
+        ("call_a", "get_weather", arguments[0]), ("call_b", "get_time", arguments[1])]
+    messages = [item for item in output if item["type"] == "message"]
+    assert [m["content"][0]["text"] for m in messages] == ["".join(t) for t in (before, after) if t]
+    assert len({item["id"] for item in output}) == len(output) and output[0]["id"] == ("msg_1" if before else
+                                                                                       output[0]["id"])
+    # every event names its item by output_index (and id); what an item's events carry adds up to the item
+    for index, item in enumerate(output):
+        own = [e for e in got if e.get("output_index") == index]
+        added, done = own[0], own[-1]
+        assert added["type"] == "response.output_item.added" and added["item"]["status"] == "in_progress"
+        assert done == {"type": "response.output_item.done", "sequence_number": done["sequence_number"],
+                        "output_index": index, "item": item}
+        assert all(e["item_id"] == item["id"] for e in own[1:-1])
+        if item["type"] == "function_call":
+            assert added["item"] == {**item, "arguments": "", "status": "in_progress"}
+            assert "".join(e["delta"] for e in own if e["type"].endswith("arguments.delta")) == item["arguments"]
+            assert own[-2]["arguments"] == item["arguments"]
+        else:
+            assert "".join(e["delta"] for e in own if e["type"].endswith("text.delta")) == item["content"][0]["text"]
+    assert translator.close() == b""
+
+
+def test_tool_calls_alone_and_a_cut_short_call() -> None:
+    """A call with no text around it opens no message item; a call cut by max_output_tokens (no finish but
+    `length`) ends incomplete; an answer with nothing at all still gets its one empty message item."""
+    data = tool_stream([], [("call_a", "get_time", ['{"tz":', '"UT'])], []).replace(b'"tool_calls"}', b'"length"}')
+    translator = ResponseEvents(HEADER)
+    got = events(translator.feed(data))
+    assert [e["type"] for e in got] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.delta", *CALL_DONE,
+        "response.incomplete"]
+    assert got[-1]["response"]["output"] == [{**got[2]["item"], "arguments": '{"tz":"UT', "status": "incomplete"}]
+    empty = ResponseEvents(HEADER)
+    got = events(empty.feed(tool_stream([], [], [])))
+    assert [e["type"] for e in got] == ["response.created", "response.in_progress", *MESSAGE_EVENTS, *MESSAGE_DONE,
+                                        "response.completed"]
+    assert got[-1]["response"]["output"][0]["content"][0]["text"] == ""
