@@ -21,6 +21,7 @@ from backends.engine.block_manager import BlockManager
 from backends.engine.config import EngineConfig
 from backends.engine.connector_chain import ConnectorChain
 from backends.engine.errors import EngineRequestError
+from backends.engine.json_output import JsonOutput
 from backends.engine.kv_connector import KVConnector, KVTransferParams
 from backends.engine.kv_events import KVEventRing
 from backends.engine.outputs import FinishReason, LoadReport, SequenceOutput
@@ -127,6 +128,7 @@ class LLMEngine:
         self.block_size = runner.block_size
         self.vocab_size = runner.vocab_size
         self.eos_token_ids = eos_token_ids(runner.config, model_dir)
+        self.json_output = JsonOutput(model_dir, self.eos_token_ids, self.vocab_size)
         capacity = runner.num_blocks * runner.block_size
         wanted = config.max_model_len or runner.max_model_len
         if wanted > capacity:
@@ -189,6 +191,7 @@ class LLMEngine:
             raise EngineRequestError(f"first token ids must be in [0, {self.vocab_size})")
         if n + len(first) > self.max_model_len:
             raise EngineRequestError("prompt and first tokens exceed the context")
+        self.json_output.check(params, first)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     kv_transfer: KVTransferParams | None = None) -> None:
@@ -201,6 +204,7 @@ class LLMEngine:
         seq = Sequence(request_id, tuple(prompt_token_ids), params, seed, kv_transfer=kv_transfer)
         for token in () if kv_transfer is None else kv_transfer.first_token_ids:
             seq.append_token(token)
+        self.json_output.start(seq)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str, error: str | None = None) -> SequenceOutput | None:
@@ -303,7 +307,8 @@ class LLMEngine:
         candidates: list[tuple[Sequence, int]] = []
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
-            if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling or not seq.params.speculative:
+            if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling or not seq.params.speculative \
+                    or seq.json_state is not None:   # a draft is checked against no JSON mask
                 continue
             cap = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
             if cap > 0:
@@ -341,7 +346,8 @@ class LLMEngine:
             self.proposer.free(request_id)
 
     def _row(self, seq: Sequence) -> SampleRow:
-        return SampleRow(seq.params, seq.seed, seq.prompt_token_ids, seq.output_token_ids, self.eos_token_ids)
+        return SampleRow(seq.params, seq.seed, seq.prompt_token_ids, seq.output_token_ids, self.eos_token_ids,
+                         self.json_output.allowed(seq))
 
     def _append(self, s: ScheduledSeq, v: Verified) -> SequenceOutput:
         """Append the step's tokens up to the first that ends the sequence (the caller finishes it)."""
@@ -358,6 +364,7 @@ class LLMEngine:
         count = 0
         for token in v.token_ids:
             seq.append_token(token)
+            self.json_output.advance(seq, token)
             count += 1
             reason = self._finish_reason(seq, token)
             if reason is not None:

@@ -28,6 +28,7 @@ class SamplingParams:
     logprobs: int | None = None          # None: none; k >= 0: the sampled token's logprob + top-k
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit): OpenAI's logit_bias
     speculative: bool = True             # False: this request never runs drafts (the worker's setting otherwise)
+    json_object: bool = False            # the output is one JSON object (OpenAI's response_format json_object)
     # Stop strings are matched by the server on detokenized text; the engine never sees them.
     stop: tuple[str, ...] = field(default=())
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from backends.engine.kv_connector import KVTransferParams
 from backends.engine.outputs import FinishReason
@@ -42,6 +43,7 @@ class Sequence:
     error: str | None = None
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the coming step
     spec: SpecState = field(default_factory=SpecState)        # its drafts' acceptance (adaptive K)
+    json_state: Any = None                      # JSON mode: its recognizer's state over the output (json_output.py)
     _block_hashes: list[int] = field(default_factory=list)
     _all_tokens: list[int] = field(default_factory=list)
 

@@ -2,7 +2,7 @@
 
 Bad bodies raise `APIError` with the field named in `param`; unknown fields are ignored, as
 OpenAI-compatible servers do, but OpenAI fields whose contract this worker cannot keep (`best_of` above `n`,
-`echo`, `suffix`, tool use, a JSON `response_format`) are refused. Response bodies are built in `responses.py`.
+`echo`, `suffix`, tool use, a JSON schema `response_format`) are refused. Response bodies are built in `responses.py`.
 """
 from __future__ import annotations
 
@@ -201,9 +201,10 @@ def _refuse_tools_and_formats(body: dict[str, Any]) -> None:
     response_format = body.get("response_format")
     if response_format is not None and not isinstance(response_format, dict):
         raise invalid_param("response_format", "`response_format` must be an object.")
-    if response_format is not None and response_format.get("type") != "text":
-        raise unsupported_param("response_format", "Only response_format {\"type\": \"text\"} is supported by this "
-                                                   "worker: it does not constrain its output to JSON.")
+    kind = None if response_format is None else response_format.get("type")
+    if kind not in (None, "text", "json_object"):
+        raise unsupported_param("response_format", "This worker constrains its output to JSON with response_format "
+                                                   "{\"type\": \"json_object\"}; it follows no JSON schema.")
 
 
 def _parse_prompts(prompt: Any, vocab_size: int) -> tuple[Prompt, ...]:
@@ -304,6 +305,12 @@ def _parse_stream_options(body: dict[str, Any], stream: bool) -> bool:
 def _parse_sampling(body: dict[str, Any], vocab_size: int, max_tokens: int | None,
                     logprobs: int | None) -> SamplingParams:
     seed = opt_int(body, "seed", SEED_MIN, SEED_MAX)
+    response_format = body.get("response_format")
+    json_object = isinstance(response_format, dict) and response_format.get("type") == "json_object"
+    ignore_eos, min_tokens = opt_bool(body, "ignore_eos") or False, default(opt_int(body, "min_tokens", 0), 0)
+    if json_object and (ignore_eos or min_tokens):
+        raise invalid_param("response_format", "A JSON response ends when its object closes: it cannot be "
+                                               "combined with ignore_eos or min_tokens.")
     return SamplingParams(
         max_tokens=max_tokens or 1,
         temperature=default(opt_float(body, "temperature", 0.0, 2.0), 1.0),
@@ -312,15 +319,16 @@ def _parse_sampling(body: dict[str, Any], vocab_size: int, max_tokens: int | Non
         min_p=default(opt_float(body, "min_p", 0.0, 1.0), 0.0),
         seed=seed,
         stop_token_ids=_parse_stop_token_ids(body.get("stop_token_ids"), vocab_size),
-        ignore_eos=opt_bool(body, "ignore_eos") or False,
-        min_tokens=default(opt_int(body, "min_tokens", 0), 0),
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
         presence_penalty=default(opt_float(body, "presence_penalty", -2.0, 2.0), 0.0),
         frequency_penalty=default(opt_float(body, "frequency_penalty", -2.0, 2.0), 0.0),
         repetition_penalty=default(opt_float(body, "repetition_penalty", 0.0, 10.0, low_open=True), 1.0),
         logprobs=logprobs,
         logit_bias=_parse_logit_bias(body.get("logit_bias"), vocab_size),
         stop=_parse_stop(body.get("stop")),
-        speculative=default(opt_bool(body, "speculative"), True),
+        speculative=default(opt_bool(body, "speculative"), True) and not json_object,
+        json_object=json_object,
     )
 
 

@@ -30,6 +30,7 @@ class SampleRow:
     prompt_token_ids: Sequence[int]       # for repetition_penalty
     output_token_ids: Sequence[int]       # tokens generated so far: penalties, min_tokens, step index
     eos_token_ids: tuple[int, ...]        # masked under ignore_eos and before min_tokens
+    allowed: torch.Tensor | None = None   # [vocab] bool: the only tokens it may sample (JSON mode); None: any
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SampleRow]) -> SamplerOutput:
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     logits = _mask_banned_tokens(apply_penalties(add_logit_bias(logits, rows), rows), rows)
+    if any(r.allowed is not None for r in rows):
+        logits = _keep_allowed(logits, rows)
 
     greedy_idx = [i for i, r in enumerate(rows) if r.params.greedy]
     random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -155,6 +158,15 @@ def _mask_banned_tokens(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torc
         index = torch.tensor([row_idx, tok_idx], dtype=torch.long).to(logits.device, non_blocking=True)
         logits = logits.index_put((index[0], index[1]), logits.new_full((), float("-inf")))
     return logits
+
+
+def _keep_allowed(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """-inf for every token a row's `allowed` mask leaves out. Never writes into the caller's tensor."""
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if r.allowed is not None:
+            keep[i] = r.allowed.to(logits.device, non_blocking=True)
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def filtered_probs(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:

@@ -14,6 +14,7 @@ The failure tests kill workers, so they run last, in file order.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -194,6 +195,29 @@ async def test_stop_strings_across_the_leg_boundary(cluster: Cluster) -> None:
     # max_tokens 1: the prefill worker's answer is the whole answer, with nothing held back or held
     status, got = await post(cluster.gateway.url, {**base, "max_tokens": 1, "stop": [never]})
     assert status == 200 and text_of(got["choices"][0]) == first
+    await assert_drained(cluster, ["p1", "p2"])
+
+
+async def test_json_mode_holds_across_the_leg_boundary(cluster: Cluster) -> None:
+    """The prefill worker's first token opens the object and the decode leg's recognizer goes on after it:
+    the answer through the gateway is one JSON object (json.loads is the reference), whole and streamed."""
+    finished = 0
+    for ask in ("Give a JSON object with keys a, b and c.", "Return the capital of France as JSON.",
+                "Describe a cat as JSON with its name and age."):
+        body = {"model": "smollm2", "messages": [{"role": "user", "content": ask}], "max_tokens": 120,
+                "temperature": 0.0, "response_format": {"type": "json_object"}}
+        status, got = await post(cluster.gateway.url, body, chat=True)
+        assert status == 200, got
+        chunks = [e["choices"][0] for e in await stream(cluster.gateway.url, body, chat=True) if e.get("choices")]
+        streamed = "".join(c["delta"].get("content") or "" for c in chunks)
+        streamed_finish = next(c["finish_reason"] for c in chunks if c["finish_reason"])
+        for text, finish in ((got["choices"][0]["message"]["content"], got["choices"][0]["finish_reason"]),
+                             (streamed, streamed_finish)):
+            assert text.startswith("{"), text
+            if finish == "stop":
+                assert isinstance(json.loads(text), dict), text
+                finished += 1
+    assert finished >= 2    # most close well inside max_tokens (greedy: the same answer whole and streamed)
     await assert_drained(cluster, ["p1", "p2"])
 
 

@@ -56,6 +56,8 @@ GOOD = [
     (CHAT, {"logit_bias": None}, {"logit_bias": ()}),
     (CHAT, {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}}, {}),
     (CHAT, {"tool_choice": "auto", "parallel_tool_calls": False}, {}),
+    (CHAT, {"response_format": {"type": "json_object"}}, {"json_object": True, "speculative": False}),
+    (C, {"response_format": {"type": "json_object"}}, {"json_object": True, "speculative": False}),
 ]
 
 
@@ -142,7 +144,8 @@ BAD = [
     (CHAT, {"tool_choice": "required"}, 400, "tool_choice", "unsupported_parameter"),
     (CHAT, {"tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tool_choice",
      "unsupported_parameter"),
-    (CHAT, {"response_format": {"type": "json_object"}}, 400, "response_format", "unsupported_parameter"),
+    (CHAT, {"response_format": {"type": "json_object"}, "ignore_eos": True}, 400, "response_format", "invalid_value"),
+    (C, {"response_format": {"type": "json_object"}, "min_tokens": 2}, 400, "response_format", "invalid_value"),
     (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 400,
      "response_format", "unsupported_parameter"),
     (CHAT, {"response_format": "json"}, 400, "response_format", "invalid_value"),

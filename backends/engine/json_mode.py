@@ -1,0 +1,283 @@
+"""JSON mode's grammar: a byte-level pushdown recognizer of one JSON object (RFC 8259, top level an object) and,
+per tokenizer, the mask of tokens that keep the output a valid prefix. Pure: no engine, sampler or device code;
+masks are CPU bool tensors that the caller moves and applies.
+"""
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+
+MAX_WHITESPACE = 16   # consecutive whitespace bytes outside strings: a small model can loop on them forever
+MAX_DEPTH = 32        # open objects and arrays
+
+State = tuple[int, str, int]
+"""(mode, stack, aux), immutable and hashable. mode: one of the `_*` modes below. stack: the open containers,
+outermost first, as "{" and "[" characters. aux: the whitespace run in a structural mode, the hex digits still
+due in a \\u escape, the bytes of a literal matched so far; otherwise 0."""
+
+# Structural modes (aux = the current whitespace run).
+_START, _OBJ_FIRST, _OBJ_KEY, _COLON, _VALUE, _ARR_FIRST, _AFTER, _DONE = range(8)
+# Inside a value string, then inside a key string: plain, after a backslash, in \uXXXX (aux = digits due).
+_STR, _STR_ESC, _STR_HEX, _KEY, _KEY_ESC, _KEY_HEX = range(10, 16)
+# Inside a number: after "-", after a leading "0", integer digits, after ".", fraction digits, after "e",
+# after the exponent's sign, exponent digits.
+_MINUS, _ZERO, _INT, _DOT, _FRAC, _EXP_MARK, _EXP_SIGN, _EXP = range(20, 28)
+# Inside a literal (aux = bytes matched).
+_TRUE, _FALSE, _NULL = range(30, 33)
+
+START: State = (_START, "", 0)
+
+_WHITESPACE = frozenset(b" \t\n\r")
+_HEX_DIGITS = frozenset(b"0123456789abcdefABCDEF")
+_SIMPLE_ESCAPES = frozenset(b'"\\/bfnrt')
+_LITERALS = {_TRUE: b"true", _FALSE: b"false", _NULL: b"null"}
+_LITERAL_STARTS = {ord("t"): _TRUE, ord("f"): _FALSE, ord("n"): _NULL}
+_STRING_SPECIAL = re.compile(rb'["\\\x00-\x1f]')   # the bytes that end or escape a string, or may not be in one
+
+
+def step(state: State, byte: int) -> State | None:
+    """The state after one more byte of output; None when no valid document continues with it."""
+    mode, stack, aux = state
+    if mode in (_STR, _KEY):   # the hot case: most bytes of most outputs
+        if byte == 0x22:
+            return (_COLON, stack, 0) if mode == _KEY else (_AFTER, stack, 0)
+        if byte == 0x5C:
+            return (mode + 1, stack, 0)
+        return state if byte >= 0x20 else None
+    if mode < _STR:
+        return _structural(mode, stack, aux, byte)
+    if mode < _MINUS:
+        return _escape(mode, stack, aux, byte)
+    if mode < _TRUE:
+        return _number(mode, stack, byte)
+    word = _LITERALS[mode]
+    if byte != word[aux]:
+        return None
+    return (_AFTER, stack, 0) if aux + 1 == len(word) else (mode, stack, aux + 1)
+
+
+def is_complete(state: State) -> bool:
+    """Whether the top-level object has closed (the output may end here)."""
+    return state[0] == _DONE
+
+
+def _structural(mode: int, stack: str, whitespace: int, byte: int) -> State | None:
+    if byte in _WHITESPACE:
+        if mode == _START or whitespace >= MAX_WHITESPACE:
+            return None
+        return (mode, stack, whitespace + 1)
+    if mode in (_VALUE, _ARR_FIRST):
+        if byte == 0x5D and mode == _ARR_FIRST:
+            return _close(stack)
+        return _value_start(stack, byte)
+    if mode == _AFTER:
+        top = stack[-1]
+        if byte == 0x2C:
+            return (_OBJ_KEY if top == "{" else _VALUE, stack, 0)
+        if (byte == 0x7D and top == "{") or (byte == 0x5D and top == "["):
+            return _close(stack)
+        return None
+    if mode in (_OBJ_FIRST, _OBJ_KEY):
+        if byte == 0x22:
+            return (_KEY, stack, 0)
+        return _close(stack) if byte == 0x7D and mode == _OBJ_FIRST else None
+    if mode == _COLON:
+        return (_VALUE, stack, 0) if byte == 0x3A else None
+    if mode == _START:
+        return (_OBJ_FIRST, "{", 0) if byte == 0x7B else None
+    return None   # _DONE: only whitespace may follow
+
+
+def _close(stack: str) -> State:
+    rest = stack[:-1]
+    return (_AFTER, rest, 0) if rest else (_DONE, "", 0)
+
+
+def _value_start(stack: str, byte: int) -> State | None:
+    if byte == 0x22:
+        return (_STR, stack, 0)
+    if byte == 0x7B or byte == 0x5B:
+        if len(stack) >= MAX_DEPTH:
+            return None
+        return (_OBJ_FIRST if byte == 0x7B else _ARR_FIRST, stack + chr(byte), 0)
+    if byte == 0x2D:
+        return (_MINUS, stack, 0)
+    if byte == 0x30:
+        return (_ZERO, stack, 0)
+    if 0x31 <= byte <= 0x39:
+        return (_INT, stack, 0)
+    literal = _LITERAL_STARTS.get(byte)
+    return None if literal is None else (literal, stack, 1)
+
+
+def _escape(mode: int, stack: str, digits_due: int, byte: int) -> State | None:
+    string = _KEY if mode >= _KEY else _STR
+    if mode == string + 1:   # right after the backslash
+        if byte == 0x75:
+            return (string + 2, stack, 4)
+        return (string, stack, 0) if byte in _SIMPLE_ESCAPES else None
+    if byte not in _HEX_DIGITS:
+        return None
+    return (string, stack, 0) if digits_due == 1 else (mode, stack, digits_due - 1)
+
+
+def _number(mode: int, stack: str, byte: int) -> State | None:
+    digit = 0x30 <= byte <= 0x39
+    if mode == _MINUS:
+        return ((_ZERO if byte == 0x30 else _INT), stack, 0) if digit else None
+    if mode in (_DOT, _EXP_SIGN):
+        return ((_FRAC if mode == _DOT else _EXP), stack, 0) if digit else None
+    if mode == _EXP_MARK:
+        if byte == 0x2B or byte == 0x2D:
+            return (_EXP_SIGN, stack, 0)
+        return (_EXP, stack, 0) if digit else None
+    # _ZERO, _INT, _FRAC, _EXP: the number may end here
+    if digit and mode != _ZERO:
+        return (mode, stack, 0)
+    if byte == 0x2E and mode in (_ZERO, _INT):
+        return (_DOT, stack, 0)
+    if (byte == 0x65 or byte == 0x45) and mode != _EXP:
+        return (_EXP_MARK, stack, 0)
+    return _structural(_AFTER, stack, 0, byte)   # the number ended; the byte follows a value
+
+
+class _Node:
+    """A radix-trie node: edges labelled with one or more bytes, and the tokens that end here."""
+
+    __slots__ = ("edges", "ids")
+
+    def __init__(self) -> None:
+        self.edges: list[tuple[bytes, _Node]] = []
+        self.ids: list[int] = []
+
+
+def _build_trie(pieces: dict[bytes, list[int]]) -> _Node:
+    """The radix trie of the non-empty byte strings in `pieces`, each node holding the ids spelled by its path."""
+    keys = sorted(pieces)
+
+    def build(lo: int, hi: int, depth: int) -> _Node:   # keys[lo:hi] share their first `depth` bytes
+        node = _Node()
+        if len(keys[lo]) == depth:   # sorted: the one key that ends here comes first
+            node.ids = pieces[keys[lo]]
+            lo += 1
+        while lo < hi:
+            first, end = keys[lo][depth], lo + 1
+            while end < hi and keys[end][depth] == first:
+                end += 1
+            a, b = keys[lo], keys[end - 1]   # sorted: their common prefix is the group's
+            common = depth + 1
+            while common < len(a) and common < len(b) and a[common] == b[common]:
+                common += 1
+            node.edges.append((a[depth:common], build(lo, end, common)))
+            lo = end
+        return node
+
+    return build(0, len(keys), 0) if keys else _Node()
+
+
+def _walk(root: _Node, state: State, out: list[int]) -> None:
+    """Append to `out` every token of the trie whose bytes all step from `state` without failing."""
+    todo = [(root, state)]
+    while todo:
+        node, start = todo.pop()
+        for label, child in node.edges:
+            current = start
+            for byte in label:
+                after = step(current, byte)
+                if after is None:
+                    break
+                current = after
+            else:
+                out.extend(child.ids)
+                if child.edges:
+                    todo.append((child, current))
+
+
+class TokenMasks:
+    """Per tokenizer: which tokens may follow a recognizer state. Build once (under a second for a 49k vocab);
+    not thread-safe (the per-state cache is unlocked)."""
+
+    def __init__(self, token_bytes: Sequence[bytes | None], eos_token_ids: Iterable[int],
+                 max_cached_states: int = 4096) -> None:
+        """token_bytes[i]: token i's exact bytes; None or b"" for a token never emitted in JSON (special
+        tokens: their text would land inside a string). The masks are [len(token_bytes)]."""
+        self.vocab_size = len(token_bytes)
+        self._eos = frozenset(eos_token_ids)
+        self._eos_index = np.array(sorted(t for t in self._eos if 0 <= t < self.vocab_size), dtype=np.int64)
+        self._token_bytes = [b"" if data is None or i in self._eos else data for i, data in enumerate(token_bytes)]
+        self._max_cached_states = max_cached_states
+        self._cache: OrderedDict[State, torch.Tensor] = OrderedDict()
+        pieces: dict[bytes, list[int]] = {}
+        tails: dict[bytes, list[int]] = {}   # from the first '"' or '\\' on, of tokens that have one
+        plain: list[int] = []
+        for token_id, data in enumerate(self._token_bytes):
+            if not data:
+                continue
+            pieces.setdefault(data, []).append(token_id)
+            special = _STRING_SPECIAL.search(data)
+            if special is None:
+                plain.append(token_id)
+            elif data[special.start()] >= 0x20:
+                tails.setdefault(data[special.start():], []).append(token_id)
+        self._trie = _build_trie(pieces)
+        # Inside a string, a plain byte leaves a plain-interior state as it was; so a plain token is allowed in
+        # every such state, and any other token's fate is its tail's (one with a control byte first: refused).
+        self._string_trie = _build_trie(tails)
+        self._plain_mask = np.zeros(self.vocab_size, dtype=np.bool_)
+        self._plain_mask[plain] = True
+
+    def allowed(self, state: State) -> torch.Tensor:
+        """[vocab] bool: token t is allowed iff each of its bytes steps from `state`; EOS iff the object has
+        closed. Cached per state and shared between callers: read-only, never modify it in place."""
+        mask = self._cache.get(state)
+        if mask is not None:
+            self._cache.move_to_end(state)
+            return mask
+        mask = self._compute(state)
+        self._cache[state] = mask
+        if len(self._cache) > self._max_cached_states:
+            self._cache.popitem(last=False)
+        return mask
+
+    def advance(self, state: State, token_id: int) -> State | None:
+        """The state after the token's bytes; None when it is not allowed. EOS (once allowed) keeps the state."""
+        if token_id in self._eos:
+            return state if is_complete(state) else None
+        data = self._token_bytes[token_id] if 0 <= token_id < self.vocab_size else b""
+        if not data:
+            return None
+        for byte in data:
+            after = step(state, byte)
+            if after is None:
+                return None
+            state = after
+        return state
+
+    def state_after(self, token_ids: Iterable[int]) -> State | None:
+        """The state after these tokens from START (to resume an output); None when they begin no JSON object."""
+        state = START
+        for token_id in token_ids:
+            after = self.advance(state, token_id)
+            if after is None:
+                return None
+            state = after
+        return state
+
+    def _compute(self, state: State) -> torch.Tensor:
+        # numpy, not torch, builds the mask: torch fills 49k elements on two threads, and under CPU contention
+        # waiting for the second one cost milliseconds.
+        ids: list[int] = []
+        if state[0] in (_STR, _KEY):
+            _walk(self._string_trie, state, ids)
+            mask = self._plain_mask.copy()
+        else:
+            _walk(self._trie, state, ids)
+            mask = np.zeros(self.vocab_size, dtype=np.bool_)
+        mask[ids] = True
+        if is_complete(state):
+            mask[self._eos_index] = True
+        return torch.from_numpy(mask)
