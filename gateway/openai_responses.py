@@ -1,8 +1,8 @@
 """OpenAI's Responses API over the chat dispatch: a `POST /v1/responses` request becomes a chat completions
 body, and the chat answer (whole or streamed) comes back as a Response object or as the Responses stream's
-semantic events. Text and function tools (gateway/openai_responses_tools.py); stored responses
-(`previous_response_id`, `conversation`, `background`), other tools and structured output are refused with a
-400 rather than ignored.
+semantic events. Text, function tools (gateway/openai_responses_tools.py) and structured output (`text.format`
+as the chat `response_format`); stored responses (`previous_response_id`, `conversation`, `background`) and
+other tools are refused with a 400 rather than ignored.
 
 Pure: no I/O. Bad requests raise `BadRequest` (rendered in OpenAI's error shape).
 """
@@ -49,9 +49,6 @@ def to_chat_body(body: Any) -> dict[str, Any]:
     for name, why in REFUSED.items():
         if body.get(name):
             raise BadRequest(f"'{name}': {why}", param=name)
-    text_format = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    if isinstance(text_format, dict) and text_format.get("type", "text") != "text":
-        raise BadRequest("'text.format': only plain text is supported (no structured output)", param="text.format")
     messages = []
     instructions = body.get("instructions")
     if instructions is not None:
@@ -59,7 +56,7 @@ def to_chat_body(body: Any) -> dict[str, Any]:
             raise BadRequest("'instructions' must be a string", param="instructions")
         messages.append({"role": "system", "content": instructions})
     messages += _input_messages(body.get("input"))
-    chat: dict[str, Any] = {"model": model, "messages": messages, **chat_tools(body)}
+    chat: dict[str, Any] = {"model": model, "messages": messages, **chat_tools(body), **_response_format(body)}
     max_output_tokens = body.get("max_output_tokens")
     if max_output_tokens is not None:
         if not isinstance(max_output_tokens, int) or isinstance(max_output_tokens, bool) or max_output_tokens < 1:
@@ -74,6 +71,33 @@ def to_chat_body(body: Any) -> dict[str, Any]:
     if stream:
         chat.update(stream=True, stream_options={"include_usage": True})
     return chat
+
+
+def _response_format(body: Mapping[str, Any]) -> dict[str, Any]:
+    """`text.format` as the chat body's `response_format`: none for plain text; a JSON object (which switchyard
+    workers constrain their output to) or a JSON schema (which goes to a provider that follows schemas)."""
+    text = body.get("text")
+    if text is None:
+        return {}
+    text_format = text.get("format") if isinstance(text, dict) else None
+    if text_format is None:
+        return {}
+    kind = text_format.get("type") if isinstance(text_format, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if kind == "json_schema":
+        assert isinstance(text_format, dict)
+        name, schema = text_format.get("name"), text_format.get("schema")
+        if not isinstance(name, str) or not name or not isinstance(schema, dict):
+            raise BadRequest("'text.format': a json_schema format has a non-empty `name` and a `schema` object",
+                             param="text.format")
+        json_schema = {"name": name, "schema": schema,
+                       **{k: text_format[k] for k in ("description", "strict") if text_format.get(k) is not None}}
+        return {"response_format": {"type": "json_schema", "json_schema": json_schema}}
+    raise BadRequest("'text.format' must be an object whose type is 'text', 'json_object' or 'json_schema'",
+                     param="text.format")
 
 
 def _input_messages(value: Any) -> list[dict[str, Any]]:
@@ -162,9 +186,15 @@ def response_object(header: ResponseHeader, output: list[dict[str, Any]] | None,
         "parallel_tool_calls": parallel if isinstance(parallel, bool) else True,
         "temperature": request.get("temperature"), "top_p": request.get("top_p"),
         "tool_choice": "auto" if choice is None else choice, "tools": request.get("tools") or [],
-        "text": {"format": {"type": "text"}}, "metadata": request.get("metadata") or {},
+        "text": {"format": _text_format(request)}, "metadata": request.get("metadata") or {},
         "store": False, "usage": usage(openai_usage, num_output_tokens) if output is not None else None,
     }
+
+
+def _text_format(request: Mapping[str, Any]) -> Any:
+    text = request.get("text")
+    text_format = text.get("format") if isinstance(text, dict) else None
+    return text_format if isinstance(text_format, dict) else {"type": "text"}
 
 
 def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:

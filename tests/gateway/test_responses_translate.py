@@ -58,6 +58,25 @@ def test_responses_request_becomes_a_chat_body(body: dict[str, Any], chat: dict[
     assert to_chat_body(body) == chat
 
 
+JSON_SCHEMA = {"type": "json_schema", "name": "city", "schema": SCHEMA, "strict": True}
+
+
+@pytest.mark.parametrize(("text", "response_format"), [
+    ({"format": {"type": "json_object"}}, {"type": "json_object"}),
+    ({"format": JSON_SCHEMA, "verbosity": "low"},
+     {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}),
+    ({"format": {**JSON_SCHEMA, "description": "A city", "strict": None}},
+     {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "description": "A city"}}),
+])
+def test_structured_output_becomes_a_response_format(text: dict[str, Any], response_format: dict[str, Any]) -> None:
+    """JSON mode is served by switchyard workers; a schema goes to a provider that follows schemas."""
+    request = {"model": "m", "input": "Hi", "text": text}
+    assert to_chat_body(request) == {"model": "m", "messages": HELLO, "response_format": response_format}
+    completion = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "{}"}, "finish_reason": "stop"}]}
+    assert to_response(completion, ResponseHeader("resp_1", "msg_1", 0, request))["text"] == {"format": text["format"]}
+    assert to_response(completion, HEADER)["text"] == {"format": {"type": "text"}}
+
+
 @pytest.mark.parametrize(("fields", "chat"), [
     ({"tools": [WEATHER, CLOCK]}, {"tools": [CHAT_WEATHER, CHAT_CLOCK]}),
     ({"tools": [WEATHER], "tool_choice": "auto"}, {"tools": [CHAT_WEATHER], "tool_choice": "auto"}),
@@ -125,8 +144,10 @@ def test_function_call_items_become_chat_messages(items: list[dict[str, Any]], m
     ({"model": "m", "input": "x", "previous_response_id": "resp_0"}, "previous_response_id"),
     ({"model": "m", "input": "x", "conversation": "conv_0"}, "conversation"),
     ({"model": "m", "input": "x", "background": True}, "background"),
-    ({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {}}}},
-     "text.format"),
+    ({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format"),
+    ({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}}, "text.format"),
+    ({"model": "m", "input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
+    ({"model": "m", "input": "x", "text": {"format": "json"}}, "text.format"),
     ({"model": "m", "input": "x", "instructions": 3}, "instructions"),
     ({"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"model": "m", "input": "x", "max_output_tokens": "5"}, "max_output_tokens"),
