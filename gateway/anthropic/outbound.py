@@ -29,7 +29,8 @@ TOOL_CHOICES = {"auto": "auto", "required": "any", "none": "none"}
 
 class Untranslatable(Exception):
     """The chat request uses something the Messages API form here does not carry (legacy `functions`, tools
-    other than functions, tool call arguments that are not a JSON object, images, n > 1)."""
+    other than functions, tool call arguments that are not a JSON object, images, n > 1, a JSON response_format,
+    logprobs)."""
 
 
 def to_messages_request(body: Mapping[str, Any], model: str) -> dict[str, Any]:
@@ -38,6 +39,10 @@ def to_messages_request(body: Mapping[str, Any], model: str) -> dict[str, Any]:
         raise Untranslatable("n > 1")
     if body.get("functions"):
         raise Untranslatable("functions (the legacy form of tools)")
+    if isinstance(body.get("response_format"), dict) and body["response_format"].get("type", "text") != "text":
+        raise Untranslatable("a JSON response_format")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise Untranslatable("logprobs (the Messages API has none)")
     system, messages = _messages(body["messages"])
     request: dict[str, Any] = {
         "model": model, "messages": messages,

@@ -120,6 +120,10 @@ def test_chat_body_becomes_a_messages_request(body: dict[str, Any], request_body
     {"messages": [{"role": "tool", "content": "x"}]},
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
     {"messages": [{"role": "user", "content": 3}]},
+    {"messages": HELLO, "response_format": {"type": "json_object"}},
+    {"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+    {"messages": HELLO, "logprobs": True},
+    {"messages": HELLO, "top_logprobs": 2},
 ])
 def test_chat_bodies_without_a_messages_form(body: dict[str, Any]) -> None:
     with pytest.raises(Untranslatable):
