@@ -53,7 +53,8 @@ def test_a_conversation_that_used_tools() -> None:
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
                                       "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
     ]
-    calls = [{"id": "toolu_1", "type": "function", "function": {"name": "weather", "arguments": '{"city":"Nice","n":[1,2.5]}'}},
+    calls = [{"id": "toolu_1", "type": "function",
+              "function": {"name": "weather", "arguments": '{"city":"Nice","n":[1,2.5]}'}},
              {"id": "toolu_2", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]
     assert to_chat_body({**BASE, "messages": messages, "tools": [TOOL]})["messages"] == [
         *HELLO,
@@ -84,7 +85,8 @@ def test_an_answers_tool_calls_are_tool_use_blocks() -> None:
         {"type": "tool_use", "id": "call_c", "name": "weather", "input": {"arguments": "[1]"}}]
     with_text = to_message(completion({"role": "assistant", "content": "Hm.", "tool_calls": calls[:1]}, "tool_calls"),
                            HEADER)
-    assert [b["type"] for b in with_text["content"]] == ["text", "tool_use"] and with_text["content"][0]["text"] == "Hm."
+    assert [b["type"] for b in with_text["content"]] == ["text", "tool_use"]
+    assert with_text["content"][0]["text"] == "Hm."
     # no tool calls: one text block, empty or not, as before
     assert to_message(completion({"role": "assistant", "content": ""}, "stop"), HEADER)["content"] == [
         {"type": "text", "text": ""}]
@@ -116,8 +118,8 @@ def pieces_of(text: str, sizes: list[int]) -> list[str]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(lead=st.text(max_size=5), args=st.lists(st.dictionaries(st.text(max_size=3), st.integers(-10**6, 10**6)), min_size=1,
-                                               max_size=3),
+@given(lead=st.text(max_size=5),
+       args=st.lists(st.dictionaries(st.text(max_size=3), st.integers(-10**6, 10**6)), min_size=1, max_size=3),
        sizes=st.lists(st.integers(1, 4), max_size=6), cuts=st.lists(st.integers(0, 10**6), max_size=12))
 def test_streamed_tool_calls_from_any_cut(lead: str, args: list[dict[str, int]], sizes: list[int],
                                           cuts: list[int]) -> None:

@@ -75,7 +75,8 @@ def test_messages_request_becomes_a_chat_body(body: dict[str, Any], chat: dict[s
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
      "messages.0.content.0.tool_use_id"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "image"}]}]}]}, "messages.0.content.0.content.0"),
+        {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "image"}]}]}]},
+     "messages.0.content.0.content.0"),
     ({"model": "m", "max_tokens": 5, "messages": HELLO, "stop_sequences": "x"}, "stop_sequences"),
     ({"model": "m", "max_tokens": 5, "messages": HELLO, "stop_sequences": [""]}, "stop_sequences"),
     ({"model": "m", "max_tokens": 5, "messages": HELLO, "temperature": "hot"}, "temperature"),

@@ -72,8 +72,8 @@ TOOLS_TEMPLATE = (
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] or '' }}"
     "{% for call in message.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather in a city, é",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather, é", "parameters": CITY}}]
 TOOL_MESSAGES = [{"role": "user", "content": "weather in the world?"},
                  {"role": "assistant", "content": None, "tool_calls": [
                      {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "x"}'}}]},

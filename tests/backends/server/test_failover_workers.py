@@ -9,6 +9,7 @@ output so far as a prompt, which rounds differently from decoding it step by ste
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import signal
 from collections.abc import Iterator
@@ -267,5 +268,20 @@ async def test_sigkill_mid_stream_on_the_responses_api(fleet: Fleet, referee: Re
     text = "".join(p["delta"] for p in payloads if p["type"] == "response.output_text.delta")
     assert payloads[-1]["response"]["output"][0]["content"][0]["text"] == text
     assert_same_text(text, ref.ids, ref.choices, referee.tokenizer.decode, "the responses stream killed mid-way")
+    assert metric(fleet.gateway, "switchyard_stream_failovers_total", outcome="continued") == continued_before + 1
+    await fleet.restart(killed)
+
+
+async def test_sigkill_mid_stream_in_json_mode(fleet: Fleet) -> None:
+    """JSON mode across a failover: the worker that goes on resumes from the token ids already out, so its
+    JSON recognizer starts after them, and the answer the client gets is still one JSON object (json.loads
+    is the reference). The ask is one whose greedy object closes in about 30 tokens."""
+    continued_before = metric(fleet.gateway, "switchyard_stream_failovers_total", outcome="continued")
+    body = {"model": "smollm2", "input": "Give a JSON object with keys a, b and c.", "max_output_tokens": 160,
+            "temperature": 0, "text": {"format": {"type": "json_object"}}, "stream": True}
+    payloads, killed = await killed_mid_stream(fleet, "/v1/responses", body, "response.output_text.delta", 8)
+    assert payloads[-1]["type"] == "response.completed", payloads[-1]
+    text = "".join(p["delta"] for p in payloads if p["type"] == "response.output_text.delta")
+    assert isinstance(json.loads(text), dict), text
     assert metric(fleet.gateway, "switchyard_stream_failovers_total", outcome="continued") == continued_before + 1
     await fleet.restart(killed)
