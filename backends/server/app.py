@@ -44,6 +44,7 @@ def create_app(
         web.post("/v1/completions", openai_routes.completions),
         web.post("/v1/chat/completions", openai_routes.chat_completions),
         web.get("/v1/models", openai_routes.models),
+        web.get("/v1/models/{model}", openai_routes.model),
         web.get("/health", ops_routes.health),
         web.get("/metrics", ops_routes.metrics),
         web.get("/load", ops_routes.load),

@@ -18,7 +18,7 @@ from aiohttp import web
 from backends.engine.kv_connector import KVTransferParams
 from backends.server import disagg
 from backends.server.choices import Choices
-from backends.server.errors import APIError, invalid_param, read_json
+from backends.server.errors import APIError, invalid_param, model_not_found, read_json
 from backends.server.generation import SequenceSpec, generate_deltas
 from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
 from backends.server.protocol import (GenerateRequest, ParseContext, RequestKind, kv_transfer_params, parse_request,
@@ -44,13 +44,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def models(request: web.Request) -> web.Response:
-    config = request.app[CONFIG_KEY]
+    return json_response({"object": "list", "data": _model_cards(request)})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: one served name's card (`client.models.retrieve`); 404 model_not_found."""
+    name = request.match_info["model"]
+    card = next((c for c in _model_cards(request) if c["id"] == name), None)
+    if card is None:
+        raise model_not_found(name)
+    return json_response(card)
+
+
+def _model_cards(request: web.Request) -> list[dict[str, Any]]:
     max_model_len = request.app[ENGINE_KEY].max_model_len
-    data = [
-        {"id": name, "object": "model", "created": 0, "owned_by": "switchyard", "max_model_len": max_model_len}
-        for name in config.served_model_names
-    ]
-    return json_response({"object": "list", "data": data})
+    return [{"id": name, "object": "model", "created": 0, "owned_by": "switchyard", "max_model_len": max_model_len}
+            for name in request.app[CONFIG_KEY].served_model_names]
 
 
 async def _generate(request: web.Request, kind: RequestKind) -> web.StreamResponse:

@@ -367,6 +367,10 @@ async def test_ops_endpoints(worker_url: str, prompt_ids: list[list[int]]) -> No
         async with session.get(f"{worker_url}/v1/models") as resp:
             models = await resp.json()
         assert [m["id"] for m in models["data"]] == [MODEL]
+        async with session.get(f"{worker_url}/v1/models/{MODEL}") as resp:
+            assert resp.status == 200 and await resp.json() == models["data"][0]
+        async with session.get(f"{worker_url}/v1/models/no-such-model") as resp:
+            assert resp.status == 404 and (await resp.json())["error"]["code"] == "model_not_found"
         async with session.get(f"{worker_url}/load") as resp:
             report = await resp.json()
         assert report["num_total_blocks"] == NUM_BLOCKS and report["block_size"] == 16
