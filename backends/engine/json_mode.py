@@ -1,12 +1,14 @@
 """JSON mode's grammar: a byte-level pushdown recognizer of one JSON object (RFC 8259, top level an object) and,
-per tokenizer, the mask of tokens that keep the output a valid prefix. Pure: no engine, sampler or device code;
-masks are CPU bool tensors that the caller moves and applies.
+per tokenizer, the mask of tokens that keep the output a valid prefix under any byte-level `Grammar` (this one,
+or a compiled JSON schema's). Pure: no engine, sampler or device code; masks are CPU bool tensors that the
+caller moves and applies.
 """
 from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -63,6 +65,38 @@ def step(state: State, byte: int) -> State | None:
 def is_complete(state: State) -> bool:
     """Whether the top-level object has closed (the output may end here)."""
     return state[0] == _DONE
+
+
+def plain_string(state: State) -> bool:
+    """Whether the output is inside a string, where any byte but '"', '\\' and control bytes keeps the state."""
+    return state[0] in (_STR, _KEY)
+
+
+S = TypeVar("S", bound=Hashable)
+
+
+class Grammar(Protocol[S]):
+    """A byte-level recognizer, as `TokenMasks` walks it. States are immutable and hashable (masks are cached by
+    state). `plain_string(state)` promises that every byte >= 0x20 other than '"' and '\\' steps `state` to
+    itself: the masks then allow every token of such bytes at once and walk only the others."""
+
+    @property
+    def start(self) -> S: ...
+
+    def step(self, state: S, byte: int) -> S | None: ...
+
+    def is_complete(self, state: S) -> bool: ...
+
+    def plain_string(self, state: S) -> bool: ...
+
+
+class JsonObject:
+    """JSON mode's grammar (one JSON object) as a `Grammar`: the functions of this module."""
+
+    start: State = START
+    step = staticmethod(step)
+    is_complete = staticmethod(is_complete)
+    plain_string = staticmethod(plain_string)
 
 
 def _structural(mode: int, stack: str, whitespace: int, byte: int) -> State | None:
@@ -179,7 +213,7 @@ def _build_trie(pieces: dict[bytes, list[int]]) -> _Node:
     return build(0, len(keys), 0) if keys else _Node()
 
 
-def _walk(root: _Node, state: State, out: list[int]) -> None:
+def _walk(root: _Node, step: Callable[[S, int], S | None], state: S, out: list[int]) -> None:
     """Append to `out` every token of the trie whose bytes all step from `state` without failing."""
     todo = [(root, state)]
     while todo:
@@ -197,24 +231,21 @@ def _walk(root: _Node, state: State, out: list[int]) -> None:
                     todo.append((child, current))
 
 
-class TokenMasks:
-    """Per tokenizer: which tokens may follow a recognizer state. Build once (under a second for a 49k vocab);
-    not thread-safe (the per-state cache is unlocked)."""
+class VocabularyTries:
+    """Per tokenizer, for every grammar: the vocabulary as byte tries (under a second and about 20 MB for a 49k
+    vocab: build once, share between grammars). Read-only once built."""
 
-    def __init__(self, token_bytes: Sequence[bytes | None], eos_token_ids: Iterable[int],
-                 max_cached_states: int = 4096) -> None:
+    def __init__(self, token_bytes: Sequence[bytes | None], eos_token_ids: Iterable[int]) -> None:
         """token_bytes[i]: token i's exact bytes; None or b"" for a token never emitted in JSON (special
-        tokens: their text would land inside a string). The masks are [len(token_bytes)]."""
+        tokens: their text would land inside a string). Masks over these tries are [len(token_bytes)]."""
         self.vocab_size = len(token_bytes)
-        self._eos = frozenset(eos_token_ids)
-        self._eos_index = np.array(sorted(t for t in self._eos if 0 <= t < self.vocab_size), dtype=np.int64)
-        self._token_bytes = [b"" if data is None or i in self._eos else data for i, data in enumerate(token_bytes)]
-        self._max_cached_states = max_cached_states
-        self._cache: OrderedDict[State, torch.Tensor] = OrderedDict()
+        self.eos = frozenset(eos_token_ids)
+        self.eos_index = np.array(sorted(t for t in self.eos if 0 <= t < self.vocab_size), dtype=np.int64)
+        self.token_bytes = [b"" if data is None or i in self.eos else data for i, data in enumerate(token_bytes)]
         pieces: dict[bytes, list[int]] = {}
         tails: dict[bytes, list[int]] = {}   # from the first '"' or '\\' on, of tokens that have one
         plain: list[int] = []
-        for token_id, data in enumerate(self._token_bytes):
+        for token_id, data in enumerate(self.token_bytes):
             if not data:
                 continue
             pieces.setdefault(data, []).append(token_id)
@@ -223,33 +254,47 @@ class TokenMasks:
                 plain.append(token_id)
             elif data[special.start()] >= 0x20:
                 tails.setdefault(data[special.start():], []).append(token_id)
-        self._trie = _build_trie(pieces)
+        self.trie = _build_trie(pieces)
         # Inside a string, a plain byte leaves a plain-interior state as it was; so a plain token is allowed in
         # every such state, and any other token's fate is its tail's (one with a control byte first: refused).
-        self._string_trie = _build_trie(tails)
-        self._plain_mask = np.zeros(self.vocab_size, dtype=np.bool_)
-        self._plain_mask[plain] = True
+        self.string_trie = _build_trie(tails)
+        self.plain_mask = np.zeros(self.vocab_size, dtype=np.bool_)
+        self.plain_mask[plain] = True
 
-    def allowed(self, state: State) -> torch.Tensor:
-        """[vocab] bool: token t is allowed iff each of its bytes steps from `state`; EOS iff the object has
-        closed. Cached per state and shared between callers: read-only, never modify it in place."""
-        mask = self._cache.get(state)
-        if mask is not None:
-            self._cache.move_to_end(state)
-            return mask
-        mask = self._compute(state)
-        self._cache[state] = mask
-        if len(self._cache) > self._max_cached_states:
-            self._cache.popitem(last=False)
-        return mask
 
-    def advance(self, state: State, token_id: int) -> State | None:
+class GrammarMasks(Generic[S]):
+    """Which tokens may follow a grammar state, over shared `VocabularyTries`: cheap to build, one per grammar.
+    The cache keeps each state's mask as bits (6 KB for a 49k vocab: 4,096 states take 25 MB) and unpacks it per
+    call (about 10 µs). Not thread-safe (the per-state cache is unlocked)."""
+
+    def __init__(self, tries: VocabularyTries, grammar: Grammar[S], max_cached_states: int = 4096) -> None:
+        self.tries = tries
+        self.grammar = grammar
+        self.vocab_size = tries.vocab_size
+        self._max_cached_states = max_cached_states
+        self._cache: OrderedDict[S, np.ndarray] = OrderedDict()
+
+    def allowed(self, state: S) -> torch.Tensor:
+        """[vocab] bool: token t is allowed iff each of its bytes steps from `state`; EOS iff the document is
+        complete. A new tensor each call (the cache holds the bits)."""
+        bits = self._cache.get(state)
+        if bits is None:
+            mask = self._compute(state)
+            self._cache[state] = np.packbits(mask)
+            if len(self._cache) > self._max_cached_states:
+                self._cache.popitem(last=False)
+            return torch.from_numpy(mask)
+        self._cache.move_to_end(state)
+        return torch.from_numpy(np.unpackbits(bits, count=self.vocab_size).view(np.bool_))
+
+    def advance(self, state: S, token_id: int) -> S | None:
         """The state after the token's bytes; None when it is not allowed. EOS (once allowed) keeps the state."""
-        if token_id in self._eos:
-            return state if is_complete(state) else None
-        data = self._token_bytes[token_id] if 0 <= token_id < self.vocab_size else b""
+        if token_id in self.tries.eos:
+            return state if self.grammar.is_complete(state) else None
+        data = self.tries.token_bytes[token_id] if 0 <= token_id < self.vocab_size else b""
         if not data:
             return None
+        step = self.grammar.step
         for byte in data:
             after = step(state, byte)
             if after is None:
@@ -257,9 +302,9 @@ class TokenMasks:
             state = after
         return state
 
-    def state_after(self, token_ids: Iterable[int]) -> State | None:
-        """The state after these tokens from START (to resume an output); None when they begin no JSON object."""
-        state = START
+    def state_after(self, token_ids: Iterable[int]) -> S | None:
+        """The state after these tokens from the start (to resume an output); None when they begin no document."""
+        state = self.grammar.start
         for token_id in token_ids:
             after = self.advance(state, token_id)
             if after is None:
@@ -267,17 +312,26 @@ class TokenMasks:
             state = after
         return state
 
-    def _compute(self, state: State) -> torch.Tensor:
+    def _compute(self, state: S) -> np.ndarray:
         # numpy, not torch, builds the mask: torch fills 49k elements on two threads, and under CPU contention
         # waiting for the second one cost milliseconds.
-        ids: list[int] = []
-        if state[0] in (_STR, _KEY):
-            _walk(self._string_trie, state, ids)
-            mask = self._plain_mask.copy()
+        tries, ids = self.tries, list[int]()
+        if self.grammar.plain_string(state):
+            _walk(tries.string_trie, self.grammar.step, state, ids)
+            mask = tries.plain_mask.copy()
         else:
-            _walk(self._trie, state, ids)
+            _walk(tries.trie, self.grammar.step, state, ids)
             mask = np.zeros(self.vocab_size, dtype=np.bool_)
         mask[ids] = True
-        if is_complete(state):
-            mask[self._eos_index] = True
-        return torch.from_numpy(mask)
+        if self.grammar.is_complete(state):
+            mask[tries.eos_index] = True
+        return mask
+
+
+class TokenMasks(GrammarMasks[State]):
+    """JSON mode's masks in one call: the JSON-object grammar over tries built here (under a second for a 49k
+    vocab). `.tries` serves further grammars of the same tokenizer."""
+
+    def __init__(self, token_bytes: Sequence[bytes | None], eos_token_ids: Iterable[int],
+                 max_cached_states: int = 4096) -> None:
+        super().__init__(VocabularyTries(token_bytes, eos_token_ids), JsonObject(), max_cached_states)

@@ -1,27 +1,43 @@
-"""JSON mode (OpenAI's `response_format: {"type": "json_object"}`) in the engine: each such sequence carries
-the state of a JSON recognizer over its output, the sampler sees the tokens that keep the output a valid
-prefix of one JSON object (and EOS only once the object has closed), and each sampled token advances the
-state. The recognizer and the per-state token masks are `json_mode.py`'s; this module keeps them per model and
-per sequence.
+"""Structured output in the engine: OpenAI's `response_format` `json_object` (any one JSON object) and
+`json_schema` (JSON that follows a schema). Each such sequence carries its grammar's masks and the state of
+its recognizer over the output; the sampler sees the tokens that keep the output a valid prefix (and EOS only
+once the JSON value has closed), and each sampled token advances the state. The recognizers and the masks are
+`json_mode.py`'s and `json_schema.py`'s; this module keeps them per model, per schema and per sequence.
 
-The masks are built from the model folder's tokenizer on the first JSON request (about a second), on the
-engine thread: a worker that never sees one never pays for it.
+The vocabulary's byte tries are built from the model folder's tokenizer on the first structured request (about
+half a second): a worker that never sees one never pays for it.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from pathlib import Path
+from typing import Any
 
+import orjson
 import torch
 
 from backends.engine.errors import EngineRequestError
-from backends.engine.json_mode import TokenMasks
+from backends.engine.json_mode import JsonObject, GrammarMasks, VocabularyTries
+from backends.engine.json_schema import UnsupportedSchema, compile_schema
 from backends.engine.sampling_params import SamplingParams
+from backends.engine.schema_grammar import SchemaGrammar
 from backends.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+MAX_SCHEMAS = 16                 # grammars kept per engine (least recently used dropped)
+MAX_STATES_PER_SCHEMA = 1024     # cached masks per schema grammar (6 KB each for a 49k vocabulary)
+
+
+@functools.lru_cache(maxsize=64)
+def compiled_schema(text: str) -> SchemaGrammar:
+    """The grammar of a schema given as JSON text (raises UnsupportedSchema); shared by the server's check and
+    the engine."""
+    return compile_schema(orjson.loads(text))
 
 
 def token_bytes_of(model_dir: Path, vocab_size: int) -> list[bytes | None]:
@@ -39,45 +55,71 @@ def token_bytes_of(model_dir: Path, vocab_size: int) -> list[bytes | None]:
 
 
 class JsonOutput:
-    """The JSON-mode sequences of one engine."""
+    """The structured-output sequences of one engine. A sequence's `json_state` is (its grammar's masks, the
+    recognizer's state)."""
 
     def __init__(self, model_dir: Path | None, eos_token_ids: Seq[int], vocab_size: int) -> None:
         self._model_dir = model_dir
         self._eos_token_ids = tuple(eos_token_ids)
         self._vocab_size = vocab_size
-        self._masks: TokenMasks | None = None
-        self._building = threading.Lock()   # `check` runs on the server's thread, the rest on the engine's
+        self._tries: VocabularyTries | None = None
+        self._grammars: OrderedDict[str | None, GrammarMasks[Any]] = OrderedDict()   # by schema text; None: object
+        self._lock = threading.Lock()   # `check` runs on the server's thread, the rest on the engine's
 
     def check(self, params: SamplingParams, first_token_ids: Seq[int]) -> None:
-        """Raise EngineRequestError when a JSON-mode request's tokens to continue from (a decode leg's first
-        tokens, a resumed answer's) begin no JSON object. Pure: any thread."""
-        if params.json_object and first_token_ids and self._token_masks().state_after(first_token_ids) is None:
-            raise EngineRequestError("the tokens to continue from are not the start of a JSON object")
+        """Raise EngineRequestError when a structured request's tokens to continue from (a decode leg's first
+        tokens, a resumed answer's) begin no valid output. Any thread."""
+        if params.structured and first_token_ids and self._masks(params).state_after(first_token_ids) is None:
+            raise EngineRequestError("the tokens to continue from are not the start of the JSON asked for")
 
     def start(self, seq: Sequence) -> None:
-        """Give a JSON-mode sequence its recognizer state, after the tokens it already has (`check`ed)."""
-        if seq.params.json_object:
-            seq.json_state = self._token_masks().state_after(seq.output_token_ids)
+        """Give a structured sequence its grammar and state, after the tokens it already has (`check`ed)."""
+        if seq.params.structured:
+            masks = self._masks(seq.params)
+            seq.json_state = (masks, masks.state_after(seq.output_token_ids))
 
     def allowed(self, seq: Sequence) -> torch.Tensor | None:
-        """The tokens the sequence may sample next (a read-only [vocab] bool mask); None: any."""
+        """The tokens the sequence may sample next ([vocab] bool); None: any."""
         if seq.json_state is None:
             return None
-        return self._token_masks().allowed(seq.json_state)
+        masks, state = seq.json_state
+        return masks.allowed(state)
 
     def advance(self, seq: Sequence, token_id: int) -> None:
         if seq.json_state is None:
             return
-        state = self._token_masks().advance(seq.json_state, token_id)
-        if state is None:   # cannot happen for a sampled token: the mask allowed only valid ones
+        masks, state = seq.json_state
+        after = masks.advance(state, token_id)
+        if after is None:   # cannot happen for a sampled token: the mask allowed only valid ones
             raise RuntimeError(f"token {token_id} breaks the JSON output of {seq.request_id}")
-        seq.json_state = state
+        seq.json_state = (masks, after)
 
-    def _token_masks(self) -> TokenMasks:
-        with self._building:
-            if self._masks is None:
-                if self._model_dir is None:
-                    raise EngineRequestError("JSON mode needs the model folder's tokenizer, which this engine has not")
-                self._masks = TokenMasks(token_bytes_of(self._model_dir, self._vocab_size), self._eos_token_ids)
-                log.info("JSON-mode token masks built for %s", self._model_dir)
-            return self._masks
+    def _masks(self, params: SamplingParams) -> GrammarMasks[Any]:
+        key = params.json_schema
+        with self._lock:
+            masks = self._grammars.get(key)
+            if masks is not None:
+                self._grammars.move_to_end(key)
+                return masks
+            tries = self._vocabulary_tries()
+            if key is None:
+                masks = GrammarMasks(tries, JsonObject())
+            else:
+                try:
+                    grammar = compiled_schema(key)
+                except UnsupportedSchema as exc:
+                    raise EngineRequestError(f"the JSON schema cannot be followed: {exc}") from None
+                masks = GrammarMasks(tries, grammar, max_cached_states=MAX_STATES_PER_SCHEMA)
+            self._grammars[key] = masks
+            if len(self._grammars) > MAX_SCHEMAS:
+                self._grammars.popitem(last=False)
+            return masks
+
+    def _vocabulary_tries(self) -> VocabularyTries:
+        if self._tries is None:
+            if self._model_dir is None:
+                raise EngineRequestError("structured output needs the model folder's tokenizer, which this engine "
+                                         "has not")
+            self._tries = VocabularyTries(token_bytes_of(self._model_dir, self._vocab_size), self._eos_token_ids)
+            log.info("structured-output vocabulary tries built for %s", self._model_dir)
+        return self._tries

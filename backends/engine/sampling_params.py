@@ -29,8 +29,14 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit): OpenAI's logit_bias
     speculative: bool = True             # False: this request never runs drafts (the worker's setting otherwise)
     json_object: bool = False            # the output is one JSON object (OpenAI's response_format json_object)
+    json_schema: str | None = None       # ... or JSON that follows this schema (its JSON text, its key order)
     # Stop strings are matched by the server on detokenized text; the engine never sees them.
     stop: tuple[str, ...] = field(default=())
+
+    @property
+    def structured(self) -> bool:
+        """The output is constrained to JSON (backends/engine/json_output.py)."""
+        return self.json_object or self.json_schema is not None
 
     @property
     def greedy(self) -> bool:

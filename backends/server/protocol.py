@@ -2,7 +2,7 @@
 
 Bad bodies raise `APIError` with the field named in `param`; unknown fields are ignored, as
 OpenAI-compatible servers do, but OpenAI fields whose contract this worker cannot keep (`best_of` above `n`,
-`echo`, `suffix`, tool use, a JSON schema `response_format`) are refused. Response bodies are built in `responses.py`.
+`echo`, `suffix`, tool use, a JSON schema it cannot follow) are refused. Response bodies are built in `responses.py`.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 
 from backends.engine.sampling_params import SamplingParams
 from backends.server.errors import APIError, invalid_param, model_not_found, unsupported_param
+from backends.server.output_format import parse_response_format
 from backends.server.fields import default, is_int, opt_bool, opt_float, opt_int
 
 MAX_LOGPROBS = 20             # top alternatives per token, as OpenAI's top_logprobs allows
@@ -183,28 +184,21 @@ def _refuse_unsupported(body: dict[str, Any], kind: RequestKind, num_choices: in
     if kind is RequestKind.COMPLETION and body.get("suffix") is not None:
         raise unsupported_param("suffix", "suffix is not supported.")
     if kind is RequestKind.CHAT:
-        _refuse_tools_and_formats(body)
+        _refuse_tools(body)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid_param("user", "`user` must be a string.")
 
 
-def _refuse_tools_and_formats(body: dict[str, Any]) -> None:
-    """What this worker cannot honour is refused, not ignored: it parses no tool calls and constrains no output,
-    so an answer would break the contract the client asked for (route such requests to vLLM or SGLang)."""
+def _refuse_tools(body: dict[str, Any]) -> None:
+    """What this worker cannot honour is refused, not ignored: it parses no tool calls, so an answer would break
+    the contract the client asked for (route such requests to vLLM or SGLang)."""
     if body.get("tools") or body.get("functions"):
         name = "tools" if body.get("tools") else "functions"
         raise unsupported_param(name, "Tool use is not supported by this worker.")
     tool_choice = body.get("tool_choice")
     if tool_choice is not None and tool_choice != "none" and tool_choice != "auto":
         raise unsupported_param("tool_choice", "tool_choice needs tools, which this worker does not support.")
-    response_format = body.get("response_format")
-    if response_format is not None and not isinstance(response_format, dict):
-        raise invalid_param("response_format", "`response_format` must be an object.")
-    kind = None if response_format is None else response_format.get("type")
-    if kind not in (None, "text", "json_object"):
-        raise unsupported_param("response_format", "This worker constrains its output to JSON with response_format "
-                                                   "{\"type\": \"json_object\"}; it follows no JSON schema.")
 
 
 def _parse_prompts(prompt: Any, vocab_size: int) -> tuple[Prompt, ...]:
@@ -305,11 +299,10 @@ def _parse_stream_options(body: dict[str, Any], stream: bool) -> bool:
 def _parse_sampling(body: dict[str, Any], vocab_size: int, max_tokens: int | None,
                     logprobs: int | None) -> SamplingParams:
     seed = opt_int(body, "seed", SEED_MIN, SEED_MAX)
-    response_format = body.get("response_format")
-    json_object = isinstance(response_format, dict) and response_format.get("type") == "json_object"
+    output_format = parse_response_format(body)
     ignore_eos, min_tokens = opt_bool(body, "ignore_eos") or False, default(opt_int(body, "min_tokens", 0), 0)
-    if json_object and (ignore_eos or min_tokens):
-        raise invalid_param("response_format", "A JSON response ends when its object closes: it cannot be "
+    if output_format.structured and (ignore_eos or min_tokens):
+        raise invalid_param("response_format", "A JSON response ends when its JSON value closes: it cannot be "
                                                "combined with ignore_eos or min_tokens.")
     return SamplingParams(
         max_tokens=max_tokens or 1,
@@ -327,8 +320,9 @@ def _parse_sampling(body: dict[str, Any], vocab_size: int, max_tokens: int | Non
         logprobs=logprobs,
         logit_bias=_parse_logit_bias(body.get("logit_bias"), vocab_size),
         stop=_parse_stop(body.get("stop")),
-        speculative=default(opt_bool(body, "speculative"), True) and not json_object,
-        json_object=json_object,
+        speculative=default(opt_bool(body, "speculative"), True) and not output_format.structured,
+        json_object=output_format.json_object,
+        json_schema=output_format.json_schema,
     )
 
 

@@ -309,12 +309,16 @@ def test_masks_are_cached_per_state_and_evicted(small: tuple[list[bytes | None],
     masks = TokenMasks(vocab, eos, max_cached_states=2)
     a, b, c = (final(p) for p in (b"{", b'{"a', b'{"a":1'))
     assert a is not None and b is not None and c is not None
+    computed: list[object] = []
+    compute = masks._compute
+    masks._compute = lambda state: computed.append(state) or compute(state)  # type: ignore[method-assign]
     first = masks.allowed(a)
-    assert masks.allowed(a) is first
+    cached = masks.allowed(a)                   # unpacked from the cache's bits
+    assert computed == [a] and torch.equal(cached, first) and cached.dtype == torch.bool
     masks.allowed(b)
     masks.allowed(c)
-    again = masks.allowed(a)
-    assert again is not first and torch.equal(again, first)
+    again = masks.allowed(a)                    # evicted by the cap of 2: computed again
+    assert computed == [a, b, c, a] and torch.equal(again, first)
 
 
 def test_masks_on_the_bundled_tokenizer_match_brute_force(smollm2_dir: Path) -> None:

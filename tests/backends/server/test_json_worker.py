@@ -11,6 +11,7 @@ import aiohttp
 import orjson
 import pytest
 
+from tests.backends.engine.test_json_schema import valid
 from tests.backends.server.worker_client import post, wait_idle
 from tests.support.worker_proc import WorkerProcess
 
@@ -102,8 +103,45 @@ async def test_a_resumed_answer_goes_on_as_json(worker_url: str) -> None:
         await wait_idle(session, worker_url)
 
 
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"}, "pet": {"enum": ["cat", "dog", "none"]},
+    "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}, "email": {"type": ["string", "null"]}},
+    "required": ["name", "age", "pet"], "additionalProperties": False}
+
+
+async def test_answers_follow_a_json_schema(worker_url: str) -> None:
+    """response_format json_schema: each answer that ends by itself validates against the schema (checked by
+    tests/backends/engine/test_json_schema.py's own validator, not by the grammar); a JSON schema in
+    /v1/completions too."""
+    format_ = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    async with aiohttp.ClientSession() as session:
+        finished = 0
+        for ask in ("Describe a person as JSON.", "Invent a character for a story."):
+            for fields in ({}, {"temperature": 1.0, "seed": 11, "n": 2}):
+                status, body = await post(session, f"{worker_url}/v1/chat/completions",
+                                          {**chat(ask, **fields), "response_format": format_})
+                assert status == 200, body
+                for choice in body["choices"]:
+                    text = choice["message"]["content"]
+                    assert text.startswith("{"), text
+                    if choice["finish_reason"] == "stop":
+                        assert valid(json.loads(text), PERSON, PERSON), text
+                        finished += 1
+        assert finished >= 2
+        status, body = await post(session, f"{worker_url}/v1/completions",
+                                  {"model": "smollm2", "prompt": "A colour as JSON:", "max_tokens": 40,
+                                   "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
+                                       "name": "c", "schema": {"enum": ["red", "green", "blue"]}}}})
+        assert status == 200 and json.loads(body["choices"][0]["text"]) in ("red", "green", "blue"), body
+        await wait_idle(session, worker_url)
+
+
 @pytest.mark.parametrize(("fields", "status", "param"), [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 400, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "minLength": 3}}}}, 400, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}}, 400,
+     "response_format.json_schema"),
+    ({"response_format": {"type": "xml"}}, 400, "response_format"),
     ({"ignore_eos": True}, 400, "response_format"),
     ({"min_tokens": 4}, 400, "response_format"),
 ])
@@ -111,3 +149,5 @@ async def test_what_json_mode_cannot_honour(worker_url: str, fields: dict[str, A
     async with aiohttp.ClientSession() as session:
         got, body = await post(session, f"{worker_url}/v1/chat/completions", {**chat(ASKS[0]), **fields})
         assert got == status and body["error"]["param"] == param, body
+        if "minLength" in str(fields):   # what the gateway hands to a provider that follows the schema
+            assert body["error"]["code"] == "unsupported_parameter" and "minLength" in body["error"]["message"]

@@ -58,6 +58,9 @@ GOOD = [
     (CHAT, {"tool_choice": "auto", "parallel_tool_calls": False}, {}),
     (CHAT, {"response_format": {"type": "json_object"}}, {"json_object": True, "speculative": False}),
     (C, {"response_format": {"type": "json_object"}}, {"json_object": True, "speculative": False}),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"b": {"type": "integer"}, "a": {}}}}}},
+     {"json_schema": '{"type":"object","properties":{"b":{"type":"integer"},"a":{}}}', "speculative": False}),
 ]
 
 
@@ -146,8 +149,11 @@ BAD = [
      "unsupported_parameter"),
     (CHAT, {"response_format": {"type": "json_object"}, "ignore_eos": True}, 400, "response_format", "invalid_value"),
     (C, {"response_format": {"type": "json_object"}, "min_tokens": 2}, 400, "response_format", "invalid_value"),
-    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, 400,
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}}, 400,
      "response_format", "unsupported_parameter"),
+    (C, {"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, 400,
+     "response_format.json_schema", "invalid_value"),
+    (CHAT, {"response_format": {"type": "yaml"}}, 400, "response_format", "invalid_value"),
     (CHAT, {"response_format": "json"}, 400, "response_format", "invalid_value"),
     *[(kind, {"logit_bias": bias}, 400, "logit_bias", "invalid_value") for kind, bias in [
         (C, [1, 2]), (CHAT, "5"), (C, {"1000": 1}), (C, {"-1": 1}), (C, {"+5": 1}), (C, {" 5": 1}), (C, {"abc": 1}),

@@ -1,0 +1,547 @@
+"""Compiled JSON schemas against documents: valid ones (drawn from each schema, serialized in schema order with
+varied whitespace) are accepted and complete at their last byte; invalid ones are refused; whatever completes
+parses and validates; what is accepted can be finished; masks match feeding each token byte by byte.
+jsonschema is not installed, so `valid` below is a small independent validator of the keywords used here."""
+from __future__ import annotations
+
+import json
+import random
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from backends.engine.json_mode import MAX_DEPTH, MAX_WHITESPACE, GrammarMasks, TokenMasks, VocabularyTries
+from backends.engine.json_schema import UnsupportedSchema, compile_schema
+from backends.engine.schema_grammar import SchemaGrammar
+from tests.backends.engine.test_json_mode import random_vocab, within_caps
+
+PROPERTY = settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+
+_ADDRESS = {"type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"},
+                                             "zip": {"type": "string"}},
+            "required": ["street", "city"], "additionalProperties": False}
+_CIRCLE = {"type": "object", "properties": {"kind": {"const": "circle"}, "r": {"type": "number"}},
+           "required": ["kind", "r"], "additionalProperties": False}
+_RECT = {"type": "object", "properties": {"kind": {"const": "rect"}, "w": {"type": "number"},
+                                          "h": {"type": "number"}},
+         "required": ["kind", "w", "h"], "additionalProperties": False}
+SCHEMAS: dict[str, Any] = {
+    "person": {"type": "object", "properties": {
+        "name": {"type": "string", "description": "full name"}, "age": {"type": "integer"},
+        "email": {"type": ["string", "null"], "format": "email"},
+        "tags": {"type": "array", "items": {"type": "string"}}, "address": _ADDRESS},
+        "required": ["name", "age"], "additionalProperties": False},
+    "enums": {"type": "object", "properties": {
+        "color": {"type": "string", "enum": ["red", "green", "café", "a\"b"]},
+        "size": {"enum": [1, 12, 1.5, None, True, "L"]}},
+        "required": ["color", "size"], "additionalProperties": False},
+    "nullable": {"type": "object", "properties": {"nick": {"type": ["string", "null"]},
+                                                  "score": {"type": ["number", "null"]}},
+                 "required": ["nick", "score"], "additionalProperties": False},
+    "numbers": {"type": "object", "properties": {"count": {"type": "integer"}, "ratio": {"type": "number"}},
+                "required": ["count", "ratio"], "additionalProperties": False},
+    "matrix": {"type": "object", "properties": {"rows": {
+        "type": "array", "minItems": 2, "maxItems": 3,
+        "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 2}}},
+        "required": ["rows"], "additionalProperties": False},
+    "shapes": {"type": "object", "properties": {"shape": {"anyOf": [_CIRCLE, _RECT]},
+                                                "others": {"type": "array", "items": {"oneOf": [_CIRCLE, _RECT]}}},
+               "required": ["shape"], "additionalProperties": False},
+    "tree": {"$defs": {"node": {"type": "object", "properties": {
+        "value": {"type": "integer"}, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+        "required": ["value", "children"], "additionalProperties": False}}, "$ref": "#/$defs/node"},
+    "const": {"type": "object", "properties": {"version": {"const": 2}, "mode": {"const": "fast"},
+                                               "on": {"const": True}},
+              "required": ["version", "mode"], "additionalProperties": False},
+    "free": {"type": "object", "properties": {"meta": {"type": "object"}, "any": {}, "list": {"type": "array"},
+                                              "counts": {"type": "object", "additionalProperties": {"type": "integer"}},
+                                              "none": {"type": "object", "additionalProperties": False}},
+             "required": ["meta"]},
+    "top_array": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+    "keyed": {"anyOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                         "additionalProperties": False},
+                        {"type": "object", "additionalProperties": {"type": "string"}}]},
+}
+GRAMMARS = {name: compile_schema(schema) for name, schema in SCHEMAS.items()}
+
+
+# --- a reference validator, and documents drawn from a schema ------------------------------------------------
+
+def resolve(root: Any, pointer: str) -> Any:
+    target = root
+    for part in pointer.lstrip("#").split("/")[1:]:
+        target = target[part]
+    return target
+
+
+def is_type(value: Any, type_name: str) -> bool:
+    if isinstance(value, bool):
+        return type_name == "boolean"
+    if isinstance(value, int | float):
+        return type_name == "number" or (type_name == "integer" and float(value).is_integer())
+    return {str: "string", type(None): "null", list: "array", dict: "object"}.get(type(value)) == type_name
+
+
+def same(a: Any, b: Any) -> bool:
+    """JSON equality: 1 == 1.0, but true is not 1."""
+    if type(a) is not type(b) and (isinstance(a, bool | dict | list) or isinstance(b, bool | dict | list)):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def valid(value: Any, schema: Any, root: Any) -> bool:
+    """JSON Schema's verdict on the keywords these tests use (property order does not matter to it)."""
+    if isinstance(schema, bool):
+        return schema
+    checks = [
+        "$ref" not in schema or valid(value, resolve(root, schema["$ref"]), root),
+        "anyOf" not in schema or any(valid(value, s, root) for s in schema["anyOf"]),
+        "oneOf" not in schema or sum(valid(value, s, root) for s in schema["oneOf"]) == 1,
+        "const" not in schema or same(value, schema["const"]),
+        "enum" not in schema or any(same(value, v) for v in schema["enum"]),
+        "type" not in schema or any(is_type(value, t) for t in
+                                    ([schema["type"]] if isinstance(schema["type"], str) else schema["type"])),
+    ]
+    if isinstance(value, dict):
+        properties, extra = schema.get("properties", {}), schema.get("additionalProperties", True)
+        checks.append(all(name in value for name in schema.get("required", [])))
+        checks += [valid(v, properties.get(k, extra), root) for k, v in value.items()]
+    if isinstance(value, list):
+        checks.append(schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)))
+        checks += [valid(v, schema.get("items", True), root) for v in value]
+    return all(checks)
+
+
+leaves = (st.none() | st.booleans() | st.integers(-(10**20), 10**20)
+          | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=6))
+any_values = st.recursive(leaves, lambda inner: st.lists(inner, max_size=3)
+                          | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=8)
+
+
+def instances(schema: Any, root: Any, depth: int = 0) -> st.SearchStrategy[Any]:
+    """Valid values of `schema`; objects keep the schema's property order."""
+    if schema is True or schema == {}:
+        return any_values
+    if "$ref" in schema:
+        return instances(resolve(root, schema["$ref"]), root, depth + 1)
+    if "anyOf" in schema or "oneOf" in schema:
+        return st.one_of([instances(s, root, depth) for s in schema.get("anyOf", schema.get("oneOf"))])
+    if "const" in schema:
+        return st.just(schema["const"])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"])
+    if isinstance(schema["type"], list):
+        return st.one_of([instances({**schema, "type": t}, root, depth) for t in schema["type"]])
+    kind = schema["type"]
+    if kind == "object":
+        if "properties" not in schema:
+            extra = schema.get("additionalProperties", True)
+            if extra is False:
+                return st.just({})
+            values = any_values if extra is True else instances(extra, root, depth + 1)
+            return st.dictionaries(st.text(max_size=4), values, max_size=3)
+        names = list(schema["properties"])
+        required = schema.get("required", [])
+        parts = [st.tuples(st.just(True) if name in required else st.booleans(),
+                           instances(schema["properties"][name], root, depth + 1)) for name in names]
+        return st.tuples(*parts).map(lambda drawn: {n: v for n, (keep, v) in zip(names, drawn, strict=True) if keep})
+    if kind == "array":
+        low, high = schema.get("minItems", 0), schema.get("maxItems", 3)
+        if depth >= 4 and low == 0:
+            return st.just([])
+        return st.lists(instances(schema.get("items", True), root, depth + 1), min_size=low, max_size=high)
+    return {"string": st.text(max_size=6), "integer": st.integers(-(10**6), 10**15), "boolean": st.booleans(),
+            "number": st.integers(-99, 99) | st.floats(allow_nan=False, allow_infinity=False),
+            "null": st.none()}[kind]
+
+
+dumps_options: st.SearchStrategy[dict[str, Any]] = st.fixed_dictionaries({
+    "indent": st.sampled_from([None, 0, 1, 2]),
+    "separators": st.sampled_from([None, (",", ":"), (", ", ": "), (" , ", " : ")]),
+})
+
+
+def feed(grammar: SchemaGrammar, data: bytes, state: Any = None) -> list[Any] | None:
+    """The state after each byte; None as soon as one is refused."""
+    states, current = [], grammar.start if state is None else state
+    for byte in data:
+        current = grammar.step(current, byte)
+        if current is None:
+            return None
+        states.append(current)
+    return states
+
+
+def accepts(grammar: SchemaGrammar, text: str) -> bool:
+    states = feed(grammar, text.encode())
+    return states is not None and bool(states) and grammar.is_complete(states[-1])
+
+
+def loads(text: str) -> tuple[bool, Any]:
+    def refuse(name: str) -> Any:
+        raise ValueError(name)
+
+    try:
+        return True, json.loads(text, parse_constant=refuse)
+    except ValueError:
+        return False, None
+
+
+# --- documents ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", SCHEMAS)
+@PROPERTY
+@given(data=st.data())
+def test_valid_documents_are_accepted_and_complete_at_their_last_byte(name: str, data: st.DataObject) -> None:
+    schema, grammar = SCHEMAS[name], GRAMMARS[name]
+    value = data.draw(instances(schema, schema))
+    assert valid(value, schema, schema)
+    text = json.dumps(value, ensure_ascii=False, **data.draw(dumps_options))
+    trailing = data.draw(st.sampled_from(["", " ", "\n", "\r\n\t "]))
+    assume(within_caps(text + trailing))
+    states = feed(grammar, (text + trailing).encode())
+    assert states is not None, text
+    closed, total = len(text.encode()), len((text + trailing).encode())
+    assert [grammar.is_complete(s) for s in states] == [False] * (closed - 1) + [True] * (total - closed + 1)
+
+
+INVALID = [   # (schema, document, whether JSON Schema itself rejects it; False: only our spelling or order)
+    ("person", '{"name": "A"}', True),                                   # a required property missing
+    ("person", '{"name": "A", "age": "3"}', True),                       # wrong type
+    ("person", '{"name": "A", "age": 3.5}', True),
+    ("person", '{"name": "A", "age": 3, "nick": "x"}', True),            # an extra key
+    ("person", '{"name": "A", "age": 3, "email": 5}', True),
+    ("person", '{"name": "A", "age": 3, "address": {"street": "s"}}', True),
+    ("person", '{"name": "A", "age": 3, "tags": [1]}', True),
+    ("person", '{"age": 3, "name": "A"}', False),                        # keys out of schema order
+    ("person", '{"name": "A", "age": 3, "age": 4}', False),              # a key twice
+    ("person", '{"name": "A", "age": 3.0}', False),                      # an integer written as a number
+    ("person", '{"name": "A", "age": 1e3}', False),
+    ("person", '{"na\\u006de": "A", "age": 3}', False),                  # a key not in its canonical spelling
+    ("person", ' {"name": "A", "age": 3}', False),                       # whitespace before the document
+    ("person", '{"name": "A", "age": 3}}', True),
+    ("enums", '{"color": "blue", "size": 1}', True),                     # not in the enum
+    ("enums", '{"color": "red", "size": 2}', True),
+    ("enums", '{"color": "red", "size": "1"}', True),
+    ("enums", '{"color": "red", "size": 12.5}', True),
+    ("enums", '{"color": "red", "size": false}', True),
+    ("enums", '{"color": "caf\\u00e9", "size": 1}', False),              # an enum value not in its spelling
+    ("enums", '{"color": "red", "size": 1.50}', False),
+    ("nullable", '{"nick": null}', True),
+    ("nullable", '{"nick": null, "score": "1"}', True),
+    ("nullable", '{"nick": 1, "score": 1}', True),
+    ("numbers", '{"count": 1, "ratio": 01}', True),                      # not JSON
+    ("numbers", '{"count": -, "ratio": 1}', True),
+    ("matrix", '{"rows": [[1]]}', True),                                 # too few items
+    ("matrix", '{"rows": [[1], [2], [3], [4]]}', True),                  # too many
+    ("matrix", '{"rows": [[1], []]}', True),
+    ("matrix", '{"rows": [[1], [2, 3, 4]]}', True),
+    ("matrix", '{"rows": [[1], [2.5]]}', True),
+    ("shapes", '{"shape": {"kind": "circle", "w": 1, "h": 2}}', True),   # neither alternative
+    ("shapes", '{"shape": {"kind": "rect", "w": 1}}', True),
+    ("shapes", '{"shape": {"kind": "oval", "r": 1}}', True),
+    ("tree", '{"value": 1, "children": [{"value": 2}]}', True),
+    ("tree", '{"value": 1, "children": [{"value": 2, "children": [3]}]}', True),
+    ("const", '{"version": 3, "mode": "fast"}', True),
+    ("const", '{"version": 2, "mode": "slow"}', True),
+    ("const", '{"version": 2, "mode": "fast", "on": false}', True),
+    ("const", '{"version": 2.0, "mode": "fast"}', False),                # a const not in its spelling
+    ("free", '{"any": 1}', True),
+    ("free", '{"meta": []}', True),
+    ("free", '{"meta": {}, "counts": {"a": 1.5}}', True),
+    ("free", '{"meta": {}, "none": {"a": 1}}', True),
+    ("top_array", '[true, false, true]', True),
+    ("top_array", '[1]', True),
+    ("top_array", '{}', True),
+    ("keyed", '{"a": 1, "b": "x"}', True),
+    ("keyed", '{"b": 1}', True),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "schema_rejects"), INVALID)
+def test_invalid_documents_are_refused(name: str, text: str, schema_rejects: bool) -> None:
+    assert not accepts(GRAMMARS[name], text)
+    parsed, value = loads(text)
+    assert (not parsed or not valid(value, SCHEMAS[name], SCHEMAS[name])) == schema_rejects
+
+
+VALID = [
+    ("person", '{"name":"A","age":-0}'),
+    ("person", '{\n  "name": "\\u00e9\\"\\n",\n  "age": 3,\n  "email": null,\n  "tags": [],\n'
+               '  "address": {"street": "s", "city": "c", "zip": "1"}\n}'),
+    ("person", '{"name": "A", "age": 3, "address": {"street": "s", "city": "c"}}'),
+    ("enums", '{"color": "a\\"b", "size": 12}'),
+    ("enums", '{"color": "café", "size": 1.5}'),
+    ("enums", '{"color": "red", "size": null}'),
+    ("numbers", '{"count": 0, "ratio": -1.5E-3}'),
+    ("matrix", '{"rows": [[1], [2, 3]]}'),
+    ("shapes", '{"shape": {"kind": "rect", "w": 1, "h": 2}, "others": [{"kind": "circle", "r": 0}]}'),
+    ("tree", '{"value": 1, "children": [{"value": 2, "children": []}, {"value": 3, "children": []}]}'),
+    ("const", '{"version":2,"mode":"fast","on":true}'),
+    ("free", '{"meta": {"x": [1, {"y": null}]}, "any": "s", "list": [1, "a", {}], "counts": {"a": 1, "a": 2},'
+             ' "none": {}}'),
+    ("top_array", "[]"),
+    ("top_array", "[false, true]"),
+    ("keyed", '{"a": 1}'),
+    ("keyed", '{"a": "x", "b": "y"}'),
+    ("keyed", "{}"),
+]
+
+
+@pytest.mark.parametrize(("name", "text"), VALID)
+def test_table_of_valid_documents_is_accepted(name: str, text: str) -> None:
+    assert accepts(GRAMMARS[name], text)
+    parsed, value = loads(text)
+    assert parsed and valid(value, SCHEMAS[name], SCHEMAS[name])
+
+
+@st.composite
+def mutated(draw: st.DrawFn, name: str) -> str:
+    """A valid document with a few characters or JSON fragments deleted, replaced or inserted."""
+    schema = SCHEMAS[name]
+    text = json.dumps(draw(instances(schema, schema)), ensure_ascii=False, **draw(dumps_options))
+    fragments = st.sampled_from([*'{}[]:,"\\ 0123456789-.eE', "null", "true", '"x"', '"name"', '"age"', "[]",
+                                 "{}", '"kind"', '"circle"', "1.5", ', "a": 1'])
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.integers(0, len(text)))
+        cut = draw(st.integers(0, 4))
+        text = text[:at] + draw(st.one_of(st.just(""), fragments)) + text[at + cut:]
+    return text
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+@settings(deadline=None, max_examples=150, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_whatever_completes_parses_and_validates(name: str, data: st.DataObject) -> None:
+    text = data.draw(mutated(name))
+    if accepts(GRAMMARS[name], text):
+        parsed, value = loads(text)
+        assert parsed and valid(value, SCHEMAS[name], SCHEMAS[name]), text
+
+
+def completion(grammar: SchemaGrammar, state: Any, alphabet: bytes) -> bytes | None:
+    """The shortest bytes over `alphabet` that complete the document from `state` (breadth first, bounded)."""
+    frontier, seen = deque([(state, b"")]), {state}
+    while frontier and len(seen) < 50_000:
+        current, suffix = frontier.popleft()
+        if grammar.is_complete(current):
+            return suffix
+        for byte in alphabet:
+            after = grammar.step(current, byte)
+            if after is not None and after not in seen:
+                seen.add(after)
+                frontier.append((after, suffix + bytes([byte])))
+    return None
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+@settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_what_is_accepted_can_be_finished(name: str, data: st.DataObject) -> None:
+    grammar, data_bytes = GRAMMARS[name], data.draw(mutated(name)).encode()
+    state, accepted = grammar.start, 0
+    for byte in data_bytes:
+        after = grammar.step(state, byte)
+        if after is None:
+            break
+        state, accepted = after, accepted + 1
+    alphabet = bytes(sorted(set(json.dumps(SCHEMAS[name], ensure_ascii=False).encode()) | set(b"{}[]:,0truefalsn")))
+    suffix = completion(grammar, state, alphabet)
+    assert suffix is not None
+    parsed, value = loads((data_bytes[:accepted] + suffix).decode())
+    assert parsed and valid(value, SCHEMAS[name], SCHEMAS[name])
+
+
+def test_caps_on_whitespace_and_depth() -> None:
+    grammar = GRAMMARS["person"]
+    run = " " * MAX_WHITESPACE
+    assert accepts(grammar, f'{{{run}"name"{run}:{run}"A"{run},"age":1{run}}}{run}')
+    assert not accepts(grammar, '{"name":"A","age":1' + " " * (MAX_WHITESPACE + 1) + "}")
+    tree = GRAMMARS["tree"]   # each node is two containers: the object and its children's array
+    nodes = MAX_DEPTH // 2
+    assert accepts(tree, '{"value":1,"children":[' * nodes + "]}" * nodes)
+    assert feed(tree, ('{"value":1,"children":[' * nodes + "{").encode()) is None
+
+
+def test_a_container_is_entered_only_when_it_can_close_within_the_depth_cap() -> None:
+    schema = {"$defs": {"n": {"type": "object", "properties": {
+        "leaf": {"type": "object", "properties": {"x": {"type": "object", "additionalProperties": False}},
+                 "required": ["x"]},
+        "next": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "null"}]}}, "required": ["leaf", "next"]}},
+        "$ref": "#/$defs/n"}
+    grammar = compile_schema(schema)   # an n opens 3 containers at least: at most MAX_DEPTH - 2 nested n's
+    level = '{"leaf":{"x":{}},"next":'
+    assert feed(grammar, (level * (MAX_DEPTH - 3) + "{").encode()) is not None
+    assert feed(grammar, (level * (MAX_DEPTH - 2) + "{").encode()) is None
+    assert accepts(grammar, level * (MAX_DEPTH - 2) + "null" + "}" * (MAX_DEPTH - 2))
+
+
+def test_states_are_hashable_and_shared_between_outputs() -> None:
+    grammar = GRAMMARS["person"]
+    first, second = feed(grammar, b'{"name": "xy'), feed(grammar, b'{"name":"z')
+    assert first is not None and second is not None
+    assert first[-1] == second[-1] and len({first[-1], second[-1]}) == 1
+    assert grammar.plain_string(first[-1])
+    after_enum = feed(GRAMMARS["enums"], b'{"color": "re')
+    assert after_enum is not None and not GRAMMARS["enums"].plain_string(after_enum[-1])
+
+
+# --- compiling ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "minLength": 1},
+    {"type": "string", "pattern": "^x"},
+    {"type": "integer", "minimum": 0},
+    {"type": "number", "exclusiveMaximum": 1},
+    {"type": "integer", "multipleOf": 2},
+    {"not": {"type": "string"}},
+    {"if": {}, "then": {}},
+    {"type": "object", "patternProperties": {"^a": {}}},
+    {"type": "array", "prefixItems": [{}]},
+    {"type": "array", "items": [{}, {}]},
+    {"type": "array", "uniqueItems": True},
+    {"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["b"]}},
+    {"type": "object", "required": ["a"]},                        # required without properties
+    {"type": "object", "properties": {"a": {}}, "required": ["b"]},
+    {"type": "object", "properties": {"a": {}}, "allOf": [{"required": ["a"]}]},
+    {"allOf": [{"type": "object"}, {"required": ["a"]}]},
+    {"$ref": "https://example.com/schema"},
+    {"$ref": "#/$defs/missing"},
+    {"$ref": "#"},                                                # nothing but itself
+    {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},   # infinitely deep
+    {"type": "array", "minItems": 3, "maxItems": 2},
+    {"enum": []},
+    {"type": "string", "enum": [1, 2]},
+    {"const": float("nan")},
+    {"type": "date"},
+    {"type": []},
+    False,
+    {"properties": {"a": {"$id": "other"}}},
+])
+def test_what_cannot_be_honoured_is_refused_at_compile_time(schema: Any) -> None:
+    with pytest.raises(UnsupportedSchema):
+        compile_schema(schema)
+
+
+@pytest.mark.parametrize(("schema", "text"), [
+    ({"type": "string", "format": "email", "title": "t"}, '"not an email"'),   # an annotation, as in 2020-12
+    (True, '{"a": [1, null]}'),
+    ({}, '"x"'),
+    ({"allOf": [{"type": "integer"}]}, "7"),
+    ({"anyOf": [{"type": "integer"}, {"type": "number"}]}, "7"),
+    ({"type": "number"}, "-0.5e+10"),
+    ({"const": 12}, "12 "),
+    ({"enum": [1, 12]}, "1"),
+    ({"type": "integer", "enum": [1, 2.0, 2.5, "x"]}, "2.0"),
+    ({"type": "object", "additionalProperties": False}, "{ }"),
+    ({"items": {"type": "null"}}, "[null]"),                     # no type: array keywords make an array
+    ({"type": "array", "uniqueItems": False, "items": False}, "[]"),
+    ({"const": {"a": [1, "x"]}}, '{"a":[1,"x"]}'),
+    ({"oneOf": [{"const": "a"}, {"const": "b"}], "discriminator": {"propertyName": "kind"}}, '"b"'),
+    ({"anyOf": [{"type": "string"}, {"anyOf": [{"type": "integer"}, {"type": ["boolean", "null"]}]}]}, "null"),
+])
+def test_supported_schemas_compile_and_accept(schema: Any, text: str) -> None:
+    assert accepts(compile_schema(schema), text)
+
+
+def test_enum_and_const_values_are_spelled_as_compact_json_dumps() -> None:
+    grammar = compile_schema({"enum": [{"a": [1, "x"]}, "é", 1.0]})
+    assert [accepts(grammar, text) for text in ('{"a":[1,"x"]}', '"é"', "1.0")] == [True] * 3
+    assert [accepts(grammar, text) for text in ('{"a": [1, "x"]}', '"\\u00e9"', "1")] == [False] * 3
+    both = compile_schema({"enum": [1, 2], "const": 2})
+    assert accepts(both, "2") and not accepts(both, "1")
+
+
+def test_unreachable_alternatives_and_properties_are_pruned() -> None:
+    grammar = compile_schema({"type": "object", "properties": {"never": False, "a": {"type": "integer"}}})
+    assert feed(grammar, b'{"n') is None and accepts(grammar, '{"a": 1}')
+    grammar = compile_schema({"anyOf": [{"type": "array", "items": False, "minItems": 1}, {"type": "null"}]})
+    assert feed(grammar, b"[") is None and accepts(grammar, "null")
+
+
+# --- token masks ----------------------------------------------------------------------------------------------
+
+def brute_allowed(grammar: SchemaGrammar, vocab: list[bytes | None], eos: set[int], state: Any) -> list[bool]:
+    return [grammar.is_complete(state) if t in eos else (feed(grammar, data, state) is not None if data else False)
+            for t, data in enumerate(vocab)]
+
+
+@pytest.fixture(scope="module")
+def small() -> tuple[list[bytes | None], set[int], VocabularyTries]:
+    vocab, eos = random_vocab(11)
+    rng = random.Random(11)
+    words = [b'a":1', b'a":', b'a":"', b'"name"', b"name", b'"age":', b"age", b'"kind": "', b"circle", b"rect",
+             b'"r', b"null", b"caf", b'"color"', b"red", b"children", b'":[', b"12", b"1.5", b'"value": ']
+    vocab += words + [b"".join(rng.choices([*words, b" ", b",", b"{", b'"', b"}"], k=3)) for _ in range(100)]
+    return vocab, eos, VocabularyTries(vocab, eos)
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+@settings(deadline=None, max_examples=15, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_schema_masks_match_brute_force(small: tuple[list[bytes | None], set[int], VocabularyTries], name: str,
+                                        data: st.DataObject) -> None:
+    vocab, eos, tries = small
+    grammar = GRAMMARS[name]
+    masks = GrammarMasks(tries, grammar)
+    text = json.dumps(data.draw(instances(SCHEMAS[name], SCHEMAS[name])), ensure_ascii=False,
+                      **data.draw(dumps_options))
+    assume(within_caps(text))
+    states = feed(grammar, text.encode())
+    assert states is not None
+    for state in [grammar.start, *data.draw(st.lists(st.sampled_from(states), max_size=4))]:
+        assert masks.allowed(state).tolist() == brute_allowed(grammar, vocab, eos, state)
+
+
+@pytest.mark.parametrize(("name", "prefix"), [
+    ("keyed", b'{"'), ("keyed", b'{"a'), ("keyed", b'{"a":'), ("keyed", b'{"b":"x'), ("person", b'{"name":"x\\u00'),
+    ("enums", b'{"color": "ca'), ("enums", b'{"color":"red","size":1'), ("shapes", b'{"shape":{"'),
+    ("tree", b'{"value":1,"children":['), ("free", b'{"meta":{"k":['), ("top_array", b"[true,false]"),
+])
+def test_schema_masks_match_brute_force_at_edge_states(
+        small: tuple[list[bytes | None], set[int], VocabularyTries], name: str, prefix: bytes) -> None:
+    vocab, eos, tries = small
+    grammar = GRAMMARS[name]
+    states = feed(grammar, prefix)
+    assert states is not None
+    assert GrammarMasks(tries, grammar).allowed(states[-1]).tolist() == brute_allowed(grammar, vocab, eos, states[-1])
+
+
+def test_schema_masks_advance_along_tokens(small: tuple[list[bytes | None], set[int], VocabularyTries]) -> None:
+    vocab, _, tries = small
+    grammar = GRAMMARS["person"]
+    masks = GrammarMasks(tries, grammar)
+    data = b'{"name": "A", "age": 3}'
+    states = feed(grammar, data)
+    assert states is not None
+    token_ids = [vocab.index(bytes([b])) for b in data]
+    assert masks.state_after(token_ids) == states[-1] and masks.state_after([]) == grammar.start
+    assert masks.advance(states[5], 2) is None and masks.advance(states[-1], 2) == states[-1]
+    assert masks.state_after([vocab.index(b"[")]) is None
+
+
+def test_masks_on_the_bundled_tokenizer_share_the_json_mode_tries(smollm2_dir: Path) -> None:
+    from tokenizers import Tokenizer
+
+    from backends.engine.json_output import token_bytes_of
+
+    vocab = token_bytes_of(smollm2_dir, Tokenizer.from_file(str(smollm2_dir / "tokenizer.json")).get_vocab_size())
+    eos = {2}
+    json_mode = TokenMasks(vocab, eos)
+    grammar = GRAMMARS["person"]
+    masks = GrammarMasks(json_mode.tries, grammar)
+    assert masks.tries is json_mode.tries
+    for prefix in (b"", b"{", b'{"na', b'{"name": "Jo\\', b'{"name":"J","age":1', b'{"name":"J","age":1,"',
+                   b'{"name":"J","age":1,"email":', b'{"name":"J","age":1}'):
+        states = feed(grammar, prefix)
+        assert states is not None
+        state = states[-1] if states else grammar.start
+        assert masks.allowed(state).tolist() == brute_allowed(grammar, vocab, eos, state), prefix
