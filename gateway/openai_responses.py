@@ -115,7 +115,7 @@ def _input_messages(value: Any) -> list[dict[str, Any]]:
         where = f"input[{index}]"
         kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
         if kind == "message":
-            if item.get("role") not in ROLES:
+            if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
                 raise BadRequest(f"'{where}.role' must be one of {sorted(ROLES)}", param=f"{where}.role")
             out.append({"role": item["role"], "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
@@ -129,7 +129,7 @@ def _input_messages(value: Any) -> list[dict[str, Any]]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             out.append(tool_message(item, where, call_ids))
-        elif kind not in SKIPPED_ITEMS:
+        elif not isinstance(kind, str) or kind not in SKIPPED_ITEMS:
             raise BadRequest(f"'{where}': only message, function_call and function_call_output items are "
                              f"supported, not {kind!r}", param=where)
     if not out:
@@ -144,7 +144,8 @@ def _text(content: Any, where: str) -> str:
         raise BadRequest(f"'{where}' must be a string or a non-empty array of text parts", param=where)
     texts = []
     for index, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str) or part["type"] not in TEXT_PARTS \
+                or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise BadRequest(f"'{where}[{index}]': only text parts are supported, not {kind!r}",
                              param=f"{where}[{index}]")

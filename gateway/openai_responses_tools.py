@@ -67,7 +67,7 @@ def _tool_choice(choice: Any, names: set[str]) -> str | dict[str, Any]:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = choice.get("name")
-        if name not in names:
+        if not isinstance(name, str) or name not in names:
             raise BadRequest(f"'tool_choice.name': {name!r} is not one of the request's function tools",
                              param="tool_choice.name")
         return {"type": "function", "function": {"name": name}}

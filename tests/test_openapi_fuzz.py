@@ -74,8 +74,10 @@ def run_campaign(document: dict[str, Any], base_url: str, headers: dict[str, str
 
 
 def _has_inputs(operation: schemathesis.APIOperation) -> bool:
+    """A body or a parameter outside the path: a path segment is a string whatever the schema, so one alone
+    (GET /v1/models/{model}) has nothing the fuzzer can make invalid."""
     definition = operation.definition.raw
-    return bool(definition.get("requestBody") or definition.get("parameters"))
+    return bool(definition.get("requestBody")) or any(p.get("in") != "path" for p in definition.get("parameters", ()))
 
 
 def _fuzz(operation: schemathesis.APIOperation, mode: GenerationMode, base_url: str, headers: dict[str, str],

@@ -152,7 +152,7 @@ def stop_reason(choice: Mapping[str, Any], stop_sequences: tuple[str, ...]) -> t
     matched = choice.get("stop_reason")
     if finish == "stop" and isinstance(matched, str) and matched in stop_sequences:
         return "stop_sequence", matched
-    return STOP_REASONS.get(finish, "end_turn"), None
+    return STOP_REASONS.get(finish, "end_turn") if isinstance(finish, str) else "end_turn", None
 
 
 def usage(openai_usage: Any, num_input_tokens: int, num_output_tokens: int) -> dict[str, int]:

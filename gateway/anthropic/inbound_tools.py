@@ -16,7 +16,6 @@ from gateway.errors import BadRequest
 # Blocks of Claude's own reasoning, sent back with the conversation: no chat template takes them, and they
 # carry nothing the answer needs (Anthropic itself drops them from earlier turns).
 SKIPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
-CUSTOM_TOOL_TYPES = frozenset({None, "custom"})
 
 
 def chat_tools(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -41,7 +40,8 @@ def chat_tools(body: Mapping[str, Any]) -> dict[str, Any]:
 def _function(tool: Any, where: str) -> dict[str, Any]:
     if not isinstance(tool, dict):
         raise BadRequest(f"{where}: a tool definition object", param=where)
-    if tool.get("type") not in CUSTOM_TOOL_TYPES:
+    kind = tool.get("type")
+    if kind is not None and kind != "custom":
         raise BadRequest(f"{where}: Anthropic's server tool {tool.get('type')!r} is not available here; "
                          "define the tool with name, description and input_schema", param=f"{where}.type")
     name = tool.get("name")
@@ -71,7 +71,7 @@ def _tool_choice(choice: Any, names: set[str]) -> tuple[str | dict[str, Any], bo
         return "none", parallel
     if kind == "tool":
         name = choice.get("name")
-        if name not in names:
+        if not isinstance(name, str) or name not in names:
             raise BadRequest(f"tool_choice.name: {name!r} is not one of the request's tools", param="tool_choice.name")
         return {"type": "function", "function": {"name": name}}, parallel
     raise BadRequest("tool_choice: an object whose type is 'auto', 'any', 'tool' or 'none'", param="tool_choice")
@@ -97,7 +97,7 @@ def chat_messages(role: str, content: Any, where: str) -> list[dict[str, Any]]:
             calls.append(_tool_call(block, at))
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(block, at))
-        elif kind not in SKIPPED_BLOCKS or role != "assistant":
+        elif not isinstance(kind, str) or kind not in SKIPPED_BLOCKS or role != "assistant":
             raise BadRequest(f"{at}: a {role} message's content blocks may be text"
                              f"{', tool_use' if role == 'assistant' else ', tool_result'}, not {kind!r}", param=at)
     text = "\n".join(texts)

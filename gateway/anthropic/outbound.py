@@ -213,10 +213,16 @@ def _int(value: Any) -> int:
 
 def _finish(reason: Any, sequence: Any) -> dict[str, Any]:
     """The choice fields that say why the output ended (`stop_reason` names a stop string, as vLLM does)."""
-    fields: dict[str, Any] = {"finish_reason": FINISH_REASONS.get(reason, "stop") if reason else None}
+    fields: dict[str, Any] = {"finish_reason": _finish_reason(reason)}
     if reason == "stop_sequence" and isinstance(sequence, str):
         fields["stop_reason"] = sequence
     return fields
+
+
+def _finish_reason(reason: Any) -> str | None:
+    if not reason:
+        return None
+    return FINISH_REASONS.get(reason, "stop") if isinstance(reason, str) else "stop"
 
 
 def to_chat_completion(message: Any) -> dict[str, Any]:

@@ -86,9 +86,9 @@ def test_responses_api(system: System) -> None:
 
 
 def test_json_mode_through_the_gateway(system: System) -> None:
-    """response_format json_object on chat and text.format json_object on /v1/responses reach the workers, whose
-    answers are JSON objects (json.loads is the reference) wherever they end by themselves; a json_schema has no
-    provider here that follows it: a 400 naming the field."""
+    """response_format json_object on chat and text.format json_object / json_schema on /v1/responses reach the
+    workers, whose answers are JSON objects (json.loads is the reference) wherever they end by themselves; a
+    schema keyword no provider here follows is a 400 naming the field."""
     client = openai.OpenAI(base_url=system.openai_base_url, api_key=system.api_key, max_retries=0)
     asks = ["Return the capital of France as JSON.", "Give a JSON object with keys a, b and c."]
     texts = []
@@ -104,7 +104,15 @@ def test_json_mode_through_the_gateway(system: System) -> None:
         if ended:
             assert isinstance(json.loads(text), dict), text
     assert sum(ended for _, ended in texts) >= 1
-    with pytest.raises(openai.BadRequestError) as refused:
+    schema = {"type": "object", "properties": {"capital": {"type": "string"}, "country": {"enum": ["France"]}},
+              "required": ["capital", "country"], "additionalProperties": False}
+    followed = client.responses.create(model=MODEL, input=asks[0], max_output_tokens=60, temperature=0, text={
+        "format": {"type": "json_schema", "name": "capital", "schema": schema, "strict": True}})
+    assert "".join(followed.output_text.split()).startswith('{"capital"'), followed.output_text   # schema order
+    if followed.status == "completed":
+        answer = json.loads(followed.output_text)
+        assert set(answer) == {"capital", "country"} and answer["country"] == "France", answer
+    with pytest.raises(openai.BadRequestError) as refused:   # a keyword the workers do not follow, no provider left
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}})
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^x"}}})
     assert refused.value.body["param"] == "response_format"

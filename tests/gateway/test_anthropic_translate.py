@@ -67,6 +67,12 @@ def test_messages_request_becomes_a_chat_body(body: dict[str, Any], chat: dict[s
     ({"model": "m", "max_tokens": 5, "messages": HELLO, "tools": [TOOL], "tool_choice": {"type": "tool", "name": "x"}},
      "tool_choice.name"),
     ({"model": "m", "max_tokens": 5, "messages": HELLO, "tools": [TOOL], "tool_choice": "auto"}, "tool_choice"),
+    # values of the wrong JSON type where a name is expected: a 400, not a TypeError
+    ({"model": "m", "max_tokens": 5, "messages": HELLO, "tools": [{**TOOL, "type": ["x"]}]}, "tools.0.type"),
+    ({"model": "m", "max_tokens": 5, "messages": HELLO, "tools": [TOOL],
+      "tool_choice": {"type": "tool", "name": ["weather"]}}, "tool_choice.name"),
+    ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": ["text"], "text": "x"}]}]},
+     "messages.0.content.0"),
     ({"model": "m", "max_tokens": 5, "messages": HELLO, "tool_choice": {"type": "any"}}, "tool_choice"),
     ({"model": "m", "max_tokens": 5, "messages": [*HELLO, {"role": "assistant", "content": [CALL]}]}, "messages.1"),
     ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [CALL]}]}, "messages.0.content.0"),

@@ -147,6 +147,13 @@ def test_function_call_items_become_chat_messages(items: list[dict[str, Any]], m
     ({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format"),
     ({"model": "m", "input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}}, "text.format"),
     ({"model": "m", "input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
+    # values of the wrong JSON type where a name is expected: a 400, not a TypeError (found by the fuzzer)
+    ({"model": "m", "input": [{"type": "message", "role": "user", "content": [{"type": [1], "text": "x"}]}]},
+     "input[0].content[0]"),
+    ({"model": "m", "input": [{"type": "message", "role": ["user"], "content": "x"}]}, "input[0].role"),
+    ({"model": "m", "input": [{"type": ["message"], "role": "user", "content": "x"}]}, "input[0]"),
+    ({"model": "m", "input": "x", "tools": [CLOCK], "tool_choice": {"type": "function", "name": ["get_time"]}},
+     "tool_choice.name"),
     ({"model": "m", "input": "x", "text": {"format": "json"}}, "text.format"),
     ({"model": "m", "input": "x", "instructions": 3}, "instructions"),
     ({"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
