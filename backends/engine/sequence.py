@@ -43,7 +43,7 @@ class Sequence:
     error: str | None = None
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the coming step
     spec: SpecState = field(default_factory=SpecState)        # its drafts' acceptance (adaptive K)
-    json_state: Any = None                      # JSON mode: its recognizer's state over the output (json_output.py)
+    json_state: Any = None                      # structured output: (its grammar's masks, the recognizer's state)
     _block_hashes: list[int] = field(default_factory=list)
     _all_tokens: list[int] = field(default_factory=list)
 

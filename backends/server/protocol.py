@@ -14,8 +14,8 @@ from typing import Any
 
 from backends.engine.sampling_params import SamplingParams
 from backends.server.errors import APIError, invalid_param, model_not_found, unsupported_param
-from backends.server.output_format import parse_response_format
 from backends.server.fields import default, is_int, opt_bool, opt_float, opt_int
+from backends.server.output_format import parse_response_format
 
 MAX_LOGPROBS = 20             # top alternatives per token, as OpenAI's top_logprobs allows
 MAX_CHOICES = 16              # `n`: choices per prompt, each a sequence of its own in the batch
