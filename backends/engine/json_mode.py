@@ -260,6 +260,9 @@ class VocabularyTries:
         self.string_trie = _build_trie(tails)
         self.plain_mask = np.zeros(self.vocab_size, dtype=np.bool_)
         self.plain_mask[plain] = True
+        # Tokens of whitespace alone: once a document is whole they would only pad it, so EOS is its one way on.
+        self.blank_mask = np.array([bool(data) and not data.strip(b" \t\n\r") for data in self.token_bytes],
+                                   dtype=np.bool_)
 
 
 class GrammarMasks(Generic[S]):
@@ -324,6 +327,7 @@ class GrammarMasks(Generic[S]):
             mask = np.zeros(self.vocab_size, dtype=np.bool_)
         mask[ids] = True
         if self.grammar.is_complete(state):
+            mask &= ~tries.blank_mask
             mask[tries.eos_index] = True
         return mask
 

@@ -230,8 +230,11 @@ def test_states_are_hashable_and_shared() -> None:
 # --- token masks ---------------------------------------------------------------------------------------------
 
 def brute_allowed(token_bytes: list[bytes | None], eos: set[int], state: State) -> list[bool]:
-    """Token t is allowed iff each of its bytes steps from `state`; EOS iff complete."""
-    return [is_complete(state) if t in eos else (feed(data, state) is not None if data else False)
+    """Token t is allowed iff each of its bytes steps from `state`; EOS iff complete; once complete, no token
+    of whitespace alone (it would only pad the document)."""
+    complete = is_complete(state)
+    return [complete if t in eos else (feed(data, state) is not None and not (complete and not data.strip())
+                                       if data else False)
             for t, data in enumerate(token_bytes)]
 
 

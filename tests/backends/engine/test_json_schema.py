@@ -470,7 +470,9 @@ def test_unreachable_alternatives_and_properties_are_pruned() -> None:
 # --- token masks ----------------------------------------------------------------------------------------------
 
 def brute_allowed(grammar: SchemaGrammar, vocab: list[bytes | None], eos: set[int], state: Any) -> list[bool]:
-    return [grammar.is_complete(state) if t in eos else (feed(grammar, data, state) is not None if data else False)
+    complete = grammar.is_complete(state)
+    return [complete if t in eos else (feed(grammar, data, state) is not None and not (complete and not data.strip())
+                                       if data else False)
             for t, data in enumerate(vocab)]
 
 

@@ -43,7 +43,7 @@ def check_object(text: str, finish: str | None) -> bool:
     """A finished answer is one JSON object; one cut by max_tokens is at least begun as one. True: finished."""
     assert text.startswith("{"), text
     if finish == "stop":
-        assert isinstance(json.loads(text), dict), text
+        assert isinstance(json.loads(text), dict) and text.endswith("}"), text   # no padding after it
         return True
     assert finish == "length", finish
     return False
@@ -125,7 +125,7 @@ async def test_answers_follow_a_json_schema(worker_url: str) -> None:
                     text = choice["message"]["content"]
                     assert text.startswith("{"), text
                     if choice["finish_reason"] == "stop":
-                        assert valid(json.loads(text), PERSON, PERSON), text
+                        assert valid(json.loads(text), PERSON, PERSON) and text.endswith("}"), text
                         finished += 1
         assert finished >= 2
         status, body = await post(session, f"{worker_url}/v1/completions",
