@@ -17,7 +17,7 @@ from gateway.anthropic.sse import named_event
 from gateway.chat_stream import ChatStreamTranslator
 from gateway.errors import BadRequest
 from gateway.openai_responses_tools import chat_tool_call, chat_tools, function_call_item, function_call_items, \
-    tool_message
+    joined_text, tool_message
 
 ROLES = frozenset({"user", "assistant", "system", "developer"})
 TEXT_PARTS = frozenset({"input_text", "output_text"})
@@ -142,15 +142,7 @@ def _text(content: Any, where: str) -> str:
         return content
     if not isinstance(content, list) or not content:
         raise BadRequest(f"'{where}' must be a string or a non-empty array of text parts", param=where)
-    texts = []
-    for index, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str) or part["type"] not in TEXT_PARTS \
-                or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise BadRequest(f"'{where}[{index}]': only text parts are supported, not {kind!r}",
-                             param=f"{where}[{index}]")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return joined_text(content, TEXT_PARTS, "text", where)
 
 
 # --- the answer --------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import orjson
 from gateway.errors import BadRequest
 
 CHOICE_MODES = frozenset({"auto", "none", "required"})
+INPUT_TEXT = frozenset({"input_text"})
 
 
 def chat_tools(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -99,17 +100,22 @@ def tool_message(item: Mapping[str, Any], where: str, call_ids: set[str]) -> dic
         raise BadRequest(f"'{where}.call_id': no function_call item before it has call_id {call_id!r}",
                          param=f"{where}.call_id")
     if isinstance(output, list):
-        texts = []
-        for index, part in enumerate(output):
-            if not isinstance(part, dict) or part.get("type") != "input_text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise BadRequest(f"'{where}.output[{index}]': only input_text parts are supported, not {kind!r}",
-                                 param=f"{where}.output[{index}]")
-            texts.append(part["text"])
-        output = "\n".join(texts)
+        output = joined_text(output, INPUT_TEXT, "input_text", f"{where}.output")
     elif not isinstance(output, str):
         raise BadRequest(f"'{where}.output' must be a string or an array of input_text parts", param=f"{where}.output")
     return {"role": "tool", "tool_call_id": call_id, "content": output}
+
+
+def joined_text(parts: list[Any], kinds: frozenset[str], what: str, where: str) -> str:
+    """Text parts (each `{type, text}`, its type one of `kinds`) joined by newlines, as the workers join them."""
+    texts = []
+    for index, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if not isinstance(kind, str) or kind not in kinds or not isinstance(part.get("text"), str):
+            raise BadRequest(f"'{where}[{index}]': only {what} parts are supported, not {kind!r}",
+                             param=f"{where}[{index}]")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 # --- the answer --------------------------------------------------------------------------------------

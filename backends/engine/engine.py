@@ -6,7 +6,6 @@ built from the config).
 """
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
@@ -20,6 +19,7 @@ import torch
 from backends.engine.block_manager import BlockManager
 from backends.engine.config import EngineConfig
 from backends.engine.connector_chain import ConnectorChain
+from backends.engine.eos import eos_token_ids
 from backends.engine.errors import EngineRequestError
 from backends.engine.json_output import JsonOutput
 from backends.engine.kv_connector import KVConnector, KVTransferParams
@@ -97,21 +97,6 @@ def build_runner(config: EngineConfig, model_dir: Path) -> ModelRunnerLike:
                        keep_weights_compressed=config.keep_weights_compressed,
                        cuda_graph_max_batch=min(config.max_num_seqs, MAX_CUDA_GRAPH_BATCH) if config.cuda_graphs else 0,
                        fingerprint_weights=True)   # KV tiers and KV transfers name the weights by it
-
-
-def eos_token_ids(hf_config: Any, model_dir: Path | None) -> tuple[int, ...]:
-    """EOS ids from config.json and, where present, generation_config.json (SmolLM2: <|im_end|> = 2)."""
-    ids: set[int] = set()
-    sources: list[Any] = [getattr(hf_config, "eos_token_id", None)]
-    gen_path = model_dir / "generation_config.json" if model_dir is not None else None
-    if gen_path is not None and gen_path.is_file():
-        sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
-    for value in sources:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
-    return tuple(sorted(ids))
 
 
 class LLMEngine:
