@@ -21,7 +21,6 @@ import importlib.util
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from backends.compression import compress_folder, load_compressed_file
 from backends.compression.compress import compressible_kind
 from backends.compression.layout import split_symbols
+from tests.support.ports import free_port
 
 
 def minilm_folder() -> Path | None:
@@ -141,11 +141,6 @@ def bench_model(label: str, src: Path, work: Path, repeats: int) -> dict[str, fl
         "cold_bf16_s": cold_bf16_s, "cold_compressed_s": cold_comp_s,
     }
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker_start_s(folder: Path) -> float:

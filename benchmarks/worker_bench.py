@@ -17,7 +17,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from backends.worker.loader import resolve_model  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
 from sse import data_chunks  # noqa: E402  (benchmarks/sse.py, beside this script)
 
 MODEL = "smollm2"
@@ -44,11 +44,6 @@ def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- workload

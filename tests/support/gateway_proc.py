@@ -1,11 +1,11 @@
 """Start a real gateway process from a config (a dict written as YAML) on a free port; wait for /ready."""
 from __future__ import annotations
 
+import http.client
 import os
 import ssl
 import subprocess
 import sys
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,7 @@ class GatewayProcess:
             try:
                 with urllib.request.urlopen(self.url + path, timeout=1, context=self._ssl) as response:
                     return response.status == 200
-            except (OSError, urllib.error.HTTPError):
+            except (OSError, http.client.HTTPException):
                 return False
 
         try:

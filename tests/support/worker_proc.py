@@ -6,13 +6,13 @@ set-up with the worker's start, build `WorkerProcess(..., wait=False)` and enter
 """
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -104,7 +104,7 @@ class WorkerProcess:
         try:
             with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
                 return response.status == 200
-        except (OSError, urllib.error.HTTPError):
+        except (OSError, http.client.HTTPException):   # not up yet, or not this worker on the port (it will exit)
             return False
 
 
