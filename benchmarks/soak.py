@@ -215,13 +215,16 @@ async def run_phase(name: str, gateway_url: str, model: str, redis_port: int, ra
             samples.append(await sample(probe, gateway_url, redis, started, gateway_pid))
             if in_flight:
                 await asyncio.wait(in_flight, timeout=120)
-        settled = idle
+        # Connections close, background work (settling) winds down. Each figure's lowest over these samples:
+        # a scrape can land while the periodic sharers are mid round trip to Redis (a task of theirs and one
+        # of redis-py's, more often on a loaded machine); a leak is there in every sample.
+        settling = [await sample(probe, gateway_url, redis, started, gateway_pid)]
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # connections close, background work (settling) winds down
-            settled = await sample(probe, gateway_url, redis, started, gateway_pid)
-            if settled.tasks <= idle.tasks and settled.open_fds <= idle.open_fds:
-                break
+        while time.monotonic() < deadline and not (lowest(settling).tasks <= idle.tasks
+                                                   and lowest(settling).open_fds <= idle.open_fds):
             await asyncio.sleep(0.5)
+            settling.append(await sample(probe, gateway_url, redis, started, gateway_pid))
+        settled = lowest(settling)
     key_kinds: dict[str, int] = {}
     async for key in redis.scan_iter(count=1000):
         kind = key.decode(errors="replace").split(":")[:2]
@@ -235,12 +238,18 @@ async def run_phase(name: str, gateway_url: str, model: str, redis_port: int, ra
             "key_kinds": dict(sorted(key_kinds.items(), key=lambda kv: -kv[1])[:8])}
 
 
+_FIGURES = ("rss_mb", "open_fds", "tasks", "redis_keys", "sessions", "connections", "client_connections")
+
+
+def lowest(samples: list[Sample]) -> Sample:
+    """Each figure's minimum over `samples` (at the last one's time)."""
+    return Sample(samples[-1].at_s, *(min(getattr(s, name) for s in samples) for name in _FIGURES))
+
+
 def window_median(samples: list[Sample], start_s: float, end_s: float) -> Sample:
     """Each figure's median over the samples taken in [start_s, end_s)."""
     inside = [s for s in samples if start_s <= s.at_s < end_s] or samples[-1:]
-    return Sample(start_s, *(statistics.median(getattr(s, name) for s in inside)
-                             for name in ("rss_mb", "open_fds", "tasks", "redis_keys", "sessions", "connections",
-                                          "client_connections")))
+    return Sample(start_s, *(statistics.median(getattr(s, name) for s in inside) for name in _FIGURES))
 
 
 def growth(before: float, after: float) -> str:
