@@ -153,8 +153,9 @@ def test_bad_key_and_bad_input_never_reach_the_worker(gateway_url: str) -> None:
 
 
 def test_what_the_worker_cannot_honour_goes_to_the_next_provider(gateway_url: str) -> None:
-    """The worker refuses tools with `unsupported_parameter`: with a provider after it in the chain, that one
-    serves the request; with none, the client gets the 400 naming the field. What the worker serves stays there."""
+    """The worker refuses tools with tool_choice "auto" (the default) with `unsupported_parameter`: with a provider
+    after it in the chain, that one serves the request; with none, the client gets the 400 naming the field. What
+    the worker serves stays there."""
     client = openai.OpenAI(base_url=gateway_url + "/v1", api_key=API_KEY, max_retries=0)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     question = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -165,4 +166,4 @@ def test_what_the_worker_cannot_honour_goes_to_the_next_provider(gateway_url: st
     assert "served_by" not in orjson.loads(plain.content)      # the worker's own answer
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="smollm2", messages=question, tools=tools, max_tokens=4)
-    assert refused.value.status_code == 400 and refused.value.body["param"] == "tools"
+    assert refused.value.status_code == 400 and refused.value.body["param"] == "tool_choice"

@@ -50,7 +50,7 @@ class Choices:
                          arrival_s)
             for i, (ids, params) in enumerate(prompts) for k in range(n)]
         self._builders = [ResponseBuilder(req.kind, request_id, req.model, tokenizer,
-                                          return_token_ids=req.return_token_ids, index=index)
+                                          return_token_ids=req.return_token_ids, index=index, tools=req.tools)
                           for index in range(len(self._specs))]
         self._queue: asyncio.Queue[tuple[int, GenerationDelta | BaseException | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []

@@ -75,6 +75,10 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
     request_id = _ID_PREFIX[kind] + uuid.uuid4().hex
     if kv_params is not None and req.resume_token_ids:
         raise invalid_param("resume_token_ids", "`resume_token_ids` cannot be combined with `kv_transfer_params`.")
+    if req.tools is not None and req.tools.calls and (kv_params is not None or req.resume_token_ids):
+        raise invalid_param("kv_transfer_params" if kv_params is not None else "resume_token_ids",
+                            "A forced tool call is answered whole by one worker: it is not split into legs or "
+                            "resumed.")
     if kv_params is not None and req.num_sequences != 1:
         raise invalid_param("n" if req.num_choices != 1 else "prompt",
                             "A disaggregated leg samples one sequence: one prompt, n=1.")
@@ -101,7 +105,7 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
                         num_prior_output_tokens=len(resumed),
                         kv_transfer=KVTransferParams(first_token_ids=resumed) if resumed else None)
     builder = ResponseBuilder(kind, request_id, req.model, tokenizer, return_token_ids=req.return_token_ids,
-                              prior_completion_ids=resumed)
+                              prior_completion_ids=resumed, tools=req.tools)
     return await respond(request, req, engine, spec, builder)
 
 

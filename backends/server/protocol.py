@@ -2,7 +2,8 @@
 
 Bad bodies raise `APIError` with the field named in `param`; unknown fields are ignored, as
 OpenAI-compatible servers do, but OpenAI fields whose contract this worker cannot keep (`best_of` above `n`,
-`echo`, `suffix`, tool use, a JSON schema it cannot follow) are refused. Response bodies are built in `responses.py`.
+`echo`, `suffix`, `tool_choice: "auto"`, a JSON schema it cannot follow) are refused. Tools are parsed in
+`tools.py`; response bodies are built in `responses.py`.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from backends.engine.sampling_params import SamplingParams
 from backends.server.errors import APIError, invalid_param, model_not_found, unsupported_param
 from backends.server.fields import default, is_int, opt_bool, opt_float, opt_int
 from backends.server.output_format import parse_response_format
+from backends.server.tools import ToolCalling, parse_tool_calls, parse_tools, refuse_with_structured_output
 
 MAX_LOGPROBS = 20             # top alternatives per token, as OpenAI's top_logprobs allows
 MAX_CHOICES = 16              # `n`: choices per prompt, each a sequence of its own in the batch
@@ -42,6 +44,8 @@ class ParseContext:
 class ChatMessage:
     role: str        # one of _CHAT_ROLES
     content: str     # text parts joined; the chat template renders it
+    tool_calls: tuple[dict[str, Any], ...] = ()   # an assistant's calls, as templates take them (arguments parsed)
+    tool_call_id: str | None = None               # a tool message: the call it answers
 
 
 Prompt = tuple[str | None, tuple[int, ...] | None]   # a completions prompt: its text, or its token ids
@@ -67,6 +71,7 @@ class GenerateRequest:
     continue_final_message: bool = False        # chat: the answer goes on from the last (assistant) message
                                                 # in place, as vLLM's extension and Anthropic's prefill do
     add_generation_prompt: bool = True          # chat: the template opens a new assistant turn at the end
+    tools: ToolCalling | None = None            # chat: the request's tools (tools.py); its answer may be calls
 
     @property
     def num_sequences(self) -> int:
@@ -90,7 +95,9 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
     prompt_text, prompt_ids, messages = None, None, None
     batch: tuple[Prompt, ...] = ()
     continue_final, add_generation_prompt = False, True
+    tools = None
     if kind is RequestKind.CHAT:
+        tools = parse_tools(body)
         messages = _parse_messages(body.get("messages"))
         continue_final, add_generation_prompt = _parse_final_message(body, messages)
         max_tokens = opt_int(body, "max_completion_tokens", 1) or opt_int(body, "max_tokens", 1)
@@ -106,7 +113,7 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
         logprobs = opt_int(body, "logprobs", 0, MAX_LOGPROBS)
     stream = opt_bool(body, "stream") or False
     include_usage = _parse_stream_options(body, stream)
-    params = _parse_sampling(body, ctx.vocab_size, max_tokens, logprobs)
+    params = _parse_sampling(body, ctx.vocab_size, max_tokens, logprobs, tools)
     return GenerateRequest(
         kind=kind,
         model=model,
@@ -125,6 +132,7 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
         skip_special_tokens=default(opt_bool(body, "skip_special_tokens"), True),
         continue_final_message=continue_final,
         add_generation_prompt=add_generation_prompt,
+        tools=tools,
     )
 
 
@@ -183,22 +191,9 @@ def _refuse_unsupported(body: dict[str, Any], kind: RequestKind, num_choices: in
         raise unsupported_param("echo", "echo=true is not supported.")
     if kind is RequestKind.COMPLETION and body.get("suffix") is not None:
         raise unsupported_param("suffix", "suffix is not supported.")
-    if kind is RequestKind.CHAT:
-        _refuse_tools(body)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise invalid_param("user", "`user` must be a string.")
-
-
-def _refuse_tools(body: dict[str, Any]) -> None:
-    """What this worker cannot honour is refused, not ignored: it parses no tool calls, so an answer would break
-    the contract the client asked for (route such requests to vLLM or SGLang)."""
-    if body.get("tools") or body.get("functions"):
-        name = "tools" if body.get("tools") else "functions"
-        raise unsupported_param(name, "Tool use is not supported by this worker.")
-    tool_choice = body.get("tool_choice")
-    if tool_choice is not None and tool_choice != "none" and tool_choice != "auto":
-        raise unsupported_param("tool_choice", "tool_choice needs tools, which this worker does not support.")
 
 
 def _parse_prompts(prompt: Any, vocab_size: int) -> tuple[Prompt, ...]:
@@ -262,7 +257,14 @@ def _parse_message(index: int, message: Any) -> ChatMessage:
         content = _join_text_parts(f"{param}.content", content)
     if not isinstance(content, str):
         raise invalid_param(f"{param}.content", f"{param}.content must be a string or an array of text parts.")
-    return ChatMessage(role=role, content=content)
+    calls = message.get("tool_calls")
+    if calls is not None and role != "assistant":
+        raise invalid_param(f"{param}.tool_calls", "Only an assistant message has tool_calls.")
+    call_id = message.get("tool_call_id")
+    if call_id is not None and (role != "tool" or not isinstance(call_id, str)):
+        raise invalid_param(f"{param}.tool_call_id", "tool_call_id is a tool message's string.")
+    return ChatMessage(role=role, content=content, tool_calls=parse_tool_calls(f"{param}.tool_calls", calls),
+                       tool_call_id=call_id)
 
 
 def _join_text_parts(param: str, parts: list[Any]) -> str:
@@ -297,13 +299,17 @@ def _parse_stream_options(body: dict[str, Any], stream: bool) -> bool:
 
 
 def _parse_sampling(body: dict[str, Any], vocab_size: int, max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, tools: ToolCalling | None) -> SamplingParams:
     seed = opt_int(body, "seed", SEED_MIN, SEED_MAX)
     output_format = parse_response_format(body)
+    refuse_with_structured_output(tools, output_format.structured)
+    json_schema = tools.schema if tools is not None and tools.calls else output_format.json_schema
+    structured = output_format.structured or json_schema is not None
     ignore_eos, min_tokens = opt_bool(body, "ignore_eos") or False, default(opt_int(body, "min_tokens", 0), 0)
-    if output_format.structured and (ignore_eos or min_tokens):
-        raise invalid_param("response_format", "A JSON response ends when its JSON value closes: it cannot be "
-                                               "combined with ignore_eos or min_tokens.")
+    if structured and (ignore_eos or min_tokens):
+        raise invalid_param("response_format" if output_format.structured else "tool_choice",
+                            "A JSON response ends when its JSON value closes: it cannot be combined with "
+                            "ignore_eos or min_tokens.")
     return SamplingParams(
         max_tokens=max_tokens or 1,
         temperature=default(opt_float(body, "temperature", 0.0, 2.0), 1.0),
@@ -320,9 +326,9 @@ def _parse_sampling(body: dict[str, Any], vocab_size: int, max_tokens: int | Non
         logprobs=logprobs,
         logit_bias=_parse_logit_bias(body.get("logit_bias"), vocab_size),
         stop=_parse_stop(body.get("stop")),
-        speculative=default(opt_bool(body, "speculative"), True) and not output_format.structured,
+        speculative=default(opt_bool(body, "speculative"), True) and not structured,
         json_object=output_format.json_object,
-        json_schema=output_format.json_schema,
+        json_schema=json_schema,
     )
 
 

@@ -2,7 +2,9 @@
 
 Pure formatting: dicts ready for orjson; no I/O, no engine. Field names follow the OpenAI API;
 the extensions on a choice are `token_ids` (asked for with `return_token_ids`) and, on the last one,
-vLLM's `stop_reason` (the stop string that ended the output, else null).
+vLLM's `stop_reason` (the stop string that ended the output, else null). A forced tool call's text is answered
+as `tool_calls` (tool_call_output.py), finished with "tool_calls" when "required" forced it (OpenAI's "stop"
+when the call was named).
 """
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backends.engine.outputs import TokenLogprob
+from backends.engine.outputs import FinishReason, TokenLogprob
 from backends.server.generation import GenerationDelta
 from backends.server.protocol import RequestKind
 from backends.server.tokenization import PromptTokenizer
+from backends.server.tool_call_output import ToolCallText
+from backends.server.tools import ToolCalling
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +41,7 @@ class ResponseBuilder:
 
     def __init__(
         self, kind: RequestKind, response_id: str, model: str, tokenizer: PromptTokenizer, *, return_token_ids: bool,
-        prior_completion_ids: Sequence[int] = (), index: int = 0,
+        prior_completion_ids: Sequence[int] = (), index: int = 0, tools: ToolCalling | None = None,
     ) -> None:
         """`prior_completion_ids`: output tokens the client got from elsewhere (a decode leg's first token, a
         resumed stream's tokens): counted in usage and in completions' `text_offset`, not sent. `index`: the
@@ -55,6 +59,8 @@ class ResponseBuilder:
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
         self._num_completion_tokens = len(prior_completion_ids)
+        self._calls = ToolCallText(tools) if tools is not None and tools.calls and kind is RequestKind.CHAT else None
+        self._calls_finish = "tool_calls" if tools is not None and tools.forced is None else "stop"
 
     @property
     def usage(self) -> Usage:
@@ -66,6 +72,11 @@ class ResponseBuilder:
         choice: dict[str, Any] = {"index": self._index}
         if self._kind is RequestKind.CHAT:
             message: dict[str, Any] = {"content": delta.text}
+            if self._calls is not None:
+                calls = self._calls.feed(delta.text)
+                message = {"content": None} if not self._role_sent else {}
+                if calls:
+                    message["tool_calls"] = calls
             if not self._role_sent:
                 message = {"role": "assistant", **message}
                 self._role_sent = True
@@ -73,7 +84,7 @@ class ResponseBuilder:
         else:
             choice["text"] = delta.text
         choice["logprobs"] = self._logprobs(delta.logprobs)
-        choice["finish_reason"] = delta.finish_reason.value if delta.finish_reason else None
+        choice["finish_reason"] = self._finish_reason(delta.finish_reason)
         if delta.finish_reason:
             choice["stop_reason"] = delta.stop_string
         if self._return_token_ids:
@@ -98,18 +109,27 @@ class ResponseBuilder:
             logprobs = tuple(lp for d in deltas for lp in (d.logprobs or ()))
         finish = next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)
         choice: dict[str, Any] = {"index": self._index}
-        if self._kind is RequestKind.CHAT:
+        if self._calls is not None:
+            self._calls.feed(text)
+            choice["message"] = {"role": "assistant", "content": None,
+                                 "tool_calls": [call.body() for call in self._calls.calls]}
+        elif self._kind is RequestKind.CHAT:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
         choice["logprobs"] = self._logprobs(logprobs)
-        choice["finish_reason"] = finish.value if finish else None
+        choice["finish_reason"] = self._finish_reason(finish)
         choice["stop_reason"] = next((d.stop_string for d in reversed(deltas) if d.finish_reason), None)
         if self._return_token_ids:
             choice["token_ids"] = token_ids
         body = self._envelope([choice], stream=False)
         body["usage"] = self.usage.body()
         return body
+
+    def _finish_reason(self, finish: FinishReason | None) -> str | None:
+        if finish is FinishReason.STOP and self._calls is not None:
+            return self._calls_finish
+        return finish.value if finish else None
 
     def _count(self, delta: GenerationDelta) -> None:
         self._num_prompt_tokens = delta.num_prompt_tokens

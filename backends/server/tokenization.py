@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBas
 
 from backends.models.config import read_config_json
 from backends.server.errors import invalid_param
-from backends.server.protocol import GenerateRequest, RequestKind
+from backends.server.protocol import ChatMessage, GenerateRequest, RequestKind
 from backends.server.token_bytes import TokenBytes
 
 
@@ -51,14 +51,25 @@ class PromptTokenizer:
         return tuple(self._hf(req.prompt_text or "")["input_ids"])
 
     def _encode_chat(self, req: GenerateRequest) -> tuple[int, ...]:
-        messages = [{"role": m.role, "content": m.content} for m in req.messages or ()]
+        messages = [_template_message(m) for m in req.messages or ()]
+        tools: list[Any] | None = list(req.tools.tools) if req.tools is not None else None
         try:
-            text = self._hf.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+            text = self._hf.apply_chat_template(messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
                                                 continue_final_message=req.continue_final_message, tokenize=False)
         except (jinja2.TemplateError, ValueError) as exc:
             raise invalid_param("messages", f"The chat template refused the messages: {exc}") from exc
         # The template already wrote the special tokens (BOS, role markers): add none.
         return tuple(self._hf(text, add_special_tokens=False)["input_ids"])
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: an assistant's tool calls and a tool answer's call id included."""
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = list(message.tool_calls)
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def _plain_config(model_dir: Path) -> dict[str, Any]:

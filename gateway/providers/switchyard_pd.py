@@ -91,7 +91,7 @@ class _PdRun:
         body = progress.request.body
         if progress.num_failures:
             legs.metrics.on_retry(progress.request.facts.model)
-        if progress.so_far is not None or num_sequences(body) != 1:
+        if progress.so_far is not None or num_sequences(body) != 1 or _forces_tool_calls(body):
             return await self._whole_on_decode()
         decode_pool = legs.pool(self._config.name, Pool.MAIN)
         held = self._held
@@ -140,7 +140,7 @@ class _PdRun:
         """One leg on a decode worker, which computes the KV itself (a decode worker serves whole requests too):
         a stream broken mid-way (here or elsewhere) goes on from the output so far (`progress.so_far`); a request
         whose held KV other weights computed starts there afresh; n > 1 or a batch of prompts (a prefill leg
-        samples one sequence)."""
+        samples one sequence); a forced tool call (the worker answers its text as calls, whole)."""
         progress, legs, request = self._progress, self._legs, self._progress.request
         built = leg_body(self._config, request.body, request.raw, can_fail_over=progress.can_fail_over,
                          so_far=progress.so_far)
@@ -316,6 +316,13 @@ class _PdRun:
         """Legs ask for token ids when the stream may fail over (they are dropped before the client unless it
         asked for them too)."""
         return self._progress.can_fail_over and self._config.offers_token_ids
+
+
+def _forces_tool_calls(body: Mapping[str, Any]) -> bool:
+    """tool_choice "required" or naming a function, with tools: the worker answers `tool_calls` read from the
+    text it decodes, so the answer comes from one worker."""
+    choice = body.get("tool_choice")
+    return bool(body.get("tools")) and (choice == "required" or isinstance(choice, dict))
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int | None:

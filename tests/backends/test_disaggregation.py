@@ -221,6 +221,31 @@ async def test_json_mode_holds_across_the_leg_boundary(cluster: Cluster) -> None
     await assert_drained(cluster, ["p1", "p2"])
 
 
+async def test_forced_tool_calls_run_whole_on_a_decode_worker(cluster: Cluster) -> None:
+    """A worker answers a forced tool call's text as `tool_calls`, so it is not split into legs (a prefill leg
+    refuses it): the gateway runs it whole on a decode worker. The calls name the tool and their arguments are
+    JSON (json.loads is the reference), whole and streamed."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "max_tokens": 60, "temperature": 0.0, "tools": [tool], "tool_choice": "required"}
+    status, got = await post(cluster.gateway.url, body, chat=True)
+    assert status == 200, got
+    choice = got["choices"][0]
+    assert choice["message"]["content"] is None and choice["finish_reason"] in ("tool_calls", "length"), choice
+    calls = [c["function"] for c in choice["message"]["tool_calls"]]
+    chunks = [e["choices"][0] for e in await stream(cluster.gateway.url, body, chat=True) if e.get("choices")]
+    streamed: list[dict[str, str]] = []
+    for piece in (p for c in chunks for p in c["delta"].get("tool_calls") or ()):
+        if piece["index"] == len(streamed):
+            streamed.append({"name": piece["function"]["name"], "arguments": ""})
+        streamed[piece["index"]]["arguments"] += piece["function"]["arguments"]
+    assert [c["name"] for c in calls] == [c["name"] for c in streamed] and calls[0]["name"] == "get_weather"
+    if choice["finish_reason"] == "tool_calls":
+        assert all(isinstance(json.loads(c["arguments"]), dict) for c in calls + streamed), (calls, streamed)
+    await assert_drained(cluster, ["p1", "p2"])
+
+
 async def test_bad_decode_legs_are_clear_errors_without_leaks(cluster: Cluster, references) -> None:
     body = references[1].body
     status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})

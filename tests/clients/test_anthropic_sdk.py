@@ -106,3 +106,25 @@ def test_errors_in_anthropics_shape(system: System) -> None:
     with pytest.raises(anthropic.NotFoundError) as unknown:
         sdk.messages.create(model="no-such-model", max_tokens=4, messages=QUESTION)
     assert unknown.value.body["error"]["type"] == "not_found_error"
+
+
+def test_a_forced_tool_use(system: System) -> None:
+    """tool_choice naming a tool reaches a worker, which calls it: a tool_use block whose input the SDK reads as
+    an object holding the required key when the answer ended by itself; streamed, as input_json_delta pieces."""
+    client = anthropic.Anthropic(base_url=system.gateway_url, api_key=system.api_key, max_retries=0)
+    tool = {"name": "get_weather", "description": "Get the current weather in a city.",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    ask = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    message = client.messages.create(model=MODEL, max_tokens=60, messages=ask, tools=[tool],
+                                     tool_choice={"type": "tool", "name": "get_weather"})
+    uses = [block for block in message.content if block.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == "get_weather" and uses[0].id, message.content
+    if message.stop_reason == "tool_use":
+        assert "city" in uses[0].input
+    with client.messages.stream(model=MODEL, max_tokens=60, messages=ask, tools=[tool],
+                                tool_choice={"type": "any"}) as stream:
+        final = stream.get_final_message()
+    streamed = [block for block in final.content if block.type == "tool_use"]
+    assert streamed and streamed[0].name == "get_weather", final.content
+    if final.stop_reason == "tool_use":
+        assert all("city" in block.input for block in streamed)

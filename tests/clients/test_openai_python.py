@@ -116,3 +116,43 @@ def test_json_mode_through_the_gateway(system: System) -> None:
         client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^x"}}})
     assert refused.value.body["param"] == "response_format"
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                   "additionalProperties": False}}}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
+
+
+def test_forced_tool_calls_through_the_gateway(system: System) -> None:
+    """tool_choice naming a function or "required" reaches the workers, whose calls the SDK reads (chat, whole and
+    streamed; the Responses API's function_call items); the arguments are JSON objects with the required key
+    (json.loads is the reference) wherever the answer ended by itself."""
+    client = openai.OpenAI(base_url=system.openai_base_url, api_key=system.api_key, max_retries=0)
+    named = client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=[WEATHER], max_tokens=60,
+                                           temperature=0, tool_choice={"type": "function",
+                                                                       "function": {"name": "get_weather"}})
+    call = named.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and named.choices[0].message.content is None
+    if named.choices[0].finish_reason == "stop":
+        assert "city" in json.loads(call.function.arguments)
+    streamed: list[list[str]] = []      # each call's [name, arguments], as the deltas build it
+    finish = None
+    for chunk in client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=[WEATHER], max_tokens=60,
+                                                temperature=0, tool_choice="required", stream=True):
+        for piece in (chunk.choices[0].delta.tool_calls or ()) if chunk.choices else ():
+            if piece.index == len(streamed):
+                streamed.append([piece.function.name, ""])
+            streamed[piece.index][1] += piece.function.arguments or ""
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    assert streamed and {name for name, _ in streamed} == {"get_weather"}, streamed
+    if finish == "tool_calls":
+        assert all("city" in json.loads(arguments) for _, arguments in streamed), streamed
+    response = client.responses.create(model=MODEL, input="What is the weather like in Paris?", max_output_tokens=60,
+                                       temperature=0, tool_choice="required", tools=[
+                                           {"type": "function", **WEATHER["function"]}])
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_"), response.output
+    if response.status == "completed":
+        assert "city" in json.loads(calls[0].arguments)

@@ -74,7 +74,7 @@ GRAMMARS = {name: compile_schema(schema) for name, schema in SCHEMAS.items()}
 def resolve(root: Any, pointer: str) -> Any:
     target = root
     for part in pointer.lstrip("#").split("/")[1:]:
-        target = target[part]
+        target = target[int(part)] if isinstance(target, list) else target[part]
     return target
 
 

@@ -1,11 +1,15 @@
-"""Fixtures for the worker server tests: the bundled model's tokenizer, loaded straight from its GGUF."""
+"""Fixtures for the worker server tests: the bundled model's tokenizer, loaded straight from its GGUF, and one
+worker the structured-output tests (JSON mode, forced tool calls) share."""
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from tests.support.worker_proc import WorkerProcess
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -21,3 +25,13 @@ def bundled_gguf() -> Path:
 def smollm2_tokenizer() -> PreTrainedTokenizerBase:
     gguf = bundled_gguf()
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="session")
+def structured_worker_url() -> Iterator[str]:
+    """A worker (bundled model, fp32 CPU) for the tests of structured output: its tries are built once."""
+    worker = WorkerProcess(["--threads", "2", "--num-blocks", "256"])
+    try:
+        yield worker.url
+    finally:
+        worker.stop()

@@ -4,7 +4,6 @@ of n choices, greedy and sampled, after a resumed start; what the worker cannot 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -13,7 +12,6 @@ import pytest
 
 from tests.backends.engine.test_json_schema import valid
 from tests.backends.server.worker_client import post, wait_idle
-from tests.support.worker_proc import WorkerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -25,13 +23,9 @@ ASKS = ["Describe a cat as JSON with its name and age.",
 MAX_TOKENS = 160
 
 
-@pytest.fixture(scope="module")
-def worker_url() -> Iterator[str]:
-    worker = WorkerProcess(["--threads", "2", "--num-blocks", "256"])
-    try:
-        yield worker.url
-    finally:
-        worker.stop()
+@pytest.fixture
+def worker_url(structured_worker_url: str) -> str:
+    return structured_worker_url
 
 
 def chat(ask: str, **fields: Any) -> dict[str, Any]:
