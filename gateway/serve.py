@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+WORKER_KEY_ENV = "SWITCHYARD_WORKER_API_KEY"   # what a worker reads its --api-key from (backends/server/auth.py)
 
 MODEL_NAME = "smollm2"
 
@@ -90,7 +93,9 @@ def resolve_model_dir(spec: str) -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def gateway_config(plan: ServePlan, model_dir: Path, pools: Mapping[str, list[str]]) -> dict[str, Any]:
+def gateway_config(plan: ServePlan, model_dir: Path, pools: Mapping[str, list[str]],
+                   worker_key: str | None = None) -> dict[str, Any]:
+    """`worker_key`: the key the workers were started with (the providers send it)."""
     providers: dict[str, Any] = {}
     chain: list[str] = []
     if pools["prefill"]:
@@ -102,6 +107,9 @@ def gateway_config(plan: ServePlan, model_dir: Path, pools: Mapping[str, list[st
         providers["local"] = {"kind": "openai", "endpoints": pools["both"],
                               "offers_load": True, "offers_kv_events": True, "offers_token_ids": True}
         chain.append("local")
+    for provider in providers.values():
+        if worker_key is not None:
+            provider["api_key"] = worker_key
     config: dict[str, Any] = {
         "listen": {"host": plan.host, "port": plan.port},
         "models": {plan.served_model_name: {"tokenizer": str(model_dir), "providers": chain,
@@ -136,9 +144,10 @@ class Supervisor:
     def __init__(self) -> None:
         self.children: list[tuple[str, subprocess.Popen]] = []
 
-    def start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+    def start(self, name: str, cmd: list[str], env: Mapping[str, str] | None = None) -> subprocess.Popen:
         print(f"switchyard serve: starting {name}", flush=True)
-        proc = subprocess.Popen(cmd, start_new_session=True)  # our SIGINT handling, not the terminal's
+        proc = subprocess.Popen(cmd, start_new_session=True,   # our SIGINT handling, not the terminal's
+                                env=None if env is None else {**os.environ, **env})
         self.children.append((name, proc))
         return proc
 
@@ -176,7 +185,9 @@ def start_kv_store(sup: Supervisor) -> str:
     return f"mooncake://127.0.0.1:{port}"
 
 
-def start_workers(sup: Supervisor, plan: ServePlan, kv_store: str | None = None) -> dict[str, list[str]]:
+def start_workers(sup: Supervisor, plan: ServePlan, kv_store: str | None = None,
+                  worker_key: str | None = None) -> dict[str, list[str]]:
+    """The workers, each guarded by `worker_key` (passed in the environment: not in `ps`)."""
     pools: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     counts = {"prefill": plan.num_prefill_workers, "decode": plan.num_decode_workers,
               "both": plan.num_both_workers}
@@ -188,7 +199,8 @@ def start_workers(sup: Supervisor, plan: ServePlan, kv_store: str | None = None)
             cmd = [sys.executable, "-m", "backends.server", "--model", plan.model, "--role", role,
                    "--port", str(port), "--served-model-name", plan.served_model_name, *plan.worker_args,
                    *(() if kv_store is None else ("--kv-store", kv_store))]
-            started.append((sup.start(name, cmd), f"http://127.0.0.1:{port}", name, role))
+            env = None if worker_key is None else {WORKER_KEY_ENV: worker_key}
+            started.append((sup.start(name, cmd, env), f"http://127.0.0.1:{port}", name, role))
     for proc, url, name, role in started:
         wait_healthy(proc, url + "/health", name, timeout_s=600)
         pools[role].append(url)
@@ -208,9 +220,12 @@ def main(argv: Sequence[str]) -> None:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        pools = start_workers(sup, plan, start_kv_store(sup) if plan.kv_store else None)
+        # The workers' ports answer the gateway alone, not whoever else reaches 127.0.0.1: with the key in
+        # SWITCHYARD_WORKER_API_KEY when one is set (so that other tools can read the workers), else one per run.
+        worker_key = os.environ.get(WORKER_KEY_ENV) or secrets.token_urlsafe(24)
+        pools = start_workers(sup, plan, start_kv_store(sup) if plan.kv_store else None, worker_key)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="switchyard-gateway-", delete=False) as fh:
-            yaml.safe_dump(gateway_config(plan, model_dir, pools), fh)
+            yaml.safe_dump(gateway_config(plan, model_dir, pools, worker_key), fh)
         workers = "auto" if plan.gateway_workers is None else str(plan.gateway_workers)
         gateway = sup.start("gateway", [sys.executable, "-m", "gateway.cli", "gateway", "--config", fh.name,
                                         "--workers", workers])

@@ -19,7 +19,7 @@ import orjson
 from cache.kv_events import KvEventBatch
 from cache.prefix_index import PrefixIndex
 from gateway.breaker import CircuitBreaker, CircuitState
-from gateway.config import GatewayConfig, Pool, ProviderConfig
+from gateway.config import GatewayConfig, Pool, ProviderConfig, ProviderKind
 from gateway.load import LoadReport, LoadTracker, RestoreFractions
 from gateway.metrics import EndpointRow, PollFailureRow
 from gateway.prefix_index import index_block_size, on_load_report
@@ -161,7 +161,7 @@ class UpstreamRegistry:
     async def _poll_health(self, endpoint: Endpoint, session: aiohttp.ClientSession,
                            client_timeout: aiohttp.ClientTimeout, provider: ProviderConfig) -> None:
         url = endpoint.endpoint_id + (provider.health_path or "")
-        async with session.get(url, timeout=client_timeout) as response:
+        async with session.get(url, timeout=client_timeout, headers=poll_headers(provider)) as response:
             await response.read()
             healthy = response.status == 200
         if healthy != endpoint.healthy:
@@ -171,14 +171,15 @@ class UpstreamRegistry:
 
     async def _poll_load(self, endpoint: Endpoint, session: aiohttp.ClientSession,
                          client_timeout: aiohttp.ClientTimeout, provider: ProviderConfig) -> None:
-        payload = await _get_json(session, f"{endpoint.endpoint_id}/load", client_timeout)
+        payload = await _get_json(session, f"{endpoint.endpoint_id}/load", client_timeout, provider)
         report = LoadReport.from_mapping(payload)
         endpoint.weights = report.weights
         self._on_report(endpoint.endpoint_id, report)
 
     async def _poll_vllm_metrics(self, endpoint: Endpoint, session: aiohttp.ClientSession,
                                  client_timeout: aiohttp.ClientTimeout, provider: ProviderConfig) -> None:
-        async with session.get(f"{endpoint.endpoint_id}/metrics", timeout=client_timeout) as response:
+        async with session.get(f"{endpoint.endpoint_id}/metrics", timeout=client_timeout,
+                               headers=poll_headers(provider)) as response:
             text = await response.text()
             if response.status != 200:
                 raise RuntimeError(f"GET {endpoint.endpoint_id}/metrics: HTTP {response.status}")
@@ -192,7 +193,7 @@ class UpstreamRegistry:
                               client_timeout: aiohttp.ClientTimeout, provider: ProviderConfig) -> None:
         while True:  # drain: a busy worker can have more than one page of events
             url = f"{endpoint.endpoint_id}/kv_events?since={endpoint.kv_since}"
-            payload = await _get_json(session, url, client_timeout)
+            payload = await _get_json(session, url, client_timeout, provider)
             batch = KvEventBatch.from_mapping(payload)
             self._prefix_index.apply_batch(endpoint.endpoint_id, batch)
             next_since = batch.next_seq
@@ -216,9 +217,19 @@ def _on_poll_failure(name: str, endpoint: Endpoint, exc: Exception) -> None:
                 "counted in switchyard_poll_failures_total)", name, endpoint.endpoint_id, exc)
 
 
-async def _get_json(session: aiohttp.ClientSession, url: str,
-                    client_timeout: aiohttp.ClientTimeout) -> Mapping[str, object]:
-    async with session.get(url, timeout=client_timeout) as response:
+def poll_headers(provider: ProviderConfig) -> dict[str, str]:
+    """The provider's key on the pollers' requests too (a worker started with --api-key guards /load and
+    /kv_events)."""
+    if not provider.api_key:
+        return {}
+    if provider.kind is ProviderKind.ANTHROPIC:
+        return {"x-api-key": provider.api_key}
+    return {"Authorization": f"Bearer {provider.api_key}"}
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str, client_timeout: aiohttp.ClientTimeout,
+                    provider: ProviderConfig) -> Mapping[str, object]:
+    async with session.get(url, timeout=client_timeout, headers=poll_headers(provider)) as response:
         body = await response.read()
         if response.status != 200:
             raise RuntimeError(f"GET {url}: HTTP {response.status}")

@@ -5,6 +5,7 @@ compared up to the first token float32 rounding could decide either way (tests/b
 """
 from __future__ import annotations
 
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,39 +21,55 @@ from tests.backends.numerics import (Choice, assert_mostly_clear, assert_same_te
                                      logit_tolerance)
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_proc import GatewayProcess
+from tests.support.wait import wait_until
 from tests.support.worker_proc import worker_process
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "sk-e2e-secret"
+ADMIN_KEY = "sk-e2e-admin"
+WORKER_KEY = "sk-worker-only"     # the worker's --api-key (from the environment): the gateway's providers send it
 NEW_TOKENS = 24
 QUESTIONS = ["What is the capital of France?", "Name three primary colours."]
 
 
+@dataclass(frozen=True)
+class E2E:
+    gateway_url: str
+    worker_url: str
+
+
 @pytest.fixture(scope="module")
-def gateway_url(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def e2e(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
     """`smollm2` is served by the real worker alone; `smollm2-chain` by the worker, then by `fallback`, a fake
-    of a third-party OpenAI-compatible API (one that takes tools, as vLLM does)."""
+    of a third-party OpenAI-compatible API (one that takes tools, as vLLM does). The worker asks for a key."""
     workdir = tmp_path_factory.mktemp("e2e")
     fallback = FakeUpstream("fallback")
     with worker_process(["--model", "smollm2", "--served-model-name", "smollm2", "--max-num-seqs", "8"],
-                        log_dir=workdir) as worker_url:
+                        log_dir=workdir, env={"SWITCHYARD_WORKER_API_KEY": WORKER_KEY}) as worker_url:
         config = {
-            "api_keys": [{"key_id": "team-a", "key": API_KEY, "max_requests_per_min": 1000}],
+            "api_keys": [{"key_id": "team-a", "key": API_KEY, "max_requests_per_min": 1000},
+                         {"key_id": "ops", "key": ADMIN_KEY, "admin": True}],
             "models": {"smollm2": {"tokenizer": str(smollm2_dir), "providers": ["local"],
                                    "policy": {"name": "session_affinity"}},
                        "smollm2-chain": {"tokenizer": str(smollm2_dir), "providers": ["local-chained", "fallback"]}},
-            "providers": {"local": {"kind": "openai", "endpoints": [worker_url],
+            "providers": {"local": {"kind": "openai", "endpoints": [worker_url], "api_key": WORKER_KEY,
                                     "offers_load": True, "offers_kv_events": True},
-                          "local-chained": {"kind": "openai", "endpoints": [worker_url], "upstream_model": "smollm2"},
+                          "local-chained": {"kind": "openai", "endpoints": [worker_url], "upstream_model": "smollm2",
+                                            "api_key": WORKER_KEY},
                           "fallback": {"kind": "openai", "endpoints": [fallback.url]}},
         }
         gateway = GatewayProcess(config, workdir)
         try:
-            yield gateway.url
+            yield E2E(gateway.url, worker_url)
         finally:
             gateway.stop()
             fallback.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway_url(e2e: E2E) -> str:
+    return e2e.gateway_url
 
 
 @dataclass(frozen=True)
@@ -167,3 +184,37 @@ def test_what_the_worker_cannot_honour_goes_to_the_next_provider(gateway_url: st
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="smollm2", messages=question, tools=tools, max_tokens=4)
     assert refused.value.status_code == 400 and refused.value.body["param"] == "tool_choice"
+
+
+def _get(url: str, key: str | None = None, body: bytes | None = None) -> tuple[int, bytes]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers), timeout=30) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_a_worker_with_a_key_answers_the_gateway_alone(e2e: E2E) -> None:
+    """Started with SWITCHYARD_WORKER_API_KEY, the worker answers 401 (OpenAI's shape) to a request without its
+    key or with another, on the API and on what the gateway polls; probes and metrics stay open. The gateway
+    sends the provider's key on requests (every test above) and on its pollers: the worker's load reports and
+    KV events reach it (its status shows them)."""
+    chat = orjson.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    for path, body in (("/v1/chat/completions", chat), ("/v1/models", None), ("/load", None),
+                       ("/kv_events", None), ("/kv_holds/release", b'{"transfer_id": "x"}')):
+        for key in (None, "wrong", WORKER_KEY + "x"):
+            status, answer = _get(e2e.worker_url + path, key, body)
+            assert status == 401 and orjson.loads(answer)["error"]["code"] == "invalid_api_key", (path, key, answer)
+    assert _get(e2e.worker_url + "/v1/chat/completions", WORKER_KEY, chat)[0] == 200
+    assert _get(e2e.worker_url + "/load", WORKER_KEY)[0] == 200
+    for path in ("/health", "/metrics", "/openapi.json"):
+        assert _get(e2e.worker_url + path)[0] == 200, path
+
+    def polled() -> bool:
+        snapshot = orjson.loads(_get(e2e.gateway_url + "/status.json", ADMIN_KEY)[1])
+        worker = next(e for e in snapshot["endpoints"] if e["id"] == e2e.worker_url)
+        return worker["num_prompt_tokens"] is not None and worker["num_indexed_blocks"] > 0
+    wait_until(polled, "the gateway's pollers to read the worker's /load and /kv_events")

@@ -5,18 +5,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import orjson
+import pytest
 
 from tests.support.ports import free_port
 from tests.support.wait import wait_until
 from tests.support.worker_proc import REPO_ROOT
+
+WORKER_KEY = "sk-serve-workers"
 
 SWITCHYARD = Path(REPO_ROOT) / ".venv" / "bin" / "switchyard"
 
@@ -47,12 +52,14 @@ def alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def serving(tmp_path: Path, *args: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+def serving(tmp_path: Path, *args: str, env: dict[str, str] | None = None
+            ) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     """`switchyard serve ARGS` with its log in tmp_path; on exit, whatever the test left running (it
     failed before `stop_with_sigint`) is killed, children included."""
     log_path = tmp_path / "serve.log"
     log = log_path.open("wb")
-    proc = subprocess.Popen([str(SWITCHYARD), "serve", *args], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([str(SWITCHYARD), "serve", *args], cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
     try:
         yield proc, log_path
     finally:
@@ -104,13 +111,20 @@ def test_serve_answers_the_openai_sdk_and_sigint_stops_everything(tmp_path: Path
         # first request's shapes through the same kernels on the same machine (--threads=1 everywhere)
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert streamed == reply.choices[0].message.content
+        # the workers answer the gateway alone: a key drawn for the run, which the gateway sends
+        worker_ports = re.findall(r"starting \w+ worker \d+ on :(\d+)", log_path.read_text())
+        assert len(worker_ports) == 2, log_path.read_text()
+        for worker_port in worker_ports:
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(f"http://127.0.0.1:{worker_port}/v1/models", timeout=5)
+            assert refused.value.code == 401
         stop_with_sigint(proc, log_path)
 
 
 def test_serve_kv_store_starts_a_master_every_worker_shares(tmp_path: Path) -> None:
     with serving(tmp_path, "--port", str(free_port()), "--prefill-workers", "0", "--decode-workers", "0",
                  "--both-workers", "2", "--kv-store", "--worker-arg=--threads=1",
-                 "--worker-arg=--num-blocks=64") as (proc, log_path):
+                 "--worker-arg=--num-blocks=64", env={"SWITCHYARD_WORKER_API_KEY": WORKER_KEY}) as (proc, log_path):
         wait_until(lambda: b"switchyard is serving" in log_path.read_bytes() or proc.poll() is not None,
                    "switchyard serve to be ready", timeout_s=240)
         assert proc.poll() is None, log_path.read_text()
@@ -119,7 +133,8 @@ def test_serve_kv_store_starts_a_master_every_worker_shares(tmp_path: Path) -> N
         workers = text.split("(workers: ")[1].split(")")[0].split(", ")
         assert len(workers) == 2
         for url in workers:
-            with urllib.request.urlopen(url + "/load", timeout=5) as r:
+            load = urllib.request.Request(url + "/load", headers={"Authorization": f"Bearer {WORKER_KEY}"})
+            with urllib.request.urlopen(load, timeout=5) as r:   # the key given to serve: its workers take it
                 tiers = {t["medium"]: t for t in orjson.loads(r.read())["kv_tiers"]}
             assert tiers["store"]["up"], url
         assert len(stop_with_sigint(proc, log_path)) >= 4   # the master, two workers, the gateway

@@ -7,12 +7,14 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from backends.attention.base import AttentionBackendName
 from backends.engine.config import SPECULATIVE_PROPOSERS, EngineConfig
+from backends.server import auth
 from backends.server.config import ServerConfig, WorkerRole
 
 if TYPE_CHECKING:
@@ -96,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="keep an EAGLE head's weights in the model's dtype on a CPU worker (default: int8, "
                            "under half the drafting time of float32; drafts are verified either way, so output "
                            "tokens do not change)")
+    p.add_argument("--api-key", default=os.environ.get(auth.ENV_VAR) or None,
+                   help=f"clients must send `Authorization: Bearer <key>` (default: ${auth.ENV_VAR}; none: open)")
     p.add_argument("--debug-endpoints", action="store_true", help="serve /debug/* (tests only)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM: how long requests in flight and held KV blocks may take to finish")
@@ -163,6 +167,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         kv_idle_timeout_s=args.kv_idle_timeout_s,
         debug_endpoints=args.debug_endpoints,
         kv_shared_memory=not args.no_kv_shared_memory,
+        api_key=args.api_key,
     )
     return server_config, engine_config
 

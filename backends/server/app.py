@@ -13,7 +13,7 @@ from aiohttp import web
 
 from backends.engine.config import EngineConfig
 from backends.engine.pd_connector import PDConnector
-from backends.server import disagg, openai_routes, openapi, ops_routes, status
+from backends.server import auth, disagg, openai_routes, openapi, ops_routes, status
 from backends.server.config import ServerConfig
 from backends.server.drain import DRAIN, Drain
 from backends.server.errors import APIError, ErrorType, error_body
@@ -32,7 +32,9 @@ def create_app(
 ) -> web.Application:
     """A worker app; the engine starts in the app's start-up and shuts down in its cleanup."""
     drain = Drain()
-    app = web.Application(client_max_size=config.max_request_bytes, middlewares=[error_middleware, drain.middleware()])
+    middlewares = [error_middleware, *([auth.middleware(config.api_key)] if config.api_key else []),
+                   drain.middleware()]
+    app = web.Application(client_max_size=config.max_request_bytes, middlewares=middlewares)
     app[CONFIG_KEY] = config
     app[DRAIN] = drain
     app[TOKENIZER_KEY] = PromptTokenizer.from_model_dir(config.model_dir)

@@ -26,8 +26,11 @@ class ServerConfig:
     kv_idle_timeout_s: float = 10.0        # a pull (or a send) with no bytes moving this long fails
     debug_endpoints: bool = False          # GET /debug/kv_digest (tests only: exposes KV digests)
     kv_shared_memory: bool = True          # same-host pulls copy from the peer's shared-memory cache
+    api_key: str | None = None             # clients must send it as a bearer token (auth.py); None: no check
 
     def __post_init__(self) -> None:
+        if self.api_key is not None and (not self.api_key or not self.api_key.isprintable()):
+            raise ValueError("api_key must be a non-empty printable string")
         if not self.served_model_names:
             raise ValueError("served_model_names must not be empty")
         if self.max_request_bytes <= 0:
