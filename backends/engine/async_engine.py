@@ -95,6 +95,10 @@ class AsyncEngine:
         for request_id, queue in list(self._streams.items()):
             queue.put_nowait(SequenceOutput(request_id, (), None, FinishReason.ABORT, 0, 0, "engine shut down"))
 
+    async def warm_structured_output(self) -> None:
+        """Build structured output's vocabulary tries (JsonOutput.warm) off the event loop, before serving."""
+        await asyncio.to_thread(self._require_started().json_output.warm)
+
     # --- requests -----------------------------------------------------------------------------
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  kv_transfer: KVTransferParams | None = None) -> AsyncIterator[SequenceOutput]:

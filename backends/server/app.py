@@ -77,6 +77,7 @@ def _engine_ctx(
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
         engine = engine_factory(engine_config)
         await engine.start()
+        await engine.warm_structured_output()   # before serving: not on a running stream's time
         app[ENGINE_KEY] = engine
         app[METRICS_KEY] = ServerMetrics(EngineCollector(engine.load_report, engine.stats),
                                          engine.weights_fingerprint())

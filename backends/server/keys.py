@@ -32,6 +32,8 @@ class WorkerEngine(Protocol):
 
     async def shutdown(self) -> None: ...
 
+    async def warm_structured_output(self) -> None: ...
+
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         kv_transfer: KVTransferParams | None = None,

@@ -28,10 +28,10 @@ def smollm2_tokenizer() -> PreTrainedTokenizerBase:
 
 
 @pytest.fixture(scope="session")
-def structured_worker_url() -> Iterator[str]:
-    """A worker (bundled model, fp32 CPU) for the tests of structured output: its tries are built once."""
+def structured_worker() -> Iterator[WorkerProcess]:
+    """A worker (bundled model, fp32 CPU) the tests of structured output share."""
     worker = WorkerProcess(["--threads", "2", "--num-blocks", "256"])
     try:
-        yield worker.url
+        yield worker
     finally:
         worker.stop()

@@ -14,6 +14,7 @@ import pytest
 
 from tests.backends.engine.test_json_schema import valid
 from tests.backends.server.worker_client import post, wait_idle
+from tests.support.worker_proc import WorkerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -33,8 +34,8 @@ MAX_TOKENS = 96
 
 
 @pytest.fixture
-def worker_url(structured_worker_url: str) -> str:
-    return structured_worker_url
+def worker_url(structured_worker: WorkerProcess) -> str:
+    return structured_worker.url
 
 
 def chat(**fields: Any) -> dict[str, Any]:
