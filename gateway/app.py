@@ -32,6 +32,7 @@ from gateway.load_share import LoadSharer
 from gateway.metrics import Metrics
 from gateway.prefix_index import configure_prefix_index
 from gateway.prefix_share import PrefixSharer
+from gateway.response_cache import ResponseCache
 from gateway.providers import make_provider
 from gateway.services import SERVICES, BackgroundTasks, Services
 from gateway.state import StateStore, make_store
@@ -83,7 +84,7 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
     # and upstream cookies are never kept or sent (a dummy jar skips the per-request cookie filtering).
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
                                     auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
-    store: StateStore = make_store(config.redis_url)
+    store: StateStore = make_store(config.redis_url, max_response_bytes=config.response_cache.max_memory_bytes)
     retrier = Retrier(config.retries, RetryBudget(config.retries))
     # Peer processes' leases and approximate routing decisions through the store (with Redis: other
     # `--workers` and replicas).
@@ -102,7 +103,8 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
     app[SERVICES] = Services(
         config=config, dispatcher=dispatcher, registry=registry, store=store,
         counter=TokenCounter({name: m.tokenizer for name, m in config.models.items()}),
-        estimator=OutputLengthEstimator(), metrics=metrics, tracing=tracing, background=background)
+        estimator=OutputLengthEstimator(), metrics=metrics, tracing=tracing, background=background,
+        response_cache=ResponseCache(config.response_cache, store))
     registry.start(session)
     kv_events.start()
     if sharing:

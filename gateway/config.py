@@ -165,6 +165,16 @@ class PollerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ResponseCacheConfig:
+    """Whole (not streamed) answers served again to identical requests (gateway/response_cache.py)."""
+    ttl_s: float = 0.0                   # how long an answer is kept; 0: no cache
+    max_entry_bytes: int = 262144        # larger answers are not kept
+    max_memory_bytes: int = 64 << 20     # the in-process store's bound (with Redis: its maxmemory)
+    cache_sampled: bool = False          # also requests sampled without a seed (a repeat then gets the same draw)
+    shared_across_keys: bool = False     # one API key's answers serve another key's identical request
+
+
+@dataclass(frozen=True, slots=True)
 class TracingConfig:
     exporter: TracingExporter = TracingExporter.NONE
     otlp_endpoint: str | None = None     # e.g. http://collector:4318/v1/traces (otlp only)
@@ -186,6 +196,7 @@ class GatewayConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     pollers: PollerConfig = field(default_factory=PollerConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    response_cache: ResponseCacheConfig = field(default_factory=ResponseCacheConfig)
     ready: ReadyRequirement = ReadyRequirement.EACH_MODEL
     log_level: str = "WARNING"
 
@@ -240,11 +251,19 @@ def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
         retries=simple_record(RetryConfig, raw.get("retries"), "retries"),
         breaker=simple_record(BreakerConfig, raw.get("breaker"), "breaker"),
         pollers=simple_record(PollerConfig, raw.get("pollers"), "pollers"),
+        response_cache=_response_cache(raw.get("response_cache")),
         tracing=TracingConfig(exporter=exporter, otlp_endpoint=tracing.otlp_endpoint,
                               service_name=tracing.service_name),
         ready=enum_value(ReadyRequirement, raw.get("ready", "each_model"), "ready"),
         log_level=str(raw.get("log_level", "WARNING")).upper(),
     )
+
+
+def _response_cache(raw: Any) -> ResponseCacheConfig:
+    cache = simple_record(ResponseCacheConfig, raw, "response_cache")
+    if cache.ttl_s < 0 or cache.max_entry_bytes <= 0 or cache.max_memory_bytes <= 0:
+        raise ConfigError("response_cache: ttl_s must be >= 0, max_entry_bytes and max_memory_bytes positive")
+    return cache
 
 
 def _limits(raw: Any) -> LimitsConfig:

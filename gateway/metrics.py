@@ -124,10 +124,13 @@ class Metrics:
                                           "first byte, by what followed: continued elsewhere, failed (no endpoint "
                                           "took the continuation), not continuable (tool calls, an error event), "
                                           "no retry budget left", ["model", "outcome"])
+        self._cache = LabelledCounter("switchyard_response_cache", "Requests the response cache answered (hit), "
+                                      "looked up in vain (miss) or could not serve (bypass: streamed, sampled, "
+                                      "skipped)", ["model", "result"])
         r.register(CountsCollector([
             self._requests, self._errors, self._retries, self._fallbacks, self._latency, self._pd_fallbacks,
             self._pd_redos, self._ttft, self._itl, self._decisions, self._moves, self._shared, self._stream_errors,
-            self._failovers]))
+            self._failovers, self._cache]))
         r.register(_EndpointCollector(endpoint_rows))
         r.register(_PollFailureCollector(poll_failure_rows))
         r.register(_KvEventCollector(kv_event_rows))
@@ -163,6 +166,9 @@ class Metrics:
 
     def on_decision(self, model: str, reason: str) -> None:
         self._decisions.inc((model, reason))
+
+    def on_response_cache(self, model: str, result: str) -> None:
+        self._cache.inc((model, result))
 
     def on_session_move(self, model: str) -> None:
         self._moves.inc((model,))

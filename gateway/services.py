@@ -15,6 +15,7 @@ from gateway.config import GatewayConfig
 from gateway.dispatch import Dispatcher
 from gateway.load import OutputLengthEstimator
 from gateway.metrics import Metrics
+from gateway.response_cache import ResponseCache
 from gateway.state import StateStore
 from gateway.tokenize import TokenCounter
 from gateway.tracing import Tracing
@@ -57,6 +58,7 @@ class Services:
     metrics: Metrics                                   # Prometheus registry of this app
     tracing: Tracing                                   # the app's tracer
     background: BackgroundTasks                        # post-response work
+    response_cache: ResponseCache                      # whole answers served again (off unless configured)
 
 
 SERVICES: web.AppKey[Services] = web.AppKey("switchyard_services", Services)

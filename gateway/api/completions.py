@@ -27,6 +27,7 @@ from gateway.config import LimitsConfig, ModelConfig
 from gateway.errors import BadRequest, GatewayError, NotFound, RateLimited, RequestTimeout
 from gateway.lean_http import LeanRequest
 from gateway.request import Outcome, RoutedRequest, num_sequences
+from gateway.response_cache import CACHE_HEADER
 from gateway.services import SERVICES, Services
 from gateway.state import MemoryStore
 from gateway.streaming import ClientGone, SseResponseFactory, StreamUsage
@@ -76,7 +77,13 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         num_seqs = num_sequences(body)   # each samples its own output
         num_expected = num_seqs * services.estimator.estimate(model.name, max_tokens)
-        charge = await charge_rate_limit(services, caller_key(request), prompt.num_tokens + num_expected)
+        key = caller_key(request)
+        cache = services.response_cache
+        plan = cache.plan(request.headers, surface.value, model.name, body, key.key_id if key else None) \
+            if cache.enabled else None
+        charge = await charge_rate_limit(services, key, prompt.num_tokens + num_expected)
+        if plan is not None and (cached := await cache.read(plan)) is not None:
+            return await _answer_from_cache(services, model.name, charge, cached)
         session_key = request.headers.get(SESSION_HEADER) or None
         session_id = f"{model.name}\x00{session_key}" if session_key else None
         session_endpoint = await services.store.get_session(session_id) if session_id else None
@@ -88,9 +95,24 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
                                request_id_var.get(), started_s, session_id)
         new_response = sse_response(routed) if sse_response is not None and routed.stream else None
         outcome = await _dispatch(services, request, routed, charge, new_response)
+    if plan is not None and not routed.stream:
+        services.metrics.on_response_cache(model.name, plan.header)
+        outcome.response.headers[CACHE_HEADER] = plan.header
+        if plan.key is not None and isinstance(outcome.response, web.Response):
+            services.background.spawn(cache.keep(plan, outcome.response.status, outcome.response.body))
     if outcome.endpoint_id is not None:
         services.estimator.observe(model.name, outcome.usage.num_output_tokens // num_seqs)
     return outcome
+
+
+async def _answer_from_cache(services: Services, model: str, charge: Charge | None, body: bytes) -> Outcome:
+    """A whole answer kept by the response cache: no upstream, no tokens charged (the request still counts)."""
+    if charge is not None:
+        await settle(services, charge, 0, StreamUsage())
+    services.metrics.on_response_cache(model, "hit")
+    services.metrics.on_request(model, 200)
+    response = web.Response(body=body, content_type="application/json", headers={CACHE_HEADER: "hit"})
+    return Outcome(response, None, StreamUsage())
 
 
 async def _dispatch(services: Services, request: web.Request, routed: RoutedRequest,

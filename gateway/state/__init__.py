@@ -24,10 +24,13 @@ __all__ = [
 ]
 
 
-def make_store(redis_url: str | None, key_prefix: str = "switchyard:", probe_interval_s: float = 1.0) -> StateStore:
+def make_store(redis_url: str | None, key_prefix: str = "switchyard:", probe_interval_s: float = 1.0,
+               max_response_bytes: int = 64 << 20) -> StateStore:
     """The store for a gateway: in-process without Redis, else Redis with an in-process fallback.
-    Call inside the running loop (the Redis pool binds to it); close it at shutdown."""
+    Call inside the running loop (the Redis pool binds to it); close it at shutdown. `max_response_bytes`:
+    what the in-process store keeps of cached answers."""
     if redis_url is None:
-        return MemoryStore()
+        return MemoryStore(max_response_bytes=max_response_bytes)
     primary = RedisStore(RedisOptions(url=redis_url, key_prefix=key_prefix))
-    return ResilientStore(primary, MemoryStore(), probe_interval_s=probe_interval_s)
+    return ResilientStore(primary, MemoryStore(max_response_bytes=max_response_bytes),
+                          probe_interval_s=probe_interval_s)

@@ -6,7 +6,7 @@ every few hundred writes, so memory stays bounded by what is live.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -34,7 +34,7 @@ class _Expiring:
 class MemoryStore:
     """StateStore in a few dicts; never raises for an outage (there is none)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, max_response_bytes: int = 64 << 20) -> None:
         self._clock = clock
         self._buckets: dict[str, _Bucket] = {}
         self._sessions: dict[str, _Expiring] = {}
@@ -44,6 +44,10 @@ class MemoryStore:
         self._inflight: dict[str, tuple[dict[str, tuple[int, ...]], float]] = {}
         self._routed: deque[tuple[tuple[int, int], str, str]] = deque()  # (id as (ms, n), replica, payload)
         self._num_writes = 0
+        # cached answers, least recently used first: key -> (body, expires_s); their bytes bounded
+        self._responses: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
+        self._response_bytes = 0
+        self._max_response_bytes = max_response_bytes
 
     async def rate_limit(self, key_id: str, limits: RateLimits, cost_tokens: int) -> RateDecision:
         if limits.unlimited:
@@ -122,6 +126,30 @@ class MemoryStore:
             cursor = entries[-1][0]
         return f"{cursor[0]}-{cursor[1]}", [(r, p) for _, r, p in entries]
 
+    async def get_response(self, cache_key: str) -> bytes | None:
+        entry = self._responses.get(cache_key)
+        if entry is None:
+            return None
+        if entry[1] <= self._clock():
+            self._drop_response(cache_key)
+            return None
+        self._responses.move_to_end(cache_key)
+        return entry[0]
+
+    async def put_response(self, cache_key: str, body: bytes, ttl_s: float) -> None:
+        if len(body) > self._max_response_bytes:
+            return
+        self._drop_response(cache_key)
+        self._responses[cache_key] = (body, self._clock() + ttl_s)
+        self._response_bytes += len(body)
+        while self._response_bytes > self._max_response_bytes:
+            self._drop_response(next(iter(self._responses)))
+
+    def _drop_response(self, cache_key: str) -> None:
+        entry = self._responses.pop(cache_key, None)
+        if entry is not None:
+            self._response_bytes -= len(entry[0])
+
     async def ping(self) -> bool:
         return True
 
@@ -154,8 +182,10 @@ class MemoryStore:
                 del entries[key]
         for replica_id in [r for r, (_, expires_s) in self._inflight.items() if expires_s <= now_s]:
             del self._inflight[replica_id]
+        for cache_key in [k for k, (_, expires_s) in self._responses.items() if expires_s <= now_s]:
+            self._drop_response(cache_key)
 
     def num_entries(self) -> int:
         """Live and not yet swept entries (for tests and metrics)."""
         return (len(self._sessions) + len(self._breakers) + len(self._buckets)
-                + len(self._inflight))
+                + len(self._inflight) + len(self._responses))

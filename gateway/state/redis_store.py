@@ -132,6 +132,13 @@ class RedisStore:
         cursor = entries[-1][0] if entries else after
         return cursor, [(fields["r"], fields["p"]) for _, fields in entries]
 
+    async def get_response(self, cache_key: str) -> bytes | None:
+        value: Any = await self._run(self._redis.get(self._key("resp", cache_key)))
+        return None if value is None else value.encode()
+
+    async def put_response(self, cache_key: str, body: bytes, ttl_s: float) -> None:
+        await self._run(self._redis.set(self._key("resp", cache_key), body.decode(), px=max(1, int(ttl_s * 1000))))
+
     async def ping(self) -> bool:
         try:
             return bool(await self._redis.ping())

@@ -77,6 +77,12 @@ class ResilientStore:
     async def read_routed(self, after: str, max_entries: int) -> tuple[str, list[tuple[str, str]]]:
         return await self._call(lambda store: store.read_routed(after, max_entries))
 
+    async def get_response(self, cache_key: str) -> bytes | None:
+        return await self._call(lambda store: store.get_response(cache_key))
+
+    async def put_response(self, cache_key: str, body: bytes, ttl_s: float) -> None:
+        await self._call(lambda store: store.put_response(cache_key, body, ttl_s))
+
     async def ping(self) -> bool:
         """True if calls are being answered (always: the fallback answers during an outage)."""
         return True

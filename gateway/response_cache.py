@@ -1,0 +1,106 @@
+"""The response cache: a whole (not streamed) answer served again to an identical request, without an upstream.
+
+Off unless `response_cache.ttl_s` is set. A request is identical when its route, model and body are, key order
+aside and the fields that do not change the answer left out (`stream`, `stream_options`, `user`, `metadata`,
+`store`); and, unless `shared_across_keys`, its API key (a hit answers faster, which would tell one tenant
+what another asked). Only what is deterministic is cached unless `cache_sampled`: `temperature: 0`, or a
+`seed`. Only 200s that are UTF-8 JSON and at most `max_entry_bytes` are kept, for `ttl_s`, in the state store
+(Redis, shared by every replica, or in-process, bounded by `max_memory_bytes`).
+
+Per request, `x-switchyard-cache: skip` neither reads nor writes, `x-switchyard-cache: refresh` skips the read
+and writes the fresh answer, and `x-switchyard-cache-ttl: S` keeps it S seconds (0: not at all). The answer
+says `x-switchyard-cache: hit`, `miss` or `bypass` (not cacheable: streamed, sampled, skipped).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from gateway.config import ResponseCacheConfig
+from gateway.errors import BadRequest
+from gateway.state import StateStore
+
+log = logging.getLogger(__name__)
+
+CACHE_HEADER = "x-switchyard-cache"          # request: skip | refresh; answer: hit | miss | bypass
+TTL_HEADER = "x-switchyard-cache-ttl"
+MAX_TTL_S = 7 * 24 * 3600.0
+_IGNORED_FIELDS = frozenset({"stream", "stream_options", "user", "metadata", "store"})
+
+
+class ResponseCache:
+    def __init__(self, config: ResponseCacheConfig, store: StateStore) -> None:
+        self._config = config
+        self._store = store
+
+    @property
+    def enabled(self) -> bool:
+        return self._config.ttl_s > 0
+
+    def plan(self, headers: Mapping[str, str], route: str, model: str, body: Mapping[str, Any],
+             key_id: str | None) -> CachePlan:
+        """What to do for this request: its key, whether to read, how long to keep its answer."""
+        asked = headers.get(CACHE_HEADER, "").strip().lower()
+        if asked not in ("", "skip", "refresh"):
+            raise BadRequest(f"{CACHE_HEADER} must be 'skip' or 'refresh'", param=CACHE_HEADER)
+        ttl_s = self._ttl_s(headers.get(TTL_HEADER))
+        if asked == "skip" or ttl_s <= 0 or body.get("stream") is True or not self._deterministic(body):
+            return CachePlan(None, False, 0.0)
+        fields = {k: v for k, v in body.items() if k not in _IGNORED_FIELDS}
+        scope = "" if self._config.shared_across_keys or key_id is None else key_id
+        try:
+            canonical = orjson.dumps([route, model, scope, fields], option=orjson.OPT_SORT_KEYS)
+        except TypeError:     # a body orjson cannot write back (it parsed it, so not expected): no caching
+            return CachePlan(None, False, 0.0)
+        return CachePlan(hashlib.sha256(canonical).hexdigest(), asked != "refresh", ttl_s)
+
+    async def read(self, plan: CachePlan) -> bytes | None:
+        if plan.key is None or not plan.read:
+            return None
+        return await self._store.get_response(plan.key)
+
+    async def keep(self, plan: CachePlan, status: int, body: Any) -> None:
+        """Keep a 200's UTF-8 JSON body within the size limit; anything else is not kept."""
+        if plan.key is None or status != 200 or not isinstance(body, bytes):
+            return
+        if len(body) > self._config.max_entry_bytes:
+            return
+        try:
+            body.decode()
+        except UnicodeDecodeError:
+            return
+        await self._store.put_response(plan.key, body, plan.ttl_s)
+
+    def _ttl_s(self, raw: str | None) -> float:
+        if not self.enabled:
+            return 0.0
+        if raw is None:
+            return self._config.ttl_s
+        try:
+            ttl_s = float(raw)
+        except ValueError:
+            ttl_s = -1.0
+        if not 0 <= ttl_s <= MAX_TTL_S:
+            raise BadRequest(f"{TTL_HEADER} must be seconds in [0, {MAX_TTL_S:.0f}]", param=TTL_HEADER)
+        return ttl_s
+
+    def _deterministic(self, body: Mapping[str, Any]) -> bool:
+        temperature = body.get("temperature")
+        return self._config.cache_sampled or temperature == 0 or body.get("seed") is not None
+
+
+class CachePlan:
+    __slots__ = ("key", "read", "ttl_s")
+
+    def __init__(self, key: str | None, read: bool, ttl_s: float) -> None:
+        self.key = key          # None: not cacheable (the answer says `bypass`)
+        self.read = read        # False: `refresh`: the answer is fetched and kept anyway
+        self.ttl_s = ttl_s
+
+    @property
+    def header(self) -> str:
+        return "bypass" if self.key is None else "miss"
