@@ -20,6 +20,7 @@ from gateway.api.completions import Surface, check_body, decode_json, read_body,
 from gateway.api.reencoded import reencoded_response_class
 from gateway.errors import GatewayError, NotFound
 from gateway.request import RoutedRequest
+from gateway.response_cache import CACHE_HEADER
 from gateway.services import SERVICES
 from gateway.streaming import SseResponseFactory
 
@@ -60,6 +61,9 @@ async def count_tokens(request: web.Request) -> web.Response:
     return web.Response(body=orjson.dumps({"input_tokens": counted.num_tokens}), content_type="application/json")
 
 
+_KEPT_HEADERS = frozenset({"retry-after", CACHE_HEADER})
+
+
 def _translated(response: web.StreamResponse, header: MessageHeader) -> web.StreamResponse:
     """A whole answer (or an upstream's relayed error) in Anthropic's shape; a stream went out translated."""
     if response.prepared or not isinstance(response, web.Response) or not isinstance(response.body, bytes):
@@ -73,7 +77,7 @@ def _translated(response: web.StreamResponse, header: MessageHeader) -> web.Stre
         except orjson.JSONDecodeError:
             status, body = 502, inbound.error_body(502, "the upstream's answer is not JSON")
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json",
-                        headers={k: v for k, v in response.headers.items() if k.lower() == "retry-after"})
+                        headers={k: v for k, v in response.headers.items() if k.lower() in _KEPT_HEADERS})
 
 
 def _sse_response(header: MessageHeader, response_class: Callable[..., web.StreamResponse],

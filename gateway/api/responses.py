@@ -17,6 +17,7 @@ from gateway.api.reencoded import reencoded_response_class
 from gateway.errors import UpstreamsFailed
 from gateway.openai_responses import ResponseEvents, ResponseHeader
 from gateway.request import RoutedRequest
+from gateway.response_cache import CACHE_HEADER
 from gateway.services import SERVICES
 from gateway.streaming import SseResponseFactory
 
@@ -45,7 +46,9 @@ def _translated(response: web.StreamResponse, header: ResponseHeader) -> web.Str
         body = openai_responses.to_response(orjson.loads(response.body), header)
     except orjson.JSONDecodeError:
         raise UpstreamsFailed("the upstream's answer is not JSON") from None
-    return web.Response(body=orjson.dumps(body), content_type="application/json")
+    cache = response.headers.get(CACHE_HEADER)
+    return web.Response(body=orjson.dumps(body), content_type="application/json",
+                        headers={CACHE_HEADER: cache} if cache else None)
 
 
 def _sse_response(header: ResponseHeader, response_class: Callable[..., web.StreamResponse],

@@ -160,3 +160,30 @@ def test_without_redis_the_gateway_keeps_answers_itself(start_fakes, start_gatew
     assert hit[0] == first
     reached = fake.stats()["num_requests"]
     assert post()[1] == "hit" and fake.stats()["num_requests"] == reached
+
+
+def test_the_anthropic_and_responses_surfaces_share_the_chat_requests_they_become(start_fakes, start_gateway) -> None:
+    (fake,) = start_fakes("e0")
+    gateway = start_gateway(gateway_config({"p": [fake.url]}, response_cache={"ttl_s": 60}))
+    asks = {"/v1/messages": {"model": "m", "max_tokens": 8, "temperature": 0,
+                             "messages": [{"role": "user", "content": "hi"}]},
+            "/v1/responses": {"model": "m", "input": "hello", "max_output_tokens": 8, "temperature": 0}}
+    for path, body in asks.items():
+        def post(path: str = path, body: dict[str, Any] = body) -> tuple[dict[str, Any], str | None]:
+            request = urllib.request.Request(gateway.url + path, data=orjson.dumps(body),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return orjson.loads(response.read()), response.headers.get(CACHE_HEADER)
+
+        first, state = post()
+        assert state == "miss", path
+        hit = wait_until(lambda post=post: next((r for r in [post()] if r[1] == "hit"), None), f"a hit on {path}")
+        assert texts(hit[0]) == texts(first) and texts(first), (first, hit)
+
+
+def texts(answer: dict[str, Any]) -> list[str]:
+    """An Anthropic message's or a Response's text parts (their item ids are made afresh each time)."""
+    if answer.get("type") == "message":
+        return [block["text"] for block in answer["content"]]
+    assert answer["object"] == "response", answer
+    return [part["text"] for item in answer["output"] for part in item["content"]]
