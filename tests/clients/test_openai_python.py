@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import openai
+import pydantic
 import pytest
 
 from tests.clients.conftest import MODEL, SESSION_HEADER, System, same_worker
@@ -125,6 +126,11 @@ WEATHER = {"type": "function", "function": {
 WEATHER_ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
 
 
+class GetWeather(pydantic.BaseModel):
+    """Get the current weather in a city."""
+    city: str
+
+
 def test_forced_tool_calls_through_the_gateway(system: System) -> None:
     """tool_choice naming a function or "required" reaches the workers, whose calls the SDK reads (chat, whole and
     streamed; the Responses API's function_call items); the arguments are JSON objects with the required key
@@ -149,6 +155,13 @@ def test_forced_tool_calls_through_the_gateway(system: System) -> None:
     assert streamed and {name for name, _ in streamed} == {"get_weather"}, streamed
     if finish == "tool_calls":
         assert all("city" in json.loads(arguments) for _, arguments in streamed), streamed
+    # the SDK's own structured tool calls: a pydantic model as the tool, its arguments parsed back into one
+    parsed = client.chat.completions.parse(
+        model=MODEL, messages=WEATHER_ASK, max_tokens=60, temperature=0,
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice={"type": "function", "function": {"name": "GetWeather"}})
+    weather = parsed.choices[0].message.tool_calls[0].function.parsed_arguments
+    assert isinstance(weather, GetWeather) and weather.city, weather
     response = client.responses.create(model=MODEL, input="What is the weather like in Paris?", max_output_tokens=60,
                                        temperature=0, tool_choice="required", tools=[
                                            {"type": "function", **WEATHER["function"]}])
