@@ -135,6 +135,7 @@ class ModelConfig:
     block_size: int = 16                 # tokens per KV block, as the workers hash them
     session_ttl_s: float = 600.0         # how long an x-session-affinity assignment lives
     mid_stream_failover: bool = True     # a stream whose upstream dies is continued on another endpoint
+    response_cache_ttl_s: float | None = None   # this model's response_cache.ttl_s (0: none); None: the global one
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,7 +367,17 @@ def _build_model(name: str, raw: Any, base_dir: Path) -> ModelConfig:
         tokenizer=base_dir / str(tokenizer) if tokenizer else None, policy=policy, block_size=block_size,
         session_ttl_s=typed_field(raw, "session_ttl_s", float, 600.0, where),
         mid_stream_failover=typed_field(raw, "mid_stream_failover", bool, True, where),
+        response_cache_ttl_s=_cache_ttl(raw, where),
     )
+
+
+def _cache_ttl(raw: Mapping[str, Any], where: str) -> float | None:
+    if raw.get("response_cache_ttl_s") is None:
+        return None
+    ttl_s = typed_field(raw, "response_cache_ttl_s", float, 0.0, where)
+    if ttl_s < 0:
+        raise ConfigError(f"{where}.response_cache_ttl_s: must be >= 0")
+    return ttl_s
 
 
 def _build_key(index: int, raw: Any) -> ApiKeyConfig:

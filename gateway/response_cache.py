@@ -1,11 +1,12 @@
 """The response cache: a whole (not streamed) answer served again to an identical request, without an upstream.
 
-Off unless `response_cache.ttl_s` is set. A request is identical when its route, model and body are, key order
-aside and the fields that do not change the answer left out (`stream`, `stream_options`, `user`, `metadata`,
-`store`); and, unless `shared_across_keys`, its API key (a hit answers faster, which would tell one tenant
-what another asked). Only what is deterministic is cached unless `cache_sampled`: `temperature: 0`, or a
-`seed`. Only 200s that are UTF-8 JSON and at most `max_entry_bytes` are kept, for `ttl_s`, in the state store
-(Redis, shared by every replica, or in-process, bounded by `max_memory_bytes`).
+Off unless `response_cache.ttl_s` (or a model's `response_cache_ttl_s`, which overrides it) is set. A request
+is identical when its route, model and body are, key order aside and the fields that do not change the answer
+left out (`stream`, `stream_options`, `user`, `metadata`, `store`); and, unless `shared_across_keys`, its API
+key (a hit answers faster, which would tell one tenant what another asked). Only what is deterministic is
+cached unless `cache_sampled`: `temperature: 0`, or a `seed`. Only 200s that are UTF-8 JSON and at most
+`max_entry_bytes` are kept, for the TTL, in the state store (Redis, shared by every replica, or in-process,
+bounded by `max_memory_bytes`).
 
 Per request, `x-switchyard-cache: skip` neither reads nor writes, `x-switchyard-cache: refresh` skips the read
 and writes the fresh answer, and `x-switchyard-cache-ttl: S` keeps it S seconds (0: not at all). The answer
@@ -20,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from gateway.config import ResponseCacheConfig
+from gateway.config import ModelConfig, ResponseCacheConfig
 from gateway.errors import BadRequest
 from gateway.state import StateStore
 
@@ -37,23 +38,23 @@ class ResponseCache:
         self._config = config
         self._store = store
 
-    @property
-    def enabled(self) -> bool:
-        return self._config.ttl_s > 0
+    def enabled_for(self, model: ModelConfig) -> bool:
+        """The model's answers are cached: its `response_cache_ttl_s`, else the global `ttl_s`, is set."""
+        return self._model_ttl_s(model) > 0
 
-    def plan(self, headers: Mapping[str, str], route: str, model: str, body: Mapping[str, Any],
+    def plan(self, headers: Mapping[str, str], route: str, model: ModelConfig, body: Mapping[str, Any],
              key_id: str | None) -> CachePlan:
         """What to do for this request: its key, whether to read, how long to keep its answer."""
         asked = headers.get(CACHE_HEADER, "").strip().lower()
         if asked not in ("", "skip", "refresh"):
             raise BadRequest(f"{CACHE_HEADER} must be 'skip' or 'refresh'", param=CACHE_HEADER)
-        ttl_s = self._ttl_s(headers.get(TTL_HEADER))
+        ttl_s = self._ttl_s(headers.get(TTL_HEADER), model)
         if asked == "skip" or ttl_s <= 0 or body.get("stream") is True or not self._deterministic(body):
             return CachePlan(None, False, 0.0)
         fields = {k: v for k, v in body.items() if k not in _IGNORED_FIELDS}
         scope = "" if self._config.shared_across_keys or key_id is None else key_id
         try:
-            canonical = orjson.dumps([route, model, scope, fields], option=orjson.OPT_SORT_KEYS)
+            canonical = orjson.dumps([route, model.name, scope, fields], option=orjson.OPT_SORT_KEYS)
         except TypeError:     # a body orjson cannot write back (it parsed it, so not expected): no caching
             return CachePlan(None, False, 0.0)
         return CachePlan(hashlib.sha256(canonical).hexdigest(), asked != "refresh", ttl_s)
@@ -75,11 +76,15 @@ class ResponseCache:
             return
         await self._store.put_response(plan.key, body, plan.ttl_s)
 
-    def _ttl_s(self, raw: str | None) -> float:
-        if not self.enabled:
+    def _model_ttl_s(self, model: ModelConfig) -> float:
+        return self._config.ttl_s if model.response_cache_ttl_s is None else model.response_cache_ttl_s
+
+    def _ttl_s(self, raw: str | None, model: ModelConfig) -> float:
+        default_s = self._model_ttl_s(model)
+        if default_s <= 0:
             return 0.0
         if raw is None:
-            return self._config.ttl_s
+            return default_s
         try:
             ttl_s = float(raw)
         except ValueError:

@@ -79,8 +79,8 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
         num_expected = num_seqs * services.estimator.estimate(model.name, max_tokens)
         key = caller_key(request)
         cache = services.response_cache
-        plan = cache.plan(request.headers, surface.value, model.name, body, key.key_id if key else None) \
-            if cache.enabled else None
+        plan = cache.plan(request.headers, surface.value, model, body, key.key_id if key else None) \
+            if cache.enabled_for(model) else None
         charge = await charge_rate_limit(services, key, prompt.num_tokens + num_expected)
         if plan is not None and (cached := await cache.read(plan)) is not None:
             return await _answer_from_cache(services, model.name, charge, cached)

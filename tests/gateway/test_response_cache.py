@@ -12,7 +12,7 @@ import orjson
 import pytest
 import redis
 
-from gateway.config import ResponseCacheConfig
+from gateway.config import ModelConfig, ResponseCacheConfig
 from gateway.errors import BadRequest
 from gateway.response_cache import CACHE_HEADER, TTL_HEADER, ResponseCache
 from gateway.state import MemoryStore
@@ -21,6 +21,7 @@ from tests.support.clock import ManualClock
 from tests.support.wait import await_until, wait_until
 
 CHAT = "/v1/chat/completions"
+M = ModelConfig(name="m", providers=("p",))
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 8}
 
 
@@ -30,7 +31,7 @@ def cache(**config: Any) -> ResponseCache:
 
 def key_of(c: ResponseCache, body: dict[str, Any], headers: dict[str, str] | None = None,
            key_id: str | None = "a") -> str | None:
-    return c.plan(headers or {}, CHAT, "m", body, key_id).key
+    return c.plan(headers or {}, CHAT, M, body, key_id).key
 
 
 def test_what_makes_two_requests_the_same() -> None:
@@ -42,8 +43,8 @@ def test_what_makes_two_requests_the_same() -> None:
     for changed in ({**BODY, "max_tokens": 9}, {**BODY, "messages": [{"role": "user", "content": "hi!"}]},
                     {**BODY, "seed": 1}, {**BODY, "tools": []}):
         assert key_of(c, changed) not in (None, base), changed
-    assert c.plan({}, "/v1/completions", "m", BODY, "a").key != base            # the route
-    assert c.plan({}, CHAT, "m2", BODY, "a").key != base                        # the model
+    assert c.plan({}, "/v1/completions", M, BODY, "a").key != base              # the route
+    assert c.plan({}, CHAT, ModelConfig("m2", ("p",)), BODY, "a").key != base   # the model
     assert key_of(c, BODY, key_id="b") != base                                   # the API key...
     shared = cache(shared_across_keys=True)
     assert key_of(shared, BODY, key_id="a") == key_of(shared, BODY, key_id="b")  # ...unless shared
@@ -58,17 +59,27 @@ def test_what_is_not_cached() -> None:
     assert key_of(cache(cache_sampled=True), {**BODY, "temperature": 0.7}) is not None
     assert key_of(c, BODY, {CACHE_HEADER: "skip"}) is None
     assert key_of(c, BODY, {TTL_HEADER: "0"}) is None
-    refresh = c.plan({CACHE_HEADER: "refresh"}, CHAT, "m", BODY, "a")
+    refresh = c.plan({CACHE_HEADER: "refresh"}, CHAT, M, BODY, "a")
     assert refresh.key == key_of(c, BODY) and not refresh.read
-    assert c.plan({TTL_HEADER: "5"}, CHAT, "m", BODY, "a").ttl_s == 5.0
+    assert c.plan({TTL_HEADER: "5"}, CHAT, M, BODY, "a").ttl_s == 5.0
     for headers in ({CACHE_HEADER: "always"}, {TTL_HEADER: "-1"}, {TTL_HEADER: "soon"}, {TTL_HEADER: "1e9"}):
         with pytest.raises(BadRequest):
-            c.plan(headers, CHAT, "m", BODY, "a")
+            c.plan(headers, CHAT, M, BODY, "a")
+
+
+def test_a_model_sets_its_own_ttl() -> None:
+    off = ResponseCache(ResponseCacheConfig(), MemoryStore())               # globally off...
+    on = ModelConfig("m", ("p",), response_cache_ttl_s=30.0)
+    assert not off.enabled_for(M) and off.enabled_for(on)                   # ...on for one model
+    assert off.plan({}, CHAT, on, BODY, "a").ttl_s == 30.0
+    c = cache()                                                             # globally on...
+    assert not c.enabled_for(ModelConfig("m", ("p",), response_cache_ttl_s=0.0))   # ...off for one model
+    assert c.plan({}, CHAT, ModelConfig("m", ("p",), response_cache_ttl_s=0.0), BODY, "a").key is None
 
 
 async def test_only_whole_utf8_answers_within_the_size_limit_are_kept() -> None:
     c = cache(max_entry_bytes=100)
-    plan = c.plan({}, CHAT, "m", BODY, "a")
+    plan = c.plan({}, CHAT, M, BODY, "a")
     for status, body in ((500, b"{}"), (200, b"x" * 101), (200, b"\xff\xfe"), (200, None)):
         await c.keep(plan, status, body)
         assert await c.read(plan) is None, (status, body)
