@@ -119,6 +119,7 @@ def _model(samples: Samples, model: str) -> dict[str, Any]:
         "num_session_moves": _sum(samples, "switchyard_session_moves_total", model=model),
         "num_retries": _sum(samples, "switchyard_retries_total", model=model),
         "num_stream_errors": _sum(samples, "switchyard_stream_errors_total", model=model),
+        "response_cache": _by_label(samples, "switchyard_response_cache_total", "result", model=model),
     }
 
 

@@ -54,6 +54,7 @@ def system(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                                "policy": {"name": "session_affinity"}}},
             "providers": {"local": {"kind": "openai", "endpoints": [worker_url],
                                     "offers_load": True, "offers_kv_events": True}},
+            "response_cache": {"ttl_s": 600},
         }
         gateway = GatewayProcess(config, workdir)
         try:
@@ -79,6 +80,11 @@ def _send_requests(gateway_url: str) -> None:
             reply = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=messages,
                                                    extra_headers=headers)
             assert reply.usage.completion_tokens > 0
+    # the first question again, whole: answered from the response cache once the first answer is kept
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "Question 0?"}]
+    wait_until(lambda: client.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=8, temperature=0, messages=first).headers.get("x-switchyard-cache") == "hit",
+        "a repeat answered from the response cache")
 
 
 def _idle(system: System) -> bool:
@@ -185,6 +191,8 @@ def test_gateway_page_shows_what_metrics_shows(system: System, tmp_path: Path) -
     assert _int(fields[f"model:{MODEL}:ttft_count"]) == _one(after, "switchyard_ttft_seconds_count", model=MODEL)
     streams = _one(after, "switchyard_itl_seconds_count", model=MODEL)
     assert _int(fields[f"model:{MODEL}:itl_count"]) == streams >= 1     # the streamed request above
+    assert _int(fields[f"model:{MODEL}:cache_hits"]) == _one(after, "switchyard_response_cache_total", model=MODEL,
+                                                             result="hit") >= 1
 
     circuits = after[("switchyard_circuit_state", ("endpoint",))]
     assert _int(fields["endpoints.count"]) == len(circuits) == 1
