@@ -15,7 +15,6 @@ says `x-switchyard-cache: hit`, `miss` or `bypass` (not cacheable: streamed, sam
 from __future__ import annotations
 
 import hashlib
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +24,6 @@ from gateway.config import ModelConfig, ResponseCacheConfig
 from gateway.errors import BadRequest
 from gateway.state import StateStore
 
-log = logging.getLogger(__name__)
 
 CACHE_HEADER = "x-switchyard-cache"          # request: skip | refresh; answer: hit | miss | bypass
 TTL_HEADER = "x-switchyard-cache-ttl"
