@@ -362,22 +362,16 @@ def _build_model(name: str, raw: Any, base_dir: Path) -> ModelConfig:
     block_size = typed_field(raw, "block_size", int, 16, where)
     if block_size <= 0:
         raise ConfigError(f"{where}.block_size: must be positive")
+    cache_ttl_s = typed_field(raw, "response_cache_ttl_s", float, None, where)
+    if cache_ttl_s is not None and cache_ttl_s < 0:
+        raise ConfigError(f"{where}.response_cache_ttl_s: must be >= 0")
     return ModelConfig(
         name=name, providers=tuple(str(p) for p in chain),
         tokenizer=base_dir / str(tokenizer) if tokenizer else None, policy=policy, block_size=block_size,
         session_ttl_s=typed_field(raw, "session_ttl_s", float, 600.0, where),
         mid_stream_failover=typed_field(raw, "mid_stream_failover", bool, True, where),
-        response_cache_ttl_s=_cache_ttl(raw, where),
+        response_cache_ttl_s=cache_ttl_s,
     )
-
-
-def _cache_ttl(raw: Mapping[str, Any], where: str) -> float | None:
-    if raw.get("response_cache_ttl_s") is None:
-        return None
-    ttl_s = typed_field(raw, "response_cache_ttl_s", float, 0.0, where)
-    if ttl_s < 0:
-        raise ConfigError(f"{where}.response_cache_ttl_s: must be >= 0")
-    return ttl_s
 
 
 def _build_key(index: int, raw: Any) -> ApiKeyConfig:

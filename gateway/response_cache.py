@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -23,7 +24,6 @@ import orjson
 from gateway.config import ModelConfig, ResponseCacheConfig
 from gateway.errors import BadRequest
 from gateway.state import StateStore
-
 
 CACHE_HEADER = "x-switchyard-cache"          # request: skip | refresh; answer: hit | miss | bypass
 TTL_HEADER = "x-switchyard-cache-ttl"
@@ -96,13 +96,11 @@ class ResponseCache:
         return self._config.cache_sampled or temperature == 0 or body.get("seed") is not None
 
 
+@dataclass(frozen=True, slots=True)
 class CachePlan:
-    __slots__ = ("key", "read", "ttl_s")
-
-    def __init__(self, key: str | None, read: bool, ttl_s: float) -> None:
-        self.key = key          # None: not cacheable (the answer says `bypass`)
-        self.read = read        # False: `refresh`: the answer is fetched and kept anyway
-        self.ttl_s = ttl_s
+    key: str | None     # None: not cacheable (the answer says `bypass`)
+    read: bool          # False: `refresh`: the answer is fetched and kept anyway
+    ttl_s: float
 
     @property
     def header(self) -> str:

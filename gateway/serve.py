@@ -107,8 +107,8 @@ def gateway_config(plan: ServePlan, model_dir: Path, pools: Mapping[str, list[st
         providers["local"] = {"kind": "openai", "endpoints": pools["both"],
                               "offers_load": True, "offers_kv_events": True, "offers_token_ids": True}
         chain.append("local")
-    for provider in providers.values():
-        if worker_key is not None:
+    if worker_key is not None:
+        for provider in providers.values():
             provider["api_key"] = worker_key
     config: dict[str, Any] = {
         "listen": {"host": plan.host, "port": plan.port},
