@@ -1,16 +1,18 @@
-"""The response cache: a whole (not streamed) answer served again to an identical request, without an upstream.
+"""The response cache: an answer served again to an identical request, without an upstream.
 
 Off unless `response_cache.ttl_s` (or a model's `response_cache_ttl_s`, which overrides it) is set. A request
 is identical when its route, model and body are, key order aside and the fields that do not change the answer
-left out (`stream`, `stream_options`, `user`, `metadata`, `store`); and, unless `shared_across_keys`, its API
-key (a hit answers faster, which would tell one tenant what another asked). Only what is deterministic is
-cached unless `cache_sampled`: `temperature: 0`, or a `seed`. Only 200s that are UTF-8 JSON and at most
-`max_entry_bytes` are kept, for the TTL, in the state store (Redis, shared by every replica, or in-process,
-bounded by `max_memory_bytes`).
+left out (`user`, `metadata`, `store`, and `stream_options` unless it streams); and, unless
+`shared_across_keys`, its API key (a hit answers faster, which would tell one tenant what another asked). A
+streamed request and a whole one are never the same: a stream is kept as the SSE bytes its client got (OpenAI's
+events, before another API surface re-encodes them) and replayed as one write. Only what is deterministic is
+cached unless `cache_sampled`: `temperature: 0`, or a `seed`. Only whole answers are kept: a 200 of UTF-8 JSON,
+or a stream that reached its `data: [DONE]` without an error event; at most `max_entry_bytes`, for the TTL, in
+the state store (Redis, shared by every replica, or in-process, bounded by `max_memory_bytes`).
 
 Per request, `x-switchyard-cache: skip` neither reads nor writes, `x-switchyard-cache: refresh` skips the read
 and writes the fresh answer, and `x-switchyard-cache-ttl: S` keeps it S seconds (0: not at all). The answer
-says `x-switchyard-cache: hit`, `miss` or `bypass` (not cacheable: streamed, sampled, skipped).
+says `x-switchyard-cache: hit`, `miss` or `bypass` (not cacheable: sampled, skipped).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from gateway.state import StateStore
 CACHE_HEADER = "x-switchyard-cache"          # request: skip | refresh; answer: hit | miss | bypass
 TTL_HEADER = "x-switchyard-cache-ttl"
 MAX_TTL_S = 7 * 24 * 3600.0
-_IGNORED_FIELDS = frozenset({"stream", "stream_options", "user", "metadata", "store"})
+_IGNORED_FIELDS = frozenset({"stream", "stream_options", "user", "metadata", "store"})   # (a stream: see plan)
 
 
 class ResponseCache:
@@ -47,9 +49,12 @@ class ResponseCache:
         if asked not in ("", "skip", "refresh"):
             raise BadRequest(f"{CACHE_HEADER} must be 'skip' or 'refresh'", param=CACHE_HEADER)
         ttl_s = self._ttl_s(headers.get(TTL_HEADER), model)
-        if asked == "skip" or ttl_s <= 0 or body.get("stream") is True or not self._deterministic(body):
+        if asked == "skip" or ttl_s <= 0 or not self._deterministic(body):
             return CachePlan(None, False, 0.0)
         fields = {k: v for k, v in body.items() if k not in _IGNORED_FIELDS}
+        if body.get("stream") is True:     # its events, and what stream_options adds to them
+            fields["stream"] = True
+            fields["stream_options"] = body.get("stream_options")
         scope = "" if self._config.shared_across_keys or key_id is None else key_id
         try:
             canonical = orjson.dumps([route, model.name, scope, fields], option=orjson.OPT_SORT_KEYS)
@@ -62,8 +67,12 @@ class ResponseCache:
             return None
         return await self._store.get_response(plan.key)
 
+    @property
+    def max_entry_bytes(self) -> int:
+        return self._config.max_entry_bytes
+
     async def keep(self, plan: CachePlan, status: int, body: Any) -> None:
-        """Keep a 200's UTF-8 JSON body within the size limit; anything else is not kept."""
+        """Keep a 200's UTF-8 body (JSON, or a whole stream's SSE) within the size limit; nothing else."""
         if plan.key is None or status != 200 or not isinstance(body, bytes):
             return
         if len(body) > self._config.max_entry_bytes:

@@ -163,6 +163,9 @@ class ClientStream:
         self.data_started = False
         self.ended = False               # the client has the stream's end (`data: [DONE]`): the answer is whole
         self.usage = StreamUsage()       # what has been relayed to the client, as the relay counts it
+        self.extra_headers: dict[str, str] | None = None   # sent with the response's head
+        self._recording: bytearray | None = None          # what `send` sent, while `record` asks for it
+        self._max_recorded = 0
         self._timer: asyncio.TimerHandle | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
         self.arm_keepalive()
@@ -193,9 +196,11 @@ class ClientStream:
 
     async def _ensure_prepared(self, status: int, content_type: str) -> None:
         if self.response is None:
-            response = self._new_response(status=status, headers={
-                "Content-Type": content_type, "Cache-Control": "no-cache",
-                REQUEST_ID_HEADER: request_id_var.get()})
+            headers = {"Content-Type": content_type, "Cache-Control": "no-cache",
+                       REQUEST_ID_HEADER: request_id_var.get()}
+            if self.extra_headers is not None:
+                headers.update(self.extra_headers)
+            response = self._new_response(status=status, headers=headers)
             await response.prepare(self._request)
             self.response = response
 
@@ -215,10 +220,11 @@ class ClientStream:
         transfer encoding and hands it to the transport in one call, without aiohttp's per-write coroutine
         and bookkeeping. Returns True when the client's socket buffer is full: then `await drain()`.
         Raises ConnectionError where `send` raises ClientGone. None when the response has a write of
-        its own (one that re-encodes the stream, e.g. /v1/messages), or once the answer ended: then the loop
-        awaits `send`."""
+        its own (one that re-encodes the stream, e.g. /v1/messages), once the answer ended, or while `record`
+        keeps what is sent: then the loop awaits `send`."""
         response = self.response
-        if self.reencodes or self.ended or not isinstance(response, (_SseResponse, LeanSse)):
+        if self.reencodes or self.ended or self._recording is not None \
+                or not isinstance(response, (_SseResponse, LeanSse)):
             return None
         return response.fast_writer()
 
@@ -232,6 +238,10 @@ class ClientStream:
         same write, where the response writes what it is given (not a re-encoding one): nothing follows it."""
         assert self.response is not None
         last = chunk.endswith(DONE_EVENT)
+        if self._recording is not None:
+            self._recording += chunk
+            if len(self._recording) > self._max_recorded:
+                self._recording = None
         try:
             if last and not self.reencodes:
                 await self.response.write_eof(chunk)
@@ -242,8 +252,18 @@ class ClientStream:
         if last:
             self.ended = True
 
+    def record(self, max_bytes: int) -> None:
+        """Keep the bytes `send` sends (not re-encoded), up to `max_bytes`, for `recorded`."""
+        self._recording, self._max_recorded = bytearray(), max_bytes
+
+    def recorded(self) -> bytes | None:
+        """The whole answer as sent, when `record` kept it all and it reached its `data: [DONE]` without an
+        error event; else None."""
+        return bytes(self._recording) if self._recording is not None and self.ended else None
+
     async def fail(self, event: bytes, mid_event: bool = False) -> None:
         """End the stream with an error event and [DONE] (after headers went out)."""
+        self._recording = None
         self.stop_keepalive()
         async with self._lock:
             self.data_started = True

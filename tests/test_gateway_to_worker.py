@@ -42,7 +42,8 @@ class E2E:
 @pytest.fixture(scope="module")
 def e2e(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
     """`smollm2` is served by the real worker alone; `smollm2-chain` by the worker, then by `fallback`, a fake
-    of a third-party OpenAI-compatible API (one that takes tools, as vLLM does). The worker asks for a key."""
+    of a third-party OpenAI-compatible API (one that takes tools, as vLLM does); `smollm2-cached` by the worker,
+    behind the response cache. The worker asks for a key."""
     workdir = tmp_path_factory.mktemp("e2e")
     fallback = FakeUpstream("fallback")
     with worker_process(["--model", "smollm2", "--served-model-name", "smollm2", "--max-num-seqs", "8"],
@@ -52,7 +53,9 @@ def e2e(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                          {"key_id": "ops", "key": ADMIN_KEY, "admin": True}],
             "models": {"smollm2": {"tokenizer": str(smollm2_dir), "providers": ["local"],
                                    "policy": {"name": "session_affinity"}},
-                       "smollm2-chain": {"tokenizer": str(smollm2_dir), "providers": ["local-chained", "fallback"]}},
+                       "smollm2-chain": {"tokenizer": str(smollm2_dir), "providers": ["local-chained", "fallback"]},
+                       "smollm2-cached": {"tokenizer": str(smollm2_dir), "providers": ["local-chained"],
+                                          "response_cache_ttl_s": 600}},
             "providers": {"local": {"kind": "openai", "endpoints": [worker_url], "api_key": WORKER_KEY,
                                     "offers_load": True, "offers_kv_events": True},
                           "local-chained": {"kind": "openai", "endpoints": [worker_url], "upstream_model": "smollm2",
@@ -218,3 +221,37 @@ def test_a_worker_with_a_key_answers_the_gateway_alone(e2e: E2E) -> None:
         worker = next(e for e in snapshot["endpoints"] if e["id"] == e2e.worker_url)
         return worker["num_prompt_tokens"] is not None and worker["num_indexed_blocks"] > 0
     wait_until(polled, "the gateway's pollers to read the worker's /load and /kv_events")
+
+
+def test_a_repeated_greedy_stream_is_replayed_without_the_worker(e2e: E2E, hf: Transformers) -> None:
+    """A `temperature: 0` stream the worker answered (as transformers does) is served again from the gateway's
+    response cache: the same bytes, and the worker counts no new request."""
+    messages = [{"role": "user", "content": QUESTIONS[1]}]
+    body = orjson.dumps({"model": "smollm2-cached", "messages": messages, "max_tokens": NEW_TOKENS,
+                         "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
+
+    def stream() -> tuple[bytes, str | None]:
+        request = urllib.request.Request(e2e.gateway_url + "/v1/chat/completions", data=body, headers={
+            "Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.read(), response.headers.get("x-switchyard-cache")
+
+    first, state = stream()
+    assert state == "miss" and first.endswith(b"data: [DONE]\n\n")
+    events = [orjson.loads(line[6:]) for line in first.split(b"\n\n") if line.startswith(b"data: {")]
+    text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+    hf.assert_matches(text, hf.answer(messages), "the stream the cache keeps")
+    assert events[-1]["usage"]["completion_tokens"] > 0
+    hit = wait_until(lambda: next((r for r in [stream()] if r[1] == "hit"), None), "the stream replayed")
+    assert hit[0] == first
+    served = _worker_chats(e2e.worker_url)
+    assert served >= 1      # the first stream's
+    assert stream() == (first, "hit") and _worker_chats(e2e.worker_url) == served
+
+
+def _worker_chats(worker_url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = _get(worker_url + "/metrics")[1].decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "switchyard_requests_total" and s.labels.get("route") == "/v1/chat/completions")

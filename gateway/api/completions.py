@@ -30,7 +30,7 @@ from gateway.request import Outcome, RoutedRequest, num_sequences
 from gateway.response_cache import CACHE_HEADER
 from gateway.services import SERVICES, Services
 from gateway.state import MemoryStore
-from gateway.streaming import ClientGone, SseResponseFactory, StreamUsage
+from gateway.streaming import ClientGone, ClientStream, SseResponseFactory, StreamUsage
 from gateway.tokenize import PromptTokens
 from gateway.tracing import request_id_var
 from policies.base import RequestFacts
@@ -82,11 +82,10 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
         plan = cache.plan(request.headers, surface.value, model, body, key.key_id if key else None) \
             if cache.enabled_for(model) else None
         charge = await charge_rate_limit(services, key, prompt.num_tokens + num_expected)
-        if plan is not None and (cached := await cache.read(plan)) is not None:
-            return await _answer_from_cache(services, model.name, charge, cached)
+        cached = await cache.read(plan) if plan is not None else None
         session_key = request.headers.get(SESSION_HEADER) or None
         session_id = f"{model.name}\x00{session_key}" if session_key else None
-        session_endpoint = await services.store.get_session(session_id) if session_id else None
+        session_endpoint = await services.store.get_session(session_id) if session_id and cached is None else None
         facts = RequestFacts(
             model=model.name, num_prompt_tokens=prompt.num_tokens, num_expected_output_tokens=num_expected,
             block_hashes=tuple(block_hashes(prompt.token_ids, model.block_size)) if prompt.token_ids else (),
@@ -94,34 +93,60 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
         routed = RoutedRequest(model, surface.value, body, raw, body.get("stream", False), facts,
                                request_id_var.get(), started_s, session_id)
         new_response = sse_response(routed) if sse_response is not None and routed.stream else None
-        outcome = await _dispatch(services, request, routed, charge, new_response)
-    if plan is not None and not routed.stream:
-        services.metrics.on_response_cache(model.name, plan.header)
-        outcome.response.headers[CACHE_HEADER] = plan.header
-        if plan.key is not None and isinstance(outcome.response, web.Response):
-            services.background.spawn(cache.keep(plan, outcome.response.status, outcome.response.body))
+        client = services.dispatcher.client_stream(request, new_response) if routed.stream else None
+        if cached is not None:
+            return await _answer_from_cache(services, routed, charge, cached, client)
+        if plan is not None:
+            services.metrics.on_response_cache(model.name, plan.header)
+            if client is not None:
+                client.extra_headers = {CACHE_HEADER: plan.header}
+                if plan.key is not None:
+                    client.record(cache.max_entry_bytes)
+        outcome = await _dispatch(services, routed, charge, client)
+    if plan is not None:
+        if client is None:
+            outcome.response.headers[CACHE_HEADER] = plan.header
+            if plan.key is not None and isinstance(outcome.response, web.Response):
+                services.background.spawn(cache.keep(plan, outcome.response.status, outcome.response.body))
+        elif (recorded := client.recorded()) is not None:     # a stream the plan asked to keep, whole
+            services.background.spawn(cache.keep(plan, 200, recorded))
     if outcome.endpoint_id is not None:
         services.estimator.observe(model.name, outcome.usage.num_output_tokens // num_seqs)
     return outcome
 
 
-async def _answer_from_cache(services: Services, model: str, charge: Charge | None, body: bytes) -> Outcome:
-    """A whole answer kept by the response cache: no upstream, no tokens charged (the request still counts)."""
+async def _answer_from_cache(services: Services, routed: RoutedRequest, charge: Charge | None, body: bytes,
+                             client: ClientStream | None) -> Outcome:
+    """An answer kept by the response cache: no upstream, no tokens charged (the request still counts). A
+    stream's events go to `client` in one write, re-encoded there for another API surface."""
     if charge is not None:
         await settle(services, charge, 0, StreamUsage())
+    model = routed.model.name
     services.metrics.on_response_cache(model, "hit")
-    services.metrics.on_request(model, 200)
-    response = web.Response(body=body, content_type="application/json", headers={CACHE_HEADER: "hit"})
+    if client is None:
+        services.metrics.on_request(model, 200)
+        return Outcome(web.Response(body=body, content_type="application/json", headers={CACHE_HEADER: "hit"}),
+                       None, StreamUsage())
+    client.extra_headers = {CACHE_HEADER: "hit"}
+    status = 499
+    try:
+        await client.send_first(body, "text/event-stream")
+        response = await client.finish()
+        status = 200
+    except ClientGone:      # nobody reads this response
+        response = client.response or web.Response(status=499)
+    finally:
+        services.metrics.on_request(model, status)
+        await client.close()
     return Outcome(response, None, StreamUsage())
 
 
-async def _dispatch(services: Services, request: web.Request, routed: RoutedRequest,
-                    charge: Charge | None, sse_response: SseResponseFactory | None) -> Outcome:
+async def _dispatch(services: Services, routed: RoutedRequest, charge: Charge | None,
+                    client: ClientStream | None) -> Outcome:
     """The dispatcher's outcome; on errors and cancellation too, the charge is settled to what was really
     used and the request is counted. A client that closed once it had the whole stream (the OpenAI SDK
     closes at `data: [DONE]`, often before the upstream's body has ended) was served: a 200; one that left
     before is a 499, charged for what was relayed to it."""
-    client = services.dispatcher.client_stream(request, sse_response) if routed.stream else None
     outcome = None
     status = 499  # the client went away
     try:

@@ -50,9 +50,17 @@ def test_what_makes_two_requests_the_same() -> None:
     assert key_of(shared, BODY, key_id="a") == key_of(shared, BODY, key_id="b")  # ...unless shared
 
 
+def test_a_stream_is_never_the_same_as_a_whole_answer() -> None:
+    c = cache()
+    whole, stream = key_of(c, BODY), key_of(c, {**BODY, "stream": True})
+    assert stream is not None and stream != whole
+    assert key_of(c, {**BODY, "stream_options": {"include_usage": True}}) == whole   # meaningless unstreamed
+    with_usage = key_of(c, {**BODY, "stream": True, "stream_options": {"include_usage": True}})
+    assert with_usage not in (None, stream, whole)                               # its events differ
+
+
 def test_what_is_not_cached() -> None:
     c = cache()
-    assert key_of(c, {**BODY, "stream": True}) is None
     assert key_of(c, {**BODY, "temperature": 0.7}) is None                        # sampled
     assert key_of(c, {k: v for k, v in BODY.items() if k != "temperature"}) is None   # OpenAI's default: 1
     assert key_of(c, {**BODY, "temperature": 0.7, "seed": 3}) is not None          # seeded: repeatable
@@ -136,7 +144,7 @@ async def test_two_replicas_share_answers_through_redis(start_fakes, start_gatew
         assert reached() == before + 1
         streamed = {**BODY, "stream": True}
         async with client.post(replica1.url + CHAT, json=streamed, headers={"Authorization": "Bearer sk-a"}) as r:
-            assert r.status == 200 and CACHE_HEADER not in r.headers
+            assert r.status == 200 and r.headers[CACHE_HEADER] == "miss"
             await r.read()
         assert reached() == before + 2
         for headers, body in (({CACHE_HEADER: "skip"}, BODY), ({}, {**BODY, "temperature": 0.5})):
@@ -198,3 +206,69 @@ def texts(answer: dict[str, Any]) -> list[str]:
         return [block["text"] for block in answer["content"]]
     assert answer["object"] == "response", answer
     return [part["text"] for item in answer["output"] for part in item["content"]]
+
+
+def test_a_whole_stream_is_replayed_and_a_broken_or_large_one_is_not_kept(start_fakes, start_gateway) -> None:
+    """A stream's SSE bytes as its client got them, replayed byte for byte without the upstream. A stream cut
+    short (an error event) or larger than `max_entry_bytes` is asked upstream again. The in-process store never
+    suspends, so once a later answer is served from the cache, every earlier one that was kept is there too."""
+    (fake,) = start_fakes("e0")
+    gateway = start_gateway(gateway_config({"p": [fake.url]}, response_cache={"ttl_s": 60, "max_entry_bytes": 2048}))
+    good = {**BODY, "stream": True}
+    broken = {**good, "fake": {"fault": "end_early", "at": 2}}
+    large = {**good, "fake": {"chunks": 40}}          # about 5 kB of events
+
+    def stream(body: dict[str, Any]) -> tuple[bytes, str | None]:
+        request = urllib.request.Request(gateway.url + CHAT, data=orjson.dumps(body),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.headers["Content-Type"].startswith("text/event-stream")
+            return response.read(), response.headers.get(CACHE_HEADER)
+
+    cut, state = stream(broken)
+    assert state == "miss" and b'"error"' in cut and cut.endswith(b"data: [DONE]\n\n")
+    big, state = stream(large)
+    assert state == "miss" and len(big) > 2048 and big.endswith(b"data: [DONE]\n\n")
+    first, state = stream(good)
+    assert state == "miss" and streamed_words(first) == "tok0 tok1 tok2 "
+    hit = wait_until(lambda: next((r for r in [stream(good)] if r[1] == "hit"), None), "a stream replayed")
+    assert hit[0] == first                      # byte for byte: its ids, its usage, its [DONE]
+    reached = fake.stats()["num_requests"]
+    assert stream(good)[1] == "hit" and fake.stats()["num_requests"] == reached
+    assert stream({**good, "stream_options": {"include_usage": True}})[1] == "miss"
+    assert stream(broken)[1] == "miss" and stream(large)[1] == "miss"
+    assert fake.stats()["num_requests"] >= reached + 3
+
+
+def test_a_stream_on_another_surface_is_replayed_in_its_events(start_fakes, start_gateway) -> None:
+    """/v1/messages keeps the chat stream it became (OpenAI's events) and re-encodes it again on a hit."""
+    (fake,) = start_fakes("e0")
+    gateway = start_gateway(gateway_config({"p": [fake.url]}, response_cache={"ttl_s": 60}))
+    body = {"model": "m", "max_tokens": 8, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]}
+
+    def stream() -> tuple[list[dict[str, Any]], str | None]:
+        request = urllib.request.Request(gateway.url + "/v1/messages", data=orjson.dumps(body),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return sse_data(response.read()), response.headers.get(CACHE_HEADER)
+
+    first, state = stream()
+    assert state == "miss"
+    hit, _ = wait_until(lambda: next((r for r in [stream()] if r[1] == "hit"), None), "a hit on /v1/messages")
+    assert [e["type"] for e in hit] == [e["type"] for e in first]
+    assert anthropic_text(hit) == anthropic_text(first) == "tok0 tok1 tok2 "
+    assert hit[-1]["type"] == "message_stop"
+
+
+def sse_data(raw: bytes) -> list[dict[str, Any]]:
+    return [orjson.loads(line[5:]) for line in raw.split(b"\n") if line.startswith(b"data:") and
+            line.strip() != b"data: [DONE]"]
+
+
+def streamed_words(raw: bytes) -> str:
+    return "".join(c["delta"].get("content") or "" for e in sse_data(raw) for c in e.get("choices", ()))
+
+
+def anthropic_text(events: list[dict[str, Any]]) -> str:
+    return "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
