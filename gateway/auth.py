@@ -26,6 +26,10 @@ class ApiKey:
     max_tokens_per_min: int | None = None    # prompt + completion tokens; None: unlimited
     admin: bool = False                    # may read any key's usage, and /metrics
     max_concurrent_requests: int | None = None  # generation requests in flight on one replica; None: unlimited
+    models: frozenset[str] | None = None   # the models this key may use; None: every one
+
+    def may_use(self, model: str) -> bool:
+        return self.models is None or model in self.models
 
     @property
     def limits(self) -> RateLimits:
@@ -91,7 +95,8 @@ def _api_key(entry: ApiKeyConfig) -> ApiKey:
         raise ValueError(f"api key {entry.key_id!r}: a sha256 digest is 64 hex digits")
     return ApiKey(key_id=entry.key_id, key_sha256=bytes.fromhex(digest_hex),
                   max_requests_per_min=entry.max_requests_per_min, max_tokens_per_min=entry.max_tokens_per_min,
-                  admin=entry.admin, max_concurrent_requests=entry.max_concurrent_requests)
+                  admin=entry.admin, max_concurrent_requests=entry.max_concurrent_requests,
+                  models=frozenset(entry.models) if entry.models is not None else None)
 
 
 def _bearer_token(authorization: str | None) -> str | None:

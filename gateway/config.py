@@ -6,7 +6,6 @@ The ONLY module of the gateway that reads files or the environment; everything e
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -15,6 +14,8 @@ from typing import Any
 
 import yaml
 
+from gateway.config_keys import ApiKeyConfig as ApiKeyConfig
+from gateway.config_keys import build_keys
 from gateway.config_yaml import ConfigError as ConfigError
 from gateway.config_yaml import (as_mapping, check_known, enum_value, expand_tree, quote_hint, simple_record,
                                  typed_field)
@@ -56,17 +57,6 @@ class ListenConfig:
     port: int = 8080           # TCP port (0: any free port)
     tls: TlsConfig | None = None  # serve HTTPS when set
     lean_http: bool = True     # generation requests through the lean server (gateway/lean_http.py); false: aiohttp's
-
-
-@dataclass(frozen=True, slots=True)
-class ApiKeyConfig:
-    key_id: str                          # stable name used for limits, usage and logs (never the secret)
-    key: str | None = None               # the plain secret (usually `${ENV}`); hashed at load by auth
-    key_sha256: str | None = None        # or its sha256 hex digest, so no secret sits in the file
-    max_requests_per_min: int | None = None  # None: unlimited
-    max_tokens_per_min: int | None = None    # prompt + completion tokens; None: unlimited
-    admin: bool = False                  # may read any key's usage at /v1/usage?key_id=..., and /metrics
-    max_concurrent_requests: int | None = None  # generation requests (streams included) in flight per replica
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,10 +221,7 @@ def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
         for provider in model.providers:
             if provider not in providers:
                 raise ConfigError(f"models.{model.name}.providers: unknown provider {provider!r}")
-    keys_raw = raw.get("api_keys") or []
-    if not isinstance(keys_raw, list):
-        raise ConfigError("api_keys: expected a list")
-    keys = tuple(_build_key(i, body) for i, body in enumerate(keys_raw))
+    keys = build_keys(raw.get("api_keys") or None, models)
     redis_url = typed_field(raw, "redis_url", str, None, "config") or None
     tracing_raw = dict(as_mapping(raw.get("tracing"), "tracing"))
     exporter = enum_value(TracingExporter, tracing_raw.pop("exporter", "none"), "tracing.exporter")
@@ -371,26 +358,4 @@ def _build_model(name: str, raw: Any, base_dir: Path) -> ModelConfig:
         session_ttl_s=typed_field(raw, "session_ttl_s", float, 600.0, where),
         mid_stream_failover=typed_field(raw, "mid_stream_failover", bool, True, where),
         response_cache_ttl_s=cache_ttl_s,
-    )
-
-
-def _build_key(index: int, raw: Any) -> ApiKeyConfig:
-    where = f"api_keys[{index}]"
-    raw = as_mapping(raw, where)
-    check_known(raw, set(ApiKeyConfig.__dataclass_fields__), where)
-    key, digest = raw.get("key") or None, raw.get("key_sha256") or None
-    if (key is None) == (digest is None):
-        raise ConfigError(f"{where}: exactly one of key and key_sha256 is required")
-    if digest is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", str(digest)):
-        raise ConfigError(f"{where}.key_sha256: expected 64 hex digits")
-    key_id = raw.get("key_id")
-    if not isinstance(key_id, str) or not key_id:
-        raise ConfigError(f"{where}.key_id: required")
-    return ApiKeyConfig(
-        key_id=key_id, key=str(key) if key is not None else None,
-        key_sha256=str(digest).lower() if digest is not None else None,
-        max_requests_per_min=typed_field(raw, "max_requests_per_min", int, None, where),
-        max_tokens_per_min=typed_field(raw, "max_tokens_per_min", int, None, where),
-        admin=typed_field(raw, "admin", bool, False, where),
-        max_concurrent_requests=typed_field(raw, "max_concurrent_requests", int, None, where),
     )

@@ -24,7 +24,8 @@ from cache.block_hash import block_hashes
 from gateway.access import caller_key
 from gateway.auth import ApiKey
 from gateway.config import LimitsConfig, ModelConfig
-from gateway.errors import BadRequest, GatewayError, NotFound, RateLimited, RequestTimeout
+from gateway.errors import BadRequest, GatewayError, RateLimited, RequestTimeout
+from gateway.api.models import model_for
 from gateway.lean_http import LeanRequest
 from gateway.request import Outcome, RoutedRequest, num_sequences
 from gateway.response_cache import CACHE_HEADER
@@ -66,9 +67,7 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
     """Count, admit, route and dispatch a validated body (`raw`: its bytes as forwarded upstream). Another
     API surface translated into this one passes `sse_response` to re-encode a streamed answer."""
     services = request.app[SERVICES]
-    model = services.config.models.get(body["model"])
-    if model is None:
-        raise NotFound(f"The model {body['model']!r} does not exist", param="model", code="model_not_found")
+    model = model_for(request, body["model"])
     with services.tracing.span("request") as span:
         if span is not None:
             span.set_attribute("switchyard.model", model.name)

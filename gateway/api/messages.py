@@ -17,8 +17,9 @@ from aiohttp import web
 from gateway.anthropic import inbound
 from gateway.anthropic.inbound import MessageEvents, MessageHeader
 from gateway.api.completions import Surface, check_body, decode_json, read_body, serve
+from gateway.api.models import model_for
 from gateway.api.reencoded import reencoded_response_class
-from gateway.errors import GatewayError, NotFound
+from gateway.errors import GatewayError
 from gateway.request import RoutedRequest
 from gateway.response_cache import CACHE_HEADER
 from gateway.services import SERVICES
@@ -54,8 +55,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         body = {**body, "max_tokens": 1}    # counting takes no max_tokens; the translation needs one
     chat = inbound.to_chat_body(body)
     check_body(chat, Surface.CHAT, services.config.limits)
-    if chat["model"] not in services.config.models:
-        raise NotFound(f"The model {chat['model']!r} does not exist", param="model", code="model_not_found")
+    model_for(request, chat["model"])
     counted = services.counter.count_chat(chat["model"], chat["messages"], chat.get("continue_final_message") is True,
                                           chat.get("tools"))
     return web.Response(body=orjson.dumps({"input_tokens": counted.num_tokens}), content_type="application/json")

@@ -1,5 +1,5 @@
 """GET /v1/models and GET /v1/models/{model}: the model names clients may send (the configured aliases, not
-upstream names)."""
+upstream names), those the caller's key may use; and `model_for`, the one lookup of a requested model."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,21 +7,33 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.access import caller_key
+from gateway.config import ModelConfig
 from gateway.errors import NotFound
 from gateway.services import SERVICES
 
 
+def model_for(request: web.Request, name: Any) -> ModelConfig:
+    """The configured model `name` where the caller's key may use it; else 404 `model_not_found`, one answer
+    for a model that is not there and one the key may not use (as OpenAI answers both)."""
+    model = request.app[SERVICES].config.models.get(name) if isinstance(name, str) else None
+    key = caller_key(request)
+    if model is None or (key is not None and not key.may_use(name)):
+        raise NotFound(f"The model {name!r} does not exist or you do not have access to it", param="model",
+                       code="model_not_found")
+    return model
+
+
 async def list_models(request: web.Request) -> web.Response:
     services = request.app[SERVICES]
-    data = [_model(name) for name in services.config.models]
+    key = caller_key(request)
+    data = [_model(name) for name in services.config.models if key is None or key.may_use(name)]
     return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
 
 
 async def get_model(request: web.Request) -> web.Response:
     """One model, as the OpenAI SDK's `models.retrieve` asks for it (a name may hold slashes)."""
-    name = request.match_info["model"]
-    if name not in request.app[SERVICES].config.models:
-        raise NotFound(f"The model {name!r} does not exist", param="model", code="model_not_found")
+    name = model_for(request, request.match_info["model"]).name
     return web.Response(body=orjson.dumps(_model(name)), content_type="application/json")
 
 

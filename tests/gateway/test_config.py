@@ -47,6 +47,9 @@ def test_minimal_config_has_defaults() -> None:
     (MINIMAL + "surprise: 1", "unknown field"),
     (MINIMAL + "api_keys: [{key_id: a}]", "exactly one of key"),
     (MINIMAL + "api_keys: [{key_id: a, key_sha256: abc}]", "64 hex"),
+    (MINIMAL + "api_keys: [{key_id: a, key: s, models: [nope]}]", r"api_keys\[0\]\.models: unknown model 'nope'"),
+    (MINIMAL + "api_keys: [{key_id: a, key: s, models: []}]", r"api_keys\[0\]\.models: expected a non-empty list"),
+    (MINIMAL + "api_keys: {a: 1}", "api_keys: expected a list"),
     (MINIMAL + "tracing: {exporter: jaeger}", "tracing.exporter"),
     (MINIMAL + "listen: {tls: {cert_file: c.pem}}", "key_file"),
     ("models: [", "invalid YAML"),
@@ -67,6 +70,7 @@ def test_the_documented_example_config_parses() -> None:
     assert config.api_keys[1].admin and config.listen.tls is not None
     assert config.limits.max_output_tokens == 32768 and not config.limits.metrics_public
     assert config.api_keys[0].max_concurrent_requests == 16 and config.drain_timeout_s == 30.0
+    assert config.api_keys[0].models == ("smollm2",) and config.api_keys[1].models is None
     from policies.registry import PolicyName, make_policy
     make_policy(PolicyName(config.models["smollm2"].policy.name), config.models["smollm2"].policy.options)
 

@@ -1,5 +1,5 @@
 """Security with keys configured, against a real gateway process: every route but the probes needs a
-key, /metrics an admin one; a key sees only its own usage; no secret reaches a log or a trace; the
+key, /metrics an admin one; a key sees only its own usage and uses only its models; no secret reaches a log or a trace; the
 limits that protect the process (header, body, messages, max_tokens, slow clients, streams per key);
 TLS 1.2 at least."""
 from __future__ import annotations
@@ -77,6 +77,41 @@ async def test_every_route_but_the_probes_needs_a_key(start_fakes, start_gateway
             assert response.status == 200   # x-api-key (as Anthropic's SDK sends keys) is a key too
         async with client.get(gateway.url + "/v1/models", headers={"x-api-key": WRONG_SECRET}) as response:
             assert response.status == 401
+
+
+async def test_a_key_uses_only_its_models(start_fakes, start_gateway) -> None:
+    """A key with `models` sees and reaches those alone, on every surface; another model is answered as one that
+    does not exist (404 model_not_found, the same words), and nothing reaches an upstream for it."""
+    (fake,) = start_fakes("a")
+    config = gateway_config({"p": [fake.url]}, api_keys=[{"key_id": "team-a", "key": SECRET_A, "models": ["m"]},
+                                                         {"key_id": "team-b", "key": SECRET_B}])
+    config["models"]["m2"] = {"providers": ["p"]}
+    gateway = start_gateway(config)
+    url = gateway.url
+    anthropic = {"model": "m2", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as client:
+        assert (await fetch(client, "POST", url + "/v1/chat/completions", SECRET_A, json=CHAT))[0] == 200
+        _, absent = await fetch(client, "POST", url + "/v1/chat/completions", SECRET_A, json={**CHAT, "model": "m3"})
+        for path, body in (("/v1/chat/completions", {**CHAT, "model": "m2"}),
+                           ("/v1/chat/completions", {**CHAT, "model": "m2", "stream": True}),
+                           ("/v1/completions", {"model": "m2", "prompt": "hi", "max_tokens": 4}),
+                           ("/v1/responses", {"model": "m2", "input": "hi"})):
+            status, refused = await fetch(client, "POST", url + path, SECRET_A, json=body)
+            assert_openai_error(refused, 404, status)
+            assert refused["error"]["code"] == absent["error"]["code"] == "model_not_found"
+            assert refused["error"]["message"] == absent["error"]["message"].replace("m3", "m2"), refused
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            status, refused = await fetch(client, "POST", url + path, SECRET_A, json=anthropic)
+            assert status == 404 and refused["error"]["type"] == "not_found_error", (path, refused)
+        status, refused = await fetch(client, "GET", url + "/v1/models/m2", SECRET_A)
+        assert_openai_error(refused, 404, status)
+        assert (await fetch(client, "GET", url + "/v1/models/m", SECRET_A))[0] == 200
+        for secret, listed in ((SECRET_A, ["m"]), (SECRET_B, ["m", "m2"])):
+            _, models = await fetch(client, "GET", url + "/v1/models", secret)
+            assert [m["id"] for m in models["data"]] == listed
+        assert (await fetch(client, "POST", url + "/v1/chat/completions", SECRET_B, json={**CHAT, "model": "m2"}))[0] \
+            == 200
+    assert fake.stats()["num_requests"] == 2
 
 
 async def test_metrics_can_be_made_public(start_fakes, start_gateway) -> None:
