@@ -21,7 +21,8 @@ API_KEY: web.RequestKey[ApiKey] = web.RequestKey("switchyard_api_key", ApiKey)
 PROBES = frozenset({"/health", "/ready"})
 STATUS_PAGE = "/status"
 ADMIN = frozenset({"/metrics", "/status.json"})   # what a scrape or the status page reads
-GENERATION = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
+GENERATION = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/messages",
+                        "/v1/responses"})   # what `max_concurrent_requests` counts: the routes sent upstream
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -21,6 +21,9 @@ from gateway.upstreams import Endpoint
 from policies.base import Policy, RequestFacts
 
 
+EMBEDDINGS_PATH = "/v1/embeddings"      # a prompt's vectors: no output tokens, never streamed
+
+
 def num_sequences(body: Mapping[str, Any]) -> int:
     """The sequences a request samples upstream: `n` choices of each prompt of a batch (a validated body)."""
     prompt = body.get("prompt")
@@ -32,7 +35,7 @@ def num_sequences(body: Mapping[str, Any]) -> int:
 # Built for every request: NamedTuples, immutable and cheaper to build than frozen dataclasses (policies/base.py).
 class RoutedRequest(NamedTuple):
     model: ModelConfig                  # the client's model, resolved from config
-    api_path: str                       # "/v1/chat/completions" or "/v1/completions"
+    api_path: str                       # "/v1/chat/completions", "/v1/completions" or "/v1/embeddings"
     body: Mapping[str, Any]             # the parsed client body
     raw: bytes                          # the client body as received (forwarded when unchanged)
     stream: bool                        # the client asked for SSE

@@ -6,9 +6,10 @@ left out (`user`, `metadata`, `store`, and `stream_options` unless it streams); 
 `shared_across_keys`, its API key (a hit answers faster, which would tell one tenant what another asked). A
 streamed request and a whole one are never the same: a stream is kept as the SSE bytes its client got (OpenAI's
 events, before another API surface re-encodes them) and replayed as one write. Only what is deterministic is
-cached unless `cache_sampled`: `temperature: 0`, or a `seed`. Only whole answers are kept: a 200 of UTF-8 JSON,
-or a stream that reached its `data: [DONE]` without an error event; at most `max_entry_bytes`, for the TTL, in
-the state store (Redis, shared by every replica, or in-process, bounded by `max_memory_bytes`).
+cached unless `cache_sampled`: `temperature: 0`, or a `seed`; embeddings always (nothing is sampled). Only whole
+answers are kept: a 200 of UTF-8 JSON, or a stream that reached its `data: [DONE]` without an error event; at
+most `max_entry_bytes`, for the TTL, in the state store (Redis, shared by every replica, or in-process, bounded
+by `max_memory_bytes`).
 
 Per request, `x-switchyard-cache: skip` neither reads nor writes, `x-switchyard-cache: refresh` skips the read
 and writes the fresh answer, and `x-switchyard-cache-ttl: S` keeps it S seconds (0: not at all). The answer
@@ -30,6 +31,7 @@ from gateway.state import StateStore
 CACHE_HEADER = "x-switchyard-cache"          # request: skip | refresh; answer: hit | miss | bypass
 TTL_HEADER = "x-switchyard-cache-ttl"
 MAX_TTL_S = 7 * 24 * 3600.0
+_REPEATABLE_ROUTES = frozenset({"/v1/embeddings"})
 _IGNORED_FIELDS = frozenset({"stream", "stream_options", "user", "metadata", "store"})   # (a stream: see plan)
 
 
@@ -49,7 +51,7 @@ class ResponseCache:
         if asked not in ("", "skip", "refresh"):
             raise BadRequest(f"{CACHE_HEADER} must be 'skip' or 'refresh'", param=CACHE_HEADER)
         ttl_s = self._ttl_s(headers.get(TTL_HEADER), model)
-        if asked == "skip" or ttl_s <= 0 or not self._deterministic(body):
+        if asked == "skip" or ttl_s <= 0 or not (route in _REPEATABLE_ROUTES or self._deterministic(body)):
             return CachePlan(None, False, 0.0)
         fields = {k: v for k, v in body.items() if k not in _IGNORED_FIELDS}
         if body.get("stream") is True:     # its events, and what stream_options adds to them

@@ -102,6 +102,8 @@ def apply_usage(target: StreamUsage, usage: dict[str, object]) -> None:
     completion, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
     if isinstance(completion, int):
         target.num_output_tokens, target.exact = completion, True
+    elif isinstance(prompt, int) and usage.get("total_tokens") == prompt:   # embeddings: a prompt, no output
+        target.num_output_tokens, target.exact = 0, True
     if isinstance(prompt, int):
         target.num_prompt_tokens = prompt
     details = usage.get("prompt_tokens_details")

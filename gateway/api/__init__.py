@@ -12,13 +12,15 @@ from gateway.api import completions, messages, models, openapi, ops, responses, 
 def lean_routes() -> Mapping[str, Callable[[Any], Awaitable[web.StreamResponse]]]:
     """The POST routes that gateway/lean_http.py serves itself (the same handlers as in `routes`)."""
     return {"/v1/chat/completions": completions.chat_completions, "/v1/completions": completions.completions,
-            messages.ROUTE: messages.create_message, responses.ROUTE: responses.create_response}
+            "/v1/embeddings": completions.embeddings, messages.ROUTE: messages.create_message,
+            responses.ROUTE: responses.create_response}
 
 
 def routes() -> list[web.RouteDef]:
     return [
         web.post("/v1/chat/completions", completions.chat_completions),
         web.post("/v1/completions", completions.completions),
+        web.post("/v1/embeddings", completions.embeddings),
         web.post(messages.ROUTE, messages.create_message),
         web.post(responses.ROUTE, responses.create_response),
         web.get("/v1/models", models.list_models),

@@ -1,5 +1,5 @@
-"""POST /v1/chat/completions and /v1/completions: parse, count the prompt, admit (the rate limit),
-route, relay; the rate-limit charge is settled on every way out. Who the caller is was settled by the
+"""POST /v1/chat/completions, /v1/completions and /v1/embeddings: parse, count the prompt, admit (the rate
+limit), route, relay; the rate-limit charge is settled on every way out. Who the caller is was settled by the
 access middleware.
 
 The rate limit is a step here, not a middleware: it charges the prompt's token count, which needs the
@@ -27,7 +27,7 @@ from gateway.config import LimitsConfig, ModelConfig
 from gateway.errors import BadRequest, GatewayError, RateLimited, RequestTimeout
 from gateway.api.models import model_for
 from gateway.lean_http import LeanRequest
-from gateway.request import Outcome, RoutedRequest, num_sequences
+from gateway.request import EMBEDDINGS_PATH, Outcome, RoutedRequest, num_sequences
 from gateway.response_cache import CACHE_HEADER
 from gateway.services import SERVICES, Services
 from gateway.state import MemoryStore
@@ -44,6 +44,7 @@ SESSION_HEADER = "x-session-affinity"
 class Surface(Enum):
     CHAT = "/v1/chat/completions"
     COMPLETIONS = "/v1/completions"
+    EMBEDDINGS = EMBEDDINGS_PATH
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -52,6 +53,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _handle(request, Surface.COMPLETIONS)
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await _handle(request, Surface.EMBEDDINGS)
 
 
 async def _handle(request: web.Request, surface: Surface) -> web.StreamResponse:
@@ -75,7 +80,8 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
         prompt = _count_prompt(services, model, body, surface)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         num_seqs = num_sequences(body)   # each samples its own output
-        num_expected = num_seqs * services.estimator.estimate(model.name, max_tokens)
+        generates = surface is not Surface.EMBEDDINGS
+        num_expected = num_seqs * services.estimator.estimate(model.name, max_tokens) if generates else 0
         key = caller_key(request)
         cache = services.response_cache
         plan = cache.plan(request.headers, surface.value, model, body, key.key_id if key else None) \
@@ -109,7 +115,7 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
                 services.background.spawn(cache.keep(plan, outcome.response.status, outcome.response.body))
         elif (recorded := client.recorded()) is not None:     # a stream the plan asked to keep, whole
             services.background.spawn(cache.keep(plan, 200, recorded))
-    if outcome.endpoint_id is not None:
+    if outcome.endpoint_id is not None and generates:
         services.estimator.observe(model.name, outcome.usage.num_output_tokens // num_seqs)
     return outcome
 
@@ -173,7 +179,7 @@ def _count_prompt(services: Services, model: ModelConfig, body: Mapping[str, Any
     if surface is Surface.CHAT:
         return services.counter.count_chat(model.name, body["messages"], body.get("continue_final_message") is True,
                                            body.get("tools"))
-    return services.counter.count_prompt(model.name, body["prompt"])
+    return services.counter.count_prompt(model.name, body["input" if surface is Surface.EMBEDDINGS else "prompt"])
 
 
 # --- admission: the rate limit -------------------------------------------------------------------
@@ -261,8 +267,12 @@ def check_body(body: Mapping[str, Any], surface: Surface, limits: LimitsConfig) 
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
     if surface is Surface.CHAT:
         _check_messages(body.get("messages"), limits.max_messages)
+    elif surface is Surface.COMPLETIONS:
+        _check_prompt(body.get("prompt"), "prompt")
     else:
-        _check_prompt(body.get("prompt"))
+        _check_prompt(body.get("input"), "input")
+        if "stream" in body:
+            raise BadRequest("'stream' is not a field of an embeddings request", param="stream")
     for name in body:   # in the body's order: the first bad field is the one reported
         kind = _CHECKED.get(name)
         if kind is None:
@@ -322,7 +332,7 @@ def _check_messages(messages: Any, max_messages: int) -> None:
 MAX_TOKEN_ID = 2**32 - 1  # block hashes pack ids as uint32 (cache/block_hash.py); no vocabulary comes near
 
 
-def _check_prompt(prompt: Any) -> None:
+def _check_prompt(prompt: Any, name: str) -> None:
     if isinstance(prompt, str) and prompt:
         return
     if isinstance(prompt, list) and prompt and (
@@ -330,8 +340,8 @@ def _check_prompt(prompt: Any) -> None:
             or all(_is_token_id(p) for p in prompt)
             or all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt)):
         return
-    raise BadRequest("'prompt' is required: a non-empty string, array of strings or array of token ids "
-                     f"(integers in [0, {MAX_TOKEN_ID}])", param="prompt")
+    raise BadRequest(f"'{name}' is required: a non-empty string, array of strings or array of token ids "
+                     f"(integers in [0, {MAX_TOKEN_ID}])", param=name)
 
 
 def _is_token_id(value: Any) -> bool:

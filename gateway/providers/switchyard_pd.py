@@ -24,7 +24,7 @@ from gateway.providers.pd_answer import (PrefillResult, cached_tokens, chunk_bas
                                            sse_chunk, stream_usage, usage_body)
 from gateway.providers.pd_pairs import PdPairs
 from gateway.providers.openai import openai_wire
-from gateway.request import Leg, LegKind, Outcome, Progress, ProviderExhausted, Wire, num_sequences
+from gateway.request import EMBEDDINGS_PATH, Leg, LegKind, Outcome, Progress, ProviderExhausted, Wire, num_sequences
 from gateway.streaming import DONE_EVENT, ClientGone, StreamUsage, error_event
 from gateway.upstreams import Endpoint
 from policies.base import Decision
@@ -91,7 +91,8 @@ class _PdRun:
         body = progress.request.body
         if progress.num_failures:
             legs.metrics.on_retry(progress.request.facts.model)
-        if progress.so_far is not None or num_sequences(body) != 1 or _forces_tool_calls(body):
+        if progress.so_far is not None or num_sequences(body) != 1 or _forces_tool_calls(body) \
+                or progress.request.api_path == EMBEDDINGS_PATH:
             return await self._whole_on_decode()
         decode_pool = legs.pool(self._config.name, Pool.MAIN)
         held = self._held
@@ -140,7 +141,8 @@ class _PdRun:
         """One leg on a decode worker, which computes the KV itself (a decode worker serves whole requests too):
         a stream broken mid-way (here or elsewhere) goes on from the output so far (`progress.so_far`); a request
         whose held KV other weights computed starts there afresh; n > 1 or a batch of prompts (a prefill leg
-        samples one sequence); a forced tool call (the worker answers its text as calls, whole)."""
+        samples one sequence); a forced tool call (the worker answers its text as calls, whole); embeddings (a
+        prompt's vectors, with nothing to decode)."""
         progress, legs, request = self._progress, self._legs, self._progress.request
         built = leg_body(self._config, request.body, request.raw, can_fail_over=progress.can_fail_over,
                          so_far=progress.so_far)

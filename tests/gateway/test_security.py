@@ -270,9 +270,11 @@ async def test_concurrent_requests_per_key(start_fakes, start_gateway) -> None:
 
         streams = [asyncio.create_task(stream(SECRET_A)) for _ in range(2)]
         await await_until(lambda: fake.stats()["num_requests"] == 2, "two streams of team-a upstream")
-        status, body = await fetch(client, "POST", url, SECRET_A, json=CHAT)
-        assert_openai_error(body, 429, status)
-        assert body["error"]["code"] == "concurrency_limit_exceeded"
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/responses", {"model": "m", "input": "hi"}),
+                           ("/v1/embeddings", {"model": "m", "input": "hi"})):   # every route sent upstream
+            status, body = await fetch(client, "POST", gateway.url + path, SECRET_A, json=body)
+            assert_openai_error(body, 429, status)
+            assert body["error"]["code"] == "concurrency_limit_exceeded", path
         assert (await fetch(client, "POST", url, SECRET_B, json=CHAT))[0] == 200  # other keys unaffected
         release.set()
         assert await asyncio.gather(*streams) == [200, 200]

@@ -19,16 +19,7 @@ from tests.support.fake_upstream_state import FakeState, chunk_event, full_answe
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    state: FakeState = request.app["state"]
-    raw = await request.read()
-    body = orjson.loads(raw)
-    state.num_requests += 1
-    state.request_ids.append(request.headers.get("x-request-id", ""))
-    model = body.get("model", "")
-    state.models.append(model)
-    state.last_headers = dict(request.headers)
-    state.last_body = body
-    state.arrivals.append(time.time())
+    state, body = await _received(request)
     if state.role == "prefill" or (state.role == "decode" and "kv_transfer_params" in body):
         return await pd_leg(request, state, body)    # else a decode worker serves a whole request, as ours do
     behaviour = body.get("fake") or (orjson.loads(request.headers["x-fake"]) if "x-fake" in request.headers
@@ -37,6 +28,36 @@ async def completions(request: web.Request) -> web.StreamResponse:
         fast = state.fast_bodies[request.path.endswith("chat/completions")]
         return web.Response(body=fast, content_type="application/json")
     return await _scripted(request, state, body, behaviour or {})
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """One vector per input, `[index, words or token ids in it]`; usage counts those as prompt tokens. A
+    behaviour's `status` answers that error instead."""
+    state, body = await _received(request)
+    status = (body.get("fake") or state.behaviour).get("status", 200)
+    if status != 200:
+        error = {"error": {"message": f"fake {status} from {state.name}", "type": "fake", "param": None,
+                           "code": str(status)}}
+        return web.Response(status=status, body=orjson.dumps(error), content_type="application/json")
+    given = body["input"]
+    inputs = given if isinstance(given, list) and not all(isinstance(t, int) for t in given) else [given]
+    sizes = [len(x) if isinstance(x, list) else len(x.split()) for x in inputs]
+    data = [{"object": "embedding", "index": i, "embedding": [float(i), float(n)]} for i, n in enumerate(sizes)]
+    return web.json_response({"object": "list", "data": data, "model": body.get("model", ""), "served_by": state.name,
+                              "usage": {"prompt_tokens": sum(sizes), "total_tokens": sum(sizes)}})
+
+
+async def _received(request: web.Request) -> tuple[FakeState, dict[str, Any]]:
+    """The request's body, counted and remembered for /stats."""
+    state: FakeState = request.app["state"]
+    body = orjson.loads(await request.read())
+    state.num_requests += 1
+    state.request_ids.append(request.headers.get("x-request-id", ""))
+    state.models.append(body.get("model", ""))
+    state.last_headers = dict(request.headers)
+    state.last_body = body
+    state.arrivals.append(time.time())
+    return state, body
 
 
 async def _scripted(request: web.Request, state: FakeState, body: dict[str, Any],
@@ -171,6 +192,7 @@ def make_app(state: FakeState) -> web.Application:
     state.fast_bodies = {chat: full_answer(state, "fake", 3, chat, True) for chat in (True, False)}
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/health", health)
     app.router.add_get("/load", load)
     app.router.add_get("/kv_events", kv_events)
