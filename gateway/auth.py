@@ -16,6 +16,7 @@ from gateway.state.base import RateLimits
 # A digest may also be given in the plain `key` field as "sha256:<64 hex digits>".
 _DIGEST_PREFIX = "sha256:"
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
+DAY_S = 24 * 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,7 @@ class ApiKey:
     admin: bool = False                    # may read any key's usage, and /metrics
     max_concurrent_requests: int | None = None  # generation requests in flight on one replica; None: unlimited
     models: frozenset[str] | None = None   # the models this key may use; None: every one
+    max_tokens_per_day: int | None = None  # prompt + completion tokens over a rolling day; None: no quota
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -34,6 +36,10 @@ class ApiKey:
     @property
     def limits(self) -> RateLimits:
         return RateLimits(self.max_requests_per_min, self.max_tokens_per_min, window_s=60.0)
+
+    @property
+    def daily_limits(self) -> RateLimits | None:
+        return None if self.max_tokens_per_day is None else RateLimits(None, self.max_tokens_per_day, DAY_S)
 
 
 class Authenticator:
@@ -96,7 +102,8 @@ def _api_key(entry: ApiKeyConfig) -> ApiKey:
     return ApiKey(key_id=entry.key_id, key_sha256=bytes.fromhex(digest_hex),
                   max_requests_per_min=entry.max_requests_per_min, max_tokens_per_min=entry.max_tokens_per_min,
                   admin=entry.admin, max_concurrent_requests=entry.max_concurrent_requests,
-                  models=frozenset(entry.models) if entry.models is not None else None)
+                  models=frozenset(entry.models) if entry.models is not None else None,
+                  max_tokens_per_day=entry.max_tokens_per_day)
 
 
 def _bearer_token(authorization: str | None) -> str | None:

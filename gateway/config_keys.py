@@ -19,6 +19,7 @@ class ApiKeyConfig:
     key_sha256: str | None = None        # or its sha256 hex digest, so no secret sits in the file
     max_requests_per_min: int | None = None  # None: unlimited
     max_tokens_per_min: int | None = None    # prompt + completion tokens; None: unlimited
+    max_tokens_per_day: int | None = None    # a quota over a rolling day; None: none
     admin: bool = False                  # may read any key's usage at /v1/usage?key_id=..., and /metrics
     max_concurrent_requests: int | None = None  # generation requests (streams included) in flight per replica
     models: tuple[str, ...] | None = None    # the models this key may use; None: every configured model
@@ -46,12 +47,21 @@ def _build_key(where: str, raw: Any, model_names: Collection[str]) -> ApiKeyConf
     return ApiKeyConfig(
         key_id=key_id, key=str(key) if key is not None else None,
         key_sha256=str(digest).lower() if digest is not None else None,
-        max_requests_per_min=typed_field(raw, "max_requests_per_min", int, None, where),
-        max_tokens_per_min=typed_field(raw, "max_tokens_per_min", int, None, where),
+        max_requests_per_min=_limit(raw, "max_requests_per_min", where),
+        max_tokens_per_min=_limit(raw, "max_tokens_per_min", where),
+        max_tokens_per_day=_limit(raw, "max_tokens_per_day", where),
         admin=typed_field(raw, "admin", bool, False, where),
-        max_concurrent_requests=typed_field(raw, "max_concurrent_requests", int, None, where),
+        max_concurrent_requests=_limit(raw, "max_concurrent_requests", where),
         models=_models(raw.get("models"), f"{where}.models", model_names),
     )
+
+
+def _limit(raw: Any, name: str, where: str) -> int | None:
+    """A limit: absent (None, no limit) or a positive integer; 0 would refuse every request."""
+    value: int | None = typed_field(raw, name, int, None, where)
+    if value is not None and value < 1:
+        raise ConfigError(f"{where}.{name}: must be at least 1 (leave it out for no limit)")
+    return value
 
 
 def _models(raw: Any, where: str, model_names: Collection[str]) -> tuple[str, ...] | None:

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -22,15 +20,14 @@ from aiohttp import web
 
 from cache.block_hash import block_hashes
 from gateway.access import caller_key
-from gateway.auth import ApiKey
+from gateway.admission import Charge, charge_rate_limit, settle
 from gateway.config import LimitsConfig, ModelConfig
-from gateway.errors import BadRequest, GatewayError, RateLimited, RequestTimeout
+from gateway.errors import BadRequest, GatewayError, RequestTimeout
 from gateway.api.models import model_for
 from gateway.lean_http import LeanRequest
 from gateway.request import EMBEDDINGS_PATH, Outcome, RoutedRequest, num_sequences
 from gateway.response_cache import CACHE_HEADER
 from gateway.services import SERVICES, Services
-from gateway.state import MemoryStore
 from gateway.streaming import ClientGone, ClientStream, SseResponseFactory, StreamUsage
 from gateway.tokenize import PromptTokens
 from gateway.tracing import request_id_var
@@ -180,53 +177,6 @@ def _count_prompt(services: Services, model: ModelConfig, body: Mapping[str, Any
         return services.counter.count_chat(model.name, body["messages"], body.get("continue_final_message") is True,
                                            body.get("tools"))
     return services.counter.count_prompt(model.name, body["input" if surface is Surface.EMBEDDINGS else "prompt"])
-
-
-# --- admission: the rate limit -------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Charge:
-    key: ApiKey                          # the caller's key (its limits and usage)
-    num_tokens: int                      # tokens charged up front (0: the key has no token limit to charge)
-
-
-async def charge_rate_limit(services: Services, key: ApiKey | None, num_tokens: int) -> Charge | None:
-    """Charge one request and `num_tokens` (prompt + expected output); None: no key, nothing to settle."""
-    if key is None:
-        return None
-    limits = key.limits
-    if limits.unlimited:
-        return Charge(key, 0)
-    decision = await services.store.rate_limit(key.key_id, limits, num_tokens)
-    if not decision.allowed:
-        retry_after = max(1, math.ceil(decision.retry_after_s or 1.0))
-        raise RateLimited(f"Rate limit exceeded for key {key.key_id!r}; retry after {retry_after}s",
-                          headers={"Retry-After": str(retry_after)})
-    return Charge(key, num_tokens)
-
-
-async def settle(services: Services, charge: Charge, num_prompt_tokens: int, usage: StreamUsage) -> None:
-    """After the response (or the error, or the cancellation): correct the charge to what was really
-    used and record usage. In-process the store never suspends, so it runs inline (no task); with Redis
-    it runs in the background so the response does not wait for it."""
-    settling = _settle(services, charge, num_prompt_tokens, usage)
-    if not isinstance(services.store, MemoryStore):
-        services.background.spawn(settling)
-        return
-    try:
-        await settling
-    except Exception as exc:  # noqa: BLE001 - the response is already decided: settling must not change it
-        log.warning("settling the rate limit failed: %r", exc)
-
-
-async def _settle(services: Services, charge: Charge, num_prompt_tokens: int, usage: StreamUsage) -> None:
-    key_id = charge.key.key_id
-    num_prompt = usage.num_prompt_tokens if usage.num_prompt_tokens is not None else num_prompt_tokens
-    actual = num_prompt + usage.num_output_tokens if usage.num_output_tokens or usage.exact else 0
-    if charge.num_tokens and actual != charge.num_tokens:
-        await services.store.charge_tokens(key_id, actual - charge.num_tokens)
-    if usage.num_output_tokens or usage.exact:
-        await services.store.record_usage(key_id, num_prompt, usage.num_cached_tokens, usage.num_output_tokens)
 
 
 # --- validation ------------------------------------------------------------------------------------

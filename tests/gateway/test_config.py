@@ -71,6 +71,7 @@ def test_the_documented_example_config_parses() -> None:
     assert config.limits.max_output_tokens == 32768 and not config.limits.metrics_public
     assert config.api_keys[0].max_concurrent_requests == 16 and config.drain_timeout_s == 30.0
     assert config.api_keys[0].models == ("smollm2",) and config.api_keys[1].models is None
+    assert config.api_keys[0].max_tokens_per_day == 20000000
     from policies.registry import PolicyName, make_policy
     make_policy(PolicyName(config.models["smollm2"].policy.name), config.models["smollm2"].policy.options)
 
