@@ -37,6 +37,7 @@ from gateway.providers import make_provider
 from gateway.services import SERVICES, BackgroundTasks, Services
 from gateway.state import StateStore, make_store
 from gateway.tokenize import TokenCounter
+from gateway.access_log import AccessLog
 from gateway.tracing import RequestIds, Tracing
 from gateway.upstreams import UpstreamRegistry
 from policies.registry import PolicyName, make_policy
@@ -55,14 +56,22 @@ def create_app(config: GatewayConfig) -> web.Application:
     drain = Drain()
     anthropic_errors = {route: messages.error_response for route in (messages.ROUTE, messages.COUNT_TOKENS_ROUTE)}
     error_middleware = make_error_middleware(RequestIds(), anthropic_errors)
-    app = web.Application(middlewares=[error_middleware, drain.middleware(), access],
+    access_log = AccessLog(config.access_log) if config.access_log else None
+    app = web.Application(middlewares=[error_middleware, *([access_log.middleware()] if access_log else []),
+                                       drain.middleware(), access],
                           client_max_size=config.max_body_bytes)
+    if access_log is not None:
+        app.on_cleanup.append(lambda _: _close(access_log))
     app[CONFIG] = config
     app[DRAIN] = drain
     app.add_routes(api.routes())
     app.add_routes(status.routes())
     app.cleanup_ctx.append(_services_ctx)
     return app
+
+
+async def _close(access_log: AccessLog) -> None:
+    access_log.close()
 
 
 def _check_policies(config: GatewayConfig) -> None:

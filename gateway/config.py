@@ -190,6 +190,7 @@ class GatewayConfig:
     response_cache: ResponseCacheConfig = field(default_factory=ResponseCacheConfig)
     ready: ReadyRequirement = ReadyRequirement.EACH_MODEL
     log_level: str = "WARNING"
+    access_log: str | None = None        # a file each API request's JSON line is appended to; "-": stdout
 
 
 def load_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> GatewayConfig:
@@ -244,6 +245,7 @@ def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
                               service_name=tracing.service_name),
         ready=enum_value(ReadyRequirement, raw.get("ready", "each_model"), "ready"),
         log_level=str(raw.get("log_level", "WARNING")).upper(),
+        access_log=_access_log(typed_field(raw, "access_log", str, None, "config"), base_dir),
     )
 
 
@@ -359,3 +361,10 @@ def _build_model(name: str, raw: Any, base_dir: Path) -> ModelConfig:
         mid_stream_failover=typed_field(raw, "mid_stream_failover", bool, True, where),
         response_cache_ttl_s=cache_ttl_s,
     )
+
+
+def _access_log(target: str | None, base_dir: Path) -> str | None:
+    """None (no access log), "-" (standard output) or a path, relative ones under the config file's folder."""
+    if not target or target == "-":
+        return target or None
+    return str(base_dir / target)

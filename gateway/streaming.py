@@ -7,6 +7,7 @@ went away: `ClientGone` propagates so the dispatcher closes the upstream at once
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -163,6 +164,7 @@ class ClientStream:
         self._lock = asyncio.Lock()
         self.response: web.StreamResponse | None = None
         self.data_started = False
+        self.first_data_s: float | None = None   # perf_counter when the first data went out (the access log's)
         self.ended = False               # the client has the stream's end (`data: [DONE]`): the answer is whole
         self.usage = StreamUsage()       # what has been relayed to the client, as the relay counts it
         self.extra_headers: dict[str, str] | None = None   # sent with the response's head
@@ -211,6 +213,8 @@ class ClientStream:
         self.stop_keepalive()
         async with self._lock:
             self.data_started = True
+            if self.first_data_s is None:
+                self.first_data_s = time.perf_counter()
             try:
                 await self._ensure_prepared(200, content_type)
             except ConnectionError as exc:

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from cache.block_hash import block_hashes
 from gateway.access import caller_key
+from gateway.access_log import ACCESS_RECORD, AccessRecord
 from gateway.admission import Charge, charge_rate_limit, settle
 from gateway.config import LimitsConfig, ModelConfig
 from gateway.errors import BadRequest, GatewayError, RequestTimeout
@@ -96,6 +97,9 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
                                request_id_var.get(), started_s, session_id)
         new_response = sse_response(routed) if sse_response is not None and routed.stream else None
         client = services.dispatcher.client_stream(request, new_response) if routed.stream else None
+        if (record := request.get(ACCESS_RECORD)) is not None:
+            record.model, record.stream, record.counted_prompt_tokens = model.name, routed.stream, prompt.num_tokens
+            record.cache = None if plan is None else "hit" if cached is not None else plan.header
         if cached is not None:
             return await _answer_from_cache(services, routed, charge, cached, client)
         if plan is not None:
@@ -104,7 +108,7 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
                 client.extra_headers = {CACHE_HEADER: plan.header}
                 if plan.key is not None:
                     client.record(cache.max_entry_bytes)
-        outcome = await _dispatch(services, routed, charge, client)
+        outcome = await _dispatch(services, routed, charge, client, record)
     if plan is not None:
         if client is None:
             outcome.response.headers[CACHE_HEADER] = plan.header
@@ -144,11 +148,11 @@ async def _answer_from_cache(services: Services, routed: RoutedRequest, charge: 
 
 
 async def _dispatch(services: Services, routed: RoutedRequest, charge: Charge | None,
-                    client: ClientStream | None) -> Outcome:
+                    client: ClientStream | None, record: AccessRecord | None) -> Outcome:
     """The dispatcher's outcome; on errors and cancellation too, the charge is settled to what was really
     used and the request is counted. A client that closed once it had the whole stream (the OpenAI SDK
     closes at `data: [DONE]`, often before the upstream's body has ended) was served: a 200; one that left
-    before is a 499, charged for what was relayed to it."""
+    before is a 499, charged for what was relayed to it. The access log's `record` gets the same figures."""
     outcome = None
     status = 499  # the client went away
     try:
@@ -164,10 +168,13 @@ async def _dispatch(services: Services, routed: RoutedRequest, charge: Charge | 
     finally:
         if outcome is None and client is not None and client.ended:
             status = 200
+        usage = outcome.usage if outcome is not None else client.usage if client is not None else StreamUsage()
         if charge is not None:
-            usage = outcome.usage if outcome is not None else client.usage if client is not None else StreamUsage()
             await settle(services, charge, routed.facts.num_prompt_tokens, usage)
         services.metrics.on_request(routed.model.name, status)
+        if record is not None:
+            record.ended(status, outcome.endpoint_id if outcome is not None else None, usage,
+                         client.first_data_s if client is not None else None)
         if client is not None:
             await client.close()    # last: it re-raises a cancellation
 
