@@ -2,7 +2,8 @@
 routed, and the charge settled to what it really used once it ends, with its usage recorded.
 
 Each limit is a token bucket in the state store (gateway/state/bucket.py): the per-minute one under the key's
-id, the daily quota under `<key id>\\x00day`, refilling over 24 hours (a rolling day, not a calendar one).
+id, the daily quota under `<key id>\\x00day`, refilling over 24 hours (a rolling day, not a calendar one). The
+per-minute bucket's state after the charge goes back to the client in OpenAI's `x-ratelimit-*` headers.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from gateway.auth import ApiKey
 from gateway.errors import RateLimited
 from gateway.services import Services
 from gateway.state import MemoryStore
-from gateway.state.base import RateDecision
+from gateway.state.base import RateDecision, RateLimits
 from gateway.streaming import StreamUsage
 
 log = logging.getLogger(__name__)
@@ -24,12 +25,14 @@ DAILY_SUFFIX = "\x00day"
 class Charge:
     """What a request was charged: tokens (prompt + expected output) from each bucket named."""
 
-    __slots__ = ("buckets", "key", "num_tokens")
+    __slots__ = ("buckets", "headers", "key", "num_tokens")
 
-    def __init__(self, key: ApiKey, num_tokens: int, buckets: tuple[str, ...]) -> None:
+    def __init__(self, key: ApiKey, num_tokens: int, buckets: tuple[str, ...],
+                 headers: dict[str, str] | None = None) -> None:
         self.key = key                   # the caller's key (its usage)
         self.num_tokens = num_tokens     # charged up front to each of `buckets`
         self.buckets = buckets           # the state store's bucket ids charged (none: no limits)
+        self.headers = headers           # x-ratelimit-* for the answer (None: no per-minute limit)
 
 
 async def charge_rate_limit(services: Services, key: ApiKey | None, num_tokens: int) -> Charge | None:
@@ -56,9 +59,32 @@ async def charge_rate_limit(services: Services, key: ApiKey | None, num_tokens: 
                 await store.charge_tokens(buckets[0], -num_tokens)
             retry_after = _retry_after(decision)
             raise RateLimited(f"Rate limit exceeded for key {key.key_id!r}; retry after {retry_after}s",
-                              headers={"Retry-After": str(retry_after)})
+                              headers={"Retry-After": str(retry_after), **rate_limit_headers(limits, decision)})
         buckets.append(key.key_id)
+        return Charge(key, num_tokens, tuple(buckets), rate_limit_headers(limits, decision))
     return Charge(key, num_tokens, tuple(buckets))
+
+
+def rate_limit_headers(limits: RateLimits, decision: RateDecision) -> dict[str, str]:
+    """OpenAI's `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` for the limits a key has (a reset is a
+    duration until the bucket is full again: `"1s"`, `"6m0s"`, `"120ms"`)."""
+    headers = {}
+    for kind, limit, remaining, reset_s in (
+            ("requests", limits.max_requests_per_window, decision.remaining_requests, decision.reset_requests_s),
+            ("tokens", limits.max_tokens_per_window, decision.remaining_tokens, decision.reset_tokens_s)):
+        if limit is not None and remaining is not None and reset_s is not None:
+            headers[f"x-ratelimit-limit-{kind}"] = str(limit)
+            headers[f"x-ratelimit-remaining-{kind}"] = str(remaining)
+            headers[f"x-ratelimit-reset-{kind}"] = _duration(reset_s)
+    return headers
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{round(seconds * 1000)}ms"
+    minutes, rest = divmod(round(seconds, 3), 60)
+    rest_text = f"{rest:.3f}".rstrip("0").rstrip(".") + "s"
+    return f"{int(minutes)}m{rest_text}" if minutes else rest_text
 
 
 def _retry_after(decision: RateDecision) -> int:

@@ -97,22 +97,25 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
                                request_id_var.get(), started_s, session_id)
         new_response = sse_response(routed) if sse_response is not None and routed.stream else None
         client = services.dispatcher.client_stream(request, new_response) if routed.stream else None
+        cache_result = None if plan is None else "hit" if cached is not None else plan.header
         if (record := request.get(ACCESS_RECORD)) is not None:
             record.model, record.stream, record.counted_prompt_tokens = model.name, routed.stream, prompt.num_tokens
-            record.cache = None if plan is None else "hit" if cached is not None else plan.header
+            record.cache = cache_result
+        headers = _answer_headers(charge, cache_result)
+        if client is not None:
+            client.extra_headers = headers
         if cached is not None:
-            return await _answer_from_cache(services, routed, charge, cached, client)
+            return await _answer_from_cache(services, routed, charge, cached, client, headers)
         if plan is not None:
             services.metrics.on_response_cache(model.name, plan.header)
-            if client is not None:
-                client.extra_headers = {CACHE_HEADER: plan.header}
-                if plan.key is not None:
-                    client.record(cache.max_entry_bytes)
+            if client is not None and plan.key is not None:
+                client.record(cache.max_entry_bytes)
         outcome = await _dispatch(services, routed, charge, client, record)
-    if plan is not None:
+    if client is None and headers is not None:
+        outcome.response.headers.update(headers)
+    if plan is not None and plan.key is not None:
         if client is None:
-            outcome.response.headers[CACHE_HEADER] = plan.header
-            if plan.key is not None and isinstance(outcome.response, web.Response):
+            if isinstance(outcome.response, web.Response):
                 services.background.spawn(cache.keep(plan, outcome.response.status, outcome.response.body))
         elif (recorded := client.recorded()) is not None:     # a stream the plan asked to keep, whole
             services.background.spawn(cache.keep(plan, 200, recorded))
@@ -121,8 +124,16 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
     return outcome
 
 
+def _answer_headers(charge: Charge | None, cache_result: str | None) -> dict[str, str] | None:
+    """The answer's own headers: the key's x-ratelimit-* and the response cache's result (None: neither)."""
+    limits = charge.headers if charge is not None else None
+    if cache_result is None:
+        return limits
+    return {**limits, CACHE_HEADER: cache_result} if limits else {CACHE_HEADER: cache_result}
+
+
 async def _answer_from_cache(services: Services, routed: RoutedRequest, charge: Charge | None, body: bytes,
-                             client: ClientStream | None) -> Outcome:
+                             client: ClientStream | None, headers: dict[str, str] | None) -> Outcome:
     """An answer kept by the response cache: no upstream, no tokens charged (the request still counts). A
     stream's events go to `client` in one write, re-encoded there for another API surface."""
     if charge is not None:
@@ -131,9 +142,7 @@ async def _answer_from_cache(services: Services, routed: RoutedRequest, charge: 
     services.metrics.on_response_cache(model, "hit")
     if client is None:
         services.metrics.on_request(model, 200)
-        return Outcome(web.Response(body=body, content_type="application/json", headers={CACHE_HEADER: "hit"}),
-                       None, StreamUsage())
-    client.extra_headers = {CACHE_HEADER: "hit"}
+        return Outcome(web.Response(body=body, content_type="application/json", headers=headers), None, StreamUsage())
     status = 499
     try:
         await client.send_first(body, "text/event-stream")

@@ -46,9 +46,8 @@ def _translated(response: web.StreamResponse, header: ResponseHeader) -> web.Str
         body = openai_responses.to_response(orjson.loads(response.body), header)
     except orjson.JSONDecodeError:
         raise UpstreamsFailed("the upstream's answer is not JSON") from None
-    cache = response.headers.get(CACHE_HEADER)
-    return web.Response(body=orjson.dumps(body), content_type="application/json",
-                        headers={CACHE_HEADER: cache} if cache else None)
+    kept = {k: v for k, v in response.headers.items() if k == CACHE_HEADER or k.startswith("x-ratelimit-")}
+    return web.Response(body=orjson.dumps(body), content_type="application/json", headers=kept or None)
 
 
 def _sse_response(header: ResponseHeader, response_class: Callable[..., web.StreamResponse],

@@ -1,6 +1,6 @@
-"""A key's daily token quota (`max_tokens_per_day`, gateway/admission.py): a bucket refilled over a rolling day,
-asked before the per-minute limit and settled like it; in-process with a clock the test moves, and shared by two
-gateway replicas through a real Redis."""
+"""Admission (gateway/admission.py): a key's daily token quota (`max_tokens_per_day`), a bucket refilled over a
+rolling day, asked before the per-minute limit and settled like it (in-process with a clock the test moves, and
+shared by two gateway replicas through a real Redis); and the x-ratelimit-* headers of the per-minute limits."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -82,3 +82,37 @@ async def test_two_replicas_share_one_quota_through_redis(start_fakes, start_gat
     assert status == 429 and refusal["error"]["code"] == "insufficient_quota", answers
     assert 3 <= len(served) <= 6 and retry_after is not None and int(retry_after) > 3600
     assert fake.stats()["num_requests"] == len(served)
+
+
+async def test_answers_carry_openai_rate_limit_headers(start_fakes, start_gateway) -> None:
+    """x-ratelimit-{limit,remaining,reset}-{requests,tokens} after the charge, on whole answers, streams, the
+    Responses surface and the 429 itself; none for a key without per-minute limits."""
+    (fake,) = start_fakes("e0")
+    gateway = start_gateway(gateway_config({"p": [fake.url]}, api_keys=[
+        {"key_id": "k", "key": "sk-limited", "max_requests_per_min": 4, "max_tokens_per_min": 1000},
+        {"key_id": "free", "key": "sk-free"}]))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    asks = [("/v1/chat/completions", chat), ("/v1/chat/completions", {**chat, "stream": True}),
+            ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 3})]
+    async with aiohttp.ClientSession() as client:
+        seen = []
+        for path, body in asks:
+            async with client.post(gateway.url + path, json=body, headers={"Authorization": "Bearer sk-limited"}) \
+                    as response:
+                await response.read()
+                assert response.status == 200, path
+                seen.append({k: v for k, v in response.headers.items() if k.startswith("x-ratelimit-")})
+        assert [h["x-ratelimit-remaining-requests"] for h in seen] == ["3", "2", "1"], seen
+        for headers in seen:
+            assert headers["x-ratelimit-limit-requests"] == "4" and headers["x-ratelimit-limit-tokens"] == "1000"
+            assert 0 < int(headers["x-ratelimit-remaining-tokens"]) < 1000
+            assert headers["x-ratelimit-reset-requests"].endswith("s")
+        async with client.post(gateway.url + "/v1/chat/completions", json=chat,
+                               headers={"Authorization": "Bearer sk-limited"}) as response:
+            assert response.status == 200 and response.headers["x-ratelimit-remaining-requests"] == "0"
+        async with client.post(gateway.url + "/v1/chat/completions", json=chat,
+                               headers={"Authorization": "Bearer sk-limited"}) as response:
+            assert response.status == 429 and response.headers["x-ratelimit-remaining-requests"] == "0"
+        async with client.post(gateway.url + "/v1/chat/completions", json=chat,
+                               headers={"Authorization": "Bearer sk-free"}) as response:
+            assert response.status == 200 and not any(k.startswith("x-ratelimit-") for k in response.headers)
