@@ -1,4 +1,4 @@
-"""The engine as the server sees it: `generate` streams, `abort`, load report, stats, KV events.
+"""The engine as the server sees it: `generate` streams, `embed`, `abort`, load report, stats, KV events.
 
 The step loop runs in ONE background thread, which also builds the engine (torch releases the GIL),
 and sleeps on a condition when idle; outputs cross into the event loop with `call_soon_threadsafe`
@@ -34,7 +34,7 @@ _IDLE_POLL_S = 0.05
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | None          # None: an embedding input (LLMEngine.add_embedding)
     kv_transfer: KVTransferParams | None   # its part in a KV transfer (disaggregated legs)
 
 
@@ -66,6 +66,7 @@ class AsyncEngine:
         self.block_size = config.block_size
         self.eos_token_ids: tuple[int, ...] = ()
         self.vocab_size = 0
+        self.hidden_size = 0
 
     # --- lifetime -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -84,6 +85,7 @@ class AsyncEngine:
             raise
         self.max_model_len, self.block_size = engine.max_model_len, engine.block_size
         self.eos_token_ids, self.vocab_size = engine.eos_token_ids, engine.vocab_size
+        self.hidden_size = engine.hidden_size
 
     async def shutdown(self) -> None:
         with self._cond:
@@ -126,6 +128,27 @@ class AsyncEngine:
             if self._streams.get(request_id) is queue:
                 del self._streams[request_id]
             if not finished:   # closed, cancelled or garbage-collected early: free the blocks
+                self._post(_Abort(request_id, None))
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> SequenceOutput:
+        """An embedding input's one output: its vector in `embedding`, or ABORT (with an error when the
+        engine failed it). Raises EngineRequestError for a bad input before anything is queued. Cancelled,
+        it aborts the sequence, whose blocks are freed in the engine thread's next turn."""
+        engine = self._require_started()
+        if request_id in self._streams:
+            raise EngineRequestError(f"request id {request_id!r} is already running")
+        engine.validate_embedding(prompt_token_ids)
+        queue: asyncio.Queue[SequenceOutput] = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._post(_Add(request_id, list(prompt_token_ids), None, None))
+        output = None
+        try:
+            output = await queue.get()   # the sequence's only output is its final one
+            return output
+        finally:
+            if self._streams.get(request_id) is queue:
+                del self._streams[request_id]
+            if output is None:
                 self._post(_Abort(request_id, None))
 
     async def abort(self, request_id: str) -> None:
@@ -255,8 +278,11 @@ class AsyncEngine:
         for command in commands:
             if isinstance(command, _Add):
                 try:
-                    engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                       command.kv_transfer)
+                    if command.params is None:
+                        engine.add_embedding(command.request_id, command.prompt_token_ids)
+                    else:
+                        engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                           command.kv_transfer)
                 except EngineRequestError as exc:
                     outputs.append(SequenceOutput(command.request_id, (), None, FinishReason.ABORT,
                                                   len(command.prompt_token_ids), 0, str(exc)))

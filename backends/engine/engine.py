@@ -1,4 +1,4 @@
-"""The synchronous engine: one `step()` = schedule -> runner.execute -> sample -> append -> finish.
+"""The synchronous engine: one `step()` = schedule -> runner.execute -> sample (or pool) -> append -> finish.
 
 Single-threaded by contract (the AsyncEngine's background thread owns it). Knows nothing of
 HTTP or asyncio; the model runner and the optional KV connector are injected (the runner may be
@@ -32,6 +32,7 @@ from backends.spec.adaptive import SpecPolicy, StepCost
 from backends.spec.proposer import DraftRequest, Proposer
 from backends.spec.verify import Verified, verify
 from backends.worker.batch import ForwardBatch
+from backends.worker.pooler import pool_last_tokens
 from backends.worker.sampler import MAX_LOGPROBS, SampleRow
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ class ModelRunnerLike(Protocol):
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor: ...
 
-    # Only with a proposer that wants the target's hidden states (the real ModelRunner has it).
+    # Only for embedding inputs or a proposer that wants the target's hidden states (the real ModelRunner has it).
     def execute_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -112,6 +113,7 @@ class LLMEngine:
         self.weights_fingerprint: str = getattr(runner, "weights_fingerprint", None) or ""   # "": the runner has none
         self.block_size = runner.block_size
         self.vocab_size = runner.vocab_size
+        self.hidden_size = int(runner.config.hidden_size)   # an embedding's length
         self.eos_token_ids = eos_token_ids(runner.config, model_dir)
         self.json_output = JsonOutput(model_dir, self.eos_token_ids, self.vocab_size)
         capacity = runner.num_blocks * runner.block_size
@@ -162,21 +164,28 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  kv_transfer: KVTransferParams | None = None) -> None:
         """Raise EngineRequestError for a request that can never run; pure, any thread."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise EngineRequestError("the prompt is empty")
-        if n >= self.max_model_len:
-            raise EngineRequestError(f"the prompt has {n} tokens; this model's context is "
-                                     f"{self.max_model_len} tokens, output included")
-        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise EngineRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        self._validate_prompt(prompt_token_ids, self.max_model_len - 1, "output included")
         _validate_params(params)
         first = () if kv_transfer is None else kv_transfer.first_token_ids
         if any(not 0 <= t < self.vocab_size for t in first):
             raise EngineRequestError(f"first token ids must be in [0, {self.vocab_size})")
-        if n + len(first) > self.max_model_len:
+        if len(prompt_token_ids) + len(first) > self.max_model_len:
             raise EngineRequestError("prompt and first tokens exceed the context")
         self.json_output.check(params, first)
+
+    def validate_embedding(self, prompt_token_ids: list[int]) -> None:
+        """`validate` for an embedding input: no output, so the prompt may fill the context."""
+        self._validate_prompt(prompt_token_ids, self.max_model_len, "which an embedding input may fill")
+
+    def _validate_prompt(self, prompt_token_ids: list[int], max_tokens: int, what: str) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise EngineRequestError("the prompt is empty")
+        if n > max_tokens:
+            raise EngineRequestError(f"the prompt has {n} tokens; this model's context is {self.max_model_len} "
+                                     f"tokens, {what}")
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise EngineRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     kv_transfer: KVTransferParams | None = None) -> None:
@@ -191,6 +200,14 @@ class LLMEngine:
             seq.append_token(token)
         self.json_output.start(seq)
         self.scheduler.add(seq)
+
+    def add_embedding(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        """Queue an embedding input: prefilled like any prompt, it finishes with one output carrying its
+        pooled vector (pooler.py) once its last chunk has run, and is never sampled."""
+        self.validate_embedding(prompt_token_ids)
+        if self.scheduler.get(request_id) is not None:
+            raise EngineRequestError(f"request id {request_id!r} is already running")
+        self.scheduler.add(Sequence(request_id, tuple(prompt_token_ids), None, seed=0))
 
     def abort_request(self, request_id: str, error: str | None = None) -> SequenceOutput | None:
         """Cancel now and free its blocks; the final output, or None if unknown (idempotent)."""
@@ -245,11 +262,14 @@ class LLMEngine:
         self._counts["steps"] += 1
         started = time.perf_counter()
         try:
+            observed = self.proposer is not None and self.proposer.wants_hidden
+            pooled = [s.want_embedding for s in out.scheduled]
             hidden = None
-            if self.proposer is not None and self.proposer.wants_hidden:
+            if observed or any(pooled):
                 logits, hidden = self.runner.execute_with_hidden(out.batch)
             else:
                 logits = self.runner.execute(out.batch)  # [rows: 1 + drafts per chunk wanting logits, vocab]
+            vectors = iter(pool_last_tokens(hidden, out.batch, pooled) if hidden is not None else [])
             sampled = [s for s in out.scheduled if s.want_logits]
             verified = iter(verify(logits, [self._row(s.seq) for s in sampled],
                                    [s.seq.spec_token_ids[:s.num_spec_tokens] for s in sampled]))
@@ -268,8 +288,11 @@ class LLMEngine:
                     appended.append(output)
                     if output.finish_reason is not None:
                         finishing.append((s.seq, output.finish_reason))
+                elif s.want_embedding:
+                    appended.append(self._embedded(s.seq, next(vectors)))
+                    finishing.append((s.seq, FinishReason.STOP))
             self.scheduler.postprocess(out, rejected)
-            if hidden is not None:
+            if observed and hidden is not None:
                 self._observe(out, rejected, hidden)
         except Exception as exc:  # boundary: fail this step's sequences only, keep serving
             log.exception("engine step failed; failing its %d sequences", len(out.scheduled))
@@ -292,8 +315,8 @@ class LLMEngine:
         candidates: list[tuple[Sequence, int]] = []
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
-            if seq.status is not SequenceStatus.RUNNING or seq.is_prefilling or not seq.params.speculative \
-                    or seq.json_state is not None:   # a draft is checked against no JSON mask
+            if seq.params is None or seq.status is not SequenceStatus.RUNNING or seq.is_prefilling \
+                    or not seq.params.speculative or seq.json_state is not None:   # no JSON mask checks a draft
                 continue
             cap = min(seq.params.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens)
             if cap > 0:
@@ -321,7 +344,7 @@ class LLMEngine:
         offset = 0
         for i, (s, chunk) in enumerate(zip(out.scheduled, out.batch.chunks, strict=True)):
             num_valid = s.num_new_tokens - rejected[i]
-            if not s.seq.is_finished and s.seq.status is SequenceStatus.RUNNING:
+            if not s.seq.is_finished and s.seq.status is SequenceStatus.RUNNING and not s.seq.is_embedding:
                 self.proposer.observe(s.seq.request_id, chunk.num_context_tokens, s.seq.token_ids,
                                       hidden[offset:offset + num_valid])
             offset += len(chunk.token_ids)
@@ -331,15 +354,16 @@ class LLMEngine:
             self.proposer.free(request_id)
 
     def _row(self, seq: Sequence) -> SampleRow:
+        assert seq.params is not None, "an embedding input is never sampled"
         return SampleRow(seq.params, seq.seed, seq.prompt_token_ids, seq.output_token_ids, self.eos_token_ids,
                          self.json_output.allowed(seq))
 
     def _append(self, s: ScheduledSeq, v: Verified) -> SequenceOutput:
         """Append the step's tokens up to the first that ends the sequence (the caller finishes it)."""
         seq = s.seq
+        assert seq.params is not None, "an embedding input is never sampled"
         if seq.num_output_tokens == 0:
-            self._counts["prompt"] += seq.num_prompt_tokens
-            self._counts["cached"] += seq.num_cached_tokens
+            self._count_prompt(seq)
         if s.num_spec_tokens:
             self._counts["spec_proposed"] += s.num_spec_tokens
             self._counts["spec_accepted"] += v.num_accepted
@@ -359,8 +383,19 @@ class LLMEngine:
         return SequenceOutput(seq.request_id, v.token_ids[:count], logprobs,  # type: ignore[arg-type]
                               reason, seq.num_prompt_tokens, seq.num_cached_tokens)
 
+    def _embedded(self, seq: Sequence, vector: bytes) -> SequenceOutput:
+        """An embedding input's one output, its last chunk run (the caller finishes it)."""
+        self._count_prompt(seq)
+        return SequenceOutput(seq.request_id, (), None, FinishReason.STOP, seq.num_prompt_tokens,
+                              seq.num_cached_tokens, embedding=vector)
+
+    def _count_prompt(self, seq: Sequence) -> None:
+        self._counts["prompt"] += seq.num_prompt_tokens
+        self._counts["cached"] += seq.num_cached_tokens
+
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
+        assert p is not None
         stops = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
         if stops and seq.num_output_tokens >= p.min_tokens:
             return FinishReason.STOP

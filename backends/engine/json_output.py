@@ -82,7 +82,7 @@ class JsonOutput:
 
     def start(self, seq: Sequence) -> None:
         """Give a structured sequence its grammar and state, after the tokens it already has (`check`ed)."""
-        if seq.params.structured:
+        if seq.params is not None and seq.params.structured:
             masks = self._masks(seq.params)
             seq.json_state = (masks, masks.state_after(seq.output_token_ids))
 

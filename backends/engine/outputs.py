@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"        # EOS, a stop token id, or (set by the server) a stop string
+    STOP = "stop"        # EOS, a stop token id, (set by the server) a stop string; an embedding pooled
     LENGTH = "length"    # max_tokens or the context limit
     ABORT = "abort"      # cancelled (client gone) or failed
 
@@ -27,6 +27,8 @@ class SequenceOutput:
     num_prompt_tokens: int                    # prompt length as the engine counted it
     num_cached_tokens: int                    # prompt tokens served from the prefix cache
     error: str | None = None                  # set with ABORT when the engine failed the sequence
+    # An embedding input's one output (finish_reason STOP): its vector, float32 little-endian, L2-normalised.
+    embedding: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,8 @@
 
 Per step, within a token budget and `max_num_seqs`: running decodes first (one token each, plus
 the drafts a proposer gave it where budget and free blocks allow),
-then chunked prefill of admitted sequences, then admission of waiting ones by free blocks.
+then chunked prefill of admitted sequences, then admission of waiting ones by free blocks. An
+embedding input is a prompt like any other until its last chunk, which is pooled instead of sampled.
 Preempts by recompute (newest first) when blocks run out. Consults the optional KV connector for
 KV from outside the pool (a sequence waits for its load in WAITING_FOR_REMOTE_KV) and for blocks to
 keep after a sequence finishes. Never runs the model, samples, or does I/O.
@@ -28,6 +29,7 @@ class ScheduledSeq:
     num_new_tokens: int      # tokens it runs this step
     want_logits: bool        # the chunk reaches its last token, so a token is sampled
     num_spec_tokens: int = 0 # drafts verified after its last token (seq.spec_token_ids[:num_spec_tokens])
+    want_embedding: bool = False  # an embedding's last chunk: its last token's hidden state is pooled (no logits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +80,8 @@ class Scheduler:
         return sum(s.num_uncomputed_tokens for s in self._seqs.values() if s.is_prefilling)
 
     def num_decode_tokens_pending(self) -> int:
-        return sum(max(0, s.params.max_tokens - s.num_output_tokens) for s in self._seqs.values())
+        return sum(max(0, s.params.max_tokens - s.num_output_tokens) for s in self._seqs.values()
+                   if s.params is not None)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -300,8 +303,10 @@ class _StepPlan:
         self.failed: list[Sequence] = []
         self._ids: set[int] = set()
 
-    def add(self, seq: Sequence, num_new_tokens: int, want_logits: bool, num_spec_tokens: int = 0) -> None:
-        self.scheduled.append(ScheduledSeq(seq, num_new_tokens, want_logits, num_spec_tokens))
+    def add(self, seq: Sequence, num_new_tokens: int, reaches_end: bool, num_spec_tokens: int = 0) -> None:
+        """`reaches_end`: the chunk runs up to seq's last token (sampled, or pooled for an embedding)."""
+        pooled = reaches_end and seq.is_embedding
+        self.scheduled.append(ScheduledSeq(seq, num_new_tokens, reaches_end and not pooled, num_spec_tokens, pooled))
         self._ids.add(id(seq))
         self.budget -= num_new_tokens
 

@@ -27,7 +27,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
+    params: SamplingParams | None               # None: an embedding input (prefill only; pooled, never sampled)
     seed: int                                   # resolved sampling seed (random when params.seed is None)
     arrival_s: float = 0.0                      # monotonic arrival time
     kv_transfer: KVTransferParams | None = None # its part in a KV transfer (disaggregated legs); None: none
@@ -75,6 +75,11 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """More than the last sampled token is missing from the cache (prompt, or recompute)."""
         return self.num_uncomputed_tokens > 1 or self.num_output_tokens == 0
+
+    @property
+    def is_embedding(self) -> bool:
+        """An embedding input: it ends with its last prompt chunk, pooled; it never decodes."""
+        return self.params is None
 
     @property
     def is_finished(self) -> bool:

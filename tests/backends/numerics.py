@@ -9,6 +9,7 @@ float32 rounding in this computation, measured in the same run) times TOLERANCE_
 float32 evaluation lies about that far from the exact result; x4 covers an evaluation blocked
 differently or along a longer path (our paged decode measured up to 3x on the 2-core EPYC), and x2
 two such evaluations. Bugs (a row reading another row's KV, leaked padding) move logits by 0.1-10.
+Embeddings (normalised final hidden states) are compared the same way, within `embedding_tolerance`.
 
 A sampled token depends on the logits only through comparisons. `choices` marks a reference position
 clear when no logits within the tolerance of the reference's would sample another token; two runs
@@ -48,6 +49,22 @@ def logit_tolerance(model32: torch.nn.Module, model64: torch.nn.Module, rows: Se
             deviation = (model32(ids).logits[0].double() - model64(ids).logits[0].double()).abs().max().item()
             worst = max(worst, deviation)
     assert worst > 0.0, "float32 logits equal to float64 ones: the reference is not running in float32"
+    return TOLERANCE_MULTIPLE * worst
+
+
+def last_token_embedding(model: torch.nn.Module, ids: Sequence[int]) -> torch.Tensor:
+    """transformers' embedding of `ids` as the worker pools it: the last token's final hidden state (LlamaModel's
+    hidden_states[-1] is taken after its final norm), L2-normalised, in float64 [hidden_size]."""
+    with torch.inference_mode():
+        hidden = model(torch.tensor([list(ids)]), output_hidden_states=True).hidden_states[-1][0, -1]
+    return torch.nn.functional.normalize(hidden.double(), dim=-1)
+
+
+def embedding_tolerance(model32: torch.nn.Module, model64: torch.nn.Module, rows: Sequence[Sequence[int]]) -> float:
+    """TOLERANCE_MULTIPLE x the largest |float32 - float64| component of `last_token_embedding` over `rows`."""
+    worst = max((last_token_embedding(model32, row) - last_token_embedding(model64, row)).abs().max().item()
+                for row in rows)
+    assert worst > 0.0, "float32 embeddings equal to float64 ones: the reference is not running in float32"
     return TOLERANCE_MULTIPLE * worst
 
 

@@ -1,6 +1,6 @@
 """Scheduler: token budget, decode-first mixed steps, chunked prefill, admission, preemption,
-cancellation, oversized sequences, the KV connector (loads, kept blocks); plus the block-accounting
-property test."""
+cancellation, oversized sequences, the KV connector (loads, kept blocks), embedding inputs (prefilled,
+pooled, never decoded); plus the block-accounting property test."""
 from __future__ import annotations
 
 from collections import Counter
@@ -30,11 +30,15 @@ def seq(rid: str, prompt_len: int, max_tokens: int = 4, base: int = 0,
 
 
 def step(s: Scheduler, token: int = 7) -> SchedulerOutput:
-    """One engine step without a model: every chunk that wants logits gets `token`."""
+    """One engine step without a model: every chunk that wants logits gets `token`; an embedding input whose
+    last chunk ran finishes."""
     out = s.schedule()
     s.postprocess(out)
     for sch in out.scheduled:
+        if sch.want_embedding and not sch.seq.is_finished:
+            s.finish(sch.seq, FinishReason.STOP)
         if sch.want_logits and not sch.seq.is_finished:
+            assert sch.seq.params is not None, "an embedding input wants no logits"
             sch.seq.append_token(token)
             if sch.seq.num_output_tokens >= sch.seq.params.max_tokens:
                 s.finish(sch.seq, FinishReason.LENGTH)
@@ -108,6 +112,47 @@ def test_preemption_by_recompute_newest_first_and_prefix_reuse() -> None:
         step(s)
     assert new.num_output_tokens == 6
     assert s.block_manager.num_free_blocks == 5
+
+
+def embedding(rid: str, prompt_len: int, base: int = 0) -> Sequence:
+    return Sequence(rid, tuple(range(base, base + prompt_len)), None, seed=0)
+
+
+def roles(out: SchedulerOutput) -> list[tuple[str, int, bool, bool]]:
+    return [(x.seq.request_id, x.num_new_tokens, x.want_logits, x.want_embedding) for x in out.scheduled]
+
+
+def test_embedding_input_is_prefilled_in_chunks_then_pooled_and_never_decoded() -> None:
+    s = make(budget=8)
+    s.add(seq("g", 3, max_tokens=10))
+    s.add(embedding("e", 13, base=50))
+    assert roles(step(s)) == [("g", 3, True, False), ("e", 5, False, False)]
+    assert s.num_decode_tokens_pending() == 9          # g's; an embedding decodes nothing
+    assert roles(step(s)) == [("g", 1, True, False), ("e", 7, False, False)]
+    e = s.get("e")
+    out = step(s)                                      # finishes e, as the engine does once it pooled the chunk
+    assert roles(out) == [("g", 1, True, False), ("e", 1, False, True)]
+    assert not out.batch.chunks[1].want_logits         # the runner computes no logits for it
+    assert e is not None and e.is_finished and e.num_computed_tokens == 13 and e.num_output_tokens == 0
+    assert roles(step(s)) == [("g", 1, True, False)]
+    # g holds two blocks; e's three full blocks stay in the prefix cache, with g's first.
+    assert (s.block_manager.num_used_blocks, s.block_manager.num_cached_blocks) == (2, 4)
+
+
+def test_embedding_input_preempted_mid_prompt_is_recomputed() -> None:
+    s = make(num_blocks=3, block_size=4, budget=8)
+    s.add(seq("g", 4, max_tokens=3))
+    s.add(embedding("e", 8, base=50))
+    assert roles(step(s)) == [("g", 4, True, False), ("e", 4, False, False)]
+    out = step(s)                                      # g's next token needs a block: e, the newest, goes
+    assert [p.request_id for p in out.preempted] == ["e"] and roles(out) == [("g", 1, True, False)]
+    while s.get("g") is not None:
+        step(s)
+    out = step(s)
+    assert roles(out)[-1][0] == "e" and roles(out)[-1][2:] == (False, True)
+    e = out.scheduled[-1].seq
+    assert e.is_finished and e.num_preemptions == 1 and e.num_computed_tokens == 8
+    assert s.block_manager.num_used_blocks == 0 and not s.has_unfinished()
 
 
 def test_abort_frees_blocks_at_once_and_is_idempotent() -> None:
@@ -251,9 +296,11 @@ def test_blocks_always_accounted_for(ops: list[tuple], num_blocks: int, budget: 
         if kind == "add":
             rid = f"r{len(ids)}"
             ids.append(rid)
-            # a decode leg loads its prompt's KV; a prefill leg keeps its blocks when it finishes by length
-            kv = (REMOTE if arg % 3 == 0 else PREFILL) if flag else None
-            s.add(Sequence(rid, tuple([arg % 3] * n), SamplingParams(max_tokens=max_tokens), 0, kv_transfer=kv))
+            # a decode leg loads its prompt's KV; a prefill leg keeps its blocks when it finishes by length; an
+            # embedding input is prefilled and ends
+            kv = (REMOTE if arg % 3 == 0 else PREFILL) if flag and arg % 3 != 2 else None
+            params = None if flag and arg % 3 == 2 else SamplingParams(max_tokens=max_tokens)
+            s.add(Sequence(rid, tuple([arg % 3] * n), params, 0, kv_transfer=kv))
         elif kind == "step":
             step(s, token=arg % 3)
         elif kind == "fail_step":       # the runner raised: the step's sequences are failed
