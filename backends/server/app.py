@@ -13,7 +13,7 @@ from aiohttp import web
 
 from backends.engine.config import EngineConfig
 from backends.engine.pd_connector import PDConnector
-from backends.server import auth, disagg, openai_routes, openapi, ops_routes, status
+from backends.server import auth, disagg, embeddings, openai_routes, openapi, ops_routes, status
 from backends.server.config import ServerConfig
 from backends.server.drain import DRAIN, Drain
 from backends.server.errors import APIError, ErrorType, error_body
@@ -45,6 +45,7 @@ def create_app(
     app.router.add_routes([
         web.post("/v1/completions", openai_routes.completions),
         web.post("/v1/chat/completions", openai_routes.chat_completions),
+        web.post("/v1/embeddings", embeddings.embeddings),
         web.get("/v1/models", openai_routes.models),
         web.get("/v1/models/{model}", openai_routes.model),
         web.get("/health", ops_routes.health),

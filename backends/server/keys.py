@@ -27,6 +27,7 @@ class WorkerEngine(Protocol):
     max_model_len: int
     block_size: int
     vocab_size: int
+    hidden_size: int   # an embedding's length
 
     async def start(self) -> None: ...
 
@@ -38,6 +39,8 @@ class WorkerEngine(Protocol):
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
         kv_transfer: KVTransferParams | None = None,
     ) -> AsyncIterator[SequenceOutput]: ...
+
+    async def embed(self, request_id: str, prompt_token_ids: list[int]) -> SequenceOutput: ...
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -89,7 +89,7 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
     """Validate a decoded JSON body for `kind`; raise APIError on the first bad field."""
     if not isinstance(body, dict):
         raise APIError("The request body must be a JSON object.")
-    model = _parse_model(body, ctx)
+    model = parse_model(body, ctx.served_model_names)
     num_choices = opt_int(body, "n", 1, MAX_CHOICES) or 1
     _refuse_unsupported(body, kind, num_choices)
     prompt_text, prompt_ids, messages = None, None, None
@@ -171,13 +171,14 @@ def _prompt_param(kind: RequestKind) -> str:
     return "messages" if kind is RequestKind.CHAT else "prompt"
 
 
-def _parse_model(body: dict[str, Any], ctx: ParseContext) -> str:
+def parse_model(body: dict[str, Any], served_model_names: tuple[str, ...]) -> str:
+    """The served name asked for (the first when absent); 404 model_not_found for another (every route)."""
     model = body.get("model")
     if model is None:
-        return ctx.served_model_names[0]
+        return served_model_names[0]
     if not isinstance(model, str):
         raise invalid_param("model", "`model` must be a string.")
-    if model not in ctx.served_model_names:
+    if model not in served_model_names:
         raise model_not_found(model)
     return model
 

@@ -48,7 +48,11 @@ class PromptTokenizer:
             return req.prompt_token_ids
         if req.kind is RequestKind.CHAT:
             return self._encode_chat(req)
-        return tuple(self._hf(req.prompt_text or "")["input_ids"])
+        return self.encode_text(req.prompt_text or "")
+
+    def encode_text(self, text: str) -> tuple[int, ...]:
+        """A plain text prompt (/v1/completions, /v1/embeddings): the tokenizer's own special tokens added."""
+        return tuple(self._hf(text)["input_ids"])
 
     def _encode_chat(self, req: GenerateRequest) -> tuple[int, ...]:
         messages = [_template_message(m) for m in req.messages or ()]
