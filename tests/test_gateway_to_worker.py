@@ -225,7 +225,7 @@ def test_a_worker_with_a_key_answers_the_gateway_alone(e2e: E2E) -> None:
 
 def test_a_repeated_greedy_stream_is_replayed_without_the_worker(e2e: E2E, hf: Transformers) -> None:
     """A `temperature: 0` stream the worker answered (as transformers does) is served again from the gateway's
-    response cache: the same bytes, and the worker counts no new request."""
+    response cache: the bytes of an answer the worker gave, and the worker counts no new request."""
     messages = [{"role": "user", "content": QUESTIONS[1]}]
     body = orjson.dumps({"model": "smollm2-cached", "messages": messages, "max_tokens": NEW_TOKENS,
                          "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
@@ -242,11 +242,19 @@ def test_a_repeated_greedy_stream_is_replayed_without_the_worker(e2e: E2E, hf: T
     text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
     hf.assert_matches(text, hf.answer(messages), "the stream the cache keeps")
     assert events[-1]["usage"]["completion_tokens"] > 0
-    hit = wait_until(lambda: next((r for r in [stream()] if r[1] == "hit"), None), "the stream replayed")
-    assert hit[0] == first
+    answered = [first]      # each miss until the first was kept is kept too (the last one kept is served)
+
+    def replayed() -> bytes | None:
+        answer, state = stream()
+        if state == "hit":
+            return answer
+        answered.append(answer)
+        return None
+    hit = wait_until(replayed, "the stream replayed")
+    assert hit in answered and hit.endswith(b"data: [DONE]\n\n")
     served = _worker_chats(e2e.worker_url)
     assert served >= 1      # the first stream's
-    assert stream() == (first, "hit") and _worker_chats(e2e.worker_url) == served
+    assert stream() == (hit, "hit") and _worker_chats(e2e.worker_url) == served
 
 
 def _worker_chats(worker_url: str) -> float:
@@ -255,3 +263,30 @@ def _worker_chats(worker_url: str) -> float:
     text = _get(worker_url + "/metrics")[1].decode()
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "switchyard_requests_total" and s.labels.get("route") == "/v1/chat/completions")
+
+
+def test_embeddings_through_the_gateway_are_transformers_vectors(e2e: E2E, hf: Transformers) -> None:
+    """The SDK's embeddings.create through the gateway to the worker: transformers' last hidden state at each
+    input's last token, normalised (within the float32 rounding measured against float64), and the key's usage
+    records the prompt tokens the worker counted, with no output tokens."""
+    from tests.backends.numerics import embedding_tolerance, last_token_embedding
+
+    client = openai.OpenAI(base_url=e2e.gateway_url + "/v1", api_key=API_KEY, max_retries=0)
+    usage_before = _usage(e2e.gateway_url)
+    reply = client.embeddings.create(model="smollm2", input=QUESTIONS)   # the SDK asks for base64 and decodes it
+    ids = [list(hf.tokenizer(text).input_ids) for text in QUESTIONS]
+    tolerance = embedding_tolerance(hf.model, hf.model64, ids)
+    for row, got in zip(ids, reply.data, strict=True):
+        want = last_token_embedding(hf.model, row)
+        assert (torch.tensor(got.embedding, dtype=torch.float64) - want).abs().max().item() <= tolerance
+    assert reply.usage.prompt_tokens == sum(map(len, ids))
+    usage_after = _usage(e2e.gateway_url)
+    assert usage_after["num_prompt_tokens"] - usage_before["num_prompt_tokens"] == sum(map(len, ids))
+    assert usage_after["num_completion_tokens"] == usage_before["num_completion_tokens"]
+
+
+
+def _usage(gateway_url: str) -> dict[str, int]:
+    status, body = _get(gateway_url + "/v1/usage", API_KEY)
+    assert status == 200, body
+    return orjson.loads(body)
