@@ -10,7 +10,6 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -24,7 +23,7 @@ from backends.engine.errors import EngineRequestError
 from backends.engine.json_output import JsonOutput
 from backends.engine.kv_connector import KVConnector, KVTransferParams
 from backends.engine.kv_events import KVEventRing
-from backends.engine.outputs import FinishReason, LoadReport, SequenceOutput
+from backends.engine.outputs import EngineStats, FinishReason, LoadReport, SequenceOutput
 from backends.engine.sampling_params import SamplingParams
 from backends.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from backends.engine.sequence import Sequence, SequenceStatus
@@ -56,29 +55,6 @@ class ModelRunnerLike(Protocol):
 
     # Only for embedding inputs or a proposer that wants the target's hidden states (the real ModelRunner has it).
     def execute_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    num_prompt_tokens: int          # prompt tokens of sequences whose prefill completed
-    num_cached_prompt_tokens: int   # of those, served by the prefix cache
-    num_generation_tokens: int      # tokens sampled
-    num_preemptions: int            # sequences sent back to recompute
-    num_finished_sequences: int     # sequences ended for any reason
-    num_failed_sequences: int       # sequences ended with an engine error
-    num_steps: int                  # forward steps run
-    num_spec_proposed_tokens: int = 0   # drafts the target verified
-    num_spec_accepted_tokens: int = 0   # of those, accepted
-    num_spec_verifications: int = 0     # sequence-steps that verified at least one draft
-    speculative: str = ""               # the proposer's name ("" without speculation)
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        return self.num_spec_accepted_tokens / self.num_spec_proposed_tokens if self.num_spec_proposed_tokens else 0.0
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
 
 def resolve_model_dir(config: EngineConfig) -> Path:

@@ -1,4 +1,5 @@
-"""What the engine hands back to the server: one record per live sequence after each step, and its load."""
+"""What the engine hands back to the server: one record per live sequence after each step, its load and its
+cumulative stats."""
 from __future__ import annotations
 
 import enum
@@ -70,3 +71,26 @@ class LoadReport:
     # measured; kept only with KV tiers, whose restore cost is priced against it).
     seconds_per_prompt_token: float | None = None
     weights: str = ""                 # the weights' fingerprint (backends/worker/fingerprint.py; "": none)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_prompt_tokens: int          # prompt tokens of sequences whose prefill completed
+    num_cached_prompt_tokens: int   # of those, served by the prefix cache
+    num_generation_tokens: int      # tokens sampled
+    num_preemptions: int            # sequences sent back to recompute
+    num_finished_sequences: int     # sequences ended for any reason
+    num_failed_sequences: int       # sequences ended with an engine error
+    num_steps: int                  # forward steps run
+    num_spec_proposed_tokens: int = 0   # drafts the target verified
+    num_spec_accepted_tokens: int = 0   # of those, accepted
+    num_spec_verifications: int = 0     # sequence-steps that verified at least one draft
+    speculative: str = ""               # the proposer's name ("" without speculation)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.num_spec_accepted_tokens / self.num_spec_proposed_tokens if self.num_spec_proposed_tokens else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
