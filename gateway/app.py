@@ -16,6 +16,7 @@ from aiohttp import web
 from cache.prefix_index import PrefixIndex
 from gateway import api, status
 from gateway.access import make_access_middleware
+from gateway.access_log import AccessLog
 from gateway.api import messages
 from gateway.auth import Authenticator
 from gateway.breaker import CircuitState
@@ -37,7 +38,6 @@ from gateway.providers import make_provider
 from gateway.services import SERVICES, BackgroundTasks, Services
 from gateway.state import StateStore, make_store
 from gateway.tokenize import TokenCounter
-from gateway.access_log import AccessLog
 from gateway.tracing import RequestIds, Tracing
 from gateway.upstreams import UpstreamRegistry
 from policies.registry import PolicyName, make_policy

@@ -27,7 +27,7 @@ from gateway.errors import BadRequest, GatewayError, RequestTimeout
 from gateway.api.models import model_for
 from gateway.lean_http import LeanRequest
 from gateway.request import EMBEDDINGS_PATH, Outcome, RoutedRequest, num_sequences
-from gateway.response_cache import CACHE_HEADER
+from gateway.response_cache import CACHE_HEADER, CachePlan
 from gateway.services import SERVICES, Services
 from gateway.streaming import ClientGone, ClientStream, SseResponseFactory, StreamUsage
 from gateway.tokenize import PromptTokens
@@ -114,14 +114,21 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
     if client is None and headers is not None:
         outcome.response.headers.update(headers)
     if plan is not None and plan.key is not None:
-        if client is None:
-            if isinstance(outcome.response, web.Response):
-                services.background.spawn(cache.keep(plan, outcome.response.status, outcome.response.body))
-        elif (recorded := client.recorded()) is not None:     # a stream the plan asked to keep, whole
-            services.background.spawn(cache.keep(plan, 200, recorded))
+        _keep(services, plan, outcome, client)
     if outcome.endpoint_id is not None and generates:
         services.estimator.observe(model.name, outcome.usage.num_output_tokens // num_seqs)
     return outcome
+
+
+def _keep(services: Services, plan: CachePlan, outcome: Outcome, client: ClientStream | None) -> None:
+    """Into the response cache, in the background: a whole answer (the cache keeps 200s alone), or a stream
+    recorded whole."""
+    if client is None:
+        if isinstance(outcome.response, web.Response):
+            services.background.spawn(services.response_cache.keep(plan, outcome.response.status,
+                                                                   outcome.response.body))
+    elif (recorded := client.recorded()) is not None:
+        services.background.spawn(services.response_cache.keep(plan, 200, recorded))
 
 
 def _answer_headers(charge: Charge | None, cache_result: str | None) -> dict[str, str] | None:
