@@ -155,7 +155,7 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def run(num_requests: int, concurrency: int, stream: bool, lean_http: bool, bare: bool,
-              together: bool = False) -> None:
+              together: bool = False, access_log: str | None = None) -> None:
     if bare:
         upstream_port = free_port()
         bare_upstream = await asyncio.get_running_loop().create_server(
@@ -171,6 +171,8 @@ async def run(num_requests: int, concurrency: int, stream: bool, lean_http: bool
               "providers": {"p": {"kind": "openai", "endpoints": [upstream_url]}}}
     port = free_port()
     config["listen"] = {"port": port, "lean_http": lean_http}
+    if access_log is not None:
+        config["access_log"] = access_log
     gateway_config = parse_config(yaml.safe_dump(config), {})
     gateway = web.AppRunner(create_app(gateway_config))   # as `gateway.app.serve` runs it
     await gateway.setup()
@@ -221,10 +223,12 @@ def main() -> None:
                         help="client and upstream as bare protocols writing canned bytes: the gateway's CPU alone")
     parser.add_argument("--events-together", action="store_true",
                         help="with --stream --bare-peers: the upstream writes a stream's 33 events in one write")
+    parser.add_argument("--access-log", metavar="PATH", help="the gateway writes its access log there")
     args = parser.parse_args()
     if args.events_together and not (args.stream and args.bare_peers):
         parser.error("--events-together needs --stream and --bare-peers")
-    uvloop.run(run(args.requests, args.concurrency, args.stream, args.lean_http, args.bare_peers, args.events_together))
+    uvloop.run(run(args.requests, args.concurrency, args.stream, args.lean_http, args.bare_peers, args.events_together,
+                   args.access_log))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 INPROCESS = HERE / "gateway_cpu_inprocess.py"
 
 
-def count(checkout: Path, num_requests: int, stream: bool, together: bool = False) -> int:
+def count(checkout: Path, num_requests: int, stream: bool, together: bool = False, access_log: bool = False) -> int:
     """Instructions that `gateway_cpu_inprocess.py --bare-peers` executes from `checkout`, start-up included."""
     with tempfile.TemporaryDirectory() as tmp:
         command = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={tmp}/out",
@@ -39,6 +39,8 @@ def count(checkout: Path, num_requests: int, stream: bool, together: bool = Fals
             command.append("--stream")
         if together:
             command.append("--events-together")
+        if access_log:
+            command += ["--access-log", f"{tmp}/access.jsonl"]
         env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(checkout)}
         done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True, check=False)
     match = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
@@ -63,6 +65,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, nargs=2, default=(1000, 3000), metavar=("N1", "N2"),
                         help="the two request counts (multiples of 8, the in-process client's concurrency)")
     parser.add_argument("--repeat", type=int, default=1, help="measure each checkout this many times")
+    parser.add_argument("--access-log", action="store_true",
+                        help="instead of another checkout, this one without (the baseline) and with an access log")
     args = parser.parse_args()
     if args.events_together and not args.stream:
         parser.error("--events-together needs --stream")
@@ -74,13 +78,16 @@ def main() -> None:
     checkouts = {"this": HERE.parent}
     if args.baseline is not None:
         checkouts = {"baseline": args.baseline.resolve(), **checkouts}
+    elif args.access_log:
+        checkouts = {"baseline": HERE.parent, "this+log": HERE.parent}
     per_request: dict[str, list[float]] = {name: [] for name in checkouts}
     print(f"{'checkout':<9} {'round':>5} {'requests':>8} {'instructions':>16}")
     for round_index in range(args.repeat):
         totals: dict[str, dict[int, int]] = {name: {} for name in checkouts}
         for num_requests in (low, high):
             for name, checkout in checkouts.items():   # alternating, so a change in the machine hits both
-                totals[name][num_requests] = count(checkout, num_requests, args.stream, args.events_together)
+                totals[name][num_requests] = count(checkout, num_requests, args.stream, args.events_together,
+                                                   access_log=name == "this+log")
                 print(f"{name:<9} {round_index:>5} {num_requests:>8} {totals[name][num_requests]:>16,}", flush=True)
         for name in checkouts:
             per_request[name].append((totals[name][high] - totals[name][low]) / (high - low))
