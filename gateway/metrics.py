@@ -125,12 +125,15 @@ class Metrics:
                                           "took the continuation), not continuable (tool calls, an error event), "
                                           "no retry budget left", ["model", "outcome"])
         self._cache = LabelledCounter("switchyard_response_cache", "Requests the response cache answered (hit), "
-                                      "looked up in vain (miss) or could not serve (bypass: streamed, sampled, "
-                                      "skipped)", ["model", "result"])
+                                      "looked up in vain (miss) or could not serve (bypass: sampled, skipped)",
+                                      ["model", "result"])
+        self._tokens = LabelledCounter("switchyard_tokens", "Tokens the upstreams served, by model, API key (\"\" "
+                                       "without keys) and kind: prompt (cached ones included), cached (prompt "
+                                       "tokens read from a prefix cache), completion", ["model", "key", "kind"])
         r.register(CountsCollector([
             self._requests, self._errors, self._retries, self._fallbacks, self._latency, self._pd_fallbacks,
             self._pd_redos, self._ttft, self._itl, self._decisions, self._moves, self._shared, self._stream_errors,
-            self._failovers, self._cache]))
+            self._failovers, self._cache, self._tokens]))
         r.register(_EndpointCollector(endpoint_rows))
         r.register(_PollFailureCollector(poll_failure_rows))
         r.register(_KvEventCollector(kv_event_rows))
@@ -139,6 +142,13 @@ class Metrics:
 
     def on_request(self, model: str, status: int) -> None:
         self._requests.inc((model, str(status)))
+
+    def on_tokens(self, model: str, key: str, num_prompt: int, num_cached: int, num_completion: int) -> None:
+        tokens = self._tokens
+        tokens.inc((model, key, "prompt"), num_prompt)
+        if num_cached:
+            tokens.inc((model, key, "cached"), num_cached)
+        tokens.inc((model, key, "completion"), num_completion)
 
     def on_upstream_error(self, provider: str, cause: str) -> None:
         self._errors.inc((provider, cause))
