@@ -101,7 +101,7 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
         if (record := request.get(ACCESS_RECORD)) is not None:
             record.model, record.stream, record.counted_prompt_tokens = model.name, routed.stream, prompt.num_tokens
             record.cache = cache_result
-        headers = _answer_headers(charge, cache_result)
+        headers = None if charge is None and cache_result is None else _answer_headers(charge, cache_result)
         if client is not None:
             client.extra_headers = headers
         if cached is not None:

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.access import caller_key
+from gateway.access import API_KEY, caller_key
 from gateway.config import ModelConfig
 from gateway.errors import NotFound
 from gateway.services import SERVICES
@@ -17,7 +17,7 @@ def model_for(request: web.Request, name: Any) -> ModelConfig:
     """The configured model `name` where the caller's key may use it; else 404 `model_not_found`, one answer
     for a model that is not there and one the key may not use (as OpenAI answers both)."""
     model = request.app[SERVICES].config.models.get(name) if isinstance(name, str) else None
-    key = caller_key(request)
+    key = request.get(API_KEY)
     if model is None or (key is not None and not key.may_use(name)):
         raise NotFound(f"The model {name!r} does not exist or you do not have access to it", param="model",
                        code="model_not_found")
