@@ -17,6 +17,7 @@ import yaml
 from gateway.config_keys import ApiKeyConfig as ApiKeyConfig
 from gateway.config_keys import build_keys
 from gateway.config_yaml import ConfigError as ConfigError
+from gateway.discovery import DnsName, is_discovered
 from gateway.config_yaml import (as_mapping, check_known, enum_value, expand_tree, quote_hint, simple_record,
                                  typed_field)
 from gateway.config_yaml import expand_env as expand_env
@@ -153,6 +154,7 @@ class PollerConfig:
     kv_events_interval_s: float = 0.5    # GET {endpoint}/kv_events?since=N when offered
     timeout_s: float = 2.0               # each poll's total timeout
     share_interval_s: float = 0.25       # with redis_url: publish our leases and approximate routing (0: off)
+    discovery_interval_s: float = 5.0    # resolve each dns+http:// endpoint entry again (gateway/discovery.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,8 +310,9 @@ def _kv_event_sources(raw: Any, urls: tuple[str, ...], where: str) -> dict[str, 
     where = f"{where}.kv_event_sources"
     sources = {}
     for url, body in as_mapping(raw, where).items():
-        if str(url).rstrip("/") not in urls:
-            raise ConfigError(f"{where}: {url!r} is not one of the provider's endpoints")
+        if str(url).rstrip("/") not in urls or is_discovered(str(url)):
+            raise ConfigError(f"{where}: {url!r} is not one of the provider's endpoints (a dns+http:// entry "
+                              f"has none of its own)")
         body = {"endpoint": body} if isinstance(body, str) else as_mapping(body, f"{where}.{url}")
         check_known(body, {"endpoint", "topic"}, f"{where}.{url}")
         endpoint = typed_field(body, "endpoint", str, None, f"{where}.{url}")
@@ -327,8 +330,15 @@ def _positive(raw: Mapping[str, Any], name: str, default: int, where: str) -> in
 
 
 def _urls(value: Any, where: str) -> tuple[str, ...]:
+    """Base URLs, and `dns+http://NAME:PORT` entries (one endpoint per address NAME resolves to)."""
     if not isinstance(value, list) or not value or not all(isinstance(e, str) and e for e in value):
         raise ConfigError(f"{where}: expected a non-empty list of URLs")
+    for url in value:
+        if url.startswith("dns+"):
+            try:
+                DnsName.parse(url)
+            except ValueError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
     return tuple(e.rstrip("/") for e in value)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from cache.prefix_index import PrefixIndex
 from gateway.config import GatewayConfig
+from gateway.discovery import is_discovered
 from gateway.load import LoadReport
 
 
@@ -25,8 +26,8 @@ def configure_prefix_index(index: PrefixIndex, config: GatewayConfig) -> None:
     precise.update(url for p in config.providers.values() for url in p.kv_event_sources)
     for provider in config.providers.values():
         for urls in provider.pools().values():
-            for url in urls:
-                if url not in precise and not index.is_approximate(url):
+            for url in urls:   # (a dns+http:// entry's endpoints: gateway/upstreams.py, as they are found)
+                if url not in precise and not is_discovered(url) and not index.is_approximate(url):
                     index.track_routed(url, provider.kv_capacity_tokens // block_size)
 
 

@@ -1,6 +1,7 @@
 """The endpoint registry (one `Endpoint` per upstream base URL, its breaker and last reports) and the
 background pollers that keep it fresh: health, the worker's `/load` (or vLLM's `/metrics`), and `/kv_events`
-for the prefix index.
+for the prefix index. A pool's `dns+http://` entries become endpoints as DNS names them (gateway/discovery.py):
+added with their pollers, retired (pollers stopped, load and prefix index forgotten) when no pool lists them.
 
 Pollers only observe; they never route. Each loop catches and logs its own errors (a boundary): a bad
 answer (an HTTP error, a body that does not parse) is a warning once per endpoint and poller until that
@@ -10,6 +11,7 @@ counted (switchyard_poll_failures_total).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
@@ -20,6 +22,7 @@ from cache.kv_events import KvEventBatch
 from cache.prefix_index import PrefixIndex
 from gateway.breaker import CircuitBreaker, CircuitState
 from gateway.config import GatewayConfig, Pool, ProviderConfig, ProviderKind
+from gateway.discovery import Discovery, DnsName, Resolver, is_discovered, resolve
 from gateway.load import LoadReport, LoadTracker, RestoreFractions
 from gateway.metrics import EndpointRow, PollFailureRow
 from gateway.prefix_index import index_block_size, on_load_report
@@ -46,26 +49,34 @@ class Endpoint:
 
 
 class UpstreamRegistry:
-    """Endpoints by id and by provider pool; owns the pollers' tasks."""
+    """Endpoints by id and by provider pool; owns the pollers' tasks and the DNS lookups'."""
 
     def __init__(self, config: GatewayConfig, tracker: LoadTracker, prefix_index: PrefixIndex,
-                 on_circuit_change: Callable[[str, CircuitState], None] | None = None) -> None:
+                 on_circuit_change: Callable[[str, CircuitState], None] | None = None,
+                 resolver: Resolver = resolve) -> None:
         self._config = config
         self._tracker = tracker
         self._prefix_index = prefix_index
+        self._on_circuit_change = on_circuit_change
         self.endpoints: dict[str, Endpoint] = {}
         self.pools: dict[tuple[str, Pool], list[Endpoint]] = {}   # by (provider name, pool)
+        self.discoveries: list[Discovery] = []
         for provider in config.providers.values():
             for pool, urls in provider.pools().items():
-                listed = []
-                for url in urls:
-                    endpoint = self.endpoints.get(url)
-                    if endpoint is None:
-                        endpoint = Endpoint(url, CircuitBreaker(url, config.breaker, on_change=on_circuit_change))
-                        self.endpoints[url] = endpoint
-                    listed.append(endpoint)
-                self.pools[(provider.name, pool)] = listed
-        self._tasks: list[asyncio.Task[None]] = []
+                self.pools[(provider.name, pool)] = [self._endpoint(url) for url in urls if not is_discovered(url)]
+                self.discoveries.extend(
+                    Discovery(DnsName.parse(url), functools.partial(self._discovered, provider, pool, set()), resolver)
+                    for url in urls if is_discovered(url))
+        self._session: aiohttp.ClientSession | None = None
+        self._polled: dict[str, dict[str, asyncio.Task[None]]] = {}   # endpoint id -> poller name -> its task
+        self._tasks: list[asyncio.Task[None]] = []                      # the DNS lookups
+
+    def _endpoint(self, url: str) -> Endpoint:
+        endpoint = self.endpoints.get(url)
+        if endpoint is None:
+            endpoint = Endpoint(url, CircuitBreaker(url, self._config.breaker, on_change=self._on_circuit_change))
+            self.endpoints[url] = endpoint
+        return endpoint
 
     def rows(self) -> Iterable[EndpointRow]:
         """For the metrics collector: in-flight load and circuit state per endpoint."""
@@ -110,22 +121,56 @@ class UpstreamRegistry:
     # --- pollers -----------------------------------------------------------------------------------
 
     def start(self, session: aiohttp.ClientSession) -> None:
-        pollers = self._config.pollers
-        seen: set[tuple[str, str]] = set()
+        self._session = session
         for provider in self._config.providers.values():
             for endpoint in self._provider_endpoints(provider.name):
-                for name, wanted, interval, poll in self._poll_kinds(provider):
-                    if wanted and (endpoint.endpoint_id, name) not in seen:
-                        seen.add((endpoint.endpoint_id, name))
-                        self._tasks.append(asyncio.create_task(
-                            self._loop(name, endpoint, interval, poll, session, provider)))
-        log.debug("started %d pollers (timeout %.1fs)", len(self._tasks), pollers.timeout_s)
+                self._start_pollers(endpoint, provider)
+        interval_s = self._config.pollers.discovery_interval_s
+        self._tasks.extend(asyncio.create_task(discovery.run(interval_s)) for discovery in self.discoveries)
+        log.debug("started pollers for %d endpoints (timeout %.1fs), %d DNS lookups", len(self._polled),
+                  self._config.pollers.timeout_s, len(self._tasks))
+
+    def _start_pollers(self, endpoint: Endpoint, provider: ProviderConfig) -> None:
+        """The pollers `provider` asks for that `endpoint` does not have yet (another provider may list it)."""
+        assert self._session is not None
+        if provider.health_path is None:
+            endpoint.health_checked = True
+        polled = self._polled.setdefault(endpoint.endpoint_id, {})
+        for name, wanted, interval, poll in self._poll_kinds(provider):
+            if wanted and name not in polled:
+                polled[name] = asyncio.create_task(self._loop(name, endpoint, interval, poll, self._session, provider))
+
+    def _discovered(self, provider: ProviderConfig, pool: Pool, known: set[str], urls: list[str]) -> None:
+        """A DNS entry of `provider`'s `pool` names `urls` now (`known`: what it named before, updated here)."""
+        listed = self.pools[(provider.name, pool)]
+        for url in sorted(set(urls) - known):
+            endpoint = self._endpoint(url)
+            if endpoint not in listed:
+                listed.append(endpoint)
+            if not provider.offers_kv_events and not self._prefix_index.is_approximate(url):
+                self._prefix_index.track_routed(url, provider.kv_capacity_tokens // index_block_size(self._config))
+            if self._session is not None:
+                self._start_pollers(endpoint, provider)
+            log.info("endpoint %s discovered for %s", url, provider.name)
+        for url in sorted(known - set(urls)):
+            listed[:] = [e for e in listed if e.endpoint_id != url]
+            log.info("endpoint %s is gone from DNS for %s", url, provider.name)
+            if not any(e.endpoint_id == url for pool_endpoints in self.pools.values() for e in pool_endpoints):
+                self._retire(url)
+        known.clear()
+        known.update(urls)
+
+    def _retire(self, url: str) -> None:
+        """No pool lists `url` any more: its pollers stop, and what the gateway knew of it is forgotten (a
+        request in flight there holds its own `Endpoint` and lease, and ends as it would)."""
+        for task in self._polled.pop(url, {}).values():
+            task.cancel()
+        del self.endpoints[url]
+        self._tracker.forget(url)
+        self._prefix_index.forget(url)
 
     def _poll_kinds(self, provider: ProviderConfig) -> list[tuple[str, bool, float, Callable[..., Awaitable[None]]]]:
         pollers = self._config.pollers
-        if provider.health_path is None:
-            for endpoint in self._provider_endpoints(provider.name):
-                endpoint.health_checked = True
         return [
             ("health", provider.health_path is not None, pollers.health_interval_s, self._poll_health),
             ("load", provider.offers_load, pollers.load_interval_s, self._poll_load),
@@ -134,10 +179,12 @@ class UpstreamRegistry:
         ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *(task for polled in self._polled.values() for task in polled.values())]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+        self._polled.clear()
 
     async def _loop(self, name: str, endpoint: Endpoint, interval_s: float,
                     poll: Callable[..., Awaitable[None]], session: aiohttp.ClientSession,

@@ -39,6 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--name", default="fake")
     parser.add_argument("--behaviour", default="{}", help="default behaviour (JSON)")
     parser.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
@@ -50,7 +51,7 @@ def main() -> None:
     from tests.support.fake_upstream_state import FakeState
 
     uvloop.install()
-    web.run_app(make_app(FakeState(args.name, orjson.loads(args.behaviour), args.role)), host="127.0.0.1",
+    web.run_app(make_app(FakeState(args.name, orjson.loads(args.behaviour), args.role)), host=args.host,
                 port=args.port, access_log=None, print=None, shutdown_timeout=0.1)
 
 
@@ -60,13 +61,15 @@ class FakeUpstream:
     """Starts the fake as a process; `url` is its base URL."""
 
     def __init__(self, name: str = "fake", behaviour: dict[str, Any] | None = None, wait: bool = True,
-                 role: str = "both") -> None:
+                 role: str = "both", host: str = "127.0.0.1", port: int | None = None) -> None:
+        """`host`: another loopback address (127.0.0.2...) lets several fakes share a `port`, as the replicas
+        behind one DNS name do."""
         self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = free_port() if port is None else port
+        self.url = f"http://{host}:{self.port}"
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.fake_upstream", "--port", str(self.port), "--name", name,
-             "--behaviour", orjson.dumps(behaviour or {}).decode(), "--role", role], cwd=REPO_ROOT)
+            [sys.executable, "-m", "tests.support.fake_upstream", "--port", str(self.port), "--host", host,
+             "--name", name, "--behaviour", orjson.dumps(behaviour or {}).decode(), "--role", role], cwd=REPO_ROOT)
         if wait:
             self.wait_ready()
 
