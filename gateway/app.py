@@ -20,7 +20,7 @@ from gateway.access_log import AccessLog
 from gateway.api import messages
 from gateway.auth import Authenticator
 from gateway.breaker import CircuitState
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, models_by_name
 from gateway.dispatch import Dispatcher
 from gateway.drain import DRAIN, Drain
 from gateway.errors import answer_protocol_errors_in_json, make_error_middleware
@@ -113,7 +113,7 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
         config=config, dispatcher=dispatcher, registry=registry, store=store,
         counter=TokenCounter({name: m.tokenizer for name, m in config.models.items()}),
         estimator=OutputLengthEstimator(), metrics=metrics, tracing=tracing, background=background,
-        response_cache=ResponseCache(config.response_cache, store))
+        response_cache=ResponseCache(config.response_cache, store), models_by_name=models_by_name(config.models))
     registry.start(session)
     kv_events.start()
     if sharing:

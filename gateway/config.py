@@ -127,6 +127,7 @@ class ModelConfig:
     session_ttl_s: float = 600.0         # how long an x-session-affinity assignment lives
     mid_stream_failover: bool = True     # a stream whose upstream dies is continued on another endpoint
     response_cache_ttl_s: float | None = None   # this model's response_cache.ttl_s (0: none); None: the global one
+    aliases: tuple[str, ...] = ()        # other names clients may send for it (e.g. a hosted model's name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +221,7 @@ def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
                  for name, body in as_mapping(raw.get("providers"), "providers").items()}
     models = {name: _build_model(name, body, base_dir)
               for name, body in as_mapping(raw.get("models"), "models").items()}
+    models_by_name(models)   # no alias names two models
     for model in models.values():
         for provider in model.providers:
             if provider not in providers:
@@ -370,7 +372,29 @@ def _build_model(name: str, raw: Any, base_dir: Path) -> ModelConfig:
         session_ttl_s=typed_field(raw, "session_ttl_s", float, 600.0, where),
         mid_stream_failover=typed_field(raw, "mid_stream_failover", bool, True, where),
         response_cache_ttl_s=cache_ttl_s,
+        aliases=_aliases(raw.get("aliases"), f"{where}.aliases"),
     )
+
+
+def _aliases(raw: Any, where: str) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(isinstance(name, str) and name for name in raw):
+        raise ConfigError(f"{where}: expected a list of model names")
+    return tuple(raw)
+
+
+def models_by_name(models: Mapping[str, ModelConfig]) -> dict[str, ModelConfig]:
+    """Every name a client may send, its aliases included, to its model; ConfigError where two models claim
+    one name."""
+    named = dict(models)
+    for model in models.values():
+        for alias in model.aliases:
+            if alias in named:
+                raise ConfigError(f"models.{model.name}.aliases: {alias!r} already names model "
+                                  f"{named[alias].name!r}")
+            named[alias] = model
+    return named
 
 
 def _access_log(target: str | None, base_dir: Path) -> str | None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, ModelConfig
 from gateway.dispatch import Dispatcher
 from gateway.load import OutputLengthEstimator
 from gateway.metrics import Metrics
@@ -59,6 +59,7 @@ class Services:
     tracing: Tracing                                   # the app's tracer
     background: BackgroundTasks                        # post-response work
     response_cache: ResponseCache                      # whole answers served again (off unless configured)
+    models_by_name: Mapping[str, ModelConfig]          # every name a client may send (aliases too) to its model
 
 
 SERVICES: web.AppKey[Services] = web.AppKey("switchyard_services", Services)

@@ -71,6 +71,9 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
     API surface translated into this one passes `sse_response` to re-encode a streamed answer."""
     services = request.app[SERVICES]
     model = model_for(request, body["model"])
+    if body["model"] != model.name:     # an alias: upstreams know the model by its name
+        body = {**body, "model": model.name}
+        raw = orjson.dumps(body)
     with services.tracing.span("request") as span:
         if span is not None:
             span.set_attribute("switchyard.model", model.name)

@@ -55,8 +55,8 @@ async def count_tokens(request: web.Request) -> web.Response:
         body = {**body, "max_tokens": 1}    # counting takes no max_tokens; the translation needs one
     chat = inbound.to_chat_body(body)
     check_body(chat, Surface.CHAT, services.config.limits)
-    model_for(request, chat["model"])
-    counted = services.counter.count_chat(chat["model"], chat["messages"], chat.get("continue_final_message") is True,
+    model = model_for(request, chat["model"])
+    counted = services.counter.count_chat(model.name, chat["messages"], chat.get("continue_final_message") is True,
                                           chat.get("tools"))
     return web.Response(body=orjson.dumps({"input_tokens": counted.num_tokens}), content_type="application/json")
 

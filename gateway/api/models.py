@@ -14,11 +14,12 @@ from gateway.services import SERVICES
 
 
 def model_for(request: web.Request, name: Any) -> ModelConfig:
-    """The configured model `name` where the caller's key may use it; else 404 `model_not_found`, one answer
-    for a model that is not there and one the key may not use (as OpenAI answers both)."""
-    model = request.app[SERVICES].config.models.get(name) if isinstance(name, str) else None
+    """The configured model `name` (or that one of its aliases names) where the caller's key may use it; else
+    404 `model_not_found`, one answer for a model that is not there and one the key may not use (as OpenAI
+    answers both)."""
+    model = request.app[SERVICES].models_by_name.get(name) if isinstance(name, str) else None
     key = request.get(API_KEY)
-    if model is None or (key is not None and not key.may_use(name)):
+    if model is None or (key is not None and not key.may_use(model.name)):
         raise NotFound(f"The model {name!r} does not exist or you do not have access to it", param="model",
                        code="model_not_found")
     return model
@@ -27,13 +28,14 @@ def model_for(request: web.Request, name: Any) -> ModelConfig:
 async def list_models(request: web.Request) -> web.Response:
     services = request.app[SERVICES]
     key = caller_key(request)
-    data = [_model(name) for name in services.config.models if key is None or key.may_use(name)]
+    data = [_model(name) for name, model in services.models_by_name.items() if key is None or key.may_use(model.name)]
     return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
 
 
 async def get_model(request: web.Request) -> web.Response:
     """One model, as the OpenAI SDK's `models.retrieve` asks for it (a name may hold slashes)."""
-    name = model_for(request, request.match_info["model"]).name
+    name = request.match_info["model"]
+    model_for(request, name)
     return web.Response(body=orjson.dumps(_model(name)), content_type="application/json")
 
 

@@ -1,6 +1,6 @@
 """Security with keys configured, against a real gateway process: every route but the probes needs a
-key, /metrics an admin one; a key sees only its own usage and uses only its models; no secret reaches a log or a trace; the
-limits that protect the process (header, body, messages, max_tokens, slow clients, streams per key);
+key, /metrics an admin one; a key sees only its own usage and uses only its models; no secret reaches a
+log or a trace; the limits that protect the process (header, body, messages, max_tokens, slow clients, streams per key);
 TLS 1.2 at least."""
 from __future__ import annotations
 
@@ -233,7 +233,7 @@ async def test_slow_clients_cannot_hold_a_connection(start_fakes, start_gateway)
             return True
         try:
             return await asyncio.wait_for(reader.read(1), 0.2) == b""
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         except ConnectionError:
             return True
@@ -330,3 +330,4 @@ try:
 except ssl.SSLError as exc:
     print("refused")
 """
+
