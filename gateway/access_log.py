@@ -50,15 +50,24 @@ class AccessRecord:
 
 
 class AccessLog:
+    """Its file is opened when the app starts (`open`), not when it is built (`switchyard gateway --check`)."""
+
     def __init__(self, target: str) -> None:
+        self._target = target
+        self._fd: int | None = None
+
+    def open(self) -> None:
+        target = self._target
         self._fd = 1 if target == "-" else os.open(Path(target), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
 
     def close(self) -> None:
-        if self._fd != 1:
+        if self._fd is not None and self._fd != 1:
             os.close(self._fd)
+        self._fd = None
 
     def write(self, line: dict[str, Any]) -> None:
-        os.write(self._fd, orjson.dumps(line) + b"\n")
+        if self._fd is not None:
+            os.write(self._fd, orjson.dumps(line) + b"\n")
 
     def middleware(self) -> Any:
         @web.middleware

@@ -20,7 +20,7 @@ from gateway.access_log import AccessLog
 from gateway.api import messages
 from gateway.auth import Authenticator
 from gateway.breaker import CircuitState
-from gateway.config import GatewayConfig, models_by_name
+from gateway.config import ConfigError, GatewayConfig, models_by_name
 from gateway.dispatch import Dispatcher
 from gateway.drain import DRAIN, Drain
 from gateway.errors import answer_protocol_errors_in_json, make_error_middleware
@@ -61,6 +61,7 @@ def create_app(config: GatewayConfig) -> web.Application:
                                        drain.middleware(), access],
                           client_max_size=config.max_body_bytes)
     if access_log is not None:
+        app.on_startup.append(lambda _: _open(access_log))
         app.on_cleanup.append(lambda _: _close(access_log))
     app[CONFIG] = config
     app[DRAIN] = drain
@@ -70,14 +71,21 @@ def create_app(config: GatewayConfig) -> web.Application:
     return app
 
 
+async def _open(access_log: AccessLog) -> None:
+    access_log.open()
+
+
 async def _close(access_log: AccessLog) -> None:
     access_log.close()
 
 
 def _check_policies(config: GatewayConfig) -> None:
-    """Fail at start-up (not on the first request) on a bad policy name or option."""
+    """Fail at start-up (not on the first request) on a bad policy name or option, naming the field."""
     for model in config.models.values():
-        make_policy(PolicyName(model.policy.name), model.policy.options)
+        try:
+            make_policy(PolicyName(model.policy.name), model.policy.options)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"models.{model.name}.policy: {exc}") from None
 
 
 async def _services_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -11,6 +11,10 @@ import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.config import GatewayConfig
 
 
 def _exec_module(module: str, args: Sequence[str]) -> None:
@@ -24,6 +28,8 @@ def gateway_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=_workers_arg, default=1, metavar="N|auto",
                         help="processes serving the port (SO_REUSEPORT); N > 1 needs redis_url. auto: the "
                              "cores, at most 4, with redis_url; 1 without (default: 1)")
+    parser.add_argument("--check", action="store_true",
+                        help="check the config (as start-up does, without the network) and exit: 0 if it is good")
     parser.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # one of --workers N
     return parser
 
@@ -38,6 +44,9 @@ def _run_gateway(args: Sequence[str]) -> None:
         num_workers = resolve_workers(options.workers, config.redis_url)
     except (ConfigError, WorkersError) as exc:
         raise SystemExit(f"switchyard gateway: {exc}") from None
+    if options.check:
+        _check(config)
+        return
     configure_logging(config.log_level)
     if num_workers > 1 and not options.reuse_port:
         raise SystemExit(run_workers(options.config, num_workers, config.drain_timeout_s))
@@ -50,6 +59,21 @@ def _run_gateway(args: Sequence[str]) -> None:
         pass
     except ConfigError as exc:  # a provider kind's own checks run when the app is built
         raise SystemExit(f"switchyard gateway: {exc}") from None
+
+
+def _check(config: GatewayConfig) -> None:
+    """What start-up checks before it serves (the provider kinds' and policies' own checks included)."""
+    from gateway.app import create_app
+    from gateway.config import ConfigError
+    from gateway.discovery import is_discovered
+    try:
+        create_app(config)
+    except ConfigError as exc:
+        raise SystemExit(f"switchyard gateway: {exc}") from None
+    urls = {url for p in config.providers.values() for pool in p.pools().values() for url in pool}
+    names = sum(1 for url in urls if is_discovered(url))
+    print(f"config OK: {len(config.models)} models, {len(config.providers)} providers, {len(urls) - names} "
+          f"endpoints and {names} DNS names, {len(config.api_keys)} API keys")
 
 
 def _workers_arg(value: str) -> int | None:

@@ -14,3 +14,25 @@ def test_cli_rejects_bad_invocations(argv: list[str], message: str) -> None:
 
     with pytest.raises(SystemExit, match=message):
         main(argv)
+
+
+def test_check_validates_a_config_as_start_up_does(tmp_path, capsys) -> None:
+    """`switchyard gateway --check`: the loader's checks and those start-up makes when it builds the app (a
+    policy's options, a provider kind's pools), without the network; 0 and a summary for a good config."""
+    from gateway.cli import main
+
+    good = tmp_path / "good.yaml"
+    good.write_text("models: {m: {providers: [p, q]}}\n"
+                    "providers: {p: {endpoints: ['http://h:1', 'dns+http://workers:8000']},\n"
+                    "            q: {kind: switchyard-pd, prefill_endpoints: ['http://pf:1'], endpoints: ['http://d:1']}}\n")
+    main(["gateway", "--config", str(good), "--check"])
+    assert "config OK: 1 models, 2 providers, 3 endpoints and 1 DNS names" in capsys.readouterr().out
+    providers = "\nproviders: {p: {endpoints: ['http://h:1']}}"
+    for text, message in (
+            ("models: {m: {providers: [p], policy: {name: least_tokens, options: {bogus: 1}}}}" + providers, "bogus"),
+            ("models: {m: {providers: [p]}}\nproviders: {p: {endpoints: ['http://h:1'], prefill_endpoints: "
+             "['http://h:2']}}", "only for kind switchyard-pd")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(SystemExit, match=message):
+            main(["gateway", "--config", str(bad), "--check"])
