@@ -47,7 +47,7 @@ def _run_gateway(args: Sequence[str]) -> None:
     if options.check:
         _check(config)
         return
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, json_lines=config.log_format == "json")
     if num_workers > 1 and not options.reuse_port:
         raise SystemExit(run_workers(options.config, num_workers, config.drain_timeout_s))
     import uvloop

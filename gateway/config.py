@@ -16,11 +16,15 @@ import yaml
 
 from gateway.config_keys import ApiKeyConfig as ApiKeyConfig
 from gateway.config_keys import build_keys
+from gateway.config_models import ModelConfig as ModelConfig
+from gateway.config_models import PolicyConfig as PolicyConfig
+from gateway.config_models import build_model
+from gateway.config_models import models_by_name as models_by_name
 from gateway.config_yaml import ConfigError as ConfigError
-from gateway.discovery import DnsName, is_discovered
 from gateway.config_yaml import (as_mapping, check_known, enum_value, expand_tree, quote_hint, simple_record,
                                  typed_field)
 from gateway.config_yaml import expand_env as expand_env
+from gateway.discovery import DnsName, is_discovered
 
 
 class ProviderKind(str, Enum):
@@ -112,25 +116,6 @@ class ProviderConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class PolicyConfig:
-    name: str = "least_tokens"           # a policies.registry.PolicyName value
-    options: Mapping[str, Any] = field(default_factory=dict)  # passed to make_policy as is
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    name: str                            # the model name clients send
-    providers: tuple[str, ...]           # ordered fallback chain of provider names
-    tokenizer: Path | None = None        # folder with tokenizer.json; None: chars/4 estimate
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    block_size: int = 16                 # tokens per KV block, as the workers hash them
-    session_ttl_s: float = 600.0         # how long an x-session-affinity assignment lives
-    mid_stream_failover: bool = True     # a stream whose upstream dies is continued on another endpoint
-    response_cache_ttl_s: float | None = None   # this model's response_cache.ttl_s (0: none); None: the global one
-    aliases: tuple[str, ...] = ()        # other names clients may send for it (e.g. a hosted model's name)
-
-
-@dataclass(frozen=True, slots=True)
 class RetryConfig:
     max_attempts: int = 4                # upstream legs per request, all providers together
     backoff_initial_s: float = 0.02      # first backoff (exponential, with jitter)
@@ -194,6 +179,7 @@ class GatewayConfig:
     ready: ReadyRequirement = ReadyRequirement.EACH_MODEL
     log_level: str = "WARNING"
     access_log: str | None = None        # a file each API request's JSON line is appended to; "-": stdout
+    log_format: str = "text"             # text | json (one JSON object a line)
 
 
 def load_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> GatewayConfig:
@@ -219,7 +205,7 @@ def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
     check_known(raw, set(GatewayConfig.__dataclass_fields__), "config")
     providers = {name: _build_provider(name, body)
                  for name, body in as_mapping(raw.get("providers"), "providers").items()}
-    models = {name: _build_model(name, body, base_dir)
+    models = {name: build_model(name, body, base_dir)
               for name, body in as_mapping(raw.get("models"), "models").items()}
     models_by_name(models)   # no alias names two models
     for model in models.values():
@@ -250,6 +236,7 @@ def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
         ready=enum_value(ReadyRequirement, raw.get("ready", "each_model"), "ready"),
         log_level=str(raw.get("log_level", "WARNING")).upper(),
         access_log=_access_log(typed_field(raw, "access_log", str, None, "config"), base_dir),
+        log_format=_one_of(raw, "log_format", ("text", "json")),
     )
 
 
@@ -344,57 +331,11 @@ def _urls(value: Any, where: str) -> tuple[str, ...]:
     return tuple(e.rstrip("/") for e in value)
 
 
-def _build_model(name: str, raw: Any, base_dir: Path) -> ModelConfig:
-    where = f"models.{name}"
-    raw = as_mapping(raw, where)
-    check_known(raw, set(ModelConfig.__dataclass_fields__) - {"name"}, where)
-    chain = raw.get("providers")
-    if isinstance(chain, str):
-        chain = [chain]
-    if not isinstance(chain, list) or not chain:
-        raise ConfigError(f"{where}.providers: expected a non-empty list of provider names")
-    policy_raw = as_mapping(raw.get("policy"), f"{where}.policy")
-    if isinstance(raw.get("policy"), str):
-        policy_raw = {"name": raw["policy"]}
-    check_known(policy_raw, {"name", "options"}, f"{where}.policy")
-    policy = PolicyConfig(name=str(policy_raw.get("name", "least_tokens")),
-                          options=dict(as_mapping(policy_raw.get("options"), f"{where}.policy.options")))
-    tokenizer = raw.get("tokenizer") or None
-    block_size = typed_field(raw, "block_size", int, 16, where)
-    if block_size <= 0:
-        raise ConfigError(f"{where}.block_size: must be positive")
-    cache_ttl_s = typed_field(raw, "response_cache_ttl_s", float, None, where)
-    if cache_ttl_s is not None and cache_ttl_s < 0:
-        raise ConfigError(f"{where}.response_cache_ttl_s: must be >= 0")
-    return ModelConfig(
-        name=name, providers=tuple(str(p) for p in chain),
-        tokenizer=base_dir / str(tokenizer) if tokenizer else None, policy=policy, block_size=block_size,
-        session_ttl_s=typed_field(raw, "session_ttl_s", float, 600.0, where),
-        mid_stream_failover=typed_field(raw, "mid_stream_failover", bool, True, where),
-        response_cache_ttl_s=cache_ttl_s,
-        aliases=_aliases(raw.get("aliases"), f"{where}.aliases"),
-    )
-
-
-def _aliases(raw: Any, where: str) -> tuple[str, ...]:
-    if raw is None:
-        return ()
-    if not isinstance(raw, list) or not all(isinstance(name, str) and name for name in raw):
-        raise ConfigError(f"{where}: expected a list of model names")
-    return tuple(raw)
-
-
-def models_by_name(models: Mapping[str, ModelConfig]) -> dict[str, ModelConfig]:
-    """Every name a client may send, its aliases included, to its model; ConfigError where two models claim
-    one name."""
-    named = dict(models)
-    for model in models.values():
-        for alias in model.aliases:
-            if alias in named:
-                raise ConfigError(f"models.{model.name}.aliases: {alias!r} already names model "
-                                  f"{named[alias].name!r}")
-            named[alias] = model
-    return named
+def _one_of(raw: Mapping[str, Any], name: str, choices: tuple[str, ...]) -> str:
+    value = str(raw.get(name, choices[0]))
+    if value not in choices:
+        raise ConfigError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
+    return value
 
 
 def _access_log(target: str | None, base_dir: Path) -> str | None:

@@ -9,8 +9,10 @@ import logging
 import os
 from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
+from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from opentelemetry import trace
 from opentelemetry.propagate import inject
 
@@ -44,14 +46,28 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-def configure_logging(level: str) -> None:
-    """Called once by the CLI: every log line carries the request id."""
+def configure_logging(level: str, json_lines: bool = False) -> None:
+    """Called once by the CLI: every log line carries the request id; `json_lines`: one JSON object a line."""
     handler = logging.StreamHandler()
     handler.addFilter(RequestIdFilter())
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    handler.setFormatter(JsonLines() if json_lines else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+class JsonLines(logging.Formatter):
+    """`log_format: json`: time (UTC), level, logger, request id, message, and the traceback where there is one,
+    as one JSON object a line, for a log pipeline to read without patterns."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+                "level": record.levelname, "logger": record.name,
+                "request_id": getattr(record, "request_id", "-"), "message": record.getMessage()}
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(line).decode()
 
 
 class Tracing:

@@ -36,3 +36,25 @@ def test_check_validates_a_config_as_start_up_does(tmp_path, capsys) -> None:
         bad.write_text(text)
         with pytest.raises(SystemExit, match=message):
             main(["gateway", "--config", str(bad), "--check"])
+
+
+def test_json_log_lines(start_fakes, start_gateway) -> None:
+    """`log_format: json`: every line the gateway logs is one JSON object with its time, level, logger, request id
+    and message (here, among others, an endpoint found unhealthy)."""
+    import orjson
+
+    from tests.gateway.conftest import gateway_config
+    from tests.support.wait import wait_until
+
+    (fake,) = start_fakes("e0")
+    fake.control(healthy=False)
+    gateway = start_gateway(gateway_config({"p": [fake.url]}, log_format="json", log_level="INFO"),
+                            wait_path="/health")
+
+    def logged() -> list[str] | None:
+        lines = [line for line in gateway.log().splitlines() if line.strip()]
+        return lines if any("unhealthy" in line for line in lines) else None
+    lines = wait_until(logged, "the endpoint logged unhealthy")
+    records = [orjson.loads(line) for line in lines]
+    assert all(set(r) >= {"time", "level", "logger", "request_id", "message"} for r in records), records
+    assert any(r["level"] == "WARNING" and "unhealthy" in r["message"] for r in records)
