@@ -1,7 +1,8 @@
 """Who may call what: the API-key middleware. With keys configured, every route needs one except the
 probes (`/health`, `/ready`), the status page's static HTML (`/status`: it holds no data; its script asks
 for a key) and, when the config says so, `/metrics` and `/status.json`; these two otherwise need an admin
-key. It also caps each key's generation requests in flight on this replica.
+key. It also caps each key's generation requests in flight on this replica. The keys themselves can be
+replaced while it runs (`Keys.auth`: `switchyard gateway` reloads them on SIGHUP).
 
 It decides access only; rate limits and usage stay with admission (they need the request's tokens).
 """
@@ -32,13 +33,25 @@ def caller_key(request: web.Request) -> ApiKey | None:
     return request.get(API_KEY)
 
 
-def make_access_middleware(auth: Authenticator | None,
-                           limits: LimitsConfig) -> Middleware:
+class Keys:
+    """The keys the middleware checks; `auth` may be replaced at any time (None: authentication off)."""
+
+    __slots__ = ("auth",)
+
+    def __init__(self, auth: Authenticator | None) -> None:
+        self.auth = auth
+
+
+KEYS: web.AppKey[Keys] = web.AppKey("switchyard_keys", Keys)
+
+
+def make_access_middleware(keys: Keys, limits: LimitsConfig) -> Middleware:
     in_flight: dict[str, int] = {}  # key_id -> generation requests now being served by this app
 
     @web.middleware
     async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         path = request.path
+        auth = keys.auth
         if auth is None or path in PROBES or path == STATUS_PAGE or (path in ADMIN and limits.metrics_public):
             return await handler(request)
         key = auth.authenticate(request.headers.get("Authorization"), request.headers.get("x-api-key"))

@@ -4,6 +4,7 @@ runtime parts inside the running loop (client session, state store, pollers) and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import signal
@@ -15,12 +16,12 @@ from aiohttp import web
 
 from cache.prefix_index import PrefixIndex
 from gateway import api, status
-from gateway.access import make_access_middleware
+from gateway.access import KEYS, Keys, make_access_middleware
 from gateway.access_log import AccessLog
 from gateway.api import messages
 from gateway.auth import Authenticator
 from gateway.breaker import CircuitState
-from gateway.config import ConfigError, GatewayConfig, models_by_name
+from gateway.config import ConfigError, GatewayConfig, load_config, models_by_name
 from gateway.dispatch import Dispatcher
 from gateway.drain import DRAIN, Drain
 from gateway.errors import answer_protocol_errors_in_json, make_error_middleware
@@ -52,7 +53,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     _check_policies(config)
     for provider in config.providers.values():  # a kind's own checks (e.g. a missing pool) fail here too
         make_provider(provider)
-    access = make_access_middleware(Authenticator.from_config(config.api_keys), config.limits)
+    keys = Keys(Authenticator.from_config(config.api_keys))
+    access = make_access_middleware(keys, config.limits)
     drain = Drain()
     anthropic_errors = {route: messages.error_response for route in (messages.ROUTE, messages.COUNT_TOKENS_ROUTE)}
     error_middleware = make_error_middleware(RequestIds(), anthropic_errors)
@@ -65,10 +67,27 @@ def create_app(config: GatewayConfig) -> web.Application:
         app.on_cleanup.append(lambda _: _close(access_log))
     app[CONFIG] = config
     app[DRAIN] = drain
+    app[KEYS] = keys
     app.add_routes(api.routes())
     app.add_routes(status.routes())
     app.cleanup_ctx.append(_services_ctx)
     return app
+
+
+def reload_keys(app: web.Application, config_path: str) -> None:
+    """SIGHUP: the config file's `api_keys` replace the running ones, for the requests that start from now on
+    (rotating a secret, adding or revoking a key, changing its limits). A file that does not load changes
+    nothing and says why; the other sections need a restart, and a change to them is logged, not applied."""
+    try:
+        new = load_config(config_path)
+        auth = Authenticator.from_config(new.api_keys)
+    except (ConfigError, ValueError) as exc:
+        log.error("SIGHUP: %s does not load, the API keys stay as they were: %s", config_path, exc)
+        return
+    app[KEYS].auth = auth
+    log.warning("SIGHUP: %d API keys loaded from %s", len(new.api_keys), config_path)
+    if dataclasses.replace(new, api_keys=()) != dataclasses.replace(app[CONFIG], api_keys=()):
+        log.warning("SIGHUP: %s changes more than api_keys; the rest takes a restart", config_path)
 
 
 async def _open(access_log: AccessLog) -> None:
@@ -175,9 +194,10 @@ def make_site(runner: web.AppRunner, config: GatewayConfig, reuse_port: bool = F
                     idle_timeout_s=limits.idle_timeout_s, ssl_context=tls, backlog=1024, reuse_port=reuse_port or None)
 
 
-async def serve(config: GatewayConfig, reuse_port: bool = False) -> None:
+async def serve(config: GatewayConfig, reuse_port: bool = False, config_path: str | None = None) -> None:
     """Run the gateway until cancelled (the CLI runs this on uvloop). `reuse_port`: one of several
-    processes on the same port (SO_REUSEPORT; the kernel spreads connections among them)."""
+    processes on the same port (SO_REUSEPORT; the kernel spreads connections among them). `config_path`:
+    where SIGHUP reads the API keys again (`reload_keys`)."""
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream leg.
     # idle_timeout_s bounds a connection that never completes a request header (aiohttp's keep-alive
     # timer runs from the connection's start and is not reset by partial data): no slowloris.
@@ -196,6 +216,8 @@ async def serve(config: GatewayConfig, reuse_port: bool = False) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    if config_path is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload_keys, app, config_path)
     try:
         await stop.wait()
         app[DRAIN].start()

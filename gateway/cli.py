@@ -54,7 +54,7 @@ def _run_gateway(args: Sequence[str]) -> None:
 
     from gateway.app import serve
     try:
-        uvloop.run(serve(config, reuse_port=options.reuse_port))
+        uvloop.run(serve(config, reuse_port=options.reuse_port, config_path=options.config))
     except KeyboardInterrupt:
         pass
     except ConfigError as exc:  # a provider kind's own checks run when the app is built

@@ -67,6 +67,7 @@ def run_workers(config_path: str, num_workers: int, drain_timeout_s: float) -> i
     children = [start(i) for i in range(num_workers)]
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, lambda *_: _forward(children, signal.SIGHUP))   # each reloads its keys
     log.warning("switchyard gateway: %d processes (pids %s) on one port", num_workers,
                 ", ".join(str(c.process.pid) for c in children))
     while not stopping:
@@ -85,6 +86,12 @@ def run_workers(config_path: str, num_workers: int, drain_timeout_s: float) -> i
             time.sleep(RESTART_DELAY_S)
             children[i] = start(child.index)
     return _wait_all(children, drain_timeout_s)
+
+
+def _forward(children: list[_Child], signum: int) -> None:
+    for child in children:
+        if child.process.poll() is None:
+            child.process.send_signal(signum)
 
 
 def _wait_all(children: list[_Child], drain_timeout_s: float) -> int:
