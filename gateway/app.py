@@ -210,14 +210,14 @@ async def serve(config: GatewayConfig, reuse_port: bool = False, config_path: st
     answer_protocol_errors_in_json(runner)
     await make_site(runner, config, reuse_port).start()
     _tune_gc()
-    log.warning("switchyard gateway listening on %s://%s:%d", "https" if config.listen.tls else "http",
-                config.listen.host, config.listen.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     if config_path is not None:
         loop.add_signal_handler(signal.SIGHUP, reload_keys, app, config_path)
+    log.warning("switchyard gateway listening on %s://%s:%d", "https" if config.listen.tls else "http",
+                config.listen.host, config.listen.port)   # last: from here on the signals are handled
     try:
         await stop.wait()
         app[DRAIN].start()

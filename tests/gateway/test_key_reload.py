@@ -54,6 +54,7 @@ async def test_sighup_rotates_the_keys_and_a_bad_file_changes_nothing(start_fake
 async def test_every_process_of_workers_reloads(start_fakes, start_gateway, redis_server) -> None:
     (fake,) = start_fakes("e0")
     gateway = start_gateway(keyed(fake.url, "sk-old", redis_url=redis_server.url), args=("--workers", "2"))
+    await await_until(lambda: gateway.log().count("switchyard gateway listening") == 2, "both processes serving")
     rewrite(gateway, keyed(fake.url, "sk-new"))
     gateway.send_signal(signal.SIGHUP)
 
