@@ -36,6 +36,8 @@ def gateway_parser() -> argparse.ArgumentParser:
 
 def _run_gateway(args: Sequence[str]) -> None:
     options = gateway_parser().parse_args(args)
+    import signal
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)   # until serve (or the --workers parent) handles it: not fatal
     from gateway.config import ConfigError, load_config
     from gateway.tracing import configure_logging
     from gateway.workers import WorkersError, resolve_workers, run_workers
