@@ -22,6 +22,7 @@ from gateway.api import messages
 from gateway.auth import Authenticator
 from gateway.breaker import CircuitState
 from gateway.config import ConfigError, GatewayConfig, load_config, models_by_name
+from gateway.cors import make_cors_middleware
 from gateway.dispatch import Dispatcher
 from gateway.drain import DRAIN, Drain
 from gateway.errors import answer_protocol_errors_in_json, make_error_middleware
@@ -59,7 +60,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     anthropic_errors = {route: messages.error_response for route in (messages.ROUTE, messages.COUNT_TOKENS_ROUTE)}
     error_middleware = make_error_middleware(RequestIds(), anthropic_errors)
     access_log = AccessLog(config.access_log) if config.access_log else None
-    app = web.Application(middlewares=[error_middleware, *([access_log.middleware()] if access_log else []),
+    cors = [make_cors_middleware(config.cors)] if config.cors.allow_origins else []
+    app = web.Application(middlewares=[*cors, error_middleware, *([access_log.middleware()] if access_log else []),
                                        drain.middleware(), access],
                           client_max_size=config.max_body_bytes)
     if access_log is not None:

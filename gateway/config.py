@@ -154,6 +154,13 @@ class ResponseCacheConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class CorsConfig:
+    """Browsers' cross-origin requests (gateway/cors.py); none allowed unless origins are named."""
+    allow_origins: tuple[str, ...] = ()  # e.g. https://app.example.com; "*": any origin
+    max_age_s: int = 600                 # how long a browser may keep a preflight's answer
+
+
+@dataclass(frozen=True, slots=True)
 class TracingConfig:
     exporter: TracingExporter = TracingExporter.NONE
     otlp_endpoint: str | None = None     # e.g. http://collector:4318/v1/traces (otlp only)
@@ -180,6 +187,7 @@ class GatewayConfig:
     log_level: str = "WARNING"
     access_log: str | None = None        # a file each API request's JSON line is appended to; "-": stdout
     log_format: str = "text"             # text | json (one JSON object a line)
+    cors: CorsConfig = field(default_factory=CorsConfig)
 
 
 def load_config(path: str | os.PathLike[str], environ: Mapping[str, str] | None = None) -> GatewayConfig:
@@ -237,6 +245,7 @@ def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
         log_level=str(raw.get("log_level", "WARNING")).upper(),
         access_log=_access_log(typed_field(raw, "access_log", str, None, "config"), base_dir),
         log_format=_one_of(raw, "log_format", ("text", "json")),
+        cors=_cors(as_mapping(raw.get("cors"), "cors")),
     )
 
 
@@ -329,6 +338,17 @@ def _urls(value: Any, where: str) -> tuple[str, ...]:
             except ValueError as exc:
                 raise ConfigError(f"{where}: {exc}") from None
     return tuple(e.rstrip("/") for e in value)
+
+
+def _cors(raw: Mapping[str, Any]) -> CorsConfig:
+    check_known(raw, set(CorsConfig.__dataclass_fields__), "cors")
+    origins = raw.get("allow_origins") or []
+    if not isinstance(origins, list) or not all(isinstance(o, str) and (o == "*" or "://" in o) for o in origins):
+        raise ConfigError("cors.allow_origins: expected a list of origins like https://app.example.com, or '*'")
+    max_age_s = typed_field(raw, "max_age_s", int, 600, "cors")
+    if max_age_s < 0:
+        raise ConfigError("cors.max_age_s: must be >= 0")
+    return CorsConfig(tuple(o.rstrip("/") for o in origins), max_age_s)
 
 
 def _one_of(raw: Mapping[str, Any], name: str, choices: tuple[str, ...]) -> str:

@@ -16,6 +16,7 @@ import orjson
 from aiohttp import web
 from aiohttp.http_writer import StreamWriter
 
+from gateway.cors import CORS_HEADERS
 from gateway.lean_http import LeanRequest
 from gateway.lean_response import LeanSse
 from gateway.tracing import REQUEST_ID_HEADER, request_id_var
@@ -204,6 +205,8 @@ class ClientStream:
                        REQUEST_ID_HEADER: request_id_var.get()}
             if self.extra_headers is not None:
                 headers.update(self.extra_headers)
+            if (cors := self._request.get(CORS_HEADERS)) is not None:
+                headers.update(cors)
             response = self._new_response(status=status, headers=headers)
             await response.prepare(self._request)
             self.response = response
