@@ -62,12 +62,12 @@ class JsonLines(logging.Formatter):
     as one JSON object a line, for a log pipeline to read without patterns."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = {"time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+        line = {"time": datetime.fromtimestamp(record.created, UTC),
                 "level": record.levelname, "logger": record.name,
                 "request_id": getattr(record, "request_id", "-"), "message": record.getMessage()}
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
-        return orjson.dumps(line).decode()
+        return orjson.dumps(line, option=orjson.OPT_UTC_Z).decode()
 
 
 class Tracing:
