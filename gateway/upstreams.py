@@ -61,11 +61,14 @@ class UpstreamRegistry:
         self.endpoints: dict[str, Endpoint] = {}
         self.pools: dict[tuple[str, Pool], list[Endpoint]] = {}   # by (provider name, pool)
         self.discoveries: list[Discovery] = []
+        # Per pool: what its DNS entries name now, by entry (an address its static URLs list stays either way).
+        self._named: dict[tuple[str, Pool], dict[str, set[str]]] = {}
         for provider in config.providers.values():
             for pool, urls in provider.pools().items():
                 self.pools[(provider.name, pool)] = [self._endpoint(url) for url in urls if not is_discovered(url)]
+                self._named[(provider.name, pool)] = {url: set() for url in urls if is_discovered(url)}
                 self.discoveries.extend(
-                    Discovery(DnsName.parse(url), functools.partial(self._discovered, provider, pool, set()), resolver)
+                    Discovery(DnsName.parse(url), functools.partial(self._discovered, provider, pool, url), resolver)
                     for url in urls if is_discovered(url))
         self._session: aiohttp.ClientSession | None = None
         self._polled: dict[str, dict[str, asyncio.Task[None]]] = {}   # endpoint id -> poller name -> its task
@@ -140,25 +143,28 @@ class UpstreamRegistry:
             if wanted and name not in polled:
                 polled[name] = asyncio.create_task(self._loop(name, endpoint, interval, poll, self._session, provider))
 
-    def _discovered(self, provider: ProviderConfig, pool: Pool, known: set[str], urls: list[str]) -> None:
-        """A DNS entry of `provider`'s `pool` names `urls` now (`known`: what it named before, updated here)."""
+    def _discovered(self, provider: ProviderConfig, pool: Pool, entry: str, urls: list[str]) -> None:
+        """The DNS entry `entry` of `provider`'s `pool` names `urls` now: the pool gains the endpoints no entry
+        or static URL listed before, and loses those none lists any more."""
+        named = self._named[(provider.name, pool)]
+        before = set().union(*named.values())
+        named[entry] = set(urls)
+        now = set().union(*named.values())
         listed = self.pools[(provider.name, pool)]
-        for url in sorted(set(urls) - known):
+        static = {url for url in provider.pools()[pool] if not is_discovered(url)}
+        for url in sorted(now - before - static):
             endpoint = self._endpoint(url)
-            if endpoint not in listed:
-                listed.append(endpoint)
+            listed.append(endpoint)
             if not provider.offers_kv_events and not self._prefix_index.is_approximate(url):
                 self._prefix_index.track_routed(url, provider.kv_capacity_tokens // index_block_size(self._config))
             if self._session is not None:
                 self._start_pollers(endpoint, provider)
             log.info("endpoint %s discovered for %s", url, provider.name)
-        for url in sorted(known - set(urls)):
+        for url in sorted(before - now - static):
             listed[:] = [e for e in listed if e.endpoint_id != url]
             log.info("endpoint %s is gone from DNS for %s", url, provider.name)
             if not any(e.endpoint_id == url for pool_endpoints in self.pools.values() for e in pool_endpoints):
                 self._retire(url)
-        known.clear()
-        known.update(urls)
 
     def _retire(self, url: str) -> None:
         """No pool lists `url` any more: its pollers stop, and what the gateway knew of it is forgotten (a

@@ -96,3 +96,30 @@ async def test_the_registry_follows_a_name_whose_addresses_change() -> None:
     finally:
         for replica in replicas.values():
             replica.stop()
+
+
+async def test_an_address_stays_while_any_entry_or_static_url_lists_it() -> None:
+    """Two DNS entries and a static URL in one pool: an address is listed once, and goes only when nothing lists
+    it (no pollers here: the registry is not started)."""
+    names = {"a": ["127.0.0.1", "127.0.0.9"], "b": ["127.0.0.1"]}
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return names[host]
+
+    config = parse_config(orjson.dumps(gateway_config({"p": ["http://127.0.0.9:80", "dns+http://a:80",
+                                                              "dns+http://b:80"]})).decode(), {})
+    registry = UpstreamRegistry(config, LoadTracker(), PrefixIndex(), resolver=resolver)
+    a, b = registry.discoveries
+
+    def pool() -> list[str]:
+        return [e.endpoint_id for e in registry.pool("p", Pool.MAIN)]
+
+    await a.refresh()
+    await b.refresh()
+    assert pool() == ["http://127.0.0.9:80", "http://127.0.0.1:80"]
+    names["a"] = []
+    await a.refresh()                      # b still names .1; .9 is a static URL
+    assert pool() == ["http://127.0.0.9:80", "http://127.0.0.1:80"]
+    names["b"] = []
+    await b.refresh()
+    assert pool() == ["http://127.0.0.9:80"] and "http://127.0.0.1:80" not in registry.endpoints
