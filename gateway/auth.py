@@ -69,6 +69,9 @@ class Authenticator:
     def __len__(self) -> int:
         return len(self._by_digest)
 
+    def by_id(self, key_id: str) -> ApiKey | None:
+        return next((key for key in self._by_digest.values() if key.key_id == key_id), None)
+
     def authenticate(self, authorization: str | None, api_key: str | None = None) -> ApiKey | None:
         """The key named by an `Authorization: Bearer <key>` header value or else by an `x-api-key` one
         (as Anthropic's SDK sends it), or None (missing, malformed or unknown: answer 401)."""

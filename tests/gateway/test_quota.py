@@ -82,6 +82,11 @@ async def test_two_replicas_share_one_quota_through_redis(start_fakes, start_gat
     assert status == 429 and refusal["error"]["code"] == "insufficient_quota", answers
     assert 3 <= len(served) <= 6 and retry_after is not None and int(retry_after) > 3600
     assert fake.stats()["num_requests"] == len(served)
+    async with aiohttp.ClientSession() as client, client.get(
+            replicas[1].url + "/v1/usage", headers={"Authorization": "Bearer sk-quota"}) as response:
+        usage = await response.json()
+    assert usage["limits"]["max_tokens_per_day"] == 45 and usage["limits"]["max_tokens_per_min"] is None
+    assert 0 <= usage["tokens_left_today"] < 10       # what the served requests' 10 tokens each left of 45
 
 
 async def test_answers_carry_openai_rate_limit_headers(start_fakes, start_gateway) -> None:
@@ -116,3 +121,9 @@ async def test_answers_carry_openai_rate_limit_headers(start_fakes, start_gatewa
         async with client.post(gateway.url + "/v1/chat/completions", json=chat,
                                headers={"Authorization": "Bearer sk-free"}) as response:
             assert response.status == 200 and not any(k.startswith("x-ratelimit-") for k in response.headers)
+        for key, limits in (("sk-limited", {"max_requests_per_min": 4, "max_tokens_per_min": 1000}), ("sk-free", {})):
+            async with client.get(gateway.url + "/v1/usage", headers={"Authorization": f"Bearer {key}"}) as response:
+                usage = await response.json()
+            assert usage["limits"] == {"max_requests_per_min": None, "max_tokens_per_min": None,
+                                       "max_tokens_per_day": None, "max_concurrent_requests": None, "models": None,
+                                       **limits} and "tokens_left_today" not in usage
