@@ -106,11 +106,11 @@ async def settle(services: Services, charge: Charge, num_prompt_tokens: int, usa
 
 
 async def _settle(services: Services, charge: Charge, num_prompt_tokens: int, usage: StreamUsage) -> None:
-    num_prompt = usage.num_prompt_tokens if usage.num_prompt_tokens is not None else num_prompt_tokens
-    actual = num_prompt + usage.num_output_tokens if usage.num_output_tokens or usage.exact else 0
+    num_prompt = usage.prompt_tokens(num_prompt_tokens)
+    actual = num_prompt + usage.num_output_tokens if usage.served else 0
     if actual != charge.num_tokens:
         for bucket in charge.buckets:
             await services.store.charge_tokens(bucket, actual - charge.num_tokens)
-    if usage.num_output_tokens or usage.exact:
+    if usage.served:
         await services.store.record_usage(charge.key.key_id, num_prompt, usage.num_cached_tokens,
                                           usage.num_output_tokens)

@@ -109,6 +109,15 @@ class ProviderConfig:
     offers_token_ids: bool = False       # endpoints send `token_ids` and take `resume_token_ids` (switchyard workers):
                                          # a stream continued on them goes on from the exact tokens
 
+    def auth_headers(self) -> dict[str, str]:
+        """The provider's key as its kind sends it (`x-api-key` to Anthropic's API, else a Bearer token), on its
+        legs and on the pollers' requests ({} without a key)."""
+        if not self.api_key:
+            return {}
+        if self.kind is ProviderKind.ANTHROPIC:
+            return {"x-api-key": self.api_key}
+        return {"Authorization": f"Bearer {self.api_key}"}
+
     def pools(self) -> dict[Pool, tuple[str, ...]]:
         """The provider's non-empty endpoint pools (pollers and breakers cover every one)."""
         pools = {Pool.MAIN: self.endpoints, Pool.PREFILL: self.prefill_endpoints}

@@ -6,7 +6,7 @@ records them), bounded by an estimate of the endpoint's KV capacity. Decides mod
 from __future__ import annotations
 
 from cache.prefix_index import PrefixIndex
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, ProviderConfig
 from gateway.discovery import is_discovered
 from gateway.load import LoadReport
 
@@ -27,8 +27,14 @@ def configure_prefix_index(index: PrefixIndex, config: GatewayConfig) -> None:
     for provider in config.providers.values():
         for urls in provider.pools().values():
             for url in urls:   # (a dns+http:// entry's endpoints: gateway/upstreams.py, as they are found)
-                if url not in precise and not is_discovered(url) and not index.is_approximate(url):
-                    index.track_routed(url, provider.kv_capacity_tokens // block_size)
+                if url not in precise and not is_discovered(url):
+                    track_approximate(index, url, provider, block_size)
+
+
+def track_approximate(index: PrefixIndex, url: str, provider: ProviderConfig, block_size: int) -> None:
+    """`url`, which publishes no KV events, in approximate mode (once), sized by its provider's capacity."""
+    if not index.is_approximate(url):
+        index.track_routed(url, provider.kv_capacity_tokens // block_size)
 
 
 def on_load_report(index: PrefixIndex, endpoint_id: str, report: LoadReport, block_size: int) -> None:

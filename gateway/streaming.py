@@ -37,6 +37,15 @@ class StreamUsage:
     num_cached_tokens: int = 0           # usage.prompt_tokens_details.cached_tokens, when present
     exact: bool = False                  # True once a usage object replaced the event count
 
+    @property
+    def served(self) -> bool:
+        """An upstream answered something to count: output, or a usage object (embeddings have no output)."""
+        return bool(self.num_output_tokens or self.exact)
+
+    def prompt_tokens(self, counted: int) -> int:
+        """The upstream's prompt count, else the gateway's own (`counted`)."""
+        return counted if self.num_prompt_tokens is None else self.num_prompt_tokens
+
 
 class SseCounter:
     """Frames the relayed bytes into SSE events to count output tokens (one per content event) and

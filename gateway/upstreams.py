@@ -21,11 +21,11 @@ import orjson
 from cache.kv_events import KvEventBatch
 from cache.prefix_index import PrefixIndex
 from gateway.breaker import CircuitBreaker, CircuitState
-from gateway.config import GatewayConfig, Pool, ProviderConfig, ProviderKind
+from gateway.config import GatewayConfig, Pool, ProviderConfig
 from gateway.discovery import Discovery, DnsName, Resolver, is_discovered, resolve
 from gateway.load import LoadReport, LoadTracker, RestoreFractions
 from gateway.metrics import EndpointRow, PollFailureRow
-from gateway.prefix_index import index_block_size, on_load_report
+from gateway.prefix_index import index_block_size, on_load_report, track_approximate
 from gateway.vllm_metrics import load_report_from_metrics
 
 log = logging.getLogger(__name__)
@@ -155,8 +155,8 @@ class UpstreamRegistry:
         for url in sorted(now - before - static):
             endpoint = self._endpoint(url)
             listed.append(endpoint)
-            if not provider.offers_kv_events and not self._prefix_index.is_approximate(url):
-                self._prefix_index.track_routed(url, provider.kv_capacity_tokens // index_block_size(self._config))
+            if not provider.offers_kv_events:
+                track_approximate(self._prefix_index, url, provider, index_block_size(self._config))
             if self._session is not None:
                 self._start_pollers(endpoint, provider)
             log.info("endpoint %s discovered for %s", url, provider.name)
@@ -214,7 +214,7 @@ class UpstreamRegistry:
     async def _poll_health(self, endpoint: Endpoint, session: aiohttp.ClientSession,
                            client_timeout: aiohttp.ClientTimeout, provider: ProviderConfig) -> None:
         url = endpoint.endpoint_id + (provider.health_path or "")
-        async with session.get(url, timeout=client_timeout, headers=poll_headers(provider)) as response:
+        async with session.get(url, timeout=client_timeout, headers=provider.auth_headers()) as response:
             await response.read()
             healthy = response.status == 200
         if healthy != endpoint.healthy:
@@ -232,7 +232,7 @@ class UpstreamRegistry:
     async def _poll_vllm_metrics(self, endpoint: Endpoint, session: aiohttp.ClientSession,
                                  client_timeout: aiohttp.ClientTimeout, provider: ProviderConfig) -> None:
         async with session.get(f"{endpoint.endpoint_id}/metrics", timeout=client_timeout,
-                               headers=poll_headers(provider)) as response:
+                               headers=provider.auth_headers()) as response:
             text = await response.text()
             if response.status != 200:
                 raise RuntimeError(f"GET {endpoint.endpoint_id}/metrics: HTTP {response.status}")
@@ -270,19 +270,9 @@ def _on_poll_failure(name: str, endpoint: Endpoint, exc: Exception) -> None:
                 "counted in switchyard_poll_failures_total)", name, endpoint.endpoint_id, exc)
 
 
-def poll_headers(provider: ProviderConfig) -> dict[str, str]:
-    """The provider's key on the pollers' requests too (a worker started with --api-key guards /load and
-    /kv_events)."""
-    if not provider.api_key:
-        return {}
-    if provider.kind is ProviderKind.ANTHROPIC:
-        return {"x-api-key": provider.api_key}
-    return {"Authorization": f"Bearer {provider.api_key}"}
-
-
 async def _get_json(session: aiohttp.ClientSession, url: str, client_timeout: aiohttp.ClientTimeout,
                     provider: ProviderConfig) -> Mapping[str, object]:
-    async with session.get(url, timeout=client_timeout, headers=poll_headers(provider)) as response:
+    async with session.get(url, timeout=client_timeout, headers=provider.auth_headers()) as response:
         body = await response.read()
         if response.status != 200:
             raise RuntimeError(f"GET {url}: HTTP {response.status}")

@@ -11,7 +11,7 @@ import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,13 +24,13 @@ from backends.engine.json_output import JsonOutput
 from backends.engine.kv_connector import KVConnector, KVTransferParams
 from backends.engine.kv_events import KVEventRing
 from backends.engine.outputs import EngineStats, FinishReason, LoadReport, SequenceOutput
+from backends.engine.runner import ModelRunnerLike, build_runner, resolve_model_dir
 from backends.engine.sampling_params import SamplingParams
 from backends.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from backends.engine.sequence import Sequence, SequenceStatus
 from backends.spec.adaptive import SpecPolicy, StepCost
 from backends.spec.proposer import DraftRequest, Proposer
 from backends.spec.verify import Verified, verify
-from backends.worker.batch import ForwardBatch
 from backends.worker.pooler import pool_last_tokens
 from backends.worker.sampler import MAX_LOGPROBS, SampleRow
 
@@ -39,42 +39,6 @@ if TYPE_CHECKING:
 
 __all__ = ["EngineRequestError", "EngineStats", "LLMEngine", "LoadReport", "ModelRunnerLike"]
 log = logging.getLogger(__name__)
-
-# Decode batches of more sequences than this run eagerly on CUDA (each captured bucket costs start time).
-MAX_CUDA_GRAPH_BATCH = 256
-
-
-class ModelRunnerLike(Protocol):
-    config: Any                 # the HF config
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    vocab_size: int
-
-    def execute(self, batch: ForwardBatch) -> torch.Tensor: ...
-
-    # Only for embedding inputs or a proposer that wants the target's hidden states (the real ModelRunner has it).
-    def execute_with_hidden(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-def resolve_model_dir(config: EngineConfig) -> Path:
-    from backends.worker.loader import DEFAULT_MODEL_SPEC, resolve_model
-
-    return resolve_model(config.model_dir or DEFAULT_MODEL_SPEC)
-
-
-def build_runner(config: EngineConfig, model_dir: Path) -> ModelRunnerLike:
-    from backends.worker.model_runner import ModelRunner
-
-    kv_gb = None if config.kv_cache_memory_bytes is None else config.kv_cache_memory_bytes / 2**30
-    return ModelRunner(model_dir, dtype=getattr(torch, config.dtype), device=config.device,
-                       num_blocks=config.num_blocks, block_size=config.block_size,
-                       attention_backend=config.attention_backend, kv_cache_memory_gb=kv_gb,
-                       kv_shared_memory=config.kv_shared_memory,
-                       keep_weights_compressed=config.keep_weights_compressed,
-                       cuda_graph_max_batch=min(config.max_num_seqs, MAX_CUDA_GRAPH_BATCH) if config.cuda_graphs else 0,
-                       fingerprint_weights=True)   # KV tiers and KV transfers name the weights by it
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunnerLike | None = None,

@@ -192,10 +192,10 @@ async def _dispatch(services: Services, routed: RoutedRequest, charge: Charge | 
             await settle(services, charge, routed.facts.num_prompt_tokens, usage)
         metrics = services.metrics
         metrics.on_request(routed.model.name, status)
-        if usage.num_output_tokens or usage.exact:      # the upstream served it (as usage records count it)
+        if usage.served:      # as usage records count it
             metrics.on_tokens(routed.model.name, charge.key.key_id if charge is not None else "",
-                              routed.facts.num_prompt_tokens if usage.num_prompt_tokens is None
-                              else usage.num_prompt_tokens, usage.num_cached_tokens, usage.num_output_tokens)
+                              usage.prompt_tokens(routed.facts.num_prompt_tokens), usage.num_cached_tokens,
+                              usage.num_output_tokens)
         if record is not None:
             record.ended(status, outcome.endpoint_id if outcome is not None else None, usage,
                          client.first_data_s if client is not None else None)

@@ -39,9 +39,8 @@ class AnthropicProvider:
         if config.prefill_endpoints:
             raise ConfigError(f"providers.{config.name}.prefill_endpoints: only for kind switchyard-pd")
         self.config = config
-        auth = {"x-api-key": config.api_key} if config.api_key else {}
         self._wire = replace(openai_wire(config), headers={
-            "Content-Type": "application/json", "anthropic-version": API_VERSION, **auth})
+            "Content-Type": "application/json", "anthropic-version": API_VERSION, **config.auth_headers()})
 
     def start(self, progress: Progress, legs: Legs) -> ProviderRun:
         return partial(self._serve, progress, legs)

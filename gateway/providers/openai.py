@@ -19,9 +19,8 @@ from gateway.request import Leg, LegKind, Outcome, Progress, ProviderExhausted, 
 def openai_wire(config: ProviderConfig) -> Wire:
     """Content-Type and the provider's key on every leg; the total limit covers the whole leg, the
     first-byte limit is enforced by `Legs.send`."""
-    auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     timeouts = config.timeouts
-    return Wire(config.name, {"Content-Type": "application/json", **auth},
+    return Wire(config.name, {"Content-Type": "application/json", **config.auth_headers()},
                 aiohttp.ClientTimeout(total=timeouts.total_s, sock_connect=timeouts.connect_s,
                                       connect=timeouts.connect_s, sock_read=timeouts.quiet_s),
                 timeouts.first_byte_s)

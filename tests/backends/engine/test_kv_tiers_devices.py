@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from backends.engine.config import EngineConfig
-from backends.engine.engine import LLMEngine, build_runner
+from backends.engine.engine import LLMEngine
+from backends.engine.runner import build_runner
 from backends.engine.sampling_params import SamplingParams
 from tests.backends.engine.runner_view import RunnerView
 from tests.backends.engine.test_engine_model import hf_greedy, rel_err, tokens
