@@ -1,10 +1,13 @@
 """The workers on a GPU, every figure beside its baseline from the same run (not a test; needs CUDA).
 
     python benchmarks/gpu_bench.py [--sections bandwidth,models,disagg,decoder] [--models smollm2,llama8b]
+        [--variants torch,fused,fused+split] [--no-eager] [--no-generate]
 
 - bandwidth: a device-to-device copy (bytes read + written per second): the floor's denominator.
-- models: the bundled SmolLM2 (its weights) and a Llama-3-8B-shaped model (random bf16 weights: a decode
-  step reads the same bytes whatever they hold), both in bf16 through the engine in this process:
+- models: the bundled SmolLM2 (its weights; `smollm2-shape`: random weights in its shape, where the model
+  package is not installed) and a Llama-3-8B-shaped model (random bf16 weights: a decode step reads the
+  same bytes whatever they hold), both in bf16 through the engine in this process, with each of
+  `--variants`' kernels in turn (torch ops; the fused Triton layer kernels; those and split decode attention):
   - single-stream inter-token latency p50/p90, with CUDA graphs and eagerly, against the memory-bandwidth
     floor (weight and KV bytes read per token / the copy bandwidth above);
   - output tokens/s at concurrency 1, 8 and 64 (prefill included) against transformers' `generate` at
@@ -43,6 +46,14 @@ LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "voca
              "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
              "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
              "max_position_embeddings": 8192, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+# SmolLM2-135M's shape, for a machine without the model package (random weights: the same bytes per step)
+SMOLLM2_SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+                 "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                 "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+                 "max_position_embeddings": 8192, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+SHAPES = {"llama8b": LLAMA3_8B, "smollm2-shape": SMOLLM2_SHAPE}
+# --variants: which CUDA kernels the decoder runs (backends/models/cuda_kernels.py, the attention's splits)
+VARIANTS = {"torch": (False, False), "fused": (True, False), "fused+split": (True, True)}
 CONCURRENCY = (1, 8, 64)
 DEVICE = "cuda"   # a dry run of the model section on the CPU sets "cpu"
 
@@ -89,8 +100,16 @@ def model_folder(name: str, work: Path) -> tuple[Path, bool]:
         return resolve_model("smollm2"), False
     folder = work / name
     folder.mkdir(exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(LLAMA3_8B))
+    (folder / "config.json").write_text(json.dumps(SHAPES[name]))
     return folder, True
+
+
+def use_variant(name: str) -> None:
+    """Point the decoder at a variant's kernels; read when graphs are captured, so set before a runner is built."""
+    from backends.attention import triton_decode
+    from backends.models import cuda_kernels
+
+    cuda_kernels.ENABLED, triton_decode.SPLIT = VARIANTS[name]
 
 
 def bytes_per_token(runner: ModelRunner, context: float) -> float:
@@ -149,7 +168,7 @@ def transformers_generate(folder: Path, random: bool, prompt_len: int, max_token
     if random:
         torch.set_default_dtype(torch.bfloat16)
         with torch.device(DEVICE):
-            model = LlamaForCausalLM(LlamaConfig(**LLAMA3_8B)).eval()
+            model = LlamaForCausalLM(LlamaConfig(**json.loads((folder / "config.json").read_text()))).eval()
         torch.set_default_dtype(torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).to(DEVICE).eval()
@@ -166,7 +185,9 @@ def transformers_generate(folder: Path, random: bool, prompt_len: int, max_token
     return max_tokens / seconds
 
 
-def bench_model(name: str, work: Path, bw: float, prompt_len: int, max_tokens: int) -> None:
+def bench_model(name: str, work: Path, bw: float, prompt_len: int, max_tokens: int, variant: str,
+                eager: bool, generate: bool) -> None:
+    use_variant(variant)
     folder, random = model_folder(name, work)
     num_blocks = 64 * -(-(prompt_len + max_tokens) // 16) * 2 + 64
     runner = ModelRunner(folder, dtype=torch.bfloat16, device=DEVICE, num_blocks=num_blocks, cuda_graph_max_batch=64,
@@ -176,10 +197,11 @@ def bench_model(name: str, work: Path, bw: float, prompt_len: int, max_tokens: i
     graphs = runner.decode_graphs
     run_requests(engine, 2, prompt_len, 16, seed=999)   # warm-up
     floor = bytes_per_token(runner, prompt_len + max_tokens / 2) / bw
-    print(f"\n## {name} ({'random' if random else 'real'} bf16 weights), prompt {prompt_len}, output {max_tokens}")
+    print(f"\n## {name} ({'random' if random else 'real'} bf16 weights), prompt {prompt_len}, output {max_tokens}, "
+          f"kernels: {variant}")
     print(f"bandwidth floor per token: {floor * 1e3:.3f} ms ({bytes_per_token(runner, 0) / 1e9:.3f} GB of weights)")
     print("| decode | ITL p50 ms | ITL p90 ms | p50 / floor |\n|---|---|---|---|")
-    for label, mode in (("CUDA graphs", graphs), ("eager", None)):
+    for label, mode in (("CUDA graphs", graphs), ("eager", None))[:2 if eager else 1]:
         runner.decode_graphs = mode
         _, _, gaps = run_requests(engine, 1, prompt_len, max_tokens, seed=1)
         print(f"| {label} | {pct(gaps, 50) * 1e3:.3f} | {pct(gaps, 90) * 1e3:.3f} | {pct(gaps, 50) / floor:.2f} |")
@@ -192,8 +214,14 @@ def bench_model(name: str, work: Path, bw: float, prompt_len: int, max_tokens: i
     step = runner_step_seconds(runner, prompt_len)
     print(f"\nthe runner alone, one sequence at context {prompt_len} (pack inputs, replay, copy logits out): "
           f"{step * 1e3:.3f} ms = {step / floor:.2f}x the floor; the engine's own work per step is the rest of the ITL")
+    engine.close()
     del engine, runner
     free_memory()
+    if not generate:
+        print("| concurrency | output tok/s |\n|---|---|")
+        for c, rate in rates.items():
+            print(f"| {c} | {rate:.0f} |")
+        return
     baseline = transformers_generate(folder, random, prompt_len, max_tokens)
     free_memory()
     print(f"\ntransformers generate, batch 1: {baseline:.1f} tok/s (the baseline)")
@@ -242,6 +270,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sections", default="bandwidth,models,disagg,decoder")
     p.add_argument("--models", default="smollm2,llama8b")
+    p.add_argument("--variants", default="fused+split",
+                   help=f"kernels to run the models with, each in turn: {', '.join(VARIANTS)} (the default: today's)")
+    p.add_argument("--no-eager", action="store_true", help="models: skip the eager ITL")
+    p.add_argument("--no-generate", action="store_true", help="models: skip transformers' generate")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=256)
     p.add_argument("--streams", type=int, default=8, help="disagg: decode streams")
@@ -259,7 +291,9 @@ def main() -> None:
         print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (bytes read + written)")
     if "models" in sections:
         for name in args.models.split(","):
-            bench_model(name, work, bw, args.prompt_tokens, args.output_tokens)
+            for variant in args.variants.split(","):
+                bench_model(name, work, bw, args.prompt_tokens, args.output_tokens, variant,
+                            not args.no_eager, not args.no_generate)
     if "disagg" in sections:
         bench_disagg(work, args.streams, args.stream_tokens, args.long_prompt_tokens, args.long_every_s)
     if "decoder" in sections:

@@ -142,6 +142,10 @@ class AttentionContext:
         return self.backend.forward(q, k, v, self.k_caches[layer], self.v_caches[layer],
                                     self.slot_mapping, self.metadata)
 
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention of q over the cache, this step's K/V already written there by the caller."""
+        return self.backend.attend(q, self.k_caches[layer], self.v_caches[layer], self.metadata)
+
 
 # name → "module:class"; a new backend is one file and one line here.
 _BACKENDS = {

@@ -1,10 +1,15 @@
 """CUDA attention without flash_attn: a Triton paged-decode kernel for one-token chunks, SDPA for prefill chunks.
 
-The kernel runs one program per (sequence, KV head): it walks the sequence's block table one block at a
-time with an online softmax, for all query heads of that KV head at once (GQA-aware: K/V read once).
+The kernel runs one program per (sequence, KV head, split): each split walks its share of the sequence's
+tokens, a tile at a time (each token's block looked up in the block table), with an online softmax, for
+all query heads of that KV head at once (GQA-aware: K/V read once). With more than one split, a second
+kernel merges the splits' partial softmaxes (flash-decoding): at batch 1 a model has only a few KV heads,
+and one program each would leave most of a GPU's multiprocessors idle while they walk the context in
+series. The split count depends only on the batch's shape, so a CUDA graph captures it.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -14,20 +19,27 @@ import triton.language as tl
 from backends.attention.base import AttentionBackend, AttentionBackendName, DecodeRows, StepLayout, decode_rows
 from backends.attention.sdpa import PaddedGroup, attend_group, padded_group
 
+MAX_SPLITS = 16
+SPLIT = True   # False: one program per (sequence, KV head), as before the splits (a benchmark's baseline)
+
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, scale,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_ptr, block_tables_ptr, seq_lens_ptr, scale,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), TILE) * TILE
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
-    t = tl.arange(0, BLOCK_SIZE)
+    t = tl.arange(0, TILE)
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     heads = kv_head * GROUP + g
@@ -36,15 +48,15 @@ def _paged_decode_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
-    num_blocks = tl.cdiv(seq_len, BLOCK_SIZE)
-    for b in range(0, num_blocks):
-        block = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
-        t_ok = b * BLOCK_SIZE + t < seq_len
-        kv_offsets = block * stride_kb + t[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+    for tile in range(start, end, TILE):
+        token = tile + t
+        t_ok = token < end
+        block = tl.load(block_tables_ptr + seq * stride_bt + token // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+        kv_offsets = (block * stride_kb + (token % BLOCK_SIZE) * stride_kt)[:, None] + kv_head * stride_kh + d[None, :]
         kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_SIZE, DIM_PAD]
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [TILE, DIM_PAD]
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK_SIZE]
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, TILE]
         scores = tl.where(t_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
@@ -52,26 +64,81 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    if SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        # partials [n, NUM_HEADS, SPLITS, DIM_PAD] and stats [n, NUM_HEADS, SPLITS, 2] (max, sum), float32;
+        # an empty split leaves max -inf and sum 0, which the merge weighs at 0
+        row = (seq * NUM_HEADS + heads) * SPLITS + split   # [GROUP_PAD]
+        tl.store(part_ptr + row[:, None] * DIM_PAD + d[None, :], acc, mask=g_ok[:, None])
+        tl.store(stats_ptr + row * 2, m_i, mask=g_ok)
+        tl.store(stats_ptr + row * 2 + 1, l_i, mask=g_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, stats_ptr, out_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS: tl.constexpr,
+                         SPLITS_PAD: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    s_ok = s < SPLITS
+    row = (seq * NUM_HEADS + head) * SPLITS + s
+    m = tl.load(stats_ptr + row * 2, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(stats_ptr + row * 2 + 1, mask=s_ok, other=0.0)
+    m_max = tl.max(m, axis=0)   # finite: split 0 holds the sequence's first token
+    w = tl.where(s_ok, tl.exp(m - m_max), 0.0)
+    part = tl.load(part_ptr + row[:, None] * DIM_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(w[:, None] * part, axis=0) / tl.sum(w * l_s, axis=0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@functools.cache
+def _programs_wanted(device: torch.device) -> int:
+    """Programs that keep every multiprocessor busy: two per SM on CUDA; a few under Triton's interpreter."""
+    if device.type != "cuda":
+        return 8
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(n: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head) for a decode of n sequences: enough programs for the device."""
+    if not SPLIT:
+        return 1
+    return max(1, min(MAX_SPLITS, _programs_wanted(device) // (n * num_kv_heads)))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of q [n, num_heads, head_dim] (one token per sequence) over each sequence's paged K/V."""
+                 seq_lens: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
+    """Attention of q [n, num_heads, head_dim] (one token per sequence) over each sequence's paged K/V.
+    `splits`: programs per (sequence, KV head), by default decode_splits'."""
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    if block_size & (block_size - 1):
-        raise ValueError("the Triton decode kernel needs a power-of-two block_size")
     group = num_heads // num_kv_heads
+    group_pad, dim_pad = max(triton.next_power_of_2(group), 2), triton.next_power_of_2(head_dim)
+    splits = decode_splits(n, num_kv_heads, q.device) if splits is None else splits
+    # a tile of K/V tokens per loop step: as many as keep the [group, tile, dim] products in registers
+    tile = max(16, min(64, 8192 // (group_pad * dim_pad)))
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view of qkv
-    _paged_decode_kernel[(n, num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, scale,
+    if n == 0:
+        return out
+    part = stats = out   # unused with one split
+    if splits > 1:
+        part = torch.empty((n, num_heads, splits, dim_pad), dtype=torch.float32, device=q.device)
+        stats = torch.empty((n, num_heads, splits, 2), dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(n, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, part, stats, block_tables, seq_lens, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 2), HEAD_DIM=head_dim,
-        DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size)
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits)
+    if splits > 1:
+        _merge_splits_kernel[(n, num_heads)](
+            part, stats, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad, SPLITS=splits, SPLITS_PAD=max(triton.next_power_of_2(splits), 2))
     return out
 
 

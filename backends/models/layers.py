@@ -3,6 +3,7 @@ pure functions)."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import math
 import os
@@ -221,8 +222,27 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def cuda_fused() -> bool:
+    """Whether CUDA layers use the Triton kernels of cuda_kernels (Triton installed, not switched off)."""
+    global _CUDA_FUSED
+    if _CUDA_FUSED is None:
+        _CUDA_FUSED = importlib.util.find_spec("triton") is not None
+    if not _CUDA_FUSED:
+        return False
+    from backends.models import cuda_kernels
+
+    return cuda_kernels.ENABLED
+
+
+_CUDA_FUSED: bool | None = None
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up for gate_up [num_tokens, 2 * width], the gate half first (a fused gate_up projection)."""
+    if gate_up.is_cuda and gate_up.dim() == 2 and cuda_fused():
+        from backends.models import cuda_kernels
+
+        return cuda_kernels.silu_mul(gate_up)
     if gate_up.dim() == 2 and fusable(gate_up):
         return torch.ops.switchyard_cpu.silu_mul(gate_up)
     width = gate_up.shape[-1] // 2

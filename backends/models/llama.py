@@ -12,6 +12,7 @@ from torch import nn
 
 from backends.attention.base import AttentionContext
 from backends.models.config import ModelConfig
+from backends.models import layers
 from backends.models.layers import (
     CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, dense, rope_inv_freq, rotary_tables, rotate,
     silu_mul,
@@ -36,6 +37,14 @@ class LlamaAttention(nn.Module):
         """The attention output, plus `residual` when given (added inside o_proj's matrix product on CUDA)."""
         num_tokens, heads, kv_heads, head_dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
+        if qkv.is_cuda and self.q_norm is None and layers.cuda_fused():
+            from backends.models.cuda_kernels import rotary_store
+
+            # one kernel: rotary on q and k, k and v into the cache, q out of qkv
+            q = rotary_store(qkv, cos, sin, heads, kv_heads, attn.k_caches[self.layer], attn.v_caches[self.layer],
+                             attn.slot_mapping)
+            out = attn.attend(self.layer, q)
+            return self.o_proj(out.reshape(num_tokens, heads * head_dim), residual)
         qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
         v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
         if self.q_norm is not None and self.k_norm is not None:   # both or neither

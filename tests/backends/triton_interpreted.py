@@ -11,6 +11,8 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
+from tests.backends import triton_checks  # noqa: E402  (after the interpreter is asserted on)
+
 
 def attention() -> None:
     from backends.attention.base import AttentionShape
@@ -111,5 +113,9 @@ if __name__ == "__main__":
         attention()
     elif sys.argv[1] == "static_decode":
         static_decode()
+    elif sys.argv[1] == "decode_splits":
+        triton_checks.decode_splits(torch.device("cpu"))
+    elif sys.argv[1] == "fused_layers":
+        triton_checks.fused_layers(torch.device("cpu"))
     else:
         compression(Path(sys.argv[2]))

@@ -1,0 +1,104 @@
+"""Triton kernels for the decoder's small elementwise steps on CUDA: one launch where torch takes several.
+
+A decode step of a small model on a GPU is hundreds of tiny kernels at about 3 us each (docs/gpu.md), so
+a layer's kernel count is its floor. Per layer these take:
+- rotary on q and k, the cache writes of k and v, and q's copy out of the fused qkv projection: one
+  kernel (`rotary_store`) where torch took five (three for the rotary, one index_copy_ each for k and v);
+- SiLU(gate) * up: one kernel (`silu_mul`) where torch took two.
+Both compute in float32 and round once to the model's dtype (torch rounds after each op).
+
+Imported only on CUDA (Triton is not a dependency of the CPU worker). `ENABLED` turns them off, for a
+benchmark's same-run baseline; it is read when a layer runs, so a CUDA graph keeps what it captured.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = os.environ.get("SWITCHYARD_CUDA_FUSED", "1") != "0"
+
+
+@triton.jit
+def _rotary_store_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
+    stride_xt, stride_ct, stride_st, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)   # q heads, then k heads, then v heads, as the fused projection lays them out
+    d = tl.arange(0, DIM_PAD)
+    ok = d < HEAD_DIM
+    row = qkv_ptr + token * stride_xt + head * HEAD_DIM
+    x = tl.load(row + d, mask=ok, other=0.0).to(tl.float32)
+    if head < HEADS + KV_HEADS:
+        half = HEAD_DIM // 2
+        partner = tl.where(d < half, d + half, d - half)
+        x_partner = tl.load(row + partner, mask=ok, other=0.0).to(tl.float32)
+        # the full-width tables: cos|cos and -sin|sin (layers.rotary_tables)
+        cos = tl.load(cos_ptr + token * stride_ct + d, mask=ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + token * stride_st + d, mask=ok, other=0.0).to(tl.float32)
+        y = x * cos + x_partner * sin
+        if head < HEADS:
+            tl.store(q_out_ptr + token * stride_qt + head * stride_qh + d, y.to(q_out_ptr.dtype.element_ty), mask=ok)
+        else:
+            slot = tl.load(slots_ptr + token).to(tl.int64)
+            at = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + (head - HEADS) * stride_kh
+            tl.store(k_cache_ptr + at + d, y.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    else:
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        at = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt + (head - HEADS - KV_HEADS) * stride_vh
+        tl.store(v_cache_ptr + at + d, x.to(v_cache_ptr.dtype.element_ty), mask=ok)
+
+
+def rotary_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """From qkv [num_tokens, (heads + 2 * kv_heads) * head_dim]: the rotated q [num_tokens, heads, head_dim]
+    (a new tensor); the rotated k and the v written into the caches ([num_blocks, block_size, kv_heads,
+    head_dim]) at `slot_mapping`. cos, sin: the full-width tables [num_tokens, 1, head_dim]."""
+    num_tokens = qkv.shape[0]
+    head_dim = qkv.shape[1] // (heads + 2 * kv_heads)
+    for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dimension")
+    q = torch.empty((num_tokens, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return q
+    _rotary_store_kernel[(num_tokens, heads + 2 * kv_heads)](
+        qkv, cos, sin, q, k_cache, v_cache, slot_mapping,
+        qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=k_cache.shape[1])
+    return q
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = j < WIDTH
+    gate = tl.load(x_ptr + token * stride_xt + j, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + token * stride_xt + WIDTH + j, mask=ok, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + token * stride_ot + j, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+SILU_BLOCK = 1024
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for gate_up [num_tokens, 2 * width], the gate half first."""
+    if gate_up.dim() != 2 or gate_up.stride(1) != 1:
+        raise ValueError("silu_mul needs a 2-D gate_up with a contiguous last dimension")
+    num_tokens, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((num_tokens, width), dtype=gate_up.dtype, device=gate_up.device)
+    if num_tokens:
+        _silu_mul_kernel[(num_tokens, triton.cdiv(width, SILU_BLOCK))](
+            gate_up, out, gate_up.stride(0), out.stride(0), WIDTH=width, BLOCK=SILU_BLOCK)
+    return out

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (docs/gpu.md, "Running them on a lent GPU machine"): install the wheels
+# carried in .whl, run the gpu-marked tests that need no model file, then the benchmarks. Logs go to $OUT
+# when it is set. Usage: bash benchmarks/gpu_check.sh [tests] [bench] [profile]
+set -u
+OUT=${OUT:-/tmp/gpu-check}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || exit 1
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+steps=${*:-tests bench profile}
+for step in $steps; do
+  case $step in
+    tests)
+      python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
+        tests/backends/test_cuda_fused.py tests/backends/test_attention_gpu.py tests/backends/compression/test_gpu.py \
+        tests/backends/kv_transfer/test_tcp.py tests/backends/engine/test_sampler.py \
+        tests/backends/engine/test_kv_tiers_devices.py tests/backends/engine/test_kv_tiers.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+    bench)
+      python3 benchmarks/gpu_bench.py --sections bandwidth,models --models smollm2-shape,llama8b \
+        --variants torch,fused,fused+split --no-eager --no-generate 2>&1 | grep -v "^INFO\|^WARNING" | tee "$OUT/bench.log" ;;
+    profile)
+      python3 benchmarks/gpu_profile.py --models smollm2-shape,llama8b --variants torch,fused+split 2>&1 \
+        | tee "$OUT/profile.log" | grep -v "^INFO\|^WARNING" ;;
+  esac
+done

@@ -1,0 +1,71 @@
+"""Checks of the Triton kernels that run on any device Triton runs on: on CPU tensors under Triton's
+interpreter (tests/backends/triton_interpreted.py, in `make test`) and on CUDA (tests/backends/test_cuda_fused.py,
+`gpu`-marked). Each prints one line per check and raises on the first mismatch."""
+from __future__ import annotations
+
+import torch
+
+
+def decode_splits(device: torch.device) -> None:
+    """The paged-decode kernel split across programs (flash-decoding) at every split count a step can get,
+    empty splits included (a 1-token sequence over 16 splits), against SDPA; and the default choice."""
+    from backends.attention.base import AttentionShape
+    from backends.attention.sdpa import SDPABackend
+    from backends.attention.triton_decode import MAX_SPLITS, decode_splits, paged_decode
+    from tests.backends.test_attention_gpu import STEPS, random_step
+
+    assert decode_splits(1, 2, device) > 1 and decode_splits(512, 8, device) == 1
+    assert all(1 <= decode_splits(n, h, device) <= MAX_SPLITS for n in range(1, 70) for h in (1, 3, 8))
+    for heads, dtype in (((9, 3, 64), torch.float32), ((8, 2, 128), torch.bfloat16), ((6, 6, 40), torch.float32)):
+        shape = AttentionShape(*heads, block_size=16, scale=heads[2] ** -0.5, dtype=dtype)
+        layout, q, k, v, caches = random_step(shape, *STEPS["decode"], seed=heads[1], device=device)
+        sdpa = SDPABackend(shape)
+        k_cache, v_cache = caches[0].clone(), caches[1].clone()
+        want = sdpa.forward(q, k, v, k_cache, v_cache, layout.slot_mapping, sdpa.prepare(layout)).float()
+        tables = torch.zeros(len(layout.block_tables), max(map(len, layout.block_tables)), dtype=torch.int32)
+        for row, table in enumerate(layout.block_tables):
+            tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        tables, seq_lens = tables.to(device), torch.tensor(layout.seq_lens, dtype=torch.int32, device=device)
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        for splits in (1, 2, 3, MAX_SPLITS):
+            got = paged_decode(q, k_cache, v_cache, tables, seq_lens, shape.scale, splits=splits).float()
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+            print(f"decode heads={heads} {dtype} splits={splits}: triton == sdpa")
+
+
+def fused_layers(device: torch.device) -> None:
+    """backends/models/cuda_kernels.py: rotary + cache writes + q in one kernel, against the torch ops it
+    replaces in float64 (the caches' other slots untouched); SiLU * up against float64."""
+    from backends.attention.base import write_kv
+    from backends.models.cuda_kernels import rotary_store, silu_mul
+    from backends.models.layers import apply_rotary
+
+    gen = torch.Generator().manual_seed(3)
+    for heads, kv_heads, head_dim, dtype in ((9, 3, 64, torch.float32), (4, 2, 128, torch.bfloat16),
+                                             (6, 6, 40, torch.float32)):
+        tokens, num_blocks, block_size = 7, 6, 4
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
+        positions = torch.tensor([0, 1, 5, 17, 300, 2, 9])
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).double() / head_dim))
+        freqs = positions.double()[:, None] * inv_freq[None, :]
+        cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+        cos_full, sin_signed = (torch.cat(t, -1).to(device, dtype) for t in ((cos, cos), (-sin, sin)))
+        slots = torch.tensor([3, 0, 22, 9, 14, 5, 17], device=device)
+        caches = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
+                  for _ in range(2)]
+        k_cache, v_cache = caches[0].clone(), caches[1].clone()
+        q = rotary_store(qkv, cos_full, sin_signed, heads, kv_heads, k_cache, v_cache, slots)
+        cos, sin = cos.to(device), sin.to(device)
+        x = qkv.double().view(tokens, heads + 2 * kv_heads, head_dim)
+        qk = apply_rotary(x[:, :heads + kv_heads], cos, sin)
+        want_k, want_v = caches[0].double(), caches[1].double()
+        write_kv(qk[:, heads:], x[:, heads + kv_heads:], want_k, want_v, slots)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(q.double(), qk[:, :heads], atol=tol, rtol=tol)
+        torch.testing.assert_close(k_cache.double(), want_k, atol=tol, rtol=tol)
+        torch.testing.assert_close(v_cache.double(), want_v, atol=0, rtol=0)   # a copy of v's bits
+        print(f"rotary_store heads={heads}/{kv_heads}x{head_dim} {dtype}: == rotary and cache writes in float64")
+        gate_up = torch.randn(5, 2 * 1500, generator=gen).to(device, dtype) * 3
+        g, u = gate_up.double()[:, :1500], gate_up.double()[:, 1500:]
+        torch.testing.assert_close(silu_mul(gate_up).double(), g * torch.sigmoid(g) * u, atol=tol, rtol=tol)
+        print(f"silu_mul {dtype}: == float64")
