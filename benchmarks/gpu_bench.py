@@ -206,6 +206,8 @@ def bench_model(name: str, work: Path, bw: float, prompt_len: int, max_tokens: i
         _, _, gaps = run_requests(engine, 1, prompt_len, max_tokens, seed=1)
         print(f"| {label} | {pct(gaps, 50) * 1e3:.3f} | {pct(gaps, 90) * 1e3:.3f} | {pct(gaps, 50) / floor:.2f} |")
     runner.decode_graphs = graphs
+    for c in CONCURRENCY:   # every shape these runs meet, once untimed (cuBLAS plans, Triton compiles)
+        run_requests(engine, c, prompt_len, 4, seed=500 + c)
     rates = {}
     for c in CONCURRENCY:
         produced, seconds, _ = run_requests(engine, c, prompt_len, max_tokens, seed=10 + c)

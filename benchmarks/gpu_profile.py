@@ -4,6 +4,7 @@ graph, timed with CUDA events. The kernels' sum is the GPU's busy time; the repl
 launch gaps and idle time add.
 
     python benchmarks/gpu_profile.py [--models smollm2-shape,llama8b] [--variants torch,fused+split]
+        [--decode-configs]   # the decode attention kernel's time by tile and warps
 """
 from __future__ import annotations
 
@@ -55,16 +56,67 @@ def profile(name: str, variant: str, work: Path, context: int, top: int) -> None
     torch.cuda.empty_cache()
 
 
+def graph_time(fn, launches: int = 20, replays: int = 20) -> float:
+    """Median seconds of one `fn` (GPU work only) from a CUDA graph of `launches` calls, replayed."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    return cuda_time(graph.replay, replays) / launches
+
+
+def decode_configs(contexts: tuple[int, ...]) -> None:
+    """The split paged-decode kernel's time by tile and warps (backends/attention/triton_decode.py), at each
+    batch size a decode step meets, beside its default configuration and the unsplit kernel."""
+    from backends.attention import triton_decode
+
+    print("\n## paged decode attention, bf16, block size 16: microseconds per call (CUDA graph of 20 calls)")
+    print("| heads (q/kv x dim) | n | context | unsplit | default (splits, tile) | best (tile, warps) |\n"
+          "|---|---|---|---|---|---|")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for heads, kv_heads, dim in ((9, 3, 64), (32, 8, 128)):
+        for n in (1, 8, 64):
+            for context in contexts:
+                per_seq = -(-context // 16)
+                k_cache = torch.randn(n * per_seq, 16, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                v_cache = torch.randn_like(k_cache)
+                q = torch.randn(n, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                tables = torch.randperm(n * per_seq, device="cuda", generator=gen).view(n, per_seq).int()
+                lens = torch.full((n,), context, device="cuda", dtype=torch.int32)
+
+                def call(**kw: int | None):
+                    return lambda: triton_decode.paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, **kw)
+                unsplit = graph_time(call(splits=1))
+                default = graph_time(call())
+                splits = triton_decode.decode_splits(n, kv_heads, q.device)
+                group_pad = max(triton_next_power_of_2(heads // kv_heads), 2)
+                tile = triton_decode.decode_tile(group_pad, triton_next_power_of_2(dim))
+                tried = {(t, w): graph_time(call(tile=t, num_warps=w)) for t in (16, 32, 64) for w in (1, 2, 4, 8)}
+                best = min(tried, key=tried.__getitem__)
+                print(f"| {heads}/{kv_heads} x {dim} | {n} | {context} | {unsplit * 1e6:.1f} | {default * 1e6:.1f} "
+                      f"({splits}, {tile}) | {tried[best] * 1e6:.1f} {best} |")
+                del k_cache, v_cache
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="smollm2-shape,llama8b")
     p.add_argument("--variants", default="torch,fused+split")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--top", type=int, default=14)
+    p.add_argument("--decode-configs", action="store_true", help="time the decode kernel's tiles and warps")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="switchyard-gpu-profile-"))
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    for name in args.models.split(","):
+    if args.decode_configs:
+        decode_configs((256, 2048))
+    for name in filter(None, args.models.split(",")):
         for variant in args.variants.split(","):
             profile(name, variant, work, args.context, args.top)
 

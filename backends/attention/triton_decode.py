@@ -23,18 +23,19 @@ MAX_SPLITS = 16
 SPLIT = True   # False: one program per (sequence, KV head), as before the splits (a benchmark's baseline)
 
 
-@triton.jit
+# `splits` is a run-time value, not specialised on: a new split count must not compile a new kernel in a step
+@triton.jit(do_not_specialize=["splits"])
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_ptr, block_tables_ptr, seq_lens_ptr, scale,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, stats_ptr, block_tables_ptr, seq_lens_ptr, scale, splits,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr,
+    DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), TILE) * TILE
+    per_split = tl.cdiv(tl.cdiv(seq_len, splits), TILE) * TILE
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
     g = tl.arange(0, GROUP_PAD)
@@ -64,29 +65,28 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
-    if SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
     else:
-        # partials [n, NUM_HEADS, SPLITS, DIM_PAD] and stats [n, NUM_HEADS, SPLITS, 2] (max, sum), float32;
+        # partials [n, NUM_HEADS, splits, DIM_PAD] and stats [n, NUM_HEADS, splits, 2] (max, sum), float32;
         # an empty split leaves max -inf and sum 0, which the merge weighs at 0
-        row = (seq * NUM_HEADS + heads) * SPLITS + split   # [GROUP_PAD]
+        row = (seq * NUM_HEADS + heads) * splits + split   # [GROUP_PAD]
         tl.store(part_ptr + row[:, None] * DIM_PAD + d[None, :], acc, mask=g_ok[:, None])
         tl.store(stats_ptr + row * 2, m_i, mask=g_ok)
         tl.store(stats_ptr + row * 2 + 1, l_i, mask=g_ok)
 
 
-@triton.jit
-def _merge_splits_kernel(part_ptr, stats_ptr, out_ptr, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS: tl.constexpr,
-                         SPLITS_PAD: tl.constexpr):
+@triton.jit(do_not_specialize=["splits"])
+def _merge_splits_kernel(part_ptr, stats_ptr, out_ptr, splits, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, DIM_PAD)
-    s_ok = s < SPLITS
-    row = (seq * NUM_HEADS + head) * SPLITS + s
+    s_ok = s < splits
+    row = (seq * NUM_HEADS + head) * splits + s
     m = tl.load(stats_ptr + row * 2, mask=s_ok, other=float("-inf"))
     l_s = tl.load(stats_ptr + row * 2 + 1, mask=s_ok, other=0.0)
     m_max = tl.max(m, axis=0)   # finite: split 0 holds the sequence's first token
@@ -111,17 +111,26 @@ def decode_splits(n: int, num_kv_heads: int, device: torch.device) -> int:
     return max(1, min(MAX_SPLITS, _programs_wanted(device) // (n * num_kv_heads)))
 
 
+def decode_tile(group_pad: int, dim_pad: int) -> int:
+    """K/V tokens per loop step: as many as keep the [group, tile, dim] products in registers."""
+    return max(16, min(64, 8192 // (group_pad * dim_pad)))
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, splits: int | None = None) -> torch.Tensor:
+                 seq_lens: torch.Tensor, scale: float, splits: int | None = None, tile: int | None = None,
+                 num_warps: int | None = None) -> torch.Tensor:
     """Attention of q [n, num_heads, head_dim] (one token per sequence) over each sequence's paged K/V.
-    `splits`: programs per (sequence, KV head), by default decode_splits'."""
+    `splits`: programs per (sequence, KV head), by default decode_splits'; `tile`, `num_warps`: the kernel's
+    shape, by default decode_tile's and Triton's (benchmarks/gpu_profile.py tries others)."""
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     group_pad, dim_pad = max(triton.next_power_of_2(group), 2), triton.next_power_of_2(head_dim)
     splits = decode_splits(n, num_kv_heads, q.device) if splits is None else splits
-    # a tile of K/V tokens per loop step: as many as keep the [group, tile, dim] products in registers
-    tile = max(16, min(64, 8192 // (group_pad * dim_pad)))
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"splits must be in [1, {MAX_SPLITS}]")
+    tile = decode_tile(group_pad, dim_pad) if tile is None else tile
+    launch = {} if num_warps is None else {"num_warps": num_warps}
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view of qkv
     if n == 0:
         return out
@@ -130,15 +139,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part = torch.empty((n, num_heads, splits, dim_pad), dtype=torch.float32, device=q.device)
         stats = torch.empty((n, num_heads, splits, 2), dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(n, num_kv_heads, splits)](
-        q, k_cache, v_cache, out, part, stats, block_tables, seq_lens, scale,
+        q, k_cache, v_cache, out, part, stats, block_tables, seq_lens, scale, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, TILE=tile, SPLITS=splits)
+        BLOCK_SIZE=block_size, TILE=tile, SPLIT=splits > 1, **launch)
     if splits > 1:
         _merge_splits_kernel[(n, num_heads)](
-            part, stats, out, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-            DIM_PAD=dim_pad, SPLITS=splits, SPLITS_PAD=max(triton.next_power_of_2(splits), 2))
+            part, stats, out, splits, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            DIM_PAD=dim_pad, SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS))
     return out
 
 

@@ -4,8 +4,10 @@ A decode step of a small model on a GPU is hundreds of tiny kernels at about 3 u
 a layer's kernel count is its floor. Per layer these take:
 - rotary on q and k, the cache writes of k and v, and q's copy out of the fused qkv projection: one
   kernel (`rotary_store`) where torch took five (three for the rotary, one index_copy_ each for k and v);
-- SiLU(gate) * up: one kernel (`silu_mul`) where torch took two.
-Both compute in float32 and round once to the model's dtype (torch rounds after each op).
+- SiLU(gate) * up: one kernel (`silu_mul`) where torch took two;
+- the residual add and the RMSNorm after it: one kernel (`add_rms_norm`) where torch took a copy (the
+  residual into the output of an `addmm`) and a norm kernel that took 6 us for one row of 4,096.
+All compute in float32 and round once to the model's dtype (torch rounds after each op).
 
 Imported only on CUDA (Triton is not a dependency of the CPU worker). `ENABLED` turns them off, for a
 benchmark's same-run baseline; it is read when a layer runs, so a CUDA graph keeps what it captured.
@@ -102,3 +104,37 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(num_tokens, triton.cdiv(width, SILU_BLOCK))](
             gate_up, out, gate_up.stride(0), out.stride(0), WIDTH=width, BLOCK=SILU_BLOCK)
     return out
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, stride_xt, stride_rt, stride_ot, eps,
+                     WIDTH: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
+    token = tl.program_id(0)
+    j = tl.arange(0, BLOCK)
+    ok = j < WIDTH
+    x = tl.load(x_ptr + token * stride_xt + j, mask=ok, other=0.0)
+    if ADD:
+        # the sum, rounded to the dtype as it is kept, written over x: the next residual
+        x = (x.to(tl.float32) + tl.load(residual_ptr + token * stride_rt + j, mask=ok, other=0.0).to(tl.float32))
+        x = x.to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + token * stride_xt + j, x, mask=ok)
+    x = x.to(tl.float32)
+    scale = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / WIDTH + eps)
+    w = tl.load(weight_ptr + j, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + j, (x * scale * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) for x, residual [num_tokens, width]: the sum is written over x,
+    which the caller must own (a sublayer's fresh output). Without a residual: (RMSNorm(x), x)."""
+    if x.dim() != 2 or x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
+        raise ValueError("add_rms_norm needs 2-D tensors with a contiguous last dimension")
+    out = torch.empty_like(x)
+    if x.shape[0]:
+        _rms_norm_kernel[(x.shape[0],)](
+            x, x if residual is None else residual, weight, out, x.stride(0),
+            0 if residual is None else residual.stride(0), out.stride(0), eps,
+            WIDTH=x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]), ADD=residual is not None,
+            num_warps=max(1, min(16, triton.next_power_of_2(x.shape[1]) // 256)))
+    return out, x

@@ -211,6 +211,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), the sum written over x (cuda_kernels.add_rms_norm: CUDA
+        with the Triton kernels on); without a residual, (norm(x), x)."""
+        from backends.models import cuda_kernels
+
+        return cuda_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:   # one fused kernel (statistics in float32) instead of eight small ones
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

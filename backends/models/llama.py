@@ -78,6 +78,14 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(self.input_layernorm(x), cos, sin, attn, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                      attn: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """On CUDA with the Triton kernels: x is the previous layer's MLP output, not yet added to `residual`
+        (None before the first layer); each add rides in the norm after it. Returns (MLP output, residual)."""
+        h, residual = self.input_layernorm.add_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_norm(self.self_attn(h, cos, sin, attn), residual)
+        return self.mlp(h), residual
+
 
 class LlamaForCausalLM(nn.Module):
     """Token ids + positions in, hidden states out; `compute_logits` only for the rows that need them."""
@@ -120,6 +128,11 @@ class LlamaForCausalLM(nn.Module):
         """[num_tokens, hidden] final-normed hidden states; writes every token's K/V into the cache."""
         cos, sin = self.rotary(positions)
         x = self.embed_tokens(input_ids)
+        if x.is_cuda and layers.cuda_fused():
+            residual: torch.Tensor | None = None
+            for index in range(len(self.layers)):
+                x, residual = self.decoder_layer(index).forward_fused(x, residual, cos, sin, attn)
+            return self.norm.add_norm(x, residual)[0]
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         return self.norm(x)

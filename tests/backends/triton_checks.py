@@ -35,9 +35,10 @@ def decode_splits(device: torch.device) -> None:
 
 def fused_layers(device: torch.device) -> None:
     """backends/models/cuda_kernels.py: rotary + cache writes + q in one kernel, against the torch ops it
-    replaces in float64 (the caches' other slots untouched); SiLU * up against float64."""
+    replaces in float64 (the caches' other slots untouched); SiLU * up and the residual add + RMSNorm against
+    float64."""
     from backends.attention.base import write_kv
-    from backends.models.cuda_kernels import rotary_store, silu_mul
+    from backends.models.cuda_kernels import add_rms_norm, rotary_store, silu_mul
     from backends.models.layers import apply_rotary
 
     gen = torch.Generator().manual_seed(3)
@@ -69,3 +70,19 @@ def fused_layers(device: torch.device) -> None:
         g, u = gate_up.double()[:, :1500], gate_up.double()[:, 1500:]
         torch.testing.assert_close(silu_mul(gate_up).double(), g * torch.sigmoid(g) * u, atol=tol, rtol=tol)
         print(f"silu_mul {dtype}: == float64")
+        for width in (576, 1000):
+            x = torch.randn(6, width, generator=gen).to(device, dtype) * 2
+            residual = torch.randn(6, width, generator=gen).to(device, dtype)
+            weight = (torch.rand(width, generator=gen) + 0.5).to(device, dtype)
+            total = x.double() + residual.double()
+            want = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+            x_in = x.clone()
+            normed, summed = add_rms_norm(x_in, residual, weight, 1e-5)
+            assert summed.data_ptr() == x_in.data_ptr()   # the sum is written over x, as documented
+            torch.testing.assert_close(summed.double(), total, atol=tol, rtol=tol)
+            torch.testing.assert_close(normed.double(), want, atol=tol * 4, rtol=tol * 4)
+            alone, same = add_rms_norm(x, None, weight, 1e-5)
+            want_alone = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+            assert same is x
+            torch.testing.assert_close(alone.double(), want_alone, atol=tol * 4, rtol=tol * 4)
+            print(f"add_rms_norm width={width} {dtype}: == float64")
