@@ -17,12 +17,12 @@ for step in $steps; do
       python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
         tests/backends/test_cuda_fused.py tests/backends/test_attention_gpu.py tests/backends/compression/test_gpu.py \
         tests/backends/kv_transfer/test_tcp.py tests/backends/engine/test_sampler.py \
-        tests/backends/engine/test_kv_tiers_devices.py tests/backends/engine/test_kv_tiers.py 2>&1 | tee "$OUT/tests.log" | tail -25 ;;
+        tests/backends/engine/test_kv_tiers_devices.py tests/backends/engine/test_kv_tiers.py 2>&1 | tee "$OUT/tests.log" | tail -4 ;;
     bench)
       python3 benchmarks/gpu_bench.py --sections bandwidth,models --models smollm2-shape,llama8b \
-        --variants torch,fused,fused+split --no-eager --no-generate 2>&1 | grep -v "^INFO\|^WARNING" | tee "$OUT/bench.log" ;;
+        --variants torch,fused+split --no-eager --no-generate 2>&1 | grep -v "^INFO\|^WARNING" | tee "$OUT/bench.log" ;;
     profile)
-      python3 benchmarks/gpu_profile.py --models smollm2-shape,llama8b --variants torch,fused+split 2>&1 \
-        | tee "$OUT/profile.log" | grep -v "^INFO\|^WARNING" ;;
+      python3 benchmarks/gpu_profile.py --models smollm2-shape,llama8b --variants fused+split --decode-configs 2>&1 \
+        | tee "$OUT/profile.log" | grep -v "^INFO\|^WARNING\|UserWarning\|_warn_once" ;;
   esac
 done

@@ -9,6 +9,7 @@ launch gaps and idle time add.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +30,10 @@ def profile(name: str, variant: str, work: Path, context: int, top: int) -> None
     folder, random = model_folder(name, work)
     runner = ModelRunner(folder, dtype=torch.bfloat16, device="cuda", num_blocks=256, cuda_graph_max_batch=8,
                          random_weights=random)
+    from backends.models.layers import Linear
+
+    picked = {tuple(m.weight.shape): m.gemv_config for m in runner.model.modules()
+              if isinstance(m, Linear) and m.gemv_eligible()}
     table = tuple(range(-(-(context + 1) // runner.block_size)))
     batch = ForwardBatch((SeqChunk((5,), context, table),))
     graphs = runner.decode_graphs
@@ -47,6 +52,8 @@ def profile(name: str, variant: str, work: Path, context: int, top: int) -> None
     print(f"\n## {name}, kernels: {variant}, one sequence at context {context}")
     print(f"replayed step {replay_s * 1e3:.3f} ms, eager step {eager_s * 1e3:.3f} ms; kernels per step {launches:.0f}, "
           f"their GPU time {busy_us / 1e3:.3f} ms (replay / busy {replay_s * 1e6 / busy_us:.2f})")
+    print("one-row projections: " + ", ".join(f"[{s[0]}, {s[1]}] {'cuBLAS' if c is None else f'gemv {c}'}"
+                                              for s, c in picked.items()))
     print("| kernel | per step | us per step | share |\n|---|---|---|---|")
     for e in sorted(rows, key=lambda e: -e.self_device_time_total)[:top]:
         per_step = e.self_device_time_total / STEPS
@@ -112,6 +119,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=14)
     p.add_argument("--decode-configs", action="store_true", help="time the decode kernel's tiles and warps")
     args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("backends.models.cuda_kernels").setLevel(logging.INFO)   # which kernel each shape got
     work = Path(tempfile.mkdtemp(prefix="switchyard-gpu-profile-"))
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.decode_configs:

@@ -121,7 +121,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  num_warps: int | None = None) -> torch.Tensor:
     """Attention of q [n, num_heads, head_dim] (one token per sequence) over each sequence's paged K/V.
     `splits`: programs per (sequence, KV head), by default decode_splits'; `tile`, `num_warps`: the kernel's
-    shape, by default decode_tile's and Triton's (benchmarks/gpu_profile.py tries others)."""
+    shape, by default decode_tile's and 4 warps, or 1 where the grid fills three waves of the GPU
+    (benchmarks/gpu_profile.py --decode-configs tries others)."""
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -130,7 +131,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}]")
     tile = decode_tile(group_pad, dim_pad) if tile is None else tile
-    launch = {} if num_warps is None else {"num_warps": num_warps}
+    if num_warps is None:
+        # Triton's default of 4 warps a program, but 1 where the grid holds programs for 3 waves of the GPU: on
+        # an H100, the 8B shape at 64 sequences took 69 us with 1 warp against 113 with 4, while SmolLM2's
+        # (192 programs) ran faster with 4 (docs/benchmarks.md, "CUDA decode kernels")
+        num_warps = 1 if 2 * n * num_kv_heads * splits >= 3 * _programs_wanted(q.device) else 4
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view of qkv
     if n == 0:
         return out
@@ -143,7 +148,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, TILE=tile, SPLIT=splits > 1, **launch)
+        BLOCK_SIZE=block_size, TILE=tile, SPLIT=splits > 1, num_warps=num_warps)
     if splits > 1:
         _merge_splits_kernel[(n, num_heads)](
             part, stats, out, splits, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,

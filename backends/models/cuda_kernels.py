@@ -9,16 +9,28 @@ a layer's kernel count is its floor. Per layer these take:
   residual into the output of an `addmm`) and a norm kernel that took 6 us for one row of 4,096.
 All compute in float32 and round once to the model's dtype (torch rounds after each op).
 
+And one for a projection of one row (`gemv`, a decode step of one sequence): cuBLAS's kernel for some
+shapes leaves half the multiprocessors idle (the 8B shape's o_proj, 4,096 x 4,096, ran at 1.6 TB/s where
+its other projections ran at 2.9). Which is faster is measured per weight shape when the model is loaded
+(`tune_linears`), and cuBLAS keeps every shape where it wins.
+
 Imported only on CUDA (Triton is not a dependency of the CPU worker). `ENABLED` turns them off, for a
 benchmark's same-run baseline; it is read when a layer runs, so a CUDA graph keeps what it captured.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import os
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch import nn
+
+log = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("SWITCHYARD_CUDA_FUSED", "1") != "0"
 
@@ -138,3 +150,85 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
             WIDTH=x.shape[1], BLOCK=triton.next_power_of_2(x.shape[1]), ADD=residual is not None,
             num_warps=max(1, min(16, triton.next_power_of_2(x.shape[1]) // 256)))
     return out, x
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, n_rows, k_cols, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_ok = rows < n_rows
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for start in range(0, k_cols, BLOCK_K):
+        k = start + tl.arange(0, BLOCK_K)
+        k_ok = k < k_cols
+        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * stride_w + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=r_ok)
+
+
+# (rows per program, columns per loop step, warps): each step of a program reads 16 KB of the weight
+GEMV_CONFIGS: tuple[tuple[int, int, int], ...] = ((2, 4096, 8), (4, 2048, 8), (8, 1024, 8), (16, 512, 8))
+GemvConfig = tuple[int, int, int]
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Tensor:
+    """x [1, in] times weight [out, in] transposed: [1, out], in float32, rounded once to x's dtype."""
+    if x.shape[0] != 1 or x.stride(-1) != 1 or weight.stride(1) != 1 or x.shape[1] != weight.shape[1]:
+        raise ValueError("gemv takes one contiguous row and an [out, in] weight")
+    rows, cols, warps = config
+    out = torch.empty((1, weight.shape[0]), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(weight.shape[0], rows),)](x, weight, out, weight.shape[0], weight.shape[1],
+                                                        weight.stride(0), BLOCK_N=rows, BLOCK_K=cols, num_warps=warps)
+    return out
+
+
+def _graph_seconds(fn: Callable[[], object], calls: int = 20, replays: int = 7) -> float:
+    """Median GPU seconds of one fn() from replays of a CUDA graph of `calls` calls (no launch overhead)."""
+    fn()   # compiles a Triton kernel outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def pick_gemv(weight: torch.Tensor) -> GemvConfig | None:
+    """The fastest way to project one row through `weight` on its GPU, measured: a GEMV_CONFIGS entry, or
+    None where cuBLAS (F.linear) is at least as fast."""
+    x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    timings: dict[GemvConfig | None, float] = {None: _graph_seconds(lambda: F.linear(x, weight))}
+    for config in GEMV_CONFIGS:
+        timings[config] = _graph_seconds(functools.partial(gemv, x, weight, config))
+    best = min(timings, key=lambda c: timings[c])
+    log.info("one-row projection through [%d, %d] %s: %s (%.1f us; cuBLAS %.1f us)", *weight.shape, weight.dtype,
+             "cuBLAS" if best is None else f"Triton gemv {best}", timings[best] * 1e6, timings[None] * 1e6)
+    return best
+
+
+def tune_linears(model: nn.Module, pick: Callable[[torch.Tensor], GemvConfig | None] = pick_gemv) -> None:
+    """Give every plain CUDA projection of `model` (layers.Linear: [out, in] weight, no bias, not packed or
+    kept compressed) the one-row kernel `pick` measures fastest for its shape; one measurement per shape."""
+    from backends.models.layers import Linear
+
+    chosen: dict[tuple[tuple[int, ...], torch.dtype], GemvConfig | None] = {}
+    for module in model.modules():
+        if not isinstance(module, Linear) or not module.gemv_eligible():
+            continue
+        key = (tuple(module.weight.shape), module.weight.dtype)
+        if key not in chosen:
+            try:
+                chosen[key] = pick(module.weight)
+            except Exception:   # a kernel that fails to build or run here: cuBLAS, as before
+                log.warning("no Triton gemv for %s: cuBLAS kept", key, exc_info=True)
+                chosen[key] = None
+        module.gemv_config = chosen[key]

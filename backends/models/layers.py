@@ -115,10 +115,21 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.compressed: tuple[CompressedWeight, ...] = ()
         self.scratch: ExpandScratch | None = None
+        # on CUDA: the Triton kernel that projects one row faster than cuBLAS (cuda_kernels.tune_linears)
+        self.gemv_config: tuple[int, int, int] | None = None
+
+    def gemv_eligible(self) -> bool:
+        """A plain [out, in] weight on CUDA that cuda_kernels.gemv can read."""
+        return (self.weight.is_cuda and self.weight.dim() == 2 and not self.transposed and self.bias is None
+                and self.packed is None and not self.compressed)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias), plus `residual` when given: on CUDA one addmm, the add riding in the matrix
         product's epilogue (a decode step there pays about 3 us per kernel)."""
+        if self.gemv_config is not None and residual is None and x.shape[0] == 1:
+            from backends.models import cuda_kernels
+
+            return cuda_kernels.gemv(x, self.weight, self.gemv_config)
         if residual is not None and x.is_cuda and self.bias is None and self.packed is None and not self.compressed:
             return torch.addmm(residual, x, self.weight if self.transposed else self.weight.t())
         out = self._project(x)

@@ -53,6 +53,10 @@ class ModelRunner:
         self.config = load_model_config(Path(model_dir))
         self.weights_fingerprint: str | None = None
         self.model = self._load_model(Path(model_dir), keep_weights_compressed, random_weights, fingerprint_weights)
+        if self.device.type == "cuda" and layers.cuda_fused():
+            from backends.models.cuda_kernels import tune_linears
+
+            tune_linears(self.model)   # before the graphs capture which kernel each projection runs
         attn = self.model.decoder_layer(0).self_attn
         self.block_size = block_size
         self.num_blocks = num_blocks or self._blocks_for_memory(kv_cache_memory_gb, attn.num_kv_heads, attn.head_dim)

@@ -24,35 +24,57 @@ def test_fused_layer_kernels_match_float64_on_cuda() -> None:
     triton_checks.fused_layers(torch.device("cuda"))
 
 
+def test_one_row_projection_matches_float64_on_cuda() -> None:
+    triton_checks.gemv(torch.device("cuda"))
+
+
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["triton kernels", "torch ops"])
+@pytest.mark.parametrize("kernels", ["triton", "triton, gemv forced", "torch"])
 def test_tiny_llama_on_cuda_matches_transformers(tiny_dir: Path, hf_tiny: torch.nn.Module,  # noqa: F811
-                                                 fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                 kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three sequences, then one alone (a one-row step: the projections' gemv where it was picked)."""
     from backends.models import cuda_kernels
+    from backends.models.layers import Linear
     from backends.worker.model_runner import ModelRunner
 
-    monkeypatch.setattr(cuda_kernels, "ENABLED", fused)   # before the graphs are captured
+    monkeypatch.setattr(cuda_kernels, "ENABLED", kernels != "torch")   # before the graphs are captured
+    if kernels == "triton, gemv forced":
+        monkeypatch.setattr(cuda_kernels, "pick_gemv", lambda weight: cuda_kernels.GEMV_CONFIGS[1])
     runner = ModelRunner(tiny_dir, dtype=torch.float32, device="cuda", num_blocks=64, attention_backend="triton",
                          cuda_graph_max_batch=8)
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    if kernels == "triton, gemv forced":   # in float32 the widening projections are stored [in, out]: cuBLAS's
+        assert any(m.gemv_eligible() for m in linears)
+        assert all(m.gemv_config == cuda_kernels.GEMV_CONFIGS[1] for m in linears if m.gemv_eligible())
+    elif kernels == "torch":
+        assert all(m.gemv_config is None for m in linears)
     assert runner.decode_graphs is not None
     graphs = runner.decode_graphs
     prompts = [prompt(10 + i, 50 + 7 * i) for i in range(3)]
     tables = [(9, 4, 1, 30, 2), (5, 6, 7, 8, 10), (11, 12, 13, 14, 15)]
     with torch.inference_mode():
         refs = [hf_tiny(torch.tensor([p])).logits[0] for p in prompts]
-    prefill = 40
+    prefill, batch_end = 40, 50
     out = runner.execute(ForwardBatch(tuple(SeqChunk(tuple(p[:prefill]), 0, t, num_logits=1)
                                             for p, t in zip(prompts, tables, strict=True))))
     for row in range(3):   # a prefill step: SDPA over the cache the fused kernel wrote
         assert _rel_err(out[row].cpu(), refs[row][prefill - 1]) < 1e-3
     for mode in ("replayed", "eager"):
         runner.decode_graphs = graphs if mode == "replayed" else None
-        for pos in range(prefill, 50):   # rewrites the same K/V at the same slots in the second pass
+        for pos in range(prefill, batch_end):   # rewrites the same K/V at the same slots in the second pass
             batch = ForwardBatch(tuple(SeqChunk((p[pos],), pos, t) for p, t in zip(prompts, tables, strict=True)))
             assert (graphs.covers(batch) and mode == "replayed") or runner.decode_graphs is None
             out = runner.execute(batch).cpu()
             for row in range(3):
                 assert _rel_err(out[row], refs[row][pos]) < 1e-3, (mode, pos, row)
+    longer = prompts[2] + prompt(99, 10)
+    with torch.inference_mode():
+        ref = hf_tiny(torch.tensor([longer])).logits[0]
+    for mode in ("replayed", "eager"):
+        runner.decode_graphs = graphs if mode == "replayed" else None
+        for pos in range(batch_end, len(longer)):   # the third sequence on from where the batch left it
+            out = runner.execute(ForwardBatch((SeqChunk((longer[pos],), pos, tables[2]),))).cpu()
+            assert _rel_err(out[0], ref[pos]) < 1e-3, (mode, pos)

@@ -86,3 +86,22 @@ def fused_layers(device: torch.device) -> None:
             assert same is x
             torch.testing.assert_close(alone.double(), want_alone, atol=tol * 4, rtol=tol * 4)
             print(f"add_rms_norm width={width} {dtype}: == float64")
+
+
+def gemv(device: torch.device) -> None:
+    """cuda_kernels.gemv, every configuration, against float64: row counts and widths that are not multiples of
+    its blocks, an [out, in] weight that is a row slice of a wider one (its stride), float32 and bfloat16."""
+    from backends.models.cuda_kernels import GEMV_CONFIGS, gemv as project
+
+    gen = torch.Generator().manual_seed(4)
+    for out_features, in_features, dtype in ((37, 300, torch.float32), (130, 4100, torch.bfloat16)):
+        wide = torch.randn(out_features, in_features + 8, generator=gen).to(device, dtype)
+        weight = wide[:, 3:3 + in_features]
+        x = torch.randn(1, in_features, generator=gen).to(device, dtype)
+        want = x.double() @ weight.double().t()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for config in GEMV_CONFIGS:
+            got = project(x, weight, config)
+            assert got.shape == (1, out_features) and got.dtype == dtype
+            torch.testing.assert_close(got.double(), want, atol=tol * 10, rtol=tol)
+        print(f"gemv {out_features}x{in_features} {dtype}: {len(GEMV_CONFIGS)} configurations == float64")

@@ -117,5 +117,6 @@ if __name__ == "__main__":
         triton_checks.decode_splits(torch.device("cpu"))
     elif sys.argv[1] == "fused_layers":
         triton_checks.fused_layers(torch.device("cpu"))
+        triton_checks.gemv(torch.device("cpu"))
     else:
         compression(Path(sys.argv[2]))
