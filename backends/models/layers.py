@@ -240,19 +240,18 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def cuda_fused() -> bool:
     """Whether CUDA layers use the Triton kernels of cuda_kernels (Triton installed, not switched off)."""
-    global _CUDA_FUSED
-    if _CUDA_FUSED is None:
-        _CUDA_FUSED = importlib.util.find_spec("triton") is not None
-    if not _CUDA_FUSED:
+    if not _triton_installed():
         return False
     from backends.models import cuda_kernels
 
     return cuda_kernels.ENABLED
-
-
-_CUDA_FUSED: bool | None = None
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
