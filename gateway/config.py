@@ -224,12 +224,12 @@ def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
                  for name, body in as_mapping(raw.get("providers"), "providers").items()}
     models = {name: build_model(name, body, base_dir)
               for name, body in as_mapping(raw.get("models"), "models").items()}
-    models_by_name(models)   # no alias names two models
+    named = models_by_name(models)   # no alias names two models
     for model in models.values():
         for provider in model.providers:
             if provider not in providers:
                 raise ConfigError(f"models.{model.name}.providers: unknown provider {provider!r}")
-    keys = build_keys(raw.get("api_keys") or None, models)
+    keys = build_keys(raw.get("api_keys") or None, {name: model.name for name, model in named.items()})
     redis_url = typed_field(raw, "redis_url", str, None, "config") or None
     tracing_raw = dict(as_mapping(raw.get("tracing"), "tracing"))
     exporter = enum_value(TracingExporter, tracing_raw.pop("exporter", "none"), "tracing.exporter")

@@ -5,7 +5,7 @@ Reads only the mapping `gateway/config.py` hands it; hashing and checking secret
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,8 @@ class ApiKeyConfig:
     models: tuple[str, ...] | None = None    # the models this key may use; None: every configured model
 
 
-def build_keys(raw: Any, model_names: Collection[str]) -> tuple[ApiKeyConfig, ...]:
+def build_keys(raw: Any, model_names: Mapping[str, str]) -> tuple[ApiKeyConfig, ...]:
+    """`model_names`: every name a client may send (aliases too) to its model's name."""
     if raw is None:
         return ()
     if not isinstance(raw, list):
@@ -33,7 +34,7 @@ def build_keys(raw: Any, model_names: Collection[str]) -> tuple[ApiKeyConfig, ..
     return tuple(_build_key(f"api_keys[{i}]", body, model_names) for i, body in enumerate(raw))
 
 
-def _build_key(where: str, raw: Any, model_names: Collection[str]) -> ApiKeyConfig:
+def _build_key(where: str, raw: Any, model_names: Mapping[str, str]) -> ApiKeyConfig:
     raw = as_mapping(raw, where)
     check_known(raw, set(ApiKeyConfig.__dataclass_fields__), where)
     key, digest = raw.get("key") or None, raw.get("key_sha256") or None
@@ -64,7 +65,8 @@ def _limit(raw: Any, name: str, where: str) -> int | None:
     return value
 
 
-def _models(raw: Any, where: str, model_names: Collection[str]) -> tuple[str, ...] | None:
+def _models(raw: Any, where: str, model_names: Mapping[str, str]) -> tuple[str, ...] | None:
+    """The models a key may use, by their configured names: an alias grants its model, under all its names."""
     if raw is None:
         return None
     if not isinstance(raw, list) or not raw or not all(isinstance(name, str) for name in raw):
@@ -72,4 +74,4 @@ def _models(raw: Any, where: str, model_names: Collection[str]) -> tuple[str, ..
     for name in raw:
         if name not in model_names:
             raise ConfigError(f"{where}: unknown model {name!r}")
-    return tuple(raw)
+    return tuple(dict.fromkeys(model_names[name] for name in raw))

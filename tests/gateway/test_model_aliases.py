@@ -32,3 +32,15 @@ async def test_an_alias_is_its_model_under_another_name(start_fakes, start_gatew
              "providers: {p: {endpoints: ['http://h:1']}}")
     with pytest.raises(ConfigError, match=r"models\.n\.aliases: 'm' already names model 'm'"):
         parse_config(clash, {})
+
+
+def test_a_key_may_name_a_model_by_an_alias() -> None:
+    """An alias in a key's `models` grants its model, under every name it has (once, however it is named)."""
+    text = ("models: {m: {providers: [p], aliases: [gpt-4o-mini]}, n: {providers: [p]}}\n"
+            "providers: {p: {endpoints: ['http://h:1']}}\n"
+            "api_keys: [{key_id: a, key: s, models: [gpt-4o-mini]}, {key_id: b, key: t, models: [m, gpt-4o-mini, n]}]")
+    config = parse_config(text, {})
+    assert config.api_keys[0].models == ("m",)
+    assert config.api_keys[1].models == ("m", "n")
+    with pytest.raises(ConfigError, match=r"api_keys\[0\]\.models: unknown model 'gpt-4'"):
+        parse_config(text.replace("models: [gpt-4o-mini]}", "models: [gpt-4]}"), {})
