@@ -63,21 +63,11 @@ def profile(name: str, variant: str, work: Path, context: int, top: int) -> None
     torch.cuda.empty_cache()
 
 
-def graph_time(fn, launches: int = 20, replays: int = 20) -> float:
-    """Median seconds of one `fn` (GPU work only) from a CUDA graph of `launches` calls, replayed."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    return cuda_time(graph.replay, replays) / launches
-
-
 def decode_configs(contexts: tuple[int, ...]) -> None:
     """The split paged-decode kernel's time by tile and warps (backends/attention/triton_decode.py), at each
     batch size a decode step meets, beside its default configuration and the unsplit kernel."""
     from backends.attention import triton_decode
+    from backends.models.cuda_kernels import graph_seconds
 
     print("\n## paged decode attention, bf16, block size 16: microseconds per call (CUDA graph of 20 calls)")
     print("| heads (q/kv x dim) | n | context | unsplit | default (splits, tile) | best (tile, warps) |\n"
@@ -95,12 +85,13 @@ def decode_configs(contexts: tuple[int, ...]) -> None:
 
                 def call(**kw: int | None):
                     return lambda: triton_decode.paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, **kw)
-                unsplit = graph_time(call(splits=1))
-                default = graph_time(call())
+                unsplit = graph_seconds(call(splits=1))
+                default = graph_seconds(call())
                 splits = triton_decode.decode_splits(n, kv_heads, q.device)
                 group_pad = max(triton_next_power_of_2(heads // kv_heads), 2)
                 tile = triton_decode.decode_tile(group_pad, triton_next_power_of_2(dim))
-                tried = {(t, w): graph_time(call(tile=t, num_warps=w)) for t in (16, 32, 64) for w in (1, 2, 4, 8)}
+                tried = {(t, w): graph_seconds(call(tile=t, num_warps=w))
+                         for t in (16, 32, 64) for w in (1, 2, 4, 8)}
                 best = min(tried, key=tried.__getitem__)
                 print(f"| {heads}/{kv_heads} x {dim} | {n} | {context} | {unsplit * 1e6:.1f} | {default * 1e6:.1f} "
                       f"({splits}, {tile}) | {tried[best] * 1e6:.1f} {best} |")

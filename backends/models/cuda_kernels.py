@@ -183,7 +183,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Ten
     return out
 
 
-def _graph_seconds(fn: Callable[[], object], calls: int = 20, replays: int = 7) -> float:
+def graph_seconds(fn: Callable[[], object], calls: int = 20, replays: int = 7) -> float:
     """Median GPU seconds of one fn() from replays of a CUDA graph of `calls` calls (no launch overhead)."""
     fn()   # compiles a Triton kernel outside the capture
     torch.cuda.synchronize()
@@ -206,9 +206,9 @@ def pick_gemv(weight: torch.Tensor) -> GemvConfig | None:
     """The fastest way to project one row through `weight` on its GPU, measured: a GEMV_CONFIGS entry, or
     None where cuBLAS (F.linear) is at least as fast."""
     x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    timings: dict[GemvConfig | None, float] = {None: _graph_seconds(lambda: F.linear(x, weight))}
+    timings: dict[GemvConfig | None, float] = {None: graph_seconds(lambda: F.linear(x, weight))}
     for config in GEMV_CONFIGS:
-        timings[config] = _graph_seconds(functools.partial(gemv, x, weight, config))
+        timings[config] = graph_seconds(functools.partial(gemv, x, weight, config))
     best = min(timings, key=lambda c: timings[c])
     log.info("one-row projection through [%d, %d] %s: %s (%.1f us; cuBLAS %.1f us)", *weight.shape, weight.dtype,
              "cuBLAS" if best is None else f"Triton gemv {best}", timings[best] * 1e6, timings[None] * 1e6)
