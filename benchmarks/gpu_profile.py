@@ -9,6 +9,7 @@ launch gaps and idle time add.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 import tempfile
@@ -59,8 +60,6 @@ def profile(name: str, variant: str, work: Path, context: int, top: int) -> None
         per_step = e.self_device_time_total / STEPS
         print(f"| {e.key[:90]} | {e.count / STEPS:.0f} | {per_step:.1f} | {per_step / busy_us:.1%} |")
     runner.decode_graphs = graphs
-    del runner, graphs
-    torch.cuda.empty_cache()
 
 
 def decode_configs(contexts: tuple[int, ...]) -> None:
@@ -77,14 +76,15 @@ def decode_configs(contexts: tuple[int, ...]) -> None:
         for n in (1, 8, 64):
             for context in contexts:
                 per_seq = -(-context // 16)
-                k_cache = torch.randn(n * per_seq, 16, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                k_cache = torch.randn(n * per_seq, 16, kv_heads, dim, device="cuda", dtype=torch.bfloat16,
+                                      generator=gen)
                 v_cache = torch.randn_like(k_cache)
                 q = torch.randn(n, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
                 tables = torch.randperm(n * per_seq, device="cuda", generator=gen).view(n, per_seq).int()
                 lens = torch.full((n,), context, device="cuda", dtype=torch.int32)
 
-                def call(**kw: int | None):
-                    return lambda: triton_decode.paged_decode(q, k_cache, v_cache, tables, lens, dim ** -0.5, **kw)
+                call = functools.partial(functools.partial, triton_decode.paged_decode, q, k_cache, v_cache,
+                                         tables, lens, dim ** -0.5)   # call(**kw): a timed call with kw
                 unsplit = graph_seconds(call(splits=1))
                 default = graph_seconds(call())
                 splits = triton_decode.decode_splits(n, kv_heads, q.device)
@@ -95,7 +95,6 @@ def decode_configs(contexts: tuple[int, ...]) -> None:
                 best = min(tried, key=tried.__getitem__)
                 print(f"| {heads}/{kv_heads} x {dim} | {n} | {context} | {unsplit * 1e6:.1f} | {default * 1e6:.1f} "
                       f"({splits}, {tile}) | {tried[best] * 1e6:.1f} {best} |")
-                del k_cache, v_cache
 
 
 def triton_next_power_of_2(n: int) -> int:
@@ -119,6 +118,7 @@ def main() -> None:
     for name in filter(None, args.models.split(",")):
         for variant in args.variants.split(","):
             profile(name, variant, work, args.context, args.top)
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
