@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (docs/gpu.md, "Running them on a lent GPU machine"): install the wheels
 # carried in .whl, run the gpu-marked tests that need no model file, then the benchmarks. Logs go to $OUT
-# when it is set. Usage: bash benchmarks/gpu_check.sh [tests] [bench] [profile]
+# when it is set. Usage: bash benchmarks/gpu_check.sh [model] [tests] [model-tests] [bench] [profile]
+# `model`: collect the part of the bundled GGUF this call carried (benchmarks/gpu_model_parts.sh); the second
+# call, made while the machine is warm, assembles it, and `model-tests` then runs the tests that need it.
 set -u
 OUT=${OUT:-/tmp/gpu-check}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -18,6 +20,12 @@ for step in $steps; do
         tests/backends/test_cuda_fused.py tests/backends/test_attention_gpu.py tests/backends/compression/test_gpu.py \
         tests/backends/kv_transfer/test_tcp.py tests/backends/engine/test_sampler.py \
         tests/backends/engine/test_kv_tiers_devices.py tests/backends/engine/test_kv_tiers.py 2>&1 | tee "$OUT/tests.log" | tail -4 ;;
+    model)
+      bash benchmarks/gpu_model_parts.sh collect ;;
+    model-tests)
+      python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" tests/backends/test_cuda_graphs.py \
+        tests/backends/test_roles_cuda.py tests/backends/test_attention_gpu.py tests/backends/compression/test_smollm2.py \
+        tests/backends/engine/test_kv_tiers.py 2>&1 | tee "$OUT/model-tests.log" | tail -4 ;;
     bench)
       python3 benchmarks/gpu_bench.py --sections bandwidth,models --models smollm2-shape,llama8b \
         --variants torch,fused+split --no-eager --no-generate 2>&1 | grep -v "^INFO\|^WARNING" | tee "$OUT/bench.log" ;;
