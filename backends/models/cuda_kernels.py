@@ -215,10 +215,13 @@ def pick_gemv(weight: torch.Tensor) -> GemvConfig | None:
     return best
 
 
-def tune_linears(model: nn.Module, pick: Callable[[torch.Tensor], GemvConfig | None] = pick_gemv) -> None:
+def tune_linears(model: nn.Module, pick: Callable[[torch.Tensor], GemvConfig | None] | None = None) -> None:
     """Give every plain CUDA projection of `model` (layers.Linear: [out, in] weight, no bias, not packed or
-    kept compressed) the one-row kernel `pick` measures fastest for its shape; one measurement per shape."""
+    kept compressed) the one-row kernel `pick` (by default pick_gemv, looked up when called) measures fastest
+    for its shape; one measurement per shape."""
     from backends.models.layers import Linear
+
+    pick = pick or pick_gemv
 
     chosen: dict[tuple[tuple[int, ...], torch.dtype], GemvConfig | None] = {}
     for module in model.modules():
