@@ -125,7 +125,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ bias), plus `residual` when given: on CUDA one addmm, the add riding in the matrix
-        product's epilogue (a decode step there pays about 3 us per kernel)."""
+        product's epilogue (a decode step there pays about 3 us per kernel). One row on CUDA goes through the
+        Triton gemv where tune_linears found it faster than cuBLAS for this shape."""
         if self.gemv_config is not None and residual is None and x.shape[0] == 1:
             from backends.models import cuda_kernels
 
