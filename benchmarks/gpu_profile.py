@@ -88,17 +88,12 @@ def decode_configs(contexts: tuple[int, ...]) -> None:
                 unsplit = graph_seconds(call(splits=1))
                 default = graph_seconds(call())
                 splits = triton_decode.decode_splits(n, kv_heads, q.device)
-                group_pad = max(triton_next_power_of_2(heads // kv_heads), 2)
-                tile = triton_decode.decode_tile(group_pad, triton_next_power_of_2(dim))
+                tile = triton_decode.decode_tile(heads // kv_heads, dim)
                 tried = {(t, w): graph_seconds(call(tile=t, num_warps=w))
                          for t in (16, 32, 64) for w in (1, 2, 4, 8)}
                 best = min(tried, key=tried.__getitem__)
                 print(f"| {heads}/{kv_heads} x {dim} | {n} | {context} | {unsplit * 1e6:.1f} | {default * 1e6:.1f} "
                       f"({splits}, {tile}) | {tried[best] * 1e6:.1f} {best} |")
-
-
-def triton_next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def main() -> None:

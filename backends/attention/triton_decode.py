@@ -111,8 +111,14 @@ def decode_splits(n: int, num_kv_heads: int, device: torch.device) -> int:
     return max(1, min(MAX_SPLITS, _programs_wanted(device) // (n * num_kv_heads)))
 
 
-def decode_tile(group_pad: int, dim_pad: int) -> int:
-    """K/V tokens per loop step: as many as keep the [group, tile, dim] products in registers."""
+def _padded(group: int, head_dim: int) -> tuple[int, int]:
+    """The kernel's block sizes for the query heads of one KV head and for the head dimension."""
+    return max(triton.next_power_of_2(group), 2), triton.next_power_of_2(head_dim)
+
+
+def decode_tile(group: int, head_dim: int) -> int:
+    """K/V tokens per loop step: as many as keep the [group, tile, dim] products (padded) in registers."""
+    group_pad, dim_pad = _padded(group, head_dim)
     return max(16, min(64, 8192 // (group_pad * dim_pad)))
 
 
@@ -126,11 +132,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     n, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    group_pad, dim_pad = max(triton.next_power_of_2(group), 2), triton.next_power_of_2(head_dim)
+    group_pad, dim_pad = _padded(group, head_dim)
     splits = decode_splits(n, num_kv_heads, q.device) if splits is None else splits
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}]")
-    tile = decode_tile(group_pad, dim_pad) if tile is None else tile
+    tile = decode_tile(group, head_dim) if tile is None else tile
     if num_warps is None:
         # Triton's default of 4 warps a program, but 1 where the grid holds programs for 3 waves of the GPU: on
         # an H100, the 8B shape at 64 sequences took 69 us with 1 warp against 113 with 4, while SmolLM2's

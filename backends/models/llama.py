@@ -44,13 +44,13 @@ class LlamaAttention(nn.Module):
             q = rotary_store(qkv, cos, sin, heads, kv_heads, attn.k_caches[self.layer], attn.v_caches[self.layer],
                              attn.slot_mapping)
             out = attn.attend(self.layer, q)
-            return self.o_proj(out.reshape(num_tokens, heads * head_dim), residual)
-        qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
-        v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
-        if self.q_norm is not None and self.k_norm is not None:   # both or neither
-            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
-        qk = rotate(qk, cos, sin)  # q and k rotated in one pass
-        out = attn(self.layer, qk[:, :heads], qk[:, heads:], v)  # [num_tokens, heads, head_dim]
+        else:
+            qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
+            v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
+            if self.q_norm is not None and self.k_norm is not None:   # both or neither
+                qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+            qk = rotate(qk, cos, sin)  # q and k rotated in one pass
+            out = attn(self.layer, qk[:, :heads], qk[:, heads:], v)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, heads * head_dim), residual)
 
 

@@ -9,7 +9,7 @@ import torch
 def decode_splits(device: torch.device) -> None:
     """The paged-decode kernel split across programs (flash-decoding) at every split count a step can get,
     empty splits included (a 1-token sequence over 16 splits), against SDPA; and the default choice."""
-    from backends.attention.base import AttentionShape
+    from backends.attention.base import AttentionShape, decode_rows
     from backends.attention.sdpa import SDPABackend
     from backends.attention.triton_decode import MAX_SPLITS, decode_splits, paged_decode
     from tests.backends.test_attention_gpu import STEPS, random_step
@@ -22,13 +22,11 @@ def decode_splits(device: torch.device) -> None:
         sdpa = SDPABackend(shape)
         k_cache, v_cache = caches[0].clone(), caches[1].clone()
         want = sdpa.forward(q, k, v, k_cache, v_cache, layout.slot_mapping, sdpa.prepare(layout)).float()
-        tables = torch.zeros(len(layout.block_tables), max(map(len, layout.block_tables)), dtype=torch.int32)
-        for row, table in enumerate(layout.block_tables):
-            tables[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
-        tables, seq_lens = tables.to(device), torch.tensor(layout.seq_lens, dtype=torch.int32, device=device)
+        rows = decode_rows(layout, range(len(layout.query_lens)), layout.starts, shape.block_size)
         tol = 2e-5 if dtype == torch.float32 else 2e-2
         for splits in (1, 2, 3, MAX_SPLITS):
-            got = paged_decode(q, k_cache, v_cache, tables, seq_lens, shape.scale, splits=splits).float()
+            got = paged_decode(q, k_cache, v_cache, rows.block_tables, rows.seq_lens, shape.scale,
+                               splits=splits).float()
             torch.testing.assert_close(got, want, atol=tol, rtol=tol)
             print(f"decode heads={heads} {dtype} splits={splits}: triton == sdpa")
 
