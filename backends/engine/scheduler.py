@@ -5,11 +5,13 @@ the drafts a proposer gave it where budget and free blocks allow),
 then chunked prefill of admitted sequences, then admission of waiting ones by free blocks. An
 embedding input is a prompt like any other until its last chunk, which is pooled instead of sampled.
 Preempts by recompute (newest first) when blocks run out. Consults the optional KV connector for
-KV from outside the pool (a sequence waits for its load in WAITING_FOR_REMOTE_KV) and for blocks to
+KV from outside the pool (a sequence waits for its load in WAITING_FOR_REMOTE_KV, then takes its
+admission place among the running) and for blocks to
 keep after a sequence finishes. Never runs the model, samples, or does I/O.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -54,7 +56,10 @@ class Scheduler:
         self.watermark_blocks = watermark_blocks
         self.kv_connector = kv_connector
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []             # admission order; preemption takes the tail
+        # Admission order, loaded sequences included: a sequence that waited for its KV takes its prefill
+        # budget before those admitted while it loaded, and preemption takes the newest admitted (the tail).
+        self.running: list[Sequence] = []
+        self._num_admitted = 0
         self.waiting_for_remote_kv: dict[str, Sequence] = {}
         self._seqs: dict[str, Sequence] = {}
         self._held: dict[str, int] = {}               # finished, blocks kept for a transfer: request id -> hold handle
@@ -154,7 +159,7 @@ class Scheduler:
             seq.kv_transfer = None       # the KV has arrived; a later recompute is local
             self.block_manager.cache_computed_blocks(seq)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            bisect.insort(self.running, seq, key=lambda s: s.admission)
 
     def _detach(self, seq: Sequence) -> None:
         self._seqs.pop(seq.request_id, None)
@@ -248,6 +253,8 @@ class Scheduler:
             if num_cached is None:
                 return
             self.waiting.popleft()
+            seq.admission = self._num_admitted
+            self._num_admitted += 1
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
             if self._load_external(seq):

@@ -38,6 +38,7 @@ class Sequence:
     num_registered_blocks: int = 0              # leading full blocks already offered to the prefix cache
     num_external_tokens: int = 0                # tokens past num_computed_tokens a KV connector is loading
     num_preemptions: int = 0
+    admission: int = 0                          # its place in the scheduler's admission order (`running` keeps it)
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None

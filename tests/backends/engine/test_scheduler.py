@@ -208,6 +208,23 @@ def test_remote_kv_admission_waits_for_the_load_then_runs_only_the_last_token() 
     assert s.block_manager.num_cached_blocks == 2
 
 
+def test_a_loaded_sequence_keeps_its_admission_place() -> None:
+    """Admitted first, it loads while a later one prefills; once loaded it takes its prefill budget
+    first, and preemption still takes the newest admitted."""
+    c = FakeConnector()
+    s = make(num_blocks=6, budget=4, connector=c)
+    s.add(seq("r", 9, max_tokens=8, kv_transfer=REMOTE))
+    s.add(seq("b", 12, max_tokens=8, base=50))
+    assert plan(step(s)) == [("b", 4, False)]          # r loads into 3 blocks, b prefills in its 3
+    assert c.finish_load("r")
+    assert plan(step(s)) == [("r", 1, True), ("b", 3, False)]
+    assert [x.request_id for x in s.running] == ["r", "b"]
+    preempted = []
+    while not preempted:                               # no block is free: one must go once both grow
+        preempted = [x.request_id for x in step(s).preempted]
+    assert preempted == ["b"] and s.get("r").num_preemptions == 0
+
+
 def test_a_failed_load_fails_the_sequence_and_frees_its_blocks() -> None:
     c = FakeConnector()
     s = make(num_blocks=8, connector=c)
