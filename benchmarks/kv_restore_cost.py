@@ -146,8 +146,8 @@ def make_engine(medium: str, pool_blocks: int, model_dir: Path, workdir: Path, s
         kw["kv_cpu_bytes"] = 2 << 30
     elif medium == "disk":
         kw.update(kv_disk_dir=str(workdir / "disk"), kv_disk_bytes=4 << 30)
-    else:
-        kw["kv_store"] = store_url
+    else:   # a pool the repetitions' fresh prefixes and fillers do not fill within the master's read lease
+        kw.update(kv_store=store_url, kv_store_bytes=2 << 30)
     config = EngineConfig(model_dir=str(model_dir), block_size=BLOCK, num_blocks=pool_blocks, device=args.device,
                           dtype=args.dtype, kv_write_queue_blocks=512, torch_num_threads=args.threads,
                           kv_read_slower_tiers=True, **kw)   # every restore is measured, even one slower than computing

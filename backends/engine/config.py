@@ -43,6 +43,7 @@ class EngineConfig:
     kv_disk_dir: str | None = None            # local-disk KV tier's folder (None: none)
     kv_disk_bytes: int = 0                    # its size
     kv_store: str | None = None               # shared KV store, "mooncake://HOST:PORT" (its master); None: none
+    kv_store_bytes: int = 256 << 20           # RAM this worker lends to the store's pool (0: lends none)
     kv_write_queue_blocks: int = 64           # evicted blocks waiting to be written down at most (then dropped)
     kv_read_slower_tiers: bool = False        # read a tier even once measured slower than computing its tokens
 
@@ -61,8 +62,8 @@ class EngineConfig:
             raise ValueError("KV tiers keep blocks by prefix hash: they need prefix caching")
         if self.kv_disk_dir and self.kv_disk_bytes <= 0:
             raise ValueError("--kv-disk-dir needs a positive --kv-disk-gb")
-        if self.kv_cpu_bytes < 0 or self.kv_write_queue_blocks < 1:
-            raise ValueError("kv_cpu_bytes must be >= 0 and kv_write_queue_blocks >= 1")
+        if self.kv_cpu_bytes < 0 or self.kv_store_bytes < 0 or self.kv_write_queue_blocks < 1:
+            raise ValueError("kv_cpu_bytes and kv_store_bytes must be >= 0 and kv_write_queue_blocks >= 1")
         if self.speculative not in (None, "ngram") and not self.speculative_model:
             raise ValueError(f"--speculative {self.speculative} needs --speculative-model")
 

@@ -40,7 +40,7 @@ def build_tiered_connector(config: EngineConfig, kv_cache: Any, weights_fingerpr
     store = None
     if config.kv_store:
         from backends.kv_tiers.mooncake_store import MooncakeStoreTier
-        store = MooncakeStoreTier(config.kv_store, space, block_io.block_nbytes)
+        store = MooncakeStoreTier(config.kv_store, space, block_io.block_nbytes, segment_bytes=config.kv_store_bytes)
     connector = TieredKVConnector(block_io, kv_cache.spec.block_size, local, store, events,
                                   config.kv_write_queue_blocks, config.kv_read_slower_tiers)
     for tier in (cpu, disk):

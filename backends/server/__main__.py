@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--kv-disk-gb", type=float, default=0.0, help="local-disk tier's size")
     tiers.add_argument("--kv-store", default=None, metavar="mooncake://HOST:PORT",
                        help="shared KV store across workers: a Mooncake Store master's address")
+    tiers.add_argument("--kv-store-gb", type=float, default=0.25,
+                       help="RAM this worker lends to the shared store's pool; blocks land in any worker's share "
+                            "(0: it uses the store and lends none)")
     tiers.add_argument("--kv-write-queue-blocks", type=int, default=64,
                        help="evicted blocks waiting to be written down at most; more are dropped, never waited for")
     tiers.add_argument("--kv-read-slower-tiers", action="store_true",
@@ -152,6 +155,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         kv_disk_dir=args.kv_disk_dir,
         kv_disk_bytes=int(args.kv_disk_gb * 2**30),
         kv_store=args.kv_store,
+        kv_store_bytes=int(args.kv_store_gb * 2**30),
         kv_write_queue_blocks=args.kv_write_queue_blocks,
         kv_read_slower_tiers=args.kv_read_slower_tiers,
     )

@@ -116,8 +116,10 @@ def test_prefix_restored_from_a_tier_matches_transformers(make_engine, tmp_path:
     if "disk" in tiers:
         kw.update(kv_disk_dir=str(tmp_path), kv_disk_bytes=64 * (BLOCK_BYTES + 64))
     if tiers == "store":     # a real Mooncake master; every computed block is written through to it
-        kw["kv_store"] = request.getfixturevalue("mooncake_master").url
+        kw.update(kv_store=request.getfixturevalue("mooncake_master").url, kv_store_bytes=64 << 20)
     engine, runner = make_engine(**kw)
+    if tiers == "store":     # the RAM it lends the store's pool is what it was given
+        assert engine.kv_tiers.store.segment_bytes == 64 << 20
     shared = prompt(1, 4 * BLOCK)
     first, second = shared + prompt(2, 7), shared + prompt(3, 5)
     engine.add_request("a", first, greedy(1))

@@ -82,13 +82,13 @@ def test_dtype_auto_reaches_the_engine_config(model_dir: Path) -> None:
 def test_kv_tier_flags_reach_the_engine_config(model_dir: Path) -> None:
     args = build_parser().parse_args(["--model", str(model_dir), "--port", "9000", "--kv-cpu-gb", "1",
                                       "--kv-disk-dir", "/var/kv", "--kv-disk-gb", "2.5", "--kv-store", "mooncake://10.0.0.7:50051",
-                                      "--kv-write-queue-blocks", "8", "--kv-read-slower-tiers"])
+                                      "--kv-store-gb", "1.5", "--kv-write-queue-blocks", "8", "--kv-read-slower-tiers"])
     _, engine = build_configs(args)
     assert (engine.kv_cpu_bytes, engine.kv_disk_dir, engine.kv_disk_bytes, engine.kv_store,
             engine.kv_write_queue_blocks) == (2**30, "/var/kv", int(2.5 * 2**30), "mooncake://10.0.0.7:50051", 8)
-    assert engine.kv_read_slower_tiers
+    assert engine.kv_read_slower_tiers and engine.kv_store_bytes == int(1.5 * 2**30)
     _, engine = build_configs(build_parser().parse_args(["--model", str(model_dir), "--port", "9000"]))
-    assert not engine.kv_read_slower_tiers
+    assert not engine.kv_read_slower_tiers and engine.kv_store_bytes == 256 << 20
     with pytest.raises(ValueError, match="--kv-disk-gb"):
         build_configs(build_parser().parse_args(["--model", str(model_dir), "--port", "9000",
                                                  "--kv-disk-dir", "/var/kv"]))
