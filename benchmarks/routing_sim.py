@@ -18,14 +18,19 @@ The prefill rate is set from `--utilization`: offered prompt tokens / (workers x
 `--tiers` (issue 14): each policy again with KV tiers below each worker's device pool, added one at a time
 (routing_sim_tiers.py): host RAM and disk per worker, then one store for all, LRUs written down on eviction
 (device -> RAM -> disk -> store), then the store written through instead (every block a worker caches, as
-backends/kv_tiers/connector.py does). A hit may run on through the tiers; reading a block back holds the
-worker's prefill for its tokens x the medium's restore fraction of prefill time (`--cpu-restore` 1/20,
-`--disk-restore` 1/8, `--store-restore` 1/5). The gateway ranks a tier hit below a device hit: the device
-run comes from the index (KV events, as above), the tier blocks past it from the workers' tier holdings
-(what tier KV events would tell), each weighted 1 - its medium's restore fraction, as prefix_aware weighs
-the restore fractions the workers measure and report (`--cpu-weight` etc. set a fixed weight instead);
-`prefix_aware` gets the weighted count in tokens (`num_matched_blocks` with a `block_size` of 1: it scores
-their product). A store block counts at every worker. `unlimited cache` is one unbounded store written
+backends/kv_tiers/connector.py does). A hit may run on through the tiers; reading a block back takes its
+tokens x the medium's restore fraction of prefill time (`--cpu-restore` 1/20, `--disk-restore` 1/8,
+`--store-restore` 1/5). The read-back starts when the request reaches its worker, on the worker's one load
+channel in arrival order: the engine admits it at once and its connector loads while other sequences run.
+The request keeps its place in the queue, and at the head its prefill waits for what is left of its load (and
+for any tier block its run gained since). That is the pessimistic side of the engine, which runs the others
+meanwhile and gives a loaded sequence its prefill budget in its admission place. `--restore-holds-prefill`:
+the read-back starts at the head and holds the prefill instead. The gateway ranks a tier hit below a device
+hit: the device run comes from the index (KV events, as above), the tier blocks past it from the workers'
+tier holdings (what tier KV events would tell), each weighted 1 - its medium's restore fraction, as
+prefix_aware weighs the restore fractions the workers measure and report (`--cpu-weight` etc. set a fixed
+weight instead); `prefix_aware` gets the weighted count in tokens (`num_matched_blocks` with a `block_size`
+of 1: it scores their product). A store block counts at every worker. `unlimited cache` is one unbounded store written
 through and read for free: the hit-rate ceiling under the sim's timing.
 
     .venv/bin/python benchmarks/routing_sim.py [--workers 8] [--cache-blocks 2000] [--tiers]
@@ -53,7 +58,7 @@ from policies.registry import PolicyName, make_policy
 from routing_sim_report import UNLIMITED, print_row, print_targets, summarize
 from routing_sim_trace import BLOCK_TOKENS, TRACE, TraceRequest, load_trace, replay_unlimited, spread_arrivals
 from routing_sim_tiers import (NO_TIERS, UNLIMITED_TIERS, Lru, Medium, TierConfig, WorkerCache, add_tier_arguments,
-                               block_tokens, matched_by_medium, tier_steps)
+                               block_tokens, matched_by_medium, restore_tokens, tier_steps)
 
 MODEL = "sim"
 
@@ -88,6 +93,8 @@ class InFlight:
     ttft_s: float = 0.0
     num_cached_tokens: int = 0
     num_cached_blocks: int = 0
+    load_s: float = 0.0       # the read-back started on arrival: its length and its end
+    loaded_s: float = 0.0
     cached_tokens_by_medium: list[int] = field(default_factory=lambda: [0] * len(Medium))
 
 
@@ -99,6 +106,7 @@ class Worker:
     busy: bool = False
     num_decoding: int = 0
     prefill_busy_s: float = 0.0
+    load_free_s: float = 0.0    # when its load channel has read back every block asked of it so far
     num_requests: int = 0
 
 
@@ -110,10 +118,12 @@ class Simulation:
     two uniform draws over `share_interval_s` (the publisher's next tick, then the reader's)."""
 
     def __init__(self, policies: list[Policy], config: SimConfig, row: Row,
-                 approx_capacity_blocks: int | None = None, seed: int = 0, share_interval_s: float = 0.25) -> None:
+                 approx_capacity_blocks: int | None = None, seed: int = 0, share_interval_s: float = 0.25,
+                 restore_holds_prefill: bool = False) -> None:
         self.policies = policies
         self.config = config
         self.tiers = row.tiers
+        self.load_on_arrival = row.tiers.enabled and not restore_holds_prefill
         store = row.tiers.store_blocks
         shared_store = None if store == 0 else Lru(store)
         self.workers = [Worker(f"http://worker-{i}:8000", WorkerCache(config.cache_blocks, row.tiers, shared_store))
@@ -182,6 +192,8 @@ class Simulation:
         lease = self.tracker.lease(decision.endpoint_id, request.num_prompt_tokens - num_cached, expected)
         flight = InFlight(request, worker_index, lease)
         worker = self.workers[worker_index]
+        if self.load_on_arrival:
+            self._start_load(now, worker, flight)
         worker.queue.append(flight)
         worker.num_requests += 1
         if not worker.busy:
@@ -214,22 +226,34 @@ class Simulation:
         tail = matched_by_medium(worker.cache, request.block_hashes, run) if self.sees_tiers else ()
         return num_cached_tokens((run, len(tail), 0, 0), BLOCK_TOKENS, request.num_prompt_tokens)
 
+    def _start_load(self, now: float, worker: Worker, flight: InFlight) -> None:
+        """The engine admits the request and its connector reads back the tier run past the device's, after
+        the loads already asked of this worker."""
+        request = flight.request
+        run = worker.cache.peek_run(request.block_hashes)
+        work = restore_tokens(self.tiers, run, request.num_prompt_tokens, BLOCK_TOKENS)
+        flight.load_s = work / self.config.prefill_tokens_per_s
+        flight.loaded_s = now
+        if flight.load_s > 0:   # nothing to read back: nothing to wait for on the channel
+            flight.loaded_s = worker.load_free_s = max(now, worker.load_free_s) + flight.load_s
+
     def _start_prefill(self, now: float, worker: Worker) -> None:
         flight = worker.queue.popleft()
         worker.busy = True
         request = flight.request
         c = self.config
-        restore_tokens = 0.0  # tier tokens read back, each weighted by its medium's restore fraction
-        for i, medium in enumerate(worker.cache.read_run(request.block_hashes)):
-            num_tokens = block_tokens(request.num_prompt_tokens, i, BLOCK_TOKENS)
-            flight.cached_tokens_by_medium[medium] += num_tokens
-            restore_tokens += num_tokens * self.tiers.restore_fraction(medium)
+        run = worker.cache.read_run(request.block_hashes)
+        for i, medium in enumerate(run):
+            flight.cached_tokens_by_medium[medium] += block_tokens(request.num_prompt_tokens, i, BLOCK_TOKENS)
             flight.num_cached_blocks += 1
+        restore_s = restore_tokens(self.tiers, run, request.num_prompt_tokens, BLOCK_TOKENS) / c.prefill_tokens_per_s
+        if self.load_on_arrival:  # what is left of the load, and what the run gained since it started
+            restore_s = max(0.0, flight.loaded_s - now) + max(0.0, restore_s - flight.load_s)
         flight.num_cached_tokens = sum(flight.cached_tokens_by_medium)
         uncached = request.num_prompt_tokens - flight.num_cached_tokens
         slowdown = 1.0 + c.decode_interference * worker.num_decoding
         prefill_s = (c.prefill_overhead_s + uncached / c.prefill_tokens_per_s) * slowdown
-        duration = restore_tokens / c.prefill_tokens_per_s + prefill_s
+        duration = restore_s + prefill_s
         worker.prefill_busy_s += duration
         self._push(now + duration, "prefill_done", flight)
 
@@ -349,7 +373,7 @@ def main() -> None:
     for spec in rows:
         start = time.perf_counter()
         sim = Simulation([make_policy(spec.policy, spec.options) for _ in range(args.gateways)], config, spec,
-                         args.approx_capacity, args.seed, args.share_interval)
+                         args.approx_capacity, args.seed, args.share_interval, args.restore_holds_prefill)
         sim.run(requests)
         results[spec.label] = summarize(spec.label, sim, time.perf_counter() - start)
         print_row(results[spec.label], results.get(UNLIMITED))

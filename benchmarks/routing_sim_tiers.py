@@ -122,15 +122,21 @@ class WorkerCache:
             return Medium.STORE
         return None
 
-    def read_run(self, block_hashes: Sequence[int]) -> list[Medium]:
-        """The prompt's leading run, each block's medium; touches what it reads, as a load does."""
+    def peek_run(self, block_hashes: Sequence[int]) -> list[Medium]:
+        """The prompt's leading run, each block's medium, untouched."""
         run = []
         for block_hash in block_hashes:
             medium = self.medium(block_hash)
             if medium is None:
                 break
-            self._lru(medium).touch(block_hash)
             run.append(medium)
+        return run
+
+    def read_run(self, block_hashes: Sequence[int]) -> list[Medium]:
+        """The prompt's leading run, each block's medium; touches what it reads, as a load does."""
+        run = self.peek_run(block_hashes)
+        for block_hash, medium in zip(block_hashes, run, strict=False):
+            self._lru(medium).touch(block_hash)
         return run
 
     def cache(self, block_hashes: Sequence[int]) -> list[DeviceEvent]:
@@ -172,18 +178,18 @@ class WorkerCache:
 def matched_by_medium(cache: WorkerCache, block_hashes: Sequence[int], device_run: int) -> list[Medium]:
     """The media of the prompt's leading run past its first `device_run` blocks (the device run the
     prefix index reports), from the worker's tier holdings as its KV events would tell, untouched."""
-    run = []
-    for block_hash in block_hashes[device_run:]:
-        medium = cache.medium(block_hash)
-        if medium is None:
-            break
-        run.append(medium)
-    return run
+    return cache.peek_run(block_hashes[device_run:])
 
 
 def block_tokens(num_prompt_tokens: int, block_index: int, block_size: int) -> int:
     """Prompt tokens in one block (the last may be partial)."""
     return max(0, min(block_size, num_prompt_tokens - block_index * block_size))
+
+
+def restore_tokens(config: TierConfig, run: Sequence[Medium], num_prompt_tokens: int, block_size: int) -> float:
+    """Reading `run` back, in prompt tokens' worth of prefill: each block's tokens x its medium's restore fraction."""
+    return sum(block_tokens(num_prompt_tokens, i, block_size) * config.restore_fraction(medium)
+               for i, medium in enumerate(run))
 
 
 NO_TIERS = TierConfig()
@@ -199,6 +205,9 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     tiers.add_argument("--disk-blocks", type=int, default=None, help="disk per worker (default 16x --cache-blocks)")
     tiers.add_argument("--store-blocks", type=int, default=None,
                        help="the shared store, all workers together (default 64x --cache-blocks; 0: off)")
+    tiers.add_argument("--restore-holds-prefill", action="store_true",
+                       help="a read-back starts when the request's prefill does and holds it (default: it starts "
+                            "when the request reaches its worker, while the queue ahead of it runs)")
     defaults = TierConfig()
     for name in ("cpu", "disk", "store"):
         tiers.add_argument(f"--{name}-restore", type=float, default=getattr(defaults, f"{name}_restore"),
