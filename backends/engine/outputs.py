@@ -47,6 +47,9 @@ class KVTierLoad:
     # Reading a token back from it, as a fraction of computing it (the engine's measured prefill cost per
     # token): what a gateway's routing weighs a block held here by. None until both are measured.
     restore_fraction: float | None = None
+    # Blocks handed to it that it did not keep: a store whose pool is full of blocks read within its lease, or
+    # that is down; a disk that cannot write. Each is a prefix a later request recomputes.
+    num_failed_writes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,7 @@ class TieredKVConnector:
         self.restored: Counter[str] = Counter()   # blocks loaded back, by medium
         self.restore_seconds: dict[str, float] = defaultdict(float)   # time reading them back (read + copy)
         self.written: Counter[str] = Counter()    # blocks a tier took, by medium
+        self.failed_writes: Counter[str] = Counter()   # blocks a tier did not take (full, I/O error, down)
         self.num_dropped_writes = 0               # evicted blocks not written down: no staging buffer free
         self.num_load_errors = 0
         self._last_medium = ""                    # loader thread: the tier of the last block it restored
@@ -252,14 +253,17 @@ class TieredKVConnector:
                 if tier is not self.store or not tier.leading_hits((block_hash,)):
                     self._put(tier, block_hash, buf.data)
             except Exception:  # boundary: a failed write loses a cached block, nothing else
+                self.failed_writes[tier.medium] += 1
                 log.exception("KV tier %s: write of %016x failed", tier.medium, block_hash)
             finally:
                 self._free_staging.append(buf)
 
     def _put(self, tier: KVTier, block_hash: int, data: memoryview) -> None:
-        if tier.put(block_hash, data):
-            self.written[tier.medium] += 1
-            self.events.append(KVEventKind.STORED, block_hash, None, self.block_size, tier.medium)
+        if not tier.put(block_hash, data):
+            self.failed_writes[tier.medium] += 1
+            return
+        self.written[tier.medium] += 1
+        self.events.append(KVEventKind.STORED, block_hash, None, self.block_size, tier.medium)
 
     # --- callbacks for the tiers (writer or loader thread) -------------------------------------------
     def spill_to(self, lower: KVTier) -> Callable[[int, memoryview], None]:
@@ -280,7 +284,8 @@ class TieredKVConnector:
         return tuple(KVTierLoad(u.medium, u.num_blocks, u.used_bytes, u.capacity_bytes, self.restored[u.medium],
                                 self.written[u.medium], bool(getattr(t, "is_up", True)),
                                 int(getattr(t, "num_outages", 0)), self.restore_seconds[u.medium],
-                                self._restore_fraction(u.medium, seconds_per_token))
+                                self._restore_fraction(u.medium, seconds_per_token),
+                                num_failed_writes=self.failed_writes[u.medium])
                      for t, u in zip(self.tiers, self.usage(), strict=True))
 
     def _restore_fraction(self, medium: str, seconds_per_token: float | None) -> float | None:

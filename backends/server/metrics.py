@@ -86,6 +86,8 @@ def _tier_metrics(report: LoadReport) -> Iterator[GaugeMetricFamily | CounterMet
         (CounterMetricFamily, "kv_tier_restored_blocks", "KV blocks loaded back from a tier into the device pool.",
          "num_restored_blocks"),
         (CounterMetricFamily, "kv_tier_written_blocks", "KV blocks written into a tier.", "num_written_blocks"),
+        (CounterMetricFamily, "kv_tier_failed_writes", "KV blocks a tier did not keep when written (full of "
+         "blocks in use, an I/O error, or down).", "num_failed_writes"),
         (GaugeMetricFamily, "kv_tier_up", "1 while a tier is reachable (a shared store can be down).", "up"),
         (CounterMetricFamily, "kv_tier_outages", "Times a tier went down (the worker ran on without it).",
          "num_outages"),

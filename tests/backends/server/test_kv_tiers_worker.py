@@ -117,11 +117,16 @@ def test_a_prefix_computed_on_one_worker_is_used_by_another_through_the_store(tm
             assert store_of(b)["up"]
             assert _cached(_complete(b, shared + _tokens(13, 9))) == 4 * BLOCK
             assert store_of(b)["num_restored_blocks"] == 4
+            assert store_of(a)["num_failed_writes"] == 0 == store_of(b)["num_failed_writes"]
             master.kill()                       # the store goes down: both workers serve on without it
             assert _cached(_complete(b, _tokens(14, 3 * BLOCK))) == 0
             assert _cached(_complete(a, _tokens(15, 3 * BLOCK))) == 0    # its lookup meets the outage
             wait_until(lambda: not store_of(a)["up"], "worker A noticing the outage")
             assert store_of(a)["num_outages"] >= 1
             assert _tier_metric(a, "switchyard_kv_tier_up")["store"] == 0
+            failed = store_of(a)["num_failed_writes"]
+            assert _cached(_complete(a, _tokens(16, 3 * BLOCK))) == 0    # 3 new blocks the store cannot keep
+            wait_until(lambda: store_of(a)["num_failed_writes"] >= failed + 3, "worker A counting the missed writes")
+            assert _tier_metric(a, "switchyard_kv_tier_failed_writes_total")["store"] >= failed + 3
     finally:
         master.kill()
