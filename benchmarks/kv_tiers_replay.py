@@ -231,7 +231,7 @@ def run_config(config: str, args: argparse.Namespace, turns: list[Turn], model_d
         for load in loads:
             for t in load["kv_tiers"]:
                 tiers[t["medium"]].update(restored=t["num_restored_blocks"], written=t["num_written_blocks"],
-                                          held=max(0, t["num_blocks"]))
+                                          failed=t["num_failed_writes"], held=max(0, t["num_blocks"]))
                 fractions[t["medium"]].append(t.get("restore_fraction"))
         dropped = sum(load["num_kv_dropped_writes"] for load in loads)
         not_freed = sum(load["num_total_blocks"] - load["num_free_blocks"] for load in loads)   # 0 once idle
@@ -324,12 +324,12 @@ def report(runs: dict[str, list[dict[str, Any]]], configs: list[str]) -> None:
         return statistics.median(f(res) for res in runs[config])
 
     print("\n| configuration | prefix hit rate | TTFT p50 ms | TTFT p90 ms | replay s | workers' CPU s "
-          "| requests per worker | restored blocks (cpu/disk/store) | written blocks (cpu/disk/store) | dropped writes "
-          "| errors | restore fraction per worker (cpu/disk/store) |")
-    print("|---" * 12 + "|")
+          "| requests per worker | restored blocks (cpu/disk/store) | written blocks (cpu/disk/store) "
+          "| failed writes (cpu/disk/store) | dropped writes | errors | restore fraction per worker (cpu/disk/store) |")
+    print("|---" * 13 + "|")
     for config in CONFIGS:
         if config not in configs:
-            print(f"| {config} | not run | | | | | | | | | | |")
+            print(f"| {config} | not run | | | | | | | | | | | |")
             continue
         last = runs[config][-1]
         cells = [f"{med(config, lambda r: r['replay'].num_cached_tokens / r['replay'].num_prompt_tokens):.3f}",
@@ -337,7 +337,8 @@ def report(runs: dict[str, list[dict[str, Any]]], configs: list[str]) -> None:
                  f"{med(config, lambda r: 1e3 * pct(r['replay'].ttft_s, 90)):.0f}",
                  f"{med(config, lambda r: r['replay'].wall_s):.1f}", f"{med(config, lambda r: r['cpu_s']):.1f}",
                  str(last["served"]), tier_counts(last, "restored"), tier_counts(last, "written"),
-                 str(last["dropped"]), str(last["replay"].num_errors), restore_fractions(last)]
+                 tier_counts(last, "failed"), str(last["dropped"]), str(last["replay"].num_errors),
+                 restore_fractions(last)]
         print(f"| {config} | " + " | ".join(cells) + " |")
     print("(medians over rounds; the counters are the last round's, summed over both workers)")
 
