@@ -6,8 +6,8 @@ then chunked prefill of admitted sequences, then admission of waiting ones by fr
 embedding input is a prompt like any other until its last chunk, which is pooled instead of sampled.
 Preempts by recompute (newest first) when blocks run out. Consults the optional KV connector for
 KV from outside the pool (a sequence waits for its load in WAITING_FOR_REMOTE_KV, then takes its
-admission place among the running) and for blocks to
-keep after a sequence finishes. Never runs the model, samples, or does I/O.
+admission place among the running) and for blocks to keep after a sequence finishes. Never runs the
+model, samples, or does I/O.
 """
 from __future__ import annotations
 
