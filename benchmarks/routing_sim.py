@@ -58,7 +58,7 @@ from policies.registry import PolicyName, make_policy
 from routing_sim_report import UNLIMITED, print_row, print_targets, summarize
 from routing_sim_trace import BLOCK_TOKENS, TRACE, TraceRequest, load_trace, replay_unlimited, spread_arrivals
 from routing_sim_tiers import (NO_TIERS, UNLIMITED_TIERS, Lru, Medium, TierConfig, WorkerCache, add_tier_arguments,
-                               block_tokens, matched_by_medium, restore_tokens, tier_steps)
+                               block_tokens, restore_tokens, tier_steps)
 
 MODEL = "sim"
 
@@ -215,7 +215,7 @@ class Simulation:
         matched = {}
         for worker in self.workers:
             run = device.get(worker.endpoint_id, 0)
-            tail = matched_by_medium(worker.cache, block_hashes, run)
+            tail = worker.cache.peek_run(block_hashes[run:])   # the tiers' holdings past the device run
             matched[worker.endpoint_id] = int((run + sum(self.tiers.weight(m) for m in tail)) * BLOCK_TOKENS)
         return matched
 
@@ -223,7 +223,7 @@ class Simulation:
         """`cache.prefix_index.num_cached_tokens` of what the gateway sees at `worker`: its device run from
         the index, and the tier blocks past it when the gateway hears the tiers' events."""
         run = index.matched_blocks(request.block_hashes).get(worker.endpoint_id, 0)
-        tail = matched_by_medium(worker.cache, request.block_hashes, run) if self.sees_tiers else ()
+        tail = worker.cache.peek_run(request.block_hashes[run:]) if self.sees_tiers else ()
         return num_cached_tokens((run, len(tail), 0, 0), BLOCK_TOKENS, request.num_prompt_tokens)
 
     def _start_load(self, now: float, worker: Worker, flight: InFlight) -> None:

@@ -175,12 +175,6 @@ class WorkerCache:
         return next(lru for m, lru in self.local if m is medium)
 
 
-def matched_by_medium(cache: WorkerCache, block_hashes: Sequence[int], device_run: int) -> list[Medium]:
-    """The media of the prompt's leading run past its first `device_run` blocks (the device run the
-    prefix index reports), from the worker's tier holdings as its KV events would tell, untouched."""
-    return cache.peek_run(block_hashes[device_run:])
-
-
 def block_tokens(num_prompt_tokens: int, block_index: int, block_size: int) -> int:
     """Prompt tokens in one block (the last may be partial)."""
     return max(0, min(block_size, num_prompt_tokens - block_index * block_size))
