@@ -78,6 +78,7 @@ class TieredKVConnector:
         self.written: Counter[str] = Counter()    # blocks a tier took, by medium
         self.failed_writes: Counter[str] = Counter()   # blocks a tier did not take (full, I/O error, down)
         self.num_dropped_writes = 0               # evicted blocks not written down: no staging buffer free
+        self.num_store_writes_skipped = 0         # engine thread: blocks not sent to the store while it was down
         self.num_load_errors = 0
         self._last_medium = ""                    # loader thread: the tier of the last block it restored
         # engine thread: a prompt token's compute as the engine last measured it (None: not yet; the
@@ -98,9 +99,14 @@ class TieredKVConnector:
             self._queue_write(self.local[0], block_id, block_hash)
 
     def block_cached(self, block_id: int, block_hash: int) -> None:
-        """A block's KV was just computed (or restored) and cached: share it through the store."""
-        if self.store is not None:
-            self._queue_write(self.store, block_id, block_hash)
+        """A block's KV was just computed (or restored) and cached: share it through the store. While the store
+        is down the block is not copied out for a put that would fail: it counts as a write the store missed."""
+        if self.store is None:
+            return
+        if not getattr(self.store, "is_up", True):
+            self.num_store_writes_skipped += 1
+            return
+        self._queue_write(self.store, block_id, block_hash)
 
     def _queue_write(self, tier: KVTier, block_id: int, block_hash: int) -> None:
         try:
@@ -285,8 +291,11 @@ class TieredKVConnector:
                                 self.written[u.medium], bool(getattr(t, "is_up", True)),
                                 int(getattr(t, "num_outages", 0)), self.restore_seconds[u.medium],
                                 self._restore_fraction(u.medium, seconds_per_token),
-                                num_failed_writes=self.failed_writes[u.medium])
+                                num_failed_writes=self._failed_writes(t))
                      for t, u in zip(self.tiers, self.usage(), strict=True))
+
+    def _failed_writes(self, tier: KVTier) -> int:
+        return self.failed_writes[tier.medium] + (self.num_store_writes_skipped if tier is self.store else 0)
 
     def _restore_fraction(self, medium: str, seconds_per_token: float | None) -> float | None:
         blocks = self.restored[medium]

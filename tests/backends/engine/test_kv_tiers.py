@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -304,6 +305,24 @@ def test_a_full_write_queue_drops_blocks_instead_of_waiting(make_engine) -> None
     release.set()
     wait_until(lambda: engine.kv_tiers.written[CPU] >= 1, "the one queued block written")
     assert engine.load_report().num_kv_dropped_writes == engine.kv_tiers.num_dropped_writes
+
+
+def test_nothing_is_copied_out_for_a_store_that_is_down(make_engine) -> None:
+    """A store the worker cannot reach: the blocks it computes are not copied out of the device pool for puts
+    that would fail, and each one counts as a write the store missed."""
+    pytest.importorskip("mooncake.store", reason="pip install mooncake-transfer-engine-non-cuda (make setup)")
+    with socket.socket() as probe:          # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    engine, _ = make_engine(kv_store=f"mooncake://127.0.0.1:{port}")
+    assert not engine.kv_tiers.store.is_up
+    copied: list[int] = []
+    read = engine.kv_tiers.block_io.read
+    engine.kv_tiers.block_io.read = lambda block_id, buf: (copied.append(block_id), read(block_id, buf))[1]
+    engine.add_request("a", prompt(1, 3 * BLOCK + 5), greedy(1))
+    run_all(engine)
+    failed, = (t.num_failed_writes for t in engine.load_report().kv_tiers if t.medium == STORE)
+    assert copied == [] and failed == 3      # the prompt's three whole blocks
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
