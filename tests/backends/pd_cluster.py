@@ -11,7 +11,7 @@ from typing import Any
 from tests.support.gateway_proc import GatewayProcess
 from tests.support.worker_proc import WorkerProcess
 
-HOLD_TIMEOUT_S = 2.0
+HOLD_TIMEOUT_S = 8.0   # long enough for a test's next few requests on a loaded machine; unclaimed holds are awaited
 COMMON = ["--threads", "1", "--num-blocks", "96", "--kv-hold-timeout-s", str(HOLD_TIMEOUT_S),
           "--kv-idle-timeout-s", "2", "--debug-endpoints"]
 

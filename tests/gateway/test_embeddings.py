@@ -98,8 +98,13 @@ async def test_usage_counts_the_prompt_and_the_cache_answers_repeats(start_fakes
         return answer if status == 200 and state == "hit" else None
     assert await await_until(hit, "a repeat answered from the cache") == first
     assert fake.stats()["num_requests"] >= 1
-    async with aiohttp.ClientSession() as client, \
-            client.get(gateway.url + "/v1/usage", headers={"Authorization": f"Bearer {KEY}"}) as response:
-        usage = await response.json()
     asked = fake.stats()["num_requests"]         # repeats before the entry was kept reached the upstream
-    assert usage["num_prompt_tokens"] == 4 * asked and usage["num_completion_tokens"] == 0, usage
+
+    async def usage() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as client, \
+                client.get(gateway.url + "/v1/usage", headers={"Authorization": f"Bearer {KEY}"}) as response:
+            return await response.json()
+    async def recorded() -> bool:   # with Redis, a request's usage is recorded by a task of its own after the answer
+        return (await usage())["num_prompt_tokens"] == 4 * asked
+    await await_until(recorded, f"{4 * asked} prompt tokens recorded")
+    assert (await usage())["num_completion_tokens"] == 0

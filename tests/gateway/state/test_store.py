@@ -61,17 +61,17 @@ async def test_session_reassignment_replaces_endpoint(store: StateStore) -> None
 async def test_live_sessions_are_counted_until_they_expire(clocked_store: tuple[StateStore, Wait]) -> None:
     store, wait = clocked_store
     assert await store.count_sessions() == 0
-    # Redis's clock is real and a sleep may overrun: `a` must still live after two waits (0.4 s to spare).
-    await store.set_session("smollm2\x00a", "http://a:1", ttl_s=1.0)
-    await store.set_session("smollm2\x00b", "http://a:1", ttl_s=1.0)
+    # Redis's clock is real and a sleep may overrun on a loaded machine: each step has 1.2 s to spare.
+    await store.set_session("smollm2\x00a", "http://a:1", ttl_s=3.0)
+    await store.set_session("smollm2\x00b", "http://a:1", ttl_s=3.0)
     await store.set_session("smollm2\x00c", "http://b:2", ttl_s=30)
     await store.set_session("smollm2\x00c", "http://a:1", ttl_s=30)     # moved: still one session
     assert await store.count_sessions() == 3
-    await wait(0.6)
-    assert await store.get_session("smollm2\x00a") == "http://a:1"       # a read keeps `a` alive for 1 s more
-    await wait(0.6)                                                       # `b` is 1.2 s old: gone
+    await wait(1.8)
+    assert await store.get_session("smollm2\x00a") == "http://a:1"       # a read keeps `a` alive for 3 s more
+    await wait(1.8)                                                       # `b` is 3.6 s old: gone
     assert await store.count_sessions() == 2
-    await wait(1.0)
+    await wait(3.0)
     assert await store.count_sessions() == 1
 
 
