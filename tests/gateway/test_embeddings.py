@@ -104,6 +104,7 @@ async def test_usage_counts_the_prompt_and_the_cache_answers_repeats(start_fakes
         async with aiohttp.ClientSession() as client, \
                 client.get(gateway.url + "/v1/usage", headers={"Authorization": f"Bearer {KEY}"}) as response:
             return await response.json()
+
     async def recorded() -> bool:   # with Redis, a request's usage is recorded by a task of its own after the answer
         return (await usage())["num_prompt_tokens"] == 4 * asked
     await await_until(recorded, f"{4 * asked} prompt tokens recorded")
