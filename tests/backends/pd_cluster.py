@@ -1,4 +1,4 @@
-"""The disaggregated cluster tests/backends/test_disaggregation.py runs against: real worker processes
+"""The disaggregated cluster the tests in tests/backends/disagg/ run against: real worker processes
 (bundled SmolLM2, fp32 CPU) P1 (prefill), P2 (both), D1-D3 (decode) behind one real gateway. Starting,
 killing and stopping them only; what they answer is the tests' business."""
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """The HTTP calls the disaggregation tests make to real workers and the gateway in front of them."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
 
 from tests.support.wait import await_until
+
+if TYPE_CHECKING:
+    from tests.backends.pd_cluster import Cluster
 
 
 async def post(url: str, body: dict[str, Any], chat: bool = False) -> tuple[int, dict[str, Any]]:
@@ -54,3 +57,8 @@ async def assert_idle(worker_urls: list[str]) -> None:
         return all(load["num_held_blocks"] == 0 and load["num_free_blocks"] == load["num_total_blocks"]
                    for load in loads)
     await await_until(idle, f"{worker_urls} to hold nothing")
+
+
+async def assert_drained(cluster: Cluster, names: list[str]) -> None:
+    """assert_idle for the named workers of a cluster."""
+    await assert_idle([cluster.url(name) for name in names])

@@ -1,4 +1,4 @@
-"""The requests tests/backends/test_disaggregation.py sends, and their unified answers as references: the
+"""The requests the tests in tests/backends/disagg/ send, and their unified answers as references: the
 `both` worker's text and token ids, and where float32 rounding could have decided them otherwise, judged on
 transformers' logits for the same tokens (every run lies within the tolerance of those)."""
 from __future__ import annotations
