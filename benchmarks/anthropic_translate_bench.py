@@ -1,4 +1,4 @@
-"""The per-event cost of the Anthropic stream translations (gateway/anthropic/), against the same run's
+"""The per-event cost of the Anthropic stream translations (gateway/translate/anthropic/), against the same run's
 baseline: `SseCounter.feed`, the per-chunk work the gateway already does on every relayed stream.
 
     python benchmarks/anthropic_translate_bench.py [--events 200000] [--repeats 5]
@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import orjson
 
-from gateway.anthropic.inbound import MessageEvents, MessageHeader
-from gateway.anthropic.outbound import ChatChunks
-from gateway.streaming import SseCounter
+from gateway.translate.anthropic.inbound import MessageEvents, MessageHeader
+from gateway.translate.anthropic.outbound import ChatChunks
+from gateway.server.client_stream import SseCounter
 
 OPENAI_CHUNK = b"data: " + orjson.dumps({
     "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",

@@ -29,7 +29,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from gateway.serve import free_port, resolve_model_dir, wait_healthy  # noqa: E402
+from gateway.ops.supervisor import free_port, resolve_model_dir, wait_healthy  # noqa: E402
 
 MODEL = "smollm2"
 

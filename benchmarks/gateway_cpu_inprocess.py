@@ -26,8 +26,8 @@ from aiohttp import ClientSession, TCPConnector, web
 from aiohttp.test_utils import TestServer
 
 from gateway.app import _tune_gc, create_app, make_site
-from gateway.config import parse_config
-from gateway.serve import free_port
+from gateway.config.gateway_config import parse_config
+from gateway.ops.supervisor import free_port
 from gateway_bench_load import content_length  # beside this script
 
 CHAT = "/v1/chat/completions"

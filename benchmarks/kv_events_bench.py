@@ -1,4 +1,4 @@
-"""CPU cost of consuming vLLM's KV events in the gateway (gateway/kv_events.py): per BlockStored batch of a
+"""CPU cost of consuming vLLM's KV events in the gateway (gateway/routing/vllm_kv_events.py): per BlockStored batch of a
 512-token prompt (16 vLLM blocks of 32 tokens, 32 gateway blocks of 16), msgpack decoding alone (the
 baseline: what any consumer pays), our decoding and validation, and the whole apply (decode, rehash onto
 cache.block_hash, store in the prefix index). CPU time (process_time), best of --repeats.
@@ -20,7 +20,7 @@ import msgpack
 
 from cache.prefix_index import PrefixIndex
 from cache.vllm_events import VllmBlockMap, decode_batch
-from gateway.kv_events import apply_batch
+from gateway.routing.vllm_kv_events import apply_batch
 
 PROMPT_TOKENS = 512
 VLLM_BLOCK = 32

@@ -1,7 +1,7 @@
 """Replay the Mooncake conversation trace against simulated workers and compare routing policies:
 prefix-cache hit rate, simulated TTFT (mean/p90/p99) and load imbalance, one table, seeded.
 
-Routing uses the real parts: `policies.make_policy`, `cache.prefix_index.PrefixIndex`, `gateway.load.LoadTracker`
+Routing uses the real parts: `policies.make_policy`, `cache.prefix_index.PrefixIndex`, `gateway.routing.load.LoadTracker`
 leases and `OutputLengthEstimator`. The index is fed one of two ways (issue 17): *precise*, by the simulated
 workers' KV events (stored/evicted blocks, as our workers' `/kv_events` or vLLM's ZMQ stream tell), or
 *approximate*, by the gateway's own routing decisions (`record_routed`: the blocks it sent where), in an LRU
@@ -52,7 +52,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import orjson
 
 from cache.prefix_index import PrefixIndex, num_cached_tokens
-from gateway.load import Lease, LoadTracker, OutputLengthEstimator
+from gateway.routing.load import Lease, LoadTracker, OutputLengthEstimator
 from policies.base import DecisionReason, EndpointState, Policy, RequestFacts
 from policies.registry import PolicyName, make_policy
 from routing_sim_report import UNLIMITED, print_row, print_targets, summarize

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gateway_bench_load import MODEL, run_upstream, wait_http  # noqa: E402
 
-from gateway.serve import wait_healthy  # noqa: E402
+from gateway.ops.supervisor import wait_healthy  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 API_KEY = "sk-soak"

@@ -15,33 +15,33 @@ import aiohttp
 from aiohttp import web
 
 from cache.prefix_index import PrefixIndex
-from gateway import api, status
-from gateway.access import KEYS, Keys, make_access_middleware
-from gateway.access_log import AccessLog
-from gateway.api import messages
-from gateway.auth import Authenticator
-from gateway.breaker import CircuitState
-from gateway.config import ConfigError, GatewayConfig, load_config, models_by_name
-from gateway.cors import make_cors_middleware
-from gateway.dispatch import Dispatcher
-from gateway.drain import DRAIN, Drain
-from gateway.errors import answer_protocol_errors_in_json, make_error_middleware
-from gateway.fallback import Retrier, RetryBudget
-from gateway.kv_events import KvEventConsumer
-from gateway.lean_http import LeanSite
-from gateway.legs import Legs
-from gateway.load import LoadTracker, OutputLengthEstimator
-from gateway.load_share import LoadSharer
-from gateway.metrics import Metrics
-from gateway.prefix_index import configure_prefix_index
-from gateway.prefix_share import PrefixSharer
-from gateway.response_cache import ResponseCache
-from gateway.providers import make_provider
+from gateway import api
+from gateway.api import messages, status
+from gateway.config.gateway_config import ConfigError, GatewayConfig, load_config, models_by_name
+from gateway.routing.breaker import CircuitState
+from gateway.routing.endpoints import UpstreamRegistry
+from gateway.routing.load import LoadTracker, OutputLengthEstimator
+from gateway.routing.load_share import LoadSharer
+from gateway.routing.prefix_feed import configure_prefix_index
+from gateway.routing.prefix_share import PrefixSharer
+from gateway.routing.response_cache import ResponseCache
+from gateway.routing.token_count import TokenCounter
+from gateway.routing.vllm_kv_events import KvEventConsumer
+from gateway.server.access import KEYS, Keys, make_access_middleware
+from gateway.server.access_log import AccessLog
+from gateway.server.cors import make_cors_middleware
+from gateway.server.drain import DRAIN, Drain
+from gateway.server.errors import answer_protocol_errors_in_json, make_error_middleware
+from gateway.server.key_auth import Authenticator
+from gateway.server.lean_http import LeanSite
 from gateway.services import SERVICES, BackgroundTasks, Services
 from gateway.state import StateStore, make_store
-from gateway.tokenize import TokenCounter
-from gateway.tracing import RequestIds, Tracing
-from gateway.upstreams import UpstreamRegistry
+from gateway.telemetry.metrics import Metrics
+from gateway.telemetry.tracing import RequestIds, Tracing
+from gateway.upstream.dispatch import Dispatcher
+from gateway.upstream.legs import Legs
+from gateway.upstream.providers import make_provider
+from gateway.upstream.retries import Retrier, RetryBudget
 from policies.registry import PolicyName, make_policy
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gateway.config import GatewayConfig
+    from gateway.config.gateway_config import GatewayConfig
 
 
 def _exec_module(module: str, args: Sequence[str]) -> None:
@@ -38,9 +38,9 @@ def _run_gateway(args: Sequence[str]) -> None:
     options = gateway_parser().parse_args(args)
     import signal
     signal.signal(signal.SIGHUP, signal.SIG_IGN)   # until serve (or the --workers parent) handles it: not fatal
-    from gateway.config import ConfigError, load_config
-    from gateway.tracing import configure_logging
-    from gateway.workers import WorkersError, resolve_workers, run_workers
+    from gateway.config.gateway_config import ConfigError, load_config
+    from gateway.ops.gateway_processes import WorkersError, resolve_workers, run_workers
+    from gateway.telemetry.tracing import configure_logging
     try:
         config = load_config(options.config)
         num_workers = resolve_workers(options.workers, config.redis_url)
@@ -66,8 +66,8 @@ def _run_gateway(args: Sequence[str]) -> None:
 def _check(config: GatewayConfig) -> None:
     """What start-up checks before it serves (the provider kinds' and policies' own checks included)."""
     from gateway.app import create_app
-    from gateway.config import ConfigError
-    from gateway.discovery import is_discovered
+    from gateway.config.discovery import is_discovered
+    from gateway.config.gateway_config import ConfigError
     try:
         create_app(config)
     except ConfigError as exc:
@@ -89,7 +89,7 @@ def _workers_arg(value: str) -> int | None:
 
 
 def _run_serve(args: Sequence[str]) -> None:
-    importlib.import_module("gateway.serve").main(args)  # the all-in-one launcher, imported lazily
+    importlib.import_module("gateway.ops.supervisor").main(args)  # the all-in-one launcher, imported lazily
 
 
 _COMMANDS: Mapping[str, Callable[[Sequence[str]], None]] = MappingProxyType({

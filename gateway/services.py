@@ -11,15 +11,15 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.config import GatewayConfig, ModelConfig
-from gateway.dispatch import Dispatcher
-from gateway.load import OutputLengthEstimator
-from gateway.metrics import Metrics
-from gateway.response_cache import ResponseCache
+from gateway.config.gateway_config import GatewayConfig, ModelConfig
+from gateway.routing.endpoints import UpstreamRegistry
+from gateway.routing.load import OutputLengthEstimator
+from gateway.routing.response_cache import ResponseCache
+from gateway.routing.token_count import TokenCounter
 from gateway.state import StateStore
-from gateway.tokenize import TokenCounter
-from gateway.tracing import Tracing
-from gateway.upstreams import UpstreamRegistry
+from gateway.telemetry.metrics import Metrics
+from gateway.telemetry.tracing import Tracing
+from gateway.upstream.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from policies.base import (Decision, DecisionReason, EndpointState, RequestFacts, TokenWeights,
-                           check_number, check_seed, config_from_options, pick_least)
+from policies.base import (
+    Decision,
+    DecisionReason,
+    EndpointState,
+    RequestFacts,
+    TokenWeights,
+    check_number,
+    check_seed,
+    config_from_options,
+    pick_least,
+)
 
 
 @dataclass(frozen=True, slots=True)

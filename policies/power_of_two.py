@@ -7,8 +7,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from policies.base import (Decision, DecisionReason, EndpointState, RequestFacts, TokenWeights,
-                           check_seed, config_from_options)
+from policies.base import (
+    Decision,
+    DecisionReason,
+    EndpointState,
+    RequestFacts,
+    TokenWeights,
+    check_seed,
+    config_from_options,
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from policies.base import (Decision, DecisionReason, EndpointState, RequestFacts, TokenWeights,
-                           check_number, check_seed, config_from_options, pick_least,
-                           prefix_affinity_key, within_load_bound)
+from policies.base import (
+    Decision,
+    DecisionReason,
+    EndpointState,
+    RequestFacts,
+    TokenWeights,
+    check_number,
+    check_seed,
+    config_from_options,
+    pick_least,
+    prefix_affinity_key,
+    within_load_bound,
+)
 from policies.least_tokens import LeastTokensConfig, LeastTokensPolicy
 from policies.session_affinity import HashRing, ring_hash
 

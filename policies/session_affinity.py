@@ -12,9 +12,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from policies.base import (Decision, DecisionReason, EndpointState, RequestFacts, TokenWeights,
-                           check_number, check_seed, config_from_options, prefix_affinity_key,
-                           within_load_bound)
+from policies.base import (
+    Decision,
+    DecisionReason,
+    EndpointState,
+    RequestFacts,
+    TokenWeights,
+    check_number,
+    check_seed,
+    config_from_options,
+    prefix_affinity_key,
+    within_load_bound,
+)
 from policies.least_tokens import LeastTokensConfig, LeastTokensPolicy
 
 # Past this many distinct endpoint ids the ring is rebuilt from the current candidates only,

@@ -43,7 +43,7 @@ def test_compose_has_the_whole_system(resolved: dict) -> None:
 
 
 def test_gateway_config_parses_with_the_gateway_loader(tmp_path: Path) -> None:
-    from gateway.config import load_config
+    from gateway.config.gateway_config import load_config
 
     config = load_config(REPO / "docker" / "gateway.yaml", environ=ENV)
     assert config.redis_url == "redis://redis:6379/0"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.serve import parse_plan
+from gateway.ops.supervisor import parse_plan
 
 
 def test_gateway_workers_default_to_auto_and_need_redis_above_one(tmp_path) -> None:

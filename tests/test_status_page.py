@@ -266,7 +266,7 @@ INF = float("inf")
 def test_both_pages_compute_quantiles_as_promql(q: float, buckets: list[tuple[float, float]],
                                                 want: float | None) -> None:
     from backends.server.status import quantile as worker_quantile
-    from gateway.status import quantile as gateway_quantile
+    from gateway.api.status import quantile as gateway_quantile
 
     for quantile in (gateway_quantile, worker_quantile):
         got = quantile(q, buckets)

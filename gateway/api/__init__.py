@@ -10,7 +10,7 @@ from gateway.api import completions, messages, models, openapi, ops, responses, 
 
 
 def lean_routes() -> Mapping[str, Callable[[Any], Awaitable[web.StreamResponse]]]:
-    """The POST routes that gateway/lean_http.py serves itself (the same handlers as in `routes`)."""
+    """The POST routes that gateway/server/lean_http.py serves itself (the same handlers as in `routes`)."""
     return {"/v1/chat/completions": completions.chat_completions, "/v1/completions": completions.completions,
             "/v1/embeddings": completions.embeddings, messages.ROUTE: messages.create_message,
             responses.ROUTE: responses.create_response}

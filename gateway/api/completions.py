@@ -19,19 +19,19 @@ import orjson
 from aiohttp import web
 
 from cache.block_hash import block_hashes
-from gateway.access import caller_key
-from gateway.access_log import ACCESS_RECORD, AccessRecord
-from gateway.admission import Charge, charge_rate_limit, settle
-from gateway.config import LimitsConfig, ModelConfig
-from gateway.errors import BadRequest, GatewayError, RequestTimeout
+from gateway.api.admission import Charge, charge_rate_limit, settle
 from gateway.api.models import model_for
-from gateway.lean_http import LeanRequest
-from gateway.request import EMBEDDINGS_PATH, Outcome, RoutedRequest, num_sequences
-from gateway.response_cache import CACHE_HEADER, CachePlan
+from gateway.config.gateway_config import LimitsConfig, ModelConfig
+from gateway.routing.response_cache import CACHE_HEADER, CachePlan
+from gateway.routing.token_count import PromptTokens
+from gateway.server.access import caller_key
+from gateway.server.access_log import ACCESS_RECORD, AccessRecord
+from gateway.server.client_stream import ClientGone, ClientStream, SseResponseFactory, StreamUsage
+from gateway.server.errors import BadRequest, GatewayError, RequestTimeout
+from gateway.server.lean_http import LeanRequest
 from gateway.services import SERVICES, Services
-from gateway.streaming import ClientGone, ClientStream, SseResponseFactory, StreamUsage
-from gateway.tokenize import PromptTokens
-from gateway.tracing import request_id_var
+from gateway.telemetry.tracing import request_id_var
+from gateway.upstream.request import EMBEDDINGS_PATH, Outcome, RoutedRequest, num_sequences
 from policies.base import RequestFacts
 
 log = logging.getLogger(__name__)

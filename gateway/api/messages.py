@@ -1,6 +1,6 @@
 """POST /v1/messages: Anthropic's Messages API over the same admission, routing and dispatch as chat
 completions (`completions.serve`): session affinity, rate limits, retries and fallback apply unchanged.
-The translation is gateway/anthropic/inbound.py; this module only wires it to the request and response.
+The translation is gateway/translate/anthropic/inbound.py; this module only wires it to the request and response.
 Every error on this route, the access middleware's included, has Anthropic's shape (`error_response`).
 """
 from __future__ import annotations
@@ -14,16 +14,16 @@ from functools import partial
 import orjson
 from aiohttp import web
 
-from gateway.anthropic import inbound
-from gateway.anthropic.inbound import MessageEvents, MessageHeader
 from gateway.api.completions import Surface, check_body, decode_json, read_body, serve
 from gateway.api.models import model_for
 from gateway.api.reencoded import reencoded_response_class
-from gateway.errors import GatewayError
-from gateway.request import RoutedRequest
-from gateway.response_cache import CACHE_HEADER
+from gateway.routing.response_cache import CACHE_HEADER
+from gateway.server.client_stream import SseResponseFactory
+from gateway.server.errors import GatewayError
 from gateway.services import SERVICES
-from gateway.streaming import SseResponseFactory
+from gateway.translate.anthropic import inbound
+from gateway.translate.anthropic.inbound import MessageEvents, MessageHeader
+from gateway.upstream.request import RoutedRequest
 
 ROUTE = "/v1/messages"
 COUNT_TOKENS_ROUTE = "/v1/messages/count_tokens"

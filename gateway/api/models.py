@@ -7,9 +7,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.access import API_KEY, caller_key
-from gateway.config import ModelConfig
-from gateway.errors import NotFound
+from gateway.config.gateway_config import ModelConfig
+from gateway.server.access import API_KEY, caller_key
+from gateway.server.errors import NotFound
 from gateway.services import SERVICES
 
 

@@ -5,8 +5,8 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway.config import ReadyRequirement
-from gateway.drain import DRAIN
+from gateway.config.gateway_config import ReadyRequirement
+from gateway.server.drain import DRAIN
 from gateway.services import SERVICES
 
 

@@ -9,8 +9,8 @@ from typing import Protocol
 
 from aiohttp import web
 
-from gateway.lean_http import LeanProtocol, LeanRequest
-from gateway.lean_response import LeanSse
+from gateway.server.lean_http import LeanProtocol, LeanRequest
+from gateway.server.lean_response import LeanSse
 
 
 class EventTranslator(Protocol):
@@ -44,7 +44,7 @@ class ReencodedResponse(_Reencoding):
 
 
 class LeanReencoded(_Reencoding, LeanSse):
-    """The client's SSE response on the lean server (gateway/lean_http.py)."""
+    """The client's SSE response on the lean server (gateway/server/lean_http.py)."""
 
     def __init__(self, protocol: LeanProtocol, *, events: EventTranslator, status: int,
                  headers: dict[str, str]) -> None:

@@ -1,5 +1,5 @@
 """POST /v1/responses: OpenAI's Responses API over the same admission, routing and dispatch as chat
-completions (`completions.serve`). The translation is gateway/openai_responses.py; this module only wires it
+completions (`completions.serve`). The translation is gateway/translate/responses.py; this module only wires it
 to the request and response. Errors keep OpenAI's shape."""
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from functools import partial
 import orjson
 from aiohttp import web
 
-from gateway import openai_responses
 from gateway.api.completions import Surface, check_body, decode_json, read_body, serve
 from gateway.api.reencoded import reencoded_response_class
-from gateway.errors import UpstreamsFailed
-from gateway.openai_responses import ResponseEvents, ResponseHeader
-from gateway.request import RoutedRequest
-from gateway.response_cache import CACHE_HEADER
+from gateway.routing.response_cache import CACHE_HEADER
+from gateway.server.client_stream import SseResponseFactory
+from gateway.server.errors import UpstreamsFailed
 from gateway.services import SERVICES
-from gateway.streaming import SseResponseFactory
+from gateway.translate import responses as openai_responses
+from gateway.translate.responses import ResponseEvents, ResponseHeader
+from gateway.upstream.request import RoutedRequest
 
 ROUTE = "/v1/responses"
 

@@ -7,9 +7,9 @@ import dataclasses
 import orjson
 from aiohttp import web
 
-from gateway.access import KEYS, caller_key
-from gateway.admission import DAILY_SUFFIX
-from gateway.errors import BadRequest, Forbidden
+from gateway.api.admission import DAILY_SUFFIX
+from gateway.server.access import KEYS, caller_key
+from gateway.server.errors import BadRequest, Forbidden
 from gateway.services import SERVICES
 
 

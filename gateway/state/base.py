@@ -108,7 +108,7 @@ class StateStore(Protocol):
         ...
 
     async def publish_routed(self, replica_id: str, payload: str, max_entries: int) -> None:
-        """Append one batch of this replica's routing decisions (gateway/prefix_share.py) to the shared log,
+        """Append one batch of this replica's routing decisions (gateway/routing/prefix_share.py) to the shared log,
         which keeps about the latest `max_entries` batches."""
         ...
 
@@ -119,7 +119,7 @@ class StateStore(Protocol):
         ...
 
     async def get_response(self, cache_key: str) -> bytes | None:
-        """A cached answer's body (gateway/response_cache.py); None when there is none."""
+        """A cached answer's body (gateway/routing/response_cache.py); None when there is none."""
         ...
 
     async def put_response(self, cache_key: str, body: bytes, ttl_s: float) -> None: ...

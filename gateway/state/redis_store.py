@@ -17,8 +17,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.state import bucket, redis_scripts
-from gateway.state.base import (UNLIMITED, BreakerState, RateDecision, RateLimits, StoreUnavailable, Usage,
-                                 sum_counts)
+from gateway.state.base import UNLIMITED, BreakerState, RateDecision, RateLimits, StoreUnavailable, Usage, sum_counts
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""The access log (gateway/access_log.py) of a real gateway process: one JSON line per API request, refused or
+"""The access log (gateway/server/access_log.py) of a real gateway process: one JSON line per API request, refused or
 served, whole or streamed, with its key, model, endpoint, tokens, status and timings; none for probes."""
 from __future__ import annotations
 

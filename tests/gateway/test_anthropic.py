@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import create_app
-from gateway.config import parse_config
+from gateway.config.gateway_config import parse_config
 
 KEY = "sk-test-key"
 HELLO = [{"role": "user", "content": "Hello"}]

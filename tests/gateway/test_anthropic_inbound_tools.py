@@ -1,4 +1,4 @@
-"""Tool use on POST /v1/messages, the pure translations (gateway/anthropic/inbound_tools.py and the stream
+"""Tool use on POST /v1/messages, the pure translations (gateway/translate/anthropic/inbound_tools.py and the stream
 translator): Anthropic's tools, tool_choice, tool_use and tool_result blocks as a chat body; an answer's tool
 calls as tool_use blocks, whole and streamed (bytes cut anywhere give the same events). Through the real app
 and the official SDK: tests/gateway/test_anthropic.py."""
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.anthropic.inbound import MessageEvents, MessageHeader, to_chat_body, to_message
+from gateway.translate.anthropic.inbound import MessageEvents, MessageHeader, to_chat_body, to_message
 from tests.gateway.test_anthropic_translate import cut, events
 
 HEADER = MessageHeader("msg_1", "m", (), num_input_tokens=7)

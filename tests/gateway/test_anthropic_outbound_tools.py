@@ -1,4 +1,4 @@
-"""Tool use through the `anthropic` provider kind (gateway/anthropic/outbound.py): the chat request's tools,
+"""Tool use through the `anthropic` provider kind (gateway/translate/anthropic/outbound.py): the chat request's tools,
 tool_choice and tool-call history as tables; the answer's tool_use blocks, whole and as a stream cut at any
 byte; and the official `openai` SDK through the real gateway app against a fake Anthropic API that calls tools.
 """
@@ -15,8 +15,8 @@ from aiohttp.test_utils import TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.anthropic.outbound import ChatChunks, Untranslatable, to_chat_completion, to_messages_request
-from gateway.anthropic.sse import SseFramer
+from gateway.translate.anthropic.outbound import ChatChunks, Untranslatable, to_chat_completion, to_messages_request
+from gateway.translate.sse import SseFramer
 from tests.gateway.test_anthropic import Start, Upstream, _config, _named, _openai_sdk, _stream
 from tests.gateway.test_anthropic import start as start  # the fixture: the gateway app and its upstreams
 from tests.gateway.test_anthropic_translate import cut

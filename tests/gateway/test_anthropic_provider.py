@@ -5,9 +5,14 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.gateway.test_anthropic import HELLO, Start, _config, _openai_sdk, _sdk
-from tests.gateway.test_anthropic import start  # noqa: F401  (the fixture)
-
+from tests.gateway.test_anthropic import (
+    HELLO,
+    Start,
+    _config,
+    _openai_sdk,
+    _sdk,
+    start,  # noqa: F401  (the fixture)
+)
 
 # --- the `anthropic` provider kind -------------------------------------------------------------------
 

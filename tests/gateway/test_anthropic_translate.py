@@ -1,4 +1,4 @@
-"""The pure Anthropic <-> OpenAI translations (gateway/anthropic/): tables for requests, stop reasons, usage
+"""The pure Anthropic <-> OpenAI translations (gateway/translate/anthropic/): tables for requests, stop reasons, usage
 and errors; properties for the stream translators (bytes cut anywhere give the same events)."""
 from __future__ import annotations
 
@@ -10,11 +10,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.anthropic.inbound import MessageEvents, MessageHeader, check_version, stop_reason, to_chat_body, usage
-from gateway.anthropic.outbound import (ChatChunks, Untranslatable, chat_usage, openai_error, to_chat_completion,
-                                        to_messages_request)
-from gateway.anthropic.sse import SseEvent, SseFramer
-from gateway.errors import BadRequest
+from gateway.server.errors import BadRequest
+from gateway.translate.anthropic.inbound import (
+    MessageEvents,
+    MessageHeader,
+    check_version,
+    stop_reason,
+    to_chat_body,
+    usage,
+)
+from gateway.translate.anthropic.outbound import (
+    ChatChunks,
+    Untranslatable,
+    chat_usage,
+    openai_error,
+    to_chat_completion,
+    to_messages_request,
+)
+from gateway.translate.sse import SseEvent, SseFramer
 
 HELLO = [{"role": "user", "content": "Hi"}]
 HEADER = MessageHeader("msg_1", "m", ("END",), num_input_tokens=7)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.stream_relay import _drain, _write
-from gateway.streaming import ClientGone
+from gateway.server.client_stream import ClientGone
+from gateway.upstream.relay import _drain, _write
 
 LEFT = [ConnectionResetError("reset"), BrokenPipeError("broken pipe"), ConnectionError("Connection lost")]
 

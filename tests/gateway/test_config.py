@@ -1,10 +1,10 @@
-"""gateway/config.py: parsing, defaults, `${ENV}` expansion after parsing, errors that name the field, the
+"""gateway/config/gateway_config.py: parsing, defaults, `${ENV}` expansion after parsing, errors that name the field, the
 documented example."""
 from __future__ import annotations
 
 import pytest
 
-from gateway.config import ConfigError, ReadyRequirement, expand_env, parse_config
+from gateway.config.gateway_config import ConfigError, ReadyRequirement, expand_env, parse_config
 
 
 @pytest.mark.parametrize(("text", "env", "expected"), [

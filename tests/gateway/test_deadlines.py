@@ -1,4 +1,4 @@
-"""gateway/deadlines.py on a real event loop: deadlines fire in their order and never once discarded; a
+"""gateway/upstream/deadlines.py on a real event loop: deadlines fire in their order and never once discarded; a
 TaskDeadline behaves as asyncio.timeout does for the legs (TimeoutError at the deadline, disarmed by
 reschedule(None), an outside cancellation left a cancellation). Every wait ends on an event, not a sleep."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gateway.deadlines import Deadlines
+from gateway.upstream.deadlines import Deadlines
 
 TIMEOUT_S = 30.0   # bounds a broken run only
 

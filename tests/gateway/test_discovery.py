@@ -1,4 +1,4 @@
-"""Endpoints found in DNS (`dns+http://NAME:PORT`, gateway/discovery.py): a real gateway process resolving a
+"""Endpoints found in DNS (`dns+http://NAME:PORT`, gateway/config/discovery.py): a real gateway process resolving a
 real name, and the registry following a name whose addresses change (a resolver the test controls stands in
 for a DNS server, the one part that cannot run here) in front of fake upstreams that share one port on
 several loopback addresses, as a service's replicas do."""
@@ -12,10 +12,10 @@ import orjson
 import pytest
 
 from cache.prefix_index import PrefixIndex
-from gateway.config import ConfigError, Pool, parse_config
-from gateway.discovery import DnsName
-from gateway.load import LoadTracker
-from gateway.upstreams import UpstreamRegistry
+from gateway.config.discovery import DnsName
+from gateway.config.gateway_config import ConfigError, Pool, parse_config
+from gateway.routing.endpoints import UpstreamRegistry
+from gateway.routing.load import LoadTracker
 from tests.gateway.conftest import gateway_config
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.ports import free_port

@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.response_cache import CACHE_HEADER
+from gateway.routing.response_cache import CACHE_HEADER
 from tests.gateway.conftest import gateway_config
 from tests.gateway.test_pd import pd_config
 from tests.support.wait import await_until

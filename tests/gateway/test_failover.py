@@ -1,5 +1,5 @@
 """Mid-stream failover through a real gateway process to fake upstreams (engines other than ours: the
-continuation is text), and the pieces of gateway/failover.py on their own. Our workers' exact continuation
+continuation is text), and the pieces of gateway/upstream/mid_stream_resume.py on their own. Our workers' exact continuation
 from token ids is in tests/backends/server/test_failover_workers.py."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.config import ProviderConfig, ProviderKind
-from gateway.failover import SoFar, Stitcher, Transcript, answered_so_far, leg_body, without_token_ids
+from gateway.config.gateway_config import ProviderConfig, ProviderKind
+from gateway.upstream.mid_stream_resume import SoFar, Stitcher, Transcript, answered_so_far, leg_body, without_token_ids
 from tests.gateway.conftest import gateway_config, metric
 from tests.gateway.test_streaming import read_events
 

@@ -8,8 +8,8 @@ import pytest
 from cache.block_hash import block_hashes
 from cache.prefix_index import PrefixIndex
 from cache.vllm_events import VllmBlockMap
-from gateway.config import ConfigError, KvEventSource, parse_config
-from gateway.kv_events import EngineStream, KvEventConsumer, plan_sockets, subscriber_address
+from gateway.config.gateway_config import ConfigError, KvEventSource, parse_config
+from gateway.routing.vllm_kv_events import EngineStream, KvEventConsumer, plan_sockets, subscriber_address
 from tests.support.ports import free_port
 
 

@@ -1,4 +1,4 @@
-"""The lean HTTP/1.1 server (gateway/lean_http.py) in a real gateway process, spoken to over raw sockets:
+"""The lean HTTP/1.1 server (gateway/server/lean_http.py) in a real gateway process, spoken to over raw sockets:
 what it serves itself (`Server: switchyard`), keep-alive and pipelining, streams in chunked framing, and
 every request outside its subset handed, with the rest of its connection, to aiohttp's own server.
 

@@ -6,10 +6,11 @@ import asyncio
 import random
 
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from gateway.load import LoadReport, LoadTracker, OutputLengthEstimator
+from gateway.routing.load import LoadReport, LoadTracker, OutputLengthEstimator
 
 ENDPOINTS = ("http://a:1", "http://b:2", "http://c:3")
 

@@ -1,13 +1,13 @@
-"""Peer leases in the in-flight estimate (gateway/load.py, gateway/load_share.py) and the --workers rule
-(gateway/workers.py). Two trackers stand for two gateway processes; they share through a real store."""
+"""Peer leases in the in-flight estimate (gateway/routing/load.py, gateway/routing/load_share.py) and the --workers rule
+(gateway/ops/gateway_processes.py). Two trackers stand for two gateway processes; they share through a real store."""
 from __future__ import annotations
 
 import pytest
 
-from gateway.load import LoadTracker
-from gateway.load_share import LoadSharer
+from gateway.ops.gateway_processes import WorkersError, resolve_workers
+from gateway.routing.load import LoadTracker
+from gateway.routing.load_share import LoadSharer
 from gateway.state import MemoryStore
-from gateway.workers import WorkersError, resolve_workers
 from tests.support.clock import ManualClock
 
 E = "http://w:1"

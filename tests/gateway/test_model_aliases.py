@@ -4,9 +4,9 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from gateway.config import ConfigError, parse_config
+from gateway.config.gateway_config import ConfigError, parse_config
 from tests.gateway.conftest import gateway_config, metric
-from tests.gateway.test_security import SECRET_A, CHAT, fetch
+from tests.gateway.test_security import CHAT, SECRET_A, fetch
 
 
 async def test_an_alias_is_its_model_under_another_name(start_fakes, start_gateway) -> None:

@@ -1,11 +1,11 @@
-"""Which decode workers take a prefill worker's KV (gateway/providers/pd_pairs.py): by the weights the workers
+"""Which decode workers take a prefill worker's KV (gateway/upstream/providers/pd_pairs.py): by the weights the workers
 report, and by refusals remembered until they expire or either worker reports other weights."""
 from __future__ import annotations
 
-from gateway.breaker import CircuitBreaker
-from gateway.config import BreakerConfig
-from gateway.providers.pd_pairs import PdPairs
-from gateway.upstreams import Endpoint
+from gateway.config.gateway_config import BreakerConfig
+from gateway.routing.breaker import CircuitBreaker
+from gateway.routing.endpoints import Endpoint
+from gateway.upstream.providers.pd_pairs import PdPairs
 
 
 def endpoint(name: str, weights: str = "") -> Endpoint:

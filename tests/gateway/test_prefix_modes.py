@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from cache.prefix_index import PrefixIndex
-from gateway.config import parse_config
-from gateway.load import LoadReport
-from gateway.prefix_index import configure_prefix_index, index_block_size, on_load_report
+from gateway.config.gateway_config import parse_config
+from gateway.routing.load import LoadReport
+from gateway.routing.prefix_feed import configure_prefix_index, index_block_size, on_load_report
 
 CONFIG = """
 providers:

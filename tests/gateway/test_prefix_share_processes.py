@@ -1,5 +1,5 @@
 """The approximate prefix index shared between real gateway processes behind one Redis
-(gateway/prefix_share.py): a conversation routed by one process has its next turn follow its prefix in the
+(gateway/routing/prefix_share.py): a conversation routed by one process has its next turn follow its prefix in the
 other. The sharing itself, on both stores, is in tests/gateway/state/test_prefix_share.py."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Admission (gateway/admission.py): a key's daily token quota (`max_tokens_per_day`), a bucket refilled over a
+"""Admission (gateway/api/admission.py): a key's daily token quota (`max_tokens_per_day`), a bucket refilled over a
 rolling day, asked before the per-minute limit and settled like it (in-process with a clock the test moves, and
 shared by two gateway replicas through a real Redis); and the x-ratelimit-* headers of the per-minute limits."""
 from __future__ import annotations
@@ -9,11 +9,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.admission import DAILY_SUFFIX, charge_rate_limit, settle
-from gateway.auth import DAY_S, ApiKey
-from gateway.errors import RateLimited
+from gateway.api.admission import DAILY_SUFFIX, charge_rate_limit, settle
+from gateway.server.client_stream import StreamUsage
+from gateway.server.errors import RateLimited
+from gateway.server.key_auth import DAY_S, ApiKey
 from gateway.state import MemoryStore
-from gateway.streaming import StreamUsage
 from tests.gateway.conftest import gateway_config
 from tests.support.clock import ManualClock
 
@@ -50,7 +50,7 @@ async def test_the_quota_is_asked_first_and_refunded_when_the_minute_refuses() -
 
 
 def test_a_limit_of_zero_fails_at_start_up() -> None:
-    from gateway.config import ConfigError, parse_config
+    from gateway.config.gateway_config import ConfigError, parse_config
 
     for field in ("max_tokens_per_day", "max_tokens_per_min", "max_requests_per_min", "max_concurrent_requests"):
         text = f"""models: {{m: {{providers: [p]}}}}

@@ -1,20 +1,19 @@
-"""The response cache (gateway/response_cache.py): which requests are the same, what is kept and for whom, and
+"""The response cache (gateway/routing/response_cache.py): which requests are the same, what is kept and for whom, and
 two real gateway replicas sharing it through a real Redis in front of fake upstreams that count what reaches
 them."""
 from __future__ import annotations
 
-from typing import Any
-
 import urllib.request
+from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 import redis
 
-from gateway.config import ModelConfig, ResponseCacheConfig
-from gateway.errors import BadRequest
-from gateway.response_cache import CACHE_HEADER, TTL_HEADER, ResponseCache
+from gateway.config.gateway_config import ModelConfig, ResponseCacheConfig
+from gateway.routing.response_cache import CACHE_HEADER, TTL_HEADER, ResponseCache
+from gateway.server.errors import BadRequest
 from gateway.state import MemoryStore
 from tests.gateway.conftest import gateway_config, metric
 from tests.support.clock import ManualClock

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API stream translator (gateway/openai_responses.py) as a property: any cut of the upstream's
+"""OpenAI's Responses API stream translator (gateway/translate/responses.py) as a property: any cut of the upstream's
 bytes gives the same events, in order, with consecutive sequence numbers; text alone and text with tool calls.
 Requests and whole answers: test_responses_translate.py."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.anthropic.sse import SseFramer
-from gateway.openai_responses import ResponseEvents
+from gateway.translate.responses import ResponseEvents
+from gateway.translate.sse import SseFramer
 from tests.gateway.test_anthropic_translate import cut
 from tests.gateway.test_responses_translate import HEADER
 

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API over the chat dispatch (gateway/openai_responses.py, gateway/openai_responses_tools.py):
+"""OpenAI's Responses API over the chat dispatch (gateway/translate/responses.py, gateway/translate/responses_tools.py):
 requests (function tools and tool-call items included) as chat bodies and refusals as tables, and a whole chat
 completion as a Response. The stream translator: test_responses_stream.py."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from gateway.errors import BadRequest
-from gateway.openai_responses import ResponseHeader, to_chat_body, to_response
+from gateway.server.errors import BadRequest
+from gateway.translate.responses import ResponseHeader, to_chat_body, to_response
 
 HELLO = [{"role": "user", "content": "Hi"}]
 REQUEST = {"model": "m", "input": "Hi", "instructions": "Be brief.", "max_output_tokens": 5, "metadata": {"k": "v"}}

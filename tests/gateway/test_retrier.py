@@ -1,12 +1,12 @@
-"""gateway/fallback.py: the retry budget and the retrier (the end-to-end fallback is in test_fallback.py)."""
+"""gateway/upstream/retries.py: the retry budget and the retrier (the end-to-end fallback is in test_fallback.py)."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from gateway.config import RetryConfig
-from gateway.fallback import Retrier, RetryableFailure, RetryBudget
+from gateway.config.gateway_config import RetryConfig
+from gateway.upstream.retries import Retrier, RetryableFailure, RetryBudget
 from tests.support.clock import ManualClock
 
 

@@ -296,7 +296,7 @@ def _tls_files(tmp_path):
 
 def test_tls_1_2_at_least(start_fakes, start_gateway, tmp_path) -> None:
     from gateway.app import ssl_context
-    from gateway.config import parse_config
+    from gateway.config.gateway_config import parse_config
 
     ca_path, cert_path, key_path = _tls_files(tmp_path)
     (fake,) = start_fakes("a")

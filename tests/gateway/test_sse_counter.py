@@ -1,4 +1,4 @@
-"""gateway/streaming.py: counting content events and usage in an SSE stream cut at any byte."""
+"""gateway/server/client_stream.py: counting content events and usage in an SSE stream cut at any byte."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +8,7 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.streaming import SseCounter
+from gateway.server.client_stream import SseCounter
 
 
 def test_sse_counter_counts_content_events_across_chunk_boundaries() -> None:

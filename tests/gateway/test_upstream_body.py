@@ -1,4 +1,4 @@
-"""gateway/upstream_conn.py's chunked body decoding against a reference decoder of the whole wire, for any
+"""gateway/upstream/connection.py's chunked body decoding against a reference decoder of the whole wire, for any
 events, chunk extensions and trailers, with the bytes arriving in reads cut at any point."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.deadlines import Deadlines
-from gateway.upstream_conn import UpstreamBody, UpstreamConnection, UpstreamProtocolError
+from gateway.upstream.connection import UpstreamBody, UpstreamConnection, UpstreamProtocolError
+from gateway.upstream.deadlines import Deadlines
 
 NEXT_RESPONSE = b"HTTP/1.1 200 OK\r\n"   # bytes after the body: the decoder must leave them in the buffer
 

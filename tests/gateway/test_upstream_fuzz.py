@@ -1,4 +1,4 @@
-"""The lean upstream client (gateway/upstream_http.py) against whatever an upstream may send and then close:
+"""The lean upstream client (gateway/upstream/http_client.py) against whatever an upstream may send and then close:
 heads and bodies built from HTTP/1.1's parts with wrong values, cut anywhere. Each answer is a body or an
 aiohttp client error (which the legs retry or report), within a deadline: never another exception, never a
 hang."""
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.upstream_http import UpstreamClient
+from gateway.upstream.http_client import UpstreamClient
 
 TIMEOUT = aiohttp.ClientTimeout(total=30, sock_connect=5)
 NO_HANG_S = 10.0     # the server closes after its answer: anything still waiting by then is a hang

@@ -1,4 +1,4 @@
-"""The lean upstream client (gateway/upstream_http.py) against real servers on loopback: an aiohttp app for the
+"""The lean upstream client (gateway/upstream/http_client.py) against real servers on loopback: an aiohttp app for the
 well-formed cases, and a raw asyncio server that writes exact bytes for framing and failure cases."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.upstream_conn import UpstreamBody
-from gateway.upstream_http import UpstreamClient
+from gateway.upstream.connection import UpstreamBody
+from gateway.upstream.http_client import UpstreamClient
 from tests.support.wait import await_until
 
 TIMEOUT = aiohttp.ClientTimeout(total=10, sock_connect=2)

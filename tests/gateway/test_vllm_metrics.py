@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.load import LoadTracker
-from gateway.vllm_metrics import load_report_from_metrics
+from gateway.routing.load import LoadTracker
+from gateway.routing.vllm_metrics import load_report_from_metrics
 
 SAMPLE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

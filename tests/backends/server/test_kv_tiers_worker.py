@@ -13,7 +13,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.load import LoadReport
+from gateway.routing.load import LoadReport
 from tests.support.mooncake import Master
 from tests.support.wait import wait_until
 from tests.support.worker_proc import WorkerProcess, supervised, worker_process

@@ -1,12 +1,12 @@
-"""API keys (gateway/auth.py): plain or sha256 in config, only digests kept, Bearer parsing, errors."""
+"""API keys (gateway/server/key_auth.py): plain or sha256 in config, only digests kept, Bearer parsing, errors."""
 from __future__ import annotations
 
 import hashlib
 
 import pytest
 
-from gateway.auth import Authenticator
-from gateway.config import ApiKeyConfig
+from gateway.config.gateway_config import ApiKeyConfig
+from gateway.server.key_auth import Authenticator
 from gateway.state import RateLimits
 
 SECRET_A = "sk-team-a-0123456789"

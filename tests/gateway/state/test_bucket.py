@@ -4,8 +4,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.state import RateLimits
-from gateway.state import bucket
+from gateway.state import RateLimits, bucket
 
 limits_st = st.builds(
     RateLimits,

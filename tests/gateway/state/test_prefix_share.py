@@ -1,4 +1,4 @@
-"""The approximate prefix index shared between gateway processes (gateway/prefix_share.py): two sharers over
+"""The approximate prefix index shared between gateway processes (gateway/routing/prefix_share.py): two sharers over
 one store, memory and a real Redis, stand for two processes."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from cache.prefix_index import PrefixIndex
-from gateway.prefix_share import PrefixSharer, decode, encode
+from gateway.routing.prefix_share import PrefixSharer, decode, encode
 from gateway.state import StateStore
 
 A, B = "http://a:1", "http://b:2"
@@ -57,7 +57,7 @@ async def test_a_malformed_batch_is_skipped_with_a_warning(store: StateStore, ca
     index = approximate_index()
     await store.publish_routed("someone", "not json", max_entries=100)
     await store.publish_routed("someone", encode([(A, [5, 6])]), max_entries=100)
-    with caplog.at_level(logging.WARNING, logger="gateway.prefix_share"):
+    with caplog.at_level(logging.WARNING, logger="gateway.routing.prefix_share"):
         await PrefixSharer(index, store, interval_s=0.25).share_once()
     assert "malformed" in caplog.text
     assert index.matched_blocks([5, 6]) == {A: 2}                   # the good batch after it still applies

@@ -26,7 +26,6 @@ from tests.support.ports import free_port
 from tests.support.redis_proc import RedisProc
 from tests.support.wait import await_until
 
-
 PREFIX = "resilient:"
 LOGGER = "gateway.state.resilient"
 
