@@ -27,21 +27,26 @@ from gateway.routing.prefix_share import PrefixSharer
 from gateway.routing.response_cache import ResponseCache
 from gateway.routing.token_count import TokenCounter
 from gateway.routing.vllm_kv_events import KvEventConsumer
-from gateway.server.access import KEYS, Keys, make_access_middleware
 from gateway.server.access_log import AccessLog
-from gateway.server.cors import make_cors_middleware
-from gateway.server.drain import DRAIN, Drain
-from gateway.server.errors import answer_protocol_errors_in_json, make_error_middleware
 from gateway.server.key_auth import Authenticator
 from gateway.server.lean_http import LeanSite
+from gateway.server.middlewares import (
+    DRAIN,
+    KEYS,
+    Drain,
+    Keys,
+    answer_protocol_errors_in_json,
+    make_access_middleware,
+    make_cors_middleware,
+    make_error_middleware,
+)
 from gateway.services import SERVICES, BackgroundTasks, Services
 from gateway.state import StateStore, make_store
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.tracing import RequestIds, Tracing
-from gateway.upstream.dispatch import Dispatcher
+from gateway.upstream.dispatch import Dispatcher, Retrier, RetryBudget
 from gateway.upstream.legs import Legs
 from gateway.upstream.providers import make_provider
-from gateway.upstream.retries import Retrier, RetryBudget
 from policies.registry import PolicyName, make_policy
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import math
 
+from gateway.errors import RateLimited
 from gateway.server.client_stream import StreamUsage
-from gateway.server.errors import RateLimited
 from gateway.server.key_auth import ApiKey
 from gateway.services import Services
 from gateway.state import MemoryStore

@@ -22,13 +22,13 @@ from cache.block_hash import block_hashes
 from gateway.api.admission import Charge, charge_rate_limit, settle
 from gateway.api.models import model_for
 from gateway.config.gateway_config import LimitsConfig, ModelConfig
+from gateway.errors import BadRequest, GatewayError, RequestTimeout
 from gateway.routing.response_cache import CACHE_HEADER, CachePlan
 from gateway.routing.token_count import PromptTokens
-from gateway.server.access import caller_key
 from gateway.server.access_log import ACCESS_RECORD, AccessRecord
 from gateway.server.client_stream import ClientGone, ClientStream, SseResponseFactory, StreamUsage
-from gateway.server.errors import BadRequest, GatewayError, RequestTimeout
 from gateway.server.lean_http import LeanRequest
+from gateway.server.middlewares import caller_key
 from gateway.services import SERVICES, Services
 from gateway.telemetry.tracing import request_id_var
 from gateway.upstream.request import EMBEDDINGS_PATH, Outcome, RoutedRequest, num_sequences

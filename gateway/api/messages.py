@@ -17,9 +17,9 @@ from aiohttp import web
 from gateway.api.completions import Surface, check_body, decode_json, read_body, serve
 from gateway.api.models import model_for
 from gateway.api.reencoded import reencoded_response_class
+from gateway.errors import GatewayError
 from gateway.routing.response_cache import CACHE_HEADER
 from gateway.server.client_stream import SseResponseFactory
-from gateway.server.errors import GatewayError
 from gateway.services import SERVICES
 from gateway.translate.anthropic import inbound
 from gateway.translate.anthropic.inbound import MessageEvents, MessageHeader

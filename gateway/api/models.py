@@ -8,8 +8,8 @@ import orjson
 from aiohttp import web
 
 from gateway.config.gateway_config import ModelConfig
-from gateway.server.access import API_KEY, caller_key
-from gateway.server.errors import NotFound
+from gateway.errors import NotFound
+from gateway.server.middlewares import API_KEY, caller_key
 from gateway.services import SERVICES
 
 

@@ -1,6 +1,6 @@
 """GET /openapi.json: the gateway's OpenAPI description (gateway/openapi.yaml), read once at start-up.
 
-It is public even with api_keys configured (see gateway/server/access.py): it describes the API, not this
+It is public even with api_keys configured (see gateway/server/middlewares.py): it describes the API, not this
 deployment, and a client needs it before it holds a key.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway.config.gateway_config import ReadyRequirement
-from gateway.server.drain import DRAIN
+from gateway.server.middlewares import DRAIN
 from gateway.services import SERVICES
 
 

@@ -10,7 +10,7 @@ from typing import Protocol
 from aiohttp import web
 
 from gateway.server.lean_http import LeanProtocol, LeanRequest
-from gateway.server.lean_response import LeanSse
+from gateway.server.lean_stream import LeanSse
 
 
 class EventTranslator(Protocol):

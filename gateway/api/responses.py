@@ -13,9 +13,9 @@ from aiohttp import web
 
 from gateway.api.completions import Surface, check_body, decode_json, read_body, serve
 from gateway.api.reencoded import reencoded_response_class
+from gateway.errors import UpstreamsFailed
 from gateway.routing.response_cache import CACHE_HEADER
 from gateway.server.client_stream import SseResponseFactory
-from gateway.server.errors import UpstreamsFailed
 from gateway.services import SERVICES
 from gateway.translate import responses as openai_responses
 from gateway.translate.responses import ResponseEvents, ResponseHeader

@@ -8,8 +8,8 @@ import orjson
 from aiohttp import web
 
 from gateway.api.admission import DAILY_SUFFIX
-from gateway.server.access import KEYS, caller_key
-from gateway.server.errors import BadRequest, Forbidden
+from gateway.errors import BadRequest, Forbidden
+from gateway.server.middlewares import KEYS, caller_key
 from gateway.services import SERVICES
 
 

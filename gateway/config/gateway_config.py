@@ -171,7 +171,7 @@ class ResponseCacheConfig:
 
 @dataclass(frozen=True, slots=True)
 class CorsConfig:
-    """Browsers' cross-origin requests (gateway/server/cors.py); none allowed unless origins are named."""
+    """Browsers' cross-origin requests (gateway/server/middlewares.py); none allowed unless origins are named."""
     allow_origins: tuple[str, ...] = ()  # e.g. https://app.example.com; "*": any origin
     max_age_s: int = 600                 # how long a browser may keep a preflight's answer
 

@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 
 from gateway.config.gateway_config import ModelConfig, ResponseCacheConfig
-from gateway.server.errors import BadRequest
+from gateway.errors import BadRequest
 from gateway.state import StateStore
 
 CACHE_HEADER = "x-switchyard-cache"          # request: skip | refresh; answer: hit | miss | bypass

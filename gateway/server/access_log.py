@@ -19,9 +19,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.server.access import caller_key
+from gateway.errors import GatewayError
 from gateway.server.client_stream import StreamUsage
-from gateway.server.errors import GatewayError
+from gateway.server.middlewares import caller_key
 from gateway.telemetry.tracing import request_id_var
 
 ACCESS_RECORD: web.RequestKey[AccessRecord] = web.RequestKey("switchyard_access_record", object)  # type: ignore[arg-type]

@@ -16,9 +16,9 @@ import orjson
 from aiohttp import web
 from aiohttp.http_writer import StreamWriter
 
-from gateway.server.cors import CORS_HEADERS
 from gateway.server.lean_http import LeanRequest
-from gateway.server.lean_response import LeanSse
+from gateway.server.lean_stream import LeanSse
+from gateway.server.middlewares import CORS_HEADERS
 from gateway.telemetry.tracing import REQUEST_ID_HEADER, request_id_var
 
 KEEPALIVE = b": keepalive\n\n"

@@ -4,7 +4,7 @@ aiohttp's server costs about a quarter of the gateway's CPU per request (its pro
 response objects, router and middleware plumbing). This one serves only what a generation request
 usually is: `POST /v1/chat/completions`, `/v1/completions` or `/v1/messages`, HTTP/1.1, a Content-Length
 body, plain ASCII headers. It runs the app's own middlewares and handlers (`LeanRequest` has what they read), and
-writes their `web.Response`, or a stream through `LeanSse`, straight to the transport.
+writes their `web.Response`, or a stream through `LeanSse` (gateway/server/lean_stream.py), straight to the transport.
 
 Anything else on a connection (another route or method, a chunked body, `Expect`, `Upgrade`, HTTP/1.0,
 a head too long or not plainly formed) hands the connection, with the bytes not yet served, to aiohttp's
@@ -17,14 +17,15 @@ import asyncio
 import functools
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any, cast
+from email.utils import formatdate
+from typing import Any, Protocol, cast
 
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.server.errors import GatewayError, error_response
-from gateway.server.lean_response import LeanSse, encode_head
+from gateway.errors import GatewayError, error_response
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,13 @@ class LeanServer:
             connection.close()
 
 
+class SentStream(Protocol):
+    """What the connection reads of a streamed answer (gateway/server/lean_stream.py's LeanSse), which
+    imports this module."""
+
+    ended: bool   # its body's last chunk was written
+
+
 class LeanProtocol(asyncio.Protocol):
     """One client connection while it is lean: requests one at a time (pipelined ones wait in the buffer)."""
 
@@ -125,7 +133,7 @@ class LeanProtocol(asyncio.Protocol):
         self._buffer: bytes | bytearray = b""       # received, not yet served (a bytearray once it grows)
         self._scanned = 0                          # how far the buffer holds no whole head
         self._request: LeanRequest | None = None   # the request being served
-        self.stream: LeanSse | None = None         # its streamed answer, once one started
+        self.stream: SentStream | None = None      # its streamed answer (lean_stream.LeanSse), once one started
         self._body_length = 0                      # its Content-Length, while its body is still arriving
         self._task: asyncio.Task[None] | None = None
         self.idle_since: float | None = None       # loop time since which no request head is whole (None: one is)
@@ -339,3 +347,35 @@ class LeanSite(web.BaseSite):
     async def stop(self) -> None:
         await super().stop()
         self._lean.close_connections()
+
+
+def encode_head(status: int, reason: str, headers: Iterable[tuple[str, str]], content_length: int | None = None,
+                keep_alive: bool = True) -> bytes:
+    """The status line and headers; the framing headers are this function's own (`content_length`, or the
+    caller's Transfer-Encoding when it is None) and Connection says only `close`, when not `keep_alive`."""
+    lines = [f"HTTP/1.1 {status} {reason}\r\n"]
+    framing = _FRAMING if content_length is not None else _FRAMING[:2]
+    for name, value in headers:
+        if name.lower() in framing:
+            continue
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"a line break in the response header {name!r}")
+        lines.append(f"{name}: {value}\r\n")
+    if content_length is not None:
+        lines.append(f"Content-Length: {content_length}\r\n")
+    if not keep_alive:
+        lines.append("Connection: close\r\n")
+    lines.append(_date_and_server())
+    return "".join(lines).encode("latin-1")
+
+
+_FRAMING = ("content-length", "connection", "transfer-encoding")
+
+
+@functools.lru_cache(maxsize=2)
+def _date_header(second: int) -> str:
+    return f"Date: {formatdate(second, usegmt=True)}\r\nServer: switchyard\r\n\r\n"
+
+
+def _date_and_server() -> str:
+    return _date_header(int(time.time()))

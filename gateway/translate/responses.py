@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.server.errors import BadRequest
+from gateway.errors import BadRequest
 from gateway.translate.chat_stream import ChatStreamTranslator
 from gateway.translate.responses_tools import (
     chat_tool_call,

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from gateway.server.errors import BadRequest
+from gateway.errors import BadRequest
 
 CHOICE_MODES = frozenset({"auto", "none", "required"})
 INPUT_TEXT = frozenset({"input_text"})

@@ -30,8 +30,7 @@ from gateway.telemetry.tracing import REQUEST_ID_HEADER, Tracing
 from gateway.upstream.deadlines import TaskDeadline
 from gateway.upstream.http_client import UpstreamClient
 from gateway.upstream.relay import CONNECT_ERRORS, relay_stream
-from gateway.upstream.request import Leg, Outcome, Progress, ProviderExhausted, Wire
-from gateway.upstream.retries import RetryableFailure
+from gateway.upstream.request import Leg, Outcome, Progress, ProviderExhausted, RetryableFailure, Wire
 from policies.base import Decision, EndpointState, Policy
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,7 @@ from gateway.server.client_stream import DONE_EVENT, ClientGone, ClientStream, S
 from gateway.telemetry.metrics import Metrics
 from gateway.upstream.connection import UpstreamBody
 from gateway.upstream.mid_stream_resume import StreamBroken, Transcript, asks_token_ids, without_token_ids
-from gateway.upstream.request import Outcome, Progress
-from gateway.upstream.retries import RetryableFailure
+from gateway.upstream.request import Outcome, Progress, RetryableFailure
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
 """The records that describe one generation request on its way through the gateway: what the client
 asked for (`RoutedRequest`), how serving it goes (`Progress`), one upstream call (`Leg`, sent the way a
-provider's `Wire` says) and what comes back (`Outcome`).
+provider's `Wire` says) and what comes back (`Outcome`); and the two failures a provider reports to the
+dispatcher (`RetryableFailure`: try elsewhere; `ProviderExhausted`: move down the chain).
 
 Types only: no I/O, no decisions.
 """
@@ -109,3 +110,13 @@ class ProviderExhausted(Exception):
         super().__init__(description)
         self.description = description
         self.unsupported = unsupported
+
+
+class RetryableFailure(Exception):
+    """An upstream leg failed before any byte reached the client: another endpoint may be tried."""
+
+    def __init__(self, description: str, *, retry_after_s: float | None = None, rate_limited: bool = False) -> None:
+        super().__init__(description)
+        self.description = description
+        self.retry_after_s = retry_after_s
+        self.rate_limited = rate_limited    # the upstream answered 429

@@ -1,7 +1,7 @@
 """The gateway SIGTERMed under load (issue 11 §2, scenario 5), what tests/gateway/test_drain.py leaves out:
 streams already mid-answer when the signal comes, a burst of concurrent new requests during the drain (each
 an OpenAI-style 503, none reaching the upstream), every request accounted for at the upstream by its id,
-and, as gateway/server/drain.py promises, the listener open until the last request ended, closed after the exit.
+and, as gateway/server/middlewares.py promises, the listener open until the last request ended, closed after the exit.
 """
 from __future__ import annotations
 
@@ -12,8 +12,15 @@ from functools import partial
 import aiohttp
 import pytest
 
-from tests.faults.client import (CLIENT_TIMEOUT, Reply, assert_openai_error, assert_whole_answer, chat,
-                                 new_request_id, post)
+from tests.faults.client import (
+    CLIENT_TIMEOUT,
+    Reply,
+    assert_openai_error,
+    assert_whole_answer,
+    chat,
+    new_request_id,
+    post,
+)
 from tests.faults.conftest import Processes
 from tests.gateway.conftest import gateway_config
 from tests.support.fake_faults import words

@@ -14,8 +14,15 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from tests.faults.client import (Reply, assert_gateway_serves, assert_openai_error, assert_whole_answer, chat,
-                                 new_request_id, post)
+from tests.faults.client import (
+    Reply,
+    assert_gateway_serves,
+    assert_openai_error,
+    assert_whole_answer,
+    chat,
+    new_request_id,
+    post,
+)
 from tests.faults.conftest import Processes
 from tests.gateway.conftest import gateway_config
 from tests.support.fake_faults import words

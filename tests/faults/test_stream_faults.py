@@ -14,8 +14,20 @@ from typing import Any
 
 import pytest
 
-from tests.faults.client import (DONE, Reply, assert_gateway_serves, assert_openai_error, assert_whole_answer,
-                                 chat, content, error_event, new_request_id, post, streamed_text, whole_text)
+from tests.faults.client import (
+    DONE,
+    Reply,
+    assert_gateway_serves,
+    assert_openai_error,
+    assert_whole_answer,
+    chat,
+    content,
+    error_event,
+    new_request_id,
+    post,
+    streamed_text,
+    whole_text,
+)
 from tests.faults.conftest import Processes, num_seen
 from tests.support.fake_faults import words
 from tests.support.gateway_proc import GatewayProcess

@@ -14,8 +14,14 @@ from typing import Any
 
 import pytest
 
-from tests.faults.client import (assert_gateway_serves, assert_openai_error, assert_whole_answer, chat,
-                                 new_request_id, post)
+from tests.faults.client import (
+    assert_gateway_serves,
+    assert_openai_error,
+    assert_whole_answer,
+    chat,
+    new_request_id,
+    post,
+)
 from tests.faults.conftest import Processes, num_seen
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_proc import GatewayProcess

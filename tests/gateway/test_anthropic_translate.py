@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.server.errors import BadRequest
+from gateway.errors import BadRequest
 from gateway.translate.anthropic.inbound import (
     MessageEvents,
     MessageHeader,

@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 
 from gateway.api.admission import DAILY_SUFFIX, charge_rate_limit, settle
+from gateway.errors import RateLimited
 from gateway.server.client_stream import StreamUsage
-from gateway.server.errors import RateLimited
 from gateway.server.key_auth import DAY_S, ApiKey
 from gateway.state import MemoryStore
 from tests.gateway.conftest import gateway_config

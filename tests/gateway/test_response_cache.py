@@ -12,8 +12,8 @@ import pytest
 import redis
 
 from gateway.config.gateway_config import ModelConfig, ResponseCacheConfig
+from gateway.errors import BadRequest
 from gateway.routing.response_cache import CACHE_HEADER, TTL_HEADER, ResponseCache
-from gateway.server.errors import BadRequest
 from gateway.state import MemoryStore
 from tests.gateway.conftest import gateway_config, metric
 from tests.support.clock import ManualClock

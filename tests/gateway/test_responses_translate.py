@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.server.errors import BadRequest
+from gateway.errors import BadRequest
 from gateway.translate.responses import ResponseHeader, to_chat_body, to_response
 
 HELLO = [{"role": "user", "content": "Hi"}]

@@ -1,4 +1,4 @@
-"""gateway/upstream/retries.py: the retry budget and the retrier (the end-to-end fallback is in test_fallback.py)."""
+"""The retries of gateway/upstream/dispatch.py: the retry budget and the retrier (the end-to-end fallback is in test_fallback.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,7 +6,8 @@ import asyncio
 import pytest
 
 from gateway.config.gateway_config import RetryConfig
-from gateway.upstream.retries import Retrier, RetryableFailure, RetryBudget
+from gateway.upstream.dispatch import Retrier, RetryBudget
+from gateway.upstream.request import RetryableFailure
 from tests.support.clock import ManualClock
 
 

@@ -12,7 +12,7 @@ from typing import Any, TypeGuard
 
 import orjson
 
-from gateway.server.errors import BadRequest
+from gateway.errors import BadRequest
 from gateway.translate.anthropic import FIRST_VERSION
 from gateway.translate.anthropic.inbound_tools import chat_messages as chat_messages_of
 from gateway.translate.anthropic.inbound_tools import chat_tools, tool_use_blocks

@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from gateway.server.errors import BadRequest
+from gateway.errors import BadRequest
 
 # Blocks of Claude's own reasoning, sent back with the conversation: no chat template takes them, and they
 # carry nothing the answer needs (Anthropic itself drops them from earlier turns).

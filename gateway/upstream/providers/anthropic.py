@@ -31,8 +31,7 @@ from gateway.upstream.deadlines import TaskDeadline
 from gateway.upstream.legs import CONNECT_ERRORS, MAX_ERROR_BODY, Legs
 from gateway.upstream.providers.base import ProviderRun
 from gateway.upstream.providers.openai import openai_wire
-from gateway.upstream.request import Leg, LegKind, Outcome, Progress, ProviderExhausted
-from gateway.upstream.retries import RetryableFailure
+from gateway.upstream.request import Leg, LegKind, Outcome, Progress, ProviderExhausted, RetryableFailure
 
 log = logging.getLogger(__name__)
 

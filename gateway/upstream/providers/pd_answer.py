@@ -12,8 +12,7 @@ import orjson
 from aiohttp import web
 
 from gateway.server.client_stream import StreamUsage
-from gateway.upstream.request import Outcome, Progress
-from gateway.upstream.retries import RetryableFailure
+from gateway.upstream.request import Outcome, Progress, RetryableFailure
 
 
 @dataclass(frozen=True, slots=True)

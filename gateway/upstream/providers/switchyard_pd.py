@@ -47,10 +47,10 @@ from gateway.upstream.request import (
     Outcome,
     Progress,
     ProviderExhausted,
+    RetryableFailure,
     Wire,
     num_sequences,
 )
-from gateway.upstream.retries import RetryableFailure
 from policies.base import Decision
 from policies.registry import PolicyName, make_policy
 
