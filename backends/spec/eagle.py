@@ -51,7 +51,8 @@ class EagleHead(nn.Module):
         self.kernels = kernels
         self.fc = Linear(2 * hidden, hidden, fc_bias, kernels)
         self.layer = LlamaDecoderLayer(config, 0, bool(getattr(config, "attention_bias", False)),
-                                       bool(getattr(config, "attention_bias", False)), False, kernels)
+                                       bool(getattr(config, "attention_bias", False)), qk_norm=False,
+                                       kernels=kernels)
         self.input_norm = input_norm   # EAGLE-1/2 heads have no input_layernorm on their only layer
         with torch.device("cpu"):
             self.inv_freq = rope_inv_freq(config, self.layer.self_attn.head_dim)
