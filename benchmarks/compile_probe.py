@@ -56,7 +56,7 @@ def _attention_forward(self: llama.LlamaAttention, x: torch.Tensor, cos: torch.T
 
 
 def compile_in_place(runner: ModelRunner) -> None:
-    layers.packed_linear = _packed_linear           # type: ignore[assignment]
+    runner.kernels.packed_linear = _packed_linear   # type: ignore[method-assign]
     llama.LlamaAttention.forward = _attention_forward  # type: ignore[method-assign]
     eager_forward = runner.model.forward
     compiled = torch.compile(lambda ids, pos: eager_forward(ids, pos, None), dynamic=True)

@@ -17,15 +17,15 @@ from datetime import UTC, datetime
 
 import torch
 
-from backends.models import layers
+from backends.models.kernels import cpu
 from backends.worker.bench_runner import bench_decode, bench_prefill
 from backends.worker.loader import resolve_model
 from backends.worker.model_runner import ModelRunner
 
 
 def set_fused(on: bool) -> None:
-    os.environ[layers.FUSED_SWITCH] = "1" if on else "0"
-    layers.cpu_fused_layers.cache_clear()
+    os.environ[cpu.FUSED_SWITCH] = "1" if on else "0"
+    cpu.cpu_fused_layers.cache_clear()
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     runner = ModelRunner(resolve_model("smollm2"), dtype=getattr(torch, args.dtype), device="cpu", num_blocks=None)
     set_fused(True)
-    assert layers.cpu_fused_layers(), "the CPU kernels did not build"
+    assert cpu.cpu_fused_layers(), "the CPU kernels did not build"
     cases = [f"prefill {args.prefill_tokens} tokens", *(f"decode step, {b} seqs" for b in args.batches)]
     times: dict[tuple[str, bool], list[tuple[float, float]]] = {}
     for r in range(args.rounds):

@@ -7,8 +7,9 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:   # the model modules are imported on first use, by name
-    from backends.models.llama import LlamaForCausalLM
+    from backends.models.base import ModelFactory
 
+# HF config `architectures` name -> "module:class" of a backends.models.base.CausalLM
 _MODELS = MappingProxyType({
     "LlamaForCausalLM": "backends.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "backends.models.llama:LlamaForCausalLM",
@@ -21,9 +22,9 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(_MODELS)
 
 
-def model_class(architectures: Sequence[str] | None) -> type[LlamaForCausalLM]:
-    """The class for the first supported name in a config's `architectures`; every one so far is the Llama
-    decoder or a subclass of it (a model of another shape would bring its own interface here)."""
+def model_class(architectures: Sequence[str] | None) -> ModelFactory:
+    """The class for the first supported name in a config's `architectures`: called with the config and the
+    layer kernels, it builds a backends.models.base.CausalLM."""
     for name in architectures or ():
         if name in _MODELS:
             module_name, class_name = _MODELS[name].split(":")

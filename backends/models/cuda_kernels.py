@@ -14,8 +14,9 @@ shapes leaves half the multiprocessors idle (the 8B shape's o_proj, 4,096 x 4,09
 its other projections ran at 2.9). Which is faster is measured per weight shape when the model is loaded
 (`tune_linears`), and cuBLAS keeps every shape where it wins.
 
-Imported only on CUDA (Triton is not a dependency of the CPU worker). `ENABLED` turns them off, for a
-benchmark's same-run baseline; it is read when a layer runs, so a CUDA graph keeps what it captured.
+Imported only on CUDA (Triton is not a dependency of the CPU worker); the layers reach these through
+backends/models/kernels/triton.py. `ENABLED` turns them off, for a benchmark's same-run baseline; it is read
+when a model is built (kernels/cuda.py, select_cuda), so a CUDA graph keeps what it captured.
 """
 from __future__ import annotations
 
@@ -23,12 +24,15 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch import nn
+
+if TYPE_CHECKING:
+    from backends.models.kernels.base import ModuleTree
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +219,7 @@ def pick_gemv(weight: torch.Tensor) -> GemvConfig | None:
     return best
 
 
-def tune_linears(model: nn.Module, pick: Callable[[torch.Tensor], GemvConfig | None] | None = None) -> None:
+def tune_linears(model: ModuleTree, pick: Callable[[torch.Tensor], GemvConfig | None] | None = None) -> None:
     """Give every plain CUDA projection of `model` (layers.Linear: [out, in] weight, no bias, not packed or
     kept compressed) the one-row kernel `pick` (by default pick_gemv, looked up when called) measures fastest
     for its shape; one measurement per shape."""

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from backends.models.kernels.base import ModuleTree
 from backends.models.layers import Linear, LMHead, dense
 
 # An int8 element's share of a float32 element's cost in these products, as measured with a cold cache
@@ -98,7 +99,7 @@ def int8_lm_head(weight: torch.Tensor) -> Int8Linear:
     return head
 
 
-def matmul_cost(module: nn.Module) -> float:
+def matmul_cost(module: ModuleTree) -> float:
     """Weight elements a forward of `module` reads through its matmuls, an int8 one at INT8_COST of a float
     one (packed or compressed layers counted by shape)."""
     total = 0.0

@@ -1,52 +1,17 @@
-"""Layers the model files share: fused linear, LM head, RMSNorm, SiLU·mul and rotary embeddings (nn.Module and
-pure functions)."""
+"""Layers the model files share: fused linear, LM head, RMSNorm and rotary embeddings (nn.Module and pure
+functions). Which kernels they run is chosen once, when the model is built (backends/models/kernels): nothing
+here asks which device it runs on."""
 from __future__ import annotations
 
-import functools
-import importlib.util
-import logging
 import math
-import os
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends import cpu_kernels
 from backends.models.config import ModelConfig
-
-log = logging.getLogger(__name__)
-
-# On CPU, RMSNorm, SiLU·mul and rotary run as one C++ pass each (backends/cpu_kernels/fused_layers.cpp) instead
-# of 3-8 ATen kernels each: on the 2-core EPYC that made a one-sequence decode step 0.82x as long, 32 sequences
-# 0.89x and a 270-token prefill 0.92x (docs/benchmarks.md, "Fused CPU layer ops"). bf16 rounds where the ATen
-# path rounds, so both give the same values. SWITCHYARD_CPU_FUSED_LAYERS=0 turns them off.
-FUSED_SWITCH = "SWITCHYARD_CPU_FUSED_LAYERS"
-_FUSED_DTYPES = (torch.float32, torch.bfloat16)
-
-# On CPU in float32 every matrix multiply goes through oneDNN with the weight packed once at load
-# (`torch.ops.mkldnn._reorder_linear_weight`), which replaces the plain copy. Measured on the 2-core
-# EPYC, the 30 layers of SmolLM2 (425 MB): at 2-8 rows (decode batches) 1.5-2.6x faster than MKL's sgemm
-# in any layout, the LM head at 2-32 rows 2-3x; a whole one-sequence decode step is as fast on 2 threads
-# and ~1.35x slower on 1 (docs/benchmarks.md, "oneDNN-packed matmuls").
-# Rows are not guaranteed bit-identical across batch sizes: they were on the AVX2 EPYC, not on an
-# AVX-512 one, so nothing may rely on it (tests compare within float32 rounding, tests/backends/numerics.py).
-# Elsewhere (CUDA, half precision): plain layouts.
-_PACK_ROWS_HINT = 32   # the batch size oneDNN is told to pack for (4 and 32 measured alike at 1-8 rows)
-
-
-def can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A [out, in] float32 CPU weight in oneDNN's blocked layout, for packed_linear."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS_HINT)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+from backends.models.kernels.base import GemvConfig, LayerKernels
 
 
 def choose_transposed(in_features: int, out_features: int) -> bool:
@@ -54,22 +19,6 @@ def choose_transposed(in_features: int, out_features: int) -> bool:
     [out, in] when the layer widens (measured on CPU before packing; harmless on CUDA). Linear.load
     keeps [out, in] in half precision."""
     return out_features >= in_features
-
-
-@functools.cache
-def cpu_fused_layers() -> bool:
-    """Whether the fused CPU layer kernels are on: built (backends.cpu_kernels) and not switched off."""
-    if os.environ.get(FUSED_SWITCH, "1") == "0":
-        log.info("fused CPU layers off (%s=0): RMSNorm, SiLU·mul and rotary run on ATen ops", FUSED_SWITCH)
-        return False
-    return cpu_kernels.load()
-
-
-def fusable(x: torch.Tensor) -> bool:
-    """Whether the fused CPU kernels take x: a CPU tensor of a supported dtype whose last dimension is
-    contiguous, with no gradient to track (the kernels have no backward)."""
-    return (x.device.type == "cpu" and x.dtype in _FUSED_DTYPES and x.stride(-1) == 1
-            and not (x.requires_grad and torch.is_grad_enabled()) and cpu_fused_layers())
 
 
 class CompressedWeight(Protocol):
@@ -101,12 +50,13 @@ class ExpandScratch:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ bias) over 2-D x, W fused from HF [out, in] tensors: packed for oneDNN on CPU in
-    float32 (`weight` is then empty), else stored [in, out] when that is faster; or kept compressed
-    and expanded into the model's ExpandScratch at every call (`compressed`; `weight` is then empty)."""
+    """y = x W^T (+ bias) over 2-D x, W fused from HF [out, in] tensors: packed where the kernels pack it
+    (oneDNN on CPU in float32; `weight` is then empty), else stored [in, out] when that is faster; or kept
+    compressed and expanded into the model's ExpandScratch at every call (`compressed`; `weight` is then empty)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, kernels: LayerKernels) -> None:
         super().__init__()
+        self.kernels = kernels
         self.in_features, self.out_features = in_features, out_features
         self.transposed = choose_transposed(in_features, out_features)
         shape = (in_features, out_features) if self.transposed else (out_features, in_features)
@@ -116,29 +66,27 @@ class Linear(nn.Module):
         self.compressed: tuple[CompressedWeight, ...] = ()
         self.scratch: ExpandScratch | None = None
         # on CUDA: the Triton kernel that projects one row faster than cuBLAS (cuda_kernels.tune_linears)
-        self.gemv_config: tuple[int, int, int] | None = None
+        self.gemv_config: GemvConfig | None = None
 
     def gemv_eligible(self) -> bool:
-        """A plain [out, in] weight on CUDA that cuda_kernels.gemv can read."""
-        return (self.weight.is_cuda and self.weight.dim() == 2 and not self.transposed and self.bias is None
-                and self.packed is None and not self.compressed)
+        """A plain [out, in] weight that cuda_kernels.gemv can read (tune_linears asks, for the Triton kernels)."""
+        return (self.weight.dim() == 2 and not self.transposed and self.bias is None and self.packed is None
+                and not self.compressed)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T (+ bias), plus `residual` when given: on CUDA one addmm, the add riding in the matrix
-        product's epilogue (a decode step there pays about 3 us per kernel). One row on CUDA goes through the
-        Triton gemv where tune_linears found it faster than cuBLAS for this shape."""
+        """x W^T (+ bias), plus `residual` when given: for a plain weight through the kernels' linear_add (on
+        CUDA one addmm, the add riding in the matrix product's epilogue). One row goes through the kernels'
+        gemv where tune_linears found it faster than cuBLAS for this shape."""
         if self.gemv_config is not None and residual is None and x.shape[0] == 1:
-            from backends.models import cuda_kernels
-
-            return cuda_kernels.gemv(x, self.weight, self.gemv_config)
-        if residual is not None and x.is_cuda and self.bias is None and self.packed is None and not self.compressed:
-            return torch.addmm(residual, x, self.weight if self.transposed else self.weight.t())
+            return self.kernels.gemv(x, self.weight, self.gemv_config)
+        if residual is not None and self.bias is None and self.packed is None and not self.compressed:
+            return self.kernels.linear_add(x, self.weight, self.transposed, residual)
         out = self._project(x)
         return out if residual is None else residual + out
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
+            return self.kernels.packed_linear(x, self.packed, self.bias)
         if self.compressed:
             return F.linear(x, self.expanded_weight(), self.bias)
         if not self.transposed:
@@ -170,8 +118,8 @@ class Linear(nn.Module):
             self._keep_compressed(compressed, scratch)
             return
         fused = torch.cat([dense(w) for w in weights], 0)
-        if can_pack(self.weight):
-            self.packed = pack(fused.to(self.weight.dtype))
+        self.packed = self.kernels.pack(fused, self.weight.dtype)
+        if self.packed is not None:
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)   # the packed copy replaces it
             return
         if self.transposed and self.weight.dtype != torch.float32:
@@ -197,74 +145,40 @@ class Linear(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Logits = x W^T with W [vocab, hidden] (often the embedding itself); on CPU in float32 through
-    a packed copy for oneDNN."""
+    """Logits = x W^T with W [vocab, hidden] (often the embedding itself); through a packed copy where the
+    kernels pack it (on CPU in float32, for oneDNN)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+    def __init__(self, hidden_size: int, vocab_size: int, kernels: LayerKernels) -> None:
         super().__init__()
+        self.kernels = kernels
         # A Tensor, not just a Parameter: a tied head takes nn.Embedding's weight, which torch types as Tensor.
         self.weight: torch.Tensor = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return packed_linear(x, self.packed, None)
+            return self.kernels.packed_linear(x, self.packed, None)
         return F.linear(x, self.weight)
 
     def load(self, weight: torch.Tensor) -> None:
         self.weight.copy_(weight)
-        if can_pack(self.weight):
-            self.packed = pack(self.weight)
+        self.packed = self.kernels.pack(self.weight, self.weight.dtype)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernels: LayerKernels) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.kernels = kernels
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual), the sum written over x (cuda_kernels.add_rms_norm: CUDA
-        with the Triton kernels on); without a residual, (norm(x), x)."""
-        from backends.models import cuda_kernels
-
-        return cuda_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        """(norm(x + residual), x + residual), the sum written over x where the kernels fuse the two
+        (residual_in_norm); without a residual, (norm(x), x)."""
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:   # one fused kernel (statistics in float32) instead of eight small ones
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        if x.dim() == 2 and self.weight.dtype == x.dtype and fusable(x):
-            return torch.ops.switchyard_cpu.rms_norm(x, self.weight, self.eps)
-        # Spelled out as the reference does (in float32): on CPU this beats F.rms_norm's decomposition.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def cuda_fused() -> bool:
-    """Whether CUDA layers use the Triton kernels of cuda_kernels (Triton installed, not switched off)."""
-    if not _triton_installed():
-        return False
-    from backends.models import cuda_kernels
-
-    return cuda_kernels.ENABLED
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up for gate_up [num_tokens, 2 * width], the gate half first (a fused gate_up projection)."""
-    if gate_up.is_cuda and gate_up.dim() == 2 and cuda_fused():
-        from backends.models import cuda_kernels
-
-        return cuda_kernels.silu_mul(gate_up)
-    if gate_up.dim() == 2 and fusable(gate_up):
-        return torch.ops.switchyard_cpu.silu_mul(gate_up)
-    width = gate_up.shape[-1] // 2
-    return F.silu(gate_up[..., :width]) * gate_up[..., width:]
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig, head_dim: int) -> torch.Tensor:
@@ -299,22 +213,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def rotary_tables(inv_freq: torch.Tensor, positions: torch.Tensor,
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of `positions` (float32 as the reference computes them, then `dtype`), built once per step:
-    [num_tokens, 1, head_dim // 2] for apply_rotary on the CPU; on CUDA the full-width cos|cos and
-    -sin|sin, [num_tokens, 1, head_dim], that apply_rotary_full reads."""
+    [num_tokens, 1, head_dim // 2] for apply_rotary (the kernels' rotary_tables may widen them)."""
     freqs = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)
-    cos, sin = freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
-    if not positions.is_cuda:
-        return cos, sin
-    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary on x [num_tokens, heads, head_dim] with the tables rotary_tables built on x's device."""
-    if x.is_cuda:
-        return apply_rotary_full(x, cos, sin)
-    if x.dim() == 3 and cos.dtype == x.dtype and cos.is_contiguous() and sin.is_contiguous() and fusable(x):
-        return torch.ops.switchyard_cpu.rotary(x, cos, sin)
-    return apply_rotary(x, cos, sin)
+    return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
 
 
 def apply_rotary_full(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

@@ -11,68 +11,73 @@ import torch
 from torch import nn
 
 from backends.attention.base import AttentionContext
+from backends.models.base import LayerKVSpec
 from backends.models.config import ModelConfig
-from backends.models import layers
-from backends.models.layers import (
-    CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, dense, rope_inv_freq, rotary_tables, rotate,
-    silu_mul,
-)
+from backends.models.kernels.base import LayerKernels
+from backends.models.layers import CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, dense, rope_inv_freq
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 kernels: LayerKernels) -> None:
         super().__init__()
         self.layer = layer
+        self.kernels = kernels
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, qkv_bias, kernels)
+        self.o_proj = Linear(q_size, config.hidden_size, o_bias, kernels)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
+
+    def kv_spec(self) -> LayerKVSpec:
+        return LayerKVSpec(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                           scale=self.head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """The attention output, plus `residual` when given (added inside o_proj's matrix product on CUDA)."""
         num_tokens, heads, kv_heads, head_dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
-        if qkv.is_cuda and self.q_norm is None and layers.cuda_fused():
-            from backends.models.cuda_kernels import rotary_store
-
-            # one kernel: rotary on q and k, k and v into the cache, q out of qkv
-            q = rotary_store(qkv, cos, sin, heads, kv_heads, attn.k_caches[self.layer], attn.v_caches[self.layer],
-                             attn.slot_mapping)
+        # where the kernels have it, one kernel: rotary on q and k, k and v into the cache, q out of qkv
+        q = None if self.q_norm is not None else self.kernels.rotary_store(
+            qkv, cos, sin, heads, kv_heads, attn.k_caches[self.layer], attn.v_caches[self.layer], attn.slot_mapping)
+        if q is not None:
             out = attn.attend(self.layer, q)
         else:
             qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
             v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
             if self.q_norm is not None and self.k_norm is not None:   # both or neither
                 qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
-            qk = rotate(qk, cos, sin)  # q and k rotated in one pass
+            qk = self.kernels.rotate(qk, cos, sin)  # q and k rotated in one pass
             out = attn(self.layer, qk[:, :heads], qk[:, heads:], v)  # [num_tokens, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, heads * head_dim), residual)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kernels: LayerKernels) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias)
+        self.kernels = kernels
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, kernels)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, kernels)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP output, plus `residual` when given (added inside down_proj's matrix product on CUDA)."""
-        return self.down_proj(silu_mul(self.gate_up_proj(x)), residual)  # gate_up [num_tokens, 2 * intermediate]
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        return self.down_proj(self.kernels.silu_mul(gate_up), residual)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 kernels: LayerKernels) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer, qkv_bias, o_bias, qk_norm)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.self_attn = LlamaAttention(config, layer, qkv_bias, o_bias, qk_norm, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.mlp = LlamaMLP(config, kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x), cos, sin, attn, residual=x)
@@ -80,7 +85,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                       attn: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """On CUDA with the Triton kernels: x is the previous layer's MLP output, not yet added to `residual`
+        """With kernels that add the residual inside the norm (residual_in_norm: CUDA with the Triton kernels):
+        x is the previous layer's MLP output, not yet added to `residual`
         (None before the first layer); each add rides in the norm after it. Returns (MLP output, residual)."""
         h, residual = self.input_layernorm.add_norm(x, residual)
         h, residual = self.post_attention_layernorm.add_norm(self.self_attn(h, cos, sin, attn), residual)
@@ -88,24 +94,26 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Token ids + positions in, hidden states out; `compute_logits` only for the rows that need them."""
+    """Token ids + positions in, hidden states out; `compute_logits` only for the rows that need them
+    (backends.models.base.CausalLM)."""
 
-    def __init__(self, config: ModelConfig, *, qkv_bias: bool | None = None, o_bias: bool | None = None,
-                 qk_norm: bool = False) -> None:
+    def __init__(self, config: ModelConfig, kernels: LayerKernels, *, qkv_bias: bool | None = None,
+                 o_bias: bool | None = None, qk_norm: bool = False) -> None:
         super().__init__()
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias if qkv_bias is None else qkv_bias
         o_bias = attention_bias if o_bias is None else o_bias
         self.config = config
+        self.kernels = kernels
         # `_weight`: an uninitialised table (load_weights fills it); the default random init of a
         # 49152 x 576 table cost 0.17 s of every worker start.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm, kernels)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, kernels)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
         # A plain attribute, not a buffer: `.to(bfloat16)` must not round it. Built on the CPU (the model
@@ -119,16 +127,16 @@ class LlamaForCausalLM(nn.Module):
         return layer
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary tables of `positions` (layers.rotary_tables)."""
+        """The rotary tables of `positions` (the kernels' rotary_tables)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        return rotary_tables(self.inv_freq, positions, self.embed_tokens.weight.dtype)
+        return self.kernels.rotary_tables(self.inv_freq, positions, self.embed_tokens.weight.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         """[num_tokens, hidden] final-normed hidden states; writes every token's K/V into the cache."""
         cos, sin = self.rotary(positions)
-        x = self.embed_tokens(input_ids)
-        if x.is_cuda and layers.cuda_fused():
+        x = self.embed(input_ids)
+        if self.kernels.residual_in_norm:
             residual: torch.Tensor | None = None
             for index in range(len(self.layers)):
                 x, residual = self.decoder_layer(index).forward_fused(x, residual, cos, sin, attn)
@@ -137,8 +145,17 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, attn)
         return self.norm(x)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
+
+    def kv_cache_spec(self) -> tuple[LayerKVSpec, ...]:
+        return tuple(self.decoder_layer(i).self_attn.kv_spec() for i in range(len(self.layers)))
 
     def load_weights(self, weights: Mapping[str, torch.Tensor | CompressedWeight],
                      keep_compressed: bool = False) -> None:

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from backends.models.config import ModelConfig
+from backends.models.kernels.base import LayerKernels
 from backends.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config, qkv_bias=True, o_bias=False)
+    def __init__(self, config: ModelConfig, kernels: LayerKernels) -> None:
+        super().__init__(config, kernels, qkv_bias=True, o_bias=False)

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from backends.models.config import ModelConfig
+from backends.models.kernels.base import LayerKernels
 from backends.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config, qk_norm=True)
+    def __init__(self, config: ModelConfig, kernels: LayerKernels) -> None:
+        super().__init__(config, kernels, qk_norm=True)

@@ -18,6 +18,7 @@ from backends.engine.block_manager import BlockManager
 from backends.engine.sampling_params import SamplingParams
 from backends.engine.sequence import Sequence
 from backends.models.int8_linear import matmul_cost
+from backends.models.kernels.base import ModuleTree
 from backends.spec.proposer import DraftRequest
 from backends.worker.batch import ForwardBatch, SeqChunk
 from backends.worker.model_runner import ModelRunner
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_CATCHUP_TOKENS = 512
 
 
-def weight_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+def weight_bytes_per_token(model: ModuleTree, dtype: torch.dtype) -> int:
     """Bytes of weights one decode token reads: every projection matrix and the LM head (the embedding
     table is a one-row lookup unless it is the head). Counted from shapes, so packed or compressed
     layers (whose `weight` is empty) count in full."""
@@ -78,7 +79,7 @@ class DraftModelProposer:
         self.cost_per_token = weight_bytes_per_token(self.runner.model, dtype) / target_bytes_per_token
         self._states: dict[str, _DraftState] = {}
         log.info("draft model %s: %d layers, %.3f of a target decode step per token, %d KV blocks",
-                 model_dir, len(self.runner.model.layers), self.cost_per_token, self.runner.num_blocks)
+                 model_dir, self.runner.kv_cache.spec.num_layers, self.cost_per_token, self.runner.num_blocks)
 
     @classmethod
     def for_target(cls, model_dir: Path, target: ModelRunner) -> DraftModelProposer:

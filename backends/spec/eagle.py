@@ -8,7 +8,7 @@ draft vocabulary in EAGLE-3's convention: target id = draft id + d2t[draft id]).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
@@ -21,10 +21,13 @@ from backends.attention.base import AttentionContext, AttentionShape, StepLayout
 from backends.engine.block_manager import BlockManager
 from backends.engine.sampling_params import SamplingParams
 from backends.engine.sequence import Sequence as BlockOwner
+from backends.models.base import CausalLM
 from backends.models.config import ModelConfig, load_model_config
-from backends.models.int8_linear import Int8Linear, int8_available, int8_lm_head, matmul_cost, replace_linears
-from backends.models.layers import Linear, LMHead, rope_inv_freq, rotary_tables
-from backends.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from backends.models.int8_linear import INT8_COST, int8_available, int8_lm_head, matmul_cost, replace_linears
+from backends.models.kernels.base import LayerKernels
+from backends.models.kernels.registry import select_kernels
+from backends.models.layers import Linear, LMHead, rope_inv_freq
+from backends.models.llama import LlamaDecoderLayer
 from backends.spec.proposer import DraftRequest
 
 if TYPE_CHECKING:
@@ -42,12 +45,14 @@ class EagleHead(nn.Module):
     """fc(concat(embed(t_{p+1}), h_p)) -> one decoder layer -> hidden that the target's lm_head reads.
     Flat token batches as in backends/models; the embeddings and LM head are the target's (not submodules)."""
 
-    def __init__(self, config: ModelConfig, fc_bias: bool, input_norm: bool) -> None:
+    def __init__(self, config: ModelConfig, fc_bias: bool, input_norm: bool, kernels: LayerKernels) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.fc = Linear(2 * hidden, hidden, fc_bias)
+        self.kernels = kernels
+        self.fc = Linear(2 * hidden, hidden, fc_bias, kernels)
         self.layer = LlamaDecoderLayer(config, 0, bool(getattr(config, "attention_bias", False)),
-                                       bool(getattr(config, "attention_bias", False)), qk_norm=False)
+                                       bool(getattr(config, "attention_bias", False)), qk_norm=False,
+                                       kernels=kernels)
         self.input_norm = input_norm   # EAGLE-1/2 heads have no input_layernorm on their only layer
         with torch.device("cpu"):
             self.inv_freq = rope_inv_freq(config, self.layer.self_attn.head_dim)
@@ -57,7 +62,7 @@ class EagleHead(nn.Module):
         """embeds, hidden [num_tokens, hidden] -> head output [num_tokens, hidden]; writes K/V into the cache."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        cos, sin = rotary_tables(self.inv_freq, positions, hidden.dtype)
+        cos, sin = self.kernels.rotary_tables(self.inv_freq, positions, hidden.dtype)
         x = self.fc(torch.cat((embeds, hidden), dim=-1))
         layer = self.layer
         x = x + layer.self_attn(layer.input_layernorm(x) if self.input_norm else x, cos, sin, attn)
@@ -101,7 +106,7 @@ class LoadedHead:
     config: ModelConfig        # the head's config.json
 
 
-def load_eagle_head(head_dir: Path, target: LlamaForCausalLM, int8: bool = False) -> LoadedHead:
+def load_eagle_head(head_dir: Path, target: CausalLM, int8: bool = False) -> LoadedHead:
     """Read a head folder in the EAGLE layout for `target` (same hidden size; its vocabulary); `int8`: its
     projections with int8 weights (backends/models/int8_linear.py: CPU targets only)."""
     head_dir = Path(head_dir)
@@ -111,10 +116,11 @@ def load_eagle_head(head_dir: Path, target: LlamaForCausalLM, int8: bool = False
     if config.num_hidden_layers != 1:
         raise ValueError(f"an EAGLE head has one decoder layer, {head_dir} says {config.num_hidden_layers}")
     weights = read_head_weights(head_dir)
-    dtype, device = target.embed_tokens.weight.dtype, target.embed_tokens.weight.device
+    dtype, device = target.lm_head_weight().dtype, target.lm_head_weight().device
     weights = {name: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
                for name, t in weights.items()}
-    head = EagleHead(config, "fc.bias" in weights, "layers.0.input_layernorm.weight" in weights)
+    head = EagleHead(config, "fc.bias" in weights, "layers.0.input_layernorm.weight" in weights,
+                     select_kernels(device))
     head.to(device=device, dtype=dtype)
     if int8:
         replace_linears(head)
@@ -162,11 +168,12 @@ class EagleProposer:
     name = "eagle"
     wants_hidden = True
 
-    def __init__(self, head_dir: Path, target: LlamaForCausalLM, *, num_blocks: int, block_size: int = 16,
+    def __init__(self, head_dir: Path, target: CausalLM, *, num_blocks: int, block_size: int = 16,
                  attention_backend: str | None = None, int8: bool | None = None) -> None:
         """`num_blocks`: the target's KV blocks (the head keeps as many positions, in 1/num_layers the memory).
         `int8`: the head's projections and its LM head in int8; None: wherever int8_available says so."""
-        self.device, self.dtype = target.embed_tokens.weight.device, target.embed_tokens.weight.dtype
+        head_weight = target.lm_head_weight()   # [vocab, hidden]
+        self.device, self.dtype = head_weight.device, head_weight.dtype
         available = int8_available(self.device, self.dtype)
         self.int8 = available if int8 is None else int8
         if self.int8 and not available:
@@ -175,16 +182,18 @@ class EagleProposer:
         loaded = load_eagle_head(head_dir, target, self.int8)
         self.head, self.target = loaded.head, target
         self.draft_token_ids = loaded.draft_token_ids
-        self.lm_head: LMHead | Int8Linear = target.lm_head
-        rows = target.lm_head.weight if self.draft_token_ids is None else \
-            target.lm_head.weight.index_select(0, self.draft_token_ids)
+        # hidden [rows, hidden] -> logits over the draft vocabulary
+        self.lm_head: Callable[[torch.Tensor], torch.Tensor] = target.compute_logits
+        rows = head_weight if self.draft_token_ids is None else head_weight.index_select(0, self.draft_token_ids)
         with torch.no_grad():
             if self.int8:
                 self.lm_head = int8_lm_head(rows)
             elif self.draft_token_ids is not None:
-                self.lm_head = LMHead(target.config.hidden_size, int(rows.shape[0])).to(self.device, self.dtype)
-                self.lm_head.load(rows.to(self.dtype))
-        self.cost_per_token = (matmul_cost(self.head) + matmul_cost(self.lm_head)) / max(1.0, matmul_cost(target))
+                head = LMHead(target.config.hidden_size, int(rows.shape[0]), self.head.kernels)
+                head.to(self.device, self.dtype).load(rows.to(self.dtype))
+                self.lm_head = head
+        head_cost = (INT8_COST if self.int8 else 1.0) * rows.numel()   # int8_linear.matmul_cost of that head
+        self.cost_per_token = (matmul_cost(self.head) + head_cost) / max(1.0, matmul_cost(target))
         log.info("EAGLE head %s: %s weights, %d draft tokens, cost per draft %.3f of a target step", head_dir,
                  "int8" if self.int8 else str(self.dtype).removeprefix("torch."),
                  int(rows.shape[0]), self.cost_per_token)
@@ -308,7 +317,7 @@ class EagleProposer:
                             slot_mapping=slot_mapping, device=self.device)
         attn = AttentionContext(backend=self.attention, metadata=self.attention.prepare(layout),
                                 slot_mapping=slot_mapping, k_caches=[self.k_cache], v_caches=[self.v_cache])
-        embeds = self.target.embed_tokens(as_index([t for c in chunks for t in c.token_ids]))
+        embeds = self.target.embed(as_index([t for c in chunks for t in c.token_ids]))
         hidden = torch.cat([c.hidden for c in chunks]) if len(chunks) > 1 else chunks[0].hidden
         out = self.head(embeds, hidden, as_index(positions), attn)   # [num_tokens, hidden]
         if not last_only:

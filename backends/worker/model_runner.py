@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from backends.attention.base import AttentionContext, AttentionShape, StepLayout, create_backend
-from backends.models import layers, model_class
+from backends.models import model_class
+from backends.models.base import CausalLM, LayerKVSpec
 from backends.models.config import load_model_config
-from backends.models.llama import LlamaForCausalLM
+from backends.models.kernels.registry import select_kernels
 from backends.worker.batch import ForwardBatch
 from backends.worker.cuda_graphs import DecodeGraphs, StaticInputs
 from backends.worker.fingerprint import model_fingerprint
@@ -52,24 +53,21 @@ class ModelRunner:
         self.dtype = dtype
         self.config = load_model_config(Path(model_dir))
         self.weights_fingerprint: str | None = None
+        self.kernels = select_kernels(self.device)   # the layers' kernels for this device, chosen once
         self.model = self._load_model(Path(model_dir), keep_weights_compressed, random_weights, fingerprint_weights)
-        if self.device.type == "cuda" and layers.cuda_fused():
-            from backends.models.cuda_kernels import tune_linears
-
-            tune_linears(self.model)   # before the graphs capture which kernel each projection runs
-        attn = self.model.decoder_layer(0).self_attn
+        self.kernels.prepare(self.model)   # before the graphs capture which kernel each projection runs
+        kv_layers = self.model.kv_cache_spec()
+        kv = uniform_kv_spec(kv_layers)
         self.block_size = block_size
-        self.num_blocks = num_blocks or self._blocks_for_memory(kv_cache_memory_gb, attn.num_kv_heads, attn.head_dim)
+        self.num_blocks = num_blocks or self._blocks_for_memory(kv_cache_memory_gb, len(kv_layers), kv)
         if self.num_blocks <= 0:
             raise ValueError("the KV cache must hold at least one block")
-        self.kv_cache = KVCache(KVCacheSpec(num_layers=len(self.model.layers), num_blocks=self.num_blocks,
-                                            block_size=block_size, num_kv_heads=attn.num_kv_heads,
-                                            head_dim=attn.head_dim, dtype=dtype), self.device, kv_shared_memory)
-        shape = AttentionShape(num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-                               block_size=block_size, scale=attn.head_dim ** -0.5, dtype=dtype)
+        self.kv_cache = KVCache(KVCacheSpec(num_layers=len(kv_layers), num_blocks=self.num_blocks,
+                                            block_size=block_size, num_kv_heads=kv.num_kv_heads,
+                                            head_dim=kv.head_dim, dtype=dtype), self.device, kv_shared_memory)
+        shape = AttentionShape(num_heads=kv.num_heads, num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
+                               block_size=block_size, scale=kv.scale, dtype=dtype)
         self.attention = create_backend(attention_backend, shape, self.device)
-        if self.device.type == "cpu":
-            layers.cpu_fused_layers()   # builds the CPU kernels now, on a fresh machine, not in the first request
         self.max_model_len: int = int(self.config.max_position_embeddings)
         self.vocab_size: int = int(self.config.vocab_size)
         log.info("model %s on %s (%s), %d KV blocks of %d tokens, attention %s", model_dir, self.device,
@@ -101,11 +99,11 @@ class ModelRunner:
         return self.model.compute_logits(hidden).float(), hidden
 
     def _load_model(self, model_dir: Path, keep_compressed: bool, random_weights: bool,
-                    fingerprint: bool) -> LlamaForCausalLM:
+                    fingerprint: bool) -> CausalLM:
         """`keep_compressed`: the decoder layers' matrices of a compressed folder stay compressed on the
         device and are expanded just before each layer runs (less memory, more work per step)."""
         with torch.device("meta"):   # shapes only: nothing is allocated until _materialize_empty
-            model = model_class(getattr(self.config, "architectures", None))(self.config)
+            model = model_class(getattr(self.config, "architectures", None))(self.config, self.kernels)
         _materialize_empty(model, self.dtype, self.device)
         start = time.perf_counter()
         weights = (RandomCheckpoint(self.config, self.dtype, self.device) if random_weights
@@ -121,9 +119,9 @@ class ModelRunner:
             log.info("weights fingerprint %s", self.weights_fingerprint)
         return model.eval()
 
-    def _blocks_for_memory(self, memory_gb: float | None, num_kv_heads: int, head_dim: int) -> int:
-        spec = KVCacheSpec(num_layers=len(self.model.layers), num_blocks=1, block_size=self.block_size,
-                           num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=self.dtype)
+    def _blocks_for_memory(self, memory_gb: float | None, num_layers: int, kv: LayerKVSpec) -> int:
+        spec = KVCacheSpec(num_layers=num_layers, num_blocks=1, block_size=self.block_size,
+                           num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim, dtype=self.dtype)
         if memory_gb is None and self.device.type == "cuda":
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
             return int(free_bytes * CUDA_KV_CACHE_FREE_FRACTION) // spec.bytes_per_block
@@ -199,7 +197,17 @@ class ModelRunner:
             raise ValueError(f"chunk {index}: token id out of range [0, {self.vocab_size})")
 
 
-def _materialize_empty(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def uniform_kv_spec(layers: tuple[LayerKVSpec, ...]) -> LayerKVSpec:
+    """The one KV shape of every layer: the cache (KVCache) holds one shape for all layers."""
+    if not layers:
+        raise ValueError("the model declares no layer with a KV cache")
+    if any(spec != layers[0] for spec in layers):
+        raise ValueError(f"layers with different KV shapes ({sorted(set(layers), key=str)}) need a cache "
+                         "that holds more than one shape")
+    return layers[0]
+
+
+def _materialize_empty(model: CausalLM, dtype: torch.dtype, device: torch.device) -> None:
     """Give every parameter of a model built on the meta device uninitialised storage on `device`,
     floating ones in `dtype`, ties kept (the models register no buffers). Nothing is written and
     nothing is allocated twice: load_weights fills every parameter, and a weight that stays

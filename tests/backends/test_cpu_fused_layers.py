@@ -1,5 +1,5 @@
 """The fused CPU layer kernels (backends/cpu_kernels/fused_layers.cpp) against transformers' own RMSNorm,
-SiLU and rotary, and the layers' choice between them and the ATen ops.
+SiLU and rotary, and the CPU kernels' choice between them and the ATen ops.
 
 The model-level check (our forward against transformers' on SmolLM2) is test_model_forward.py, which runs
 through these kernels whenever they are built, as `make test` builds them.
@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from backends import cpu_kernels
-from backends.models import layers
-from backends.models.layers import RMSNorm, rotate, silu_mul
+from backends.models.kernels import cpu
+from backends.models.kernels.registry import select_kernels
+from backends.models.layers import RMSNorm
 
 DTYPES = [torch.float32, torch.bfloat16]
 # float32: a different order of the sum of squares moves the last bits; bfloat16: one unit in the last place.
@@ -24,7 +25,11 @@ TOLERANCE = {torch.float32: {"atol": 2e-6, "rtol": 2e-6}, torch.bfloat16: {"atol
 def built() -> None:
     """`make test` installs a C++ compiler, so here the kernels must build and be on."""
     assert cpu_kernels.load(), "the CPU kernels did not build (see the warning logged)"
-    assert layers.cpu_fused_layers()
+    assert cpu.cpu_fused_layers()
+
+
+KERNELS = select_kernels("cpu")
+silu_mul, rotate = KERNELS.silu_mul, KERNELS.rotate
 
 
 def strided_rows(rows: int, width: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -37,7 +42,7 @@ def strided_rows(rows: int, width: int, dtype: torch.dtype, seed: int, scale: fl
 @pytest.mark.parametrize("rows,width", [(1, 576), (5, 576), (300, 576), (3, 67), (2, 4096)])
 def test_rms_norm_matches_transformers(dtype: torch.dtype, rows: int, width: int) -> None:
     x = strided_rows(rows, width, dtype, seed=rows + width, scale=3.0)
-    ours = RMSNorm(width, 1e-5).to(dtype)
+    ours = RMSNorm(width, 1e-5, KERNELS).to(dtype)
     theirs = LlamaRMSNorm(width, eps=1e-5).to(dtype)
     weight = torch.rand(width, generator=torch.Generator().manual_seed(1)) + 0.5
     ours.weight.copy_(weight)
@@ -68,7 +73,7 @@ def test_rotary_matches_transformers(dtype: torch.dtype, tokens: int, heads: int
     x = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)   # strided tokens, as the model passes q|k
     positions = torch.arange(100, 100 + tokens)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    cos, sin = layers.rotary_tables(inv_freq, positions, dtype)   # [tokens, 1, head_dim // 2]
+    cos, sin = KERNELS.rotary_tables(inv_freq, positions, dtype)   # [tokens, 1, head_dim // 2]
     with torch.inference_mode(), torch.profiler.profile() as prof:
         got = rotate(x, cos, sin)
     assert any(e.key == "switchyard_cpu::rotary" for e in prof.key_averages())
@@ -92,18 +97,18 @@ def test_bad_shapes_raise_instead_of_crashing() -> None:
 
 def test_the_aten_path_where_the_kernels_do_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     """float64, a tracked gradient, a 3-D RMSNorm input (Qwen3's per-head norms) and the switch: ATen ops."""
-    norm = RMSNorm(16, 1e-6)
+    norm = RMSNorm(16, 1e-6, KERNELS)
     cases = [
         lambda: norm.double()(torch.randn(4, 16, dtype=torch.float64)),
         lambda: silu_mul(torch.randn(4, 32, requires_grad=True)),
-        lambda: RMSNorm(16, 1e-6)(torch.randn(4, 3, 16)),
+        lambda: RMSNorm(16, 1e-6, KERNELS)(torch.randn(4, 3, 16)),
     ]
     for case in cases:
         with torch.profiler.profile() as prof:
             case()
         assert not [e.key for e in prof.key_averages() if e.key.startswith("switchyard_cpu::")]
-    monkeypatch.setenv(layers.FUSED_SWITCH, "0")
-    layers.cpu_fused_layers.cache_clear()
+    monkeypatch.setenv(cpu.FUSED_SWITCH, "0")
+    cpu.cpu_fused_layers.cache_clear()
     try:
         x = torch.randn(4, 32)
         with torch.profiler.profile() as prof:
@@ -111,4 +116,4 @@ def test_the_aten_path_where_the_kernels_do_not_apply(monkeypatch: pytest.Monkey
         assert not [e.key for e in prof.key_averages() if e.key.startswith("switchyard_cpu::")]
         torch.testing.assert_close(got, F.silu(x[:, :16]) * x[:, 16:])
     finally:
-        layers.cpu_fused_layers.cache_clear()
+        cpu.cpu_fused_layers.cache_clear()

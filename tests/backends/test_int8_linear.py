@@ -9,6 +9,7 @@ import torch
 
 from backends.models.int8_linear import (INT8_COST, Int8Linear, activation_levels, int8_available, matmul_cost,
                                          replace_linears)
+from backends.models.kernels.registry import select_kernels
 from backends.models.layers import Linear, LMHead
 
 pytestmark = pytest.mark.skipif(not int8_available(torch.device("cpu"), torch.float32),
@@ -71,7 +72,9 @@ def test_load_checks_shape_and_bias() -> None:
 
 
 def test_swap_keeps_shapes_and_halves_the_cost() -> None:
-    module = torch.nn.Sequential(Linear(64, 32, bias=True), Linear(32, 16, bias=False), LMHead(16, 100))
+    kernels = select_kernels("cpu")
+    module = torch.nn.Sequential(Linear(64, 32, True, kernels), Linear(32, 16, False, kernels),
+                                 LMHead(16, 100, kernels))
     before = matmul_cost(module)
     assert before == 64 * 32 + 32 * 16 + 100 * 16
     assert replace_linears(module) == 2

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from backends.models import model_class
 from backends.models.config import load_model_config
+from backends.models.kernels.registry import select_kernels
 from backends.server.tokenization import PromptTokenizer
 from tests.backends.test_model_forward import _TINY, TINY_MODELS
 
@@ -22,7 +23,7 @@ from tests.backends.test_model_forward import _TINY, TINY_MODELS
 def model_shape(config: object) -> dict[str, object]:
     """Everything about our model that the config decides: parameter shapes, heads, rope, ties."""
     with torch.device("meta"):
-        model = model_class(config.architectures)(config)
+        model = model_class(config.architectures)(config, select_kernels("cpu"))
     attn = model.layers[0].self_attn
     return {
         "params": {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)},

@@ -1,0 +1,78 @@
+"""The CPU family: RMSNorm, SiLU·mul and rotary as one C++ pass each (backends/cpu_kernels/fused_layers.cpp),
+and float32 projections through oneDNN with the weight packed once at load.
+
+Fused ops: instead of 3-8 ATen kernels each: on the 2-core EPYC that made a one-sequence decode step 0.82x as
+long, 32 sequences 0.89x and a 270-token prefill 0.92x (docs/benchmarks.md, "Fused CPU layer ops"). bf16 rounds
+where the ATen path rounds, so both give the same values. SWITCHYARD_CPU_FUSED_LAYERS=0 turns them off (read
+once, see cpu_fused_layers); inputs they do not take run the reference ops.
+
+Packing (`torch.ops.mkldnn._reorder_linear_weight`) replaces the plain copy. Measured on the 2-core EPYC, the
+30 layers of SmolLM2 (425 MB): at 2-8 rows (decode batches) 1.5-2.6x faster than MKL's sgemm in any layout,
+the LM head at 2-32 rows 2-3x; a whole one-sequence decode step is as fast on 2 threads and ~1.35x slower on 1
+(docs/benchmarks.md, "oneDNN-packed matmuls"). Rows are not guaranteed bit-identical across batch sizes: they
+were on the AVX2 EPYC, not on an AVX-512 one, so nothing may rely on it (tests compare within float32
+rounding, tests/backends/numerics.py).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from backends import cpu_kernels
+from backends.models.kernels.torch_ref import TorchKernels
+
+log = logging.getLogger(__name__)
+
+FUSED_SWITCH = "SWITCHYARD_CPU_FUSED_LAYERS"
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)
+_PACK_ROWS_HINT = 32   # the batch size oneDNN is told to pack for (4 and 32 measured alike at 1-8 rows)
+
+
+@functools.cache
+def cpu_fused_layers() -> bool:
+    """Whether the fused CPU layer kernels are on: built (backends.cpu_kernels) and not switched off."""
+    if os.environ.get(FUSED_SWITCH, "1") == "0":
+        log.info("fused CPU layers off (%s=0): RMSNorm, SiLU·mul and rotary run on ATen ops", FUSED_SWITCH)
+        return False
+    return cpu_kernels.load()
+
+
+def fusable(x: torch.Tensor) -> bool:
+    """Whether the fused CPU kernels take x: a supported dtype whose last dimension is contiguous, with no
+    gradient to track (the kernels have no backward), and the kernels on."""
+    return (x.dtype in _FUSED_DTYPES and x.stride(-1) == 1
+            and not (x.requires_grad and torch.is_grad_enabled()) and cpu_fused_layers())
+
+
+class CpuKernels(TorchKernels):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        cpu_fused_layers()   # builds the C++ kernels now, when the model is built, not in the first request
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() == 2 and weight.dtype == x.dtype and fusable(x):
+            return torch.ops.switchyard_cpu.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dim() == 2 and fusable(gate_up):
+            return torch.ops.switchyard_cpu.silu_mul(gate_up)
+        return super().silu_mul(gate_up)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 3 and cos.dtype == x.dtype and cos.is_contiguous() and sin.is_contiguous() and fusable(x):
+            return torch.ops.switchyard_cpu.rotary(x, cos, sin)
+        return super().rotate(x, cos, sin)
+
+    def pack(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """float32 weights in oneDNN's blocked layout; other dtypes keep plain layouts."""
+        if dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+            return None
+        return torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), _PACK_ROWS_HINT)
+
+    def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
