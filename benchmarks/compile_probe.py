@@ -17,7 +17,7 @@ import torch
 
 from backends.attention.base import AttentionContext
 from backends.models import layers, llama
-from backends.worker.bench_runner import bench_decode
+from tools.bench_runner import bench_decode
 from backends.worker.loader import resolve_model
 from backends.worker.model_runner import ModelRunner
 

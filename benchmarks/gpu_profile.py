@@ -19,7 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from backends.worker.batch import ForwardBatch, SeqChunk  # noqa: E402
+from backends.core.batch import ForwardBatch, SeqChunk  # noqa: E402
 from backends.worker.model_runner import ModelRunner  # noqa: E402
 from benchmarks.gpu_bench import cuda_time, model_folder, use_variant  # noqa: E402
 

@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -215,17 +216,25 @@ def pick_gemv(weight: torch.Tensor) -> GemvConfig | None:
     return best
 
 
+@runtime_checkable
+class GemvLinear(Protocol):
+    """A projection that can take a one-row kernel (layers.Linear), seen by its shape only: the layers import
+    these kernels, not the other way round."""
+    weight: torch.Tensor
+    gemv_config: GemvConfig | None
+
+    def gemv_eligible(self) -> bool: ...
+
+
 def tune_linears(model: nn.Module, pick: Callable[[torch.Tensor], GemvConfig | None] | None = None) -> None:
     """Give every plain CUDA projection of `model` (layers.Linear: [out, in] weight, no bias, not packed or
     kept compressed) the one-row kernel `pick` (by default pick_gemv, looked up when called) measures fastest
     for its shape; one measurement per shape."""
-    from backends.models.layers import Linear
-
     pick = pick or pick_gemv
 
     chosen: dict[tuple[tuple[int, ...], torch.dtype], GemvConfig | None] = {}
     for module in model.modules():
-        if not isinstance(module, Linear) or not module.gemv_eligible():
+        if not isinstance(module, GemvLinear) or not module.gemv_eligible():
             continue
         key = (tuple(module.weight.shape), module.weight.dtype)
         if key not in chosen:

@@ -16,7 +16,7 @@ from backends.attention.base import AttentionContext, AttentionShape, StepLayout
 from backends.models import layers, model_class
 from backends.models.config import load_model_config
 from backends.models.llama import LlamaForCausalLM
-from backends.worker.batch import ForwardBatch
+from backends.core.batch import ForwardBatch
 from backends.worker.cuda_graphs import DecodeGraphs, StaticInputs
 from backends.worker.fingerprint import model_fingerprint
 from backends.worker.kv_cache import KVCache, KVCacheSpec

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.worker.batch import ForwardBatch, SeqChunk
+from backends.core.batch import ForwardBatch, SeqChunk
 from tests.backends import triton_checks
 from tests.backends.engine.test_kv_tiers_devices import hf_tiny, prompt, tiny_dir  # noqa: F401  (fixtures)
 

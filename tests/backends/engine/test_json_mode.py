@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from backends.engine.json_mode import MAX_DEPTH, MAX_WHITESPACE, START, State, TokenMasks, is_complete, step
+from backends.structured_output.json_mode import MAX_DEPTH, MAX_WHITESPACE, START, State, TokenMasks, is_complete, step
 
 PROPERTY = settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 
@@ -327,7 +327,7 @@ def test_masks_are_cached_per_state_and_evicted(small: tuple[list[bytes | None],
 def test_masks_on_the_bundled_tokenizer_match_brute_force(smollm2_dir: Path) -> None:
     from tokenizers import Tokenizer
 
-    from backends.engine.json_output import token_bytes_of
+    from backends.structured_output.json_output import token_bytes_of
 
     tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
     special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}

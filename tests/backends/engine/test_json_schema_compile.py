@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from backends.engine.json_mode import GrammarMasks, TokenMasks, VocabularyTries
-from backends.engine.json_schema import UnsupportedSchema, compile_schema
-from backends.engine.schema_grammar import SchemaGrammar
+from backends.structured_output.json_mode import GrammarMasks, TokenMasks, VocabularyTries
+from backends.structured_output.json_schema import UnsupportedSchema, compile_schema
+from backends.structured_output.schema_grammar import SchemaGrammar
 from tests.backends.engine.test_json_mode import random_vocab, within_caps
 from tests.backends.engine.test_json_schema import GRAMMARS, SCHEMAS, accepts, dumps_options, feed, instances
 
@@ -157,7 +157,7 @@ def test_schema_masks_advance_along_tokens(small: tuple[list[bytes | None], set[
 def test_masks_on_the_bundled_tokenizer_share_the_json_mode_tries(smollm2_dir: Path) -> None:
     from tokenizers import Tokenizer
 
-    from backends.engine.json_output import token_bytes_of
+    from backends.structured_output.json_output import token_bytes_of
 
     vocab = token_bytes_of(smollm2_dir, Tokenizer.from_file(str(smollm2_dir / "tokenizer.json")).get_vocab_size())
     eos = {2}

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.engine.json_output import compiled_schema
+from backends.structured_output.json_output import compiled_schema
 from backends.server.errors import APIError
 from backends.server.protocol import ParseContext, RequestKind, parse_request
 from backends.server.tool_call_output import ToolCallText
