@@ -16,7 +16,7 @@ from backends.server.errors import APIError
 from backends.server.protocol import ParseContext, RequestKind, parse_request
 from backends.server.tool_call_output import ToolCallText
 from backends.server.tools import ToolCalling, parse_tools
-from tests.backends.engine.test_json_schema import valid
+from tests.backends.structured_output.test_json_schema import valid
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from backends.structured_output.json_mode import MAX_DEPTH, MAX_WHITESPACE
 from backends.structured_output.json_schema import compile_schema
 from backends.structured_output.schema_grammar import SchemaGrammar
-from tests.backends.engine.test_json_mode import within_caps
+from tests.backends.structured_output.test_json_mode import within_caps
 
 PROPERTY = settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 
