@@ -235,7 +235,7 @@ def test_cost_per_token_counts_one_layer_and_the_draft_vocabulary(tmp_path: Path
 
 
 def test_train_draft_writes_a_loadable_head(tmp_path: Path, target: LlamaForCausalLM) -> None:
-    from backends.speculative import train_draft
+    from tools.draft_training import train_draft
 
     out = tmp_path / "trained"
     report = train_draft.main(["--budget-minutes", "0.05", "--max-samples", "2", "--max-new-tokens", "8",
