@@ -1,5 +1,6 @@
 # Two commands matter: `make serve` and `make test`. Both set up what they need and are idempotent.
-# `make lint` runs ruff and mypy (settings in pyproject.toml) and must stay at zero errors.
+# `make lint` runs ruff, mypy and lint-imports (settings and import contracts in pyproject.toml) and must stay
+# at zero errors.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -101,11 +102,12 @@ $(VLLM_STAMP):
 test-vllm: setup vllm-setup
 	SWITCHYARD_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -rs -m vllm tests/vllm $(PYTEST_ARGS)
 
-# Over the four packages (mypy's list is [tool.mypy] files in pyproject.toml). The tests and benchmarks
+# Over the five packages (mypy's list is [tool.mypy] files in pyproject.toml). The tests and benchmarks
 # are not held to it yet: `ruff check tests benchmarks` still reports about a hundred findings.
 lint: setup
-	$(PY) -m ruff check gateway policies cache backends
+	$(PY) -m ruff check gateway policies cache backends tools
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV) .pytest_cache

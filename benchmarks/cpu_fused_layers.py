@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 import torch
 
 from backends.models.kernels import cpu
-from backends.worker.bench_runner import bench_decode, bench_prefill
+from tools.bench_runner import bench_decode, bench_prefill
 from backends.worker.loader import resolve_model
 from backends.worker.model_runner import ModelRunner
 

@@ -12,7 +12,7 @@ field changed, refactor code, quote a passage, emit a tool call), (b) unique pro
 Prints per draft: weight bytes per token and measured seconds per single-token forward, both relative
 to the target's (the baseline, measured in the same run); mean accepted drafts per step and the
 per-token acceptance rate on (a) and (b); and the speedup the engine's cost model
-(backends/spec/adaptive.py: a step costs 1 + K * (draft cost + verify cost) target steps) predicts at
+(backends/speculative/adaptive.py: a step costs 1 + K * (draft cost + verify cost) target steps) predicts at
 a fixed K with the measured cost.
 """
 from __future__ import annotations
@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.spec.draft import DraftModelProposer, weight_bytes_per_token
-from backends.spec.make_draft import make_draft
-from backends.spec.proposer import DraftRequest
-from backends.worker.batch import ForwardBatch, SeqChunk
+from backends.speculative.draft import DraftModelProposer, weight_bytes_per_token
+from tools.draft_training.make_draft import make_draft
+from backends.speculative.proposer import DraftRequest
+from backends.core.batch import ForwardBatch, SeqChunk
 from backends.worker.loader import resolve_model
 from backends.worker.model_runner import ModelRunner
 

@@ -34,10 +34,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from backends.engine.config import EngineConfig  # noqa: E402
+from backends.core.engine_config import EngineConfig  # noqa: E402
 from backends.engine.engine import LLMEngine  # noqa: E402
-from backends.engine.sampling_params import SamplingParams  # noqa: E402
-from backends.worker.batch import ForwardBatch, SeqChunk  # noqa: E402
+from backends.core.sampling_params import SamplingParams  # noqa: E402
+from backends.core.batch import ForwardBatch, SeqChunk  # noqa: E402
 from backends.worker.loader import resolve_model  # noqa: E402
 from backends.worker.model_runner import ModelRunner  # noqa: E402
 from benchmarks.gpu_disagg import pct  # noqa: E402
@@ -52,7 +52,7 @@ SMOLLM2_SHAPE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "
                  "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
                  "max_position_embeddings": 8192, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
 SHAPES = {"llama8b": LLAMA3_8B, "smollm2-shape": SMOLLM2_SHAPE}
-# --variants: which CUDA kernels the decoder runs (backends/models/cuda_kernels.py, the attention's splits)
+# --variants: which CUDA kernels the decoder runs (backends/models/kernels/triton_ops.py, the attention's splits)
 VARIANTS = {"torch": (False, False), "fused": (True, False), "fused+split": (True, True)}
 CONCURRENCY = (1, 8, 64)
 DEVICE = "cuda"   # a dry run of the model section on the CPU sets "cpu"
@@ -107,9 +107,9 @@ def model_folder(name: str, work: Path) -> tuple[Path, bool]:
 def use_variant(name: str) -> None:
     """Point the decoder at a variant's kernels; read when graphs are captured, so set before a runner is built."""
     from backends.attention import triton_decode
-    from backends.models import cuda_kernels
+    from backends.models.kernels import triton_ops
 
-    cuda_kernels.ENABLED, triton_decode.SPLIT = VARIANTS[name]
+    triton_ops.ENABLED, triton_decode.SPLIT = VARIANTS[name]
 
 
 def bytes_per_token(runner: ModelRunner, context: float) -> float:

@@ -19,7 +19,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from backends.worker.batch import ForwardBatch, SeqChunk  # noqa: E402
+from backends.core.batch import ForwardBatch, SeqChunk  # noqa: E402
 from backends.worker.model_runner import ModelRunner  # noqa: E402
 from benchmarks.gpu_bench import cuda_time, model_folder, use_variant  # noqa: E402
 
@@ -66,7 +66,7 @@ def decode_configs(contexts: tuple[int, ...]) -> None:
     """The split paged-decode kernel's time by tile and warps (backends/attention/triton_decode.py), at each
     batch size a decode step meets, beside its default configuration and the unsplit kernel."""
     from backends.attention import triton_decode
-    from backends.models.cuda_kernels import graph_seconds
+    from backends.models.kernels.triton_ops import graph_seconds
 
     print("\n## paged decode attention, bf16, block size 16: microseconds per call (CUDA graph of 20 calls)")
     print("| heads (q/kv x dim) | n | context | unsplit | default (splits, tile) | best (tile, warps) |\n"
@@ -105,7 +105,7 @@ def main() -> None:
     p.add_argument("--decode-configs", action="store_true", help="time the decode kernel's tiles and warps")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    logging.getLogger("backends.models.cuda_kernels").setLevel(logging.INFO)   # which kernel each shape got
+    logging.getLogger("backends.models.kernels.triton_ops").setLevel(logging.INFO)   # which kernel each shape got
     work = Path(tempfile.mkdtemp(prefix="switchyard-gpu-profile-"))
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.decode_configs:

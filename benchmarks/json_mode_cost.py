@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from backends.engine.json_mode import START, GrammarMasks, State, TokenMasks, step
-from backends.engine.json_output import token_bytes_of
-from backends.engine.json_schema import compile_schema
-from backends.engine.schema_grammar import SchemaGrammar, SchemaState
+from backends.structured_output.json_mode import START, GrammarMasks, State, TokenMasks, step
+from backends.structured_output.json_output import token_bytes_of
+from backends.structured_output.json_schema import compile_schema
+from backends.structured_output.schema_grammar import SchemaGrammar, SchemaState
 from backends.worker.loader import resolve_model
 
 STATES = [   # (what, the output so far)

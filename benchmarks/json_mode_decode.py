@@ -23,9 +23,9 @@ ASKS = ["Describe a cat as JSON with its name and age.", "List three planets in 
 def run(runner: object, model_dir: Path, prompts: list[list[int]], json_object: bool,
         max_tokens: int) -> tuple[float, int, int]:
     """(ms per sampled token, tokens sampled, steps)."""
-    from backends.engine.config import EngineConfig
+    from backends.core.engine_config import EngineConfig
     from backends.engine.engine import LLMEngine
-    from backends.engine.sampling_params import SamplingParams
+    from backends.core.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model_dir=str(model_dir), block_size=16, num_blocks=512),
                        runner=runner, model_dir=model_dir)   # type: ignore[arg-type]
@@ -54,7 +54,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from backends.spec.train_texts import chat_prompt_ids
+    from tools.draft_training.train_texts import chat_prompt_ids
     from backends.worker.loader import resolve_model
     from backends.worker.model_runner import ModelRunner
 

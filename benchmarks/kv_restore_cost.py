@@ -52,9 +52,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from backends.engine.config import EngineConfig  # noqa: E402
+from backends.core.engine_config import EngineConfig  # noqa: E402
 from backends.engine.engine import LLMEngine  # noqa: E402
-from backends.engine.sampling_params import SamplingParams  # noqa: E402
+from backends.core.sampling_params import SamplingParams  # noqa: E402
 from backends.worker.loader import resolve_model  # noqa: E402
 from cache.block_hash import block_hashes  # noqa: E402
 

@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from backends.kv_transfer import (ChecksumKind, KVTransferConfig, ReleaseMode,
-                                  RemoteBlocks, TcpKVConnector)
+from backends.core.kv_transfer_params import RemoteBlocks
+from backends.kv_transfer import ChecksumKind, KVTransferConfig, ReleaseMode, TcpKVConnector
 from backends.kv_transfer.shm import SharedKVFile
 from backends.kv_transfer.torch_cache import TorchPagedKV
 

@@ -7,7 +7,7 @@ equal to the answer's next tokens are accepted, and the target's own token follo
 
 Rules:
 - `latest n..m`: the tokens after the latest earlier occurrence of the last n tokens, trying n from the
-  longest down (what backends/spec/ngram.py does, with `--ngram-min m --ngram-max n`);
+  longest down (what backends/speculative/ngram.py does, with `--ngram-min m --ngram-max n`);
 - `oracle n>=m`: every earlier occurrence of every suffix of length >= m, the one the answer follows
   furthest taken (what no proposer can know ahead; the ceiling of prompt lookup on these answers). It drafts
   only the tokens that will be accepted, so its rows per step are the least any rule needs for its steps.
@@ -89,7 +89,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from backends.spec.train_texts import chat_prompt_ids
+    from tools.draft_training.train_texts import chat_prompt_ids
     from backends.worker.loader import resolve_model
 
     model_dir = resolve_model("smollm2")

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from backends.engine.sampling_params import SamplingParams
+from backends.core.sampling_params import SamplingParams
 from backends.worker.sampler import SampleRow, sample
 
 

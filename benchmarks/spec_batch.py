@@ -35,9 +35,9 @@ class Run:
 
 
 def run(runner, model_dir: Path, prompts: list[list[int]], spec: dict | None, max_tokens: int) -> Run:
-    from backends.engine.config import EngineConfig
+    from backends.core.engine_config import EngineConfig
     from backends.engine.engine import LLMEngine
-    from backends.engine.sampling_params import SamplingParams
+    from backends.core.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(model_dir=str(model_dir), block_size=16, num_blocks=512, **(spec or {})),
                        runner=runner, model_dir=model_dir)
@@ -72,7 +72,7 @@ def run(runner, model_dir: Path, prompts: list[list[int]], spec: dict | None, ma
 
 
 def main() -> None:
-    from backends.engine.config import SPECULATIVE_PROPOSERS
+    from backends.core.engine_config import SPECULATIVE_PROPOSERS
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=("prose", "structured"), default="prose")
@@ -89,7 +89,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from backends.spec.train_texts import chat_prompt_ids
+    from tools.draft_training.train_texts import chat_prompt_ids
     from backends.worker.loader import resolve_model
     from backends.worker.model_runner import ModelRunner
     from spec_bench import PROSE, STRUCTURED, default_dir

@@ -1,5 +1,5 @@
 """A worker's KV events as the gateway reads them (`GET /kv_events`): the wire records and the media a
-block can lie in. The worker's side is backends/engine/kv_events.py; tests/cache/test_prefix_index.py
+block can lie in. The worker's side is backends/core/block_events.py; tests/cache/test_prefix_index.py
 holds the two to the same fields and media. Pure parsing: no I/O, no index.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-# Where a block's KV lies, fastest first: the names of the worker's backends/engine/kv_events.MEDIA
+# Where a block's KV lies, fastest first: the names of the worker's backends/core/block_events.MEDIA
 # (tests/cache/test_prefix_index.py holds the two equal).
 DEVICE, CPU, DISK, STORE = "device", "cpu", "disk", "store"
 MEDIA = (DEVICE, CPU, DISK, STORE)
@@ -24,7 +24,7 @@ class KvEventType(str, enum.Enum):
 @dataclass(frozen=True, slots=True)
 class KvEvent:
     """One event of a worker's `GET /kv_events`, as the worker sends it: its
-    backends/engine/kv_events.KVEvent serialized verbatim, so the field names here ARE the wire
+    backends/core/block_events.KVEvent serialized verbatim, so the field names here ARE the wire
     names (tests/cache/test_prefix_index.py holds the two dataclasses to the same fields)."""
 
     seq_no: int               # the worker's event sequence number (from 1, increasing; anew after a reset)

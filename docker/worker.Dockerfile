@@ -17,6 +17,7 @@ COPY gateway ./gateway
 COPY policies ./policies
 COPY cache ./cache
 COPY backends ./backends
+COPY tools ./tools
 # gcc builds the weight decoder's C extension (backends/compression/_native.c). g++ stays in the image: the
 # CPU kernels (backends/cpu_kernels) are compiled for the CPU they run on, and a host whose CPU differs from
 # the build host's builds its own copy at first start (about 12 s; without g++ the worker would fall back to

@@ -95,9 +95,9 @@ def _run_serve(args: Sequence[str]) -> None:
 _COMMANDS: Mapping[str, Callable[[Sequence[str]], None]] = MappingProxyType({
     "gateway": _run_gateway,
     "worker": lambda args: _exec_module("backends.server", args),
-    "compress": lambda args: _exec_module("backends.compression", args),
-    "make-draft": lambda args: _exec_module("backends.spec.make_draft", args),
-    "train-draft": lambda args: _exec_module("backends.spec.train_draft", args),
+    "compress": lambda args: _exec_module("tools.compress", args),
+    "make-draft": lambda args: _exec_module("tools.draft_training.make_draft", args),
+    "train-draft": lambda args: _exec_module("tools.draft_training.train_draft", args),
     "serve": _run_serve,
 })
 

@@ -16,7 +16,7 @@ import orjson
 import pytest
 import torch
 
-from backends.engine.sampling_params import SamplingParams
+from backends.core.sampling_params import SamplingParams
 from tests.backends.numerics import (Choice, assert_mostly_clear, assert_same_text, choices, float64_copy,
                                      logit_tolerance)
 from tests.support.fake_upstream import FakeUpstream

@@ -67,7 +67,7 @@ def test_weight_loading_shows_progress_only_on_a_terminal(model_dir: Path) -> No
 
 
 def test_compress_shows_progress_only_on_a_terminal(model_dir: Path, tmp_path: Path) -> None:
-    terminal = _on_terminal(["-m", "backends.compression", str(model_dir), str(tmp_path / "on_terminal")])
+    terminal = _on_terminal(["-m", "tools.compress", str(model_dir), str(tmp_path / "on_terminal")])
     assert "compressing" in terminal and "4/4" in terminal
-    log = _in_a_log(["-m", "backends.compression", str(model_dir), str(tmp_path / "in_log")])
+    log = _in_a_log(["-m", "tools.compress", str(model_dir), str(tmp_path / "in_log")])
     assert "compressing" not in log and "%|" not in log

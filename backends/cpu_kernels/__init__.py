@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from backends.worker.loader import default_cache_dir
+from backends.core.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -15,22 +15,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from backends.engine.block_manager import BlockManager
-from backends.engine.config import EngineConfig
-from backends.engine.connector_chain import ConnectorChain
-from backends.engine.eos import eos_token_ids
-from backends.engine.errors import EngineRequestError
-from backends.engine.json_output import JsonOutput
-from backends.engine.kv_connector import KVConnector, KVTransferParams
-from backends.engine.kv_events import KVEventRing
-from backends.engine.outputs import EngineStats, FinishReason, LoadReport, SequenceOutput
+from backends.core.block_manager import BlockManager
+from backends.core.engine_config import EngineConfig
+from backends.kv_connectors.connector_chain import ConnectorChain
+from backends.core.eos import eos_token_ids
+from backends.core.engine_errors import EngineRequestError
+from backends.structured_output.json_output import JsonOutput
+from backends.core.kv_transfer_params import KVTransferParams
+from backends.kv_connectors.base import KVConnector
+from backends.core.block_events import KVEventRing
+from backends.core.outputs import EngineStats, FinishReason, LoadReport, SequenceOutput
 from backends.engine.runner import ModelRunnerLike, build_runner, resolve_model_dir
-from backends.engine.sampling_params import SamplingParams
+from backends.core.sampling_params import SamplingParams
 from backends.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from backends.engine.sequence import Sequence, SequenceStatus
-from backends.spec.adaptive import SpecPolicy, StepCost
-from backends.spec.proposer import DraftRequest, Proposer
-from backends.spec.verify import Verified, verify
+from backends.core.sequence import Sequence, SequenceStatus
+from backends.speculative.adaptive import SpecPolicy, StepCost
+from backends.speculative.proposer import DraftRequest, Proposer
+from backends.speculative.verify import Verified, verify
 from backends.worker.pooler import pool_last_tokens
 from backends.worker.sampler import MAX_LOGPROBS, SampleRow
 
@@ -72,7 +73,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.watermark_blocks, kv_connector)
         if proposer is None and config.speculative is not None:
-            from backends.spec.factory import build_proposer
+            from backends.speculative.factory import build_proposer
             proposer = build_proposer(config, runner)
         self.proposer = proposer
         self.spec_policy = None if proposer is None else SpecPolicy(

@@ -16,11 +16,11 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from backends.engine.block_manager import BlockManager
-from backends.engine.kv_connector import KVConnector
-from backends.engine.outputs import FinishReason
-from backends.engine.sequence import Sequence, SequenceStatus
-from backends.worker.batch import ForwardBatch, SeqChunk
+from backends.core.block_manager import BlockManager
+from backends.kv_connectors.base import KVConnector
+from backends.core.outputs import FinishReason
+from backends.core.sequence import Sequence, SequenceStatus
+from backends.core.batch import ForwardBatch, SeqChunk
 
 log = logging.getLogger(__name__)
 

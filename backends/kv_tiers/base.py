@@ -30,7 +30,7 @@ HEADER_BYTES = _HEADER.size
 
 @dataclass(frozen=True, slots=True)
 class TierUsage:
-    medium: str            # backends/engine/kv_events: CPU, DISK or STORE
+    medium: str            # backends/core/block_events: CPU, DISK or STORE
     num_blocks: int        # blocks this tier holds (for a shared store: those this worker put, -1 if unknown)
     used_bytes: int
     capacity_bytes: int    # 0: unbounded or unknown

@@ -1,5 +1,5 @@
 """`TieredKVConnector`: the KV tiers below the device pool (host RAM, local disk, a shared store) as a
-`KVConnector` (backends/engine/kv_connector.py), keyed by the chained block hash.
+`KVConnector` (backends/kv_connectors/base.py), keyed by the chained block hash.
 
 Writing down: a cached block the device pool evicts is copied out (the engine thread, before the block
 is reused) into one of a bounded set of staging buffers and queued for the writer thread, which puts it
@@ -15,7 +15,7 @@ missing or corrupt there ends the run, and the load reports only what it wrote: 
 recomputed. No step waits on I/O. On CUDA the copies out and in are queued and the threads wait for
 them, not the engine (block_io.py); a load ends when its last copy has landed.
 
-KV events: each tier's STORED and REMOVED carry its medium (backends/engine/kv_events.py).
+KV events: each tier's STORED and REMOVED carry its medium (backends/core/block_events.py).
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.engine.kv_connector import FinishedTransfers, LoadResult
-from backends.engine.kv_events import KVEventKind, KVEventRing
-from backends.engine.outputs import KVTierLoad
-from backends.engine.sequence import Sequence as EngineSequence
+from backends.kv_connectors.base import FinishedTransfers, LoadResult
+from backends.core.block_events import KVEventKind, KVEventRing
+from backends.core.outputs import KVTierLoad
+from backends.core.sequence import Sequence as EngineSequence
 from backends.kv_tiers.base import KVTier, TierUsage
 from backends.kv_tiers.block_io import BlockIO, Pending, StagingRing
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from backends.engine.kv_events import CPU
+from backends.core.block_events import CPU
 from backends.kv_tiers.base import Borrowed, TierUsage, leading_run
 
 Spill = Callable[[int, memoryview], object]     # (block hash, its bytes): write it one tier down

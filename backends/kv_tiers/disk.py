@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from backends.engine.kv_events import DISK
+from backends.core.block_events import DISK
 from backends.kv_tiers.base import HEADER_BYTES, TierUsage, check_frame, frame_header, leading_run
 
 log = logging.getLogger(__name__)

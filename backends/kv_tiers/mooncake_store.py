@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from backends.engine.kv_events import STORE
+from backends.core.block_events import STORE
 from backends.kv_tiers.base import HEADER_BYTES, TierUsage, frame, unframe
 
 log = logging.getLogger(__name__)

@@ -13,11 +13,10 @@ from backends.kv_transfer.base import (
                                        KVTransport,
                                        PullResult,
                                        ReleaseMode,
-                                       RemoteBlocks,
                                        prefill_kv_transfer_params,
 )
 from backends.kv_transfer.tcp import TcpKVConnector
 
 __all__ = ["ChecksumKind", "KVBlockSink", "KVBlockSource", "KVDtype", "KVErrorCode",
            "KVLayerReader", "KVLayerWriter", "KVLayout", "KVTransferConfig", "KVTransferError", "KVTransport",
-           "PullResult", "ReleaseMode", "RemoteBlocks", "TcpKVConnector", "prefill_kv_transfer_params"]
+           "PullResult", "ReleaseMode", "TcpKVConnector", "prefill_kv_transfer_params"]

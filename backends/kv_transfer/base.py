@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from backends.core.kv_transfer_params import RemoteBlocks
+
 
 class KVDtype(str, enum.Enum):
     """Element type of the KV cache; the wire names are these values."""
@@ -135,37 +137,6 @@ class KVTransferConfig:
     shared_memory: bool = True        # offer to copy from the server's cache directly when on one host
 
 
-@dataclass(frozen=True, slots=True)
-class RemoteBlocks:
-    """Where a decode worker finds a prompt's KV: the prefill side of `kv_transfer_params`."""
-    host: str                 # prefill worker's KV listener host
-    port: int                 # and port
-    transfer_id: str          # the id the blocks are held under (vLLM: remote_request_id)
-    num_blocks: int | None    # how many blocks are held, if the prefill worker said so
-    engine_id: str = ""       # prefill worker's engine id, for logs
-
-    @classmethod
-    def from_params(cls, params: Mapping[str, Any]) -> RemoteBlocks:
-        """From a decode request's `kv_transfer_params` (vLLM's field names).
-
-        Raises ValueError whose first word is the offending field, for a 400 with that `param`.
-        """
-        host, port, transfer_id = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
-        block_ids, engine_id = params.get("remote_block_ids"), params.get("remote_engine_id", "")
-        if not isinstance(host, str) or not host:
-            raise ValueError("remote_host must be a non-empty string")
-        if type(port) is not int or not 0 < port < 65536:
-            raise ValueError("remote_port must be an integer in 1..65535")
-        if not isinstance(transfer_id, str) or not transfer_id:
-            raise ValueError("remote_request_id must be a non-empty string")
-        if block_ids is not None and not (isinstance(block_ids, list) and all(type(b) is int for b in block_ids)):
-            raise ValueError("remote_block_ids must be a list of integers")
-        if not isinstance(engine_id, str):
-            raise ValueError("remote_engine_id must be a string")
-        return cls(host=host, port=port, transfer_id=transfer_id,
-                   num_blocks=None if block_ids is None else len(block_ids), engine_id=engine_id)
-
-
 def prefill_kv_transfer_params(engine_id: str, host: str, port: int, transfer_id: str,
                                block_ids: Sequence[int]) -> dict[str, Any]:
     """What a prefill worker answers in `kv_transfer_params` (vLLM's field names)."""
@@ -277,7 +248,7 @@ class KVBlockSink(Protocol):
 
 class KVTransport(abc.ABC):
     """One per worker: a prefill worker serves its held blocks, a decode worker pulls them.
-    (The engine-side `KVConnector` in backends/engine/kv_connector.py drives it.)"""
+    (The engine-side `KVConnector` in backends/kv_connectors/base.py drives it.)"""
 
     @abc.abstractmethod
     async def serve(self, source: KVBlockSource, host: str, port: int) -> tuple[str, int]:

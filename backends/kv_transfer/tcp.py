@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from backends.kv_transfer.base import (KVBlockSink, KVBlockSource, KVTransferConfig, KVTransport, PullResult,
-                                       RemoteBlocks)
+from backends.core.kv_transfer_params import RemoteBlocks
+from backends.kv_transfer.base import KVBlockSink, KVBlockSource, KVTransferConfig, KVTransport, PullResult
 from backends.kv_transfer.shm import SharedMappings, SharedPull
 from backends.kv_transfer.tcp_client import pull_blocks, release_blocks
 from backends.kv_transfer.tcp_server import TcpKVServer

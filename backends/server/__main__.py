@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from backends.attention.base import AttentionBackendName
-from backends.engine.config import SPECULATIVE_PROPOSERS, EngineConfig
+from backends.core.engine_config import SPECULATIVE_PROPOSERS, EngineConfig
 from backends.server import auth
 from backends.server.config import ServerConfig, WorkerRole
 

@@ -11,8 +11,8 @@ from http import HTTPStatus
 
 from aiohttp import web
 
-from backends.engine.config import EngineConfig
-from backends.engine.pd_connector import PDConnector
+from backends.core.engine_config import EngineConfig
+from backends.kv_connectors.pd_connector import PDConnector
 from backends.server import auth, disagg, embeddings, openai_routes, openapi, ops_routes, status
 from backends.server.config import ServerConfig
 from backends.server.drain import DRAIN, Drain

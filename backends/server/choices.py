@@ -17,7 +17,7 @@ from contextlib import aclosing
 from types import TracebackType
 from typing import Any
 
-from backends.engine.sampling_params import SamplingParams
+from backends.core.sampling_params import SamplingParams
 from backends.server.generation import GenerationDelta, SequenceSpec, TokenTimingObserver, generate_deltas
 from backends.server.keys import WorkerEngine
 from backends.server.protocol import SEED_MAX, GenerateRequest

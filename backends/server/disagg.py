@@ -18,10 +18,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from backends.engine.kv_connector import KVTransferParams
-from backends.engine.outputs import FinishReason
-from backends.engine.pd_connector import PDConnector
-from backends.kv_transfer.base import (KVErrorCode, KVTransferConfig, KVTransport, RemoteBlocks,
+from backends.core.kv_transfer_params import KVTransferParams, RemoteBlocks
+from backends.core.outputs import FinishReason
+from backends.kv_connectors.pd_connector import PDConnector
+from backends.kv_transfer.base import (KVErrorCode, KVTransferConfig, KVTransport,
                                        prefill_kv_transfer_params)
 from backends.server.config import ServerConfig, WorkerRole
 from backends.server.errors import APIError, ErrorType, invalid_param, read_json

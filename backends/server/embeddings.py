@@ -19,8 +19,8 @@ from typing import Any
 
 from aiohttp import web
 
-from backends.engine.errors import EngineRequestError
-from backends.engine.outputs import SequenceOutput
+from backends.core.engine_errors import EngineRequestError
+from backends.core.outputs import SequenceOutput
 from backends.server.errors import APIError, ErrorType, invalid_param, read_json, unsupported_param
 from backends.server.fields import is_int, opt_int
 from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine

@@ -15,10 +15,10 @@ from typing import Protocol
 
 from tokenizers import Tokenizer
 
-from backends.engine.errors import EngineRequestError
-from backends.engine.kv_connector import KVTransferParams
-from backends.engine.outputs import FinishReason, SequenceOutput, TokenLogprob
-from backends.engine.sampling_params import SamplingParams
+from backends.core.engine_errors import EngineRequestError
+from backends.core.kv_transfer_params import KVTransferParams
+from backends.core.outputs import FinishReason, SequenceOutput, TokenLogprob
+from backends.core.sampling_params import SamplingParams
 from backends.server.detokenizer import StopStringDetokenizer
 from backends.server.errors import APIError, ErrorType
 from backends.server.keys import WorkerEngine

@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
-from backends.engine.kv_connector import KVTransferParams
-from backends.engine.kv_events import KVEventBatch
-from backends.engine.outputs import LoadReport, SequenceOutput
-from backends.engine.sampling_params import SamplingParams
+from backends.core.kv_transfer_params import KVTransferParams
+from backends.core.block_events import KVEventBatch
+from backends.core.outputs import LoadReport, SequenceOutput
+from backends.core.sampling_params import SamplingParams
 from backends.kv_transfer.base import SharedRegion
 from backends.server.config import ServerConfig
 from backends.server.metrics import ServerMetrics

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from backends.engine.kv_connector import KVTransferParams
+from backends.core.kv_transfer_params import KVTransferParams
 from backends.server import disagg
 from backends.server.choices import Choices
 from backends.server.errors import APIError, invalid_param, model_not_found, read_json

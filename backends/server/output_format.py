@@ -8,8 +8,8 @@ from typing import Any
 
 import orjson
 
-from backends.engine.json_output import compiled_schema
-from backends.engine.json_schema import UnsupportedSchema
+from backends.structured_output.json_output import compiled_schema
+from backends.structured_output.json_schema import UnsupportedSchema
 from backends.server.errors import invalid_param, unsupported_param
 
 

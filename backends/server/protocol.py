@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from backends.engine.sampling_params import SamplingParams
+from backends.core.sampling_params import SamplingParams
 from backends.server.errors import APIError, invalid_param, model_not_found, unsupported_param
 from backends.server.fields import default, is_int, opt_bool, opt_float, opt_int
 from backends.server.output_format import parse_response_format

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backends.engine.outputs import FinishReason, TokenLogprob
+from backends.core.outputs import FinishReason, TokenLogprob
 from backends.server.generation import GenerationDelta
 from backends.server.protocol import RequestKind
 from backends.server.tokenization import PromptTokenizer

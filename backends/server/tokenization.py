@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBas
 from backends.models.config import read_config_json
 from backends.server.errors import invalid_param
 from backends.server.protocol import ChatMessage, GenerateRequest, RequestKind
-from backends.server.token_bytes import TokenBytes
+from backends.structured_output.token_bytes import TokenBytes
 
 
 class PromptTokenizer:

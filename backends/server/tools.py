@@ -1,7 +1,7 @@
 """Tool use on the worker, parsed: `tools`, `tool_choice` and `parallel_tool_calls` of a chat request.
 
 A call the client forces (`tool_choice: "required"`, or one that names a function) is answered by decoding
-under a JSON schema built from the tools' `parameters` (backends/engine/json_schema.py), so every call is
+under a JSON schema built from the tools' `parameters` (backends/structured_output/json_schema.py), so every call is
 well formed and its arguments follow their schema, whatever the model: the arguments of the named function,
 or an array of `{"name": ..., "arguments": ...}` for "required". `tool_choice: "none"` renders the tools
 into the prompt (where the chat template writes them) and answers text. `"auto"`, the default with tools,
@@ -18,8 +18,8 @@ from typing import Any
 
 import orjson
 
-from backends.engine.json_output import compiled_schema
-from backends.engine.json_schema import UnsupportedSchema
+from backends.structured_output.json_output import compiled_schema
+from backends.structured_output.json_schema import UnsupportedSchema
 from backends.server.errors import APIError, invalid_param, unsupported_param
 from backends.server.fields import opt_bool
 

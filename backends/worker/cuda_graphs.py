@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.worker.batch import ForwardBatch
+from backends.core.batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The worker's paged KV cache as the KV transfer layer sees it: a `KVBlockSource` over the engine's
 holds (readers pin their blocks so a release mid-send cannot recycle them) and block digests for tests.
 
-Event-loop only; the hold table and the pins belong to `PDConnector` (backends/engine/pd_connector.py).
+Event-loop only; the hold table and the pins belong to `PDConnector` (backends/kv_connectors/pd_connector.py).
 """
 from __future__ import annotations
 

@@ -23,6 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm import tqdm
 
+from backends.core.paths import default_cache_dir
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_SPEC = "smollm2"
@@ -30,10 +32,6 @@ _SMOLLM2_FOLDER = "smollm2-135m-instruct"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # A safetensors file whose metadata has this key holds switchyard's compressed weight format.
 COMPRESSED_FORMAT_KEY = "switchyard.format"
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("SWITCHYARD_CACHE", Path.home() / ".cache" / "switchyard"))
 
 
 def bundled_smollm2_gguf() -> Path:

@@ -16,8 +16,8 @@ from backends.attention.base import AttentionContext, AttentionShape, StepLayout
 from backends.models import model_class
 from backends.models.base import CausalLM, LayerKVSpec
 from backends.models.config import load_model_config
+from backends.core.batch import ForwardBatch
 from backends.models.kernels.registry import select_kernels
-from backends.worker.batch import ForwardBatch
 from backends.worker.cuda_graphs import DecodeGraphs, StaticInputs
 from backends.worker.fingerprint import model_fingerprint
 from backends.worker.kv_cache import KVCache, KVCacheSpec

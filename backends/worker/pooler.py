@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from backends.worker.batch import ForwardBatch
+from backends.core.batch import ForwardBatch
 
 
 def pool_last_tokens(hidden: torch.Tensor, batch: ForwardBatch, pooled: Sequence[bool]) -> list[bytes]:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from backends.engine.outputs import TokenLogprob
-from backends.engine.sampling_params import SamplingParams
+from backends.core.outputs import TokenLogprob
+from backends.core.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 MAX_LOGPROBS = 20

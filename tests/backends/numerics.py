@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.engine.sampling_params import SamplingParams
+from backends.core.sampling_params import SamplingParams
 from backends.worker.sampler import SampleRow, apply_penalties, sample, step_uniform
 
 TOLERANCE_MULTIPLE = 8

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from backends.engine.sampling_params import SamplingParams
+from backends.core.sampling_params import SamplingParams
 from tests.backends.numerics import Choice, assert_same_tokens, choices, teacher_forced_logits
 
 

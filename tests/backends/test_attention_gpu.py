@@ -76,7 +76,7 @@ def test_flash_matches_sdpa(step: str, block_size: int) -> None:
 
 
 def test_runner_on_cuda_matches_transformers(smollm2_dir: Path, hf_smollm2: torch.nn.Module) -> None:
-    from backends.worker.batch import ForwardBatch, SeqChunk
+    from backends.core.batch import ForwardBatch, SeqChunk
     from backends.worker.model_runner import ModelRunner
 
     runner = ModelRunner(smollm2_dir, dtype=torch.float32, device="cuda", num_blocks=64, attention_backend="triton")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.worker.batch import ForwardBatch, SeqChunk
+from backends.core.batch import ForwardBatch, SeqChunk
 from tests.backends import triton_checks
 from tests.backends.engine.test_kv_tiers_devices import hf_tiny, prompt, tiny_dir  # noqa: F401  (fixtures)
 
@@ -36,19 +36,19 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_tiny_llama_on_cuda_matches_transformers(tiny_dir: Path, hf_tiny: torch.nn.Module,  # noqa: F811
                                                  kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three sequences, then one alone (a one-row step: the projections' gemv where it was picked)."""
-    from backends.models import cuda_kernels
+    from backends.models.kernels import triton_ops
     from backends.models.layers import Linear
     from backends.worker.model_runner import ModelRunner
 
-    monkeypatch.setattr(cuda_kernels, "ENABLED", kernels != "torch")   # before the graphs are captured
+    monkeypatch.setattr(triton_ops, "ENABLED", kernels != "torch")   # before the graphs are captured
     if kernels == "triton, gemv forced":
-        monkeypatch.setattr(cuda_kernels, "pick_gemv", lambda weight: cuda_kernels.GEMV_CONFIGS[1])
+        monkeypatch.setattr(triton_ops, "pick_gemv", lambda weight: triton_ops.GEMV_CONFIGS[1])
     runner = ModelRunner(tiny_dir, dtype=torch.float32, device="cuda", num_blocks=64, attention_backend="triton",
                          cuda_graph_max_batch=8)
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     if kernels == "triton, gemv forced":   # in float32 the widening projections are stored [in, out]: cuBLAS's
         assert any(m.gemv_eligible() for m in linears)
-        assert all(m.gemv_config == cuda_kernels.GEMV_CONFIGS[1] for m in linears if m.gemv_eligible())
+        assert all(m.gemv_config == triton_ops.GEMV_CONFIGS[1] for m in linears if m.gemv_eligible())
     elif kernels == "torch":
         assert all(m.gemv_config is None for m in linears)
     assert runner.decode_graphs is not None

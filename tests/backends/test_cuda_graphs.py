@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.engine.sampling_params import SamplingParams
-from backends.worker.batch import ForwardBatch, SeqChunk
+from backends.core.sampling_params import SamplingParams
+from backends.core.batch import ForwardBatch, SeqChunk
 from backends.worker.cuda_graphs import graph_buckets, is_plain_decode, pack_decode_inputs
 from tests.backends.numerics import assert_mostly_clear, assert_same_tokens, choices, logit_tolerance, \
     teacher_forced_logits
@@ -87,7 +87,7 @@ def test_replayed_decode_equals_eager_and_transformers(smollm2_dir: Path, hf_smo
 @pytest.mark.gpu
 def test_engine_decoding_through_graphs_gives_transformers_greedy_tokens(
         smollm2_dir: Path, hf_smollm2: torch.nn.Module, hf_smollm2_f64: torch.nn.Module) -> None:
-    from backends.engine.config import EngineConfig
+    from backends.core.engine_config import EngineConfig
     from backends.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(device="cuda", dtype="float32", num_blocks=256, max_num_seqs=8,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.engine.sampling_params import SamplingParams
+from backends.core.sampling_params import SamplingParams
 from tests.backends.engine.test_engine_model import hf_greedy
 from tests.backends.numerics import assert_same_tokens, choices, float64_copy, logit_tolerance
 from tests.backends.pd_cluster import COMMON, gateway_config

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from backends.worker.batch import ForwardBatch, SeqChunk
+from backends.core.batch import ForwardBatch, SeqChunk
 from backends.worker.model_runner import ModelRunner
 from tests.backends.numerics import logit_tolerance
 

@@ -15,7 +15,7 @@ import orjson
 import pytest
 import torch
 
-from backends.engine.sampling_params import SamplingParams
+from backends.core.sampling_params import SamplingParams
 from tests.backends.numerics import assert_mostly_clear, assert_same_tokens, choices, logit_tolerance, \
     teacher_forced_logits
 from tests.support.wait import await_until

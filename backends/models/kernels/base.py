@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-# A Triton one-row projection: (rows per program, columns per loop step, warps); cuda_kernels.GEMV_CONFIGS
+# A Triton one-row projection: (rows per program, columns per loop step, warps); triton_ops.GEMV_CONFIGS
 GemvConfig = tuple[int, int, int]
 
 

@@ -2,19 +2,16 @@
 instead of seven), and the residual add inside the projection's matrix product. A decode step there is
 hundreds of tiny kernels at about 3 us each (docs/gpu.md), so each kernel saved counts.
 
-`select_cuda` hands out the Triton family (triton.py) instead when Triton is installed and SWITCHYARD_CUDA_FUSED
-is not 0 (cuda_kernels.ENABLED, read here: once per model, so a CUDA graph keeps what it captured).
+The registry hands out the Triton family (triton.py) instead when Triton is installed and SWITCHYARD_CUDA_FUSED
+is not 0 (registry.select_cuda).
 """
 from __future__ import annotations
-
-import importlib.util
 
 import torch
 import torch.nn.functional as F
 
-from backends.models.kernels.base import LayerKernels
 from backends.models.kernels.torch_ref import TorchKernels
-from backends.models.layers import apply_rotary_full, rotary_tables
+from backends.models.kernels.rotary import apply_rotary_full, rotary_tables
 
 
 class CudaKernels(TorchKernels):
@@ -37,20 +34,3 @@ class CudaKernels(TorchKernels):
                    residual: torch.Tensor) -> torch.Tensor:
         """One addmm: the add rides in the matrix product's epilogue."""
         return torch.addmm(residual, x, weight if transposed else weight.t())
-
-
-def triton_enabled() -> bool:
-    """Whether CUDA layers use the Triton kernels of cuda_kernels (Triton installed, not switched off)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    from backends.models import cuda_kernels   # imports Triton
-
-    return cuda_kernels.ENABLED
-
-
-def select_cuda() -> LayerKernels:
-    if not triton_enabled():
-        return CudaKernels()
-    from backends.models.kernels.triton import TritonKernels
-
-    return TritonKernels()

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.models.kernels.base import LayerKernels
-from backends.models.layers import apply_rotary, rotary_tables
+from backends.models.kernels.rotary import apply_rotary, rotary_tables
 
 
 class TorchKernels(LayerKernels):

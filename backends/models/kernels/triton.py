@@ -1,4 +1,4 @@
-"""The CUDA family with switchyard's Triton kernels (backends/models/cuda_kernels.py): rotary, cache writes and
+"""The CUDA family with switchyard's Triton kernels (backends/models/kernels/triton_ops.py): rotary, cache writes and
 q's copy in one kernel, SiLU·mul in one, the residual add inside the next RMSNorm, and a one-row projection
 where it beats cuBLAS for a weight's shape (measured in `prepare`). Imported only where Triton is installed.
 """
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.models import cuda_kernels
+from backends.models.kernels import triton_ops
 from backends.models.kernels.base import GemvConfig, ModuleTree
 from backends.models.kernels.cuda import CudaKernels
 
@@ -17,20 +17,20 @@ class TritonKernels(CudaKernels):
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return cuda_kernels.add_rms_norm(x, residual, weight, eps)
+        return triton_ops.add_rms_norm(x, residual, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if gate_up.dim() == 2:
-            return cuda_kernels.silu_mul(gate_up)
+            return triton_ops.silu_mul(gate_up)
         return super().silu_mul(gate_up)
 
     def rotary_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor | None:
-        return cuda_kernels.rotary_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slot_mapping)
+        return triton_ops.rotary_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slot_mapping)
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Tensor:
-        return cuda_kernels.gemv(x, weight, config)
+        return triton_ops.gemv(x, weight, config)
 
     def prepare(self, model: ModuleTree) -> None:
         """Each plain projection's one-row kernel, before the graphs capture which one it runs."""
-        cuda_kernels.tune_linears(model)
+        triton_ops.tune_linears(model)

@@ -70,7 +70,7 @@ def test_cast_fp32_to_bf16_and_fp16(tmp_path: Path) -> None:
 
 def test_cli_compresses_and_reports_ratios(tiny_model: Path, tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "backends.compression", str(tiny_model), str(tmp_path / "cli")],
+        [sys.executable, "-m", "tools.compress", str(tiny_model), str(tmp_path / "cli")],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -80,7 +80,7 @@ def test_cli_compresses_and_reports_ratios(tiny_model: Path, tmp_path: Path) -> 
 
 def test_cli_refuses_a_missing_source(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "backends.compression", str(tmp_path / "nope"), str(tmp_path / "out")],
+        [sys.executable, "-m", "tools.compress", str(tmp_path / "nope"), str(tmp_path / "out")],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and "error:" in proc.stderr

@@ -27,7 +27,7 @@ def test_every_tensor_round_trips_bit_exact(smollm2_folders: tuple[Path, Path, P
 
 def test_runner_logits_identical_to_uncompressed_bf16(smollm2_folders: tuple[Path, Path, Path]) -> None:
     runner_module = pytest.importorskip("backends.worker.model_runner")
-    from backends.worker.batch import ForwardBatch, SeqChunk
+    from backends.core.batch import ForwardBatch, SeqChunk
     _, bf16, compressed = smollm2_folders
     prompt = (1, 504, 3458, 314, 253, 1345, 30, 2)
     batch = ForwardBatch(chunks=(SeqChunk(token_ids=prompt, num_context_tokens=0, block_table=(0,)),))
@@ -48,7 +48,7 @@ def test_weights_kept_compressed_give_the_same_logits_in_less_memory(smollm2_fol
     runner_module = pytest.importorskip("backends.worker.model_runner")
     from backends.compression import CompressedTensor
     from backends.models import layers
-    from backends.worker.batch import ForwardBatch, SeqChunk
+    from backends.core.batch import ForwardBatch, SeqChunk
     _, bf16, compressed = smollm2_folders
     prompt = (1, 504, 3458, 314, 253, 1345, 30, 2, 17, 93, 4, 1182, 42, 5, 880, 61, 7)
     steps = [ForwardBatch(chunks=(SeqChunk(token_ids=prompt, num_context_tokens=0, block_table=(0, 1)),)),
@@ -83,7 +83,7 @@ def test_weights_kept_compressed_on_cuda_match_the_expanded_runner(smollm2_folde
     """The same on CUDA, where the Triton kernel expands each layer (skipped without CUDA)."""
     runner_module = pytest.importorskip("backends.worker.model_runner")
     pytest.importorskip("triton")
-    from backends.worker.batch import ForwardBatch, SeqChunk
+    from backends.core.batch import ForwardBatch, SeqChunk
     _, bf16, compressed = smollm2_folders
     prompt = (1, 504, 3458, 314, 253, 1345, 30, 2, 17, 93, 4, 1182, 42, 5, 880, 61, 7)
     steps = [ForwardBatch(chunks=(SeqChunk(token_ids=prompt, num_context_tokens=0, block_table=(0, 1)),)),

@@ -3,10 +3,10 @@ missing tokens, a prefill leg (`do_remote_decode`) that finishes by length keeps
 end and kept blocks go when the test says (`finish_load`, `release`), as the P/D connector's would."""
 from __future__ import annotations
 
-from backends.engine.kv_connector import FinishedTransfers, KVTransferParams, LoadResult
-from backends.engine.outputs import FinishReason
-from backends.engine.sequence import Sequence
-from backends.kv_transfer.base import RemoteBlocks
+from backends.core.kv_transfer_params import KVTransferParams, RemoteBlocks
+from backends.kv_connectors.base import FinishedTransfers, LoadResult
+from backends.core.outputs import FinishReason
+from backends.core.sequence import Sequence
 
 REMOTE = KVTransferParams(remote=RemoteBlocks("127.0.0.1", 1, "t", None))   # a decode leg's params
 PREFILL = KVTransferParams(do_remote_decode=True)                            # a prefill leg's

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from backends.worker.batch import ForwardBatch
+from backends.core.batch import ForwardBatch
 from backends.worker.model_runner import ModelRunner
 
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from backends.engine.block_manager import BlockManager
-from backends.engine.kv_events import KVEventKind, KVEventRing
-from backends.engine.sampling_params import SamplingParams
-from backends.engine.sequence import Sequence
+from backends.core.block_manager import BlockManager
+from backends.core.block_events import KVEventKind, KVEventRing
+from backends.core.sampling_params import SamplingParams
+from backends.core.sequence import Sequence
 from cache.block_hash import ROOT_HASH, block_hashes
 
 BS = 4

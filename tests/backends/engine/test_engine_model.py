@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from backends.engine.config import EngineConfig
+from backends.core.engine_config import EngineConfig
 from backends.engine.engine import LLMEngine
-from backends.engine.kv_events import KVEventKind
-from backends.engine.outputs import FinishReason
-from backends.engine.sampling_params import SamplingParams
+from backends.core.block_events import KVEventKind
+from backends.core.outputs import FinishReason
+from backends.core.sampling_params import SamplingParams
 from backends.worker.model_runner import ModelRunner
 from cache.block_hash import block_hashes
 from tests.backends.engine.runner_view import RunnerView

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.engine.config import EngineConfig
+from backends.core.engine_config import EngineConfig
 from backends.engine.engine import LLMEngine
-from backends.engine.kv_connector import KVTransferParams
-from backends.engine.outputs import FinishReason
-from backends.engine.sampling_params import SamplingParams
-from backends.engine.sequence import SequenceStatus
+from backends.core.kv_transfer_params import KVTransferParams
+from backends.core.outputs import FinishReason
+from backends.core.sampling_params import SamplingParams
+from backends.core.sequence import SequenceStatus
 from backends.worker.model_runner import ModelRunner
 from tests.backends.engine.fake_connector import PREFILL, REMOTE, FakeConnector
 from tests.backends.engine.runner_view import RunnerView

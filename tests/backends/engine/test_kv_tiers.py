@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.engine.config import EngineConfig
+from backends.core.engine_config import EngineConfig
 from backends.engine.engine import LLMEngine
-from backends.engine.kv_events import CPU, DISK, STORE, KVEventKind
-from backends.engine.outputs import SequenceOutput
-from backends.engine.sampling_params import SamplingParams
+from backends.core.block_events import CPU, DISK, STORE, KVEventKind
+from backends.core.outputs import SequenceOutput
+from backends.core.sampling_params import SamplingParams
 from backends.worker.model_runner import ModelRunner
 from tests.backends.engine.runner_view import RunnerView
 from tests.backends.engine.test_engine_model import hf_greedy, prompt, rel_err, tokens

@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from backends.engine.config import EngineConfig
+from backends.core.engine_config import EngineConfig
 from backends.engine.engine import LLMEngine
 from backends.engine.runner import build_runner
-from backends.engine.sampling_params import SamplingParams
+from backends.core.sampling_params import SamplingParams
 from tests.backends.engine.runner_view import RunnerView
 from tests.backends.engine.test_engine_model import hf_greedy, rel_err, tokens
 from tests.backends.engine.test_kv_tiers import evict_prefix, run_all
@@ -124,7 +124,7 @@ def test_a_tier_slower_than_computing_is_read_only_now_and_then(make_engine, tmp
     """Once reading a prefix back from a tier is measured to cost more than computing it (disk on a fast GPU),
     the engine computes it instead, and reads that tier on one lookup in PROBE_EVERY that it could serve;
     unless the worker was told to read such tiers all the same (to spare a busy GPU's compute)."""
-    from backends.engine.kv_events import DISK
+    from backends.core.block_events import DISK
     from backends.kv_tiers.connector import PROBE_EVERY
 
     engine, _ = make_engine("cpu", kv_disk_dir=str(tmp_path), kv_disk_bytes=64 << 20,

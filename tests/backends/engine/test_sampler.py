@@ -9,7 +9,7 @@ import torch
 from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from backends.engine.sampling_params import SamplingParams
+from backends.core.sampling_params import SamplingParams
 from backends.worker.sampler import (SampleRow, add_logit_bias, apply_penalties, filtered_probs, sample, step_seed,
                                      step_uniform)
 from tests.backends.numerics import choice

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.engine.block_manager import BlockManager
-from backends.engine.kv_connector import KVTransferParams
-from backends.engine.outputs import FinishReason
-from backends.engine.sampling_params import SamplingParams
+from backends.core.block_manager import BlockManager
+from backends.core.kv_transfer_params import KVTransferParams
+from backends.core.outputs import FinishReason
+from backends.core.sampling_params import SamplingParams
 from backends.engine.scheduler import Scheduler, SchedulerOutput
-from backends.engine.sequence import Sequence, SequenceStatus
+from backends.core.sequence import Sequence, SequenceStatus
 from tests.backends.engine.fake_connector import PREFILL, REMOTE, FakeConnector
 
 

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.engine.sampling_params import SamplingParams
-from backends.spec.adaptive import SpecPolicy, SpecState, StepCost
-from backends.spec.ngram import NgramProposer
-from backends.spec.proposer import DraftRequest
-from backends.spec.verify import verify
+from backends.core.sampling_params import SamplingParams
+from backends.core.spec_state import SpecState
+from backends.speculative.adaptive import SpecPolicy, StepCost
+from backends.speculative.ngram import NgramProposer
+from backends.speculative.proposer import DraftRequest
+from backends.speculative.verify import verify
 from backends.worker.model_runner import ModelRunner
 from backends.worker.sampler import SampleRow
 from tests.backends.engine.test_engine_model import make_engine, run_all, tokens
@@ -282,7 +283,7 @@ def test_rejected_probes_wait_longer_and_an_accepted_one_resets_the_wait() -> No
 
     def steps_to_probe(state: SpecState) -> int:
         for n in range(1, 100):                 # every step a tick: only the wait decides
-            if state.idle(policy, tick=True):
+            if state.idle(policy.probe_every, tick=True):
                 return n
         raise AssertionError("never probed")
 
@@ -292,7 +293,7 @@ def test_rejected_probes_wait_longer_and_an_accepted_one_resets_the_wait() -> No
         waits.append(steps_to_probe(state))
         state.record(1, 0)                      # the probe's draft rejected
     assert waits == [4, 8, 16, 32, 32], waits
-    assert not state.idle(policy, tick=False) and state.idle_steps == 1   # off a tick, never
+    assert not state.idle(policy.probe_every, tick=False) and state.idle_steps == 1   # off a tick, never
     state.idle_steps = 0
     steps_to_probe(state)
     state.record(1, 1)                          # accepted: back to probe_every

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator, Sequence
 import pytest
 import torch
 
-from backends.kv_transfer import KVTransferConfig, RemoteBlocks, TcpKVConnector
+from backends.core.kv_transfer_params import RemoteBlocks
+from backends.kv_transfer import KVTransferConfig, TcpKVConnector
 from backends.kv_transfer.torch_cache import TorchPagedKV
 
 # Small caches: 3 layers of [num_blocks, block_size 4, 2 KV heads, head_dim 8].

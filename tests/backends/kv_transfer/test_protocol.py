@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from backends.core.kv_transfer_params import RemoteBlocks
 from backends.kv_transfer.base import (ChecksumKind, KVDtype, KVErrorCode, KVLayout, KVTransferError,
-                                       ReleaseMode, RemoteBlocks, prefill_kv_transfer_params)
+                                       ReleaseMode, prefill_kv_transfer_params)
 from backends.kv_transfer.protocol import (HEADER_SIZE, MAX_META_LEN, FrameType, PullRequest,
                                            decode_header, decode_layer_meta, encode_header,
                                            encode_layer_prefix, layer_checksum)

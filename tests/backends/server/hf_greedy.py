@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from backends.engine.sampling_params import SamplingParams
+from backends.core.sampling_params import SamplingParams
 from tests.backends.numerics import Choice, assert_mostly_clear, choices, logit_tolerance
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.engine.config import EngineConfig
+from backends.core.engine_config import EngineConfig
 from backends.server.__main__ import build_configs, build_parser, resolve_dtype
 from backends.server.config import ServerConfig, WorkerRole
 

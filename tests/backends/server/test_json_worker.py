@@ -10,7 +10,7 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.backends.engine.test_json_schema import valid
+from tests.backends.structured_output.test_json_schema import valid
 from tests.backends.server.worker_client import post, wait_idle
 from tests.support.worker_proc import WorkerProcess
 
@@ -116,7 +116,7 @@ PERSON = {"type": "object", "properties": {
 
 async def test_answers_follow_a_json_schema(worker_url: str) -> None:
     """response_format json_schema: each answer that ends by itself validates against the schema (checked by
-    tests/backends/engine/test_json_schema.py's own validator, not by the grammar); a JSON schema in
+    tests/backends/structured_output/test_json_schema.py's own validator, not by the grammar); a JSON schema in
     /v1/completions too."""
     format_ = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     async with aiohttp.ClientSession() as session:

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from backends.engine.sampling_params import SamplingParams
+from backends.core.sampling_params import SamplingParams
 from backends.server.errors import APIError
 from backends.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from backends.engine.sampling_params import SamplingParams
+from backends.core.sampling_params import SamplingParams
 from tests.backends.numerics import assert_same_tokens, choices, logit_tolerance, teacher_forced_logits
 from tests.support.worker_proc import worker_process
 

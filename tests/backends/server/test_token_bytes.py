@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from backends.server.token_bytes import TokenBytes
+from backends.structured_output.token_bytes import TokenBytes
 from backends.server.tokenization import PromptTokenizer
 from backends.worker.loader import resolve_model
 

@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.engine.json_output import compiled_schema
+from backends.structured_output.json_output import compiled_schema
 from backends.server.errors import APIError
 from backends.server.protocol import ParseContext, RequestKind, parse_request
 from backends.server.tool_call_output import ToolCallText
 from backends.server.tools import ToolCalling, parse_tools
-from tests.backends.engine.test_json_schema import valid
+from tests.backends.structured_output.test_json_schema import valid
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

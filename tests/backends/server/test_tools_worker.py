@@ -1,6 +1,6 @@
 """Forced tool calls on a real worker (bundled SmolLM2, fp32 CPU): `tool_choice` naming a function or "required"
 answers `tool_calls` whose arguments follow the tools' parameter schemas (the reference validator of
-tests/backends/engine/test_json_schema.py and `json.loads` judge them), whole and streamed alike, each of n
+tests/backends/structured_output/test_json_schema.py and `json.loads` judge them), whole and streamed alike, each of n
 choices; a conversation with calls and their results goes on; what the worker cannot honour is refused and
 leaks nothing."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.backends.engine.test_json_schema import valid
+from tests.backends.structured_output.test_json_schema import valid
 from tests.backends.server.worker_client import post, wait_idle
 from tests.support.worker_proc import WorkerProcess
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from backends.engine.sampling_params import SamplingParams
+from backends.core.sampling_params import SamplingParams
 from tests.backends.numerics import (assert_mostly_clear, assert_same_text, assert_same_tokens, choices, first_unclear,
                                     teacher_forced_logits)
 from tests.backends.server.hf_greedy import (GreedyReference, HFGreedy, assert_greedy_text, hf_float32_model,

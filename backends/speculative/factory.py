@@ -1,0 +1,35 @@
+"""Builds the proposer an EngineConfig names (imported only when speculation is on)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from backends.core.engine_config import EngineConfig
+from backends.speculative.ngram import NgramProposer
+from backends.speculative.proposer import Proposer
+
+
+def build_proposer(config: EngineConfig, runner: Any) -> Proposer:
+    """`runner`: the target's model runner (its model, dtype, device and size, for model proposers).
+    "ngram+eagle" and "ngram+draft": prompt lookup first, the model proposer where it finds nothing."""
+    lookup, plus, kind = (config.speculative or "").rpartition("+")
+    if kind == "ngram":
+        return NgramProposer(config.ngram_min, config.ngram_max)
+    model = _model_proposer(kind, config, runner)
+    if not plus:
+        return model
+    from backends.speculative.lookup_first import LookupFirstProposer
+    assert lookup == "ngram"
+    return LookupFirstProposer(model, NgramProposer(config.ngram_min, config.ngram_max))
+
+
+def _model_proposer(kind: str, config: EngineConfig, runner: Any) -> Proposer:
+    assert config.speculative_model is not None
+    if kind == "draft":
+        from backends.speculative.draft import DraftModelProposer
+        return DraftModelProposer.for_target(Path(config.speculative_model), runner)
+    if kind == "eagle":
+        from backends.speculative.eagle import EagleProposer
+        return EagleProposer.for_target(Path(config.speculative_model), runner,
+                                        int8=None if config.spec_int8 else False)
+    raise ValueError(f"unknown speculative proposer {config.speculative!r}")
