@@ -18,9 +18,9 @@ import torch
 from backends.attention.base import AttentionContext
 from backends.models import layers, llama
 from backends.models.kernels import rotary
-from tools.bench_runner import bench_decode
 from backends.worker.loader import resolve_model
 from backends.worker.model_runner import ModelRunner
+from tools.bench_runner import bench_decode
 
 _CONTEXT: list[AttentionContext] = []
 

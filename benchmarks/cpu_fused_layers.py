@@ -18,9 +18,9 @@ from datetime import UTC, datetime
 import torch
 
 from backends.models.kernels import cpu
-from tools.bench_runner import bench_decode, bench_prefill
 from backends.worker.loader import resolve_model
 from backends.worker.model_runner import ModelRunner
+from tools.bench_runner import bench_decode, bench_prefill
 
 
 def set_fused(on: bool) -> None:

@@ -15,8 +15,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from backends.attention.base import (AttentionBackend, AttentionBackendName, AttentionShape, DecodeRows, StepLayout,
-                                     decode_rows)
+from backends.attention.base import (
+    AttentionBackend,
+    AttentionBackendName,
+    AttentionShape,
+    DecodeRows,
+    StepLayout,
+    decode_rows,
+)
 from backends.attention.cpu_paged import PagedDecode, load_paged_decode, max_chunk
 
 _MAX_PADDING = 1.5       # a decode group's padded blocks may be this many times its real blocks ...

@@ -18,8 +18,23 @@ from safetensors import safe_open
 from backends.compression import codebook
 from backends.compression.container import Entry, numpy_entry, torch_entry, write_safetensors
 from backends.compression.layout import (
-    DATA_CHECKSUMS, FORMAT_KEY, FORMAT_VERSION, LANE_SIZE, NUM_CHECKS, TENSORS_KEY, Checksum, CompressedRecord,
-    FloatKind, Part, PlainRecord, Record, book_checksum, chunk_bounds, lane_offsets, part_name, records_to_json,
+    DATA_CHECKSUMS,
+    FORMAT_KEY,
+    FORMAT_VERSION,
+    LANE_SIZE,
+    NUM_CHECKS,
+    TENSORS_KEY,
+    Checksum,
+    CompressedRecord,
+    FloatKind,
+    Part,
+    PlainRecord,
+    Record,
+    book_checksum,
+    chunk_bounds,
+    lane_offsets,
+    part_name,
+    records_to_json,
     split_symbols,
 )
 

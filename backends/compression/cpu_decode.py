@@ -22,8 +22,22 @@ import torch
 from backends.compression import codebook
 from backends.compression.container import TORCH_DTYPES, MappedFile, map_file
 from backends.compression.layout import (
-    CRC32C, DATA_CHECKSUMS, FORMAT_KEY, NUM_CHECKS, TENSORS_KEY, Checksum, CompressedRecord, CorruptWeightsError,
-    FloatKind, Part, PlainRecord, book_checksum, chunk_bounds, lane_offsets, part_name, records_from_json,
+    CRC32C,
+    DATA_CHECKSUMS,
+    FORMAT_KEY,
+    NUM_CHECKS,
+    TENSORS_KEY,
+    Checksum,
+    CompressedRecord,
+    CorruptWeightsError,
+    FloatKind,
+    Part,
+    PlainRecord,
+    book_checksum,
+    chunk_bounds,
+    lane_offsets,
+    part_name,
+    records_from_json,
 )
 from backends.compression.native import native as native_decoder
 

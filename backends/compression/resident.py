@@ -16,11 +16,24 @@ import torch
 
 from backends.compression.container import map_file
 from backends.compression.cpu_decode import (
-    DecodeTables, ScratchPool, book_key, checked_chunk, expand_chunk, load_plain, native_decoder, prepare_job,
-    read_records, rebuild_tables,
+    DecodeTables,
+    ScratchPool,
+    book_key,
+    checked_chunk,
+    expand_chunk,
+    load_plain,
+    native_decoder,
+    prepare_job,
+    read_records,
+    rebuild_tables,
 )
 from backends.compression.layout import (
-    MAX_WORD_SYMBOLS, CompressedRecord, CorruptWeightsError, FloatKind, PlainRecord, chunk_bounds,
+    MAX_WORD_SYMBOLS,
+    CompressedRecord,
+    CorruptWeightsError,
+    FloatKind,
+    PlainRecord,
+    chunk_bounds,
 )
 
 _OUT_DTYPES = {FloatKind.BF16: torch.bfloat16, FloatKind.FP16: torch.float16}

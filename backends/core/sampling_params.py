@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 GREEDY_BELOW = 1e-5   # a temperature below this samples greedily
 
 

@@ -79,7 +79,7 @@ def _ninja_on_path() -> None:
 
 
 def _build() -> None:
-    from torch.utils.cpp_extension import load as load_extension   # imports setuptools: only when wanted
+    from torch.utils.cpp_extension import load as load_extension  # imports setuptools: only when wanted
 
     if hasattr(torch.ops.switchyard_cpu, "paged_decode"):
         # Loaded before in this process (the cache was cleared): a second library registering the same

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+from backends.core.block_events import KVEventBatch
 from backends.core.engine_config import EngineConfig
-from backends.engine.engine import EngineStats, LLMEngine
 from backends.core.engine_errors import EngineRequestError
 from backends.core.kv_transfer_params import KVTransferParams
-from backends.core.block_events import KVEventBatch
 from backends.core.outputs import FinishReason, LoadReport, SequenceOutput
 from backends.core.sampling_params import SamplingParams
+from backends.engine.engine import EngineStats, LLMEngine
 from backends.kv_transfer.base import SharedRegion
 
 __all__ = ["AsyncEngine", "EngineRequestError", "EngineStats", "LoadReport"]

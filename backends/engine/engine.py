@@ -15,23 +15,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from backends.core.block_events import KVEventRing
 from backends.core.block_manager import BlockManager
 from backends.core.engine_config import EngineConfig
-from backends.kv_connectors.connector_chain import ConnectorChain
-from backends.core.eos import eos_token_ids
 from backends.core.engine_errors import EngineRequestError
-from backends.structured_output.json_output import JsonOutput
+from backends.core.eos import eos_token_ids
 from backends.core.kv_transfer_params import KVTransferParams
-from backends.kv_connectors.base import KVConnector
-from backends.core.block_events import KVEventRing
 from backends.core.outputs import EngineStats, FinishReason, LoadReport, SequenceOutput
-from backends.engine.runner import ModelRunnerLike, build_runner, resolve_model_dir
 from backends.core.sampling_params import SamplingParams
-from backends.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from backends.core.sequence import Sequence, SequenceStatus
+from backends.engine.runner import ModelRunnerLike, build_runner, resolve_model_dir
+from backends.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from backends.kv_connectors.base import KVConnector
+from backends.kv_connectors.connector_chain import ConnectorChain
 from backends.speculative.adaptive import SpecPolicy, StepCost
 from backends.speculative.proposer import DraftRequest, Proposer
 from backends.speculative.verify import Verified, verify
+from backends.structured_output.json_output import JsonOutput
 from backends.worker.pooler import pool_last_tokens
 from backends.worker.sampler import MAX_LOGPROBS, SampleRow
 

@@ -8,8 +8,8 @@ from typing import Any, Protocol
 
 import torch
 
-from backends.core.engine_config import EngineConfig
 from backends.core.batch import ForwardBatch
+from backends.core.engine_config import EngineConfig
 
 # Decode batches of more sequences than this run eagerly on CUDA (each captured bucket costs start time).
 MAX_CUDA_GRAPH_BATCH = 256

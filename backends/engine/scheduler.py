@@ -16,11 +16,11 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+from backends.core.batch import ForwardBatch, SeqChunk
 from backends.core.block_manager import BlockManager
-from backends.kv_connectors.base import KVConnector
 from backends.core.outputs import FinishReason
 from backends.core.sequence import Sequence, SequenceStatus
-from backends.core.batch import ForwardBatch, SeqChunk
+from backends.kv_connectors.base import KVConnector
 
 log = logging.getLogger(__name__)
 

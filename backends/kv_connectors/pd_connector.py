@@ -14,10 +14,10 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from backends.kv_connectors.base import FinishedTransfers, LoadResult
+from backends.core.kv_transfer_params import RemoteBlocks
 from backends.core.outputs import FinishReason
 from backends.core.sequence import Sequence as EngineSequence
-from backends.core.kv_transfer_params import RemoteBlocks
+from backends.kv_connectors.base import FinishedTransfers, LoadResult
 from backends.kv_transfer.base import KVBlockSink, KVErrorCode, KVTransferError, KVTransport
 
 __all__ = ["KVHold", "PDConnector"]

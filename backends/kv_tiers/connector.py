@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.kv_connectors.base import FinishedTransfers, LoadResult
 from backends.core.block_events import KVEventKind, KVEventRing
 from backends.core.outputs import KVTierLoad
 from backends.core.sequence import Sequence as EngineSequence
+from backends.kv_connectors.base import FinishedTransfers, LoadResult
 from backends.kv_tiers.base import KVTier, TierUsage
 from backends.kv_tiers.block_io import BlockIO, Pending, StagingRing
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from backends.core.engine_config import EngineConfig
 from backends.core.block_events import KVEventRing
+from backends.core.engine_config import EngineConfig
 from backends.kv_tiers.base import KVTier, namespace
 from backends.kv_tiers.block_io import BlockIO
 from backends.kv_tiers.connector import TieredKVConnector

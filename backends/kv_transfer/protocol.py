@@ -15,8 +15,7 @@ from typing import Any
 import crc32c
 import orjson
 
-from backends.kv_transfer.base import (ChecksumKind, KVErrorCode, KVLayout, KVTransferError,
-                                       ReleaseMode)
+from backends.kv_transfer.base import ChecksumKind, KVErrorCode, KVLayout, KVTransferError, ReleaseMode
 
 MAGIC = b"SYKV"
 VERSION = 1

@@ -14,12 +14,30 @@ from dataclasses import dataclass
 from typing import Protocol, cast
 
 from backends.core.kv_transfer_params import RemoteBlocks
-from backends.kv_transfer.base import (ChecksumKind, KVBlockSink, KVErrorCode, KVLayerWriter, KVLayout,
-                                       KVTransferConfig, KVTransferError, PullResult, ReleaseMode,
-                                       SharedRegion)
-from backends.kv_transfer.protocol import (HEADER_SIZE, FrameHeader, FrameType, PullRequest,
-                                           decode_error, decode_header, decode_json_meta,
-                                           decode_layer_meta, encode_json_frame, layer_checksum)
+from backends.kv_transfer.base import (
+    ChecksumKind,
+    KVBlockSink,
+    KVErrorCode,
+    KVLayerWriter,
+    KVLayout,
+    KVTransferConfig,
+    KVTransferError,
+    PullResult,
+    ReleaseMode,
+    SharedRegion,
+)
+from backends.kv_transfer.protocol import (
+    HEADER_SIZE,
+    FrameHeader,
+    FrameType,
+    PullRequest,
+    decode_error,
+    decode_header,
+    decode_json_meta,
+    decode_layer_meta,
+    encode_json_frame,
+    layer_checksum,
+)
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,25 @@ import logging
 import socket
 from collections.abc import Sequence
 
-from backends.kv_transfer.base import (KVBlockSource, KVErrorCode, KVTransferConfig,
-                                       KVTransferError, ReleaseMode, SharedRegion)
-from backends.kv_transfer.protocol import (HEADER_SIZE, FrameType, PullRequest, decode_header,
-                                           decode_json_meta, encode_error, encode_json_frame,
-                                           encode_layer_prefix, layer_checksum)
+from backends.kv_transfer.base import (
+    KVBlockSource,
+    KVErrorCode,
+    KVTransferConfig,
+    KVTransferError,
+    ReleaseMode,
+    SharedRegion,
+)
+from backends.kv_transfer.protocol import (
+    HEADER_SIZE,
+    FrameType,
+    PullRequest,
+    decode_header,
+    decode_json_meta,
+    encode_error,
+    encode_json_frame,
+    encode_layer_prefix,
+    layer_checksum,
+)
 
 log = logging.getLogger(__name__)
 _MAX_IOV = 1024  # pieces per layer a scatter-gather write takes (Linux IOV_MAX; libuv splits beyond)

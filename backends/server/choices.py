@@ -25,7 +25,6 @@ from backends.server.responses import ResponseBuilder, Usage
 from backends.server.tokenization import PromptTokenizer
 
 
-
 def choice_seed(seed: int | None, index: int) -> int | None:
     """Choice `index`'s seed: None stays None (each sequence draws its own at arrival)."""
     if seed is None:

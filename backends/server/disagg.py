@@ -21,8 +21,7 @@ from aiohttp import web
 from backends.core.kv_transfer_params import KVTransferParams, RemoteBlocks
 from backends.core.outputs import FinishReason
 from backends.kv_connectors.pd_connector import PDConnector
-from backends.kv_transfer.base import (KVErrorCode, KVTransferConfig, KVTransport,
-                                       prefill_kv_transfer_params)
+from backends.kv_transfer.base import KVErrorCode, KVTransferConfig, KVTransport, prefill_kv_transfer_params
 from backends.server.config import ServerConfig, WorkerRole
 from backends.server.errors import APIError, ErrorType, invalid_param, read_json
 from backends.server.generation import GenerationDelta, SequenceSpec, generate_deltas

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
-from backends.core.kv_transfer_params import KVTransferParams
 from backends.core.block_events import KVEventBatch
+from backends.core.kv_transfer_params import KVTransferParams
 from backends.core.outputs import LoadReport, SequenceOutput
 from backends.core.sampling_params import SamplingParams
 from backends.kv_transfer.base import SharedRegion

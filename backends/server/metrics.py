@@ -13,8 +13,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from backends.engine.engine import EngineStats
     from backends.core.outputs import LoadReport
+    from backends.engine.engine import EngineStats
 
 PREFIX = "switchyard"
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)

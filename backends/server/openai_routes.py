@@ -21,8 +21,14 @@ from backends.server.choices import Choices
 from backends.server.errors import APIError, invalid_param, model_not_found, read_json
 from backends.server.generation import SequenceSpec, generate_deltas
 from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
-from backends.server.protocol import (GenerateRequest, ParseContext, RequestKind, kv_transfer_params, parse_request,
-                                      resolve_max_tokens)
+from backends.server.protocol import (
+    GenerateRequest,
+    ParseContext,
+    RequestKind,
+    kv_transfer_params,
+    parse_request,
+    resolve_max_tokens,
+)
 from backends.server.responses import ResponseBuilder
 
 log = logging.getLogger(__name__)

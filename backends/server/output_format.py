@@ -8,9 +8,9 @@ from typing import Any
 
 import orjson
 
+from backends.server.errors import invalid_param, unsupported_param
 from backends.structured_output.json_output import compiled_schema
 from backends.structured_output.json_schema import UnsupportedSchema
-from backends.server.errors import invalid_param, unsupported_param
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,10 +18,10 @@ from typing import Any
 
 import orjson
 
-from backends.structured_output.json_output import compiled_schema
-from backends.structured_output.json_schema import UnsupportedSchema
 from backends.server.errors import APIError, invalid_param, unsupported_param
 from backends.server.fields import opt_bool
+from backends.structured_output.json_output import compiled_schema
+from backends.structured_output.json_schema import UnsupportedSchema
 
 MAX_TOOLS = 128                                   # OpenAI's limit
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")        # OpenAI's function names

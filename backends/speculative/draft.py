@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
+from backends.core.batch import ForwardBatch, SeqChunk
 from backends.core.block_manager import BlockManager
 from backends.core.sampling_params import SamplingParams
 from backends.core.sequence import Sequence
 from backends.models.int8_linear import matmul_cost
-from backends.core.batch import ForwardBatch, SeqChunk
 from backends.models.kernels.base import ModuleTree
 from backends.speculative.proposer import DraftRequest
 from backends.worker.model_runner import ModelRunner

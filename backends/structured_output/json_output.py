@@ -21,11 +21,11 @@ import orjson
 import torch
 
 from backends.core.engine_errors import EngineRequestError
-from backends.structured_output.json_mode import JsonObject, GrammarMasks, VocabularyTries
-from backends.structured_output.json_schema import UnsupportedSchema, compile_schema
 from backends.core.sampling_params import SamplingParams
-from backends.structured_output.schema_grammar import SchemaGrammar
 from backends.core.sequence import Sequence
+from backends.structured_output.json_mode import GrammarMasks, JsonObject, VocabularyTries
+from backends.structured_output.json_schema import UnsupportedSchema, compile_schema
+from backends.structured_output.schema_grammar import SchemaGrammar
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def token_bytes_of(model_dir: Path, vocab_size: int) -> list[bytes | None]:
     part of a JSON text) and for ids past the tokenizer's vocabulary (padding rows of the embedding)."""
     from tokenizers import Tokenizer
 
-    from backends.structured_output.token_bytes import TokenBytes   # pure tokenizer code, shared with the chat logprobs
+    from backends.structured_output.token_bytes import TokenBytes  # pure tokenizer code, shared with the chat logprobs
 
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}

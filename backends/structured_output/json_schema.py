@@ -29,7 +29,16 @@ from urllib.parse import unquote
 
 from backends.structured_output.json_mode import MAX_DEPTH
 from backends.structured_output.schema_grammar import (
-    ARRAY, INTEGER, LITERAL, NUMBER, OBJECT, STRING, UNION, UNREACHABLE, Node, SchemaGrammar,
+    ARRAY,
+    INTEGER,
+    LITERAL,
+    NUMBER,
+    OBJECT,
+    STRING,
+    UNION,
+    UNREACHABLE,
+    Node,
+    SchemaGrammar,
 )
 
 

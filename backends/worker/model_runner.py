@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from backends.attention.base import AttentionContext, AttentionShape, StepLayout, create_backend
+from backends.core.batch import ForwardBatch
 from backends.models import model_class
 from backends.models.base import CausalLM, LayerKVSpec
 from backends.models.config import load_model_config
-from backends.core.batch import ForwardBatch
 from backends.models.kernels.registry import select_kernels
 from backends.worker.cuda_graphs import DecodeGraphs, StaticInputs
 from backends.worker.fingerprint import model_fingerprint

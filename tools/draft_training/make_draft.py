@@ -64,7 +64,7 @@ def generation_config(source_dir: Path, config: dict[str, Any]) -> dict[str, Any
 
 def make_draft(source_dir: Path, out_dir: Path, keep: int, tail: int = 0) -> list[int]:
     """Write the draft folder (atomically: a temp folder renamed into place); returns the layers kept."""
-    from backends.worker.loader import load_weights   # dense tensors, also from a compressed folder
+    from backends.worker.loader import load_weights  # dense tensors, also from a compressed folder
 
     config = json.loads((source_dir / "config.json").read_text(encoding="utf-8"))
     layers = select_layers(int(config["num_hidden_layers"]), keep, tail)

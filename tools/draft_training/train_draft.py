@@ -30,14 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.core.paths import default_cache_dir
 from backends.models.config import ModelConfig, read_config_json
 from backends.models.kernels.rotary import apply_rotary
 from backends.models.layers import rope_inv_freq
 from backends.speculative.proposer import DraftRequest
+from backends.worker.loader import resolve_model
 from tools.draft_training.train_prompts import PROSE, STRUCTURED, prompt_sets
 from tools.draft_training.train_texts import Sample, collect, engine_samples
-from backends.core.paths import default_cache_dir
-from backends.worker.loader import resolve_model
 
 log = logging.getLogger("switchyard.train_draft")
 EVAL_NEW_TOKENS = 96   # answer length of the held-out greedy texts the acceptance replays

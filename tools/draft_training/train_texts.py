@@ -66,8 +66,8 @@ def engine_answers(model_dir: Path, prompt_ids: Sequence[list[int]], *, max_new_
     """(prompt index, prompt + answer token ids, hidden [len - 1, hidden]) per answered prompt, in prompt order.
     `batch_size` sequences run at once; no new prompt starts after `deadline_s` (those running finish)."""
     from backends.core.engine_config import EngineConfig
-    from backends.engine.engine import LLMEngine
     from backends.core.sampling_params import SamplingParams
+    from backends.engine.engine import LLMEngine
 
     longest = max(len(p) for p in prompt_ids) + max_new_tokens
     blocks_each = -(-longest // 16) + 1

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backends.models.kernels.torch_ref import TorchKernels
 from backends.models.kernels.rotary import apply_rotary_full, rotary_tables
+from backends.models.kernels.torch_ref import TorchKernels
 
 
 class CudaKernels(TorchKernels):

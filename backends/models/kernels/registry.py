@@ -17,7 +17,7 @@ def triton_enabled() -> bool:
     """Whether CUDA layers use the Triton kernels of triton_ops (Triton installed, not switched off)."""
     if importlib.util.find_spec("triton") is None:
         return False
-    from backends.models.kernels import triton_ops   # imports Triton
+    from backends.models.kernels import triton_ops  # imports Triton
 
     return triton_ops.ENABLED
 
