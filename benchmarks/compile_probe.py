@@ -16,8 +16,8 @@ import time
 import torch
 
 from backends.attention.base import AttentionContext
-from backends.models import layers, llama
-from backends.models.kernels import rotary
+from backends.models import llama
+from backends.models.kernels.base import apply_rotary
 from backends.worker.loader import resolve_model
 from backends.worker.model_runner import ModelRunner
 from tools.bench_runner import bench_decode
@@ -51,7 +51,7 @@ def _attention_forward(self: llama.LlamaAttention, x: torch.Tensor, cos: torch.T
     qkv = self.qkv_proj(x)
     qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
-    qk = rotary.apply_rotary(qk, cos, sin)
+    qk = apply_rotary(qk, cos, sin)
     out = _attention(qk[:, :heads].contiguous(), qk[:, heads:].contiguous(), v.contiguous(), self.layer)
     return self.o_proj(out.reshape(num_tokens, heads * head_dim))
 

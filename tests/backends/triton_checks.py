@@ -36,8 +36,8 @@ def fused_layers(device: torch.device) -> None:
     replaces in float64 (the caches' other slots untouched); SiLU * up and the residual add + RMSNorm against
     float64."""
     from backends.attention.base import write_kv
+    from backends.models.kernels.base import apply_rotary
     from backends.models.kernels.triton_ops import add_rms_norm, rotary_store, silu_mul
-    from backends.models.kernels.rotary import apply_rotary
 
     gen = torch.Generator().manual_seed(3)
     for heads, kv_heads, head_dim, dtype in ((9, 3, 64, torch.float32), (4, 2, 128, torch.bfloat16),
@@ -89,7 +89,8 @@ def fused_layers(device: torch.device) -> None:
 def gemv(device: torch.device) -> None:
     """triton_ops.gemv, every configuration, against float64: row counts and widths that are not multiples of
     its blocks, an [out, in] weight that is a row slice of a wider one (its stride), float32 and bfloat16."""
-    from backends.models.kernels.triton_ops import GEMV_CONFIGS, gemv as project
+    from backends.models.kernels.triton_ops import GEMV_CONFIGS
+    from backends.models.kernels.triton_ops import gemv as project
 
     gen = torch.Generator().manual_seed(4)
     for out_features, in_features, dtype in ((37, 300, torch.float32), (130, 4100, torch.bfloat16)):

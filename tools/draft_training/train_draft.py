@@ -32,7 +32,7 @@ from torch import nn
 
 from backends.core.paths import default_cache_dir
 from backends.models.config import ModelConfig, read_config_json
-from backends.models.kernels.rotary import apply_rotary
+from backends.models.kernels.base import apply_rotary
 from backends.models.layers import rope_inv_freq
 from backends.speculative.proposer import DraftRequest
 from backends.worker.loader import resolve_model

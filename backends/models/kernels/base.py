@@ -1,16 +1,20 @@
-"""The ops the decoder layers need from a device family, chosen once when a model is built (`select_kernels`).
+"""The ops the decoder layers need from a device family, chosen once when a model is built (`select_kernels`),
+and their reference: `LayerKernels` computes each op with plain torch ops, as transformers spells them out
+(RMSNorm in float32, half-width rotary tables, projections through F.linear or a matmul over the stored
+layout), and runs on any device that has no family of its own.
 
-Each family is one file; layers hold the chosen `LayerKernels` and call it without asking which device they
-run on. A kernel still checks what varies per call (dtype, contiguity, rank) and falls back to the reference
-op for inputs its fused path does not take, so a family never changes a result, only how it is computed.
+Each family is one file with a subclass that overrides what it does faster; layers hold the chosen kernels
+and call them without asking which device they run on. A family still checks what varies per call (dtype,
+contiguity, rank) and falls back to the reference for inputs its fused path does not take, so it never
+changes a result, only how it is computed.
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # A Triton one-row projection: (rows per program, columns per loop step, warps); triton_ops.GEMV_CONFIGS
@@ -23,36 +27,41 @@ class ModuleTree(Protocol):
     def modules(self) -> Iterator[nn.Module]: ...
 
 
-class LayerKernels(ABC):
-    """One device family's RMSNorm, SiLU·mul, rotary and projection kernels."""
+class LayerKernels:
+    """RMSNorm, SiLU·mul, rotary and projection kernels: the reference, which the device families subclass."""
 
-    name: str
+    name = "torch"
     # True: RMSNorm.add_norm adds the residual inside the norm's kernel, so the decoder carries the residual
     # from layer to layer (LlamaDecoderLayer.forward_fused) instead of adding it inside the projections.
     residual_in_norm: bool = False
 
-    @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dimension of x, scaled by `weight`."""
+        # Spelled out as the reference does (in float32): on CPU this beats F.rms_norm's decomposition.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(x.dtype)
 
-    @abstractmethod
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(x + residual), x + residual); without a residual, (RMSNorm(x), x). The sum may be written
         over x, which the caller must own (a sublayer's fresh output)."""
+        total = x if residual is None else x + residual
+        return self.rms_norm(total, weight, eps), total
 
-    @abstractmethod
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SiLU(gate) * up for gate_up [num_tokens, 2 * width], the gate half first (a fused gate_up projection)."""
+        width = gate_up.shape[-1] // 2
+        return F.silu(gate_up[..., :width]) * gate_up[..., width:]
 
-    @abstractmethod
     def rotary_tables(self, inv_freq: torch.Tensor, positions: torch.Tensor,
                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of `positions` in the layout `rotate` (and `rotary_store`) read, built once per step."""
+        return rotary_tables(inv_freq, positions, dtype)
 
-    @abstractmethod
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary on x [num_tokens, heads, head_dim] with this family's tables."""
+        return apply_rotary(x, cos, sin)
 
     def rotary_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor | None:
@@ -61,10 +70,10 @@ class LayerKernels(ABC):
         attention backend, which writes the cache)."""
         return None
 
-    @abstractmethod
     def linear_add(self, x: torch.Tensor, weight: torch.Tensor, transposed: bool,
                    residual: torch.Tensor) -> torch.Tensor:
         """residual + x W^T for a plain bias-less weight, stored [in, out] when `transposed`, else [out, in]."""
+        return residual + (torch.mm(x, weight) if transposed else F.linear(x, weight))
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Tensor:
         """x [1, in] times weight [out, in] transposed, by the one-row kernel `config` names (`prepare` picks
@@ -84,3 +93,25 @@ class LayerKernels(ABC):
         """Once the weights are in (before any CUDA graph captures): per-shape choices measured on the device.
         The reference measures nothing."""
         return None
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary on x [num_tokens, heads, head_dim]; cos/sin [num_tokens, 1, head_dim // 2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotary_tables(inv_freq: torch.Tensor, positions: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of `positions` (float32 as the reference computes them, then `dtype`), built once per step:
+    [num_tokens, 1, head_dim // 2] for apply_rotary (the kernels' rotary_tables may widen them)."""
+    freqs = positions.float().unsqueeze(1) * inv_freq.unsqueeze(0)
+    return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
+
+
+def apply_rotary_full(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """apply_rotary over full-width tables: three kernels per call instead of seven. On CUDA a decode step
+    is hundreds of tiny kernels at about 3 us each."""
+    half = x.shape[-1] // 2
+    return torch.addcmul(x * cos_full, torch.cat((x[..., half:], x[..., :half]), dim=-1), sin_signed)

@@ -22,7 +22,7 @@ import os
 import torch
 
 from backends import cpu_kernels
-from backends.models.kernels.torch_ref import TorchKernels
+from backends.models.kernels.base import LayerKernels
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def fusable(x: torch.Tensor) -> bool:
             and not (x.requires_grad and torch.is_grad_enabled()) and cpu_fused_layers())
 
 
-class CpuKernels(TorchKernels):
+class CpuKernels(LayerKernels):
     name = "cpu"
 
     def __init__(self) -> None:

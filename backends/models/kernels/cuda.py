@@ -10,11 +10,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backends.models.kernels.rotary import apply_rotary_full, rotary_tables
-from backends.models.kernels.torch_ref import TorchKernels
+from backends.models.kernels.base import LayerKernels, apply_rotary_full, rotary_tables
 
 
-class CudaKernels(TorchKernels):
+class CudaKernels(LayerKernels):
     name = "cuda"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,7 +10,6 @@ import torch
 from backends.models.kernels.base import LayerKernels
 from backends.models.kernels.cpu import CpuKernels
 from backends.models.kernels.cuda import CudaKernels
-from backends.models.kernels.torch_ref import TorchKernels
 
 
 def triton_enabled() -> bool:
@@ -40,4 +39,4 @@ _FAMILIES: MappingProxyType[str, Callable[[], LayerKernels]] = MappingProxyType(
 
 def select_kernels(device: torch.device | str) -> LayerKernels:
     """The kernels for layers that run on `device`: called once, when a model (or a draft head) is built."""
-    return _FAMILIES.get(torch.device(device).type, TorchKernels)()
+    return _FAMILIES.get(torch.device(device).type, LayerKernels)()

@@ -12,9 +12,7 @@ import torch
 from backends.models.kernels.base import LayerKernels
 from backends.models.kernels.cpu import CpuKernels
 from backends.models.kernels.cuda import CudaKernels
-from backends.models.kernels.registry import triton_enabled
-from backends.models.kernels.registry import select_kernels
-from backends.models.kernels.torch_ref import TorchKernels
+from backends.models.kernels.registry import select_kernels, triton_enabled
 
 
 @pytest.mark.parametrize("device,family", [
@@ -29,8 +27,8 @@ def test_select_kernels_picks_the_family_of_the_device(device: str, family: str)
     assert select_kernels(torch.device(device)).name == family
 
 
-FAMILIES: list[LayerKernels] = [TorchKernels(), CpuKernels(), CudaKernels()]
-REFERENCE = TorchKernels()
+FAMILIES: list[LayerKernels] = [LayerKernels(), CpuKernels(), CudaKernels()]
+REFERENCE = LayerKernels()
 
 
 @pytest.mark.parametrize("kernels", FAMILIES, ids=lambda k: k.name)
@@ -62,7 +60,7 @@ def test_each_family_matches_the_reference(kernels: LayerKernels) -> None:
 
 def test_only_the_cpu_family_packs_and_only_float32() -> None:
     weight = torch.randn(8, 4)
-    assert TorchKernels().pack(weight, torch.float32) is None
+    assert LayerKernels().pack(weight, torch.float32) is None
     assert CudaKernels().pack(weight, torch.float32) is None
     assert CpuKernels().pack(weight, torch.bfloat16) is None
     if torch.backends.mkldnn.is_available():
@@ -72,4 +70,4 @@ def test_only_the_cpu_family_packs_and_only_float32() -> None:
         x = torch.randn(3, 4)
         torch.testing.assert_close(cpu.packed_linear(x, packed, None), x @ weight.t(), atol=1e-5, rtol=1e-5)
     with pytest.raises(TypeError, match="pack no weights"):
-        TorchKernels().packed_linear(torch.randn(1, 4), weight, None)
+        LayerKernels().packed_linear(torch.randn(1, 4), weight, None)
