@@ -184,8 +184,8 @@ def bench_worker_starts(work: Path, rounds: int) -> None:
 def bench_resident(work: Path, repeats: int) -> None:
     """--keep-weights-compressed on the CPU: a decode step (1 and 8 sequences of 128 context tokens) and
     the resident bytes of the layers' matrices, against the same model with them expanded at load."""
-    from backends.models.layers import Linear
     from backends.core.batch import ForwardBatch, SeqChunk
+    from backends.models.layers import Linear
     from backends.worker.model_runner import ModelRunner
     folder = work / "SmolLM2-135M-swz"
     rows = []

@@ -28,8 +28,19 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 # The processes started and the load sent live beside this script; this module measures and reports.
-from gateway_bench_load import (NUM_STREAM_TOKENS, PhaseResult, closed_loop, free_port, gateway_config, open_loop,
-                                percentile, run_byte_relay, run_relay, run_upstream, wait_http)
+from gateway_bench_load import (
+    NUM_STREAM_TOKENS,
+    PhaseResult,
+    closed_loop,
+    free_port,
+    gateway_config,
+    open_loop,
+    percentile,
+    run_byte_relay,
+    run_relay,
+    run_upstream,
+    wait_http,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -53,8 +53,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from backends.core.engine_config import EngineConfig  # noqa: E402
-from backends.engine.engine import LLMEngine  # noqa: E402
 from backends.core.sampling_params import SamplingParams  # noqa: E402
+from backends.engine.engine import LLMEngine  # noqa: E402
 from backends.worker.loader import resolve_model  # noqa: E402
 from cache.block_hash import block_hashes  # noqa: E402
 

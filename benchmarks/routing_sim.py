@@ -56,9 +56,19 @@ from gateway.routing.load import Lease, LoadTracker, OutputLengthEstimator
 from policies.base import DecisionReason, EndpointState, Policy, RequestFacts
 from policies.registry import PolicyName, make_policy
 from routing_sim_report import UNLIMITED, print_row, print_targets, summarize
+from routing_sim_tiers import (
+    NO_TIERS,
+    UNLIMITED_TIERS,
+    Lru,
+    Medium,
+    TierConfig,
+    WorkerCache,
+    add_tier_arguments,
+    block_tokens,
+    restore_tokens,
+    tier_steps,
+)
 from routing_sim_trace import BLOCK_TOKENS, TRACE, TraceRequest, load_trace, replay_unlimited, spread_arrivals
-from routing_sim_tiers import (NO_TIERS, UNLIMITED_TIERS, Lru, Medium, TierConfig, WorkerCache, add_tier_arguments,
-                               block_tokens, restore_tokens, tier_steps)
 
 MODEL = "sim"
 

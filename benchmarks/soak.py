@@ -38,9 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gateway_bench_load import MODEL, run_upstream, wait_http  # noqa: E402
-
 from gateway.ops.supervisor import wait_healthy  # noqa: E402
+from gateway_bench_load import MODEL, run_upstream, wait_http  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
 API_KEY = "sk-soak"

@@ -76,8 +76,8 @@ class Result:
 
 def default_dir(kind: str, model_dir: Path) -> Path:
     """Where `switchyard train-draft` puts its head, and where to keep a `make-draft` folder."""
-    from tools.draft_training.train_draft import default_head_dir
     from backends.core.paths import default_cache_dir
+    from tools.draft_training.train_draft import default_head_dir
 
     if kind == "eagle":
         return default_head_dir(model_dir)
@@ -85,8 +85,8 @@ def default_dir(kind: str, model_dir: Path) -> Path:
 
 
 def run_once(runner, model_dir: Path, prompts: list[list[int]], config, concurrency: int, max_tokens: int) -> Result:
-    from backends.engine.engine import LLMEngine
     from backends.core.sampling_params import SamplingParams
+    from backends.engine.engine import LLMEngine
 
     engine = LLMEngine(config, runner=runner, model_dir=model_dir)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -123,9 +123,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from backends.core.engine_config import EngineConfig
-    from tools.draft_training.train_texts import chat_prompt_ids
     from backends.worker.loader import resolve_model
     from backends.worker.model_runner import ModelRunner
+    from tools.draft_training.train_texts import chat_prompt_ids
 
     model_dir = resolve_model("smollm2")
     tok = AutoTokenizer.from_pretrained(str(model_dir))

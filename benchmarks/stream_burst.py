@@ -24,11 +24,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 def measure(number: int, repeat: int) -> dict[str, float]:
     """µs per stream of each step, in the checkout on sys.path[0]."""
-    from gateway_bench_load import _stream_events
-
-    from gateway.upstream.deadlines import Deadlines
     from gateway.server.client_stream import SseCounter
     from gateway.upstream.connection import UpstreamBody, UpstreamConnection
+    from gateway.upstream.deadlines import Deadlines
+    from gateway_bench_load import _stream_events
 
     events = _stream_events()
     wire = b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from backends.worker.loader import resolve_model  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
 from sse import data_chunks  # noqa: E402  (benchmarks/sse.py, beside this script)
+from tests.support.ports import free_port  # noqa: E402
 
 MODEL = "smollm2"
 

@@ -23,8 +23,7 @@ from aiohttp import web
 
 from backends.server.__main__ import build_configs, build_parser
 from backends.server.app import create_app as create_worker_app
-from gateway.app import create_app as create_gateway_app
-from gateway.app import make_site
+from gateway.app import create_app as create_gateway_app, make_site
 from gateway.config.gateway_config import parse_config
 from gateway.server.middlewares import DRAIN
 from tests.support.ports import free_port

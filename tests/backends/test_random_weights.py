@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from backends.models.config import load_model_config
 from backends.core.batch import ForwardBatch, SeqChunk
+from backends.models.config import load_model_config
 from backends.worker.model_runner import ModelRunner
 from backends.worker.random_weights import RandomCheckpoint
 

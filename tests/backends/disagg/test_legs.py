@@ -20,7 +20,6 @@ from tests.backends.pd_http import assert_drained, get, post, stream
 from tests.backends.pd_references import CHATS, PROMPTS
 from tests.backends.references import Reference, prompt_ids, smollm2_vocabulary, text_of
 
-
 # --- equivalence ----------------------------------------------------------------------------------
 
 async def test_direct_legs_equal_unified_and_kv_is_byte_identical(cluster: Cluster, references) -> None:

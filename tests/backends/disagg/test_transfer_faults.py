@@ -15,7 +15,6 @@ from tests.backends.references import text_of
 from tests.gateway.conftest import metric
 from tests.support.wait import await_until
 
-
 # --- refusals, holds and cut transfers ------------------------------------------------------------
 
 async def test_bad_decode_legs_are_clear_errors_without_leaks(cluster: Cluster, references) -> None:

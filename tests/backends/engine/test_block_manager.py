@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends.core.block_manager import BlockManager
 from backends.core.block_events import KVEventKind, KVEventRing
+from backends.core.block_manager import BlockManager
 from backends.core.sampling_params import SamplingParams
 from backends.core.sequence import Sequence
 from cache.block_hash import ROOT_HASH, block_hashes

@@ -6,12 +6,25 @@ import math
 
 import pytest
 import torch
-from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
-                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from backends.core.sampling_params import SamplingParams
-from backends.worker.sampler import (SampleRow, add_logit_bias, apply_penalties, filtered_probs, sample, step_seed,
-                                     step_uniform)
+from backends.worker.sampler import (
+    SampleRow,
+    add_logit_bias,
+    apply_penalties,
+    filtered_probs,
+    sample,
+    step_seed,
+    step_uniform,
+)
 from tests.backends.numerics import choice
 
 V = 12

@@ -10,17 +10,39 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.kv_transfer import ChecksumKind, KVErrorCode, KVTransferConfig, KVTransferError, ReleaseMode, TcpKVConnector
+from backends.kv_transfer import (
+    ChecksumKind,
+    KVErrorCode,
+    KVTransferConfig,
+    KVTransferError,
+    ReleaseMode,
+    TcpKVConnector,
+)
 from backends.kv_transfer.base import KVLayerReader, SharedRegion
-from backends.kv_transfer.protocol import (HEADER_SIZE, FrameType, PullRequest, decode_header, decode_json_meta,
-                                           encode_json_frame)
+from backends.kv_transfer.protocol import (
+    HEADER_SIZE,
+    FrameType,
+    PullRequest,
+    decode_header,
+    decode_json_meta,
+    encode_json_frame,
+)
 from backends.kv_transfer.shm import SharedKVFile, joint_runs, stacked_bytes
 from backends.kv_transfer.torch_cache import TorchPagedKV
 from backends.worker.kv_cache import KVCache, KVCacheSpec
-
 from tests.support.wait import await_until
 
-from .conftest import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, assert_blocks_equal, assert_untouched, make_kv, remote, snapshot
+from .conftest import (
+    BLOCK_SIZE,
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    assert_blocks_equal,
+    assert_untouched,
+    make_kv,
+    remote,
+    snapshot,
+)
 
 SRC_IDS = [17, 3, 40, 41, 42, 9]
 DST_IDS = [5, 30, 2, 11, 12, 60]

@@ -7,14 +7,18 @@ import time
 import pytest
 import torch
 
-from backends.kv_transfer import (ChecksumKind, KVErrorCode, KVTransferConfig, KVTransferError,
-                                  ReleaseMode, TcpKVConnector)
+from backends.kv_transfer import (
+    ChecksumKind,
+    KVErrorCode,
+    KVTransferConfig,
+    KVTransferError,
+    ReleaseMode,
+    TcpKVConnector,
+)
 from backends.kv_transfer.torch_cache import TorchPagedKV
-
 from tests.support.wait import DEFAULT_TIMEOUT_S, await_until
 
-from .conftest import (FaultyProxy, ProxyMode, assert_blocks_equal, assert_untouched, make_kv, remote,
-                       snapshot)
+from .conftest import FaultyProxy, ProxyMode, assert_blocks_equal, assert_untouched, make_kv, remote, snapshot
 
 SRC_IDS = [17, 3, 40, 41, 42, 9]   # a hold scattered over the prefill cache
 DST_IDS = [5, 30, 2, 11, 12, 60]   # where the decode worker allocated

@@ -12,8 +12,7 @@ import torch
 from backends.models.kernels.base import LayerKernels
 from backends.models.kernels.cpu import CpuKernels
 from backends.models.kernels.cuda import CudaKernels
-from backends.models.kernels.registry import triton_enabled
-from backends.models.kernels.registry import select_kernels
+from backends.models.kernels.registry import select_kernels, triton_enabled
 from backends.models.kernels.torch_ref import TorchKernels
 
 

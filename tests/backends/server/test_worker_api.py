@@ -17,10 +17,22 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from backends.core.sampling_params import SamplingParams
-from tests.backends.numerics import (assert_mostly_clear, assert_same_text, assert_same_tokens, choices, first_unclear,
-                                    teacher_forced_logits)
-from tests.backends.server.hf_greedy import (GreedyReference, HFGreedy, assert_greedy_text, hf_float32_model,
-                                             hf_greedy_run, num_clear_greedy)
+from tests.backends.numerics import (
+    assert_mostly_clear,
+    assert_same_text,
+    assert_same_tokens,
+    choices,
+    first_unclear,
+    teacher_forced_logits,
+)
+from tests.backends.server.hf_greedy import (
+    GreedyReference,
+    HFGreedy,
+    assert_greedy_text,
+    hf_float32_model,
+    hf_greedy_run,
+    num_clear_greedy,
+)
 from tests.backends.server.worker_client import num_generated, post, stream_text, wait_idle, wait_running, worker_metric
 from tests.support.worker_proc import WorkerProcess, supervised
 
