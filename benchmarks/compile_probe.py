@@ -16,7 +16,7 @@ import time
 import torch
 
 from backends.attention.base import AttentionContext
-from backends.models import layers, llama
+from backends.models import llama
 from backends.models.kernels import rotary
 from backends.worker.loader import resolve_model
 from backends.worker.model_runner import ModelRunner

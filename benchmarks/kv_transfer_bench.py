@@ -1,10 +1,11 @@
 """KV transfer throughput over loopback vs a plain memcpy of the same bytes, in one run.
 
-Server processes (the prefill side: one on asyncio, one on uvloop, one on uvloop whose cache is in
-shared memory as a prefill worker's is, plus a raw-socket ceiling) hold N MiB of KV in SmolLM2-135M's layout (30 layers, 3 KV heads, head_dim 64, block 16, bf16)
-at block ids scattered one by one, in runs of 64, or in one run; this process pulls it into its
-own paged cache, its block ids following the same pattern. Every row is measured once per round, rounds
-interleaved, so load from other processes hits all rows alike; the best round is shown.
+Server processes (the prefill side: one on asyncio, one on uvloop, one on uvloop whose cache is in shared
+memory as a prefill worker's is, plus a raw-socket ceiling) hold N MiB of KV in SmolLM2-135M's layout (30
+layers, 3 KV heads, head_dim 64, block 16, bf16) at block ids scattered one by one, in runs of 64, or in one
+run; this process pulls it into its own paged cache, its block ids following the same pattern. Every row is
+measured once per round, rounds interleaved, so load from other processes hits all rows alike; the best round
+is shown.
 GB/s means 1e9 bytes/s.
 
     .venv/bin/python benchmarks/kv_transfer_bench.py --mb 256 --rounds 7
@@ -84,8 +85,7 @@ def kv_serve(num_blocks: int, loop_name: str, port_queue: mp.Queue, stop: mp.Eve
         connector = TcpKVConnector()
         _, port = await connector.serve(kv, "127.0.0.1", 0)
         port_queue.put(port)
-        while not stop.is_set():
-            await asyncio.sleep(0.05)
+        await asyncio.to_thread(stop.wait)   # set by the parent process
         await connector.close()
 
     run_loop(main(), "uvloop" if loop_name == "shm" else loop_name)
@@ -164,7 +164,8 @@ def main() -> None:
             kinds = list(ChecksumKind) if pattern == "scattered" else [ChecksumKind.NONE, ChecksumKind.CRC32C]
             for checksum in kinds:
                 rows[f"KV pull {loop_name:<7} {pattern:<10} {checksum.value}"] = (
-                    lambda l=loop_name, p=pattern, c=checksum: kv_pull(ports[l], l, kv, p, local[p], c, connectors))
+                    lambda loop=loop_name, p=pattern, c=checksum:
+                    kv_pull(ports[loop], loop, kv, p, local[p], c, connectors))
 
     for pattern in PATTERNS:
         rows[f"KV pull shared memory {pattern:<10}"] = (

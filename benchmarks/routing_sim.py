@@ -1,12 +1,13 @@
 """Replay the Mooncake conversation trace against simulated workers and compare routing policies:
 prefix-cache hit rate, simulated TTFT (mean/p90/p99) and load imbalance, one table, seeded.
 
-Routing uses the real parts: `policies.make_policy`, `cache.prefix_index.PrefixIndex`, `gateway.routing.load.LoadTracker`
-leases and `OutputLengthEstimator`. The index is fed one of two ways (issue 17): *precise*, by the simulated
-workers' KV events (stored/evicted blocks, as our workers' `/kv_events` or vLLM's ZMQ stream tell), or
-*approximate*, by the gateway's own routing decisions (`record_routed`: the blocks it sent where), in an LRU
-of the worker's capacity, as an endpoint without events gets. `session_affinity` runs with the trace's
-conversation as `x-session-affinity`, and without any header (the key derived from the prompt's prefix).
+Routing uses the real parts: `policies.make_policy`, `cache.prefix_index.PrefixIndex`,
+`gateway.routing.load.LoadTracker` leases and `OutputLengthEstimator`. The index is fed one of two ways
+(issue 17): *precise*, by the simulated workers' KV events (stored/evicted blocks, as our workers' `/kv_events` or
+vLLM's ZMQ stream tell), or *approximate*, by the gateway's own routing decisions (`record_routed`: the blocks
+it sent where), in an LRU of the worker's capacity, as an endpoint without events gets. `session_affinity`
+runs with the trace's conversation as `x-session-affinity`, and without any header (the key derived from the
+prompt's prefix).
 Worker model (deliberately simple, stated so the numbers can be read):
   - each worker prefills one request at a time, FIFO; prefill time = overhead + uncached prompt
     tokens / prefill rate, slowed by `decode_interference` per sequence decoding there;
