@@ -202,7 +202,7 @@ async def test_the_worker_route_feeds_the_index() -> None:
     assert index.last_seq("w") == ring.last_seq_no
 
 
-operations = st.lists(st.tuples(st.sampled_from(ENDPOINTS + ("reset",)), st.sampled_from(ENDPOINTS),
+operations = st.lists(st.tuples(st.sampled_from((*ENDPOINTS, "reset")), st.sampled_from(ENDPOINTS),
                                 st.sampled_from(["stored", "removed"]), st.integers(0, 12),
                                 st.sampled_from(MEDIA)),
                       min_size=10, max_size=200)  # long enough that blocks meet in several media

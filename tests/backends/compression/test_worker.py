@@ -34,7 +34,8 @@ def greedy(url: str) -> dict:
     return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
 
 
-def test_worker_on_compressed_model_serves_what_the_bf16_worker_serves(smollm2_folders: tuple[Path, Path, Path]) -> None:
+def test_worker_on_compressed_model_serves_what_the_bf16_worker_serves(
+        smollm2_folders: tuple[Path, Path, Path]) -> None:
     _, bf16, compressed = smollm2_folders
     answers = []
     for folder in (bf16, compressed):

@@ -260,7 +260,7 @@ async def test_server_drops_a_client_that_stops_reading() -> None:
     try:
         from backends.kv_transfer.protocol import FrameType, PullRequest, encode_json_frame
         request = PullRequest("big", src.layout(), ChecksumKind.NONE, ReleaseMode.AFTER_PULL, 0, 2048)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(encode_json_frame(FrameType.PULL, request.to_wire()))
         # Never read: the server's drain stalls, and 0.3 s without progress later it gives up.
         await await_until(lambda: not server._server._connections,  # type: ignore[union-attr]
@@ -285,7 +285,7 @@ async def test_cuda_caches_through_pinned_staging() -> None:
     try:
         src.holds.hold("g", SRC_IDS)
         await TcpKVConnector().pull(remote(port, "g"), dst, DST_IDS)
-        for (sk, sv), (dk, dv) in zip(src.layers, dst.layers):
+        for (sk, sv), (dk, dv) in zip(src.layers, dst.layers, strict=True):
             # exact: the pull copies bytes
             assert torch.equal(sk[SRC_IDS].view(torch.uint8).cpu(), dk[DST_IDS].view(torch.uint8).cpu())
             assert torch.equal(sv[SRC_IDS].view(torch.uint8).cpu(), dv[DST_IDS].view(torch.uint8).cpu())

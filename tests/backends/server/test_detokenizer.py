@@ -51,7 +51,7 @@ def run(tok: PreTrainedTokenizerBase, ids: list[int], stops: list[str]) -> tuple
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_stream_equals_decode_without_stops(smollm2_tokenizer: PreTrainedTokenizerBase, text: str) -> None:
-    ids = smollm2_tokenizer.encode(text) + [smollm2_tokenizer.eos_token_id]
+    ids = [*smollm2_tokenizer.encode(text), smollm2_tokenizer.eos_token_id]
     final, streamed, consumed = run(smollm2_tokenizer, ids, [])
     assert final == streamed == smollm2_tokenizer.decode(ids, skip_special_tokens=True)
     assert consumed == len(ids)
