@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import orjson
 
+from gateway.server.client_stream import SseCounter
 from gateway.translate.anthropic.inbound import MessageEvents, MessageHeader
 from gateway.translate.anthropic.outbound import ChatChunks
-from gateway.server.client_stream import SseCounter
 
 OPENAI_CHUNK = b"data: " + orjson.dumps({
     "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",

@@ -176,7 +176,7 @@ def bench_worker_starts(work: Path, rounds: int) -> None:
     for label, runs in times.items():
         print(f"| SmolLM2 {label} | {statistics.median(runs):.2f} | {' '.join(f'{t:.2f}' for t in runs)} |")
     # each round starts both back to back, so a round's difference is free of the machine's slower drifts
-    diffs = sorted(c - b for b, c in zip(times["bf16"], times["compressed"]))
+    diffs = sorted(c - b for b, c in zip(times["bf16"], times["compressed"], strict=True))
     print(f"| compressed - bf16, same round | {statistics.median(diffs):+.2f} | "
           f"{sum(d <= 0 for d in diffs)} of {len(diffs)} rounds <= 0; {diffs[0]:+.2f} .. {diffs[-1]:+.2f} |")
 
@@ -184,8 +184,8 @@ def bench_worker_starts(work: Path, rounds: int) -> None:
 def bench_resident(work: Path, repeats: int) -> None:
     """--keep-weights-compressed on the CPU: a decode step (1 and 8 sequences of 128 context tokens) and
     the resident bytes of the layers' matrices, against the same model with them expanded at load."""
-    from backends.models.layers import Linear
     from backends.core.batch import ForwardBatch, SeqChunk
+    from backends.models.layers import Linear
     from backends.worker.model_runner import ModelRunner
     folder = work / "SmolLM2-135M-swz"
     rows = []
@@ -193,10 +193,12 @@ def bench_resident(work: Path, repeats: int) -> None:
         runner = ModelRunner(folder, dtype=torch.bfloat16, device="cpu", num_blocks=80, block_size=16,
                              keep_weights_compressed=keep)
         linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
-        resident = sum(sum(p.compressed_bytes for p in m.compressed) if m.compressed else m.weight.nbytes for m in linears)
+        resident = sum(sum(p.compressed_bytes for p in m.compressed) if m.compressed else m.weight.nbytes
+                       for m in linears)
         times = {}
         for batch_size in (1, 8):
-            chunks = tuple(SeqChunk(token_ids=(100 + i,), num_context_tokens=128, block_table=tuple(range(9 * i, 9 * i + 9)))
+            chunks = tuple(SeqChunk(token_ids=(100 + i,), num_context_tokens=128,
+                                    block_table=tuple(range(9 * i, 9 * i + 9)))
                            for i in range(batch_size))
             batch = ForwardBatch(chunks=chunks)
             runner.execute(batch)
@@ -226,8 +228,8 @@ def main() -> int:
           f"load avg {os.getloadavg()[0]:.2f}  torch {torch.__version__}  numpy {np.__version__}")
     models = {"MiniLM-L6": minilm_folder(), "SmolLM2-135M": smollm2_folder()}
     cols = ["bf16_MB", "compressed_MB", "ratio", "entropy_bound_ratio", "vs_bound", "compress_s", "decode_GBps",
-            "decode_GBps_per_cpu_s", "numpy_decode_GBps", "page_cache_read_GBps", "warm_bf16_s", "warm_compressed_s", "cold_bf16_s",
-            "cold_compressed_s"]
+            "decode_GBps_per_cpu_s", "numpy_decode_GBps", "page_cache_read_GBps", "warm_bf16_s", "warm_compressed_s",
+            "cold_bf16_s", "cold_compressed_s"]
     print("| model | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for label, src in models.items():

@@ -138,7 +138,7 @@ async def run_workload(url: str, w: Workload, seed: int) -> tuple[list[RequestTi
         await one_request(session, url, prompt(16), 4, "warmup")
         started = time.perf_counter()
         jobs = []
-        for i in range(w.num_decoders):
+        for _ in range(w.num_decoders):
             jobs.append(asyncio.create_task(one_request(session, url, prompt(32), w.decode_tokens, "decode")))
             await asyncio.sleep(0.1)
         for _ in range(w.num_long_prompts):
@@ -150,9 +150,11 @@ async def run_workload(url: str, w: Workload, seed: int) -> tuple[list[RequestTi
 
 
 async def kv_totals(decode_url: str) -> dict[str, float]:
-    async with aiohttp.ClientSession() as session:
-        async with session.get(decode_url + "/debug/kv_digest?transfer_id=-") as response:
-            return (await response.json())["totals"]
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(decode_url + "/debug/kv_digest?transfer_id=-") as response,
+    ):
+        return (await response.json())["totals"]
 
 
 def run_mode(name: str, roles: list[str], w: Workload, model_dir: Path, num_blocks: int, logdir: Path,
@@ -162,7 +164,7 @@ def run_mode(name: str, roles: list[str], w: Workload, model_dir: Path, num_bloc
     try:
         for proc, url in workers:
             wait_healthy(proc, url + "/health", f"{name} worker", 300)
-        urls = dict(zip(roles, (u for _, u in workers))) if name == "disaggregated" else None
+        urls = dict(zip(roles, (u for _, u in workers), strict=True)) if name == "disaggregated" else None
         if urls is not None:
             providers = {"pd": {"kind": "switchyard-pd", "prefill_endpoints": [urls["prefill"]],
                                 "endpoints": [urls["decode"]], "offers_load": True}}

@@ -29,12 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends.speculative.draft import DraftModelProposer, weight_bytes_per_token
-from tools.draft_training.make_draft import make_draft
-from backends.speculative.proposer import DraftRequest
 from backends.core.batch import ForwardBatch, SeqChunk
+from backends.speculative.draft import DraftModelProposer, weight_bytes_per_token
+from backends.speculative.proposer import DraftRequest
 from backends.worker.loader import resolve_model
 from backends.worker.model_runner import ModelRunner
+from tools.draft_training.make_draft import make_draft
 
 VERIFY_COST = 0.06   # one more token in the target's forward, in decode steps (adaptive.py's default)
 

@@ -19,17 +19,34 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-# The processes started and the load sent live beside this script; this module measures and reports.
-from gateway_bench_load import (NUM_STREAM_TOKENS, PhaseResult, closed_loop, free_port, gateway_config, open_loop,
-                                percentile, run_byte_relay, run_relay, run_upstream, wait_http)
+# The processes started (gateway_bench_start.py) and the load sent (gateway_bench_load.py) live beside this
+# script; this module measures and reports.
+from gateway_bench_load import (
+    NUM_STREAM_TOKENS,
+    PhaseResult,
+    closed_loop,
+    open_loop,
+    percentile,
+    run_byte_relay,
+    run_relay,
+    run_upstream,
+    wait_http,
+)
+from gateway_bench_start import (
+    ROUTER_LOG,
+    scaled,
+    start_redis,
+    start_relays,
+    start_routers,
+    start_upstreams,
+    stop_all,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -82,40 +99,22 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _pinned(cpus: str | None, cmd: list[str]) -> list[str]:
-    return ["taskset", "-c", cpus, *cmd] if cpus else cmd
-
-
-def cpu_list(spec: str) -> list[str]:
-    """A taskset list ("0-3", "0,2,5-6") as the CPUs it names, in order."""
-    cpus: list[str] = []
-    for part in spec.split(","):
-        first, _, last = part.partition("-")
-        cpus += [str(c) for c in range(int(first), int(last or first) + 1)]
-    return cpus
-
-
-def scaled(args: argparse.Namespace) -> list[tuple[int, str, str | None]]:
-    """(processes, label suffix, CPUs) per --gateway-workers count: the first count keeps the plain labels
-    (the summary against vllm-router reads them); with several counts, N processes get the first N CPUs."""
-    counts = args.gateway_workers
-    cpus = cpu_list(args.gateway_cpus) if args.gateway_cpus and len(counts) > 1 else None
-    if cpus is not None and max(counts) > len(cpus):
-        raise SystemExit(f"--gateway-cpus {args.gateway_cpus} has fewer CPUs than {max(counts)} processes")
-    return [(n, "" if i == 0 else f"-x{n}", ",".join(cpus[:n]) if cpus else args.gateway_cpus)
-            for i, n in enumerate(counts)]
+def run_helper_role(args: argparse.Namespace) -> bool:
+    """This script started as one of its own helper processes (an upstream or a relay): run it; False if not."""
+    if args.upstream is not None:
+        run_upstream(args.upstream, args.token_interval_ms / 1e3)
+    elif args.relay is not None:
+        run_relay(args.relay, args.relay_to)
+    elif args.relay_bytes is not None:
+        run_byte_relay(args.relay_bytes, args.relay_to)
+    else:
+        return False
+    return True
 
 
 def main() -> None:
     args = parse_args()
-    if args.upstream is not None:
-        run_upstream(args.upstream, args.token_interval_ms / 1e3)
-        return
-    if args.relay is not None:
-        run_relay(args.relay, args.relay_to)
-        return
-    if args.relay_bytes is not None:
-        run_byte_relay(args.relay_bytes, args.relay_to)
+    if run_helper_role(args):
         return
     wanted = {"direct", *args.paths}
     if "vllm-router" in wanted and not args.vllm_router.exists():
@@ -124,50 +123,12 @@ def main() -> None:
     ROUTER_LOG.unlink(missing_ok=True)
     processes: list[subprocess.Popen] = []
     try:
-        upstreams = []
-        for _ in range(args.num_upstreams):
-            port = free_port()
-            processes.append(subprocess.Popen(_pinned(args.upstream_cpus, [
-                sys.executable, __file__, "--upstream", str(port),
-                "--token-interval-ms", str(args.token_interval_ms)])))
-            upstreams.append(f"http://127.0.0.1:{port}")
-        for url in upstreams:
-            wait_http(url + "/health", 20)
+        upstreams = start_upstreams(args, processes)
         paths = [BenchPath("direct", tuple(u + "/v1/chat/completions" for u in upstreams),
                            tuple(p.pid for p in processes))]
-        starts: list[tuple[str, subprocess.Popen, str]] = []
-        for relay in ("relay", "relay-bytes"):
-            if relay in wanted:
-                port = free_port()
-                starts.append((relay, subprocess.Popen(_pinned(scaled(args)[0][2], [
-                    sys.executable, __file__, "--" + relay, str(port), "--relay-to", *upstreams])),
-                    f"http://127.0.0.1:{port}"))
-        redis_url = None
-        if {"gateway", "gateway-aiohttp"} & wanted and (args.redis or max(args.gateway_workers) > 1):
-            redis_port = free_port()  # --workers N shares its state through Redis
-            processes.append(subprocess.Popen(_pinned(args.upstream_cpus, [
-                "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no"]), stdout=subprocess.DEVNULL))
-            redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        for num_processes, suffix, cpus in scaled(args):
-            for label in ("gateway", "gateway-aiohttp", "vllm-router"):  # gateway-aiohttp: on aiohttp's server
-                if label not in wanted or (suffix and label == "gateway-aiohttp"):
-                    continue
-                port = free_port()
-                if label == "vllm-router":
-                    process = subprocess.Popen(_pinned(cpus, [
-                        str(args.vllm_router), "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
-                        *upstreams, "--policy", "round_robin", "--log-level", "warning",
-                        "--prometheus-port", str(free_port())]),
-                        stdout=subprocess.DEVNULL, stderr=ROUTER_LOG.open("ab"))
-                else:
-                    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as config:
-                        config.write(gateway_config(port, upstreams, args.policy, redis_url,
-                                                    lean_http=label == "gateway"))
-                    process = subprocess.Popen(_pinned(cpus, [
-                        sys.executable, "-m", "gateway.cli", "gateway", "--config", config.name,
-                        "--workers", str(num_processes)]), cwd=ROOT)
-                starts.append((label + suffix, process, f"http://127.0.0.1:{port}"))
+        starts = start_relays(args, wanted, upstreams)
+        redis_url = start_redis(args, wanted, processes)
+        starts += start_routers(args, wanted, upstreams, redis_url)
         for label, process, url in starts:
             processes.append(process)
             # slow starts on a loaded box
@@ -176,17 +137,10 @@ def main() -> None:
         gateway_pid = next((p.pids[0] for p in paths if p.label == "gateway"), 0)
         run_phases(args, paths, Profiler(args.profile, gateway_pid, args.duration_s / args.rounds + args.warmup_s))
     finally:
-        for process in processes:
-            process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_all(processes)
 
 
 VLLM_ROUTER = ROOT / ".venv-bench" / "bin" / "vllm-router"
-ROUTER_LOG = pathlib.Path(tempfile.gettempdir()) / "gateway_bench.vllm-router.log"  # its stderr, for failures
 
 
 @dataclass(frozen=True, slots=True)

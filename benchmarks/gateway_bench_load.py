@@ -138,87 +138,101 @@ def content_length(head: bytes) -> int:
     return int(head[at + 15:end if end >= 0 else len(head)])
 
 
+class _ByteRelay:
+    """What the byte relay's connections share: the upstreams, each one's idle connections, whose turn it is."""
+
+    def __init__(self, upstreams: list[str]) -> None:
+        self.targets = [(url.split("//")[1].split(":")[0], int(url.rsplit(":", 1)[1])) for url in upstreams]
+        self.idle: list[list[_ByteRelayUpstream]] = [[] for _ in self.targets]
+        self.connecting: set[asyncio.Task] = set()
+        self.turn = 0
+
+
+class _ByteRelayUpstream(asyncio.Protocol):
+    def __init__(self, relay: _ByteRelay, index: int) -> None:
+        self.relay, self.index, self.client, self.transport = relay, index, None, None
+        self.head, self.left, self.tail = b"", -1, b""   # left: -1 in the head, -2 chunked, else bytes
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self in self.relay.idle[self.index]:
+            self.relay.idle[self.index].remove(self)
+        elif self.client is not None:
+            self.client.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        self.client.transport.write(data)
+        if self.left == -1:
+            self.head += data
+            end = self.head.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head, data, self.head = self.head[:end].lower(), self.head[end + 4:], b""
+            self.left = -2 if b"transfer-encoding: chunked" in head else content_length(head)
+        if self.left == -2:
+            self.tail = (self.tail + data)[-5:]
+            if self.tail == b"0\r\n\r\n":
+                self.done()
+        else:
+            self.left -= len(data)
+            if self.left <= 0:
+                self.done()
+
+    def done(self) -> None:
+        self.client, self.left, self.tail = None, -1, b""
+        self.relay.idle[self.index].append(self)
+
+
+class _ByteRelayClient(asyncio.Protocol):
+    def __init__(self, relay: _ByteRelay) -> None:
+        self.relay = relay
+
+    def connection_made(self, transport) -> None:
+        self.transport, self.buffer = transport, b""
+
+    def data_received(self, data: bytes) -> None:
+        relay = self.relay
+        self.buffer += data
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            return
+        size = end + 4 + content_length(self.buffer[:end].lower())
+        if len(self.buffer) < size:
+            return
+        request, self.buffer = self.buffer[:size], self.buffer[size:]
+        relay.turn += 1
+        index = relay.turn % len(relay.targets)
+        if relay.idle[index]:
+            self.send(relay.idle[index].pop(), request)
+        else:
+            task = asyncio.ensure_future(self.connect(index, request))
+            relay.connecting.add(task)
+            task.add_done_callback(relay.connecting.discard)
+
+    async def connect(self, index: int, request: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        _, upstream = await loop.create_connection(lambda: _ByteRelayUpstream(self.relay, index),
+                                                   *self.relay.targets[index])
+        self.send(upstream, request)
+
+    def send(self, upstream: _ByteRelayUpstream, request: bytes) -> None:
+        upstream.client = self
+        upstream.transport.write(request)
+
+
 def run_byte_relay(port: int, upstreams: list[str]) -> None:
     """A floor below the bare relay: each request's bytes and its answer's bytes passed through as they are,
     on uvloop protocols with no coroutine per request. It frames (Content-Length in; Content-Length or
     chunked out) and does nothing else: no parsing of the JSON, no routing but turns, no error handling."""
     import uvloop
 
-    targets = [(url.split("//")[1].split(":")[0], int(url.rsplit(":", 1)[1])) for url in upstreams]
-    idle: list[list[Upstream]] = [[] for _ in targets]
-    connecting: set[asyncio.Task] = set()
-    turn = 0
-
-    class Upstream(asyncio.Protocol):
-        def __init__(self, index: int) -> None:
-            self.index, self.client, self.transport = index, None, None
-            self.head, self.left, self.tail = b"", -1, b""   # left: -1 in the head, -2 chunked, else bytes
-
-        def connection_made(self, transport) -> None:
-            self.transport = transport
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self in idle[self.index]:
-                idle[self.index].remove(self)
-            elif self.client is not None:
-                self.client.transport.close()
-
-        def data_received(self, data: bytes) -> None:
-            self.client.transport.write(data)
-            if self.left == -1:
-                self.head += data
-                end = self.head.find(b"\r\n\r\n")
-                if end < 0:
-                    return
-                head, data, self.head = self.head[:end].lower(), self.head[end + 4:], b""
-                self.left = -2 if b"transfer-encoding: chunked" in head else content_length(head)
-            if self.left == -2:
-                self.tail = (self.tail + data)[-5:]
-                if self.tail == b"0\r\n\r\n":
-                    self.done()
-            else:
-                self.left -= len(data)
-                if self.left <= 0:
-                    self.done()
-
-        def done(self) -> None:
-            self.client, self.left, self.tail = None, -1, b""
-            idle[self.index].append(self)
-
-    class Client(asyncio.Protocol):
-        def connection_made(self, transport) -> None:
-            self.transport, self.buffer = transport, b""
-
-        def data_received(self, data: bytes) -> None:
-            nonlocal turn
-            self.buffer += data
-            end = self.buffer.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            size = end + 4 + content_length(self.buffer[:end].lower())
-            if len(self.buffer) < size:
-                return
-            request, self.buffer = self.buffer[:size], self.buffer[size:]
-            turn += 1
-            index = turn % len(targets)
-            if idle[index]:
-                self.send(idle[index].pop(), request)
-            else:
-                task = asyncio.ensure_future(self.connect(index, request))
-                connecting.add(task)
-                task.add_done_callback(connecting.discard)
-
-        async def connect(self, index: int, request: bytes) -> None:
-            loop = asyncio.get_running_loop()
-            _, upstream = await loop.create_connection(lambda: Upstream(index), *targets[index])
-            self.send(upstream, request)
-
-        def send(self, upstream: Upstream, request: bytes) -> None:
-            upstream.client = self
-            upstream.transport.write(request)
+    relay = _ByteRelay(upstreams)
 
     async def serve() -> None:
-        server = await asyncio.get_running_loop().create_server(Client, "127.0.0.1", port, backlog=1024)
+        server = await asyncio.get_running_loop().create_server(lambda: _ByteRelayClient(relay), "127.0.0.1", port,
+                                                                backlog=1024)
         await server.serve_forever()
 
     uvloop.run(serve())

@@ -34,10 +34,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from backends.core.engine_config import EngineConfig  # noqa: E402
-from backends.engine.engine import LLMEngine  # noqa: E402
-from backends.core.sampling_params import SamplingParams  # noqa: E402
 from backends.core.batch import ForwardBatch, SeqChunk  # noqa: E402
+from backends.core.engine_config import EngineConfig  # noqa: E402
+from backends.core.sampling_params import SamplingParams  # noqa: E402
+from backends.engine.engine import LLMEngine  # noqa: E402
 from backends.worker.loader import resolve_model  # noqa: E402
 from backends.worker.model_runner import ModelRunner  # noqa: E402
 from benchmarks.gpu_disagg import pct  # noqa: E402

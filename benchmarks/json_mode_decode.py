@@ -24,8 +24,8 @@ def run(runner: object, model_dir: Path, prompts: list[list[int]], json_object: 
         max_tokens: int) -> tuple[float, int, int]:
     """(ms per sampled token, tokens sampled, steps)."""
     from backends.core.engine_config import EngineConfig
-    from backends.engine.engine import LLMEngine
     from backends.core.sampling_params import SamplingParams
+    from backends.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model_dir=str(model_dir), block_size=16, num_blocks=512),
                        runner=runner, model_dir=model_dir)   # type: ignore[arg-type]
@@ -54,9 +54,9 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from tools.draft_training.train_texts import chat_prompt_ids
     from backends.worker.loader import resolve_model
     from backends.worker.model_runner import ModelRunner
+    from tools.draft_training.train_texts import chat_prompt_ids
 
     model_dir = resolve_model("smollm2")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

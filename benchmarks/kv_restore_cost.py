@@ -53,8 +53,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from backends.core.engine_config import EngineConfig  # noqa: E402
-from backends.engine.engine import LLMEngine  # noqa: E402
 from backends.core.sampling_params import SamplingParams  # noqa: E402
+from backends.engine.engine import LLMEngine  # noqa: E402
 from backends.worker.loader import resolve_model  # noqa: E402
 from cache.block_hash import block_hashes  # noqa: E402
 
@@ -235,7 +235,7 @@ def measure(te: TierEngine, prompt_tokens: int, rep: str, seed: int) -> dict[str
     return r
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--reps", type=int, default=7)
@@ -248,52 +248,70 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--model", default="smollm2", choices=["smollm2", "smollm2-shape", "llama3-8b"],
                     help="smollm2-shape, llama3-8b: that model's shape with random weights (for a GPU)")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    pool_blocks = max(args.prompt_tokens) // BLOCK + 8
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kv-restore-", dir="/var/tmp"))
-    model_dir = model_folder(args.model, workdir)
+
+def print_header(args: argparse.Namespace, pool_blocks: int, workdir: Path) -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.machine())
-    torch.set_num_threads(args.threads)     # as the worker's step thread does (AsyncEngine)
     print(f"# {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC | {cpu} | {os.cpu_count()} cores | torch "
           f"{torch.__version__} | {args.model}, {args.dtype} on {device_name(args.device)}, {args.threads} torch "
           f"thread(s) | device pool {pool_blocks} blocks of {BLOCK} "
           f"| load average {os.getloadavg()[0]:.1f} | disk tier in {workdir}", flush=True)
 
-    master = None
-    store_url = None
+
+def start_store(tiers: list[str], workdir: Path) -> tuple[subprocess.Popen | None, str | None]:
+    """A Mooncake master for the store tier, if asked for and it starts; else "store" leaves `tiers`."""
+    if "store" not in tiers:
+        return None, None
+    try:
+        from backends.kv_tiers.mooncake_store import start_master, wait_ready
+        from tests.support.ports import free_port
+        port = free_port()
+        master = start_master(port, metrics_port=free_port(), log_path=workdir / "mooncake_master.log")
+        wait_ready(master, port)
+        return master, f"mooncake://127.0.0.1:{port}"
+    except (ImportError, RuntimeError) as exc:
+        print(f"# store: not run ({exc})")
+        tiers.remove("store")
+        return None, None
+
+
+def run_reps(engines: list[TierEngine], args: argparse.Namespace) -> dict[tuple[int, str], list[dict[str, float]]]:
+    """Every prompt length on every tier, `--reps` times (each rep starting at another tier), printed as it goes."""
+    results: dict[tuple[int, str], list[dict[str, float]]] = {}
+    for rep in range(-1, args.reps):          # rep -1 warms every shape up and is not counted
+        for i, P in enumerate(args.prompt_tokens):
+            k = (rep + i) % len(engines)
+            for te in engines[k:] + engines[:k]:
+                r = measure(te, P, f"{rep}-{P}-{te.medium}", 1000 * (rep + 2) + 10 * P + len(te.medium))
+                if rep < 0:
+                    continue
+                results.setdefault((P, te.medium), []).append(r)
+                times = "  ".join(f"{k} {1e3 * r[k]:.1f}" + (f" ({r[k + '_blocks']:.0f} blocks)" if k != "cold"
+                                                             and k != "device" else "")
+                                  for k in ("cold", "device", "tier", "alone", "disk_cold") if k in r)
+                resident = f"; resident after the drop {r['resident_after_drop']:.0%}" if "disk_cold" in r else ""
+                print(f"#  rep {rep} P {P:5d} {te.medium:5s} {times} ms{resident}", flush=True)
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    pool_blocks = max(args.prompt_tokens) // BLOCK + 8
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kv-restore-", dir="/var/tmp"))
+    model_dir = model_folder(args.model, workdir)
+    torch.set_num_threads(args.threads)     # as the worker's step thread does (AsyncEngine)
+    print_header(args, pool_blocks, workdir)
+
     tiers = list(args.tiers)
-    if "store" in tiers:
-        try:
-            from backends.kv_tiers.mooncake_store import start_master, wait_ready
-            from tests.support.ports import free_port
-            port = free_port()
-            master = start_master(port, metrics_port=free_port(), log_path=workdir / "mooncake_master.log")
-            wait_ready(master, port)
-            store_url = f"mooncake://127.0.0.1:{port}"
-        except (ImportError, RuntimeError) as exc:
-            print(f"# store: not run ({exc})")
-            tiers.remove("store")
+    master, store_url = start_store(tiers, workdir)
     engines = [make_engine(m, pool_blocks, model_dir, workdir, store_url, args) for m in tiers]
     for te in engines:   # the fixed fillers' blocks are computed once; later evictions write them down
         te.evict_all(FIXED_FILLERS)
     gc.freeze()
-    results: dict[tuple[int, str], list[dict[str, float]]] = {}
     try:
-        for rep in range(-1, args.reps):          # rep -1 warms every shape up and is not counted
-            for i, P in enumerate(args.prompt_tokens):
-                k = (rep + i) % len(engines)
-                for te in engines[k:] + engines[:k]:
-                    r = measure(te, P, f"{rep}-{P}-{te.medium}", 1000 * (rep + 2) + 10 * P + len(te.medium))
-                    if rep < 0:
-                        continue
-                    results.setdefault((P, te.medium), []).append(r)
-                    times = "  ".join(f"{k} {1e3 * r[k]:.1f}" + (f" ({r[k + '_blocks']:.0f} blocks)" if k != "cold"
-                                                                 and k != "device" else "")
-                                      for k in ("cold", "device", "tier", "alone", "disk_cold") if k in r)
-                    resident = f"; resident after the drop {r['resident_after_drop']:.0%}" if "disk_cold" in r else ""
-                    print(f"#  rep {rep} P {P:5d} {te.medium:5s} {times} ms{resident}", flush=True)
+        results = run_reps(engines, args)
         for te in engines:   # every block free again once idle, and the block manager's books agree
             te.engine.block_manager.check_invariants()
             print(f"# {te.medium}: {te.engine.block_manager.num_free_blocks} of {te.pool_blocks} device blocks free "
@@ -308,7 +326,6 @@ def main() -> None:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     report(results, args.prompt_tokens, tiers, args.reps)
-
 
 ROWS = (("tier", ""), ("alone", ", nothing to write down"), ("disk_cold", ", nothing to write down, cold page cache"))
 

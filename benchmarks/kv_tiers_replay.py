@@ -50,11 +50,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from backends.worker.loader import resolve_model  # noqa: E402
+from kv_tiers_replay_trace import BLOCK, Turn, ideal_hit_rate, trace_slice  # noqa: E402  (beside this script)
+from sse import data_chunks  # noqa: E402  (benchmarks/sse.py, beside this script)
 from tests.support.gateway_proc import GatewayProcess  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.worker_proc import WorkerProcess  # noqa: E402
-from kv_tiers_replay_trace import BLOCK, Turn, ideal_hit_rate, trace_slice  # noqa: E402  (beside this script)
-from sse import data_chunks  # noqa: E402  (benchmarks/sse.py, beside this script)
 
 MODEL = "smollm2"
 BLOCK_BYTES = 30 * 2 * BLOCK * 3 * 64 * 4   # one SmolLM2 fp32 block: 30 layers, K and V, 3 KV heads of 64

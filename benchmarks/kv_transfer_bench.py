@@ -1,10 +1,11 @@
 """KV transfer throughput over loopback vs a plain memcpy of the same bytes, in one run.
 
-Server processes (the prefill side: one on asyncio, one on uvloop, one on uvloop whose cache is in
-shared memory as a prefill worker's is, plus a raw-socket ceiling) hold N MiB of KV in SmolLM2-135M's layout (30 layers, 3 KV heads, head_dim 64, block 16, bf16)
-at block ids scattered one by one, in runs of 64, or in one run; this process pulls it into its
-own paged cache, its block ids following the same pattern. Every row is measured once per round, rounds
-interleaved, so load from other processes hits all rows alike; the best round is shown.
+Server processes (the prefill side: one on asyncio, one on uvloop, one on uvloop whose cache is in shared
+memory as a prefill worker's is, plus a raw-socket ceiling) hold N MiB of KV in SmolLM2-135M's layout (30
+layers, 3 KV heads, head_dim 64, block 16, bf16) at block ids scattered one by one, in runs of 64, or in one
+run; this process pulls it into its own paged cache, its block ids following the same pattern. Every row is
+measured once per round, rounds interleaved, so load from other processes hits all rows alike; the best round
+is shown.
 GB/s means 1e9 bytes/s.
 
     .venv/bin/python benchmarks/kv_transfer_bench.py --mb 256 --rounds 7
@@ -84,8 +85,7 @@ def kv_serve(num_blocks: int, loop_name: str, port_queue: mp.Queue, stop: mp.Eve
         connector = TcpKVConnector()
         _, port = await connector.serve(kv, "127.0.0.1", 0)
         port_queue.put(port)
-        while not stop.is_set():
-            await asyncio.sleep(0.05)
+        await asyncio.to_thread(stop.wait)   # set by the parent process
         await connector.close()
 
     run_loop(main(), "uvloop" if loop_name == "shm" else loop_name)
@@ -127,14 +127,9 @@ def kv_pull(port: int, loop_name: str, kv: TorchPagedKV, transfer_id: str, local
     return result.elapsed_s
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mb", type=int, default=256, help="KV bytes per transfer, in MiB")
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    num_blocks = max(1, args.mb * 2**20 // BYTES_PER_BLOCK)
-    nbytes = num_blocks * BYTES_PER_BLOCK
-
+def start_servers(nbytes: int, num_blocks: int) -> tuple[Any, list[Any], dict[str, int]]:
+    """The server processes (raw socket, then KV on each loop and on shared memory): (stop event, processes,
+    port by name)."""
     ctx = mp.get_context("spawn")
     stop, procs, ports = ctx.Event(), [], {}
     servers = [("raw", raw_serve, (nbytes,)), *((n, kv_serve, (num_blocks, n)) for n in (*LOOPS, "shm"))]
@@ -143,6 +138,29 @@ def main() -> None:
         procs.append(ctx.Process(target=target, args=(*extra, port_queue) + ((stop,) if target is kv_serve else ())))
         procs[-1].start()
         ports[name] = port_queue.get(timeout=300)
+    return stop, procs, ports
+
+
+def print_table(times: dict[str, list[float]], nbytes: int, num_blocks: int, rounds: int) -> None:
+    best = {name: nbytes / min(ts) / 1e9 for name, ts in times.items()}
+    median = {name: nbytes / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    memcpy = max(best["memcpy torch.Tensor.copy_"], best["memcpy numpy.copyto"])
+    print(f"\n{nbytes / 2**20:.0f} MiB of KV per transfer ({num_blocks} blocks x 30 layers, SmolLM2-135M layout, "
+          f"bf16), {rounds} interleaved rounds, {os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.1f}, "
+          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"{'what':<42} {'best GB/s':>9} {'median':>7} {'best % of memcpy':>17}")
+    for name in times:
+        print(f"{name:<42} {best[name]:9.2f} {median[name]:7.2f} {100 * best[name] / memcpy:16.0f}%")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=int, default=256, help="KV bytes per transfer, in MiB")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    num_blocks = max(1, args.mb * 2**20 // BYTES_PER_BLOCK)
+    nbytes = num_blocks * BYTES_PER_BLOCK
+    stop, procs, ports = start_servers(nbytes, num_blocks)
 
     src = torch.randn(nbytes // 4)
     dst = torch.empty_like(src)
@@ -164,7 +182,8 @@ def main() -> None:
             kinds = list(ChecksumKind) if pattern == "scattered" else [ChecksumKind.NONE, ChecksumKind.CRC32C]
             for checksum in kinds:
                 rows[f"KV pull {loop_name:<7} {pattern:<10} {checksum.value}"] = (
-                    lambda l=loop_name, p=pattern, c=checksum: kv_pull(ports[l], l, kv, p, local[p], c, connectors))
+                    lambda loop=loop_name, p=pattern, c=checksum:
+                    kv_pull(ports[loop], loop, kv, p, local[p], c, connectors))
 
     for pattern in PATTERNS:
         rows[f"KV pull shared memory {pattern:<10}"] = (
@@ -183,16 +202,7 @@ def main() -> None:
         stop.set()
         for proc in procs:
             proc.join(30)
-
-    best = {name: nbytes / min(ts) / 1e9 for name, ts in times.items()}
-    median = {name: nbytes / statistics.median(ts) / 1e9 for name, ts in times.items()}
-    memcpy = max(best["memcpy torch.Tensor.copy_"], best["memcpy numpy.copyto"])
-    print(f"\n{nbytes / 2**20:.0f} MiB of KV per transfer ({num_blocks} blocks x 30 layers, SmolLM2-135M layout, "
-          f"bf16), {args.rounds} interleaved rounds, {os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.1f}, "
-          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")
-    print(f"{'what':<42} {'best GB/s':>9} {'median':>7} {'best % of memcpy':>17}")
-    for name in rows:
-        print(f"{name:<42} {best[name]:9.2f} {median[name]:7.2f} {100 * best[name] / memcpy:16.0f}%")
+    print_table(times, nbytes, num_blocks, args.rounds)
 
 
 if __name__ == "__main__":

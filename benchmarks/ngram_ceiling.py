@@ -24,6 +24,7 @@ import argparse
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+
 from spec_bench import PROSE, STRUCTURED
 
 Rule = Callable[[Sequence[int], Sequence[int], int], list[int]]   # (context, answer ahead, K) -> drafts
@@ -89,8 +90,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tools.draft_training.train_texts import chat_prompt_ids
     from backends.worker.loader import resolve_model
+    from tools.draft_training.train_texts import chat_prompt_ids
 
     model_dir = resolve_model("smollm2")
     tok = AutoTokenizer.from_pretrained(str(model_dir))

@@ -1,11 +1,11 @@
 """Replay the Mooncake conversation trace against simulated workers and compare routing policies:
 prefix-cache hit rate, simulated TTFT (mean/p90/p99) and load imbalance, one table, seeded.
 
-Routing uses the real parts: `policies.make_policy`, `cache.prefix_index.PrefixIndex`, `gateway.routing.load.LoadTracker`
-leases and `OutputLengthEstimator`. The index is fed one of two ways (issue 17): *precise*, by the simulated
-workers' KV events (stored/evicted blocks, as our workers' `/kv_events` or vLLM's ZMQ stream tell), or
-*approximate*, by the gateway's own routing decisions (`record_routed`: the blocks it sent where), in an LRU
-of the worker's capacity, as an endpoint without events gets. `session_affinity` runs with the trace's
+Routing uses the real parts: `policies.make_policy`, `cache.prefix_index.PrefixIndex`,
+`gateway.routing.load.LoadTracker` leases and `OutputLengthEstimator`. The index is fed one of two ways (issue 17):
+*precise*, by the simulated workers' KV events (stored/evicted blocks, as our workers' `/kv_events` or vLLM's ZMQ
+stream tell), or *approximate*, by the gateway's own routing decisions (`record_routed`: the blocks it sent where), in
+an LRU of the worker's capacity, as an endpoint without events gets. `session_affinity` runs with the trace's
 conversation as `x-session-affinity`, and without any header (the key derived from the prompt's prefix).
 Worker model (deliberately simple, stated so the numbers can be read):
   - each worker prefills one request at a time, FIFO; prefill time = overhead + uncached prompt
@@ -55,10 +55,20 @@ from cache.prefix_index import PrefixIndex, num_cached_tokens
 from gateway.routing.load import Lease, LoadTracker, OutputLengthEstimator
 from policies.base import DecisionReason, EndpointState, Policy, RequestFacts
 from policies.registry import PolicyName, make_policy
-from routing_sim_report import UNLIMITED, print_row, print_targets, summarize
+from routing_sim_report import UNLIMITED, print_approx_ratios, print_row, print_targets, summarize
+from routing_sim_tiers import (
+    NO_TIERS,
+    UNLIMITED_TIERS,
+    Lru,
+    Medium,
+    TierConfig,
+    WorkerCache,
+    add_tier_arguments,
+    block_tokens,
+    restore_tokens,
+    tier_steps,
+)
 from routing_sim_trace import BLOCK_TOKENS, TRACE, TraceRequest, load_trace, replay_unlimited, spread_arrivals
-from routing_sim_tiers import (NO_TIERS, UNLIMITED_TIERS, Lru, Medium, TierConfig, WorkerCache, add_tier_arguments,
-                               block_tokens, restore_tokens, tier_steps)
 
 MODEL = "sim"
 
@@ -379,12 +389,7 @@ def main() -> None:
         print_row(results[spec.label], results.get(UNLIMITED))
         if args.json:
             print(orjson.dumps(results[spec.label]).decode())
-    if "prefix_aware precise" in results and "prefix_aware approx" in results:
-        ratio = results["prefix_aware approx"]["hit_rate"] / results["prefix_aware precise"]["hit_rate"]
-        print(f"approximate reaches {ratio:.1%} of precise's hit rate")
-    if "prefix_aware precise" in results and "prefix_aware approx shared" in results:
-        ratio = results["prefix_aware approx shared"]["hit_rate"] / results["prefix_aware precise"]["hit_rate"]
-        print(f"approximate, shared between processes, reaches {ratio:.1%} of precise's hit rate")
+    print_approx_ratios(results)
     print_targets(results, rows, replay_blocks)
 
 

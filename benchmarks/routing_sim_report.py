@@ -47,6 +47,16 @@ def print_row(row: dict[str, Any], unlimited: dict[str, Any] | None) -> None:
           f"{row['wall_s']:>5.1f}s")
 
 
+def print_approx_ratios(results: dict[str, dict[str, Any]]) -> None:
+    """The approximate index's hit rate against the precise one's, alone and shared between processes."""
+    if "prefix_aware precise" in results and "prefix_aware approx" in results:
+        ratio = results["prefix_aware approx"]["hit_rate"] / results["prefix_aware precise"]["hit_rate"]
+        print(f"approximate reaches {ratio:.1%} of precise's hit rate")
+    if "prefix_aware precise" in results and "prefix_aware approx shared" in results:
+        ratio = results["prefix_aware approx shared"]["hit_rate"] / results["prefix_aware precise"]["hit_rate"]
+        print(f"approximate, shared between processes, reaches {ratio:.1%} of precise's hit rate")
+
+
 def print_targets(results: dict[str, dict[str, Any]], rows: list[Row], unlimited_blocks: float) -> None:
     unlimited, best = results.get(UNLIMITED), results.get("prefix_aware")
     if unlimited is None or best is None:

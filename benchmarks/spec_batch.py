@@ -36,8 +36,8 @@ class Run:
 
 def run(runner, model_dir: Path, prompts: list[list[int]], spec: dict | None, max_tokens: int) -> Run:
     from backends.core.engine_config import EngineConfig
-    from backends.engine.engine import LLMEngine
     from backends.core.sampling_params import SamplingParams
+    from backends.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model_dir=str(model_dir), block_size=16, num_blocks=512, **(spec or {})),
                        runner=runner, model_dir=model_dir)
@@ -89,10 +89,10 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from tools.draft_training.train_texts import chat_prompt_ids
     from backends.worker.loader import resolve_model
     from backends.worker.model_runner import ModelRunner
     from spec_bench import PROSE, STRUCTURED, default_dir
+    from tools.draft_training.train_texts import chat_prompt_ids
 
     model_dir = resolve_model("smollm2")
     tok = AutoTokenizer.from_pretrained(str(model_dir))

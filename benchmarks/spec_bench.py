@@ -76,8 +76,8 @@ class Result:
 
 def default_dir(kind: str, model_dir: Path) -> Path:
     """Where `switchyard train-draft` puts its head, and where to keep a `make-draft` folder."""
-    from tools.draft_training.train_draft import default_head_dir
     from backends.core.paths import default_cache_dir
+    from tools.draft_training.train_draft import default_head_dir
 
     if kind == "eagle":
         return default_head_dir(model_dir)
@@ -85,8 +85,8 @@ def default_dir(kind: str, model_dir: Path) -> Path:
 
 
 def run_once(runner, model_dir: Path, prompts: list[list[int]], config, concurrency: int, max_tokens: int) -> Result:
-    from backends.engine.engine import LLMEngine
     from backends.core.sampling_params import SamplingParams
+    from backends.engine.engine import LLMEngine
 
     engine = LLMEngine(config, runner=runner, model_dir=model_dir)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -102,7 +102,7 @@ def run_once(runner, model_dir: Path, prompts: list[list[int]], config, concurre
     return Result(produced, seconds, s.num_spec_proposed_tokens, s.num_spec_accepted_tokens, s.num_spec_verifications)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -117,22 +117,13 @@ def main() -> None:
     ap.add_argument("--proposers", default="none,ngram,draft,eagle,ngram+eagle")
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per workload (at most 8)")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    return ap.parse_args()
 
-    from transformers import AutoTokenizer
 
+def engine_configs(args: argparse.Namespace, model_dir: Path) -> dict:
+    """An EngineConfig per --proposers entry, by name; a model proposer whose folder is missing is left out."""
     from backends.core.engine_config import EngineConfig
-    from tools.draft_training.train_texts import chat_prompt_ids
-    from backends.worker.loader import resolve_model
-    from backends.worker.model_runner import ModelRunner
 
-    model_dir = resolve_model("smollm2")
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-
-    workloads = {"(a) structured": [chat_prompt_ids(tok, t) for t in STRUCTURED[:args.prompts]],
-                 "(b) prose": [chat_prompt_ids(tok, t) for t in PROSE[:args.prompts]]}
-    runner = ModelRunner(model_dir, dtype=getattr(torch, args.dtype), device="cpu", num_blocks=512, block_size=16)
     dirs = {"draft": args.draft_dir or default_dir("draft", model_dir),
             "eagle": args.eagle_dir or default_dir("eagle", model_dir)}
     configs: dict[str, EngineConfig] = {}
@@ -151,17 +142,11 @@ def main() -> None:
             speculative_model=str(dirs[model]) if model in dirs else None,
             spec_int8=not keep_dtype,
             **({"ngram_min": int(ngram_min or args.ngram_min)} if ngram_min or args.ngram_min else {}))
-    levels = [int(c) for c in args.concurrency.split(",")]
-    results: dict[tuple[str, int, str], list[Result]] = {}
-    for r in range(args.rounds):
-        for workload, prompts in workloads.items():
-            for conc in levels:
-                names = list(configs) if r % 2 == 0 else list(reversed(configs))   # interleaved order
-                for name in names:
-                    res = run_once(runner, model_dir, prompts, configs[name], conc, args.max_tokens)
-                    results.setdefault((workload, conc, name), []).append(res)
-                    print(f"# round {r}: {workload} c={conc} {name}: {res.tokens / res.seconds:.1f} tok/s", flush=True)
+    return configs
 
+
+def print_report(args: argparse.Namespace, workloads: dict[str, list[list[int]]], levels: list[int],
+                 configs: dict, results: dict[tuple[str, int, str], list[Result]]) -> None:
     import platform
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
@@ -186,6 +171,35 @@ def main() -> None:
                 ratio = f"{paired:.2f}x" if paired is not None else "-"
                 print(f"{workload:<16} {conc:>4} {name:<11} {tps:>10.1f} {ratio:>8} {acc_len:>10.2f} {rate:>11.2f}")
 
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoTokenizer
+
+    from backends.worker.loader import resolve_model
+    from backends.worker.model_runner import ModelRunner
+    from tools.draft_training.train_texts import chat_prompt_ids
+
+    model_dir = resolve_model("smollm2")
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+
+    workloads = {"(a) structured": [chat_prompt_ids(tok, t) for t in STRUCTURED[:args.prompts]],
+                 "(b) prose": [chat_prompt_ids(tok, t) for t in PROSE[:args.prompts]]}
+    runner = ModelRunner(model_dir, dtype=getattr(torch, args.dtype), device="cpu", num_blocks=512, block_size=16)
+    configs = engine_configs(args, model_dir)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    results: dict[tuple[str, int, str], list[Result]] = {}
+    for r in range(args.rounds):
+        for workload, prompts in workloads.items():
+            for conc in levels:
+                names = list(configs) if r % 2 == 0 else list(reversed(configs))   # interleaved order
+                for name in names:
+                    res = run_once(runner, model_dir, prompts, configs[name], conc, args.max_tokens)
+                    results.setdefault((workload, conc, name), []).append(res)
+                    print(f"# round {r}: {workload} c={conc} {name}: {res.tokens / res.seconds:.1f} tok/s", flush=True)
+    print_report(args, workloads, levels, configs, results)
 
 if __name__ == "__main__":
     main()

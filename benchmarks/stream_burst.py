@@ -1,7 +1,7 @@
 """What a streamed answer whose events arrive together costs the gateway's relay, step by step: the lean
-client's chunked decoding (gateway/upstream/connection.py) and the SSE event counting (gateway/server/client_stream.py), for a
-32-token stream (34 events, usage and [DONE] among them) in one read. A fast upstream, or an engine that
-sends tokens faster than the gateway reads, delivers streams like this.
+client's chunked decoding (gateway/upstream/connection.py) and the SSE event counting
+(gateway/server/client_stream.py), for a 32-token stream (34 events, usage and [DONE] among them) in one
+read. A fast upstream, or an engine that sends tokens faster than the gateway reads, delivers streams like this.
 
 Runs each step in this checkout and, with `--baseline PATH`, in another checkout (before a change) in the same
 run, alternating, and prints best-of-repeats µs per stream for both and their ratio:
@@ -24,11 +24,10 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 def measure(number: int, repeat: int) -> dict[str, float]:
     """µs per stream of each step, in the checkout on sys.path[0]."""
-    from gateway_bench_load import _stream_events
-
-    from gateway.upstream.deadlines import Deadlines
     from gateway.server.client_stream import SseCounter
     from gateway.upstream.connection import UpstreamBody, UpstreamConnection
+    from gateway.upstream.deadlines import Deadlines
+    from gateway_bench_load import _stream_events
 
     events = _stream_events()
     wire = b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import platform
 import statistics
@@ -18,7 +19,6 @@ import time
 from pathlib import Path
 
 import aiohttp
-import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,7 +57,7 @@ async def longest_gap_after_arrival(url: str, second: dict) -> float:
                         arrived.set()
         await task
     window = [s for s in stamps if s >= arrival and s <= answered_at[0] + 0.5]
-    return max(b - a for a, b in zip(window, window[1:], strict=False)) * 1e3
+    return max(b - a for a, b in itertools.pairwise(window)) * 1e3
 
 
 def one_round(threads: int) -> dict[str, float]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import platform
 import random
@@ -32,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from backends.worker.loader import resolve_model  # noqa: E402
-from tests.support.ports import free_port  # noqa: E402
 from sse import data_chunks  # noqa: E402  (benchmarks/sse.py, beside this script)
+from tests.support.ports import free_port  # noqa: E402
 
 MODEL = "smollm2"
 
@@ -42,7 +43,7 @@ def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
 
@@ -90,7 +91,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int]
                 stamps.append(time.perf_counter())
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    return stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])], tokens
+    return stamps[0] - t0, [b - a for a, b in itertools.pairwise(stamps)], tokens
 
 
 async def run_scenario(base: str, scenario: Scenario, batch: list[list[int]], new_tokens: int) -> dict[str, float]:
@@ -224,7 +225,8 @@ def main() -> None:
     flags = Path("/proc/cpuinfo").read_text()
     isa = "AVX512-BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} | {cpu} ({isa}) | {os.cpu_count()} cores | torch {torch.__version__} "
-          f"| fp32 | {args.prompt_tokens}-token prompts, {args.new_tokens} out | worker args: {args.worker_args or '-'}")
+          f"| fp32 | {args.prompt_tokens}-token prompts, {args.new_tokens} out "
+          f"| worker args: {args.worker_args or '-'}")
     vocab = ordinary_vocab(model_dir)
     scenarios = [Scenario(c, s) for s in (False, True) for c in args.concurrency]
     passes: dict[str, list[dict[Scenario, dict[str, float]]]] = {e: [] for e in args.engines}
@@ -247,8 +249,10 @@ def main() -> None:
                      f" | {med('switchyard', sc, 'ttft_p50_ms') / med('vllm', sc, 'ttft_p50_ms'):.2f}")
         print(f"| {sc.name} | " + " | ".join(cells) + ratio + " |")
     if not args.no_hf:
-        hf = hf_baseline(model_dir, prompts(Scenario(1, False), vocab, args.prompt_tokens, 0, "hf")[:3], args.new_tokens)
-        print(f"\ntransformers generate, batch 1, fp32: {hf['tok_s']:.1f} decode tok/s, TTFT p50 {hf['ttft_p50_ms']:.0f} ms")
+        hf_prompts = prompts(Scenario(1, False), vocab, args.prompt_tokens, 0, "hf")[:3]
+        hf = hf_baseline(model_dir, hf_prompts, args.new_tokens)
+        print(f"\ntransformers generate, batch 1, fp32: {hf['tok_s']:.1f} decode tok/s, "
+              f"TTFT p50 {hf['ttft_p50_ms']:.0f} ms")
     print(f"(medians over {args.rounds} passes per engine; TTFT ratio below 1 is switchyard faster)")
 
 

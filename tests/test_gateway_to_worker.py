@@ -17,8 +17,14 @@ import pytest
 import torch
 
 from backends.core.sampling_params import SamplingParams
-from tests.backends.numerics import (Choice, assert_mostly_clear, assert_same_text, choices, float64_copy,
-                                     logit_tolerance)
+from tests.backends.numerics import (
+    Choice,
+    assert_mostly_clear,
+    assert_same_text,
+    choices,
+    float64_copy,
+    logit_tolerance,
+)
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_proc import GatewayProcess
 from tests.support.wait import wait_until

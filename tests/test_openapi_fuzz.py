@@ -24,8 +24,13 @@ import schemathesis
 import yaml
 from hypothesis import HealthCheck, Phase, settings
 from schemathesis import GenerationMode
-from schemathesis.checks import (FailureGroup, content_type_conformance, not_a_server_error,
-                                 response_schema_conformance, status_code_conformance)
+from schemathesis.checks import (
+    FailureGroup,
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from tests.gateway.conftest import gateway_config, start_fakes, start_gateway  # noqa: F401 (fixtures)
 from tests.support.fake_upstream import REPO_ROOT, FakeUpstream

@@ -23,8 +23,7 @@ from aiohttp import web
 
 from backends.server.__main__ import build_configs, build_parser
 from backends.server.app import create_app as create_worker_app
-from gateway.app import create_app as create_gateway_app
-from gateway.app import make_site
+from gateway.app import create_app as create_gateway_app, make_site
 from gateway.config.gateway_config import parse_config
 from gateway.server.middlewares import DRAIN
 from tests.support.ports import free_port
@@ -91,7 +90,8 @@ async def test_a_plain_chat_request_runs_few_of_our_modules() -> None:
     worker_port, gateway_port = free_port(), free_port()
     with recorder.installed():
         server_config, engine_config = build_configs(build_parser().parse_args(
-            ["--model", "smollm2", "--served-model-name", "smollm2", "--port", str(worker_port), "--max-num-seqs", "4"]))
+            ["--model", "smollm2", "--served-model-name", "smollm2", "--port", str(worker_port),
+             "--max-num-seqs", "4"]))
         worker = web.AppRunner(create_worker_app(server_config, engine_config))
         await worker.setup()
         await web.TCPSite(worker, "127.0.0.1", worker_port).start()

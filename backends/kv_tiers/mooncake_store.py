@@ -19,8 +19,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as CallTimeout
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as CallTimeout
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit

@@ -25,6 +25,19 @@ DEFAULT_MODEL = "smollm2"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="switchyard worker", description="Run a switchyard inference worker.")
+    # In the order --help lists them.
+    _add_model_and_batch_args(p)
+    _add_kv_tier_args(p)
+    _add_serving_args(p)
+    _add_kv_transfer_args(p)
+    _add_weight_and_graph_args(p)
+    _add_speculation_args(p)
+    _add_server_args(p)
+    return p
+
+
+def _add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
+    """The model, where it runs, and the batch and KV cache sizes."""
     p.add_argument("--model", default=DEFAULT_MODEL, help="model spec: 'smollm2', an HF folder or a GGUF file")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
@@ -42,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
     kv.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache budget in GiB")
     p.add_argument("--block-size", type=int, default=16)
+
+
+def _add_kv_tier_args(p: argparse.ArgumentParser) -> None:
     tiers = p.add_argument_group("KV tiers below the device pool (docs/kv_tiers.md)")
     tiers.add_argument("--kv-cpu-gb", type=float, default=0.0,
                        help="host-RAM tier: blocks the device pool evicts are kept here (pinned on CUDA)")
@@ -58,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="read a prefix back from a tier even once that was measured slower than computing it "
                             "(default: compute it, and read that tier on 1 lookup in 16): it spares the GPU's "
                             "compute for other requests at the cost of this one's TTFT")
+
+
+def _add_serving_args(p: argparse.ArgumentParser) -> None:
+    """Attention backend, prefix cache, served names, threads and request size."""
     p.add_argument("--attention-backend", choices=[b.value for b in AttentionBackendName], default=None,
                    help="default: flash or triton on CUDA where available, sdpa on CPU")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
@@ -65,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name clients use (repeatable; default: --model)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--max-request-mb", type=float, default=16.0, help="larger request bodies get 413")
+
+
+def _add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
+    """The KV transfer listener and pulls between prefill and decode workers."""
     p.add_argument("--kv-host", default="127.0.0.1", help="KV transfer listener interface (prefill/both roles)")
     p.add_argument("--kv-port", type=int, default=0, help="KV transfer listener port (0: any free port)")
     p.add_argument("--kv-advertise-host", default=None,
@@ -77,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-kv-shared-memory", action="store_true",
                    help="always move KV over TCP: by default a prefill/both worker on CPU keeps its KV cache in "
                         "shared memory, and a decode worker on the same host copies held blocks from it")
+
+
+def _add_weight_and_graph_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-weights-compressed", action="store_true",
                    help="with a model folder from `switchyard compress`: keep the layers' matrices compressed in "
                         "memory (~33%% less) and expand each just before it runs (slower steps on CPU); "
@@ -84,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="on CUDA, run every decode step eagerly instead of replaying the CUDA graphs captured "
                         "at start for batches of up to min(--max-num-seqs, 256) sequences")
+
+
+def _add_speculation_args(p: argparse.ArgumentParser) -> None:
     spec = p.add_argument_group("speculative decoding")
     spec.add_argument("--speculative", choices=SPECULATIVE_PROPOSERS, default=None,
                       help="draft tokens with prompt lookup, a draft model, or an EAGLE head; ngram+draft and "
@@ -101,13 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="keep an EAGLE head's weights in the model's dtype on a CPU worker (default: int8, "
                            "under half the drafting time of float32; drafts are verified either way, so output "
                            "tokens do not change)")
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    """Authentication, debug endpoints, draining and logging."""
     p.add_argument("--api-key", default=os.environ.get(auth.ENV_VAR) or None,
                    help=f"clients must send `Authorization: Bearer <key>` (default: ${auth.ENV_VAR}; none: open)")
     p.add_argument("--debug-endpoints", action="store_true", help="serve /debug/* (tests only)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM: how long requests in flight and held KV blocks may take to finish")
     p.add_argument("--log-level", default="INFO")
-    return p
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

@@ -14,24 +14,25 @@ from typing import Any
 
 import yaml
 
-from gateway.config.api_keys import ApiKeyConfig as ApiKeyConfig
-from gateway.config.api_keys import build_keys
+from gateway.config.api_keys import ApiKeyConfig as ApiKeyConfig, build_keys
 from gateway.config.discovery import DnsName, is_discovered
-from gateway.config.model_entries import ModelConfig as ModelConfig
-from gateway.config.model_entries import PolicyConfig as PolicyConfig
-from gateway.config.model_entries import build_model
-from gateway.config.model_entries import models_by_name as models_by_name
-from gateway.config.yaml_fields import ConfigError as ConfigError
+from gateway.config.model_entries import (
+    ModelConfig as ModelConfig,
+    PolicyConfig as PolicyConfig,
+    build_model,
+    models_by_name as models_by_name,
+)
 from gateway.config.yaml_fields import (
+    ConfigError as ConfigError,
     as_mapping,
     check_known,
     enum_value,
+    expand_env as expand_env,
     expand_tree,
     quote_hint,
     simple_record,
     typed_field,
 )
-from gateway.config.yaml_fields import expand_env as expand_env
 
 
 class ProviderKind(str, Enum):

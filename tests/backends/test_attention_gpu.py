@@ -14,8 +14,11 @@ pytestmark = pytest.mark.gpu
 NUM_BLOCKS = 128
 
 
+CUDA = torch.device("cuda")
+
+
 def random_step(shape: AttentionShape, query_lens: list[int], context_lens: list[int], seed: int,
-                device: torch.device = torch.device("cuda")):
+                device: torch.device = CUDA):
     """Random q/k/v, a random cache and shuffled block tables on `device`, as one step's inputs."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     rng = random.Random(seed)
@@ -23,7 +26,7 @@ def random_step(shape: AttentionShape, query_lens: list[int], context_lens: list
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
     tables, slots = [], []
-    for q_len, ctx in zip(query_lens, context_lens):
+    for q_len, ctx in zip(query_lens, context_lens, strict=True):
         table = tuple(free.pop() for _ in range(-(-(ctx + q_len) // bs)))
         tables.append(table)
         slots += [table[p // bs] * bs + p % bs for p in range(ctx, ctx + q_len)]

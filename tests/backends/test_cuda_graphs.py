@@ -11,11 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.core.sampling_params import SamplingParams
 from backends.core.batch import ForwardBatch, SeqChunk
+from backends.core.sampling_params import SamplingParams
 from backends.worker.cuda_graphs import graph_buckets, is_plain_decode, pack_decode_inputs
-from tests.backends.numerics import assert_mostly_clear, assert_same_tokens, choices, logit_tolerance, \
-    teacher_forced_logits
+from tests.backends.numerics import (
+    assert_mostly_clear,
+    assert_same_tokens,
+    choices,
+    logit_tolerance,
+    teacher_forced_logits,
+)
 
 
 def test_buckets_cover_every_batch_size_up_to_the_largest() -> None:

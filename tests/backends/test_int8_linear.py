@@ -7,8 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.models.int8_linear import (INT8_COST, Int8Linear, activation_levels, int8_available, matmul_cost,
-                                         replace_linears)
+from backends.models.int8_linear import (
+    INT8_COST,
+    Int8Linear,
+    activation_levels,
+    int8_available,
+    matmul_cost,
+    replace_linears,
+)
 from backends.models.kernels.registry import select_kernels
 from backends.models.layers import Linear, LMHead
 

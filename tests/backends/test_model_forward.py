@@ -6,6 +6,7 @@ mixed batch with shuffled block tables.
 """
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -87,7 +88,7 @@ def check_prefill_chunks_and_decode(runner: ModelRunner, reference: torch.nn.Mod
 
     table = shuffled_table(rng, free, num_blocks)  # three uneven chunks, logits from each chunk's end
     cuts = [0, length // 3 + 1, 2 * length // 3 - 1, length]
-    for start, end in zip(cuts, cuts[1:]):
+    for start, end in itertools.pairwise(cuts):
         out = runner.execute(ForwardBatch((SeqChunk(tuple(tokens[start:end]), start, table),)))
         assert rel_err(out[0], ref[end - 1]) < TOLERANCE, (start, end)
 
@@ -194,8 +195,8 @@ def test_smollm2_logits_do_not_depend_on_the_batch(smollm2, hf_smollm2_f64: torc
     seqs = [prompt(runner, n, 50 + i) for i, n in enumerate((21, 30, 12, 40))]
     tables = [shuffled_table(rng, free, -(-n // runner.block_size)) for n in (21, 30, 12, 40)]
     runner.execute(ForwardBatch(tuple(SeqChunk(tuple(s[:-1]), 0, t, want_logits=False)
-                                      for s, t in zip(seqs[:3], tables[:3]))))
-    steps = [SeqChunk((s[-1],), len(s) - 1, t) for s, t in zip(seqs[:3], tables[:3])]
+                                      for s, t in zip(seqs[:3], tables[:3], strict=True))))
+    steps = [SeqChunk((s[-1],), len(s) - 1, t) for s, t in zip(seqs[:3], tables[:3], strict=True)]
     alone = runner.execute(ForwardBatch((steps[0],)))   # rewriting the same slot with the same K/V each time
     beside_decodes = runner.execute(ForwardBatch((steps[1], steps[0], steps[2])))
     beside_prefill = runner.execute(ForwardBatch((SeqChunk(tuple(seqs[3]), 0, tables[3]), steps[0])))
@@ -214,10 +215,10 @@ def test_smollm2_decodes_of_very_different_lengths(smollm2) -> None:
     lengths = (9, 600, 14, 20)
     seqs = [prompt(runner, n, 60 + i) for i, n in enumerate(lengths)]
     tables = [shuffled_table(rng, free, -(-n // runner.block_size)) for n in lengths]
-    for s, t in zip(seqs, tables):
+    for s, t in zip(seqs, tables, strict=True):
         runner.execute(ForwardBatch((SeqChunk(tuple(s[:-1]), 0, t, want_logits=False),)))
-    steps = [SeqChunk((s[-1],), len(s) - 1, t) for s, t in zip(seqs, tables)]
+    steps = [SeqChunk((s[-1],), len(s) - 1, t) for s, t in zip(seqs, tables, strict=True)]
     together = runner.execute(ForwardBatch(tuple(steps)))
-    for row, (step, seq) in enumerate(zip(steps, seqs)):
+    for row, (step, seq) in enumerate(zip(steps, seqs, strict=True)):
         assert rel_err(together[row], runner.execute(ForwardBatch((step,)))[0]) < TOLERANCE, row
         assert rel_err(together[row], reference_logits(reference, seq)[-1]) < TOLERANCE, row

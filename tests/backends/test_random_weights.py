@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from backends.models.config import load_model_config
 from backends.core.batch import ForwardBatch, SeqChunk
+from backends.models.config import load_model_config
 from backends.worker.model_runner import ModelRunner
 from backends.worker.random_weights import RandomCheckpoint
 
@@ -19,7 +19,7 @@ def test_names_and_shapes_are_a_real_checkpoints(smollm2_dir: Path) -> None:
     real: dict[str, tuple[int, ...]] = {}
     for file in smollm2_dir.glob("*.safetensors"):
         with safe_open(str(file), "pt") as f:
-            real |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+            real |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118  (a safetensors handle: keys() but no iteration)
     config = load_model_config(smollm2_dir)
     random = RandomCheckpoint(config, torch.float32, torch.device("cpu"))
     real.pop("lm_head.weight", None)   # tied to the embedding in SmolLM2: a loader ignores a stored copy

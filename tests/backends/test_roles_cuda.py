@@ -16,8 +16,13 @@ import pytest
 import torch
 
 from backends.core.sampling_params import SamplingParams
-from tests.backends.numerics import assert_mostly_clear, assert_same_tokens, choices, logit_tolerance, \
-    teacher_forced_logits
+from tests.backends.numerics import (
+    assert_mostly_clear,
+    assert_same_tokens,
+    choices,
+    logit_tolerance,
+    teacher_forced_logits,
+)
 from tests.support.wait import await_until
 from tests.support.worker_proc import WorkerProcess, started_workers
 

@@ -89,8 +89,7 @@ def fused_layers(device: torch.device) -> None:
 def gemv(device: torch.device) -> None:
     """triton_ops.gemv, every configuration, against float64: row counts and widths that are not multiples of
     its blocks, an [out, in] weight that is a row slice of a wider one (its stride), float32 and bfloat16."""
-    from backends.models.kernels.triton_ops import GEMV_CONFIGS
-    from backends.models.kernels.triton_ops import gemv as project
+    from backends.models.kernels.triton_ops import GEMV_CONFIGS, gemv as project
 
     gen = torch.Generator().manual_seed(4)
     for out_features, in_features, dtype in ((37, 300, torch.float32), (130, 4100, torch.bfloat16)):

@@ -29,7 +29,8 @@ def attention() -> None:
                 outs = []
                 for backend in (TritonDecodeBackend(shape), SDPABackend(shape)):
                     k_cache, v_cache = caches[0].clone(), caches[1].clone()
-                    outs.append(backend.forward(q, k, v, k_cache, v_cache, layout.slot_mapping, backend.prepare(layout)))
+                    outs.append(backend.forward(q, k, v, k_cache, v_cache, layout.slot_mapping,
+                                                backend.prepare(layout)))
                 tol = 2e-5 if dtype == torch.float32 else 2e-2
                 torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
                 print(f"attention {step} heads={heads} {dtype}: triton == sdpa")

@@ -14,7 +14,7 @@ def test_only_full_blocks_are_hashed():
 
 def test_chain_depends_on_whole_prefix():
     a = list(range(32))
-    b = [999] + a[1:]  # differs only in the first block
+    b = [999, *a[1:]]  # differs only in the first block
     ha, hb = block_hashes(a, 16), block_hashes(b, 16)
     assert ha[0] != hb[0] and ha[1] != hb[1]  # second block's tokens equal, but parent differs
 

@@ -164,9 +164,8 @@ async def test_the_worker_route_feeds_the_index() -> None:
     from aiohttp import web
     from aiohttp.test_utils import make_mocked_request
 
+    from backends.core.block_events import MEDIA as WORKER_MEDIA, KVEvent, KVEventBatch, KVEventRing
     from backends.core.block_manager import BlockManager
-    from backends.core.block_events import MEDIA as WORKER_MEDIA
-    from backends.core.block_events import KVEvent, KVEventBatch, KVEventRing
     from backends.core.sampling_params import SamplingParams
     from backends.core.sequence import Sequence
     from backends.server import ops_routes
@@ -203,7 +202,7 @@ async def test_the_worker_route_feeds_the_index() -> None:
     assert index.last_seq("w") == ring.last_seq_no
 
 
-operations = st.lists(st.tuples(st.sampled_from(ENDPOINTS + ("reset",)), st.sampled_from(ENDPOINTS),
+operations = st.lists(st.tuples(st.sampled_from((*ENDPOINTS, "reset")), st.sampled_from(ENDPOINTS),
                                 st.sampled_from(["stored", "removed"]), st.integers(0, 12),
                                 st.sampled_from(MEDIA)),
                       min_size=10, max_size=200)  # long enough that blocks meet in several media

@@ -8,8 +8,7 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from gateway.translate.anthropic.inbound import MessageEvents, MessageHeader, to_chat_body, to_message
 from tests.gateway.test_anthropic_translate import cut, events

@@ -12,13 +12,19 @@ import orjson
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from gateway.translate.anthropic.outbound import ChatChunks, Untranslatable, to_chat_completion, to_messages_request
 from gateway.translate.sse import SseFramer
-from tests.gateway.test_anthropic import Start, Upstream, _config, _named, _openai_sdk, _stream
-from tests.gateway.test_anthropic import start as start  # the fixture: the gateway app and its upstreams
+from tests.gateway.test_anthropic import (
+    Start,
+    Upstream,
+    _config,
+    _named,
+    _openai_sdk,
+    _stream,
+    start as start,  # the fixture: the gateway app and its upstreams
+)
 from tests.gateway.test_anthropic_translate import cut
 
 HELLO = [{"role": "user", "content": "Hi"}]

@@ -7,8 +7,7 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from gateway.errors import BadRequest
 from gateway.translate.anthropic.inbound import (

@@ -92,7 +92,7 @@ def test_bad_input_is_rejected_before_any_upstream(stack, name: str, path: str, 
 
 
 def test_good_request_after_bad_ones_still_works(stack) -> None:
-    fake, gateway = stack
+    _fake, gateway = stack
     status, _, body = post(gateway.url + "/v1/completions", _json({"model": "m", "prompt": "hi"}))
     assert status == 200 and orjson.loads(body)["choices"][0]["text"]
 

@@ -1,5 +1,5 @@
-"""gateway/config/gateway_config.py: parsing, defaults, `${ENV}` expansion after parsing, errors that name the field, the
-documented example."""
+"""gateway/config/gateway_config.py: parsing, defaults, `${ENV}` expansion after parsing, errors that name the
+field, the documented example."""
 from __future__ import annotations
 
 import pytest
@@ -80,7 +80,7 @@ def test_env_values_fill_typed_fields_and_comments_are_not_expanded() -> None:
     text = MINIMAL + "listen: {port: '${PORT}'}  # ${NOT_SET_ANYWHERE}\nredis_url: ${REDIS_URL:-}\n"
     config = parse_config(text, {"PORT": "9123"})
     assert config.listen.port == 9123 and config.redis_url is None
-    with pytest.raises(ConfigError, match="listen.port"):
+    with pytest.raises(ConfigError, match=r"listen\.port"):
         parse_config(text, {"PORT": "eighty"})
 
 

@@ -1,6 +1,6 @@
-"""Browsers' cross-origin requests (`cors`, gateway/server/middlewares.py) against a real gateway process: a preflight from an
-allowed origin, answers whole, streamed and refused with the headers a page needs, and nothing for an origin
-that is not allowed."""
+"""Browsers' cross-origin requests (`cors`, gateway/server/middlewares.py) against a real gateway process: a
+preflight from an allowed origin, answers whole, streamed and refused with the headers a page needs, and nothing
+for an origin that is not allowed."""
 from __future__ import annotations
 
 import aiohttp

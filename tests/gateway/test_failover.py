@@ -1,6 +1,6 @@
 """Mid-stream failover through a real gateway process to fake upstreams (engines other than ours: the
-continuation is text), and the pieces of gateway/upstream/mid_stream_resume.py on their own. Our workers' exact continuation
-from token ids is in tests/backends/server/test_failover_workers.py."""
+continuation is text), and the pieces of gateway/upstream/mid_stream_resume.py on their own. Our workers' exact
+continuation from token ids is in tests/backends/server/test_failover_workers.py."""
 from __future__ import annotations
 
 from typing import Any

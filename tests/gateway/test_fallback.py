@@ -74,20 +74,21 @@ async def test_falls_back_to_the_next_provider(start_fakes, start_gateway) -> No
 async def test_client_errors_are_relayed_not_retried(start_fakes, start_gateway) -> None:
     a, b = start_fakes("a", "b")
     gateway = start_gateway(gateway_config({"p": [a.url, b.url]}))
-    async with aiohttp.ClientSession() as client:
-        async with client.post(gateway.url + CHAT, json={**BODY, "fake": {"status": 422}}) as response:
-            assert response.status == 422
-            assert (await response.json())["error"]["message"].startswith("fake 422")
+    async with (
+        aiohttp.ClientSession() as client,
+        client.post(gateway.url + CHAT, json={**BODY, "fake": {"status": 422}}) as response,
+    ):
+        assert response.status == 422
+        assert (await response.json())["error"]["message"].startswith("fake 422")
     assert a.stats()["num_requests"] + b.stats()["num_requests"] == 1
 
 
 async def test_everything_failing_gives_502_listing_what_was_tried(start_fakes, start_gateway) -> None:
     bad1, bad2 = start_fakes("bad1", "bad2", behaviour={"status": 500})
     gateway = start_gateway(gateway_config({"p": [bad1.url], "q": [bad2.url]}))
-    async with aiohttp.ClientSession() as client:
-        async with client.post(gateway.url + CHAT, json=BODY) as response:
-            assert response.status == 502
-            error = (await response.json())["error"]
+    async with aiohttp.ClientSession() as client, client.post(gateway.url + CHAT, json=BODY) as response:
+        assert response.status == 502
+        error = (await response.json())["error"]
     assert error["type"] == "upstream_error"
     assert bad1.url in error["message"] and bad2.url in error["message"] and "HTTP 500" in error["message"]
 
@@ -111,11 +112,10 @@ async def test_a_retry_after_that_is_no_finite_wait_is_ignored(start_fakes, star
     Retry-After and raised (a 500). Such a header is no wait at all; "-5" is no wait either."""
     (limited,) = start_fakes("limited", behaviour={"status": 429, "retry_after": retry_after})
     gateway = start_gateway(gateway_config({"p": [limited.url]}))
-    async with aiohttp.ClientSession() as client:
-        async with client.post(gateway.url + CHAT, json=BODY) as response:
-            assert response.status == 429, await response.text()
-            assert (await response.json())["error"]["code"] == "upstream_rate_limited"
-            assert int(response.headers.get("Retry-After", "1")) >= 1
+    async with aiohttp.ClientSession() as client, client.post(gateway.url + CHAT, json=BODY) as response:
+        assert response.status == 429, await response.text()
+        assert (await response.json())["error"]["code"] == "upstream_rate_limited"
+        assert int(response.headers.get("Retry-After", "1")) >= 1
 
 
 async def test_circuit_breaker_opens_half_opens_and_closes(start_fakes, start_gateway) -> None:

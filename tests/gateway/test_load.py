@@ -6,8 +6,7 @@ import asyncio
 import random
 
 import pytest
-from hypothesis import settings
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from gateway.routing.load import LoadReport, LoadTracker, OutputLengthEstimator
@@ -101,12 +100,11 @@ async def test_cancelled_and_failing_requests_release_their_leases() -> None:
 
 def test_sync_context_manager_releases_on_error() -> None:
     tracker = LoadTracker()
-    with pytest.raises(KeyError):
-        with tracker.lease("a", 10, 20) as lease:
-            assert tracker.snapshot("a") == (1, 10, 20)
-            lease.on_output_tokens(5)  # first token: prefill done
-            assert tracker.snapshot("a") == (1, 0, 15)
-            raise KeyError("boom")
+    with pytest.raises(KeyError), tracker.lease("a", 10, 20) as lease:
+        assert tracker.snapshot("a") == (1, 10, 20)
+        lease.on_output_tokens(5)  # first token: prefill done
+        assert tracker.snapshot("a") == (1, 0, 15)
+        raise KeyError("boom")
     assert lease.released and tracker.snapshot("a") == (0, 0, 0)
 
 

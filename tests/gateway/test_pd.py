@@ -83,25 +83,23 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pd]:
 
 
 async def post(url: str, body: dict[str, Any], path: str = CHAT) -> tuple[int, dict[str, Any]]:
-    async with aiohttp.ClientSession() as client:
-        async with client.post(url + path, json=body) as response:
-            return response.status, orjson.loads(await response.read())
+    async with aiohttp.ClientSession() as client, client.post(url + path, json=body) as response:
+        return response.status, orjson.loads(await response.read())
 
 
 async def stream(url: str, body: dict[str, Any], path: str = CHAT,
                  on_first: Callable[[], None] | None = None) -> list[bytes]:
     """The SSE data events; `on_first` runs as soon as the first one has arrived."""
     events: list[bytes] = []
-    async with aiohttp.ClientSession() as client:
-        async with client.post(url + path, json={**body, "stream": True}) as response:
-            assert response.status == 200
-            tail = b""
-            async for chunk in response.content.iter_any():
-                *done, tail = (tail + chunk).split(b"\n\n")
-                events.extend(e[6:] for e in done if e.startswith(b"data: "))
-                if events and on_first is not None:
-                    on_first()
-                    on_first = None
+    async with aiohttp.ClientSession() as client, client.post(url + path, json={**body, "stream": True}) as response:
+        assert response.status == 200
+        tail = b""
+        async for chunk in response.content.iter_any():
+            *done, tail = (tail + chunk).split(b"\n\n")
+            events.extend(e[6:] for e in done if e.startswith(b"data: "))
+            if events and on_first is not None:
+                on_first()
+                on_first = None
     return events
 
 

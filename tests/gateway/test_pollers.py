@@ -76,12 +76,12 @@ async def test_a_workers_measured_restore_cost_sets_its_tier_blocks_worth(start_
         config["providers"]["p"].update(offers_kv_events=True, offers_load=True)
         config["models"]["m"]["policy"]["options"] = {"measured_tier_weights": measured}
         gateway = start_gateway(config)
-        await await_until(lambda: [(f.stats()["kv_since"] or 0) for f in (a, b)] == [3, 4], "the kv events")
+        await await_until(lambda a=a, b=b: [(f.stats()["kv_since"] or 0) for f in (a, b)] == [3, 4], "the kv events")
         async with aiohttp.ClientSession() as client:
             before = await served_by(client, gateway.url, {"model": "m", "prompt": prompt, "max_tokens": 1})
             b.control(load_report={**report, "kv_tiers": [{"medium": "disk", "restore_fraction": 0.02}]})
 
-            async def reported() -> bool:
+            async def reported(client=client, gateway=gateway, a=a, b=b) -> bool:
                 async with client.get(gateway.url + "/status.json") as response:
                     rows = orjson.loads(await response.read())["endpoints"]
                 return {e["id"]: e["kv_restore_fractions"] for e in rows} == {a.url: {}, b.url: {"disk": 0.02}}

@@ -7,8 +7,7 @@ import itertools
 from typing import Any
 
 import orjson
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from gateway.translate.responses import ResponseEvents
 from gateway.translate.sse import SseFramer

@@ -10,8 +10,13 @@ from typing import Any
 import openai
 import pytest
 
-from tests.gateway.test_anthropic import CALLS, Start, _config, _openai_sdk
-from tests.gateway.test_anthropic import start as start  # the fixture: the gateway app and its upstreams
+from tests.gateway.test_anthropic import (
+    CALLS,
+    Start,
+    _config,
+    _openai_sdk,
+    start as start,  # the fixture: the gateway app and its upstreams
+)
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 WEATHER: Any = {"type": "function", "name": "get_weather", "description": "The weather in a city",

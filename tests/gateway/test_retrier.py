@@ -1,4 +1,5 @@
-"""The retries of gateway/upstream/dispatch.py: the retry budget and the retrier (the end-to-end fallback is in test_fallback.py)."""
+"""The retries of gateway/upstream/dispatch.py: the retry budget and the retrier (the end-to-end fallback is in
+test_fallback.py)."""
 from __future__ import annotations
 
 import asyncio

@@ -5,8 +5,7 @@ import itertools
 import re
 
 import orjson
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from gateway.server.client_stream import SseCounter
 

@@ -54,11 +54,10 @@ async def test_stream_is_relayed_chunk_by_chunk(one_upstream) -> None:
         if event.startswith(b"data: {"):
             fake.release("next")
 
-    async with aiohttp.ClientSession() as client:
-        async with client.post(gateway.url + CHAT, json=body) as response:
-            assert response.status == 200
-            assert response.headers["Content-Type"].startswith("text/event-stream")
-            events = await read_events(response, release_next)
+    async with aiohttp.ClientSession() as client, client.post(gateway.url + CHAT, json=body) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        events = await read_events(response, release_next)
     data = [e for e in events if e.startswith(b"data: {")]
     assert [orjson.loads(e[6:])["choices"][0]["delta"]["content"] for e in data] == [f"tok{i} " for i in range(4)]
     assert events[-1] == b"data: [DONE]"
@@ -79,9 +78,8 @@ async def test_keepalives_while_the_first_token_is_awaited(one_upstream) -> None
             if num_keepalives == 3:
                 fake.release("keepalives-seen")
 
-    async with aiohttp.ClientSession() as client:
-        async with client.post(gateway.url + CHAT, json=body) as response:
-            events = await read_events(response, answer_after_three_keepalives)
+    async with aiohttp.ClientSession() as client, client.post(gateway.url + CHAT, json=body) as response:
+        events = await read_events(response, answer_after_three_keepalives)
     first_data = next((i for i, e in enumerate(events) if e.startswith(b"data: {")), len(events))
     assert first_data >= 3 and all(e == b": keepalive" for e in events[:first_data])
     assert events[-1] == b"data: [DONE]" and b": keepalive" not in events[first_data:]
@@ -111,10 +109,9 @@ async def test_mid_stream_reset_ends_with_error_event_when_failover_is_off(start
     config["models"]["m"]["mid_stream_failover"] = False
     gateway = start_gateway(config)
     body = chat_body(stream=True, fake={"chunks": 5, "chunk_delay_s": 0.05, "reset_after": 2})
-    async with aiohttp.ClientSession() as client:
-        async with client.post(gateway.url + CHAT, json=body) as response:
-            assert response.status == 200
-            events = await read_events(response)
+    async with aiohttp.ClientSession() as client, client.post(gateway.url + CHAT, json=body) as response:
+        assert response.status == 200
+        events = await read_events(response)
     contents = [e for e in events if e.startswith(b"data: {\"id\"")]
     assert len(contents) == 2
     error = orjson.loads(events[-2][6:])

@@ -6,8 +6,7 @@ import asyncio
 import itertools
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from gateway.upstream.connection import UpstreamBody, UpstreamConnection, UpstreamProtocolError
 from gateway.upstream.deadlines import Deadlines

@@ -9,8 +9,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gateway.upstream.http_client import UpstreamClient
 

@@ -6,6 +6,7 @@ import pytest
 from gateway.routing.load import LoadTracker
 from gateway.routing.vllm_metrics import load_report_from_metrics
 
+# ruff: noqa: E501  (SAMPLE holds exposition lines exactly as vLLM serves them; a line cannot be wrapped)
 SAMPLE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

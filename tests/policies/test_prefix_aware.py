@@ -25,10 +25,13 @@ def select(endpoints, block_size=16, **options):
     ({"block_size": 4}, [ep("a", matched=10, decode=100), ep("b"), ep("c", decode=100)], "b", DecisionReason.BALANCED),
     # over the load bound, a cache hit does not count (score 160 - 150 > 0 would have won):
     # mean (3001+6+1)/3 = 1002.7, bound 1504
-    ({"alpha": 0.05}, [ep("a", matched=10, decode=3000), ep("b", decode=5), ep("c", decode=0)], "c", DecisionReason.BALANCED),
-    ({"load_factor": 3.5, "alpha": 0.05}, [ep("a", matched=10, decode=3000), ep("b", decode=5), ep("c")], "a", DecisionReason.PREFIX_HIT),
+    ({"alpha": 0.05}, [ep("a", matched=10, decode=3000), ep("b", decode=5), ep("c", decode=0)], "c",
+     DecisionReason.BALANCED),
+    ({"load_factor": 3.5, "alpha": 0.05}, [ep("a", matched=10, decode=3000), ep("b", decode=5), ep("c")], "a",
+     DecisionReason.PREFIX_HIT),
     # nothing cached anywhere: least tokens (not least requests)
-    ({}, [ep("a", requests=1, prefill=700), ep("b", requests=3, decode=90), ep("c", decode=95)], "b", DecisionReason.BALANCED),
+    ({}, [ep("a", requests=1, prefill=700), ep("b", requests=3, decode=90), ep("c", decode=95)], "b",
+     DecisionReason.BALANCED),
     # a cached but unhealthy endpoint is ignored
     ({}, [ep("a", matched=10, healthy=False), ep("b", decode=9), ep("c", decode=3)], "c", DecisionReason.BALANCED),
 ])

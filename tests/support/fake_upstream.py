@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--behaviour", default="{}", help="default behaviour (JSON)")
     parser.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
     args = parser.parse_args()
-    import uvloop   # the server's modules load in the fake's own process only, not in the tests'
+    import uvloop  # the server's modules load in the fake's own process only, not in the tests'
     from aiohttp import web
 
     from tests.support.fake_upstream_app import make_app

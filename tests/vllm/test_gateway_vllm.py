@@ -120,8 +120,8 @@ def test_prefix_aware_routing_from_vllm_kv_events(vllm_pair: Pair, start_gateway
 
     # Until each SUB socket has joined its publisher, events are dropped (PUB/SUB): wait for one hit each.
     for engine in vllm_pair:
-        wait_until(lambda e=engine: follows_events(e, events_flow=False), f"vLLM {engine.name}'s KV events to reach the gateway",
-                   timeout_s=120, interval_s=0.2)
+        wait_until(lambda e=engine: follows_events(e, events_flow=False),
+                   f"vLLM {engine.name}'s KV events to reach the gateway", timeout_s=120, interval_s=0.2)
     results = [(engine.name, follows_events(engine)) for _ in range(3) for engine in (a, b)]
     assert results == [("a", True), ("b", True)] * 3
 

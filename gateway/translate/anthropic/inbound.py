@@ -14,8 +14,7 @@ import orjson
 
 from gateway.errors import BadRequest
 from gateway.translate.anthropic import FIRST_VERSION
-from gateway.translate.anthropic.inbound_tools import chat_messages as chat_messages_of
-from gateway.translate.anthropic.inbound_tools import chat_tools, tool_use_blocks
+from gateway.translate.anthropic.inbound_tools import chat_messages as chat_messages_of, chat_tools, tool_use_blocks
 from gateway.translate.chat_stream import ChatStreamTranslator
 from gateway.translate.sse import named_event
 

@@ -20,7 +20,8 @@ def adversarial_tensors() -> dict[str, torch.Tensor]:
     rng = np.random.default_rng(1234)
     out: dict[str, torch.Tensor] = {}
     for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float16, "fp16")):
-        out[f"{tag}.all_patterns"] = bits_tensor(rng.permutation(65536), dtype, (256, 256))   # every exponent, NaN/Inf payloads
+        # every exponent, NaN/Inf payloads
+        out[f"{tag}.all_patterns"] = bits_tensor(rng.permutation(65536), dtype, (256, 256))
         out[f"{tag}.uniform_bits"] = bits_tensor(rng.integers(0, 65536, 300_001), dtype, (300_001, 1))
         out[f"{tag}.single_value"] = bits_tensor(np.full(5000, 0x3F80), dtype, (50, 100))
         out[f"{tag}.zeros"] = torch.zeros(3, 7, dtype=dtype)

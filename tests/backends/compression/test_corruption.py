@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from backends.compression import CorruptWeightsError, compress_folder, load_compressed_file
 from backends.compression.layout import Part, part_name
+
 from .conftest import data_offset
 
 TARGET = "victim.weight"
@@ -45,7 +46,8 @@ def _damaged_copy(src: Path, tmp_path: Path, offset: int) -> Path:
     (Part.RAW, 0.0), (Part.RAW, 0.99),
     (Part.LANES, 0.3), (Part.CHECKS, 0.5),
 ])
-def test_flipped_byte_in_a_part_names_the_tensor(compressed_file: Path, tmp_path: Path, part: Part, within: float) -> None:
+def test_flipped_byte_in_a_part_names_the_tensor(compressed_file: Path, tmp_path: Path, part: Part,
+                                                 within: float) -> None:
     offset = data_offset(compressed_file, part_name(TARGET, part), within)
     with pytest.raises(CorruptWeightsError, match=re.escape(repr(TARGET))):
         load_compressed_file(_damaged_copy(compressed_file, tmp_path, offset))
@@ -53,12 +55,13 @@ def test_flipped_byte_in_a_part_names_the_tensor(compressed_file: Path, tmp_path
 
 def test_flipped_byte_in_a_plain_tensor_names_it(compressed_file: Path, tmp_path: Path) -> None:
     offset = data_offset(compressed_file, "norm.weight", 0.5)
-    with pytest.raises(CorruptWeightsError, match="'norm.weight'"):
+    with pytest.raises(CorruptWeightsError, match=re.escape("'norm.weight'")):
         load_compressed_file(_damaged_copy(compressed_file, tmp_path, offset))
 
 
 @pytest.mark.parametrize("field", ["threshold", "counts", "num_codes", "book_checksum", "shape"])
-def test_flipped_digit_in_the_metadata_record_names_the_tensor(compressed_file: Path, tmp_path: Path, field: str) -> None:
+def test_flipped_digit_in_the_metadata_record_names_the_tensor(compressed_file: Path, tmp_path: Path,
+                                                               field: str) -> None:
     raw = compressed_file.read_bytes()
     header_end = 8 + int.from_bytes(raw[:8], "little")
     header = " " * 8 + raw[8:header_end].decode()        # keep string indices equal to file offsets
@@ -90,7 +93,7 @@ def test_truncated_file_names_a_tensor(compressed_file: Path, tmp_path: Path, ke
     raw = compressed_file.read_bytes()
     damaged = tmp_path / "truncated.safetensors"
     damaged.write_bytes(raw[: int(len(raw) * keep)])
-    with pytest.raises(CorruptWeightsError, match="tensor '|truncated"):
+    with pytest.raises(CorruptWeightsError, match=r"tensor '|truncated"):
         load_compressed_file(damaged)
 
 

@@ -6,14 +6,13 @@ import crc32c
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import save_file
 
 from backends.compression import CorruptWeightsError, codebook, compress_folder, cpu_decode, load_compressed_file
 from backends.compression.compress import compress_file
-from backends.compression.cpu_decode import Scratch, decode_tables, expand_into, merge_into, native_decoder
 from backends.compression.container import map_file
+from backends.compression.cpu_decode import Scratch, decode_tables, expand_into, merge_into, native_decoder
 from backends.compression.layout import DATA_CHECKSUMS, FORMAT_KEY, FORMAT_VERSION, FloatKind, split_symbols
 from tests.backends.compression.test_codebook import _book_for
 
@@ -140,7 +139,7 @@ def test_both_paths_load_a_file_bit_exact(source_folder, native: bool) -> None:
 def test_v2_files_with_zlib_checksums_still_load_and_are_checked(source_folder, tmp_path) -> None:
     root, weights = source_folder
     v2 = "switchyard-tunstall16-v2"
-    assert FORMAT_VERSION != v2 and DATA_CHECKSUMS[v2] is not DATA_CHECKSUMS[FORMAT_VERSION]
+    assert v2 != FORMAT_VERSION and DATA_CHECKSUMS[v2] is not DATA_CHECKSUMS[FORMAT_VERSION]
     path = tmp_path / "v2.safetensors"
     compress_file(root / "src" / "model.safetensors", path, None, version=v2)
     assert map_file(path).metadata[FORMAT_KEY] == v2
@@ -218,7 +217,8 @@ def test_compressed_files_are_identical_with_and_without_the_extension(source_fo
     compress_folder(root / "src", tmp_path / "numpy")
     # exact: the C dictionary builder repeats numpy's elementwise IEEE double operations (built with
     # -ffp-contract=off: no fused multiply-adds on any CPU), and the rest is integer work
-    assert (tmp_path / "native" / "model.safetensors").read_bytes() == (tmp_path / "numpy" / "model.safetensors").read_bytes()
+    native, numpy = tmp_path / "native" / "model.safetensors", tmp_path / "numpy" / "model.safetensors"
+    assert native.read_bytes() == numpy.read_bytes()
 
 
 def test_parts_lie_in_the_documented_order(source_folder, tmp_path) -> None:

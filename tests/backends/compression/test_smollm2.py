@@ -47,8 +47,8 @@ def test_weights_kept_compressed_give_the_same_logits_in_less_memory(smollm2_fol
     [out, in], so the same matmul runs)."""
     runner_module = pytest.importorskip("backends.worker.model_runner")
     from backends.compression import CompressedTensor
-    from backends.models import layers
     from backends.core.batch import ForwardBatch, SeqChunk
+    from backends.models import layers
     _, bf16, compressed = smollm2_folders
     prompt = (1, 504, 3458, 314, 253, 1345, 30, 2, 17, 93, 4, 1182, 42, 5, 880, 61, 7)
     steps = [ForwardBatch(chunks=(SeqChunk(token_ids=prompt, num_context_tokens=0, block_table=(0, 1)),)),
@@ -59,7 +59,7 @@ def test_weights_kept_compressed_give_the_same_logits_in_less_memory(smollm2_fol
                                            block_size=16, keep_weights_compressed=keep)
         logits.append([runner.execute(batch) for batch in steps])
         runners.append(runner)
-    for ours, want in zip(logits[1], logits[0]):
+    for ours, want in zip(logits[1], logits[0], strict=True):
         assert torch.isfinite(want).all()
         # exact: the expanded buffer holds the same bf16 matrices, so the same matmuls run on the same shapes
         assert torch.equal(ours.view(torch.int16), want.view(torch.int16))
@@ -93,7 +93,7 @@ def test_weights_kept_compressed_on_cuda_match_the_expanded_runner(smollm2_folde
         runner = runner_module.ModelRunner(folder, dtype=torch.bfloat16, device="cuda", num_blocks=4,
                                            block_size=16, attention_backend="sdpa", keep_weights_compressed=keep)
         logits.append([runner.execute(batch).cpu() for batch in steps])
-    for ours, want in zip(logits[1], logits[0]):
+    for ours, want in zip(logits[1], logits[0], strict=True):
         assert torch.isfinite(want).all()
         assert torch.equal(ours.view(torch.int16), want.view(torch.int16))   # exact: as on the CPU above
 

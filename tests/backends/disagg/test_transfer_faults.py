@@ -15,12 +15,12 @@ from tests.backends.references import text_of
 from tests.gateway.conftest import metric
 from tests.support.wait import await_until
 
-
 # --- refusals, holds and cut transfers ------------------------------------------------------------
 
 async def test_bad_decode_legs_are_clear_errors_without_leaks(cluster: Cluster, references) -> None:
     body = references[1].body
-    status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    status, pre = await post(cluster.url("p1"),
+                             {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     kv = pre["kv_transfer_params"]
     status, err = await post(cluster.url("d2"), {**body, "kv_transfer_params": {**kv, "num_prompt_tokens": 3}})
     assert status == 400 and err["error"]["code"] == "kv_transfer_mismatch"
@@ -40,7 +40,8 @@ async def test_a_decode_leg_refused_before_its_pull_releases_the_hold_at_once(cl
     refuses the leg (400). No decode leg will ask for that hold, so the decode worker has the prefill worker
     release it then, rather than the prompt's blocks staying held until the hold expires."""
     body = references[1].body
-    status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    status, pre = await post(cluster.url("p1"),
+                             {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     kv = pre["kv_transfer_params"]
     assert status == 200 and (await get(cluster.url("p1") + "/load"))["num_held_blocks"] > 0
     status, err = await post(cluster.url("d1"), {**body, "max_tokens": 4, "min_tokens": 10, "kv_transfer_params": kv})
@@ -54,7 +55,8 @@ async def test_the_gateway_can_release_a_hold_no_decode_leg_will_claim(cluster: 
     """POST /kv_holds/release (the gateway's call when it falls back, redoes the prefill or its client leaves):
     the blocks are freed at once, a second call finds nothing, and a decode worker holds nothing to release."""
     body = references[1].body
-    status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    status, pre = await post(cluster.url("p1"),
+                             {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     transfer_id = pre["kv_transfer_params"]["remote_request_id"]
     assert status == 200 and (await get(cluster.url("p1") + "/load"))["num_held_blocks"] > 0
     for released in (True, False):
@@ -72,7 +74,8 @@ async def test_the_gateway_can_release_a_hold_no_decode_leg_will_claim(cluster: 
 
 async def test_transfer_cut_midway_fails_cleanly_and_hold_survives(cluster: Cluster, references) -> None:
     body = references[2].body
-    status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    status, pre = await post(cluster.url("p1"),
+                             {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     kv = pre["kv_transfer_params"]
     upstream_port = kv["remote_port"]
 
@@ -105,7 +108,8 @@ async def test_transfer_cut_midway_fails_cleanly_and_hold_survives(cluster: Clus
 
 async def test_client_gone_during_the_pull_frees_the_blocks(cluster: Cluster, references) -> None:
     body = references[0].body
-    status, pre = await post(cluster.url("p1"), {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    _status, pre = await post(cluster.url("p1"),
+                              {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     kv = pre["kv_transfer_params"]
     accepted, closed = asyncio.Event(), asyncio.Event()
 

@@ -4,9 +4,9 @@ end and kept blocks go when the test says (`finish_load`, `release`), as the P/D
 from __future__ import annotations
 
 from backends.core.kv_transfer_params import KVTransferParams, RemoteBlocks
-from backends.kv_connectors.base import FinishedTransfers, LoadResult
 from backends.core.outputs import FinishReason
 from backends.core.sequence import Sequence
+from backends.kv_connectors.base import FinishedTransfers, LoadResult
 
 REMOTE = KVTransferParams(remote=RemoteBlocks("127.0.0.1", 1, "t", None))   # a decode leg's params
 PREFILL = KVTransferParams(do_remote_decode=True)                            # a prefill leg's

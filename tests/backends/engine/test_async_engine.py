@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.engine.async_engine import AsyncEngine, EngineRequestError
 from backends.core.engine_config import EngineConfig
-from backends.engine.engine import LLMEngine
 from backends.core.outputs import FinishReason
 from backends.core.sampling_params import SamplingParams
+from backends.engine.async_engine import AsyncEngine, EngineRequestError
+from backends.engine.engine import LLMEngine
 from backends.worker.model_runner import ModelRunner
 from tests.backends.engine.runner_view import RunnerView
 from tests.backends.numerics import assert_mostly_clear, assert_same_tokens, choices, logit_tolerance

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from backends.core.block_manager import BlockManager
 from backends.core.block_events import KVEventKind, KVEventRing
+from backends.core.block_manager import BlockManager
 from backends.core.sampling_params import SamplingParams
 from backends.core.sequence import Sequence
 from cache.block_hash import ROOT_HASH, block_hashes
@@ -75,7 +75,7 @@ def test_unreferenced_cached_blocks_stay_until_needed_then_lru_evicts() -> None:
     bm.free(a)
     assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 2
     # A hit on a freed cached block revives it from the LRU.
-    again = seq(list(range(8)) + [99], "again")
+    again = seq([*range(8), 99], "again")
     assert bm.allocate(again) == 8
     assert bm.num_free_blocks == 1
     bm.free(again)

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from backends.engine.async_engine import AsyncEngine, EngineRequestError
+from backends.core.batch import ForwardBatch
 from backends.core.engine_config import EngineConfig
-from backends.engine.engine import LLMEngine
 from backends.core.outputs import FinishReason, SequenceOutput
 from backends.core.sampling_params import SamplingParams
+from backends.engine.async_engine import AsyncEngine, EngineRequestError
+from backends.engine.engine import LLMEngine
 from backends.speculative.ngram import NgramProposer
 from backends.speculative.proposer import DraftRequest
-from backends.core.batch import ForwardBatch
 from backends.worker.model_runner import ModelRunner
 from tests.backends.engine.runner_view import RunnerView
 from tests.backends.engine.test_engine_model import BLOCK, make_engine, prompt, run_all

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from backends.core.engine_config import EngineConfig
-from backends.engine.engine import LLMEngine
 from backends.core.block_events import KVEventKind
+from backends.core.engine_config import EngineConfig
 from backends.core.outputs import FinishReason
 from backends.core.sampling_params import SamplingParams
+from backends.engine.engine import LLMEngine
 from backends.worker.model_runner import ModelRunner
 from cache.block_hash import block_hashes
 from tests.backends.engine.runner_view import RunnerView

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from backends.core.engine_config import EngineConfig
-from backends.engine.engine import LLMEngine
 from backends.core.kv_transfer_params import KVTransferParams
 from backends.core.outputs import FinishReason
 from backends.core.sampling_params import SamplingParams
 from backends.core.sequence import SequenceStatus
+from backends.engine.engine import LLMEngine
 from backends.worker.model_runner import ModelRunner
 from tests.backends.engine.fake_connector import PREFILL, REMOTE, FakeConnector
 from tests.backends.engine.runner_view import RunnerView

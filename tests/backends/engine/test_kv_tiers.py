@@ -14,16 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.core.engine_config import EngineConfig
-from backends.engine.engine import LLMEngine
 from backends.core.block_events import CPU, DISK, STORE, KVEventKind
+from backends.core.engine_config import EngineConfig
 from backends.core.outputs import SequenceOutput
 from backends.core.sampling_params import SamplingParams
+from backends.engine.engine import LLMEngine
 from backends.worker.model_runner import ModelRunner
 from tests.backends.engine.runner_view import RunnerView
 from tests.backends.engine.test_engine_model import hf_greedy, prompt, rel_err, tokens
-from tests.backends.numerics import (assert_mostly_clear, assert_same_tokens, choices, float64_copy,
-                                    logit_tolerance)
+from tests.backends.numerics import assert_mostly_clear, assert_same_tokens, choices, float64_copy, logit_tolerance
 from tests.support.mooncake import Master
 from tests.support.wait import wait_until
 

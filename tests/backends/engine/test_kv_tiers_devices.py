@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 from backends.core.engine_config import EngineConfig
+from backends.core.sampling_params import SamplingParams
 from backends.engine.engine import LLMEngine
 from backends.engine.runner import build_runner
-from backends.core.sampling_params import SamplingParams
 from tests.backends.engine.runner_view import RunnerView
 from tests.backends.engine.test_engine_model import hf_greedy, rel_err, tokens
 from tests.backends.engine.test_kv_tiers import evict_prefix, run_all

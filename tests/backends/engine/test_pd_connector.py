@@ -11,15 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from backends.engine.async_engine import AsyncEngine
 from backends.core.engine_config import EngineConfig
-from backends.engine.engine import LLMEngine
 from backends.core.kv_transfer_params import KVTransferParams
 from backends.core.outputs import FinishReason
-from backends.kv_connectors.pd_connector import PDConnector
 from backends.core.sampling_params import SamplingParams
-from backends.kv_transfer.base import (KVBlockSink, KVBlockSource, KVErrorCode, KVTransferError, KVTransport,
-                                       PullResult, RemoteBlocks)
+from backends.engine.async_engine import AsyncEngine
+from backends.engine.engine import LLMEngine
+from backends.kv_connectors.pd_connector import PDConnector
+from backends.kv_transfer.base import (
+    KVBlockSink,
+    KVBlockSource,
+    KVErrorCode,
+    KVTransferError,
+    KVTransport,
+    PullResult,
+    RemoteBlocks,
+)
 from backends.kv_transfer.torch_cache import TorchPagedKV
 from backends.worker.model_runner import ModelRunner
 from tests.backends.engine.runner_view import RunnerView

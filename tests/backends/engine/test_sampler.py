@@ -6,12 +6,25 @@ import math
 
 import pytest
 import torch
-from transformers import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
-                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from backends.core.sampling_params import SamplingParams
-from backends.worker.sampler import (SampleRow, add_logit_bias, apply_penalties, filtered_probs, sample, step_seed,
-                                     step_uniform)
+from backends.worker.sampler import (
+    SampleRow,
+    add_logit_bias,
+    apply_penalties,
+    filtered_probs,
+    sample,
+    step_seed,
+    step_uniform,
+)
 from tests.backends.numerics import choice
 
 V = 12
@@ -185,7 +198,7 @@ def test_logprobs_come_from_raw_logits_before_penalties_and_temperature() -> Non
     assert math.isclose(lp.logprob, raw[0, lp.token_id].item(), rel_tol=1e-6)
     top_vals, top_ids = raw[0].topk(3)
     assert [t for t, _ in lp.top] == top_ids.tolist()
-    assert all(math.isclose(v, r, rel_tol=1e-6) for (_, v), r in zip(lp.top, top_vals.tolist()))
+    assert all(math.isclose(v, r, rel_tol=1e-6) for (_, v), r in zip(lp.top, top_vals.tolist(), strict=True))
     assert out.logprobs[2] is not None and out.logprobs[2].top == ()
 
 

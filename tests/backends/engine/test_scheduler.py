@@ -6,15 +6,14 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from backends.core.block_manager import BlockManager
 from backends.core.kv_transfer_params import KVTransferParams
 from backends.core.outputs import FinishReason
 from backends.core.sampling_params import SamplingParams
-from backends.engine.scheduler import Scheduler, SchedulerOutput
 from backends.core.sequence import Sequence, SequenceStatus
+from backends.engine.scheduler import Scheduler, SchedulerOutput
 from tests.backends.engine.fake_connector import PREFILL, REMOTE, FakeConnector
 
 

@@ -22,8 +22,13 @@ from backends.speculative.verify import verify
 from backends.worker.model_runner import ModelRunner
 from backends.worker.sampler import SampleRow
 from tests.backends.engine.test_engine_model import make_engine, run_all, tokens
-from tests.backends.numerics import (assert_mostly_clear, assert_same_tokens, choices, logit_tolerance,
-                                     teacher_forced_logits)
+from tests.backends.numerics import (
+    assert_mostly_clear,
+    assert_same_tokens,
+    choices,
+    logit_tolerance,
+    teacher_forced_logits,
+)
 
 STRUCTURED = [
     'Rewrite this JSON with "age" set to 31. Output only the JSON.\n'

@@ -36,18 +36,19 @@ def snapshot(kv: TorchPagedKV) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def assert_blocks_equal(src: TorchPagedKV, src_ids: Sequence[int], dst: TorchPagedKV, dst_ids: Sequence[int]) -> None:
     """Byte-for-byte (exact: a transfer copies bytes): every layer's K and V of src blocks == dst blocks, in order."""
-    for layer, ((sk, sv), (dk, dv)) in enumerate(zip(src.layers, dst.layers)):
+    for layer, ((sk, sv), (dk, dv)) in enumerate(zip(src.layers, dst.layers, strict=True)):
         for name, s, d in (("K", sk, dk), ("V", sv, dv)):
             want = s[list(src_ids)].view(torch.uint8)
             got = d[list(dst_ids)].view(torch.uint8)
             assert torch.equal(want, got), f"layer {layer} {name} differs"
 
 
-def assert_untouched(dst: TorchPagedKV, before: list[tuple[torch.Tensor, torch.Tensor]], written: Sequence[int]) -> None:
+def assert_untouched(dst: TorchPagedKV, before: list[tuple[torch.Tensor, torch.Tensor]],
+                     written: Sequence[int]) -> None:
     """Byte-for-byte (exact: nothing wrote them): the blocks outside `written` are as they were."""
     written_set = set(written)
     others = [b for b in range(dst.num_blocks) if b not in written_set]
-    for (k, v), (k0, v0) in zip(dst.layers, before):
+    for (k, v), (k0, v0) in zip(dst.layers, before, strict=True):
         assert torch.equal(k[others].view(torch.uint8), k0[others].view(torch.uint8))
         assert torch.equal(v[others].view(torch.uint8), v0[others].view(torch.uint8))
 

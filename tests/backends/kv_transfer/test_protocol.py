@@ -6,15 +6,29 @@ import struct
 import zlib
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from backends.core.kv_transfer_params import RemoteBlocks
-from backends.kv_transfer.base import (ChecksumKind, KVDtype, KVErrorCode, KVLayout, KVTransferError,
-                                       ReleaseMode, prefill_kv_transfer_params)
-from backends.kv_transfer.protocol import (HEADER_SIZE, MAX_META_LEN, FrameType, PullRequest,
-                                           decode_header, decode_layer_meta, encode_header,
-                                           encode_layer_prefix, layer_checksum)
+from backends.kv_transfer.base import (
+    ChecksumKind,
+    KVDtype,
+    KVErrorCode,
+    KVLayout,
+    KVTransferError,
+    ReleaseMode,
+    prefill_kv_transfer_params,
+)
+from backends.kv_transfer.protocol import (
+    HEADER_SIZE,
+    MAX_META_LEN,
+    FrameType,
+    PullRequest,
+    decode_header,
+    decode_layer_meta,
+    encode_header,
+    encode_layer_prefix,
+    layer_checksum,
+)
 
 LAYOUT = KVLayout(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype=KVDtype.BFLOAT16)
 

@@ -10,17 +10,39 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.kv_transfer import ChecksumKind, KVErrorCode, KVTransferConfig, KVTransferError, ReleaseMode, TcpKVConnector
+from backends.kv_transfer import (
+    ChecksumKind,
+    KVErrorCode,
+    KVTransferConfig,
+    KVTransferError,
+    ReleaseMode,
+    TcpKVConnector,
+)
 from backends.kv_transfer.base import KVLayerReader, SharedRegion
-from backends.kv_transfer.protocol import (HEADER_SIZE, FrameType, PullRequest, decode_header, decode_json_meta,
-                                           encode_json_frame)
+from backends.kv_transfer.protocol import (
+    HEADER_SIZE,
+    FrameType,
+    PullRequest,
+    decode_header,
+    decode_json_meta,
+    encode_json_frame,
+)
 from backends.kv_transfer.shm import SharedKVFile, joint_runs, stacked_bytes
 from backends.kv_transfer.torch_cache import TorchPagedKV
 from backends.worker.kv_cache import KVCache, KVCacheSpec
-
 from tests.support.wait import await_until
 
-from .conftest import BLOCK_SIZE, HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, assert_blocks_equal, assert_untouched, make_kv, remote, snapshot
+from .conftest import (
+    BLOCK_SIZE,
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    assert_blocks_equal,
+    assert_untouched,
+    make_kv,
+    remote,
+    snapshot,
+)
 
 SRC_IDS = [17, 3, 40, 41, 42, 9]
 DST_IDS = [5, 30, 2, 11, 12, 60]
@@ -43,10 +65,10 @@ def stacked_sink(num_blocks: int = 64, seed: int = 2) -> TorchPagedKV:
     """A decode-side cache laid out like the worker's KVCache (one buffer), random bytes."""
     cache = KVCache(KVCacheSpec(NUM_LAYERS, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float32), "cpu")
     random = make_kv(num_blocks, torch.float32, seed)
-    for k, v, (rk, rv) in zip(cache.k, cache.v, random.layers):
+    for k, v, (rk, rv) in zip(cache.k, cache.v, random.layers, strict=True):
         k.copy_(rk)
         v.copy_(rv)
-    return TorchPagedKV(list(zip(cache.k, cache.v)))
+    return TorchPagedKV(list(zip(cache.k, cache.v, strict=True)))
 
 
 @contextlib.asynccontextmanager
@@ -82,7 +104,7 @@ def test_shared_file_is_zeroed_private_and_nameless() -> None:
 def test_kv_cache_layers_are_one_stacked_buffer() -> None:
     cache = KVCache(KVCacheSpec(NUM_LAYERS, 8, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, torch.float16), "cpu", shared=True)
     assert cache.shared_region is not None
-    stacked = stacked_bytes(list(zip(cache.k, cache.v)))
+    stacked = stacked_bytes(list(zip(cache.k, cache.v, strict=True)))
     assert stacked is not None and tuple(stacked.shape) == (NUM_LAYERS, 2, 8, BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2)
     cache.v[1][3].fill_(1.0)
     assert (stacked[1, 1, 3].view(torch.float16) == 1.0).all() and not stacked[1, 0].any()
@@ -185,7 +207,7 @@ class CountingSource:
         self.kv = kv
         self.open_readers = 0
 
-    def layout(self):  # noqa: ANN201
+    def layout(self):
         return self.kv.layout()
 
     def lookup(self, transfer_id: str) -> Sequence[int] | None:
@@ -203,7 +225,7 @@ class CountingSource:
         source = self
 
         class Counted:
-            def read_layer(self, layer: int):  # noqa: ANN201
+            def read_layer(self, layer: int):
                 return reader.read_layer(layer)
 
             def close(self) -> None:

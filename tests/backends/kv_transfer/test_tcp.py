@@ -7,14 +7,18 @@ import time
 import pytest
 import torch
 
-from backends.kv_transfer import (ChecksumKind, KVErrorCode, KVTransferConfig, KVTransferError,
-                                  ReleaseMode, TcpKVConnector)
+from backends.kv_transfer import (
+    ChecksumKind,
+    KVErrorCode,
+    KVTransferConfig,
+    KVTransferError,
+    ReleaseMode,
+    TcpKVConnector,
+)
 from backends.kv_transfer.torch_cache import TorchPagedKV
-
 from tests.support.wait import DEFAULT_TIMEOUT_S, await_until
 
-from .conftest import (FaultyProxy, ProxyMode, assert_blocks_equal, assert_untouched, make_kv, remote,
-                       snapshot)
+from .conftest import FaultyProxy, ProxyMode, assert_blocks_equal, assert_untouched, make_kv, remote, snapshot
 
 SRC_IDS = [17, 3, 40, 41, 42, 9]   # a hold scattered over the prefill cache
 DST_IDS = [5, 30, 2, 11, 12, 60]   # where the decode worker allocated
@@ -256,7 +260,7 @@ async def test_server_drops_a_client_that_stops_reading() -> None:
     try:
         from backends.kv_transfer.protocol import FrameType, PullRequest, encode_json_frame
         request = PullRequest("big", src.layout(), ChecksumKind.NONE, ReleaseMode.AFTER_PULL, 0, 2048)
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(encode_json_frame(FrameType.PULL, request.to_wire()))
         # Never read: the server's drain stalls, and 0.3 s without progress later it gives up.
         await await_until(lambda: not server._server._connections,  # type: ignore[union-attr]
@@ -281,7 +285,7 @@ async def test_cuda_caches_through_pinned_staging() -> None:
     try:
         src.holds.hold("g", SRC_IDS)
         await TcpKVConnector().pull(remote(port, "g"), dst, DST_IDS)
-        for (sk, sv), (dk, dv) in zip(src.layers, dst.layers):
+        for (sk, sv), (dk, dv) in zip(src.layers, dst.layers, strict=True):
             # exact: the pull copies bytes
             assert torch.equal(sk[SRC_IDS].view(torch.uint8).cpu(), dk[DST_IDS].view(torch.uint8).cpu())
             assert torch.equal(sv[SRC_IDS].view(torch.uint8).cpu(), dv[DST_IDS].view(torch.uint8).cpu())

@@ -27,7 +27,8 @@ def test_reader_pieces_concatenate_to_the_payload(dtype: torch.dtype, max_pieces
         assert len(pieces) == num_pieces  # one per run of K and of V, or K and V gathered
         assert b"".join(bytes(p) for p in pieces) == expected_payload(kv, layer, IDS)
     reader.close()
-    for (k, v), (k0, v0) in zip(kv.layers, before):  # exact (reading writes nothing); bytes: random bits include NaNs
+    # exact (reading writes nothing); bytes: random bits include NaNs
+    for (k, v), (k0, v0) in zip(kv.layers, before, strict=True):
         assert torch.equal(k.view(torch.uint8), k0.view(torch.uint8))
         assert torch.equal(v.view(torch.uint8), v0.view(torch.uint8))
 

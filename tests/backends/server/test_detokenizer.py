@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from transformers import PreTrainedTokenizerBase
 
 from backends.server.detokenizer import StopStringDetokenizer
@@ -52,7 +51,7 @@ def run(tok: PreTrainedTokenizerBase, ids: list[int], stops: list[str]) -> tuple
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_stream_equals_decode_without_stops(smollm2_tokenizer: PreTrainedTokenizerBase, text: str) -> None:
-    ids = smollm2_tokenizer.encode(text) + [smollm2_tokenizer.eos_token_id]
+    ids = [*smollm2_tokenizer.encode(text), smollm2_tokenizer.eos_token_id]
     final, streamed, consumed = run(smollm2_tokenizer, ids, [])
     assert final == streamed == smollm2_tokenizer.decode(ids, skip_special_tokens=True)
     assert consumed == len(ids)

@@ -10,8 +10,8 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.backends.structured_output.test_json_schema import valid
 from tests.backends.server.worker_client import post, wait_idle
+from tests.backends.structured_output.test_json_schema import valid
 from tests.support.worker_proc import WorkerProcess
 
 pytestmark = pytest.mark.slow

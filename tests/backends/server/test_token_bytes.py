@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from backends.structured_output.token_bytes import TokenBytes
 from backends.server.tokenization import PromptTokenizer
+from backends.structured_output.token_bytes import TokenBytes
 from backends.worker.loader import resolve_model
 
 TEXTS = ["🌊 waves, 東京, naïve café — ok", "plain ASCII", "<|im_end|> after a special token"]

@@ -8,14 +8,13 @@ import random
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from backends.structured_output.json_output import compiled_schema
 from backends.server.errors import APIError
 from backends.server.protocol import ParseContext, RequestKind, parse_request
 from backends.server.tool_call_output import ToolCallText
 from backends.server.tools import ToolCalling, parse_tools
+from backends.structured_output.json_output import compiled_schema
 from tests.backends.structured_output.test_json_schema import valid
 
 WEATHER = {"type": "function", "function": {

@@ -17,10 +17,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from backends.core.sampling_params import SamplingParams
-from tests.backends.numerics import (assert_mostly_clear, assert_same_text, assert_same_tokens, choices, first_unclear,
-                                    teacher_forced_logits)
-from tests.backends.server.hf_greedy import (GreedyReference, HFGreedy, assert_greedy_text, hf_float32_model,
-                                             hf_greedy_run, num_clear_greedy)
+from tests.backends import numerics
+from tests.backends.numerics import assert_same_text, assert_same_tokens, choices, first_unclear, teacher_forced_logits
+from tests.backends.server import hf_greedy as hf_reference
+from tests.backends.server.hf_greedy import GreedyReference, HFGreedy, assert_greedy_text, num_clear_greedy
 from tests.backends.server.worker_client import num_generated, post, stream_text, wait_idle, wait_running, worker_metric
 from tests.support.worker_proc import WorkerProcess, supervised
 
@@ -71,14 +71,14 @@ def prompt_ids(smollm2_tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_model(request: pytest.FixtureRequest) -> torch.nn.Module:
-    return hf_float32_model(request, MODEL)
+    return hf_reference.hf_float32_model(request, MODEL)
 
 
 @pytest.fixture(scope="module")
 def hf_run(hf_model: torch.nn.Module, hf_smollm2_f64: torch.nn.Module, worker: WorkerProcess,
            prompt_ids: list[list[int]]) -> HFGreedy:
     """transformers' greedy references for the prompts (`worker` is requested so that it loads meanwhile)."""
-    return hf_greedy_run(hf_model, hf_smollm2_f64, prompt_ids, NUM_NEW_TOKENS, EOS)
+    return hf_reference.hf_greedy_run(hf_model, hf_smollm2_f64, prompt_ids, NUM_NEW_TOKENS, EOS)
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +183,7 @@ async def test_seeded_sampling_same_alone_and_in_busy_batch(worker_url: str, pro
     params = SamplingParams(max_tokens=32, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
     logits = teacher_forced_logits(hf_model, prompt_ids[2], tokens)
     reference = choices(logits, params, params.seed, EOS, tolerance, prompt_ids[2])
-    assert_mostly_clear([reference], "the seeded draws")
+    numerics.assert_mostly_clear([reference], "the seeded draws")
     assert_same_tokens(busy["choices"][0]["token_ids"], tokens, reference, "busy against alone")
     assert other_seed["choices"][0]["token_ids"] != tokens
 

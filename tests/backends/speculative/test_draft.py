@@ -19,11 +19,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from backends.core.batch import ForwardBatch, SeqChunk
 from backends.core.sampling_params import SamplingParams
 from backends.speculative.draft import DraftModelProposer, weight_bytes_per_token
-from tools.draft_training.make_draft import make_draft, select_layers
 from backends.speculative.proposer import DraftRequest
-from backends.core.batch import ForwardBatch, SeqChunk
 from backends.worker.model_runner import ModelRunner
 from tests.backends.numerics import (
     Choice,
@@ -35,6 +34,7 @@ from tests.backends.numerics import (
     teacher_forced_logits,
 )
 from tests.support.worker_proc import worker_process
+from tools.draft_training.make_draft import make_draft, select_layers
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = ("The capital of France is Paris. The capital of Germany is",

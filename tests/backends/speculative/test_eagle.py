@@ -280,8 +280,8 @@ def test_engine_greedy_with_an_eagle_head_equals_plain_decoding(tmp_path: Path, 
     from transformers import AutoTokenizer
 
     from backends.core.engine_config import EngineConfig
-    from backends.engine.engine import LLMEngine
     from backends.core.sampling_params import SamplingParams
+    from backends.engine.engine import LLMEngine
     from tests.backends.engine.runner_view import RunnerView
     from tests.backends.engine.test_engine_model import make_engine, run_all, tokens
     from tests.backends.engine.test_speculative import STRUCTURED, greedy_reference

@@ -10,8 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from backends.structured_output.json_mode import MAX_DEPTH, MAX_WHITESPACE, START, State, TokenMasks, is_complete, step
 

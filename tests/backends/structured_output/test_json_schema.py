@@ -9,8 +9,7 @@ from collections import deque
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from backends.structured_output.json_mode import MAX_DEPTH, MAX_WHITESPACE
 from backends.structured_output.json_schema import compile_schema

@@ -8,15 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from backends.structured_output.json_mode import GrammarMasks, TokenMasks, VocabularyTries
 from backends.structured_output.json_schema import UnsupportedSchema, compile_schema
 from backends.structured_output.schema_grammar import SchemaGrammar
 from tests.backends.structured_output.test_json_mode import random_vocab, within_caps
 from tests.backends.structured_output.test_json_schema import GRAMMARS, SCHEMAS, accepts, dumps_options, feed, instances
-
 
 # --- compiling ------------------------------------------------------------------------------------------------
 

@@ -1,8 +1,7 @@
 """Properties of the token-bucket rule (`bucket`), which MemoryStore runs and the Redis Lua mirrors."""
 from __future__ import annotations
 
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from gateway.state import RateLimits, bucket
 
