@@ -266,7 +266,7 @@ def main() -> None:
     tiers = list(args.tiers)
     if "store" in tiers:
         try:
-            from backends.kv_tiers.mooncake_store import start_master, wait_ready
+            from backends.kv_connectors.tiers.mooncake_store import start_master, wait_ready
             from tests.support.ports import free_port
             port = free_port()
             master = start_master(port, metrics_port=free_port(), log_path=workdir / "mooncake_master.log")

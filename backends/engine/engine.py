@@ -36,7 +36,7 @@ from backends.worker.pooler import pool_last_tokens
 from backends.worker.sampler import MAX_LOGPROBS, SampleRow
 
 if TYPE_CHECKING:
-    from backends.kv_tiers.connector import TieredKVConnector
+    from backends.kv_connectors.tiers.connector import TieredKVConnector
 
 __all__ = ["EngineRequestError", "EngineStats", "LLMEngine", "LoadReport", "ModelRunnerLike"]
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class LLMEngine:
     def _build_tiers(self, runner: ModelRunnerLike) -> TieredKVConnector | None:
         if not self.config.has_kv_tiers:
             return None
-        from backends.kv_tiers.factory import build_tiered_connector
+        from backends.kv_connectors.tiers.factory import build_tiered_connector
 
         return build_tiered_connector(self.config, runner.kv_cache,  # type: ignore[attr-defined]
                                       self.weights_fingerprint, self.kv_events)

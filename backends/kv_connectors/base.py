@@ -1,7 +1,7 @@
 """The interface the scheduler consults about KV that lives outside the device pool (as vLLM v1's
 `KVConnectorBase_V1`): tokens a connector can load, the load's outcome, and blocks to keep when a
 sequence finishes. Prefill-to-decode transfer is one connector (pd_connector.py); the KV tiers keyed
-by `Sequence.block_hash` (backends/kv_tiers/connector.py) are another; `ConnectorChain` consults
+by `Sequence.block_hash` (backends/kv_connectors/tiers/connector.py) are another; `ConnectorChain` consults
 several. No torch, no sockets here.
 """
 from __future__ import annotations

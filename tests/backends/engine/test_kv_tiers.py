@@ -1,4 +1,4 @@
-"""KV tiers below the device pool (backends/kv_tiers) on the real SmolLM2: blocks the pool evicts are
+"""KV tiers below the device pool (backends/kv_connectors/tiers) on the real SmolLM2: blocks the pool evicts are
 written down to host RAM and disk, and a later prompt with the same prefix loads them back instead of
 recomputing them. The tokens and logits after a restore are held to transformers' own forward and
 greedy `generate`; a corrupt block is recomputed; no block leaks."""
@@ -239,7 +239,7 @@ def test_other_weights_in_a_folder_of_the_same_name_never_read_their_blocks(
                                fingerprint_weights=True)
     assert other_runner.weights_fingerprint != engine.runner.weights_fingerprint
     view = RunnerView(other_runner)
-    with caplog.at_level(logging.WARNING, logger="backends.kv_tiers.disk"):
+    with caplog.at_level(logging.WARNING, logger="backends.kv_connectors.tiers.disk"):
         other = LLMEngine(EngineConfig(model_dir=str(other_dir), block_size=BLOCK, num_blocks=POOL, **kw), view,
                           other_dir)
     if tier == DISK:   # the first weights' files stay (another worker may use them); the worker says what they hold
@@ -329,7 +329,7 @@ def test_nothing_is_copied_out_for_a_store_that_is_down(make_engine) -> None:
     not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_io_copies_one_block_of_every_layer(device: str, dtype: torch.dtype) -> None:
-    from backends.kv_tiers.block_io import BlockIO
+    from backends.kv_connectors.tiers.block_io import BlockIO
 
     stacked = torch.randn(3, 2, 5, 4, 2, 8).to(device=device, dtype=dtype)   # layers, K/V, blocks, tokens, heads, dim
     io = BlockIO(stacked)
@@ -345,7 +345,7 @@ def test_block_io_copies_one_block_of_every_layer(device: str, dtype: torch.dtyp
 
 
 def test_a_borrowed_ram_slot_is_not_reused_until_released() -> None:
-    from backends.kv_tiers.cpu import CpuTier
+    from backends.kv_connectors.tiers.cpu import CpuTier
 
     tier = CpuTier(2 * 8, 8)          # two slots of 8 bytes
     for h in (1, 2):

@@ -1,6 +1,6 @@
 """KV tiers on every device the worker runs on: a prefix the device pool evicted comes back from host RAM
 or disk, on the CPU here and on CUDA where there is one (on CUDA the copies go through pinned host
-buffers, backends/kv_tiers/block_io.py). No model file is needed, so the CUDA case runs on a machine that
+buffers, backends/kv_connectors/tiers/block_io.py). No model file is needed, so the CUDA case runs on a machine that
 has none: a small Llama of random weights, drawn so that attention is sharp (a wrong block moves the
 logits far), written as a checkpoint that both the engine and transformers load. The restored prefix's
 logits and the greedy tokens after it are held to transformers' own forward and `generate`."""
@@ -125,7 +125,7 @@ def test_a_tier_slower_than_computing_is_read_only_now_and_then(make_engine, tmp
     the engine computes it instead, and reads that tier on one lookup in PROBE_EVERY that it could serve;
     unless the worker was told to read such tiers all the same (to spare a busy GPU's compute)."""
     from backends.core.block_events import DISK
-    from backends.kv_tiers.connector import PROBE_EVERY
+    from backends.kv_connectors.tiers.connector import PROBE_EVERY
 
     engine, _ = make_engine("cpu", kv_disk_dir=str(tmp_path), kv_disk_bytes=64 << 20,
                             kv_read_slower_tiers=read_slower)

@@ -33,8 +33,8 @@ from backends.core.block_events import KVEventKind, KVEventRing
 from backends.core.outputs import KVTierLoad
 from backends.core.sequence import Sequence as EngineSequence
 from backends.kv_connectors.base import FinishedTransfers, LoadResult
-from backends.kv_tiers.base import KVTier, TierUsage
-from backends.kv_tiers.block_io import BlockIO, Pending, StagingRing
+from backends.kv_connectors.tiers.base import KVTier, TierUsage
+from backends.kv_connectors.tiers.block_io import BlockIO, Pending, StagingRing
 
 log = logging.getLogger(__name__)
 PROBE_EVERY = 16     # a tier slower than computing is still read on one lookup in this many that it could serve

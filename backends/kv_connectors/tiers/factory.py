@@ -7,11 +7,11 @@ from typing import Any
 
 from backends.core.block_events import KVEventRing
 from backends.core.engine_config import EngineConfig
-from backends.kv_tiers.base import KVTier, namespace
-from backends.kv_tiers.block_io import BlockIO
-from backends.kv_tiers.connector import TieredKVConnector
-from backends.kv_tiers.cpu import CpuTier
-from backends.kv_tiers.disk import DiskTier
+from backends.kv_connectors.tiers.base import KVTier, namespace
+from backends.kv_connectors.tiers.block_io import BlockIO
+from backends.kv_connectors.tiers.connector import TieredKVConnector
+from backends.kv_connectors.tiers.cpu import CpuTier
+from backends.kv_connectors.tiers.disk import DiskTier
 from backends.kv_transfer.torch_cache import TorchPagedKV
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def build_tiered_connector(config: EngineConfig, kv_cache: Any, weights_fingerpr
         local.append(disk)
     store = None
     if config.kv_store:
-        from backends.kv_tiers.mooncake_store import MooncakeStoreTier
+        from backends.kv_connectors.tiers.mooncake_store import MooncakeStoreTier
         store = MooncakeStoreTier(config.kv_store, space, block_io.block_nbytes, segment_bytes=config.kv_store_bytes)
     connector = TieredKVConnector(block_io, kv_cache.spec.block_size, local, store, events,
                                   config.kv_write_queue_blocks, config.kv_read_slower_tiers)
