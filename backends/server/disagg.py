@@ -61,12 +61,12 @@ class DecodeLeg:
 def kv_transfer_ctx(config: ServerConfig) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         engine, connector = app[ENGINE_KEY], app[PD_CONNECTOR_KEY]
-        from backends.kv_transfer.tcp import TcpKVConnector
+        from backends.kv_transfer.tcp import TcpTransport
         from backends.kv_transfer.torch_cache import TorchPagedKV
         from backends.worker.kv_adapter import EngineKVSource, block_digests
 
         kv = TorchPagedKV(engine.kv_layers(), region=engine.kv_region(), weights=engine.weights_fingerprint())
-        transport = TcpKVConnector(KVTransferConfig(idle_timeout_s=config.kv_idle_timeout_s,
+        transport = TcpTransport(KVTransferConfig(idle_timeout_s=config.kv_idle_timeout_s,
                                                     shared_memory=config.kv_shared_memory))
         digest = partial(block_digests, engine.kv_layers()) if config.debug_endpoints else None
         connector.attach(transport, kv, engine.wake, digest)
