@@ -1,5 +1,5 @@
 """Build the tiered KV connector an `EngineConfig` asks for (--kv-cpu-gb, --kv-disk-dir/--kv-disk-gb,
---kv-store), over a runner's KV cache. None when it asks for no tier."""
+--kv-store), over a runner's KV cache: the registry's factory for the tiers (../registry.py)."""
 from __future__ import annotations
 
 import logging
@@ -18,11 +18,11 @@ log = logging.getLogger(__name__)
 
 
 def build_tiered_connector(config: EngineConfig, kv_cache: Any, weights_fingerprint: str,
-                           events: KVEventRing) -> TieredKVConnector | None:
+                           events: KVEventRing) -> TieredKVConnector:
     """`kv_cache`: the runner's backends/worker/kv_cache.KVCache. `weights_fingerprint`: the runner's
     (backends/worker/fingerprint.py; "": none); a disk or store tier files its blocks under it."""
     if not config.has_kv_tiers:
-        return None
+        raise ValueError("the tiers KV connector needs a tier (--kv-cpu-gb, --kv-disk-dir or --kv-store)")
     if not weights_fingerprint and config.has_kv_tiers_beyond_worker:
         raise ValueError("a KV tier on disk or in a shared store needs the weights' fingerprint "
                          "(ModelRunner(fingerprint_weights=True)): without it, other weights' KV could be read")

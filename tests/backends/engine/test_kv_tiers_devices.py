@@ -20,7 +20,7 @@ from backends.engine.runner import build_runner
 from backends.core.sampling_params import SamplingParams
 from tests.backends.engine.runner_view import RunnerView
 from tests.backends.engine.test_engine_model import hf_greedy, rel_err, tokens
-from tests.backends.engine.test_kv_tiers import evict_prefix, run_all
+from tests.backends.engine.test_kv_tiers import evict_prefix, run_all, tiers_of
 from tests.backends.numerics import assert_mostly_clear, assert_same_tokens, choices, float64_copy, logit_tolerance
 
 BLOCK = 16
@@ -98,7 +98,7 @@ def test_prefix_restored_on_each_device_matches_transformers(make_engine, hf_tin
     engine.add_request("b", second, greedy)
     n_steps = len(runner.steps)
     out_b = run_all(engine)["b"]
-    assert out_b[-1].num_cached_tokens == 4 * BLOCK and engine.kv_tiers.restored == {tier: 4}
+    assert out_b[-1].num_cached_tokens == 4 * BLOCK and tiers_of(engine).restored == {tier: 4}
     batch, logits = runner.steps[n_steps]
     assert batch.chunks[0].num_context_tokens == 4 * BLOCK and len(batch.chunks[0].token_ids) == 5
     with torch.inference_mode():
@@ -129,7 +129,7 @@ def test_a_tier_slower_than_computing_is_read_only_now_and_then(make_engine, tmp
 
     engine, _ = make_engine("cpu", kv_disk_dir=str(tmp_path), kv_disk_bytes=64 << 20,
                             kv_read_slower_tiers=read_slower)
-    tiers = engine.kv_tiers
+    tiers = tiers_of(engine)
     shared = prompt(1, 4 * BLOCK)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     engine.add_request("a", shared + prompt(2, 7), one)
