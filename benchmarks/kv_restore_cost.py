@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 from backends.core.engine_config import EngineConfig  # noqa: E402
 from backends.core.sampling_params import SamplingParams  # noqa: E402
 from backends.engine.engine import LLMEngine  # noqa: E402
+from backends.kv_connectors.tiers.connector import TieredKVConnector  # noqa: E402
 from backends.worker.loader import resolve_model  # noqa: E402
 from cache.block_hash import block_hashes  # noqa: E402
 
@@ -82,11 +83,17 @@ class TierEngine:
         self.engine.set_wake(self.woken.set)
 
     @property
+    def tiers(self) -> TieredKVConnector:
+        tiers = self.engine.find_kv_connector(TieredKVConnector)
+        assert tiers is not None, "the engine has no KV tiers"
+        return tiers
+
+    @property
     def tier(self) -> Any:
-        return self.engine.kv_tiers.tiers[0]
+        return self.tiers.tiers[0]
 
     def restored(self) -> int:
-        return sum(self.engine.kv_tiers.restored.values())
+        return sum(self.tiers.restored.values())
 
     def run(self) -> list[Any]:
         """Step until idle; a step that ran nothing (a sequence waits for its load) waits for the wake-up."""
@@ -125,7 +132,7 @@ class TierEngine:
         """Until the tier's written count has not moved for `quiet_s` (the writer thread is done)."""
         last, since = -1, time.monotonic()
         while time.monotonic() - since < quiet_s:
-            now = sum(self.engine.kv_tiers.written.values())
+            now = sum(self.tiers.written.values())
             if now != last:
                 last, since = now, time.monotonic()
             time.sleep(0.02)
@@ -265,7 +272,7 @@ def start_store(tiers: list[str], workdir: Path) -> tuple[subprocess.Popen | Non
     if "store" not in tiers:
         return None, None
     try:
-        from backends.kv_tiers.mooncake_store import start_master, wait_ready
+        from backends.kv_connectors.tiers.mooncake_store import start_master, wait_ready
         from tests.support.ports import free_port
         port = free_port()
         master = start_master(port, metrics_port=free_port(), log_path=workdir / "mooncake_master.log")
@@ -315,8 +322,8 @@ def main() -> None:
         for te in engines:   # every block free again once idle, and the block manager's books agree
             te.engine.block_manager.check_invariants()
             print(f"# {te.medium}: {te.engine.block_manager.num_free_blocks} of {te.pool_blocks} device blocks free "
-                  f"once idle; {te.engine.kv_tiers.num_dropped_writes} dropped writes, "
-                  f"{te.engine.kv_tiers.num_load_errors} load errors")
+                  f"once idle; {te.tiers.num_dropped_writes} dropped writes, "
+                  f"{te.tiers.num_load_errors} load errors")
     finally:
         for te in engines:
             te.engine.close()

@@ -15,7 +15,7 @@ working set does not fit) behind a fresh gateway with the prefix_aware policy fe
   none       no tier
   +ram       --kv-cpu-gb (sized below the working set too)
   +ram+disk  and --kv-disk-dir/--kv-disk-gb (room for everything)
-  +ram+disk+store  and --kv-store, a fresh mooncake_master (backends/kv_tiers/mooncake_store.start_master);
+  +ram+disk+store  and --kv-store, a fresh mooncake_master (backends/kv_connectors/tiers/mooncake_store.start_master);
              "not run" when the mooncake client or its master is not installed
 Rounds alternate the configurations' order; the table gives medians over rounds. `--policy session_affinity`
 (each request names its session) tells routing apart from the pool's pressure. prefix_aware weighs a block in a
@@ -174,7 +174,7 @@ def problem(line: str) -> str:
 
 @contextlib.contextmanager
 def store_master(workdir: Path) -> Iterator[str]:
-    from backends.kv_tiers.mooncake_store import start_master, wait_ready
+    from backends.kv_connectors.tiers.mooncake_store import start_master, wait_ready
     port = free_port()
     proc = start_master(port, metrics_port=free_port(), log_path=workdir / "mooncake_master.log")
     try:
@@ -281,7 +281,7 @@ def main() -> None:
     configs = list(args.configs)
     if "+ram+disk+store" in configs:
         try:
-            from backends.kv_tiers.mooncake_store import master_path
+            from backends.kv_connectors.tiers.mooncake_store import master_path
             __import__("mooncake.store")
             master_path()
         except (ImportError, RuntimeError) as exc:

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from backends.core.kv_transfer_params import RemoteBlocks
-from backends.kv_transfer import ChecksumKind, KVTransferConfig, ReleaseMode, TcpKVConnector
+from backends.kv_transfer import ChecksumKind, KVTransferConfig, ReleaseMode, TcpTransport
 from backends.kv_transfer.shm import SharedKVFile
 from backends.kv_transfer.torch_cache import TorchPagedKV
 
@@ -82,11 +82,11 @@ def kv_serve(num_blocks: int, loop_name: str, port_queue: mp.Queue, stop: mp.Eve
         kv.holds.hold(pattern, block_ids(pattern, num_blocks, seed=2))
 
     async def main() -> None:
-        connector = TcpKVConnector()
-        _, port = await connector.serve(kv, "127.0.0.1", 0)
+        transport = TcpTransport()
+        _, port = await transport.serve(kv, "127.0.0.1", 0)
         port_queue.put(port)
         await asyncio.to_thread(stop.wait)   # set by the parent process
-        await connector.close()
+        await transport.close()
 
     run_loop(main(), "uvloop" if loop_name == "shm" else loop_name)
 
@@ -116,13 +116,13 @@ def raw_pull(conn: socket.socket, sink: memoryview) -> None:
 
 
 def kv_pull(port: int, loop_name: str, kv: TorchPagedKV, transfer_id: str, local: list[int],
-            checksum: ChecksumKind, connectors: dict[ChecksumKind, TcpKVConnector], shared: bool = False) -> float:
-    """One pull, timed from connect to DONE; one connector per checksum for the whole run, as a decode
+            checksum: ChecksumKind, transports: dict[ChecksumKind, TcpTransport], shared: bool = False) -> float:
+    """One pull, timed from connect to DONE; one transport per checksum for the whole run, as a decode
     worker keeps one (its shared-memory mappings stay open between pulls)."""
-    if checksum not in connectors:
-        connectors[checksum] = TcpKVConnector(KVTransferConfig(checksum=checksum, release=ReleaseMode.NEVER))
+    if checksum not in transports:
+        transports[checksum] = TcpTransport(KVTransferConfig(checksum=checksum, release=ReleaseMode.NEVER))
     remote = RemoteBlocks("127.0.0.1", port, transfer_id, len(local))
-    result = run_loop(connectors[checksum].pull(remote, kv, local), loop_name)
+    result = run_loop(transports[checksum].pull(remote, kv, local), loop_name)
     assert result.shared_memory == shared, "pulled by the wrong transport"
     return result.elapsed_s
 
@@ -169,7 +169,7 @@ def main() -> None:
     kv = make_cache(2 * num_blocks, seed=3)
     kv_stacked = make_cache(2 * num_blocks, seed=3, stacked=True)   # the worker's own cache layout
     local = {pattern: block_ids(pattern, num_blocks, seed=4) for pattern in PATTERNS}
-    connectors: dict[ChecksumKind, TcpKVConnector] = {}
+    transports: dict[ChecksumKind, TcpTransport] = {}
     raw_conn = socket.create_connection(("127.0.0.1", ports["raw"]), timeout=120)
 
     rows: dict[str, Callable[[], float]] = {
@@ -183,11 +183,11 @@ def main() -> None:
             for checksum in kinds:
                 rows[f"KV pull {loop_name:<7} {pattern:<10} {checksum.value}"] = (
                     lambda loop=loop_name, p=pattern, c=checksum:
-                    kv_pull(ports[loop], loop, kv, p, local[p], c, connectors))
+                    kv_pull(ports[loop], loop, kv, p, local[p], c, transports))
 
     for pattern in PATTERNS:
         rows[f"KV pull shared memory {pattern:<10}"] = (
-            lambda p=pattern: kv_pull(ports["shm"], "uvloop", kv_stacked, p, local[p], ChecksumKind.NONE, connectors,
+            lambda p=pattern: kv_pull(ports["shm"], "uvloop", kv_stacked, p, local[p], ChecksumKind.NONE, transports,
                                       shared=True))
 
     times: dict[str, list[float]] = {name: [] for name in rows}

@@ -18,7 +18,7 @@ The prefill rate is set from `--utilization`: offered prompt tokens / (workers x
 `--tiers` (issue 14): each policy again with KV tiers below each worker's device pool, added one at a time
 (routing_sim_tiers.py): host RAM and disk per worker, then one store for all, LRUs written down on eviction
 (device -> RAM -> disk -> store), then the store written through instead (every block a worker caches, as
-backends/kv_tiers/connector.py does). A hit may run on through the tiers; reading a block back takes its
+backends/kv_connectors/tiers/connector.py does). A hit may run on through the tiers; reading a block back takes its
 tokens x the medium's restore fraction of prefill time (`--cpu-restore` 1/20, `--disk-restore` 1/8,
 `--store-restore` 1/5). The read-back starts when the request reaches its worker, on the worker's one load
 channel in arrival order: the engine admits it at once and its connector loads while other sequences run.

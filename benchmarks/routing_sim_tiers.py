@@ -3,7 +3,7 @@ workers share; what a prompt's leading run costs to read back and what the gatew
 table's options and issue 14's targets. Plain in-memory LRUs of block hashes: no timing here (routing_sim.py
 owns the clock).
 
-Write-down (as backends/kv_tiers/connector.py does for the local tiers): a block the device pool evicts
+Write-down (as backends/kv_connectors/tiers/connector.py does for the local tiers): a block the device pool evicts
 goes to host RAM unless a local tier has it already; RAM spills what it evicts to disk. The store takes,
 with `StoreWrite.EVICT`, what the last local tier evicts (the chain device -> cpu -> disk -> store), or,
 with `StoreWrite.THROUGH`, every block a worker caches on its device (the connector's `block_cached`).

@@ -17,7 +17,7 @@ _INDEX_OF_BIT = {MEDIUM_BITS[medium]: i for i, medium in enumerate(MEDIA)}
 
 # A prompt's leading run at one endpoint by the medium each block is read from, in MEDIA order: its
 # device run, then past it the blocks host RAM or the local disk holds, then those the store holds, as
-# backends/kv_tiers/connector.py looks them up; each block read from the fastest tier holding it.
+# backends/kv_connectors/tiers/connector.py looks them up; each block read from the fastest tier holding it.
 MatchedByMedium = tuple[int, int, int, int]
 NO_MATCH: MatchedByMedium = (0, 0, 0, 0)
 

@@ -8,14 +8,16 @@ prefill: the KV stays pinned until a decode worker has pulled it).
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from backends.core.block_events import KVEventKind, KVEventRing
 from backends.core.sequence import Sequence
 
 
+@runtime_checkable
 class BlockObserver(Protocol):
-    """Told of cached blocks' comings and goings while their KV is still in place (the KV tiers)."""
+    """Told of cached blocks' comings and goings while their KV is still in place (the KV tiers). A KV
+    connector that is one is installed as the block manager's observer (backends/engine/engine.py)."""
 
     def block_cached(self, block_id: int, block_hash: int) -> None:
         """The block's KV was computed and it is now reusable under block_hash."""

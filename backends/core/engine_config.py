@@ -5,12 +5,19 @@ falling back to SWITCHYARD_TORCH_THREADS (done in `resolved_torch_threads`).
 """
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass
 
 TORCH_THREADS_ENV = "SWITCHYARD_TORCH_THREADS"
 # Prompt lookup, a draft model, an EAGLE head; "ngram+X": lookup first, X where it finds nothing.
 SPECULATIVE_PROPOSERS = ("ngram", "draft", "eagle", "ngram+draft", "ngram+eagle")
+
+
+class KVConnectorName(str, enum.Enum):
+    """The KV connectors a worker can consult (backends/kv_connectors/registry.py builds each)."""
+    PD = "pd"          # prefill-to-decode transfer (pd_connector.py)
+    TIERS = "tiers"    # host RAM, disk and a shared store below the device pool (tiers/)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +53,24 @@ class EngineConfig:
     kv_store_bytes: int = 256 << 20           # RAM this worker lends to the store's pool (0: lends none)
     kv_write_queue_blocks: int = 64           # evicted blocks waiting to be written down at most (then dropped)
     kv_read_slower_tiers: bool = False        # read a tier even once measured slower than computing its tokens
+    # The KV connectors the engine consults, in this order (several: one MultiConnector); the tiers join
+    # last when a tier above is set without being named here (`kv_connector_names`).
+    kv_connectors: tuple[KVConnectorName, ...] = ()
+    kv_hold_timeout_s: float = 30.0           # the P/D connector: held prefill blocks nobody pulls go after this
 
     def __post_init__(self) -> None:
+        try:
+            names = tuple(KVConnectorName(name) for name in self.kv_connectors)
+        except ValueError:
+            raise ValueError(f"unknown KV connector in {[str(n) for n in self.kv_connectors]} "
+                             f"(known: {', '.join(n.value for n in KVConnectorName)})") from None
+        object.__setattr__(self, "kv_connectors", names)   # names given as strings become members
+        if len(set(names)) != len(names):
+            raise ValueError(f"a KV connector is named twice in {[n.value for n in names]}")
+        if KVConnectorName.TIERS in names and not self.has_kv_tiers:
+            raise ValueError("the tiers KV connector needs a tier (--kv-cpu-gb, --kv-disk-dir or --kv-store)")
+        if self.kv_hold_timeout_s <= 0:
+            raise ValueError("kv_hold_timeout_s must be positive")
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
         if self.num_blocks is not None and self.num_blocks <= 0:
@@ -71,6 +94,12 @@ class EngineConfig:
     def has_kv_tiers(self) -> bool:
         """Whether any KV tier below the device pool is asked for."""
         return bool(self.kv_cpu_bytes or self.kv_disk_dir or self.kv_store)
+
+    @property
+    def kv_connector_names(self) -> tuple[KVConnectorName, ...]:
+        """The connectors to build, in order: those named, then the tiers if a tier is set but they are not named."""
+        implied = self.has_kv_tiers and KVConnectorName.TIERS not in self.kv_connectors
+        return (*self.kv_connectors, *((KVConnectorName.TIERS,) if implied else ()))
 
     @property
     def has_kv_tiers_beyond_worker(self) -> bool:

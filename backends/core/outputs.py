@@ -34,7 +34,7 @@ class SequenceOutput:
 
 @dataclass(frozen=True, slots=True)
 class KVTierLoad:
-    """One KV tier below the device pool (backends/kv_tiers), as /load and /metrics report it."""
+    """One KV tier below the device pool (backends/kv_connectors/tiers), as /load and /metrics report it."""
     medium: str                  # backends/core/block_events: cpu, disk or store
     num_blocks: int              # blocks it holds (a store: -1, shared and not counted here)
     used_bytes: int

@@ -7,11 +7,11 @@ onto per-request queues.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -26,6 +26,7 @@ from backends.kv_transfer.base import SharedRegion
 
 __all__ = ["AsyncEngine", "EngineRequestError", "EngineStats", "LoadReport"]
 log = logging.getLogger(__name__)
+C = TypeVar("C")
 # Re-check after this long when sequences exist but none can be scheduled (held blocks may free).
 _IDLE_POLL_S = 0.05
 
@@ -163,16 +164,14 @@ class AsyncEngine:
 
     # --- observation (any time, from the event loop) ------------------------------------------
     def load_report(self) -> LoadReport:
-        """The engine's last published load; the KV tiers' part read now (their writer and loader
-        threads move blocks while the engine thread idles, and they count under their own locks), priced
-        against the engine's latest measure of a prompt token's compute."""
+        """The engine's last published load; the KV connector's part (the tiers') read now: their writer and
+        loader threads move blocks while the engine thread idles, and they count under their own locks."""
         assert self._report is not None and self._engine is not None, "engine not started"
-        tiers = self._engine.kv_tiers
-        if tiers is None:
-            return self._report
-        per_token = tiers.compute_seconds_per_token    # read once: the restore costs are priced against it
-        return dataclasses.replace(self._report, kv_tiers=tiers.load(per_token), seconds_per_prompt_token=per_token,
-                                   num_kv_dropped_writes=tiers.num_dropped_writes)
+        return self._engine.add_connector_load(self._report)
+
+    def find_kv_connector(self, kind: type[C]) -> C | None:
+        """The engine's KV connector of class `kind` (backends/kv_connectors/multi.py), if it has one."""
+        return self._require_started().find_kv_connector(kind)
 
     def stats(self) -> EngineStats:
         assert self._stats is not None, "engine not started"

@@ -1,8 +1,9 @@
 """The synchronous engine: one `step()` = schedule -> runner.execute -> sample (or pool) -> append -> finish.
 
 Single-threaded by contract (the AsyncEngine's background thread owns it). Knows nothing of
-HTTP or asyncio; the model runner and the optional KV connector are injected (the runner may be
-built from the config).
+HTTP or asyncio; the model runner and the optional KV connector are injected, or built from the config
+(the connector by backends/kv_connectors/registry.py). The engine sees only `KVConnector` and the
+optional protocols beside it, looked up once here.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import torch
 
@@ -26,8 +27,16 @@ from backends.core.sampling_params import SamplingParams
 from backends.core.sequence import Sequence, SequenceStatus
 from backends.engine.runner import ModelRunnerLike, build_runner, resolve_model_dir
 from backends.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from backends.kv_connectors.base import KVConnector
-from backends.kv_connectors.connector_chain import ConnectorChain
+from backends.kv_connectors.base import (
+    BlockObserver,
+    Closeable,
+    ComputeObserver,
+    KVConnector,
+    LoadContributor,
+    WakeTarget,
+)
+from backends.kv_connectors.multi import find_connector
+from backends.kv_connectors.registry import build_kv_connector
 from backends.speculative.adaptive import SpecPolicy, StepCost
 from backends.speculative.proposer import DraftRequest, Proposer
 from backends.speculative.verify import Verified, verify
@@ -35,18 +44,15 @@ from backends.structured_output.json_output import JsonOutput
 from backends.worker.pooler import pool_last_tokens
 from backends.worker.sampler import MAX_LOGPROBS, SampleRow
 
-if TYPE_CHECKING:
-    from backends.kv_tiers.connector import TieredKVConnector
-
 __all__ = ["EngineRequestError", "EngineStats", "LLMEngine", "LoadReport", "ModelRunnerLike"]
 log = logging.getLogger(__name__)
+C = TypeVar("C")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunnerLike | None = None,
                  model_dir: Path | None = None, kv_connector: KVConnector | None = None,
                  proposer: Proposer | None = None) -> None:
         self.config = config
-        self.kv_connector = kv_connector
         if runner is None:
             model_dir = model_dir or resolve_model_dir(config)
             runner = build_runner(config, model_dir)
@@ -65,11 +71,14 @@ class LLMEngine:
         self.kv_events = KVEventRing(config.max_kv_events)
         self.block_manager = BlockManager(runner.num_blocks, runner.block_size,
                                           config.enable_prefix_caching, self.kv_events)
-        self.kv_tiers = self._build_tiers(runner)
-        if self.kv_tiers is not None:
-            self.block_manager.observer = self.kv_tiers
-            kv_connector = self.kv_tiers if kv_connector is None else ConnectorChain(kv_connector, self.kv_tiers)
-            self.kv_connector = kv_connector
+        if kv_connector is None:   # none injected: those the config names (none, one, or a MultiConnector)
+            kv_connector = build_kv_connector(config, getattr(runner, "kv_cache", None), self.weights_fingerprint,
+                                              self.kv_events)
+        self.kv_connector = kv_connector
+        if isinstance(kv_connector, BlockObserver):
+            self.block_manager.observer = kv_connector
+        self._compute_observer = kv_connector if isinstance(kv_connector, ComputeObserver) else None
+        self._load_contributor = kv_connector if isinstance(kv_connector, LoadContributor) else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.watermark_blocks, kv_connector)
         if proposer is None and config.speculative is not None:
@@ -83,23 +92,19 @@ class LLMEngine:
         self._counts = dict.fromkeys(("prompt", "cached", "generated", "finished", "failed", "steps",
                                       "spec_proposed", "spec_accepted", "spec_verifications"), 0)
 
-    def _build_tiers(self, runner: ModelRunnerLike) -> TieredKVConnector | None:
-        if not self.config.has_kv_tiers:
-            return None
-        from backends.kv_tiers.factory import build_tiered_connector
-
-        return build_tiered_connector(self.config, runner.kv_cache,  # type: ignore[attr-defined]
-                                      self.weights_fingerprint, self.kv_events)
-
     def set_wake(self, wake: Callable[[], None]) -> None:
-        """How a KV tier's loader thread gets the engine thread stepping when a load ends."""
-        if self.kv_tiers is not None:
-            self.kv_tiers.wake = wake
+        """How a KV connector's own thread (the tiers' loader) gets the engine thread stepping when a load ends."""
+        if isinstance(self.kv_connector, WakeTarget):
+            self.kv_connector.set_wake(wake)
 
     def close(self) -> None:
-        """Stop the KV tiers' threads (the engine is not stepped after this)."""
-        if self.kv_tiers is not None:
-            self.kv_tiers.close()
+        """Stop the KV connector's threads (the engine is not stepped after this)."""
+        if isinstance(self.kv_connector, Closeable):
+            self.kv_connector.close()
+
+    def find_kv_connector(self, kind: type[C]) -> C | None:
+        """The KV connector of class `kind` (the P/D connector, for the server's holds), if the engine has one."""
+        return find_connector(self.kv_connector, kind)
 
     # --- requests -----------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -179,14 +184,15 @@ class LLMEngine:
                            c["spec_verifications"], "" if self.proposer is None else self.proposer.name)
 
     def load_report(self) -> LoadReport:
-        sched, bm, c, tiers = self.scheduler, self.block_manager, self._counts, self.kv_tiers
-        return LoadReport(sched.num_running, sched.num_waiting, sched.num_prefill_tokens_pending(),
-                          sched.num_decode_tokens_pending(), bm.num_free_blocks, bm.num_total_blocks,
-                          bm.num_cached_blocks, bm.block_size, bm.num_held_blocks, c["spec_proposed"],
-                          c["spec_accepted"], c["prompt"], c["cached"],
-                          () if tiers is None else tiers.load(tiers.compute_seconds_per_token),
-                          0 if tiers is None else tiers.num_dropped_writes,
-                          None if tiers is None else tiers.compute_seconds_per_token, self.weights_fingerprint)
+        sched, bm, c = self.scheduler, self.block_manager, self._counts
+        return self.add_connector_load(LoadReport(
+            sched.num_running, sched.num_waiting, sched.num_prefill_tokens_pending(), sched.num_decode_tokens_pending(),
+            bm.num_free_blocks, bm.num_total_blocks, bm.num_cached_blocks, bm.block_size, bm.num_held_blocks,
+            c["spec_proposed"], c["spec_accepted"], c["prompt"], c["cached"], weights=self.weights_fingerprint))
+
+    def add_connector_load(self, report: LoadReport) -> LoadReport:
+        """`report` with the KV connector's own figures (the tiers'), read now; any thread."""
+        return report if self._load_contributor is None else self._load_contributor.add_to_report(report)
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[SequenceOutput]:
@@ -214,10 +220,10 @@ class LLMEngine:
             sampled = [s for s in out.scheduled if s.want_logits]
             verified = iter(verify(logits, [self._row(s.seq) for s in sampled],
                                    [s.seq.spec_token_ids[:s.num_spec_tokens] for s in sampled]))
-            if self.proposer is not None or self.kv_tiers is not None:   # the only readers of the step-time fit
+            if self.proposer is not None or self._compute_observer is not None:   # the step-time fit's only readers
                 self.step_cost.observe(out.batch.num_tokens, time.perf_counter() - started)
-            if self.kv_tiers is not None:   # the tiers price their reads against it, and report it
-                self.kv_tiers.observe_compute(self.step_cost.per_row_seconds())
+            if self._compute_observer is not None:   # the tiers price their reads against it, and report it
+                self._compute_observer.observe_compute(self.step_cost.per_row_seconds())
             rejected = [0] * len(out.scheduled)
             finishing: list[tuple[Sequence, FinishReason]] = []
             appended: list[SequenceOutput] = []

@@ -1,15 +1,25 @@
 """The interface the scheduler consults about KV that lives outside the device pool (as vLLM v1's
 `KVConnectorBase_V1`): tokens a connector can load, the load's outcome, and blocks to keep when a
 sequence finishes. Prefill-to-decode transfer is one connector (pd_connector.py); the KV tiers keyed
-by `Sequence.block_hash` (backends/kv_tiers/connector.py) are another; `ConnectorChain` consults
+by `Sequence.block_hash` (tiers/connector.py) are another; `MultiConnector` (multi.py) consults
 several. No torch, no sockets here.
+
+Beside `KVConnector`, small optional protocols for what only some connectors do; the engine checks
+for them once, when it is built: `BlockObserver` (backends/core/block_manager.py: told of cached and
+evicted blocks), `ComputeObserver`, `WakeTarget`, `LoadContributor`, `Closeable`.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+from backends.core.block_manager import BlockObserver
+from backends.core.outputs import LoadReport
 from backends.core.sequence import Sequence
+
+__all__ = ["BlockObserver", "Closeable", "ComputeObserver", "FinishedTransfers", "KVConnector", "LoadContributor",
+           "LoadResult", "WakeTarget"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,4 +66,43 @@ class KVConnector(Protocol):
 
     def get_finished(self) -> FinishedTransfers:
         """Transfers that ended since the last call (called at the start of each engine step)."""
+        ...
+
+
+# --- optional: what only some connectors do (the engine looks for each once) ------------------------
+
+@runtime_checkable
+class ComputeObserver(Protocol):
+    """Told the engine's latest fit of a prompt token's compute after each step that ran the model (the
+    tiers price their reads against it)."""
+
+    def observe_compute(self, seconds_per_token: float | None) -> None:
+        """None: no fit this step (keep the last one)."""
+        ...
+
+
+@runtime_checkable
+class WakeTarget(Protocol):
+    """Does I/O on its own thread and must get the engine thread stepping when a load ends. (The P/D
+    connector is handed its wake on the event loop, with its transport: `PDConnector.attach`.)"""
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """`wake` may be called from any thread; set once, before the first step."""
+        ...
+
+
+@runtime_checkable
+class LoadContributor(Protocol):
+    """Has figures of its own for the load report (GET /load, /metrics)."""
+
+    def add_to_report(self, report: LoadReport) -> LoadReport:
+        """`report` with this connector's fields filled in, read now (any thread)."""
+        ...
+
+
+@runtime_checkable
+class Closeable(Protocol):
+    """Owns threads or files that must be stopped when the engine stops stepping (engine thread)."""
+
+    def close(self) -> None:
         ...

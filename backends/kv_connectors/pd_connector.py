@@ -13,14 +13,17 @@ import logging
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from backends.core.block_events import KVEventRing
+from backends.core.engine_config import EngineConfig
 from backends.core.kv_transfer_params import RemoteBlocks
 from backends.core.outputs import FinishReason
 from backends.core.sequence import Sequence as EngineSequence
 from backends.kv_connectors.base import FinishedTransfers, LoadResult
 from backends.kv_transfer.base import KVBlockSink, KVErrorCode, KVTransferError, KVTransport
 
-__all__ = ["KVHold", "PDConnector"]
+__all__ = ["KVHold", "PDConnector", "build_pd_connector"]
 log = logging.getLogger(__name__)
 _MAX_KEPT_ERRORS = 1024     # pull errors nobody asked for (the client left) are dropped past this
 _MAX_DEBUG_RECORDS = 256
@@ -44,6 +47,13 @@ class _Load:
     remote: RemoteBlocks         # where the prefill worker holds the prompt's KV
     block_ids: tuple[int, ...]   # local destination blocks (those not already in the prefix cache)
     start_block: int             # leading prompt blocks found locally: not pulled
+
+
+def build_pd_connector(config: EngineConfig, kv_cache: Any, weights_fingerprint: str,
+                       events: KVEventRing) -> PDConnector:
+    """The registry's factory (registry.py). The transport, the cache's blocks and the wake come later, on
+    the event loop (`attach`): the server owns the listener."""
+    return PDConnector(config.kv_hold_timeout_s)
 
 
 class PDConnector:
@@ -79,7 +89,8 @@ class PDConnector:
         self._transport, self._sink, self._wake, self._digest = transport, sink, wake, digest
         self._block_size = sink.layout().block_size
 
-    async def close(self) -> None:
+    async def detach(self) -> None:
+        """Event loop, once the worker stops: holds and pulls end (attach's pair)."""
         for _, timer in self._holds.values():
             timer.cancel()
         self._holds.clear()

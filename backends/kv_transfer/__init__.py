@@ -15,8 +15,8 @@ from backends.kv_transfer.base import (
                                        ReleaseMode,
                                        prefill_kv_transfer_params,
 )
-from backends.kv_transfer.tcp import TcpKVConnector
+from backends.kv_transfer.tcp import TcpTransport
 
 __all__ = ["ChecksumKind", "KVBlockSink", "KVBlockSource", "KVDtype", "KVErrorCode",
            "KVLayerReader", "KVLayerWriter", "KVLayout", "KVTransferConfig", "KVTransferError", "KVTransport",
-           "PullResult", "ReleaseMode", "TcpKVConnector", "prefill_kv_transfer_params"]
+           "PullResult", "ReleaseMode", "TcpTransport", "prefill_kv_transfer_params"]

@@ -128,7 +128,7 @@ class KVTransferError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class KVTransferConfig:
-    """Knobs of one connector; every wait has a limit."""
+    """Knobs of one transport; every wait has a limit."""
     connect_timeout_s: float = 5.0    # TCP connect to the peer
     idle_timeout_s: float = 10.0      # longest stretch with no bytes arriving (or leaving)
     total_timeout_s: float = 300.0    # one pull, connect to last byte

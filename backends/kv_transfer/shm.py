@@ -92,7 +92,7 @@ def joint_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int
 
 
 class SharedMappings:
-    """The decode side's read-only mappings of prefill caches, by path; one per connector."""
+    """The decode side's read-only mappings of prefill caches, by path; one per transport."""
 
     def __init__(self) -> None:
         self._maps: dict[tuple[str, str], tuple[mmap.mmap, torch.Tensor]] = {}

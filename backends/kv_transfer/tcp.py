@@ -1,4 +1,4 @@
-"""`TcpKVConnector`: switchyard's own KV transport, plain TCP with the framing in protocol.py, and a
+"""`TcpTransport`: switchyard's own KV transport, plain TCP with the framing in protocol.py, and a
 shared-memory copy instead of the LAYER stream when both workers share a host (shm.py).
 
 A prefill worker calls `serve`; a decode worker calls `pull` (and `release` when the pull
@@ -16,7 +16,7 @@ from backends.kv_transfer.tcp_server import TcpKVServer
 from backends.kv_transfer.torch_cache import TorchPagedKV
 
 
-class TcpKVConnector(KVTransport):
+class TcpTransport(KVTransport):
     def __init__(self, config: KVTransferConfig | None = None) -> None:
         self.config = config or KVTransferConfig()
         self._server: TcpKVServer | None = None
@@ -24,7 +24,7 @@ class TcpKVConnector(KVTransport):
 
     async def serve(self, source: KVBlockSource, host: str, port: int) -> tuple[str, int]:
         if self._server is not None:
-            raise RuntimeError("this connector is already serving")
+            raise RuntimeError("this transport is already serving")
         server = TcpKVServer(source, self.config)
         address = await server.start(host, port)
         self._server = server

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from backends.attention.base import AttentionBackendName
-from backends.core.engine_config import SPECULATIVE_PROPOSERS, EngineConfig
+from backends.core.engine_config import SPECULATIVE_PROPOSERS, EngineConfig, KVConnectorName
 from backends.server import auth
 from backends.server.config import ServerConfig, WorkerRole
 
@@ -191,6 +191,10 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         kv_store_bytes=int(args.kv_store_gb * 2**30),
         kv_write_queue_blocks=args.kv_write_queue_blocks,
         kv_read_slower_tiers=args.kv_read_slower_tiers,
+        # Every role serves some disaggregated leg; a plain request finds nothing for the P/D connector to do.
+        # The tiers join when --kv-cpu-gb, --kv-disk-dir or --kv-store sets a tier.
+        kv_connectors=(KVConnectorName.PD,),
+        kv_hold_timeout_s=args.kv_hold_timeout_s,
     )
     server_config = ServerConfig(
         model_dir=model_dir,
@@ -200,7 +204,6 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         kv_host=args.kv_host,
         kv_port=args.kv_port,
         kv_advertise_host=args.kv_advertise_host,
-        kv_hold_timeout_s=args.kv_hold_timeout_s,
         kv_idle_timeout_s=args.kv_idle_timeout_s,
         debug_endpoints=args.debug_endpoints,
         kv_shared_memory=not args.no_kv_shared_memory,

@@ -38,9 +38,7 @@ def create_app(
     app[CONFIG_KEY] = config
     app[DRAIN] = drain
     app[TOKENIZER_KEY] = PromptTokenizer.from_model_dir(config.model_dir)
-    # Every role serves some disaggregated leg; a plain request finds nothing for the connector to do.
-    app[disagg.PD_CONNECTOR_KEY] = connector = PDConnector(config.kv_hold_timeout_s)
-    app.cleanup_ctx.append(_engine_ctx(engine_config, engine_factory or _default_factory(connector)))
+    app.cleanup_ctx.append(_engine_ctx(engine_config, engine_factory or _default_factory))
     app.cleanup_ctx.append(disagg.kv_transfer_ctx(config))   # after the engine: it serves the engine's KV
     app.router.add_routes([
         web.post("/v1/completions", openai_routes.completions),
@@ -61,15 +59,12 @@ def create_app(
     return app
 
 
-def _default_factory(connector: PDConnector) -> EngineFactory:
-    def factory(engine_config: EngineConfig) -> WorkerEngine:
-        # torch and the model load only when serving
-        from backends.engine.async_engine import AsyncEngine
-        from backends.engine.engine import LLMEngine
+def _default_factory(engine_config: EngineConfig) -> WorkerEngine:
+    """The engine builds the KV connectors `engine_config.kv_connector_names` names (the P/D connector on
+    every role: backends/server/__main__.py)."""
+    from backends.engine.async_engine import AsyncEngine  # torch and the model load only when serving
 
-        return AsyncEngine(engine_config, lambda c: LLMEngine(c, kv_connector=connector))
-
-    return factory
+    return AsyncEngine(engine_config)
 
 
 def _engine_ctx(
@@ -80,6 +75,9 @@ def _engine_ctx(
         await engine.start()
         await engine.warm_structured_output()   # before serving: not on a running stream's time
         app[ENGINE_KEY] = engine
+        pd_connector = engine.find_kv_connector(PDConnector)
+        if pd_connector is not None:   # else the worker serves no disaggregated leg (disagg.py)
+            app[disagg.PD_CONNECTOR_KEY] = pd_connector
         app[METRICS_KEY] = ServerMetrics(EngineCollector(engine.load_report, engine.stats),
                                          engine.weights_fingerprint())
         log.info("engine started: max_model_len=%d block_size=%d", engine.max_model_len, engine.block_size)

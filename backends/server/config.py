@@ -22,7 +22,6 @@ class ServerConfig:
     kv_host: str = "127.0.0.1"             # KV transfer listener interface (prefill and both roles)
     kv_port: int = 0                       # its TCP port; 0: any free port
     kv_advertise_host: str | None = None   # host decode workers dial (behind NAT, in containers); None: derived
-    kv_hold_timeout_s: float = 30.0        # held prefill blocks nobody pulls are released after this
     kv_idle_timeout_s: float = 10.0        # a pull (or a send) with no bytes moving this long fails
     debug_endpoints: bool = False          # GET /debug/kv_digest (tests only: exposes KV digests)
     kv_shared_memory: bool = True          # same-host pulls copy from the peer's shared-memory cache
@@ -35,5 +34,5 @@ class ServerConfig:
             raise ValueError("served_model_names must not be empty")
         if self.max_request_bytes <= 0:
             raise ValueError("max_request_bytes must be positive")
-        if self.kv_hold_timeout_s <= 0 or self.kv_idle_timeout_s <= 0 or not 0 <= self.kv_port < 65536:
-            raise ValueError("kv_hold_timeout_s and kv_idle_timeout_s must be positive, kv_port in [0, 65535]")
+        if self.kv_idle_timeout_s <= 0 or not 0 <= self.kv_port < 65536:
+            raise ValueError("kv_idle_timeout_s must be positive, kv_port in [0, 65535]")

@@ -60,13 +60,16 @@ class DecodeLeg:
 
 def kv_transfer_ctx(config: ServerConfig) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        engine, connector = app[ENGINE_KEY], app[PD_CONNECTOR_KEY]
-        from backends.kv_transfer.tcp import TcpKVConnector
+        engine, connector = app[ENGINE_KEY], app.get(PD_CONNECTOR_KEY)
+        if connector is None:   # the engine has no P/D connector: no listener, and legs are refused (_state)
+            yield
+            return
+        from backends.kv_transfer.tcp import TcpTransport
         from backends.kv_transfer.torch_cache import TorchPagedKV
         from backends.worker.kv_adapter import EngineKVSource, block_digests
 
         kv = TorchPagedKV(engine.kv_layers(), region=engine.kv_region(), weights=engine.weights_fingerprint())
-        transport = TcpKVConnector(KVTransferConfig(idle_timeout_s=config.kv_idle_timeout_s,
+        transport = TcpTransport(KVTransferConfig(idle_timeout_s=config.kv_idle_timeout_s,
                                                     shared_memory=config.kv_shared_memory))
         digest = partial(block_digests, engine.kv_layers()) if config.debug_endpoints else None
         connector.attach(transport, kv, engine.wake, digest)
@@ -74,12 +77,12 @@ def kv_transfer_ctx(config: ServerConfig) -> Callable[[web.Application], AsyncIt
         if config.role is not WorkerRole.DECODE:
             host, port = await transport.serve(EngineKVSource(kv, connector), config.kv_host, config.kv_port)
             address = (config.kv_advertise_host or _advertised(host), port)
-            log.info("KV transfer listener on %s:%d (holds expire after %.1f s)", host, port, config.kv_hold_timeout_s)
+            log.info("KV transfer listener on %s:%d (holds expire after %.1f s)", host, port, connector.hold_timeout_s)
         app[KV_STATE_KEY] = KVTransferState(transport, f"{config.role.value}-{uuid.uuid4().hex[:12]}", address)
         try:
             yield
         finally:
-            await connector.close()
+            await connector.detach()
             await transport.close()
 
     return ctx
@@ -171,7 +174,8 @@ def kv_load_errors(app: web.Application, request_id: str) -> Iterator[None]:
     try:
         yield
     except APIError:
-        exc = app[PD_CONNECTOR_KEY].take_load_error(request_id)
+        connector = app.get(PD_CONNECTOR_KEY)
+        exc = None if connector is None else connector.take_load_error(request_id)
         if exc is None:
             raise
         if exc.code in _MISMATCH_CODES:

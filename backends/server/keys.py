@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from aiohttp import web
 
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     import torch
 
     from backends.engine.engine import EngineStats
+
+C = TypeVar("C")
 
 
 class WorkerEngine(Protocol):
@@ -57,6 +59,8 @@ class WorkerEngine(Protocol):
     def weights_fingerprint(self) -> str: ...
 
     def wake(self) -> None: ...
+
+    def find_kv_connector(self, kind: type[C]) -> C | None: ...
 
 
 CONFIG_KEY = web.AppKey("config", ServerConfig)

@@ -2,7 +2,7 @@
 fields that shape the forward pass (the rotary base and scaling, the norms' epsilon, the head counts).
 
 KV tiers that outlive a worker or are shared between workers (a local disk, the shared store) file their
-blocks under it (backends/kv_tiers/base.namespace), and the two ends of a KV transfer compare theirs
+blocks under it (backends/kv_connectors/tiers/base.namespace), and the two ends of a KV transfer compare theirs
 (backends/kv_transfer/base.KVLayout). A worker then never reads KV that other weights computed: a fine-tune or
 a new revision in a folder of the same name (a rolling upgrade), or the same weights with another rotary
 scaling. The same weights and config give the same digest in any folder, and whether they are compressed on

@@ -1,5 +1,5 @@
-"""The disk tier's start in a directory that other namespaces share (backends/kv_tiers/disk.py): it adopts only
-its own blocks, and says what the others hold without reading or deleting them."""
+"""The disk tier's start in a directory that other namespaces share (backends/kv_connectors/tiers/disk.py): it
+adopts only its own blocks, and says what the others hold without reading or deleting them."""
 from __future__ import annotations
 
 import logging
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.kv_tiers.disk import DiskTier
+from backends.kv_connectors.tiers.disk import DiskTier
 
 BLOCK_NBYTES = 4096
 
@@ -21,7 +21,7 @@ def test_other_namespaces_are_counted_not_adopted_nor_deleted(tmp_path: Path, ca
     (tmp_path / "not-a-namespace").mkdir()                # no block files: not counted
     (tmp_path / "notes.txt").write_text("a file beside the namespaces")
     os.symlink(tmp_path / "gone", tmp_path / "dangling")  # a dangling link: skipped
-    with caplog.at_level(logging.WARNING, logger="backends.kv_tiers.disk"):
+    with caplog.at_level(logging.WARNING, logger="backends.kv_connectors.tiers.disk"):
         new = DiskTier(tmp_path, "new-weights", 16 * (BLOCK_NBYTES + 64), BLOCK_NBYTES)
     assert new.leading_hits([11, 12]) == 0 and new.usage().num_blocks == 0
     assert f"also holds 2 blocks ({2 * old.file_nbytes / 2**30:.2f} GiB) of 1 other namespaces (old-weights)" \

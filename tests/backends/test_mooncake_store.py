@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from backends.kv_tiers.mooncake_store import MooncakeStoreTier
+from backends.kv_connectors.tiers.mooncake_store import MooncakeStoreTier
 from tests.support.mooncake import Master
 from tests.support.wait import wait_until
 

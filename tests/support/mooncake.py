@@ -1,10 +1,10 @@
-"""A real `mooncake_master` for tests of the shared KV tier (backends/kv_tiers/mooncake_store.py)."""
+"""A real `mooncake_master` for tests of the shared KV tier (backends/kv_connectors/tiers/mooncake_store.py)."""
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
-from backends.kv_tiers.mooncake_store import start_master, wait_ready
+from backends.kv_connectors.tiers.mooncake_store import start_master, wait_ready
 from tests.support.ports import free_port
 
 

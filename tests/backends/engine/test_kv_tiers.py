@@ -1,4 +1,4 @@
-"""KV tiers below the device pool (backends/kv_tiers) on the real SmolLM2: blocks the pool evicts are
+"""KV tiers below the device pool (backends/kv_connectors/tiers) on the real SmolLM2: blocks the pool evicts are
 written down to host RAM and disk, and a later prompt with the same prefix loads them back instead of
 recomputing them. The tokens and logits after a restore are held to transformers' own forward and
 greedy `generate`; a corrupt block is recomputed; no block leaks."""
@@ -19,6 +19,7 @@ from backends.core.engine_config import EngineConfig
 from backends.core.outputs import SequenceOutput
 from backends.core.sampling_params import SamplingParams
 from backends.engine.engine import LLMEngine
+from backends.kv_connectors.tiers.connector import TieredKVConnector
 from backends.worker.model_runner import ModelRunner
 from tests.backends.engine.runner_view import RunnerView
 from tests.backends.engine.test_engine_model import hf_greedy, prompt, rel_err, tokens
@@ -56,6 +57,13 @@ def mooncake_master(tmp_path: Path) -> Iterator[Master]:
     master.kill()
 
 
+def tiers_of(engine: LLMEngine) -> TieredKVConnector:
+    """The engine's tiers, through the one typed lookup the server uses for its P/D connector."""
+    tiers = engine.find_kv_connector(TieredKVConnector)
+    assert tiers is not None
+    return tiers
+
+
 def run_all(engine: LLMEngine, max_idle_waits: int = 200) -> dict[str, list[SequenceOutput]]:
     """Step until idle; a step that ran nothing (a sequence waits for its load) waits for the loader's
     wake-up instead of spinning."""
@@ -91,7 +99,7 @@ def evict_prefix(engine: LLMEngine, medium: str, num_blocks: int,
                  make_prompt: Callable[[int, int], list[int]] = prompt) -> None:
     """Run small prompts until the first prompt's `num_blocks` leading blocks left the device pool (the
     least recently used go first, one or two a prompt), then wait until `medium` has taken that many."""
-    assert engine.kv_tiers is not None
+    assert engine.find_kv_connector(TieredKVConnector) is not None
     events = engine.kv_events.since(0, limit=10_000).events
     prefix = {e.block_hash for e in events[:num_blocks]}
     for i in range(20):
@@ -102,7 +110,7 @@ def evict_prefix(engine: LLMEngine, medium: str, num_blocks: int,
             break
     else:
         raise AssertionError("the prefix stayed on device")
-    wait_until(lambda: engine.kv_tiers.written[medium] >= num_blocks, f"{num_blocks} blocks written to {medium}")
+    wait_until(lambda: tiers_of(engine).written[medium] >= num_blocks, f"{num_blocks} blocks written to {medium}")
 
 
 @pytest.mark.parametrize("tiers", ["cpu", "disk", "cpu+disk", "store"])
@@ -119,7 +127,7 @@ def test_prefix_restored_from_a_tier_matches_transformers(make_engine, tmp_path:
         kw.update(kv_store=request.getfixturevalue("mooncake_master").url, kv_store_bytes=64 << 20)
     engine, runner = make_engine(**kw)
     if tiers == "store":     # the RAM it lends the store's pool is what it was given
-        assert engine.kv_tiers.store.segment_bytes == 64 << 20
+        assert tiers_of(engine).store.segment_bytes == 64 << 20
     shared = prompt(1, 4 * BLOCK)
     first, second = shared + prompt(2, 7), shared + prompt(3, 5)
     engine.add_request("a", first, greedy(1))
@@ -130,7 +138,7 @@ def test_prefix_restored_from_a_tier_matches_transformers(make_engine, tmp_path:
     n_steps = len(runner.steps)
     out_b = run_all(engine)["b"]
     assert out_b[-1].num_cached_tokens == 4 * BLOCK
-    restored = engine.kv_tiers.restored
+    restored = tiers_of(engine).restored
     assert sum(restored.values()) == 4 and set(restored) <= set(tiers.split("+"))
     if tiers == "cpu+disk":   # RAM holds two blocks: at least the prefix's tail spilled to disk
         assert restored[DISK] >= 2
@@ -154,7 +162,7 @@ def test_prefix_restored_from_a_tier_matches_transformers(make_engine, tmp_path:
     for tier in report.kv_tiers:
         n = tier.num_restored_blocks
         assert (tier.restore_seconds > 0) == (n > 0)
-        fraction, = (t.restore_fraction for t in engine.kv_tiers.load(0.001) if t.medium == tier.medium)
+        fraction, = (t.restore_fraction for t in tiers_of(engine).load(0.001) if t.medium == tier.medium)
         if n == 0:
             assert fraction is None and tier.restore_fraction is None
             continue
@@ -186,7 +194,7 @@ def test_corrupt_disk_block_is_recomputed(make_engine, tmp_path: Path, hf_smollm
     engine.add_request("a", shared + prompt(2, 7), greedy(1))
     run_all(engine)
     evict_prefix(engine, DISK, 4)
-    disk = engine.kv_tiers.local[0]
+    disk = tiers_of(engine).local[0]
     second_block = disk._path(engine.kv_events.since(0).events[1].block_hash)
     data = bytearray(second_block.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -230,7 +238,7 @@ def test_other_weights_in_a_folder_of_the_same_name_never_read_their_blocks(
         evict_prefix(engine, DISK, 4)
         engine.close()   # the files outlive it
     else:       # written through as they are computed
-        wait_until(lambda: engine.kv_tiers.written[STORE] >= 4, "the prefix's 4 blocks in the store")
+        wait_until(lambda: tiers_of(engine).written[STORE] >= 4, "the prefix's 4 blocks in the store")
 
     other_dir = smollm2_revision_dir
     assert other_dir.name == smollm2_dir.name
@@ -238,7 +246,7 @@ def test_other_weights_in_a_folder_of_the_same_name_never_read_their_blocks(
                                fingerprint_weights=True)
     assert other_runner.weights_fingerprint != engine.runner.weights_fingerprint
     view = RunnerView(other_runner)
-    with caplog.at_level(logging.WARNING, logger="backends.kv_tiers.disk"):
+    with caplog.at_level(logging.WARNING, logger="backends.kv_connectors.tiers.disk"):
         other = LLMEngine(EngineConfig(model_dir=str(other_dir), block_size=BLOCK, num_blocks=POOL, **kw), view,
                           other_dir)
     if tier == DISK:   # the first weights' files stay (another worker may use them); the worker says what they hold
@@ -248,7 +256,7 @@ def test_other_weights_in_a_folder_of_the_same_name_never_read_their_blocks(
         second = shared + prompt(3, 5)
         other.add_request("b", second, greedy(8))
         out_b = run_all(other)["b"]
-        assert out_b[-1].num_cached_tokens == 0 and sum(other.kv_tiers.restored.values()) == 0
+        assert out_b[-1].num_cached_tokens == 0 and sum(tiers_of(other).restored.values()) == 0
         hf_other = LlamaForCausalLM.from_pretrained(str(other_dir), dtype=torch.float32).eval()
         (want, want_logits), = hf_greedy(hf_other, [second], 8, other.eos_token_ids)
         tolerance = logit_tolerance(hf_other, float64_copy(hf_other), [second + want])
@@ -263,7 +271,7 @@ def test_other_weights_in_a_folder_of_the_same_name_never_read_their_blocks(
     again, _ = make_engine(**kw)
     again.add_request("c", second, greedy(1))
     assert run_all(again)["c"][-1].num_cached_tokens == 4 * BLOCK
-    assert again.kv_tiers.restored[tier] == 4
+    assert tiers_of(again).restored[tier] == 4
     again.close()
     engine.close()           # (again at teardown: idempotent) while a store's master is still up
 
@@ -274,7 +282,7 @@ def test_abort_during_a_load_frees_its_blocks_once_the_load_ends(make_engine) ->
     engine.add_request("a", shared + prompt(2, 7), greedy(1))
     run_all(engine)
     evict_prefix(engine, CPU, 4)
-    cpu = engine.kv_tiers.local[0]
+    cpu = tiers_of(engine).local[0]
     release = threading.Event()
     cpu.get = gated(cpu.get, release)
     engine.add_request("b", shared + prompt(3, 5), greedy(4))
@@ -290,7 +298,7 @@ def test_abort_during_a_load_frees_its_blocks_once_the_load_ends(make_engine) ->
 
 def test_a_full_write_queue_drops_blocks_instead_of_waiting(make_engine) -> None:
     engine, _ = make_engine(kv_cpu_bytes=64 * BLOCK_BYTES, kv_write_queue_blocks=1)
-    cpu = engine.kv_tiers.local[0]
+    cpu = tiers_of(engine).local[0]
     release = threading.Event()
     cpu.put = gated(cpu.put, release)
     engine.add_request("a", prompt(1, 4 * BLOCK + 7), greedy(1))
@@ -300,10 +308,10 @@ def test_a_full_write_queue_drops_blocks_instead_of_waiting(make_engine) -> None
         run_all(engine)
     events = engine.kv_events.since(0, limit=10_000).events
     evicted = sum(e.kind is KVEventKind.REMOVED and e.medium == "device" for e in events)
-    assert evicted >= 3 and engine.kv_tiers.num_dropped_writes == evicted - 1   # one fits the queue
+    assert evicted >= 3 and tiers_of(engine).num_dropped_writes == evicted - 1   # one fits the queue
     release.set()
-    wait_until(lambda: engine.kv_tiers.written[CPU] >= 1, "the one queued block written")
-    assert engine.load_report().num_kv_dropped_writes == engine.kv_tiers.num_dropped_writes
+    wait_until(lambda: tiers_of(engine).written[CPU] >= 1, "the one queued block written")
+    assert engine.load_report().num_kv_dropped_writes == tiers_of(engine).num_dropped_writes
 
 
 def test_nothing_is_copied_out_for_a_store_that_is_down(make_engine) -> None:
@@ -314,10 +322,10 @@ def test_nothing_is_copied_out_for_a_store_that_is_down(make_engine) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     engine, _ = make_engine(kv_store=f"mooncake://127.0.0.1:{port}")
-    assert not engine.kv_tiers.store.is_up
+    assert not tiers_of(engine).store.is_up
     copied: list[int] = []
-    read = engine.kv_tiers.block_io.read
-    engine.kv_tiers.block_io.read = lambda block_id, buf: (copied.append(block_id), read(block_id, buf))[1]
+    read = tiers_of(engine).block_io.read
+    tiers_of(engine).block_io.read = lambda block_id, buf: (copied.append(block_id), read(block_id, buf))[1]
     engine.add_request("a", prompt(1, 3 * BLOCK + 5), greedy(1))
     run_all(engine)
     failed, = (t.num_failed_writes for t in engine.load_report().kv_tiers if t.medium == STORE)
@@ -328,7 +336,7 @@ def test_nothing_is_copied_out_for_a_store_that_is_down(make_engine) -> None:
     not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_block_io_copies_one_block_of_every_layer(device: str, dtype: torch.dtype) -> None:
-    from backends.kv_tiers.block_io import BlockIO
+    from backends.kv_connectors.tiers.block_io import BlockIO
 
     stacked = torch.randn(3, 2, 5, 4, 2, 8).to(device=device, dtype=dtype)   # layers, K/V, blocks, tokens, heads, dim
     io = BlockIO(stacked)
@@ -344,7 +352,7 @@ def test_block_io_copies_one_block_of_every_layer(device: str, dtype: torch.dtyp
 
 
 def test_a_borrowed_ram_slot_is_not_reused_until_released() -> None:
-    from backends.kv_tiers.cpu import CpuTier
+    from backends.kv_connectors.tiers.cpu import CpuTier
 
     tier = CpuTier(2 * 8, 8)          # two slots of 8 bytes
     for h in (1, 2):

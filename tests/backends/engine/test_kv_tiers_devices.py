@@ -1,6 +1,6 @@
 """KV tiers on every device the worker runs on: a prefix the device pool evicted comes back from host RAM
 or disk, on the CPU here and on CUDA where there is one (on CUDA the copies go through pinned host
-buffers, backends/kv_tiers/block_io.py). No model file is needed, so the CUDA case runs on a machine that
+buffers, backends/kv_connectors/tiers/block_io.py). No model file is needed, so the CUDA case runs on a machine that
 has none: a small Llama of random weights, drawn so that attention is sharp (a wrong block moves the
 logits far), written as a checkpoint that both the engine and transformers load. The restored prefix's
 logits and the greedy tokens after it are held to transformers' own forward and `generate`."""
@@ -20,7 +20,7 @@ from backends.engine.engine import LLMEngine
 from backends.engine.runner import build_runner
 from tests.backends.engine.runner_view import RunnerView
 from tests.backends.engine.test_engine_model import hf_greedy, rel_err, tokens
-from tests.backends.engine.test_kv_tiers import evict_prefix, run_all
+from tests.backends.engine.test_kv_tiers import evict_prefix, run_all, tiers_of
 from tests.backends.numerics import assert_mostly_clear, assert_same_tokens, choices, float64_copy, logit_tolerance
 
 BLOCK = 16
@@ -98,7 +98,7 @@ def test_prefix_restored_on_each_device_matches_transformers(make_engine, hf_tin
     engine.add_request("b", second, greedy)
     n_steps = len(runner.steps)
     out_b = run_all(engine)["b"]
-    assert out_b[-1].num_cached_tokens == 4 * BLOCK and engine.kv_tiers.restored == {tier: 4}
+    assert out_b[-1].num_cached_tokens == 4 * BLOCK and tiers_of(engine).restored == {tier: 4}
     batch, logits = runner.steps[n_steps]
     assert batch.chunks[0].num_context_tokens == 4 * BLOCK and len(batch.chunks[0].token_ids) == 5
     with torch.inference_mode():
@@ -125,11 +125,11 @@ def test_a_tier_slower_than_computing_is_read_only_now_and_then(make_engine, tmp
     the engine computes it instead, and reads that tier on one lookup in PROBE_EVERY that it could serve;
     unless the worker was told to read such tiers all the same (to spare a busy GPU's compute)."""
     from backends.core.block_events import DISK
-    from backends.kv_tiers.connector import PROBE_EVERY
+    from backends.kv_connectors.tiers.connector import PROBE_EVERY
 
     engine, _ = make_engine("cpu", kv_disk_dir=str(tmp_path), kv_disk_bytes=64 << 20,
                             kv_read_slower_tiers=read_slower)
-    tiers = engine.kv_tiers
+    tiers = tiers_of(engine)
     shared = prompt(1, 4 * BLOCK)
     one = SamplingParams(max_tokens=1, temperature=0.0)
     engine.add_request("a", shared + prompt(2, 7), one)

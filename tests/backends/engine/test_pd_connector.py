@@ -82,7 +82,7 @@ async def pd(smollm2_dir: Path, smollm2_runner: ModelRunner) -> AsyncIterator[tu
     cache = smollm2_runner.kv_cache
     connector.attach(transport, TorchPagedKV(list(zip(cache.k, cache.v, strict=True))), engine.wake)
     yield engine, connector, transport
-    await connector.close()
+    await connector.detach()
     await engine.shutdown()
 
 

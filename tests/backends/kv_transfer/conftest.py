@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backends.core.kv_transfer_params import RemoteBlocks
-from backends.kv_transfer import KVTransferConfig, TcpKVConnector
+from backends.kv_transfer import KVTransferConfig, TcpTransport
 from backends.kv_transfer.torch_cache import TorchPagedKV
 
 # Small caches: 3 layers of [num_blocks, block_size 4, 2 KV heads, head_dim 8].
@@ -122,13 +122,13 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 @pytest.fixture
-async def served() -> AsyncIterator[tuple[TorchPagedKV, TcpKVConnector, int]]:
+async def served() -> AsyncIterator[tuple[TorchPagedKV, TcpTransport, int]]:
     """A prefill-side cache (64 blocks, fp32) served on an ephemeral loopback port."""
     source = make_kv(64, torch.float32, seed=1)
-    connector = TcpKVConnector(KVTransferConfig(idle_timeout_s=2.0))
-    _, port = await connector.serve(source, "127.0.0.1", 0)
-    yield source, connector, port
-    await connector.close()
+    transport = TcpTransport(KVTransferConfig(idle_timeout_s=2.0))
+    _, port = await transport.serve(source, "127.0.0.1", 0)
+    yield source, transport, port
+    await transport.close()
 
 
 def remote(port: int, transfer_id: str, num_blocks: int | None = None) -> RemoteBlocks:

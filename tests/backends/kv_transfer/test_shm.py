@@ -16,7 +16,7 @@ from backends.kv_transfer import (
     KVTransferConfig,
     KVTransferError,
     ReleaseMode,
-    TcpKVConnector,
+    TcpTransport,
 )
 from backends.kv_transfer.base import KVLayerReader, SharedRegion
 from backends.kv_transfer.protocol import (
@@ -72,11 +72,11 @@ def stacked_sink(num_blocks: int = 64, seed: int = 2) -> TorchPagedKV:
 
 
 @contextlib.asynccontextmanager
-async def served(src: TorchPagedKV, *files: SharedKVFile) -> AsyncIterator[tuple[int, TcpKVConnector]]:
+async def served(src: TorchPagedKV, *files: SharedKVFile) -> AsyncIterator[tuple[int, TcpTransport]]:
     """(port of a server for `src`, a client); both closed afterwards, and `files` too."""
-    server = TcpKVConnector()
+    server = TcpTransport()
     _, port = await server.serve(src, "127.0.0.1", 0)
-    client = TcpKVConnector()
+    client = TcpTransport()
     try:
         yield port, client
     finally:
@@ -141,11 +141,11 @@ async def test_same_host_pull_copies_through_shared_memory(dtype: torch.dtype, s
 async def test_partial_pull_and_release_modes() -> None:
     src, shared = shared_source()
     dst = stacked_sink()
-    server = TcpKVConnector()
+    server = TcpTransport()
     _, port = await server.serve(src, "127.0.0.1", 0)
     try:
         src.holds.hold("keep", SRC_IDS)
-        never = TcpKVConnector(KVTransferConfig(release=ReleaseMode.NEVER))
+        never = TcpTransport(KVTransferConfig(release=ReleaseMode.NEVER))
         result = await never.pull(remote(port, "keep", len(SRC_IDS)), dst, DST_IDS[2:], start_block=2)
         assert result.shared_memory and not result.released and src.holds.lookup("keep") is not None
         assert_blocks_equal(src, SRC_IDS[2:], dst, DST_IDS[2:])
@@ -235,7 +235,7 @@ class CountingSource:
         return Counted()
 
 
-async def server_waits_for_the_client(server: TcpKVConnector) -> None:
+async def server_waits_for_the_client(server: TcpTransport) -> None:
     """Until the server's one connection task is suspended reading the client's answer to BEGIN (it has
     done all it does in between): a server that unpinned before that answer would have done so by now."""
     def reading_the_answer() -> bool:
@@ -257,7 +257,7 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[FrameType, dict]:
 async def test_blocks_stay_pinned_until_the_client_is_done(ending: str) -> None:
     kv, shared = shared_source()
     source = CountingSource(kv)
-    server = TcpKVConnector(KVTransferConfig(idle_timeout_s=2.0))
+    server = TcpTransport(KVTransferConfig(idle_timeout_s=2.0))
     _, port = await server.serve(source, "127.0.0.1", 0)   # type: ignore[arg-type]
     try:
         kv.holds.hold("t", SRC_IDS)

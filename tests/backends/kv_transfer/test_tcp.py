@@ -1,4 +1,4 @@
-"""TcpKVConnector over real loopback sockets between real torch paged caches."""
+"""TcpTransport over real loopback sockets between real torch paged caches."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +13,7 @@ from backends.kv_transfer import (
     KVTransferConfig,
     KVTransferError,
     ReleaseMode,
-    TcpKVConnector,
+    TcpTransport,
 )
 from backends.kv_transfer.torch_cache import TorchPagedKV
 from tests.support.wait import DEFAULT_TIMEOUT_S, await_until
@@ -28,7 +28,7 @@ async def pull_and_check(src: TorchPagedKV, port: int, dst: TorchPagedKV, config
                          transfer_id: str, src_ids: list[int], dst_ids: list[int]) -> None:
     before = snapshot(dst)
     src.holds.hold(transfer_id, src_ids)
-    result = await TcpKVConnector(config).pull(remote(port, transfer_id, len(src_ids)), dst, dst_ids)
+    result = await TcpTransport(config).pull(remote(port, transfer_id, len(src_ids)), dst, dst_ids)
     assert_blocks_equal(src, src_ids, dst, dst_ids)
     assert_untouched(dst, before, dst_ids)
     assert result.num_blocks == len(dst_ids)
@@ -39,7 +39,7 @@ async def pull_and_check(src: TorchPagedKV, port: int, dst: TorchPagedKV, config
 @pytest.mark.parametrize("checksum", list(ChecksumKind))
 async def test_scattered_blocks_arrive_byte_for_byte(dtype: torch.dtype, checksum: ChecksumKind) -> None:
     src, dst = make_kv(64, dtype, seed=1), make_kv(64, dtype, seed=2)
-    server = TcpKVConnector()
+    server = TcpTransport()
     _, port = await server.serve(src, "127.0.0.1", 0)
     try:
         await pull_and_check(src, port, dst, KVTransferConfig(checksum=checksum), "t", SRC_IDS, DST_IDS)
@@ -63,7 +63,7 @@ def test_under_uvloop() -> None:
 
     async def main() -> None:
         src, dst = make_kv(64, torch.bfloat16, seed=1), make_kv(64, torch.bfloat16, seed=2)
-        server = TcpKVConnector()
+        server = TcpTransport()
         _, port = await server.serve(src, "127.0.0.1", 0)
         try:
             for i in range(3):  # staging buffers are reused across pulls
@@ -79,9 +79,9 @@ async def test_release_modes(served) -> None:
     dst = make_kv(64, seed=2)
     src.holds.hold("a", SRC_IDS)
     src.holds.hold("b", SRC_IDS)
-    on_send = await TcpKVConnector(KVTransferConfig(release=ReleaseMode.ON_SEND)).pull(remote(port, "a"), dst, DST_IDS)
+    on_send = await TcpTransport(KVTransferConfig(release=ReleaseMode.ON_SEND)).pull(remote(port, "a"), dst, DST_IDS)
     assert on_send.released and src.holds.lookup("a") is None
-    client = TcpKVConnector(KVTransferConfig(release=ReleaseMode.NEVER))
+    client = TcpTransport(KVTransferConfig(release=ReleaseMode.NEVER))
     kept = await client.pull(remote(port, "b"), dst, DST_IDS)
     assert not kept.released and src.holds.lookup("b") == tuple(SRC_IDS)
     assert await client.release(remote(port, "b")) is True
@@ -93,14 +93,14 @@ async def test_partial_pull_skips_blocks_the_decode_side_has(served) -> None:
     src, _, port = served
     dst = make_kv(64, seed=2)
     src.holds.hold("p", SRC_IDS)
-    await TcpKVConnector().pull(remote(port, "p", len(SRC_IDS)), dst, DST_IDS[:4], start_block=2)
+    await TcpTransport().pull(remote(port, "p", len(SRC_IDS)), dst, DST_IDS[:4], start_block=2)
     assert_blocks_equal(src, SRC_IDS[2:], dst, DST_IDS[:4])
 
 
 async def test_concurrent_transfers(served) -> None:
     src, _, port = served
     dst = make_kv(64, seed=2)
-    client = TcpKVConnector()
+    client = TcpTransport()
     holds = {f"c{i}": (list(range(i * 6, i * 6 + 6))[::-1], list(range(63 - i * 7, 57 - i * 7, -1))) for i in range(8)}
     for tid, (src_ids, _) in holds.items():
         src.holds.hold(tid, src_ids)
@@ -113,7 +113,7 @@ async def test_concurrent_transfers(served) -> None:
 async def test_unknown_transfer_is_a_clean_error_and_the_server_serves_on(served) -> None:
     src, _, port = served
     with pytest.raises(KVTransferError) as info:
-        await TcpKVConnector().pull(remote(port, "nope"), make_kv(64), DST_IDS)
+        await TcpTransport().pull(remote(port, "nope"), make_kv(64), DST_IDS)
     assert info.value.code is KVErrorCode.UNKNOWN_TRANSFER and "'nope'" in str(info.value)
     await pull_and_check(src, port, make_kv(64, seed=2), KVTransferConfig(), "after", SRC_IDS, DST_IDS)
 
@@ -127,7 +127,7 @@ async def test_layout_mismatch_is_refused(served, sink, needle: str) -> None:
     src, _, port = served
     src.holds.hold("m", SRC_IDS)
     with pytest.raises(KVTransferError) as info:
-        await TcpKVConnector().pull(remote(port, "m"), sink(), DST_IDS)
+        await TcpTransport().pull(remote(port, "m"), sink(), DST_IDS)
     assert info.value.code is KVErrorCode.LAYOUT_MISMATCH and needle in str(info.value)
     assert src.holds.lookup("m") == tuple(SRC_IDS)  # refused, not released
 
@@ -137,14 +137,14 @@ async def test_kv_of_other_weights_is_refused() -> None:
     naming the weights, and the hold stays. A side that does not know its weights (a peer from before they
     were sent) is not compared on them, so it pulls as it did."""
     src = make_kv(64, seed=1, weights="a1" * 16)
-    server = TcpKVConnector(KVTransferConfig(idle_timeout_s=2.0))
+    server = TcpTransport(KVTransferConfig(idle_timeout_s=2.0))
     _, port = await server.serve(src, "127.0.0.1", 0)
     try:
         src.holds.hold("w", SRC_IDS)
         other = make_kv(64, seed=2, weights="b2" * 16)
         before = snapshot(other)
         with pytest.raises(KVTransferError) as info:
-            await TcpKVConnector().pull(remote(port, "w"), other, DST_IDS)
+            await TcpTransport().pull(remote(port, "w"), other, DST_IDS)
         assert info.value.code is KVErrorCode.LAYOUT_MISMATCH
         assert f"weights: {'a1' * 16} here vs {'b2' * 16} at the peer" in str(info.value)
         assert_untouched(other, before, [])
@@ -160,13 +160,13 @@ async def test_block_count_mismatches(served) -> None:
     src, _, port = served
     src.holds.hold("n", SRC_IDS)
     with pytest.raises(KVTransferError) as info:  # caught locally from kv_transfer_params
-        await TcpKVConnector().pull(remote(port, "n", 6), make_kv(64), DST_IDS[:5])
+        await TcpTransport().pull(remote(port, "n", 6), make_kv(64), DST_IDS[:5])
     assert info.value.code is KVErrorCode.BAD_REQUEST
     with pytest.raises(KVTransferError) as info:  # caught by the server
-        await TcpKVConnector().pull(remote(port, "n"), make_kv(64), DST_IDS[:5])
+        await TcpTransport().pull(remote(port, "n"), make_kv(64), DST_IDS[:5])
     assert info.value.code is KVErrorCode.BAD_REQUEST and "hold has 6 blocks" in str(info.value)
     with pytest.raises(ValueError, match="outside the cache"):
-        await TcpKVConnector().pull(remote(port, "n"), make_kv(64), [1, 2, 3, 4, 5, 64])
+        await TcpTransport().pull(remote(port, "n"), make_kv(64), [1, 2, 3, 4, 5, 64])
     assert src.holds.lookup("n") == tuple(SRC_IDS)
 
 
@@ -178,13 +178,13 @@ async def test_corrupted_byte_is_caught_by_the_checksum(served) -> None:
     await proxy.start()
     try:
         with pytest.raises(KVTransferError) as info:
-            await TcpKVConnector().pull(remote(proxy.port, "x"), make_kv(64, seed=2), DST_IDS)
+            await TcpTransport().pull(remote(proxy.port, "x"), make_kv(64, seed=2), DST_IDS)
         assert info.value.code is KVErrorCode.CHECKSUM_MISMATCH and "layer 1" in str(info.value)
         assert src.holds.lookup("x") == tuple(SRC_IDS)  # kept for a retry
         # Without a checksum the same corruption goes unnoticed: the check is what catches it.
         proxy.at = 300 + layer_bytes + 100
         dst = make_kv(64, seed=2)
-        await TcpKVConnector(KVTransferConfig(checksum=ChecksumKind.NONE,
+        await TcpTransport(KVTransferConfig(checksum=ChecksumKind.NONE,
                                               release=ReleaseMode.NEVER)).pull(remote(proxy.port, "x"), dst, DST_IDS)
         with pytest.raises(AssertionError, match="layer 1"):
             assert_blocks_equal(src, SRC_IDS, dst, DST_IDS)
@@ -199,7 +199,7 @@ async def test_connection_cut_midway_fails_fast_and_the_server_serves_on(served)
     await proxy.start()
     try:
         with pytest.raises(KVTransferError) as info:
-            await TcpKVConnector().pull(remote(proxy.port, "cut"), make_kv(64, seed=2), DST_IDS)
+            await TcpTransport().pull(remote(proxy.port, "cut"), make_kv(64, seed=2), DST_IDS)
         # PEER_CLOSED, not TIMEOUT: the close itself ended the pull, not the 10 s idle timeout after it
         assert info.value.code is KVErrorCode.PEER_CLOSED and "layer 1 payload" in str(info.value)
     finally:
@@ -215,7 +215,7 @@ async def test_stalled_peer_hits_the_idle_timeout(served) -> None:
     try:
         started = time.monotonic()
         with pytest.raises(KVTransferError) as info:
-            await TcpKVConnector(KVTransferConfig(idle_timeout_s=0.3)).pull(
+            await TcpTransport(KVTransferConfig(idle_timeout_s=0.3)).pull(
                 remote(proxy.port, "stall"), make_kv(64, seed=2), DST_IDS)
         assert time.monotonic() - started >= 0.3   # it waited the idle timeout out (a lower bound the code keeps)
         # the idle check ("no bytes for"), not the 300 s total timeout ("took over")
@@ -230,7 +230,7 @@ async def test_total_timeout_and_connect_failure() -> None:
     port = silent.sockets[0].getsockname()[1]
     try:
         with pytest.raises(KVTransferError) as info:
-            await TcpKVConnector(KVTransferConfig(total_timeout_s=0.3)).pull(remote(port, "t"), make_kv(64), DST_IDS)
+            await TcpTransport(KVTransferConfig(total_timeout_s=0.3)).pull(remote(port, "t"), make_kv(64), DST_IDS)
         assert info.value.code is KVErrorCode.TIMEOUT and "took over 0.3 s" in str(info.value)
     finally:
         for writer in accepted:
@@ -238,7 +238,7 @@ async def test_total_timeout_and_connect_failure() -> None:
         silent.close()
         await silent.wait_closed()
     with pytest.raises(KVTransferError) as info:
-        await TcpKVConnector().pull(remote(port, "t"), make_kv(64), DST_IDS)
+        await TcpTransport().pull(remote(port, "t"), make_kv(64), DST_IDS)
     assert info.value.code is KVErrorCode.CONNECT_FAILED
 
 
@@ -254,7 +254,7 @@ async def test_garbage_gets_a_protocol_error_and_the_server_serves_on(served) ->
 
 async def test_server_drops_a_client_that_stops_reading() -> None:
     src = make_kv(2048, torch.float32, seed=1)  # 2048 blocks = 12 MiB per pull, more than socket buffers
-    server = TcpKVConnector(KVTransferConfig(idle_timeout_s=0.3))
+    server = TcpTransport(KVTransferConfig(idle_timeout_s=0.3))
     _, port = await server.serve(src, "127.0.0.1", 0)
     src.holds.hold("big", list(range(2048)))
     try:
@@ -268,7 +268,7 @@ async def test_server_drops_a_client_that_stops_reading() -> None:
         writer.close()
         assert src.holds.lookup("big") is not None
         dst = make_kv(2048, torch.float32, seed=2)
-        await TcpKVConnector().pull(remote(port, "big"), dst, list(range(2048)))
+        await TcpTransport().pull(remote(port, "big"), dst, list(range(2048)))
         assert_blocks_equal(src, range(2048), dst, range(2048))
     finally:
         await server.close()
@@ -280,11 +280,11 @@ async def test_cuda_caches_through_pinned_staging() -> None:
     src_cpu, dst_cpu = make_kv(64, torch.bfloat16, seed=1), make_kv(64, torch.bfloat16, seed=2)
     src = TorchPagedKV([(k.cuda(), v.cuda()) for k, v in src_cpu.layers])
     dst = TorchPagedKV([(k.cuda(), v.cuda()) for k, v in dst_cpu.layers])
-    server = TcpKVConnector()
+    server = TcpTransport()
     _, port = await server.serve(src, "127.0.0.1", 0)
     try:
         src.holds.hold("g", SRC_IDS)
-        await TcpKVConnector().pull(remote(port, "g"), dst, DST_IDS)
+        await TcpTransport().pull(remote(port, "g"), dst, DST_IDS)
         for (sk, sv), (dk, dv) in zip(src.layers, dst.layers, strict=True):
             # exact: the pull copies bytes
             assert torch.equal(sk[SRC_IDS].view(torch.uint8).cpu(), dk[DST_IDS].view(torch.uint8).cpu())
@@ -300,7 +300,7 @@ def test_long_runs_go_out_and_land_in_place(loop_name: str) -> None:
     dst_ids = [*range(2000, 3024), *range(0, 1101)]          # 2 runs of >= 256 KiB: received in place
 
     async def main() -> None:
-        server = TcpKVConnector()
+        server = TcpTransport()
         _, port = await server.serve(src, "127.0.0.1", 0)
         try:
             await pull_and_check(src, port, dst, KVTransferConfig(), "long", src_ids, dst_ids)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.core.engine_config import EngineConfig
+from backends.core.engine_config import EngineConfig, KVConnectorName
 from backends.server.__main__ import build_configs, build_parser, resolve_dtype
 from backends.server.config import ServerConfig, WorkerRole
 
@@ -29,7 +29,8 @@ def test_flags_become_configs(model_dir: Path) -> None:
     assert engine == EngineConfig(model_dir=str(model_dir), dtype="bfloat16", device="cuda", block_size=32,
                                   num_blocks=None, kv_cache_memory_bytes=int(1.5 * 2**30), max_num_seqs=8,
                                   max_num_batched_tokens=1024, max_model_len=4096, attention_backend="triton",
-                                  enable_prefix_caching=False, torch_num_threads=3, keep_weights_compressed=True)
+                                  enable_prefix_caching=False, torch_num_threads=3, keep_weights_compressed=True,
+                                  kv_connectors=(KVConnectorName.PD,))
 
 
 def test_defaults(model_dir: Path) -> None:
@@ -87,8 +88,10 @@ def test_kv_tier_flags_reach_the_engine_config(model_dir: Path) -> None:
     assert (engine.kv_cpu_bytes, engine.kv_disk_dir, engine.kv_disk_bytes, engine.kv_store,
             engine.kv_write_queue_blocks) == (2**30, "/var/kv", int(2.5 * 2**30), "mooncake://10.0.0.7:50051", 8)
     assert engine.kv_read_slower_tiers and engine.kv_store_bytes == int(1.5 * 2**30)
+    assert engine.kv_connector_names == (KVConnectorName.PD, KVConnectorName.TIERS)   # the tier flags imply the tiers
     _, engine = build_configs(build_parser().parse_args(["--model", str(model_dir), "--port", "9000"]))
     assert not engine.kv_read_slower_tiers and engine.kv_store_bytes == 256 << 20
+    assert engine.kv_connector_names == (KVConnectorName.PD,)   # no tier: every role keeps the P/D connector
     with pytest.raises(ValueError, match="--kv-disk-gb"):
         build_configs(build_parser().parse_args(["--model", str(model_dir), "--port", "9000",
                                                  "--kv-disk-dir", "/var/kv"]))

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from backends.core.block_events import CPU
-from backends.kv_tiers.base import Borrowed, TierUsage, leading_run
+from backends.kv_connectors.tiers.base import Borrowed, TierUsage, leading_run
 
 Spill = Callable[[int, memoryview], object]     # (block hash, its bytes): write it one tier down
 Removed = Callable[[int], None]                 # a block hash this tier no longer holds

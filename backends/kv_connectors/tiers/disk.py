@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from backends.core.block_events import DISK
-from backends.kv_tiers.base import HEADER_BYTES, TierUsage, check_frame, frame_header, leading_run
+from backends.kv_connectors.tiers.base import HEADER_BYTES, TierUsage, check_frame, frame_header, leading_run
 
 log = logging.getLogger(__name__)
 _SUFFIX = ".kv"

@@ -25,7 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from backends.core.block_events import STORE
-from backends.kv_tiers.base import HEADER_BYTES, TierUsage, frame, unframe
+from backends.kv_connectors.tiers.base import HEADER_BYTES, TierUsage, frame, unframe
 
 log = logging.getLogger(__name__)
 

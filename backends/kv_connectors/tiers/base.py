@@ -1,4 +1,4 @@
-"""What a KV tier below the device pool offers the tiered KV connector (backends/kv_tiers/connector.py):
+"""What a KV tier below the device pool offers the tiered KV connector (backends/kv_connectors/tiers/connector.py):
 host RAM, local disk, a shared store. A tier keeps whole blocks (K and V of every layer, the bytes of
 `KVLayout.block_nbytes`) under their chained block hash (cache/block_hash.py), inside a namespace that
 names the weights and config (their fingerprint, backends/worker/fingerprint.py), the dtype and the block

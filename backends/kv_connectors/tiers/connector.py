@@ -19,6 +19,7 @@ KV events: each tier's STORED and REMOVED carry its medium (backends/core/block_
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -30,11 +31,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from backends.core.block_events import KVEventKind, KVEventRing
-from backends.core.outputs import KVTierLoad
+from backends.core.outputs import KVTierLoad, LoadReport
 from backends.core.sequence import Sequence as EngineSequence
 from backends.kv_connectors.base import FinishedTransfers, LoadResult
-from backends.kv_tiers.base import KVTier, TierUsage
-from backends.kv_tiers.block_io import BlockIO, Pending, StagingRing
+from backends.kv_connectors.tiers.base import KVTier, TierUsage
+from backends.kv_connectors.tiers.block_io import BlockIO, Pending, StagingRing
 
 log = logging.getLogger(__name__)
 PROBE_EVERY = 16     # a tier slower than computing is still read on one lookup in this many that it could serve
@@ -135,6 +136,10 @@ class TieredKVConnector:
             return None
         self._plans[seq.request_id] = tuple(hashes[:n])
         return n * bs
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """How the loader thread gets the engine thread stepping when a load ends."""
+        self.wake = wake
 
     def observe_compute(self, seconds_per_token: float | None) -> None:
         """The engine's latest fit of a prompt token's compute; None (no fit this step) keeps the last one."""
@@ -293,6 +298,13 @@ class TieredKVConnector:
                                 self._restore_fraction(u.medium, seconds_per_token),
                                 num_failed_writes=self._failed_writes(t))
                      for t, u in zip(self.tiers, self.usage(), strict=True))
+
+    def add_to_report(self, report: LoadReport) -> LoadReport:
+        """The tiers' part of the load report, read now (the writer and loader threads move blocks while the
+        engine thread idles), priced against the engine's latest measure of a prompt token's compute."""
+        per_token = self.compute_seconds_per_token   # read once: the restore costs are priced against it
+        return dataclasses.replace(report, kv_tiers=self.load(per_token), seconds_per_prompt_token=per_token,
+                                   num_kv_dropped_writes=self.num_dropped_writes)
 
     def _failed_writes(self, tier: KVTier) -> int:
         return self.failed_writes[tier.medium] + (self.num_store_writes_skipped if tier is self.store else 0)

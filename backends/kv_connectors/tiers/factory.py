@@ -1,5 +1,5 @@
 """Build the tiered KV connector an `EngineConfig` asks for (--kv-cpu-gb, --kv-disk-dir/--kv-disk-gb,
---kv-store), over a runner's KV cache. None when it asks for no tier."""
+--kv-store), over a runner's KV cache: the registry's factory for the tiers (../registry.py)."""
 from __future__ import annotations
 
 import logging
@@ -7,22 +7,22 @@ from typing import Any
 
 from backends.core.block_events import KVEventRing
 from backends.core.engine_config import EngineConfig
-from backends.kv_tiers.base import KVTier, namespace
-from backends.kv_tiers.block_io import BlockIO
-from backends.kv_tiers.connector import TieredKVConnector
-from backends.kv_tiers.cpu import CpuTier
-from backends.kv_tiers.disk import DiskTier
+from backends.kv_connectors.tiers.base import KVTier, namespace
+from backends.kv_connectors.tiers.block_io import BlockIO
+from backends.kv_connectors.tiers.connector import TieredKVConnector
+from backends.kv_connectors.tiers.cpu import CpuTier
+from backends.kv_connectors.tiers.disk import DiskTier
 from backends.kv_transfer.torch_cache import TorchPagedKV
 
 log = logging.getLogger(__name__)
 
 
 def build_tiered_connector(config: EngineConfig, kv_cache: Any, weights_fingerprint: str,
-                           events: KVEventRing) -> TieredKVConnector | None:
+                           events: KVEventRing) -> TieredKVConnector:
     """`kv_cache`: the runner's backends/worker/kv_cache.KVCache. `weights_fingerprint`: the runner's
     (backends/worker/fingerprint.py; "": none); a disk or store tier files its blocks under it."""
     if not config.has_kv_tiers:
-        return None
+        raise ValueError("the tiers KV connector needs a tier (--kv-cpu-gb, --kv-disk-dir or --kv-store)")
     if not weights_fingerprint and config.has_kv_tiers_beyond_worker:
         raise ValueError("a KV tier on disk or in a shared store needs the weights' fingerprint "
                          "(ModelRunner(fingerprint_weights=True)): without it, other weights' KV could be read")
@@ -39,7 +39,7 @@ def build_tiered_connector(config: EngineConfig, kv_cache: Any, weights_fingerpr
         local.append(disk)
     store = None
     if config.kv_store:
-        from backends.kv_tiers.mooncake_store import MooncakeStoreTier
+        from backends.kv_connectors.tiers.mooncake_store import MooncakeStoreTier
         store = MooncakeStoreTier(config.kv_store, space, block_io.block_nbytes, segment_bytes=config.kv_store_bytes)
     connector = TieredKVConnector(block_io, kv_cache.spec.block_size, local, store, events,
                                   config.kv_write_queue_blocks, config.kv_read_slower_tiers)
