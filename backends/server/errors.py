@@ -1,16 +1,13 @@
 """The worker's API errors: one exception type carrying an OpenAI-style error body.
 
 Handlers and parsers raise `APIError`; the error middleware in `app.py` is the only place that
-turns exceptions into HTTP responses. `read_json` is the one way a handler reads a JSON body.
+turns exceptions into HTTP responses.
 """
 from __future__ import annotations
 
 import enum
 from http import HTTPStatus
 from typing import Any
-
-import orjson
-from aiohttp import web
 
 
 class ErrorType(str, enum.Enum):
@@ -68,12 +65,3 @@ def model_not_found(model: str) -> APIError:
         param="model",
         code="model_not_found",
     )
-
-
-async def read_json(request: web.Request) -> object:
-    """The decoded body; 400 when it is not JSON (413 comes from aiohttp's size limit)."""
-    raw = await request.read()
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise APIError(f"The request body is not valid JSON: {exc}", code="invalid_json") from exc

@@ -1,11 +1,15 @@
-"""Typed readers of one optional field of a request body: each returns the value (None when absent) or raises
-the OpenAI-style 400 naming the field (`backends/server/protocol.py` uses them)."""
+"""Reading a request body: the body itself as JSON (`read_json`, the one way a handler reads one), and typed
+readers of one optional field of it, each returning the value (None when absent) or raising the OpenAI-style
+400 naming the field (`backends/server/protocol.py` uses them)."""
 from __future__ import annotations
 
 import math
 from typing import Any, TypeVar
 
-from backends.server.errors import invalid_param
+import orjson
+from aiohttp import web
+
+from backends.server.errors import APIError, invalid_param
 
 _T = TypeVar("_T")
 
@@ -50,3 +54,12 @@ def opt_float(
         bracket = "(" if low_open else "["
         raise invalid_param(name, f"`{name}` must be in {bracket}{low}, {high}], got {value}.")
     return float(value)
+
+
+async def read_json(request: web.Request) -> object:
+    """The decoded body; 400 when it is not JSON (413 comes from aiohttp's size limit)."""
+    raw = await request.read()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(f"The request body is not valid JSON: {exc}", code="invalid_json") from exc
