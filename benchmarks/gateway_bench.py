@@ -13,24 +13,33 @@ measured in the same run, interleaved with the other paths; every figure is a me
 Scaling across cores (`--gateway-workers 1 2 4 --gateway-cpus 0-3`): each count is a path of its own in the
 same interleaved run, the gateway with N processes pinned to the first N of the gateway CPUs, and vllm-router
 pinned to the same N CPUs beside it; a last table gives each one's req/s against its own at the first count.
+
+Other checkouts (`--gateway-tree before=../old --gateway-tree after=.`, repeatable): each adds a path, gateway@NAME,
+the gateway started with cwd=DIR (so that checkout's packages are imported; the same Python), interleaved with
+the others; ratio lines give each tree against the first one named. `--paths direct` leaves only those.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-# The processes started (gateway_bench_start.py) and the load sent (gateway_bench_load.py) live beside this
-# script; this module measures and reports.
+# The processes started and the load sent live beside this script; this module measures and reports.
+from bench_trees import check_trees, tree_option
 from gateway_bench_load import (
     NUM_STREAM_TOKENS,
     PhaseResult,
     closed_loop,
+    free_port,
+    gateway_config,
+    merge,
     open_loop,
     percentile,
     run_byte_relay,
@@ -38,15 +47,7 @@ from gateway_bench_load import (
     run_upstream,
     wait_http,
 )
-from gateway_bench_start import (
-    ROUTER_LOG,
-    scaled,
-    start_redis,
-    start_relays,
-    start_routers,
-    start_upstreams,
-    stop_all,
-)
+from gateway_bench_report import _cells, median, print_scaling, print_summary, print_tree_ratios, tree_label
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -93,33 +94,55 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--upstream-cpus", help="taskset CPU list for the fake upstreams (e.g. 1)")
     parser.add_argument("--gateway-cpus", help="taskset CPU list for the gateway and vllm-router (e.g. 0); with "
                         "several --gateway-workers counts, a path of N processes gets the list's first N")
+    parser.add_argument("--gateway-tree", type=tree_option, action="append", default=[], metavar="NAME=DIR",
+                        help="one more path: the gateway run from the checkout DIR (its packages, this Python), "
+                             "labelled gateway@NAME; repeatable; each after the first gets a ratio to the first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=pathlib.Path, metavar="PREFIX",
                         help="py-spy the gateway in each phase into PREFIX.<phase>.txt (raw stacks)")
     return parser.parse_args()
 
 
-def run_helper_role(args: argparse.Namespace) -> bool:
-    """This script started as one of its own helper processes (an upstream or a relay): run it; False if not."""
-    if args.upstream is not None:
-        run_upstream(args.upstream, args.token_interval_ms / 1e3)
-    elif args.relay is not None:
-        run_relay(args.relay, args.relay_to)
-    elif args.relay_bytes is not None:
-        run_byte_relay(args.relay_bytes, args.relay_to)
-    else:
-        return False
-    return True
+def _pinned(cpus: str | None, cmd: list[str]) -> list[str]:
+    return ["taskset", "-c", cpus, *cmd] if cpus else cmd
+
+
+def cpu_list(spec: str) -> list[str]:
+    """A taskset list ("0-3", "0,2,5-6") as the CPUs it names, in order."""
+    cpus: list[str] = []
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cpus += [str(c) for c in range(int(first), int(last or first) + 1)]
+    return cpus
+
+
+def scaled(args: argparse.Namespace) -> list[tuple[int, str, str | None]]:
+    """(processes, label suffix, CPUs) per --gateway-workers count: the first count keeps the plain labels
+    (the summary against vllm-router reads them); with several counts, N processes get the first N CPUs."""
+    counts = args.gateway_workers
+    cpus = cpu_list(args.gateway_cpus) if args.gateway_cpus and len(counts) > 1 else None
+    if cpus is not None and max(counts) > len(cpus):
+        raise SystemExit(f"--gateway-cpus {args.gateway_cpus} has fewer CPUs than {max(counts)} processes")
+    return [(n, "" if i == 0 else f"-x{n}", ",".join(cpus[:n]) if cpus else args.gateway_cpus)
+            for i, n in enumerate(counts)]
 
 
 def main() -> None:
     args = parse_args()
-    if run_helper_role(args):
+    if args.upstream is not None:
+        run_upstream(args.upstream, args.token_interval_ms / 1e3)
+        return
+    if args.relay is not None:
+        run_relay(args.relay, args.relay_to)
+        return
+    if args.relay_bytes is not None:
+        run_byte_relay(args.relay_bytes, args.relay_to)
         return
     wanted = {"direct", *args.paths}
     if "vllm-router" in wanted and not args.vllm_router.exists():
         print(f"no baseline: {args.vllm_router} is missing (run `make bench-setup`)", flush=True)
         wanted.discard("vllm-router")
+    check_trees(args.gateway_tree, "gateway")
     ROUTER_LOG.unlink(missing_ok=True)
     processes: list[subprocess.Popen] = []
     try:
@@ -127,8 +150,7 @@ def main() -> None:
         paths = [BenchPath("direct", tuple(u + "/v1/chat/completions" for u in upstreams),
                            tuple(p.pid for p in processes))]
         starts = start_relays(args, wanted, upstreams)
-        redis_url = start_redis(args, wanted, processes)
-        starts += start_routers(args, wanted, upstreams, redis_url)
+        starts += start_gateways(args, wanted, upstreams, start_redis(args, wanted, processes))
         for label, process, url in starts:
             processes.append(process)
             # slow starts on a loaded box
@@ -137,10 +159,97 @@ def main() -> None:
         gateway_pid = next((p.pids[0] for p in paths if p.label == "gateway"), 0)
         run_phases(args, paths, Profiler(args.profile, gateway_pid, args.duration_s / args.rounds + args.warmup_s))
     finally:
-        stop_all(processes)
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+Start = tuple[str, subprocess.Popen, str]  # a path's label, its process and its base URL
+
+
+def start_upstreams(args: argparse.Namespace, processes: list[subprocess.Popen]) -> list[str]:
+    """The fake upstreams, healthy; their processes join `processes`."""
+    upstreams = []
+    for _ in range(args.num_upstreams):
+        port = free_port()
+        processes.append(subprocess.Popen(_pinned(args.upstream_cpus, [
+            sys.executable, __file__, "--upstream", str(port),
+            "--token-interval-ms", str(args.token_interval_ms)])))
+        upstreams.append(f"http://127.0.0.1:{port}")
+    for url in upstreams:
+        wait_http(url + "/health", 20)
+    return upstreams
+
+
+def start_relays(args: argparse.Namespace, wanted: set[str], upstreams: list[str]) -> list[Start]:
+    starts: list[Start] = []
+    for relay in ("relay", "relay-bytes"):
+        if relay in wanted:
+            port = free_port()
+            starts.append((relay, subprocess.Popen(_pinned(scaled(args)[0][2], [
+                sys.executable, __file__, "--" + relay, str(port), "--relay-to", *upstreams])),
+                f"http://127.0.0.1:{port}"))
+    return starts
+
+
+def start_redis(args: argparse.Namespace, wanted: set[str], processes: list[subprocess.Popen]) -> str | None:
+    """A Redis for the gateways when they need one (--redis, or --workers N shares its state through it)."""
+    gateways = {"gateway", "gateway-aiohttp"} & wanted or args.gateway_tree
+    if not gateways or not (args.redis or max(args.gateway_workers) > 1):
+        return None
+    redis_port = free_port()
+    processes.append(subprocess.Popen(_pinned(args.upstream_cpus, [
+        "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+        "--appendonly", "no"]), stdout=subprocess.DEVNULL))
+    return f"redis://127.0.0.1:{redis_port}/0"
+
+
+def start_gateway(args: argparse.Namespace, port: int, upstreams: list[str], redis_url: str | None,
+                  where: tuple[int, str | None, pathlib.Path], lean_http: bool = True) -> subprocess.Popen:
+    """`python -m gateway.cli gateway` run in the checkout `where[2]` (its packages are the ones imported),
+    with `where[0]` processes pinned to the CPUs `where[1]`."""
+    num_processes, cpus, checkout = where
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as config:
+        config.write(gateway_config(port, upstreams, args.policy, redis_url, lean_http=lean_http))
+    return subprocess.Popen(_pinned(cpus, [
+        sys.executable, "-m", "gateway.cli", "gateway", "--config", config.name,
+        "--workers", str(num_processes)]), cwd=checkout)
+
+
+def start_gateways(args: argparse.Namespace, wanted: set[str], upstreams: list[str],
+                   redis_url: str | None) -> list[Start]:
+    """This checkout's gateway (on its lean server and on aiohttp's) and vllm-router at each process count,
+    then the gateway of each --gateway-tree at the first count."""
+    starts: list[Start] = []
+    for num_processes, suffix, cpus in scaled(args):
+        for label in ("gateway", "gateway-aiohttp", "vllm-router"):  # gateway-aiohttp: on aiohttp's server
+            if label not in wanted or (suffix and label == "gateway-aiohttp"):
+                continue
+            port = free_port()
+            if label == "vllm-router":
+                process = subprocess.Popen(_pinned(cpus, [
+                    str(args.vllm_router), "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+                    *upstreams, "--policy", "round_robin", "--log-level", "warning",
+                    "--prometheus-port", str(free_port())]),
+                    stdout=subprocess.DEVNULL, stderr=ROUTER_LOG.open("ab"))
+            else:
+                process = start_gateway(args, port, upstreams, redis_url, (num_processes, cpus, ROOT),
+                                        lean_http=label == "gateway")
+            starts.append((label + suffix, process, f"http://127.0.0.1:{port}"))
+    num_processes, _, cpus = scaled(args)[0]
+    for name, checkout in args.gateway_tree:
+        port = free_port()
+        process = start_gateway(args, port, upstreams, redis_url, (num_processes, cpus, checkout))
+        starts.append((tree_label(name), process, f"http://127.0.0.1:{port}"))
+    return starts
 
 
 VLLM_ROUTER = ROOT / ".venv-bench" / "bin" / "vllm-router"
+ROUTER_LOG = pathlib.Path(tempfile.gettempdir()) / "gateway_bench.vllm-router.log"  # its stderr, for failures
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,12 +312,6 @@ class Profiler:
             self._process = None
 
 
-def merge(parts: list[PhaseResult]) -> PhaseResult:
-    return PhaseResult(sum(p.num_ok for p in parts), sum(p.num_errors for p in parts),
-                       sum(p.measured_s for p in parts), sum((p.ttft_ms for p in parts), ()),
-                       sum((p.total_ms for p in parts), ()))
-
-
 @dataclass(frozen=True, slots=True)
 class Round:
     result: PhaseResult              # one path's load in one round
@@ -231,12 +334,6 @@ def interleaved(paths: list[BenchPath], args: argparse.Namespace, profiler: Prof
     return rounds
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return (ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2) if ordered else float("nan")
-
-
 def run_phases(args: argparse.Namespace, paths: list[BenchPath], profiler: Profiler) -> None:
     print(f"fake upstreams: {args.num_upstreams} (token interval {args.token_interval_ms} ms, cpus "
           f"{args.upstream_cpus or 'any'}); gateway policy {args.policy}, "
@@ -250,88 +347,53 @@ def run_phases(args: argparse.Namespace, paths: list[BenchPath], profiler: Profi
     with ProcessPoolExecutor(max_workers=args.client_procs) as pool:
         for path in paths:  # warm every path, its connection pools and the client processes
             pool.submit(closed_loop, list(path.urls), 4, 0.0, 0.5, True).result()
-        print(f"\nclosed loop, concurrency {args.concurrency}, non-streaming")
-        print(f"{'path':<16}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'CPU us/req':>12}{'errors':>8}")
-        closed = interleaved(paths, args, profiler, "closed",
-                             lambda path, d: run_closed(pool, list(path.urls), args, d))
-        for label, rounds in closed.items():
-            rps = median([r.result.num_ok / r.result.measured_s for r in rounds])
-            cpu_us = median([r.cpu_us for r in rounds])
-            summary[label].update(rps=rps, cpu_closed=cpu_us)
-            print(f"{label:<16}{rps:>10.0f}{median([percentile(r.result.total_ms, 0.5) for r in rounds]):>9.2f}"
-                  f"{median([percentile(r.result.total_ms, 0.99) for r in rounds]):>9.2f}{cpu_us:>12.0f}"
-                  f"{sum(r.result.num_errors for r in rounds):>8}", flush=True)
-        for rate in args.rates:
-            print(f"\nopen loop, Poisson {rate:.0f} req/s, streaming {NUM_STREAM_TOKENS} tokens (ms)")
-            print(f"{'path':<16}{'TTFT p50':>10}{'TTFT p99':>10}{'total p50':>11}{'total p99':>11}"
-                  f"{'CPU us/req':>12}{'ok':>7}{'errors':>8}")
-            opened = interleaved(paths, args, profiler, f"open{rate:.0f}", lambda path, d, rate=rate: pool.submit(
-                open_loop, list(path.urls), rate, args.warmup_s, d, True, args.seed).result())
-            rows = {}
-            for label, rounds in opened.items():
-                rows[label] = tuple(median([percentile(getattr(r.result, field), q) for r in rounds])
-                                    for field, q in (("ttft_ms", 0.5), ("ttft_ms", 0.99),
-                                                     ("total_ms", 0.5), ("total_ms", 0.99)))
-                cpu_us = median([r.cpu_us for r in rounds])
-                summary[label][f"cpu_stream{rate:.0f}"] = cpu_us
-                print(f"{label:<16}" + _cells(rows[label]) + f"{cpu_us:>12.0f}"
-                      f"{sum(r.result.num_ok for r in rounds):>7}{sum(r.result.num_errors for r in rounds):>8}")
-            for label in rows:
-                if label != "direct":
-                    added = tuple(v - d for v, d in zip(rows[label], rows["direct"], strict=True))
-                    summary[label].update({f"ttft50_{rate:.0f}": added[0], f"ttft99_{rate:.0f}": added[1]})
-                    print(f"{'+' + label:<16}" + _cells(added), flush=True)
+        closed = closed_phase(pool, args, paths, profiler, summary)
+        opened = {rate: open_phase(pool, args, paths, profiler, summary, rate) for rate in args.rates}
     for path in paths:
         summary[path.label]["rss"] = peak_rss_mb(path.pids)
     print_summary(summary, args.rates[-1] if args.rates else 0.0)
     if len(args.gateway_workers) > 1:
         print_scaling(summary, scaled(args))
+    print_tree_ratios([name for name, _ in args.gateway_tree], closed, opened, summary)
 
 
-def print_summary(summary: dict[str, dict[str, float]], rate: float) -> None:
-    """The issue's table: switchyard against vllm-router, with the ratio, from this run."""
-    ours, theirs = summary.get("gateway"), summary.get("vllm-router")
-    if ours is None:
-        return
-    rows = [("max requests/s, closed loop", "rps", "{:,.0f}"),
-            ("CPU per non-streaming request, ms", "cpu_closed", "{:.3f}"),
-            (f"CPU per {NUM_STREAM_TOKENS}-chunk stream at {rate:.0f} rps, ms", f"cpu_stream{rate:.0f}", "{:.3f}"),
-            (f"added TTFT p50 at {rate:.0f} rps, ms", f"ttft50_{rate:.0f}", "{:+.2f}"),
-            (f"added TTFT p99 at {rate:.0f} rps, ms", f"ttft99_{rate:.0f}", "{:+.2f}"),
-            ("peak RSS, MB", "rss", "{:.0f}")]
-    on_aiohttp = summary.get("gateway-aiohttp")  # the same gateway without its lean server, when measured
-    print(f"\n{'':<44}{'switchyard':>12}{'vllm-router':>13}{'ratio':>8}"
-          + (f"{'aiohttp-only':>14}{'ratio':>8}" if on_aiohttp else ""))
-    for name, key, fmt in rows:
-        scale = 1e-3 if key.startswith("cpu") else 1.0
-        mine = ours.get(key, float("nan")) * scale
-        base = theirs.get(key, float("nan")) * scale if theirs else float("nan")
-        ratio = mine / base if base and base == base else float("nan")
-        line = f"{name:<44}{fmt.format(mine):>12}{fmt.format(base):>13}{ratio:>8.2f}"
-        if on_aiohttp:
-            before = on_aiohttp.get(key, float("nan")) * scale
-            line += f"{fmt.format(before):>14}{mine / before if before else float('nan'):>8.2f}"
-        print(line)
+def closed_phase(pool: ProcessPoolExecutor, args: argparse.Namespace, paths: list[BenchPath], profiler: Profiler,
+                 summary: dict[str, dict[str, float]]) -> dict[str, list[Round]]:
+    print(f"\nclosed loop, concurrency {args.concurrency}, non-streaming")
+    print(f"{'path':<16}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'CPU us/req':>12}{'errors':>8}")
+    closed = interleaved(paths, args, profiler, "closed", lambda path, d: run_closed(pool, list(path.urls), args, d))
+    for label, rounds in closed.items():
+        rps = median([r.result.num_ok / r.result.measured_s for r in rounds])
+        cpu_us = median([r.cpu_us for r in rounds])
+        summary[label].update(rps=rps, cpu_closed=cpu_us)
+        print(f"{label:<16}{rps:>10.0f}{median([percentile(r.result.total_ms, 0.5) for r in rounds]):>9.2f}"
+              f"{median([percentile(r.result.total_ms, 0.99) for r in rounds]):>9.2f}{cpu_us:>12.0f}"
+              f"{sum(r.result.num_errors for r in rounds):>8}", flush=True)
+    return closed
 
 
-def print_scaling(summary: dict[str, dict[str, float]], counts: list[tuple[int, str, str | None]]) -> None:
-    """Closed-loop req/s per process count (CPUs), each against its own first count, and direct beside."""
-    print(f"\n{'processes (cpus)':<20}{'switchyard req/s':>18}{'scaling':>9}{'vllm-router req/s':>19}{'scaling':>9}"
-          f"{'direct req/s':>14}")
-    first = counts[0][1]
-    for num_processes, suffix, cpus in counts:
-        cells = []
-        for label in ("gateway", "vllm-router"):
-            rps = summary.get(label + suffix, {}).get("rps", float("nan"))
-            base = summary.get(label + first, {}).get("rps", float("nan"))
-            cells += [rps, rps / base]
-        where = f"{num_processes} ({cpus or 'any'})"
-        print(f"{where:<20}{cells[0]:>18,.0f}{cells[1]:>9.2f}{cells[2]:>19,.0f}"
-              f"{cells[3]:>9.2f}{summary['direct']['rps']:>14,.0f}")
-
-
-def _cells(values: tuple[float, ...]) -> str:
-    return "".join(f"{v:>10.2f}" if i < 2 else f"{v:>11.2f}" for i, v in enumerate(values))
+def open_phase(pool: ProcessPoolExecutor, args: argparse.Namespace, paths: list[BenchPath], profiler: Profiler,
+               summary: dict[str, dict[str, float]], rate: float) -> dict[str, list[Round]]:
+    print(f"\nopen loop, Poisson {rate:.0f} req/s, streaming {NUM_STREAM_TOKENS} tokens (ms)")
+    print(f"{'path':<16}{'TTFT p50':>10}{'TTFT p99':>10}{'total p50':>11}{'total p99':>11}"
+          f"{'CPU us/req':>12}{'ok':>7}{'errors':>8}")
+    opened = interleaved(paths, args, profiler, f"open{rate:.0f}", lambda path, d: pool.submit(
+        open_loop, list(path.urls), rate, args.warmup_s, d, True, args.seed).result())
+    rows = {}
+    for label, rounds in opened.items():
+        rows[label] = tuple(median([percentile(getattr(r.result, field), q) for r in rounds])
+                            for field, q in (("ttft_ms", 0.5), ("ttft_ms", 0.99),
+                                             ("total_ms", 0.5), ("total_ms", 0.99)))
+        cpu_us = median([r.cpu_us for r in rounds])
+        summary[label][f"cpu_stream{rate:.0f}"] = cpu_us
+        print(f"{label:<16}" + _cells(rows[label]) + f"{cpu_us:>12.0f}"
+              f"{sum(r.result.num_ok for r in rounds):>7}{sum(r.result.num_errors for r in rounds):>8}")
+    for label in rows:
+        if label != "direct":
+            added = tuple(v - d for v, d in zip(rows[label], rows["direct"], strict=True))
+            summary[label].update({f"ttft50_{rate:.0f}": added[0], f"ttft99_{rate:.0f}": added[1]})
+            print(f"{'+' + label:<16}" + _cells(added), flush=True)
+    return opened
 
 
 if __name__ == "__main__":

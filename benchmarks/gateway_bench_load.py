@@ -364,3 +364,10 @@ def gateway_config(port: int, upstreams: list[str], policy: str, redis_url: str 
 def percentile(values: tuple[float, ...], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def merge(parts: list[PhaseResult]) -> PhaseResult:
+    """The results of several client processes' shares of one phase, as one."""
+    return PhaseResult(sum(p.num_ok for p in parts), sum(p.num_errors for p in parts),
+                       sum(p.measured_s for p in parts), sum((p.ttft_ms for p in parts), ()),
+                       sum((p.total_ms for p in parts), ()))

@@ -8,6 +8,10 @@ vLLM comes from `make vllm-setup` (.venv-vllm); `--engines switchyard` leaves it
 not a test:
 
     .venv/bin/python benchmarks/worker_bench.py [--rounds 2] [--concurrency 1 8 32] [--worker-args '--dtype bfloat16']
+
+Two checkouts against each other (`--worker-tree before=../old --worker-tree after=.`, repeatable): each adds an
+engine NAME, the worker run with cwd=DIR (so that checkout's packages are imported; the same Python); with trees,
+`--engines` defaults to the trees alone, and a last table gives each tree against the first one named.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from backends.worker.loader import resolve_model  # noqa: E402
+from bench_trees import check_trees, ratio_cell, spread, tree_option  # noqa: E402  (beside this script)
 from sse import data_chunks  # noqa: E402  (benchmarks/sse.py, beside this script)
 from tests.support.ports import free_port  # noqa: E402
 
@@ -132,9 +137,11 @@ def wait_healthy(proc: subprocess.Popen, url: str, what: str, timeout_s: float =
     raise SystemExit(f"{what} did not become healthy in {timeout_s:.0f} s")
 
 
-def start_switchyard(port: int, extra: list[str]) -> subprocess.Popen:
+def start_switchyard(port: int, extra: list[str], checkout: Path = ROOT) -> subprocess.Popen:
+    """The worker of the checkout `checkout` (run there, so its packages are the ones imported)."""
     cmd = [sys.executable, "-m", "backends.server", "--model", MODEL, "--port", str(port), *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=checkout, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def start_vllm(port: int, python: str, model_dir: Path, log: Path) -> subprocess.Popen:
@@ -163,7 +170,7 @@ def run_engine(engine: str, args: argparse.Namespace, model_dir: Path, scenarios
     if engine == "vllm":
         proc = start_vllm(port, args.vllm_python, model_dir, Path(args.log_dir) / f"vllm-{salt}.log")
     else:
-        proc = start_switchyard(port, args.worker_args.split())
+        proc = start_switchyard(port, args.worker_args.split(), dict(args.worker_tree).get(engine, ROOT))
     base = f"http://127.0.0.1:{port}"
     results = {}
     try:
@@ -205,20 +212,33 @@ def hf_baseline(model_dir: Path, batch: list[list[int]], new_tokens: int) -> dic
     return {"ttft_p50_ms": 1e3 * pct(ttfts, 50), "tok_s": decode_tokens / decode_s}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--shared-tokens", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--engines", nargs="+", default=["switchyard", "vllm"], choices=["switchyard", "vllm"])
+    ap.add_argument("--engines", nargs="+", default=None,
+                    help="switchyard, vllm and the --worker-tree names (default: the trees, else switchyard vllm)")
+    ap.add_argument("--worker-tree", type=tree_option, action="append", default=[], metavar="NAME=DIR",
+                    help="one more engine NAME: the switchyard worker run from the checkout DIR; repeatable")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     ap.add_argument("--worker-args", default="", help="extra worker flags, e.g. '--dtype bfloat16'")
     ap.add_argument("--log-dir", default="/tmp")
     args = ap.parse_args()
+    trees = [name for name, _ in args.worker_tree]
+    args.engines = args.engines or trees or ["switchyard", "vllm"]
+    unknown = set(args.engines) - {"switchyard", "vllm", *trees}
+    if unknown or len(set(args.engines)) != len(args.engines):
+        ap.error(f"--engines {' '.join(args.engines)}: each once, among switchyard, vllm and the trees {trees}")
+    check_trees(args.worker_tree, "backends")
+    return args
 
+
+def main() -> None:
+    args = parse_args()
     model_dir = resolve_model(MODEL)
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.machine())
@@ -233,27 +253,55 @@ def main() -> None:
     for r in range(args.rounds):
         for engine in (args.engines if r % 2 == 0 else args.engines[::-1]):
             passes[engine].append(run_engine(engine, args, model_dir, scenarios, vocab, f"round{r}"))
-
-    def med(engine: str, sc: Scenario, key: str) -> float:
-        return statistics.median(p[sc][key] for p in passes[engine])
-
-    print("\n| scenario | " + " | ".join(f"{e} out tok/s | {e} TTFT p50 ms | {e} ITL p50 ms" for e in args.engines)
-          + (" | switchyard / vllm tok/s | TTFT ratio |" if len(args.engines) == 2 else " |"))
-    print("|---" * (1 + 3 * len(args.engines) + (2 if len(args.engines) == 2 else 0)) + "|")
-    for sc in scenarios:
-        cells = [f"{med(e, sc, 'tok_s'):.1f} | {med(e, sc, 'ttft_p50_ms'):.0f} | {med(e, sc, 'itl_p50_ms'):.1f}"
-                 for e in args.engines]
-        ratio = ""
-        if len(args.engines) == 2:
-            ratio = (f" | {med('switchyard', sc, 'tok_s') / med('vllm', sc, 'tok_s'):.2f}"
-                     f" | {med('switchyard', sc, 'ttft_p50_ms') / med('vllm', sc, 'ttft_p50_ms'):.2f}")
-        print(f"| {sc.name} | " + " | ".join(cells) + ratio + " |")
+    print_table(args.engines, scenarios, passes)
+    print_tree_ratios([name for name, _ in args.worker_tree if name in args.engines], scenarios, passes)
     if not args.no_hf:
-        hf_prompts = prompts(Scenario(1, False), vocab, args.prompt_tokens, 0, "hf")[:3]
-        hf = hf_baseline(model_dir, hf_prompts, args.new_tokens)
+        batch = prompts(Scenario(1, False), vocab, args.prompt_tokens, 0, "hf")[:3]
+        hf = hf_baseline(model_dir, batch, args.new_tokens)
         print(f"\ntransformers generate, batch 1, fp32: {hf['tok_s']:.1f} decode tok/s, "
               f"TTFT p50 {hf['ttft_p50_ms']:.0f} ms")
     print(f"(medians over {args.rounds} passes per engine; TTFT ratio below 1 is switchyard faster)")
+
+
+Passes = dict[str, list[dict[Scenario, dict[str, float]]]]  # per engine, per pass: each scenario's figures
+
+
+def print_table(engines: list[str], scenarios: list[Scenario], passes: Passes) -> None:
+    def med(engine: str, sc: Scenario, key: str) -> float:
+        return statistics.median(p[sc][key] for p in passes[engine])
+
+    against_vllm = sorted(engines) == ["switchyard", "vllm"]
+    print("\n| scenario | " + " | ".join(f"{e} out tok/s | {e} TTFT p50 ms | {e} ITL p50 ms" for e in engines)
+          + (" | switchyard / vllm tok/s | TTFT ratio |" if against_vllm else " |"))
+    print("|---" * (1 + 3 * len(engines) + (2 if against_vllm else 0)) + "|")
+    for sc in scenarios:
+        cells = [f"{med(e, sc, 'tok_s'):.1f} | {med(e, sc, 'ttft_p50_ms'):.0f} | {med(e, sc, 'itl_p50_ms'):.1f}"
+                 for e in engines]
+        ratio = ""
+        if against_vllm:
+            ratio = (f" | {med('switchyard', sc, 'tok_s') / med('vllm', sc, 'tok_s'):.2f}"
+                     f" | {med('switchyard', sc, 'ttft_p50_ms') / med('vllm', sc, 'ttft_p50_ms'):.2f}")
+        print(f"| {sc.name} | " + " | ".join(cells) + ratio + " |")
+
+
+def print_tree_ratios(trees: list[str], scenarios: list[Scenario], passes: Passes) -> None:
+    """Each tree after the first against the first, per scenario: the ratio of the medians and, in brackets,
+    the lowest and highest ratio of the same pass's figures; then each tree's spread between passes."""
+    if len(trees) < 2:
+        return
+    first = trees[0]
+    keys = (("tok/s", "tok_s"), ("TTFT p50", "ttft_p50_ms"), ("ITL p50", "itl_p50_ms"))
+    print(f"\ntrees against {first} (ratio of medians; in brackets the lowest and highest ratio within a pass)")
+    for name in trees[1:]:
+        for sc in scenarios:
+            cells = [ratio_cell(label, [p[sc][key] for p in passes[name]], [p[sc][key] for p in passes[first]])
+                     for label, key in keys]
+            print(f"{name}/{first} {sc.name}: " + ", ".join(cells))
+    print("spread between passes of out tok/s and TTFT p50, (highest - lowest) / median:")
+    for name in trees:
+        cells = [f"{sc.name} {spread([p[sc]['tok_s'] for p in passes[name]]):.0%}"
+                 f"/{spread([p[sc]['ttft_p50_ms'] for p in passes[name]]):.0%}" for sc in scenarios]
+        print(f"  {name}: " + ", ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
