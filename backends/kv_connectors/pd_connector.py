@@ -79,7 +79,8 @@ class PDConnector:
         self._releases: set[asyncio.Task[None]] = set()   # release_refused's messages in flight
         self._errors: OrderedDict[str, KVTransferError] = OrderedDict()
         self.received: OrderedDict[str, dict[str, object]] = OrderedDict()   # debug: digests of pulled blocks
-        self.totals: dict[str, float] = {"pulls": 0, "bytes": 0, "seconds": 0.0, "shared_memory_pulls": 0}
+        self.totals: dict[str, float] = {"pulls": 0, "bytes": 0, "seconds": 0.0, "shared_memory_pulls": 0,
+                                             "cuda_ipc_pulls": 0}
 
     def attach(self, transport: KVTransport, sink: KVBlockSink, wake: Callable[[], None],
                digest: Callable[[Sequence[int]], list[str]] | None = None) -> None:
@@ -174,7 +175,8 @@ class PDConnector:
                 t = self.totals
                 t.update(pulls=t["pulls"] + 1, bytes=t["bytes"] + result.num_bytes,
                          seconds=t["seconds"] + result.elapsed_s,
-                         shared_memory_pulls=t["shared_memory_pulls"] + result.shared_memory)
+                         shared_memory_pulls=t["shared_memory_pulls"] + result.shared_memory,
+                         cuda_ipc_pulls=t["cuda_ipc_pulls"] + result.cuda_ipc)
             else:   # every prompt block was in our prefix cache: only the release is left
                 await self._transport.release(remote)
             if self._digest is not None:

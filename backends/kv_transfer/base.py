@@ -134,7 +134,7 @@ class KVTransferConfig:
     total_timeout_s: float = 300.0    # one pull, connect to last byte
     checksum: ChecksumKind = ChecksumKind.CRC32C  # what the client asks the server to compute (TCP only)
     release: ReleaseMode = ReleaseMode.AFTER_PULL  # what the client asks for
-    shared_memory: bool = True        # offer to copy from the server's cache directly when on one host
+    shared_memory: bool = True        # copy from the server's cache directly on one host (memfd) or GPU (CUDA IPC)
 
 
 def prefill_kv_transfer_params(engine_id: str, host: str, port: int, transfer_id: str,
@@ -169,6 +169,52 @@ class SharedRegion:
 
 
 @dataclass(frozen=True, slots=True)
+class CudaIpcRegion:
+    """Where a CUDA cache lies, as the server's BEGIN announces it to a client on the same GPU: the fields of
+    torch's CUDA sharing (torch.multiprocessing.reductions), bytes as hex (cuda_ipc.py)."""
+    device_uuid: str           # the GPU, the same in every process
+    pid: int                   # the exporting process (which cannot open its own handle)
+    handle: str                # cudaIpcMemHandle of the allocation holding the cache
+    storage_nbytes: int        # bytes of the storage the cache's view lies in
+    storage_offset: int        # that storage's byte offset in the allocation
+    tensor_offset: int         # the cache's byte offset in that storage, laid out [layers, 2, blocks, block bytes]
+    ref_counter_handle: str    # the exporter's shared reference counter for this offer
+    ref_counter_offset: int
+    event_handle: str          # an IPC event the first opening waits on ("" for none)
+    event_sync_required: bool
+    num_blocks: int            # blocks per layer in that cache (the server's count)
+
+    KIND = "cuda_ipc"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kind": self.KIND, **{name: getattr(self, name) for name in _CUDA_FIELDS}}
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> CudaIpcRegion:
+        """Raises ValueError on a missing or mistyped field."""
+        values: dict[str, Any] = {name: data.get(name) for name in _CUDA_FIELDS}
+        for name, kind in _CUDA_FIELDS.items():
+            value = values[name]
+            if type(value) is not kind or (type(value) is int and value < 0):
+                raise ValueError(f"bad CUDA IPC region: {name}={value!r}")
+            if isinstance(value, str) and name != "device_uuid" and not re.fullmatch(r"(?:[0-9a-f]{2})*", value):
+                raise ValueError(f"bad CUDA IPC region: {name} is not hex")
+        return cls(**values)
+
+
+_CUDA_FIELDS = {"device_uuid": str, "pid": int, "handle": str, "storage_nbytes": int, "storage_offset": int,
+                "tensor_offset": int, "ref_counter_handle": str, "ref_counter_offset": int, "event_handle": str,
+                "event_sync_required": bool, "num_blocks": int}
+
+
+def region_from_wire(data: Any) -> SharedRegion | CudaIpcRegion:
+    """The region a BEGIN names: a shared-memory file (no "kind", as before) or a CUDA IPC export."""
+    if isinstance(data, Mapping) and data.get("kind") == CudaIpcRegion.KIND:
+        return CudaIpcRegion.from_wire(data)
+    return SharedRegion.from_wire(data)
+
+
+@dataclass(frozen=True, slots=True)
 class PullResult:
     """What one successful pull moved."""
     transfer_id: str     # the remote hold
@@ -176,7 +222,8 @@ class PullResult:
     num_bytes: int       # payload bytes received (all layers, K and V)
     elapsed_s: float     # connect to last byte (and RELEASED, if the client released)
     released: bool       # whether the remote hold is gone now
-    shared_memory: bool = False  # copied from the server's shared-memory cache, not streamed over TCP
+    shared_memory: bool = False  # copied from the server's cache directly (shared memory or CUDA IPC), not streamed
+    cuda_ipc: bool = False       # that copy was device to device, through CUDA IPC
 
 
 class KVLayerReader(Protocol):
@@ -211,9 +258,10 @@ class KVBlockSource(Protocol):
         """Drop the hold; False if there was none."""
         ...
 
-    def shared_region(self) -> SharedRegion | None:
-        """Where the cache lies in shared memory, laid out [layers, 2, blocks, block bytes]; None if
-        it does not (a reader over the blocks then only pins them while a client copies)."""
+    def shared_region(self) -> SharedRegion | CudaIpcRegion | None:
+        """Where the cache lies in shared memory or GPU memory another process can open, laid out
+        [layers, 2, blocks, block bytes]; None if neither (a reader over the blocks then only pins them
+        while a client copies)."""
         ...
 
 

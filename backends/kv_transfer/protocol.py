@@ -57,12 +57,13 @@ class PullRequest:
     start_block: int           # skip the hold's first blocks (the client has them cached)
     num_blocks: int            # blocks the client expects from start_block on
     shared_memory: bool = False  # the client can copy from the server's shared-memory cache
+    cuda_ipc: bool = False       # the client can open the server's CUDA cache (same GPU) and copy from it
 
     def to_wire(self) -> dict[str, Any]:
         return {"transfer_id": self.transfer_id, "layout": self.layout.to_wire(),
                 "checksum": self.checksum.value, "release": self.release.value,
                 "start_block": self.start_block, "num_blocks": self.num_blocks,
-                "shared_memory": self.shared_memory}
+                "shared_memory": self.shared_memory, "cuda_ipc": self.cuda_ipc}
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> PullRequest:
@@ -72,13 +73,14 @@ class PullRequest:
                       checksum=ChecksumKind(data.get("checksum", "none")),
                       release=ReleaseMode(data.get("release", "after_pull")),
                       start_block=data.get("start_block", 0), num_blocks=data["num_blocks"],
-                      shared_memory=data.get("shared_memory", False))
+                      shared_memory=data.get("shared_memory", False), cuda_ipc=data.get("cuda_ipc", False))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"bad PULL request: {exc!s}") from None
         if not isinstance(req.transfer_id, str) or not req.transfer_id:
             raise ValueError("bad PULL request: transfer_id must be a non-empty string")
-        if type(req.shared_memory) is not bool:
-            raise ValueError("bad PULL request: shared_memory must be a boolean")
+        for flag in ("shared_memory", "cuda_ipc"):
+            if type(getattr(req, flag)) is not bool:
+                raise ValueError(f"bad PULL request: {flag} must be a boolean")
         for name in ("start_block", "num_blocks"):
             value = getattr(req, name)
             if type(value) is not int or value < 0:

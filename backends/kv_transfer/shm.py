@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from backends.kv_transfer.base import KVLayout, SharedRegion
+from backends.kv_transfer.base import CudaIpcRegion, KVLayout, SharedRegion
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,9 @@ class SharedKVFile:
 
 
 def stacked_bytes(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-    """A [num_layers, 2, num_blocks, block bytes] uint8 view of CPU caches laid out as one buffer in
-    that order (SharedKVFile's and KVCache's are), else None."""
+    """A [num_layers, 2, num_blocks, block bytes] uint8 view of caches laid out as one buffer in that order
+    (SharedKVFile's and KVCache's are, on any device), else None."""
     k0 = layers[0][0]
-    if k0.device.type != "cpu":
-        return None
     num_blocks, block_bytes = k0.shape[0], k0[0].numel() * k0.element_size()
     stride = num_blocks * block_bytes
     base = k0.data_ptr()
@@ -77,7 +75,7 @@ def stacked_bytes(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.
         return None
     shape = (len(layers), 2, num_blocks, block_bytes)
     strides = (2 * num_blocks * block_bytes, num_blocks * block_bytes, block_bytes, 1)  # contiguous
-    return torch.empty(0, dtype=torch.uint8).set_(storage, flat.storage_offset(), shape, strides)
+    return torch.empty(0, dtype=torch.uint8, device=k0.device).set_(storage, flat.storage_offset(), shape, strides)
 
 
 def joint_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -175,6 +173,8 @@ class SharedPull:
     """One pull's shared-memory path (tcp_client.SharedCopier): map the server's region, copy the
     announced blocks into local `dst_ids` of a CPU cache."""
 
+    kind = "memfd"
+
     def __init__(self, mappings: SharedMappings, layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  dst_ids: Sequence[int], layout: KVLayout, host: str, port: int) -> None:
         self._mappings = mappings
@@ -184,7 +184,9 @@ class SharedPull:
         self._server = (host, port)
         self._source: torch.Tensor | None = None
 
-    def prepare(self, region: SharedRegion) -> bool:
+    def prepare(self, region: SharedRegion | CudaIpcRegion) -> bool:
+        if not isinstance(region, SharedRegion):
+            return False
         self._source = self._mappings.source(region, self._layout, *self._server)
         return self._source is not None
 

@@ -16,6 +16,7 @@ from typing import Protocol, cast
 from backends.core.kv_transfer_params import RemoteBlocks
 from backends.kv_transfer.base import (
     ChecksumKind,
+    CudaIpcRegion,
     KVBlockSink,
     KVErrorCode,
     KVLayerWriter,
@@ -25,6 +26,7 @@ from backends.kv_transfer.base import (
     PullResult,
     ReleaseMode,
     SharedRegion,
+    region_from_wire,
 )
 from backends.kv_transfer.protocol import (
     HEADER_SIZE,
@@ -55,14 +57,17 @@ class _Stage(enum.Enum):
 class _Outcome:
     num_bytes: int   # payload bytes received
     released: bool   # the remote hold is gone
-    shared: bool     # copied from the server's shared memory
+    shared: bool     # copied from the server's cache directly
+    cuda_ipc: bool   # that copy was device to device (CUDA IPC)
 
 
 class SharedCopier(Protocol):
-    """The shared-memory path of one pull (shm.SharedPull)."""
+    """The direct-copy path of one pull: shm.SharedPull (kind "memfd") or cuda_ipc.CudaIpcPull ("cuda_ipc")."""
 
-    def prepare(self, region: SharedRegion) -> bool:
-        """Map the region BEGIN names; False when it cannot be used here (then the pull streams)."""
+    kind: str
+
+    def prepare(self, region: SharedRegion | CudaIpcRegion) -> bool:
+        """Map or open the region BEGIN names; False when it cannot be used here (then the pull streams)."""
         ...
 
     def copy(self, src_block_ids: list[int]) -> int:
@@ -202,14 +207,14 @@ class _PullProtocol(asyncio.BufferedProtocol):
         """Copy from the region BEGIN names (off the event loop), or ask for LAYER frames instead."""
         assert self._transport is not None
         try:
-            region = SharedRegion.from_wire(meta["shared_memory"])
+            region = region_from_wire(meta["shared_memory"])
             src = meta.get("block_ids")
             if not (isinstance(src, list) and len(src) == self._request.num_blocks
                     and all(type(b) is int and 0 <= b < region.num_blocks for b in src)):
                 raise ValueError("block_ids do not match the request")
         except ValueError as exc:
             raise KVTransferError(KVErrorCode.PROTOCOL, f"shared-memory BEGIN: {exc}") from None
-        if self._shared is None or not self._request.shared_memory or not self._shared.prepare(region):
+        if self._shared is None or not self._shared.prepare(region):
             self._transport.write(encode_json_frame(FrameType.STREAM, {"transfer_id": self._request.transfer_id}))
             self._stage = _Stage.AWAIT_BEGIN   # the server starts over with a plain BEGIN
             self._expect_header()
@@ -282,7 +287,9 @@ class _PullProtocol(asyncio.BufferedProtocol):
     def _finish(self, released: bool) -> None:
         self._stage = _Stage.FINISHED
         if not self.done.done():
-            self.done.set_result(_Outcome(self._num_bytes, released, self._copy_task is not None))
+            copied = self._copy_task is not None
+            cuda_ipc = copied and self._shared is not None and self._shared.kind == "cuda_ipc"
+            self.done.set_result(_Outcome(self._num_bytes, released, copied, cuda_ipc))
         self._expect_header()
 
     def _fail(self, exc: KVTransferError) -> None:
@@ -316,7 +323,8 @@ async def pull_blocks(remote: RemoteBlocks, sink: KVBlockSink, block_ids: Sequen
                                                        f"{remote.num_blocks - start_block} remote blocks")
     request = PullRequest(transfer_id=remote.transfer_id, layout=sink.layout(), checksum=config.checksum,
                           release=config.release, start_block=start_block, num_blocks=len(block_ids),
-                          shared_memory=shared is not None)
+                          shared_memory=shared is not None and shared.kind == "memfd",
+                          cuda_ipc=shared is not None and shared.kind == "cuda_ipc")
     started = time.perf_counter()
     writer = sink.writer(block_ids)
     try:
@@ -335,7 +343,7 @@ async def pull_blocks(remote: RemoteBlocks, sink: KVBlockSink, block_ids: Sequen
         writer.close()
     return PullResult(transfer_id=remote.transfer_id, num_blocks=len(block_ids), num_bytes=outcome.num_bytes,
                       elapsed_s=time.perf_counter() - started, released=outcome.released,
-                      shared_memory=outcome.shared)
+                      shared_memory=outcome.shared, cuda_ipc=outcome.cuda_ipc)
 
 
 async def _connect(remote: RemoteBlocks, factory: Callable[[], _PullProtocol],

@@ -12,6 +12,7 @@ import socket
 from collections.abc import Sequence
 
 from backends.kv_transfer.base import (
+    CudaIpcRegion,
     KVBlockSource,
     KVErrorCode,
     KVTransferConfig,
@@ -128,7 +129,7 @@ class TcpKVServer:
         except KVTransferError as exc:
             error = exc
         else:
-            region = self._source.shared_region() if request.shared_memory else None
+            region = self._offered_region(request)
             if region is None or not await self._offer_shared(reader, writer, request, block_ids, region):
                 await self._send_blocks(writer, request, block_ids)
             return
@@ -136,6 +137,15 @@ class TcpKVServer:
         log.info("KV pull refused: %s", error)
         writer.write(encode_error(error.code, error.message))
         await self._drain(writer)
+
+    def _offered_region(self, request: PullRequest) -> SharedRegion | CudaIpcRegion | None:
+        """The cache's region, where the client can use its kind (CUDA IPC only where this side allows copies)."""
+        if not (request.shared_memory or request.cuda_ipc):
+            return None
+        region = self._source.shared_region()
+        if isinstance(region, CudaIpcRegion):
+            return region if request.cuda_ipc and self._config.shared_memory else None
+        return region if request.shared_memory else None
 
     def _admit(self, request: PullRequest) -> Sequence[int]:
         """The hold's blocks to send, or a KVTransferError saying why not."""
@@ -159,7 +169,7 @@ class TcpKVServer:
             "num_blocks": num_blocks, "checksum": request.checksum.value, **extra})
 
     async def _offer_shared(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: PullRequest,
-                            block_ids: Sequence[int], region: SharedRegion) -> bool:
+                            block_ids: Sequence[int], region: SharedRegion | CudaIpcRegion) -> bool:
         """BEGIN naming the shared-memory region and the blocks, which stay pinned until the client
         says COPIED (then DONE; True) or STREAM (False: the caller sends LAYER frames)."""
         pin = self._source.reader(block_ids, 2 * len(block_ids) + 2)   # enough pieces: never staged

@@ -12,7 +12,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from backends.kv_transfer.base import KVDtype, KVLayerReader, KVLayerWriter, KVLayout, SharedRegion
+from backends.kv_transfer.base import CudaIpcRegion, KVDtype, KVLayerReader, KVLayerWriter, KVLayout, SharedRegion
+from backends.kv_transfer.cuda_ipc import export_region
 
 _DTYPES = {torch.float32: KVDtype.FLOAT32, torch.float16: KVDtype.FLOAT16,
            torch.bfloat16: KVDtype.BFLOAT16, torch.float8_e4m3fn: KVDtype.FLOAT8_E4M3FN,
@@ -80,7 +81,8 @@ class TorchPagedKV:
         self.num_blocks = k0.shape[0]
         self.device = k0.device
         self.holds = holds if holds is not None else DictBlockHolds()
-        self.region = region   # where these tensors lie in shared memory, if they do
+        self.region: SharedRegion | CudaIpcRegion | None = region   # where other processes can read these tensors
+        self._exported = False   # CUDA: export_region has been tried
         self._layout = KVLayout(num_layers=len(layers), block_size=k0.shape[1], num_kv_heads=k0.shape[2],
                                 head_dim=k0.shape[3], dtype=_DTYPES[k0.dtype], weights=weights)
         self._free_staging: list[torch.Tensor] = []
@@ -96,7 +98,10 @@ class TorchPagedKV:
     def release(self, transfer_id: str) -> bool:
         return self.holds.release(transfer_id)
 
-    def shared_region(self) -> SharedRegion | None:
+    def shared_region(self) -> SharedRegion | CudaIpcRegion | None:
+        if self.region is None and self.device.type == "cuda" and not self._exported:
+            self._exported = True
+            self.region = export_region(self.layers)   # once: the cache lives as long as this process
         return self.region
 
     def reader(self, block_ids: Sequence[int], max_pieces: int) -> KVLayerReader:
@@ -145,21 +150,28 @@ class _Transfer:
 
     def __init__(self, kv: TorchPagedKV, block_ids: list[int], max_pieces: int) -> None:
         self._kv = kv
-        n = len(block_ids)
+        self._block_ids = block_ids
         runs = _runs(block_ids)
         # In place: the (K runs, V runs) pieces are views of the cache itself; else staged.
-        self._runs = runs if kv.device.type == "cpu" and 2 * len(runs) <= max_pieces else None
+        in_place = not block_ids or (kv.device.type == "cpu" and 2 * len(runs) <= max_pieces)
+        self._runs = runs if in_place else None
+        # Taken at the first layer: a reader that only pins blocks (a direct copy) or a writer that a direct
+        # copy fills never stages.
         self._staging: torch.Tensor | None = None
         block_nbytes = kv.layout().block_nbytes
         self._word = _word_dtype(block_nbytes)
         self._row_len = block_nbytes // self._word.itemsize
-        if self._runs is None and n:
-            nbytes = 2 * block_nbytes * n
-            self._staging = kv._acquire_staging(nbytes)
-            # [2 (K, V), n, words per block] over the first nbytes of the flat byte buffer
-            self._rows_staging = self._staging[:nbytes].view(self._word).view(2, n, self._row_len)
-            self._index = torch.tensor(block_ids, dtype=torch.long, device=kv.device)
-            self._index_np = self._index.numpy() if kv.device.type == "cpu" else None
+
+    def _stage(self) -> None:
+        if self._staging is not None:
+            return
+        n, kv = len(self._block_ids), self._kv
+        nbytes = 2 * kv.layout().block_nbytes * n
+        self._staging = kv._acquire_staging(nbytes)
+        # [2 (K, V), n, words per block] over the first nbytes of the flat byte buffer
+        self._rows_staging = self._staging[:nbytes].view(self._word).view(2, n, self._row_len)
+        self._index = torch.tensor(self._block_ids, dtype=torch.long, device=kv.device)
+        self._index_np = self._index.numpy() if kv.device.type == "cpu" else None
 
     def _rows(self, cache: torch.Tensor) -> torch.Tensor:
         """[num_blocks, words per block] view of one K or V cache tensor."""
@@ -173,8 +185,9 @@ class _Transfer:
                 for whole in map(byte_view, self._kv.layers[layer]) for first, n in self._runs]
 
     def read_layer(self, layer: int) -> Sequence[memoryview]:
-        if self._staging is None:
+        if self._runs is not None:
             return self._in_place(layer)
+        self._stage()
         k, v = self._kv.layers[layer]
         if self._index_np is not None:
             # numpy, not torch: single-threaded, so no OpenMP spin when cores are oversubscribed,
@@ -188,8 +201,9 @@ class _Transfer:
         return byte_view(self._rows_staging[0]), byte_view(self._rows_staging[1])
 
     def layer_buffer(self, layer: int) -> Sequence[memoryview]:
-        if self._staging is None:
+        if self._runs is not None:
             return self._in_place(layer)
+        self._stage()
         if self._kv.device.type == "cuda":
             # The previous layer's H2D copy reads this one staging buffer: let it finish first
             # (a second buffer would overlap the copy with the next layer's receive).
@@ -197,7 +211,7 @@ class _Transfer:
         return byte_view(self._rows_staging[0]), byte_view(self._rows_staging[1])
 
     def commit_layer(self, layer: int) -> None:
-        if self._staging is None:
+        if self._runs is not None:
             return  # the bytes landed in the cache itself
         k, v = self._kv.layers[layer]
         if self._index_np is not None:

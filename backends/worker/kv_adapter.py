@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from backends.kv_transfer.base import KVLayerReader, KVLayout, SharedRegion
+from backends.kv_transfer.base import CudaIpcRegion, KVLayerReader, KVLayout, SharedRegion
 from backends.kv_transfer.torch_cache import TorchPagedKV, byte_view
 
 
@@ -43,7 +43,7 @@ class EngineKVSource:
     def release(self, transfer_id: str) -> bool:
         return self._holds.release_transfer(transfer_id)
 
-    def shared_region(self) -> SharedRegion | None:
+    def shared_region(self) -> SharedRegion | CudaIpcRegion | None:
         return self._kv.shared_region()
 
     def reader(self, block_ids: Sequence[int], max_pieces: int) -> KVLayerReader:

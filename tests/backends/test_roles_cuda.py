@@ -36,7 +36,9 @@ COMMON = ["--device", "cuda", "--dtype", "float32", "--num-blocks", "256", "--ma
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, WorkerProcess]]:
-    with started_workers({role: ["--role", role, *COMMON] for role in ("both", "prefill", "decode")},
+    debug = {"decode": ["--debug-endpoints"]}   # its pull totals
+    with started_workers({role: ["--role", role, *COMMON, *debug.get(role, [])]
+                          for role in ("both", "prefill", "decode")},
                          tmp_path_factory.mktemp("cuda-roles")) as workers:
         yield workers
 
@@ -77,6 +79,9 @@ def test_unified_and_disaggregated_on_cuda_give_transformers_tokens(
         async def prefill_holds_nothing() -> bool:
             return (await get(workers["prefill"].url + "/load"))["num_held_blocks"] == 0
         await await_until(prefill_holds_nothing, "the prefill worker to release its held blocks")
+        totals = (await get(workers["decode"].url + "/debug/kv_digest?transfer_id=-"))["totals"]
+        # two processes on one GPU: every pull went device to device
+        assert totals["pulls"] > 0 and totals["cuda_ipc_pulls"] == totals["pulls"], totals
         return got
 
     got = asyncio.run(run_all())
