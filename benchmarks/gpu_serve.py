@@ -43,6 +43,7 @@ MODES = ("inprocess", "worker", "gateway", "pd")
 WARMUP_TOKENS = 4
 LOG_TAIL_LINES = 40
 START_MARGIN_S = 0.2   # a batch's client processes start their streams this long after it is dealt
+STREAM_TIMEOUT_S = 60   # a stream that stalls this long fails the run
 BUSY = 0.8             # a client process busier than this (CPU / wall) is noted: its ITL is partly its own
 
 
@@ -139,6 +140,7 @@ def run_inprocess(args: argparse.Namespace, report: Report) -> None:
 
     _, config = build_configs(build_parser().parse_args(worker_flags(args, "both", 1)))
     engine = LLMEngine(config)
+    gc.freeze()   # as the worker does once its engine is up: no collection walks the model's objects
     try:
         for c in args.concurrency:
             drive_engine(engine, prompts(args, c, warmup=True), WARMUP_TOKENS)
@@ -146,6 +148,7 @@ def run_inprocess(args: argparse.Namespace, report: Report) -> None:
     finally:
         engine.close()
         del engine
+        gc.unfreeze()
         gc.collect()
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -199,15 +202,18 @@ _CLIENTS: dict[str, Any] = {}                 # and its client per base URL (its
 
 def client_share(url: str, share: list[list[int]], max_tokens: int, start_at: float) -> Batch:
     """In a client process: its share of a batch's streams, started at `start_at` (time.monotonic)."""
-    from openai import AsyncOpenAI
+    from openai import AsyncOpenAI, OpenAIError
 
     if not _LOOP:
         _LOOP.append(asyncio.new_event_loop())
         atexit.register(close_clients)
     if url not in _CLIENTS:
-        _CLIENTS[url] = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        _CLIENTS[url] = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=STREAM_TIMEOUT_S)
     time.sleep(max(0.0, start_at - time.monotonic()))
-    return _LOOP[0].run_until_complete(drive_served(_CLIENTS[url], share, max_tokens))
+    try:
+        return _LOOP[0].run_until_complete(drive_served(_CLIENTS[url], share, max_tokens))
+    except OpenAIError as exc:   # the SDK's errors do not unpickle: the parent gets their text
+        raise RuntimeError(f"{type(exc).__name__}: {exc}") from None
 
 
 def close_clients() -> None:
