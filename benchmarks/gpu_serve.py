@@ -284,8 +284,6 @@ async def wait_ready(session: aiohttp.ClientSession, url: str, proc: subprocess.
 
 async def start_mode(mode: str, args: argparse.Namespace, procs: Processes) -> str:
     """Start a served mode's processes; the base URL the client talks to, once it answers."""
-    from backends.worker.loader import resolve_model
-
     roles = ("prefill", "decode") if mode == "pd" else ("both",)
     ports = {role: free_port() for role in roles}
     for role, port in ports.items():
@@ -300,7 +298,7 @@ async def start_mode(mode: str, args: argparse.Namespace, procs: Processes) -> s
             else {"prefill": [], "decode": [], "both": [urls["both"]]}
         port = free_port()
         config = gateway_config(ServePlan(port=port, served_model_name=MODEL, gateway={"log_level": "WARNING"}),
-                                resolve_model("smollm2"), pools)
+                                args.model_dir, pools)
         path = procs.logs / f"{mode}-gateway.yaml"
         path.write_text(yaml.safe_dump(config))
         gateway = procs.start(f"{mode}-gateway", ["-m", "gateway.cli", "gateway", "--config", str(path)])
@@ -371,7 +369,10 @@ def warm(_: int) -> None:
 
 
 def main() -> None:
-    args = parse_args()
+    from backends.worker.loader import resolve_model
+
+    started, args = time.monotonic(), parse_args()
+    args.model_dir = resolve_model(MODEL)   # converted once, before any worker starts (the gateway's tokenizer)
     report = Report(args)
     if "inprocess" in args.modes:
         run_inprocess(args, report)
@@ -383,6 +384,7 @@ def main() -> None:
             for mode in served:
                 run_served(mode, args, report, Path(logs), pool)
     report.notes()
+    print(f"total {time.monotonic() - started:.0f} s")
 
 
 if __name__ == "__main__":
