@@ -33,7 +33,7 @@ for step in $steps; do
         --variants ${BENCH_VARIANTS:-torch,fused+split} --no-eager --no-generate 2>&1 | grep -v "^INFO\|^WARNING" \
         | tee "$OUT/bench.log" ;;
     kv)
-      python3 benchmarks/gpu_kv_transfer.py 2>&1 | grep -v "^INFO\|^WARNING" | tee "$OUT/kv.log" ;;
+      python3 benchmarks/gpu_kv_transfer.py --reps 5 2>&1 | grep -v "^INFO\|^WARNING" | tee "$OUT/kv.log" ;;
     serve)
       python3 benchmarks/gpu_serve.py --json "$OUT/serve.json" 2>&1 | grep -v "^INFO\|^WARNING" \
         | tee "$OUT/serve.log" ;;
