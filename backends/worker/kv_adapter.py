@@ -74,7 +74,7 @@ def block_digests(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids
     for block in block_ids:
         h = hashlib.blake2b(digest_size=16)
         for k, v in layers:
-            h.update(byte_view(k[block].contiguous()))
-            h.update(byte_view(v[block].contiguous()))
+            h.update(byte_view(k[block].contiguous().cpu()))   # a CUDA cache's block comes to the host first
+            h.update(byte_view(v[block].contiguous().cpu()))
         digests.append(h.hexdigest())
     return digests

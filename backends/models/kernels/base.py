@@ -11,7 +11,7 @@ changes a result, only how it is computed.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,27 @@ class ModuleTree(Protocol):
     """What `prepare` walks: a model's modules (an nn.Module, or a CausalLM)."""
 
     def modules(self) -> Iterator[nn.Module]: ...
+
+
+class GemvLinear(Protocol):
+    """A projection that can take a one-row kernel (layers.Linear), seen by its shape only: the layers import
+    these kernels, not the other way round."""
+    weight: torch.Tensor
+    gemv_config: GemvConfig | None
+
+    def gemv_eligible(self) -> bool: ...
+
+
+def gemv_projections(model: ModuleTree) -> list[GemvLinear]:
+    """The projections of `model` that a one-row kernel can take now (a plain [out, in] weight). Found by the
+    method, not by isinstance against GemvLinear: from Python 3.12 a runtime protocol check reads attributes
+    statically, and an nn.Module's weight (a registered parameter) is then not found."""
+    found: list[GemvLinear] = []
+    for module in model.modules():
+        eligible = getattr(module, "gemv_eligible", None)
+        if callable(eligible) and eligible():
+            found.append(cast(GemvLinear, module))
+    return found
 
 
 class LayerKernels:

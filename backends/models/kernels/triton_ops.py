@@ -24,14 +24,13 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from backends.models.kernels.base import ModuleTree
+from backends.models.kernels.base import GemvConfig, ModuleTree, gemv_projections
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +171,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, n_rows, k_cols, stride_w, BLOCK_N: tl.co
 
 # (rows per program, columns per loop step, warps): each step of a program reads 16 KB of the weight
 GEMV_CONFIGS: tuple[tuple[int, int, int], ...] = ((2, 4096, 8), (4, 2048, 8), (8, 1024, 8), (16, 512, 8))
-GemvConfig = tuple[int, int, int]
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Tensor:
@@ -218,16 +216,6 @@ def pick_gemv(weight: torch.Tensor) -> GemvConfig | None:
     return best
 
 
-@runtime_checkable
-class GemvLinear(Protocol):
-    """A projection that can take a one-row kernel (layers.Linear), seen by its shape only: the layers import
-    these kernels, not the other way round."""
-    weight: torch.Tensor
-    gemv_config: GemvConfig | None
-
-    def gemv_eligible(self) -> bool: ...
-
-
 def tune_linears(model: ModuleTree, pick: Callable[[torch.Tensor], GemvConfig | None] | None = None) -> None:
     """Give every plain CUDA projection of `model` (layers.Linear: [out, in] weight, no bias, not packed or
     kept compressed) the one-row kernel `pick` (by default pick_gemv, looked up when called) measures fastest
@@ -235,9 +223,7 @@ def tune_linears(model: ModuleTree, pick: Callable[[torch.Tensor], GemvConfig | 
     pick = pick or pick_gemv
 
     chosen: dict[tuple[tuple[int, ...], torch.dtype], GemvConfig | None] = {}
-    for module in model.modules():
-        if not isinstance(module, GemvLinear) or not module.gemv_eligible():
-            continue
+    for module in gemv_projections(model):
         key = (tuple(module.weight.shape), module.weight.dtype)
         if key not in chosen:
             try:

@@ -71,3 +71,16 @@ def test_only_the_cpu_family_packs_and_only_float32() -> None:
         torch.testing.assert_close(cpu.packed_linear(x, packed, None), x @ weight.t(), atol=1e-5, rtol=1e-5)
     with pytest.raises(TypeError, match="pack no weights"):
         LayerKernels().packed_linear(torch.randn(1, 4), weight, None)
+
+
+def test_the_one_row_kernel_finds_every_plain_projection() -> None:
+    """tune_linears gives the one-row kernel to what gemv_projections finds: on every Python the plain [out, in]
+    projections (a runtime protocol check finds none on 3.12, where an nn.Module's parameters are not seen)."""
+    from backends.models.kernels.base import gemv_projections
+    from backends.models.layers import Linear
+
+    kernels = LayerKernels()
+    narrowing, widening = Linear(64, 16, False, kernels), Linear(16, 64, False, kernels)   # float32: [in, out]
+    biased = Linear(64, 16, True, kernels)
+    model = torch.nn.ModuleDict({"down": narrowing, "up": widening, "biased": biased})
+    assert gemv_projections(model) == [narrowing]
