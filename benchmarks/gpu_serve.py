@@ -70,6 +70,8 @@ def parse_args() -> argparse.Namespace:
                    "largest batch needs, twice over, + 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="every engine's (the worker's default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-dir", type=Path, default=None, help="a model folder (default: the bundled SmolLM2, "
+                   "converted); a small random one makes a CPU step short enough to show the host's share")
     p.add_argument("--client-procs", type=int, default=4, help="client processes a batch's streams are dealt "
                    "round (the SDK parses a chunk in tens of µs: one process would lag at c=64 on a GPU)")
     p.add_argument("--json", type=Path, default=None, help="write the rows here as JSON (after each row)")
@@ -372,7 +374,8 @@ def main() -> None:
     from backends.worker.loader import resolve_model
 
     started, args = time.monotonic(), parse_args()
-    args.model_dir = resolve_model(MODEL)   # converted once, before any worker starts (the gateway's tokenizer)
+    # converted once, before any worker starts (the gateway's tokenizer)
+    args.model_dir = args.model_dir or resolve_model(MODEL)
     report = Report(args)
     if "inprocess" in args.modes:
         run_inprocess(args, report)
