@@ -1,5 +1,5 @@
 """Resolve a model spec (the bundled `smollm2`, an HF folder, a .gguf file) to an HF-style folder, and read its weights
-(one file or the shards an index names, mapped rather than read).
+(one file or the shards an index names, mapped rather than read; block-scaled FP8 dequantized).
 
 GGUF conversion runs once per file into the cache (`$SWITCHYARD_CACHE`, default ~/.cache/switchyard)
 and is written atomically: a temp folder renamed into place, so a killed conversion leaves no half cache.
@@ -26,6 +26,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from backends.core.paths import default_cache_dir
+from backends.worker.fp8_blocks import dequantize_checkpoint, fp8_block_scheme
 
 log = logging.getLogger(__name__)
 
@@ -135,16 +136,35 @@ def prefetch_weights(folder: Path) -> None:
     threading.Thread(target=run, name="weights-prefetch", daemon=True).start()
 
 
-def load_weights(folder: Path, keep_compressed_on: torch.device | None = None) -> dict[str, Any]:
+def load_weights(folder: Path, keep_compressed_on: torch.device | None = None,
+                 dequantize_to: torch.dtype = torch.float32) -> dict[str, Any]:
     """Every tensor of `folder`'s checkpoint (every *.safetensors file, or the shards its index names), by name,
     on CPU. `keep_compressed_on`: the matrices of switchyard-compressed files come back as CompressedTensor on
-    that device instead (expanded on demand); a folder without compressed files is then refused. Takes what
+    that device instead (expanded on demand); a folder without compressed files is then refused. Block-scaled
+    FP8 matrices come back dequantized to `dequantize_to` (the model's dtype), without their scales. Takes what
     prefetch_weights read (waiting for it) when that was asked for this folder."""
+    folder = Path(folder)
     with _prefetched_lock:
-        future = _prefetched.pop(Path(folder).resolve(), None)
+        future = _prefetched.pop(folder.resolve(), None)
     if future is not None and keep_compressed_on is None:
-        return future.result()
-    return _read_weights(Path(folder), keep_compressed_on, None)
+        weights = future.result()
+    else:
+        weights = _read_weights(folder, keep_compressed_on, None)
+    return _dequantized(folder, weights, dequantize_to)
+
+
+def _dequantized(folder: Path, weights: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """`weights` with block-scaled FP8 matrices expanded, when config.json says the checkpoint has them. Done
+    here rather than in the prefetch: only the caller knows the model's dtype."""
+    config_path = folder / "config.json"
+    scheme = fp8_block_scheme(json.loads(config_path.read_text(encoding="utf-8"))) if config_path.is_file() else None
+    if scheme is not None:
+        return dequantize_checkpoint(weights, scheme, dtype)
+    for name, tensor in weights.items():
+        if isinstance(tensor, torch.Tensor) and tensor.dtype.is_floating_point and tensor.itemsize == 1:
+            raise ValueError(f"{name} is {tensor.dtype} but {folder} has no quantization_config in config.json "
+                             f"to say how to scale it")
+    return weights
 
 
 def _read_weights(folder: Path, keep_compressed_on: torch.device | None, num_threads: int | None) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Checkpoints as they ship, read by the worker's loader and run by our model runner against transformers' forward:
-sharded safetensors with an index (transformers' save_pretrained)."""
+sharded safetensors with an index (transformers' save_pretrained), and DeepSeek-V3's block-scaled FP8."""
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shutil
@@ -15,10 +16,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from backends.core.batch import ForwardBatch, SeqChunk
 from backends.worker.loader import SHARD_INDEX_FILE, load_weights
 from backends.worker.model_runner import ModelRunner
+from tests.backends import fp8_reference
 from tests.backends.numerics import float64_copy, logit_tolerance
 
+# Widths past one 128-wide block, so FP8 scales have partial blocks at the edges (160 = 1.25 blocks,
+# 288 = 2.25, the 80 rows of k/v = 0.625).
 _TINY = dict(vocab_size=97, hidden_size=160, intermediate_size=288, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
+BLOCK = (128, 128)
+FP8_QUANTIZATION = {"quant_method": "fp8", "weight_block_size": list(BLOCK), "fmt": "e4m3",
+                    "activation_scheme": "dynamic"}
 PROMPT = tuple(random.Random(7).randrange(_TINY["vocab_size"]) for _ in range(19))
 
 
@@ -37,6 +44,43 @@ def sharded_dir(tiny: LlamaForCausalLM, tmp_path_factory: pytest.TempPathFactory
     folder = tmp_path_factory.mktemp("sharded")
     tiny.save_pretrained(folder, max_shard_size="500KB")   # 1.8 MB of float32: several shards
     return folder
+
+
+@pytest.fixture(scope="module")
+def fp8(tiny: LlamaForCausalLM, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, LlamaForCausalLM]:
+    """A block-scaled FP8 copy of `tiny` as DeepSeek-V3 ships one (the decoder's matrices float8_e4m3fn with
+    their scales, the rest bfloat16) in three shards, and transformers' model on its weights as the test
+    dequantizes them."""
+    tensors, dequantized = {}, {}
+    for name, tensor in tiny.state_dict().items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            weight, scale_inv = fp8_reference.quantize_blocks(tensor, BLOCK)
+            tensors[name], tensors[f"{name}_scale_inv"] = weight, scale_inv
+            dequantized[name] = fp8_reference.dequantize_blocks(weight, scale_inv, BLOCK)
+        else:
+            tensors[name] = tensor.bfloat16()
+            dequantized[name] = tensors[name].float()
+    reference = copy.deepcopy(tiny)
+    reference.load_state_dict(dequantized)
+    folder = tmp_path_factory.mktemp("fp8")
+    tiny.config.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_QUANTIZATION}))
+    weight_map = write_shards(folder, tensors, num_shards=3)
+    assert any(weight_map[n] != weight_map[f"{n}_scale_inv"] for n in dequantized if f"{n}_scale_inv" in tensors)
+    return folder, reference.eval()
+
+
+def write_shards(folder: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> dict[str, str]:
+    """`tensors` dealt round the shards in name order (so a matrix and its scale land apart), with the index."""
+    names = sorted(tensors)
+    weight_map = {}
+    for shard in range(num_shards):
+        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file({n: tensors[n].contiguous() for n in names[shard::num_shards]}, str(folder / file))
+        weight_map.update((n, file) for n in names[shard::num_shards])
+    (folder / SHARD_INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return weight_map
 
 
 def read_index(folder: Path) -> dict:
@@ -112,3 +156,34 @@ def test_files_repeating_a_tensor_are_refused(tmp_path: Path) -> None:
     save_file({"b": torch.ones(2)}, str(tmp_path / "two.safetensors"))
     with pytest.raises(ValueError, match=r"two\.safetensors holds b, which an earlier file"):
         load_weights(tmp_path)
+
+
+def test_fp8_weights_load_dequantized(fp8: tuple[Path, LlamaForCausalLM]) -> None:
+    folder, reference = fp8
+    weights = load_weights(folder)
+    expected = reference.state_dict()
+    assert set(weights) == set(expected)   # the scales are gone
+    for name, tensor in expected.items():
+        assert torch.equal(weights[name].float(), tensor), name   # exact: one float32 product per element
+    as_bf16 = load_weights(folder, dequantize_to=torch.bfloat16)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    assert as_bf16[name].dtype == torch.bfloat16 and torch.equal(as_bf16[name], weights[name].bfloat16())
+
+
+def test_fp8_checkpoint_runs_like_transformers_on_its_dequantized_weights(
+        tiny: LlamaForCausalLM, fp8: tuple[Path, LlamaForCausalLM]) -> None:
+    folder, reference = fp8
+    ours, tolerance = assert_runs_like(folder, reference)
+    with torch.inference_mode():   # FP8's rounding moves the logits far past float32's: the check tells them apart
+        unquantized = tiny(torch.tensor([PROMPT])).logits[0]
+    assert (ours - unquantized).abs().max().item() > 100 * tolerance
+
+
+def test_float8_without_quantization_config_is_refused(fp8: tuple[Path, LlamaForCausalLM], tmp_path: Path) -> None:
+    folder = tmp_path / "no-config"
+    shutil.copytree(fp8[0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"float8_e4m3fn but .* has no quantization_config"):
+        load_weights(folder)
