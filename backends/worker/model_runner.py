@@ -107,7 +107,7 @@ class ModelRunner:
         _materialize_empty(model, self.dtype, self.device)
         start = time.perf_counter()
         weights = (RandomCheckpoint(self.config, self.dtype, self.device) if random_weights
-                   else load_weights(model_dir, self.device if keep_compressed else None))
+                   else load_weights(model_dir, self.device if keep_compressed else None, self.dtype))
         read_s = time.perf_counter() - start
         with torch.no_grad():
             model.load_weights(weights, keep_compressed=keep_compressed)
