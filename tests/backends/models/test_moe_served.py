@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import PreTrainedModel
 
 from backends.core.sampling_params import SamplingParams
