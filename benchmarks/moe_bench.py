@@ -44,7 +44,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=6)
     p.add_argument("--expert-width", type=int, default=1408)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--hf-batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--hf-batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
@@ -100,6 +100,28 @@ def hf_tok_s(model: torch.nn.Module, batch: int, args: argparse.Namespace) -> fl
     return batch * args.max_tokens / elapsed
 
 
+def step_bytes(model: torch.nn.Module, streams: int, args: argparse.Namespace) -> float:
+    """Weight bytes one decode step of `streams` sequences reads, routing taken as uniform: every matrix but
+    the experts and the input table, and the experts some sequence chose, E (1 - (1 - k/E)^streams) per layer."""
+    experts = {id(p) for name, p in model.named_parameters() if ".experts." in name}
+    other = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                if id(p) not in experts and "embed_tokens" not in name)
+    per_expert = 3 * args.hidden * args.expert_width * model.dtype.itemsize
+    chosen = args.experts * (1 - (1 - args.top_k / args.experts) ** streams)
+    return other + args.layers * chosen * per_expert
+
+
+def read_bandwidth_gb_s() -> float:
+    """The best of 5 sums over 1 GiB: about what this machine reads from memory per second."""
+    big = torch.ones(1 << 28, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - start)
+    return big.numel() * 4 / best / 1e9
+
+
 def machine() -> str:
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     name = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")),
@@ -127,13 +149,17 @@ def main() -> None:
         ours = {n: ours_tok_s(runner, folder, n, args) for n in args.streams}
         hf_tok_s(hf, 1, argparse.Namespace(**{**vars(args), "max_tokens": 4}))   # warm-up
         theirs = {n: hf_tok_s(hf, n, args) for n in args.hf_batches}
-    print(f"\nprompt {args.prompt_len} tokens, {args.max_tokens} output tokens per stream")
-    print(f"{'streams':>8} {'switchyard tok/s':>17} {'transformers tok/s':>19} {'ratio':>7}")
+        weight_bytes = {n: step_bytes(hf, n, args) for n in set(args.streams) | set(args.hf_batches)}
+    print(f"\nprompt {args.prompt_len} tokens, {args.max_tokens} output tokens per stream; weights GB/s: the weight "
+          "bytes a decode step reads (uniform routing) times our steps per second (tok/s / streams)")
+    print(f"{'streams':>8} {'switchyard tok/s':>17} {'transformers tok/s':>19} {'ratio':>7} {'weights GB/s':>13}")
     for n in sorted(set(args.streams) | set(args.hf_batches)):
         ours_cell = f"{ours[n]:17.1f}" if n in ours else f"{'-':>17}"
         theirs_cell = f"{theirs[n]:19.1f}" if n in theirs else f"{'not run':>19}"
         ratio = f"{ours[n] / theirs[n]:6.2f}x" if n in ours and n in theirs else f"{'-':>7}"
-        print(f"{n:>8} {ours_cell} {theirs_cell} {ratio}")
+        read = f"{weight_bytes[n] * ours[n] / n / 1e9:13.1f}" if n in ours else f"{'-':>13}"
+        print(f"{n:>8} {ours_cell} {theirs_cell} {ratio} {read}")
+    print(f"memory read bandwidth (sum over 1 GiB): {read_bandwidth_gb_s():.1f} GB/s")
     print("vLLM (CPU): not installed here, not run")
     print(f"machine: {machine()}")
 

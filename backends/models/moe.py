@@ -156,8 +156,11 @@ class MoEBlock(nn.Module):
              scratch: ExpandScratch | None = None) -> None:
         """Copy the block's tensors in from HF names under `layer_prefix` ("model.layers.3"): the router, the
         experts per expert (`{block}.experts.{e}.{gate|up|down}.weight`) or fused (`{block}.experts.gate_up_proj`
-        [E, 2I, H], `{block}.experts.down_proj` [E, H, I]), and the shared expert. Experts are expanded once."""
-        names, prefix = self.config.names, f"{layer_prefix}.{self.config.names.block}"
+        [E, 2I, H], `{block}.experts.down_proj` [E, H, I]), and the shared expert. Experts are expanded once.
+        `{block}` may also be `mlp`, transformers 5's module name in every family (its state_dict)."""
+        names = self.config.names
+        prefix = next((p for p in (f"{layer_prefix}.{names.block}", f"{layer_prefix}.mlp")
+                       if f"{p}.gate.weight" in weights), f"{layer_prefix}.{names.block}")
         # the router stays float32 whatever the model's dtype (the runner gives every parameter the model's)
         self.gate = _float32(weights[f"{prefix}.gate.weight"], self.gate_up.device)
         if f"{prefix}.experts.gate_up_proj" in weights:

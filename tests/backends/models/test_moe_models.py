@@ -17,6 +17,8 @@ from backends.core.batch import ForwardBatch, SeqChunk
 from backends.core.engine_config import EngineConfig
 from backends.core.sampling_params import SamplingParams
 from backends.engine.engine import LLMEngine
+from backends.models import model_class
+from backends.models.kernels.registry import select_kernels
 from backends.worker.model_runner import ModelRunner
 from tests.backends.engine.runner_view import RunnerView
 from tests.backends.engine.test_engine_model import hf_greedy, run_all, tokens
@@ -85,6 +87,19 @@ def test_a_mixed_batch_matches_transformers(moe: Moe) -> None:
                                            SeqChunk((c[-1],), 39, tables[2]))))
     for row, seq in enumerate((b, a, c)):
         moe.assert_close(out[row], moe.logits(seq)[-1], row)
+
+
+def test_transformers_fused_expert_layout_loads_the_same_weights(moe: Moe) -> None:
+    """transformers 5 keeps experts fused in memory (`mlp.experts.gate_up_proj` [E, 2I, H]); its state_dict loads
+    into our model exactly as the per-expert checkpoint it saved does."""
+    model = model_class(moe.runner.config.architectures)(moe.runner.config, select_kernels("cpu"))
+    state = moe.hf.state_dict()
+    assert any(name.endswith("experts.gate_up_proj") for name in state)
+    with torch.no_grad():
+        model.load_weights(state)
+    ours = dict(moe.runner.model.named_parameters())
+    for name, param in model.named_parameters():
+        assert torch.equal(param, ours[name]), name
 
 
 def engine(moe: Moe, **kw: object) -> tuple[LLMEngine, RunnerView]:
