@@ -1,7 +1,8 @@
 """The MoE layers against plain references: grouped_experts against a loop over tokens, the routers against
-transformers' own router modules on random logits."""
+transformers' own router modules on random logits, MoEBlock with a shared expert against transformers' block."""
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from backends.models.kernels.base import LayerKernels
 from backends.models.kernels.registry import select_kernels
-from backends.models.moe import every_expert, grouped_experts, sigmoid_group_topk, softmax_topk
+from backends.models.moe import (QWEN_NAMES, MoEBlock, MoEConfig, every_expert, grouped_experts, sigmoid_group_topk,
+                                 softmax_topk)
 
 HIDDEN, INTER, EXPERTS = 48, 40, 8
 
@@ -104,3 +106,28 @@ def test_sigmoid_group_topk_matches_deepseek_v3s_router(renormalize: bool, scali
     plain = sigmoid_group_topk(logits, torch.zeros(experts), 6, 8, 3, renormalize, scaling)[1]
     assert not torch.equal(sorted_pairs(*sigmoid_group_topk(logits, bias, 6, 8, 3, renormalize, scaling))[1],
                            plain.sort(dim=-1).values)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_moe_block_with_a_gated_shared_expert_matches_qwen2_moes_block(renormalize: bool) -> None:
+    """MoEBlock's routing, experts and shared expert (sigmoid-gated, Qwen2-MoE) against transformers' own block,
+    loaded from that block's state_dict (the fused expert layout) under a layer's prefix."""
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    config = Qwen2MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, shared_expert_intermediate_size=56,
+                            num_experts=EXPERTS, num_experts_per_tok=3, norm_topk_prob=renormalize)
+    torch.manual_seed(3)
+    theirs = Qwen2MoeSparseMoeBlock(config).eval()
+    with torch.no_grad():
+        for param in theirs.parameters():
+            param.copy_(torch.randn_like(param) * 0.3)
+    ours = MoEBlock(MoEConfig(hidden_size=HIDDEN, num_experts=EXPERTS, top_k=3, intermediate_size=INTER,
+                              renormalize=renormalize, names=replace(QWEN_NAMES, shared="shared_expert"),
+                              shared_intermediate_size=56, shared_expert_gated=True), LayerKernels())
+    with torch.no_grad():
+        ours.load({f"model.layers.0.mlp.{name}": t for name, t in theirs.state_dict().items()}, "model.layers.0")
+    x = torch.randn(1, 11, HIDDEN)
+    with torch.inference_mode():
+        want, got = theirs(x)[0], ours(x[0], residual=x[0]) - x[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
