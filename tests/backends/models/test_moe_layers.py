@@ -13,8 +13,15 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from backends.models.kernels.base import LayerKernels
 from backends.models.kernels.registry import select_kernels
-from backends.models.moe import (QWEN_NAMES, MoEBlock, MoEConfig, every_expert, grouped_experts, sigmoid_group_topk,
-                                 softmax_topk)
+from backends.models.moe import (
+    QWEN_NAMES,
+    MoEBlock,
+    MoEConfig,
+    every_expert,
+    grouped_experts,
+    sigmoid_group_topk,
+    softmax_topk,
+)
 
 HIDDEN, INTER, EXPERTS = 48, 40, 8
 
