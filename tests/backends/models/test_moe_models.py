@@ -2,7 +2,7 @@
 transformers' own forward and `generate` on the same weights, in float32: logits within the rounding measured in
 the same run (tests/backends/numerics.py), greedy tokens equal where rounding cannot decide them. Paged prefill
 in uneven chunks, token-by-token decode, a mixed batch over shuffled block tables, a prefix-cache hit against a
-cold run, and chunked prefill beside decodes in the engine."""
+cold run, chunked prefill beside decodes and n-gram speculation in the engine."""
 from __future__ import annotations
 
 import itertools
@@ -150,3 +150,20 @@ def test_a_prefix_cache_hit_gives_a_cold_runs_logits_and_tokens(moe: Moe) -> Non
     reference = choices(logits, params, None, (), moe.tolerance)
     assert_same_tokens(cold_ids, want, reference, "cold")
     assert_same_tokens(hit_ids, want, reference, "hit")
+
+
+def test_ngram_speculation_keeps_transformers_greedy_tokens(moe: Moe) -> None:
+    """Prompt lookup drafts several tokens a step; verifying them runs each sequence's drafts through the experts
+    together. Prompts repeat a phrase so that lookups find drafts; the tokens stay transformers' greedy ones."""
+    eng, view = engine(moe, speculative="ngram", num_speculative_tokens=4, spec_adaptive=False)
+    prompts = {f"r{i}": (moe.prompt(30 + i, 6) * 4)[:22] for i in range(3)}
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for rid, ids in prompts.items():
+        eng.add_request(rid, ids, params)
+    outs = run_all(eng)
+    assert any(c.num_logits > 1 for batch, _ in view.steps for c in batch.chunks), "no step verified drafts"
+    expected = hf_greedy(moe.hf, list(prompts.values()), 16, (-1,))
+    for rid, (want, logits) in zip(prompts, expected, strict=True):
+        assert_same_tokens(tokens(outs[rid]), want, choices(logits, params, None, (), moe.tolerance), rid)
+    assert eng.stats().num_spec_accepted_tokens > 0, eng.stats()
+    eng.close()
