@@ -48,14 +48,22 @@ def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group
     return weights * scaling, ids
 
 
+@dataclass(frozen=True, slots=True)
+class PackedExperts:
+    """Experts' weights in the layout the kernels' packed_linear reads (LayerKernels.pack_expert), one per expert."""
+    gate_up: tuple[torch.Tensor, ...]   # [2I, H] each, packed
+    down: tuple[torch.Tensor, ...]      # [H, I] each, packed
+
+
 def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, kernels: LayerKernels) -> torch.Tensor:
+                    down: torch.Tensor, kernels: LayerKernels, packed: PackedExperts | None = None) -> torch.Tensor:
     """sum_j w[t, j] * down[e] (silu_mul(gate_up[e] x[t])) with e = topk_ids[t, j]: [T, H] in, [T, H] out.
 
     The T*k token-slots are sorted by expert, so each active expert runs one matrix product over all of its
     tokens (gate_up [E, 2I, H], down [E, H, I], stored [out, in] as F.linear reads them); the results are
-    weighted by the routing weights (float32) and summed per token. The slots per expert are read on the host;
-    while a CUDA graph is being captured, which allows no such read, every expert runs (`every_expert`)."""
+    weighted by the routing weights (float32) and summed per token. With `packed`, the products read those
+    (gate_up and down may then be empty). The slots per expert are read on the host; while a CUDA graph is
+    being captured, which allows no such read, every expert runs (`every_expert`)."""
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return every_expert(x, topk_ids, topk_weights, gate_up, down, kernels)
     num_tokens, k = topk_ids.shape
@@ -70,8 +78,12 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         if count == 0:
             continue
         end = start + count
-        h = kernels.silu_mul(F.linear(rows[start:end], gate_up[expert]))   # [count, I]
-        torch.mm(h, down[expert].t(), out=out[start:end])
+        if packed is not None:
+            h = kernels.silu_mul(kernels.packed_linear(rows[start:end], packed.gate_up[expert], None))
+            out[start:end] = kernels.packed_linear(h, packed.down[expert], None)
+        else:
+            h = kernels.silu_mul(F.linear(rows[start:end], gate_up[expert]))   # [count, I]
+            torch.mm(h, down[expert].t(), out=out[start:end])
         start = end
     per_slot = out.index_select(0, torch.argsort(order)).view(num_tokens, k, -1)   # back in slot order
     # the weighted sum over each token's k experts, in float32: [T, 1, k] @ [T, k, H]
@@ -135,6 +147,7 @@ class MoEBlock(nn.Module):
         self.shared_down = Linear(shared, hidden, False, kernels) if shared else None
         self.shared_gate = (nn.Parameter(torch.empty(1, hidden, dtype=torch.float32), requires_grad=False)
                             if shared and config.shared_expert_gated else None)
+        self.packed: PackedExperts | None = None   # where the kernels pack experts; gate_up and down are then empty
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]) of x [T, H]."""
@@ -144,7 +157,7 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MoE output for x [T, H], plus `residual` when given."""
         weights, ids = self.route(x)
-        out = grouped_experts(x, ids, weights, self.gate_up, self.down, self.kernels)
+        out = grouped_experts(x, ids, weights, self.gate_up, self.down, self.kernels, self.packed)
         if self.shared_gate_up is not None and self.shared_down is not None:
             shared = self.shared_down(self.kernels.silu_mul(self.shared_gate_up(x)))
             if self.shared_gate is not None:
@@ -156,7 +169,8 @@ class MoEBlock(nn.Module):
              scratch: ExpandScratch | None = None) -> None:
         """Copy the block's tensors in from HF names under `layer_prefix` ("model.layers.3"): the router, the
         experts per expert (`{block}.experts.{e}.{gate|up|down}.weight`) or fused (`{block}.experts.gate_up_proj`
-        [E, 2I, H], `{block}.experts.down_proj` [E, H, I]), and the shared expert. Experts are expanded once.
+        [E, 2I, H], `{block}.experts.down_proj` [E, H, I]), and the shared expert. Experts are expanded once, and
+        packed where the kernels pack them.
         `{block}` may also be `mlp`, transformers 5's module name in every family (its state_dict)."""
         names = self.config.names
         prefix = next((p for p in (f"{layer_prefix}.{names.block}", f"{layer_prefix}.mlp")
@@ -173,6 +187,7 @@ class MoEBlock(nn.Module):
                 self.gate_up[e, :inter].copy_(dense(weights[f"{expert}.{names.gate}.weight"]))
                 self.gate_up[e, inter:].copy_(dense(weights[f"{expert}.{names.up}.weight"]))
                 self.down[e].copy_(dense(weights[f"{expert}.{names.down}.weight"]))
+        self._pack()
         if self.shared_gate_up is not None and self.shared_down is not None:
             shared = f"{prefix}.{names.shared}"
             self.shared_gate_up.load([weights[f"{shared}.gate_proj.weight"], weights[f"{shared}.up_proj.weight"]],
@@ -180,6 +195,18 @@ class MoEBlock(nn.Module):
             self.shared_down.load([weights[f"{shared}.down_proj.weight"]], None, scratch)
             if self.shared_gate is not None:
                 self.shared_gate = _float32(weights[f"{prefix}.shared_expert_gate.weight"], self.gate_up.device)
+
+    def _pack(self) -> None:
+        """Experts packed where the kernels pack them; the packed copies replace the stacked ones."""
+        gate_up = [self.kernels.pack_expert(self.gate_up[e]) for e in range(self.config.num_experts)]
+        down = [self.kernels.pack_expert(self.down[e]) for e in range(self.config.num_experts)]
+        packed_gate_up = [w for w in gate_up if w is not None]
+        packed_down = [w for w in down if w is not None]
+        if len(packed_gate_up) == len(packed_down) == self.config.num_experts:
+            self.packed = PackedExperts(tuple(packed_gate_up), tuple(packed_down))
+            empty = torch.empty(0, dtype=self.gate_up.dtype, device=self.gate_up.device)
+            self.gate_up = nn.Parameter(empty, requires_grad=False)
+            self.down = nn.Parameter(empty.clone(), requires_grad=False)
 
 
 def _float32(weight: torch.Tensor | CompressedWeight, device: torch.device) -> nn.Parameter:

@@ -17,6 +17,7 @@ from backends.models.moe import (
     QWEN_NAMES,
     MoEBlock,
     MoEConfig,
+    PackedExperts,
     every_expert,
     grouped_experts,
     sigmoid_group_topk,
@@ -49,10 +50,15 @@ def test_grouped_experts_match_a_loop_over_tokens(kernels: LayerKernels, dtype: 
     down = (torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * 0.2).to(dtype)
     weights, ids = softmax_topk(torch.randn(num_tokens, EXPERTS, generator=g), 2, renormalize=True)
     want = naive_experts(x, ids, weights, gate_up, down)
-    for experts in (grouped_experts, every_expert):   # every_expert: the path a CUDA graph captures
-        got = experts(x, ids, weights, gate_up, down, kernels)
+    runs = {"grouped": grouped_experts(x, ids, weights, gate_up, down, kernels),
+            "every expert": every_expert(x, ids, weights, gate_up, down, kernels)}   # what a CUDA graph captures
+    packed = [(kernels.pack_expert(gate_up[e]), kernels.pack_expert(down[e])) for e in range(EXPERTS)]
+    if all(g is not None and d is not None for g, d in packed):   # the CPU's, where it packs this dtype
+        experts = PackedExperts(tuple(g for g, _ in packed), tuple(d for _, d in packed))
+        runs["packed"] = grouped_experts(x, ids, weights, gate_up[:0], down[:0], kernels, experts)
+    for name, got in runs.items():
         assert got.shape == x.shape and got.dtype == dtype
-        assert ((got.double() - want).abs().max() / want.abs().max()).item() < tolerance, experts.__name__
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < tolerance, name
 
 
 def test_grouped_experts_with_a_token_twice_on_one_expert_slot_order() -> None:
@@ -115,8 +121,10 @@ def test_sigmoid_group_topk_matches_deepseek_v3s_router(renormalize: bool, scali
                            plain.sort(dim=-1).values)
 
 
+@pytest.mark.parametrize("kernels", [LayerKernels(), select_kernels("cpu")], ids=["reference", "cpu"])
 @pytest.mark.parametrize("renormalize", [False, True])
-def test_moe_block_with_a_gated_shared_expert_matches_qwen2_moes_block(renormalize: bool) -> None:
+def test_moe_block_with_a_gated_shared_expert_matches_qwen2_moes_block(renormalize: bool,
+                                                                        kernels: LayerKernels) -> None:
     """MoEBlock's routing, experts and shared expert (sigmoid-gated, Qwen2-MoE) against transformers' own block,
     loaded from that block's state_dict (the fused expert layout) under a layer's prefix."""
     from transformers import Qwen2MoeConfig
@@ -131,7 +139,7 @@ def test_moe_block_with_a_gated_shared_expert_matches_qwen2_moes_block(renormali
             param.copy_(torch.randn_like(param) * 0.3)
     ours = MoEBlock(MoEConfig(hidden_size=HIDDEN, num_experts=EXPERTS, top_k=3, intermediate_size=INTER,
                               renormalize=renormalize, names=replace(QWEN_NAMES, shared="shared_expert"),
-                              shared_intermediate_size=56, shared_expert_gated=True), LayerKernels())
+                              shared_intermediate_size=56, shared_expert_gated=True), kernels)
     with torch.no_grad():
         ours.load({f"model.layers.0.mlp.{name}": t for name, t in theirs.state_dict().items()}, "model.layers.0")
     x = torch.randn(1, 11, HIDDEN)
