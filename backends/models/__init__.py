@@ -13,8 +13,10 @@ if TYPE_CHECKING:   # the model modules are imported on first use, by name
 _MODELS = MappingProxyType({
     "LlamaForCausalLM": "backends.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "backends.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "backends.models.mixtral:MixtralForCausalLM",
     "Qwen2ForCausalLM": "backends.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "backends.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "backends.models.qwen3_moe:Qwen3MoeForCausalLM",
 })
 
 

@@ -23,7 +23,7 @@ REQUIRED_FIELDS = ("architectures", "hidden_size", "intermediate_size", "num_att
                    "max_position_embeddings", "tie_word_embeddings")
 # Architectures whose config class derives a missing head_dim as hidden_size // num_attention_heads, as
 # the models do; others (Qwen3: 128) must state it.
-HEAD_DIM_DERIVED = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+HEAD_DIM_DERIVED = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM"})
 
 
 class ModelConfig(Protocol):

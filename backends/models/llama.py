@@ -5,7 +5,8 @@ Pure nn.Module over flat token batches ([num_tokens, ...], no batch dim): attent
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -56,6 +57,19 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, heads * head_dim), residual)
 
 
+class DecoderMLP(Protocol):
+    """A decoder layer's feed-forward block: LlamaMLP, or a sparse one (backends.models.moe.MoEBlock)."""
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def load(self, weights: Mapping[str, torch.Tensor | CompressedWeight], layer_prefix: str,
+             scratch: ExpandScratch | None) -> None: ...
+
+
+# (config, layer index, kernels) -> the layer's feed-forward block (a DecoderMLP nn.Module)
+MLPFactory = Callable[[ModelConfig, int, LayerKernels], nn.Module]
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, kernels: LayerKernels) -> None:
         super().__init__()
@@ -69,15 +83,27 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
         return self.down_proj(self.kernels.silu_mul(gate_up), residual)
 
+    def load(self, weights: Mapping[str, torch.Tensor | CompressedWeight], layer_prefix: str,
+             scratch: ExpandScratch | None) -> None:
+        gate_up = [f"{layer_prefix}.mlp.{p}_proj" for p in ("gate", "up")]
+        self.gate_up_proj.load([weights[f"{n}.weight"] for n in gate_up],
+                               _maybe(weights, [f"{n}.bias" for n in gate_up]), scratch)
+        self.down_proj.load([weights[f"{layer_prefix}.mlp.down_proj.weight"]],
+                            _maybe(weights, [f"{layer_prefix}.mlp.down_proj.bias"]), scratch)
+
+
+def llama_mlp(config: ModelConfig, layer: int, kernels: LayerKernels) -> nn.Module:
+    return LlamaMLP(config, kernels)
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 kernels: LayerKernels) -> None:
+                 kernels: LayerKernels, mlp: MLPFactory = llama_mlp) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.self_attn = LlamaAttention(config, layer, qkv_bias, o_bias, qk_norm, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.mlp = LlamaMLP(config, kernels)
+        self.mlp = mlp(config, layer, kernels)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x), cos, sin, attn, residual=x)
@@ -98,7 +124,8 @@ class LlamaForCausalLM(nn.Module):
     (backends.models.base.CausalLM)."""
 
     def __init__(self, config: ModelConfig, kernels: LayerKernels, *, qkv_bias: bool | None = None,
-                 o_bias: bool | None = None, qk_norm: bool = False) -> None:
+                 o_bias: bool | None = None, qk_norm: bool = False, mlp: MLPFactory = llama_mlp) -> None:
+        """`mlp` builds each layer's feed-forward block (the MoE families pass theirs)."""
         super().__init__()
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias if qkv_bias is None else qkv_bias
@@ -110,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm, kernels)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm, kernels, mlp)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.lm_head = LMHead(config.hidden_size, config.vocab_size, kernels)
@@ -159,13 +186,13 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Mapping[str, torch.Tensor | CompressedWeight],
                      keep_compressed: bool = False) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be covered.
+        """Copy HF-named tensors in, fusing q/k/v (and each MLP its own); every parameter must be covered.
         `keep_compressed`: the decoder layers' projections given compressed stay compressed, expanded
         just before each runs (the embedding, norms and LM head are expanded once)."""
         scratch = ExpandScratch() if keep_compressed else None
         for i in range(len(self.layers)):
             prefix, layer = f"model.layers.{i}", self.decoder_layer(i)
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             qkv = [f"{prefix}.self_attn.{p}_proj" for p in "qkv"]
             attn.qkv_proj.load([weights[f"{n}.weight"] for n in qkv], _maybe(weights, [f"{n}.bias" for n in qkv]),
                                scratch)
@@ -174,11 +201,7 @@ class LlamaForCausalLM(nn.Module):
             if attn.q_norm is not None and attn.k_norm is not None:
                 attn.q_norm.weight.copy_(dense(weights[f"{prefix}.self_attn.q_norm.weight"]))
                 attn.k_norm.weight.copy_(dense(weights[f"{prefix}.self_attn.k_norm.weight"]))
-            gate_up = [f"{prefix}.mlp.{p}_proj" for p in ("gate", "up")]
-            mlp.gate_up_proj.load([weights[f"{n}.weight"] for n in gate_up],
-                                  _maybe(weights, [f"{n}.bias" for n in gate_up]), scratch)
-            mlp.down_proj.load([weights[f"{prefix}.mlp.down_proj.weight"]],
-                               _maybe(weights, [f"{prefix}.mlp.down_proj.bias"]), scratch)
+            cast(DecoderMLP, layer.mlp).load(weights, prefix, scratch)
             layer.input_layernorm.weight.copy_(dense(weights[f"{prefix}.input_layernorm.weight"]))
             layer.post_attention_layernorm.weight.copy_(dense(weights[f"{prefix}.post_attention_layernorm.weight"]))
         embed = dense(weights["model.embed_tokens.weight"])

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ from backends.models.int8_linear import INT8_COST, int8_available, int8_lm_head,
 from backends.models.kernels.base import LayerKernels
 from backends.models.kernels.registry import select_kernels
 from backends.models.layers import Linear, LMHead, rope_inv_freq
-from backends.models.llama import LlamaDecoderLayer
+from backends.models.llama import DecoderMLP, LlamaDecoderLayer
 from backends.speculative.proposer import DraftRequest
 
 if TYPE_CHECKING:
@@ -71,13 +71,12 @@ class EagleHead(nn.Module):
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """EAGLE names (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...); `embed_tokens.weight` ignored."""
         p = "layers.0"
-        attn, mlp = self.layer.self_attn, self.layer.mlp
+        attn = self.layer.self_attn
         self.fc.load([weights["fc.weight"]], [weights["fc.bias"]] if "fc.bias" in weights else None)
         attn.qkv_proj.load([weights[f"{p}.self_attn.{n}_proj.weight"] for n in "qkv"],
                            _maybe(weights, [f"{p}.self_attn.{n}_proj.bias" for n in "qkv"]))
         attn.o_proj.load([weights[f"{p}.self_attn.o_proj.weight"]], _maybe(weights, [f"{p}.self_attn.o_proj.bias"]))
-        mlp.gate_up_proj.load([weights[f"{p}.mlp.{n}_proj.weight"] for n in ("gate", "up")], None)
-        mlp.down_proj.load([weights[f"{p}.mlp.down_proj.weight"]], None)
+        cast(DecoderMLP, self.layer.mlp).load(weights, p, None)
         self.layer.post_attention_layernorm.weight.copy_(weights[f"{p}.post_attention_layernorm.weight"])
         if self.input_norm:
             self.layer.input_layernorm.weight.copy_(weights[f"{p}.input_layernorm.weight"])

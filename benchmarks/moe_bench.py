@@ -1,0 +1,168 @@
+"""Output tok/s of a MoE model in our engine at 1, 8 and 32 streams against transformers' `generate` on the same
+weights, in one run (issue 47).
+
+The checkpoint is transformers' own: a Qwen3-MoE of realistic width (hidden 2048, 64 experts, top-6, 1408 wide
+each, norm_topk_prob) with `--layers` decoder layers, random weights as transformers initialises them, saved with
+save_pretrained in `--dtype`; our engine loads that folder. Every stream gets its own random prompt of
+`--prompt-len` tokens and makes `--max-tokens` tokens (EOS ignored); tok/s is output tokens over the wall time from
+admission to the last token, prefill included. transformers runs each batch size of `--hf-batches` as one
+`generate` call (greedy, min_new_tokens = max_new_tokens). vLLM's CPU engine is not installed here, so it is not
+run. A script, not a test:
+
+    .venv/bin/python benchmarks/moe_bench.py [--layers 2] [--streams 1 8 32] [--hf-batches 1 8] [--max-tokens 32]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from backends.core.engine_config import EngineConfig  # noqa: E402
+from backends.core.sampling_params import SamplingParams  # noqa: E402
+from backends.engine.engine import LLMEngine  # noqa: E402
+from backends.worker.model_runner import ModelRunner  # noqa: E402
+
+BLOCK = 16
+VOCAB = 32000
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=6)
+    p.add_argument("--expert-width", type=int, default=1408)
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--hf-batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    return p.parse_args()
+
+
+def build_checkpoint(args: argparse.Namespace, folder: Path) -> torch.nn.Module:
+    """transformers' Qwen3-MoE of the given width with its own random init, saved into `folder`; returned in eval."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                            num_attention_heads=16, num_key_value_heads=4, head_dim=128, intermediate_size=5632,
+                            moe_intermediate_size=args.expert_width, num_experts=args.experts,
+                            num_experts_per_tok=args.top_k, norm_topk_prob=True, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype)).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, VOCAB, (count, length), generator=g).tolist()
+
+
+def ours_tok_s(runner: ModelRunner, folder: Path, streams: int, args: argparse.Namespace) -> float:
+    """Output tok/s of `streams` sequences admitted together into a fresh engine over `runner`."""
+    config = EngineConfig(model_dir=str(folder), dtype=args.dtype, block_size=BLOCK, num_blocks=runner.num_blocks,
+                          max_num_seqs=max(args.streams), enable_prefix_caching=False)
+    engine = LLMEngine(config, runner, folder)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts(streams, args.prompt_len, seed=streams)):
+        engine.add_request(f"s{i}", ids, params)
+    made = 0
+    while engine.has_unfinished():
+        made += sum(len(o.new_token_ids) for o in engine.step())
+    elapsed = time.perf_counter() - start
+    engine.close()
+    assert made == streams * args.max_tokens, made
+    return made / elapsed
+
+
+def hf_tok_s(model: torch.nn.Module, batch: int, args: argparse.Namespace) -> float:
+    ids = torch.tensor(prompts(batch, args.prompt_len, seed=batch))
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_tokens,
+                             min_new_tokens=args.max_tokens, do_sample=False, pad_token_id=0)
+    elapsed = time.perf_counter() - start
+    assert out.shape == (batch, args.prompt_len + args.max_tokens), out.shape
+    return batch * args.max_tokens / elapsed
+
+
+def step_bytes(model: torch.nn.Module, streams: int, args: argparse.Namespace) -> float:
+    """Weight bytes one decode step of `streams` sequences reads, routing taken as uniform: every matrix but
+    the experts and the input table, and the experts some sequence chose, E (1 - (1 - k/E)^streams) per layer."""
+    experts = {id(p) for name, p in model.named_parameters() if ".experts." in name}
+    other = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                if id(p) not in experts and "embed_tokens" not in name)
+    per_expert = 3 * args.hidden * args.expert_width * model.dtype.itemsize
+    chosen = args.experts * (1 - (1 - args.top_k / args.experts) ** streams)
+    return other + args.layers * chosen * per_expert
+
+
+def read_bandwidth_gb_s() -> float:
+    """The best of 5 sums over 1 GiB: about what this machine reads from memory per second."""
+    big = torch.ones(1 << 28, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        big.sum()
+        best = min(best, time.perf_counter() - start)
+    return big.numel() * 4 / best / 1e9
+
+
+def machine() -> str:
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")),
+                platform.processor())
+    isa = "AVX-512 with BF16" if "avx512_bf16" in cpuinfo else "AVX-512" if "avx512f" in cpuinfo else "AVX2"
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{name}, {isa}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, load average {load}; "
+            f"torch {torch.__version__}; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="moe-bench-") as work:
+        folder = Path(work)
+        start = time.perf_counter()
+        hf = build_checkpoint(args, folder)
+        print(f"checkpoint: {args.layers} layers, hidden {args.hidden}, {args.experts} experts top-{args.top_k} "
+              f"x {args.expert_width}, {args.dtype}, built and saved in {time.perf_counter() - start:.0f} s")
+        blocks = max(args.streams) * -(-(args.prompt_len + args.max_tokens) // BLOCK) + 8
+        runner = ModelRunner(folder, dtype=getattr(torch, args.dtype), device="cpu", num_blocks=blocks,
+                             block_size=BLOCK)
+        ours_tok_s(runner, folder, 2, args)   # warm-up: first calls of every kernel
+        ours = {n: ours_tok_s(runner, folder, n, args) for n in args.streams}
+        hf_tok_s(hf, 1, argparse.Namespace(**{**vars(args), "max_tokens": 4}))   # warm-up
+        theirs = {n: hf_tok_s(hf, n, args) for n in args.hf_batches}
+        weight_bytes = {n: step_bytes(hf, n, args) for n in set(args.streams) | set(args.hf_batches)}
+    print(f"\nprompt {args.prompt_len} tokens, {args.max_tokens} output tokens per stream; weights GB/s: the weight "
+          "bytes a decode step reads (uniform routing) times our steps per second (tok/s / streams)")
+    print(f"{'streams':>8} {'switchyard tok/s':>17} {'transformers tok/s':>19} {'ratio':>7} {'weights GB/s':>13}")
+    for n in sorted(set(args.streams) | set(args.hf_batches)):
+        ours_cell = f"{ours[n]:17.1f}" if n in ours else f"{'-':>17}"
+        theirs_cell = f"{theirs[n]:19.1f}" if n in theirs else f"{'not run':>19}"
+        ratio = f"{ours[n] / theirs[n]:6.2f}x" if n in ours and n in theirs else f"{'-':>7}"
+        read = f"{weight_bytes[n] * ours[n] / n / 1e9:13.1f}" if n in ours else f"{'-':>13}"
+        print(f"{n:>8} {ours_cell} {theirs_cell} {ratio} {read}")
+    print(f"memory read bandwidth (sum over 1 GiB): {read_bandwidth_gb_s():.1f} GB/s")
+    print("vLLM (CPU): not installed here, not run")
+    print(f"machine: {machine()}")
+
+
+if __name__ == "__main__":
+    main()
