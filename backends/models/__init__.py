@@ -15,6 +15,7 @@ _MODELS = MappingProxyType({
     "MistralForCausalLM": "backends.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "backends.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "backends.models.qwen3:Qwen3ForCausalLM",
+    "DeepseekV3ForCausalLM": "backends.models.deepseek_v3:DeepseekV3ForCausalLM",
 })
 
 

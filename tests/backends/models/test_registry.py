@@ -17,6 +17,9 @@ from backends.worker.random_weights import RandomCheckpoint
 TINY = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=64, rope_theta=10000.0,
             tie_word_embeddings=False)
+# Families whose config this Llama-shaped one cannot stand for: each is built and run in its own test module
+# (tests/backends/models/test_deepseek_v3.py).
+OWN_TESTS = frozenset({"DeepseekV3ForCausalLM"})
 
 
 def tiny_config(architecture: str) -> Any:
@@ -36,7 +39,7 @@ def random_weights(config: Any) -> dict[str, torch.Tensor]:
     return weights
 
 
-@pytest.mark.parametrize("architecture", supported_architectures())
+@pytest.mark.parametrize("architecture", [a for a in supported_architectures() if a not in OWN_TESTS])
 def test_each_registered_architecture_builds_a_causal_lm(architecture: str) -> None:
     config = tiny_config(architecture)
     model = model_class(config.architectures)(config, select_kernels("cpu"))
