@@ -1,0 +1,168 @@
+"""Mixture-of-experts layers the MoE model files share: the routers (plain functions, in float32), the grouped
+expert products, and `MoEBlock`, the sparse MLP of a decoder layer (experts stacked, loaded from either the
+per-expert or the fused checkpoint layout). Pure nn.Module and torch functions: nothing here asks the device.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backends.models.kernels.base import LayerKernels
+from backends.models.layers import CompressedWeight, ExpandScratch, Linear, dense
+
+
+def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral / Qwen-MoE routing: (weights [T, k] float32, expert ids [T, k] int64) of router logits [T, E].
+    Softmax over all experts, the k largest, rescaled to sum to 1 when `renormalize`."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int, topk_group: int,
+                       renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's noaux_tc routing: (weights [T, k] float32, expert ids [T, k] int64) of router logits [T, E].
+
+    Sigmoid scores; the correction `bias` [E] steers the choice only: each of the `n_group` groups scores the sum
+    of its two best biased scores, the best `topk_group` groups stay, and the k best biased scores among their
+    experts are chosen. The weights are the un-biased scores of the chosen experts, rescaled to sum to 1 when
+    `renormalize` (norm_topk_prob), times `scaling` (routed_scaling_factor)."""
+    num_tokens, num_experts = logits.shape
+    scores = logits.float().sigmoid()
+    biased = scores + bias.float()
+    grouped = biased.view(num_tokens, n_group, num_experts // n_group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)   # [T, n_group]
+    kept = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+    expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
+    ids = torch.topk(biased.masked_fill(~expert_mask, float("-inf")), k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
+                    down: torch.Tensor, kernels: LayerKernels) -> torch.Tensor:
+    """sum_j w[t, j] * down[e] (silu_mul(gate_up[e] x[t])) with e = topk_ids[t, j]: [T, H] in, [T, H] out.
+
+    The T*k token-slots are sorted by expert, so each active expert runs one matrix product over all of its
+    tokens (gate_up [E, 2I, H], down [E, H, I], stored [out, in] as F.linear reads them); the results are
+    scaled by the routing weights (float32) and added back to their tokens' rows."""
+    num_tokens, k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)            # slot order grouped by expert
+    token_of = order // k                                    # [T*k] the token of each sorted slot
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    rows = x[token_of]                                       # [T*k, H] tokens in expert order
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        end = start + count
+        h = kernels.silu_mul(F.linear(rows[start:end], gate_up[expert]))   # [count, I]
+        out[start:end] = F.linear(h, down[expert])
+        start = end
+    weights = topk_weights.reshape(-1)[order].unsqueeze(1)  # [T*k, 1] float32
+    result = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    result.index_add_(0, token_of, out.float() * weights)
+    return result.to(x.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertNames:
+    """Where a family's checkpoint keeps a sparse MLP's tensors, under the decoder layer's prefix."""
+    block: str        # the sparse MLP's module: "mlp" (Qwen-MoE, DeepSeek), "block_sparse_moe" (Mixtral)
+    gate: str         # per-expert projection names: gate ("w1", "gate_proj"), up ("w3", "up_proj") ...
+    up: str
+    down: str         # ... and down ("w2", "down_proj")
+    shared: str = "shared_experts"   # the shared expert's module (Qwen2-MoE: "shared_expert")
+
+
+MIXTRAL_NAMES = ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")
+QWEN_NAMES = ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """A sparse MLP's shape and routing, read from the model's config by the model file."""
+    hidden_size: int
+    num_experts: int
+    top_k: int                              # experts per token
+    intermediate_size: int                  # per expert
+    renormalize: bool                       # top-k weights rescaled to sum to 1 (norm_topk_prob)
+    names: ExpertNames
+    shared_intermediate_size: int = 0       # 0: no shared expert; else its (summed) width
+    shared_expert_gated: bool = False       # Qwen2-MoE: the shared expert scaled by sigmoid(gate(x))
+
+
+class MoEBlock(nn.Module):
+    """The sparse MLP: a float32 router, top-k softmax routing, grouped expert products; optionally a shared
+    expert added for every token. `route` may be replaced by a family with its own routing (DeepSeek-V3)."""
+
+    def __init__(self, config: MoEConfig, kernels: LayerKernels) -> None:
+        super().__init__()
+        self.config = config
+        self.kernels = kernels
+        experts, hidden, inter = config.num_experts, config.hidden_size, config.intermediate_size
+        self.gate = nn.Parameter(torch.empty(experts, hidden, dtype=torch.float32), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(experts, hidden, inter), requires_grad=False)
+        shared = config.shared_intermediate_size
+        self.shared_gate_up = Linear(hidden, 2 * shared, False, kernels) if shared else None
+        self.shared_down = Linear(shared, hidden, False, kernels) if shared else None
+        self.shared_gate = (nn.Parameter(torch.empty(1, hidden, dtype=torch.float32), requires_grad=False)
+                            if shared and config.shared_expert_gated else None)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]) of x [T, H]."""
+        logits = F.linear(x.float(), self.gate.float())   # [T, E]; .float() is free once load made it float32
+        return softmax_topk(logits, self.config.top_k, self.config.renormalize)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MoE output for x [T, H], plus `residual` when given."""
+        weights, ids = self.route(x)
+        out = grouped_experts(x, ids, weights, self.gate_up, self.down, self.kernels)
+        if self.shared_gate_up is not None and self.shared_down is not None:
+            shared = self.shared_down(self.kernels.silu_mul(self.shared_gate_up(x)))
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(F.linear(x.float(), self.shared_gate.float())).to(shared.dtype)
+            out = out + shared
+        return out if residual is None else residual + out
+
+    def load(self, weights: Mapping[str, torch.Tensor | CompressedWeight], layer_prefix: str,
+             scratch: ExpandScratch | None = None) -> None:
+        """Copy the block's tensors in from HF names under `layer_prefix` ("model.layers.3"): the router, the
+        experts per expert (`{block}.experts.{e}.{gate|up|down}.weight`) or fused (`{block}.experts.gate_up_proj`
+        [E, 2I, H], `{block}.experts.down_proj` [E, H, I]), and the shared expert. Experts are expanded once."""
+        names, prefix = self.config.names, f"{layer_prefix}.{self.config.names.block}"
+        # the router stays float32 whatever the model's dtype (the runner gives every parameter the model's)
+        self.gate = _float32(weights[f"{prefix}.gate.weight"], self.gate_up.device)
+        if f"{prefix}.experts.gate_up_proj" in weights:
+            self.gate_up.copy_(dense(weights[f"{prefix}.experts.gate_up_proj"]))
+            self.down.copy_(dense(weights[f"{prefix}.experts.down_proj"]))
+        else:
+            for e in range(self.config.num_experts):
+                expert = f"{prefix}.experts.{e}"
+                inter = self.config.intermediate_size
+                self.gate_up[e, :inter].copy_(dense(weights[f"{expert}.{names.gate}.weight"]))
+                self.gate_up[e, inter:].copy_(dense(weights[f"{expert}.{names.up}.weight"]))
+                self.down[e].copy_(dense(weights[f"{expert}.{names.down}.weight"]))
+        if self.shared_gate_up is not None and self.shared_down is not None:
+            shared = f"{prefix}.{names.shared}"
+            self.shared_gate_up.load([weights[f"{shared}.gate_proj.weight"], weights[f"{shared}.up_proj.weight"]],
+                                     None, scratch)
+            self.shared_down.load([weights[f"{shared}.down_proj.weight"]], None, scratch)
+            if self.shared_gate is not None:
+                self.shared_gate = _float32(weights[f"{prefix}.shared_expert_gate.weight"], self.gate_up.device)
+
+
+def _float32(weight: torch.Tensor | CompressedWeight, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(dense(weight).to(device=device, dtype=torch.float32), requires_grad=False)
