@@ -20,6 +20,7 @@ from backends.models.base import LayerKVSpec
 from backends.models.config import ModelConfig
 from backends.models.kernels.base import LayerKernels
 from backends.models.layers import CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, dense
+from backends.models.moe import QWEN_NAMES, MoEBlock, MoEConfig, sigmoid_group_topk
 
 
 class DeepseekV3Config(ModelConfig, Protocol):
@@ -28,6 +29,14 @@ class DeepseekV3Config(ModelConfig, Protocol):
     qk_rope_head_dim: int    # rotary channels per head (and of the shared k_pe)
     qk_nope_head_dim: int    # channels per head of q and k without rotary
     v_head_dim: int          # channels per head of v
+    first_k_dense_replace: int    # the first layers keep a dense MLP
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int    # per routed expert
+    n_shared_experts: int         # the shared expert is this many experts wide
+    n_group: int                  # expert groups ...
+    topk_group: int               # ... of which the tokens' best groups are kept
+    routed_scaling_factor: float
 
 
 def _rope_params(config: ModelConfig) -> dict[str, Any]:
@@ -191,13 +200,42 @@ class GatedMLP(nn.Module):
         self.down_proj.load([weights[f"{prefix}.down_proj.weight"]], None, scratch)
 
 
+class DeepseekV3MoE(MoEBlock):
+    """The sparse MLP with DeepSeek-V3's routing: sigmoid scores, the correction bias, group-limited top-k."""
+
+    def __init__(self, config: DeepseekV3Config, kernels: LayerKernels) -> None:
+        super().__init__(MoEConfig(
+            hidden_size=config.hidden_size, num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
+            intermediate_size=config.moe_intermediate_size, renormalize=bool(getattr(config, "norm_topk_prob", True)),
+            names=QWEN_NAMES, shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts),
+            kernels)
+        self.n_group, self.topk_group = int(config.n_group), int(config.topk_group)
+        self.scaling = float(config.routed_scaling_factor)
+        self.correction_bias = nn.Parameter(torch.empty(config.n_routed_experts, dtype=torch.float32),
+                                            requires_grad=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.gate.float())   # [num_tokens, experts], float32
+        return sigmoid_group_topk(logits, self.correction_bias, self.config.top_k, self.n_group, self.topk_group,
+                                  self.config.renormalize, self.scaling)
+
+    def load(self, weights: Mapping[str, torch.Tensor | CompressedWeight], layer_prefix: str,
+             scratch: ExpandScratch | None = None) -> None:
+        super().load(weights, layer_prefix, scratch)
+        bias = dense(weights[f"{layer_prefix}.mlp.gate.e_score_correction_bias"])
+        self.correction_bias = nn.Parameter(bias.to(self.gate.device, torch.float32), requires_grad=False)
+
+
 class DeepseekV3DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, kernels: LayerKernels) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.self_attn = LatentAttention(config, layer, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, kernels)
+        dims = cast(DeepseekV3Config, config)
+        self.mlp: GatedMLP | DeepseekV3MoE = (
+            GatedMLP(config.hidden_size, config.intermediate_size, kernels) if layer < dims.first_k_dense_replace
+            else DeepseekV3MoE(dims, kernels))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x), cos, sin, attn, residual=x)
@@ -206,7 +244,10 @@ class DeepseekV3DecoderLayer(nn.Module):
     def load(self, weights: Mapping[str, torch.Tensor | CompressedWeight], prefix: str, interleaved: bool,
              scratch: ExpandScratch | None) -> None:
         self.self_attn.load(weights, prefix, interleaved, scratch)
-        self.mlp.load(weights, f"{prefix}.mlp", scratch)
+        if isinstance(self.mlp, DeepseekV3MoE):
+            self.mlp.load(weights, prefix, scratch)
+        else:
+            self.mlp.load(weights, f"{prefix}.mlp", scratch)
         self.input_layernorm.weight.copy_(dense(weights[f"{prefix}.input_layernorm.weight"]))
         self.post_attention_layernorm.weight.copy_(dense(weights[f"{prefix}.post_attention_layernorm.weight"]))
 
