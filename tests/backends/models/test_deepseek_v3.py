@@ -4,7 +4,9 @@ and sparse layers (8 experts, top-2, 2 groups of which 1 is kept, a shared exper
 
 Our runner's logits must lie within the float32 rounding measured in the same run (tests/backends/numerics.py):
 whole prefill, uneven chunks, token-by-token decode, a mixed batch, a prefix-cache hit; greedy tokens through
-LLMEngine equal transformers' generate; the paged cache holds the compressed latent (its bytes per token).
+LLMEngine equal transformers' generate; the paged cache holds the compressed latent (its bytes per token); a
+decode runner that pulls a prefill runner's latent blocks over the KV transfer's TCP transport goes on with
+transformers' logits (P/D).
 """
 from __future__ import annotations
 
@@ -18,8 +20,11 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config
 
 from backends.core.batch import ForwardBatch, SeqChunk
 from backends.core.engine_config import EngineConfig
+from backends.core.kv_transfer_params import RemoteBlocks
 from backends.core.sampling_params import SamplingParams
 from backends.engine.engine import LLMEngine
+from backends.kv_transfer import TcpTransport
+from backends.kv_transfer.torch_cache import TorchPagedKV
 from backends.worker.model_runner import ModelRunner
 from tests.backends.engine.runner_view import RunnerView
 from tests.backends.numerics import (
@@ -182,3 +187,30 @@ def test_prefix_cache_hit_gives_transformers_logits(tiny) -> None:
     batch, logits = view.steps[num_steps]
     assert batch.chunks[0].num_context_tokens == 3 * BLOCK and len(batch.chunks[0].token_ids) == 6
     assert close(logits[0], reference_logits(reference, second)[-1], tolerance)
+
+
+async def test_latent_blocks_pulled_over_tcp_decode_as_transformers(tiny) -> None:
+    """P/D: a second runner (the decode worker) pulls the prefill runner's latent blocks over the TCP transport,
+    then decodes from them; its logits are transformers'. The blocks moved are the latent's, not expanded K/V."""
+    prefill, reference, tolerance, folder = tiny
+    decode = ModelRunner(folder, dtype=torch.float32, device="cpu", num_blocks=16, block_size=BLOCK)
+    tokens = tokens_of(22, 60)
+    ref = reference_logits(reference, tokens)
+    held, pulled = (3, 9, 4, 20, 21), (7, 2, 11, 5, 6)
+    prefill.execute(ForwardBatch((SeqChunk(tuple(tokens[:20]), 0, held, want_logits=False),)))
+    source = TorchPagedKV(list(zip(prefill.kv_cache.k, prefill.kv_cache.v, strict=True)))
+    sink = TorchPagedKV(list(zip(decode.kv_cache.k, decode.kv_cache.v, strict=True)))
+    server = TcpTransport()
+    _, port = await server.serve(source, "127.0.0.1", 0)
+    try:
+        source.holds.hold("latent", list(held))
+        result = await TcpTransport().pull(RemoteBlocks(host="127.0.0.1", port=port, transfer_id="latent",
+                                                        num_blocks=len(held)), sink, list(pulled))
+    finally:
+        await server.close()
+    spec = prefill.kv_cache.spec
+    assert result.num_bytes == len(held) * spec.bytes_per_block   # 48 channels a token and layer
+    table = (*pulled, 12)   # the pulled blocks hold positions 0-19; a fresh block takes the decodes
+    for pos in (20, 21):
+        out = decode.execute(ForwardBatch((SeqChunk((tokens[pos],), pos, table),)))
+        assert close(out[0], ref[pos], tolerance), pos
