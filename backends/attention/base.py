@@ -34,6 +34,17 @@ class AttentionShape:
     block_size: int      # tokens per KV block
     scale: float         # softmax scale, usually head_dim ** -0.5
     dtype: torch.dtype   # element type of queries and of the KV cache
+    # Set: latent attention (backends.models.base.LayerKVSpec): queries of 2 * head_dim channels read one
+    # cached vector per token, split over the K and V caches; the output has latent_value_dim channels.
+    latent_value_dim: int | None = None
+
+    @property
+    def query_dim(self) -> int:
+        return self.head_dim if self.latent_value_dim is None else 2 * self.head_dim
+
+    @property
+    def out_dim(self) -> int:
+        return self.head_dim if self.latent_value_dim is None else self.latent_value_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +115,8 @@ class AttentionBackend(ABC, Generic[MetadataT]):
     @abstractmethod
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                metadata: MetadataT) -> torch.Tensor:
-        """[num_tokens, num_heads, head_dim] output for q of the same shape; the new K/V are already cached."""
+        """[num_tokens, num_heads, shape.out_dim] output for q [num_tokens, num_heads, shape.query_dim]; the new
+        K/V are already cached."""
 
     def static_decode_metadata(self, rows: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor) -> MetadataT | None:
@@ -171,8 +183,13 @@ def default_backend_name(device: torch.device, dtype: torch.dtype) -> AttentionB
 
 def create_backend(name: AttentionBackendName | str | None, shape: AttentionShape,
                    device: torch.device) -> AttentionBackend[Any]:
-    """The named backend (or the default for `device`); a GPU backend on a CPU device is an error."""
-    chosen = default_backend_name(device, shape.dtype) if name is None else AttentionBackendName(name)
+    """The named backend (or the default for `device`); a GPU backend on a CPU device is an error. Latent
+    attention runs on SDPA only (the paged kernels read separate K and V heads)."""
+    default = AttentionBackendName.SDPA if shape.latent_value_dim is not None else default_backend_name(
+        device, shape.dtype)
+    chosen = default if name is None else AttentionBackendName(name)
+    if shape.latent_value_dim is not None and chosen is not AttentionBackendName.SDPA:
+        raise ValueError(f"attention backend {chosen.value!r} does not read a latent KV cache: use sdpa")
     if chosen is not AttentionBackendName.SDPA and device.type != "cuda":
         raise ValueError(f"attention backend {chosen.value!r} needs a CUDA device, got {device}")
     if chosen is AttentionBackendName.FLASH and shape.dtype not in _FLASH_DTYPES:

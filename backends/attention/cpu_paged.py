@@ -37,7 +37,7 @@ def max_chunk(shape: AttentionShape) -> int:
     """The longest chunk (new tokens of one sequence) the kernel attends for this shape; 0: none (a shape or
     dtype it does not handle: those decodes stay with SDPA)."""
     group = shape.num_heads // shape.num_kv_heads
-    if shape.dtype not in _DTYPES or shape.head_dim > _MAX_HEAD_DIM:
+    if shape.dtype not in _DTYPES or shape.head_dim > _MAX_HEAD_DIM or shape.latent_value_dim is not None:
         return 0
     return min(MAX_CHUNK, _MAX_ROWS // group, _MAX_ROW_ELEMS // (group * shape.head_dim))
 

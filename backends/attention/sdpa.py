@@ -118,7 +118,7 @@ class SDPABackend(AttentionBackend[SDPAMetadata]):
             return self._attend_paged(q, k_cache, v_cache, paged)
         if metadata.identity:
             return attend_group(self.shape, q, k_cache, v_cache, metadata.groups[0], gather_queries=False)
-        out = q.new_empty(q.shape)
+        out = q.new_empty((*q.shape[:2], self.shape.out_dim))
         if paged is not None:
             rows = self._attend_paged(q.index_select(0, paged.rows.token_index), k_cache, v_cache, paged)
             out.index_copy_(0, paged.rows.token_index, rows)
@@ -181,25 +181,34 @@ def _causal_mask(ctx: list[int], max_q: int, num_keys: int, dtype: torch.dtype,
 
 def attend_group(shape: AttentionShape, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  group: PaddedGroup, gather_queries: bool) -> torch.Tensor:
-    """[num_seqs * max_query_len, num_heads, head_dim] for the group's padded query rows."""
+    """[num_seqs * max_query_len, num_heads, out_dim] for the group's padded query rows."""
     n, max_q = group.num_seqs, group.max_query_len
-    kv_heads, head_dim = shape.num_kv_heads, shape.head_dim
-    heads = shape.num_heads
+    kv_heads, heads = shape.num_kv_heads, shape.num_heads
     if gather_queries:
         q = q.index_select(0, group.query_index)
     k_buf = torch.index_select(k_cache, 0, group.block_ids, out=group.k_buffer)
     v_buf = torch.index_select(v_cache, 0, group.block_ids, out=group.v_buffer)
-    keys = group.max_blocks * shape.block_size
-    k = k_buf.view(n, keys, kv_heads, head_dim).transpose(1, 2)  # [n, kv_heads, keys, head_dim]
-    v = v_buf.view(n, keys, kv_heads, head_dim).transpose(1, 2)
+    k, v = _keys_values(shape, k_buf, v_buf, n, group.max_blocks * shape.block_size)
     if max_q == 1:
-        # Decode: the heads sharing a KV head become that head's query rows, [n, kv_heads, g, head_dim],
+        # Decode: the heads sharing a KV head become that head's query rows, [n, kv_heads, g, query_dim],
         # so K/V are read once per KV head and the mask [n, 1, 1, keys] broadcasts.
-        q = q.reshape(n, kv_heads, heads // kv_heads, head_dim)
+        q = q.reshape(n, kv_heads, heads // kv_heads, shape.query_dim)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=shape.scale)
-        return out.reshape(n, heads, head_dim)
-    q = q.reshape(n, max_q, heads, head_dim).transpose(1, 2)  # [n, heads, max_q, head_dim]
+        return out.reshape(n, heads, shape.out_dim)
+    q = q.reshape(n, max_q, heads, shape.query_dim).transpose(1, 2)  # [n, heads, max_q, query_dim]
     # One prompt without context needs no mask: top-left causal is exact, padded keys come last.
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, is_causal=group.mask is None,
                                          scale=shape.scale, enable_gqa=heads != kv_heads)
-    return out.transpose(1, 2).reshape(n * max_q, heads, head_dim)
+    return out.transpose(1, 2).reshape(n * max_q, heads, shape.out_dim)
+
+
+def _keys_values(shape: AttentionShape, k_buf: torch.Tensor, v_buf: torch.Tensor, n: int,
+                 keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K [n, kv_heads, keys, query_dim] and V [n, kv_heads, keys, out_dim] of gathered blocks; for latent
+    attention both read the one vector whose halves the K and V caches hold (V its first channels)."""
+    kv_heads, head_dim = shape.num_kv_heads, shape.head_dim
+    if shape.latent_value_dim is None:
+        k = k_buf.view(n, keys, kv_heads, head_dim).transpose(1, 2)
+        return k, v_buf.view(n, keys, kv_heads, head_dim).transpose(1, 2)
+    latent = torch.cat((k_buf, v_buf), dim=-1).view(n, 1, keys, 2 * head_dim)   # [n, 1, keys, query_dim]
+    return latent, latent[..., :shape.latent_value_dim]

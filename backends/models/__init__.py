@@ -17,6 +17,7 @@ _MODELS = MappingProxyType({
     "Qwen2ForCausalLM": "backends.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "backends.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "backends.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM": "backends.models.deepseek_v3:DeepseekV3ForCausalLM",
 })
 
 

@@ -27,6 +27,10 @@ class LayerKVSpec:
     num_kv_heads: int   # heads of K (and of V) cached per token
     head_dim: int       # channels per cached head
     scale: float        # softmax scale (head_dim ** -0.5 for plain attention)
+    # None: separate K and V heads. Set (multi-head latent attention): each token keeps one vector of
+    # 2 * head_dim channels (num_kv_heads is 1), its first half in the K cache and its second in the V cache;
+    # that vector is every query head's key, and its first latent_value_dim channels every head's value.
+    latent_value_dim: int | None = None
 
 
 @runtime_checkable

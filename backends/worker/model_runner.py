@@ -66,7 +66,8 @@ class ModelRunner:
                                             block_size=block_size, num_kv_heads=kv.num_kv_heads,
                                             head_dim=kv.head_dim, dtype=dtype), self.device, kv_shared_memory)
         shape = AttentionShape(num_heads=kv.num_heads, num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
-                               block_size=block_size, scale=kv.scale, dtype=dtype)
+                               block_size=block_size, scale=kv.scale, dtype=dtype,
+                               latent_value_dim=kv.latent_value_dim)
         self.attention = create_backend(attention_backend, shape, self.device)
         self.max_model_len: int = int(self.config.max_position_embeddings)
         self.vocab_size: int = int(self.config.vocab_size)
