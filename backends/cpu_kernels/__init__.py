@@ -61,10 +61,12 @@ def compile_flags() -> list[str]:
 
 
 def build_dir() -> Path:
-    """One folder per (sources, flags, torch, Python, machine): another CPU or torch gets a build of its own."""
+    """One folder per (sources and where they lie, flags, torch, Python, machine): another CPU or torch gets a
+    build of its own, and so does another checkout. ninja's build file names the sources by absolute path, so two
+    checkouts sharing one folder would each rebuild (and replace the library) whenever the other had built."""
     key = hashlib.sha256("\n".join([
-        *(path.read_text() for path in (*_SOURCES, *_HEADERS)), *compile_flags(), torch.__version__, sys.version,
-        platform.machine(),
+        *(path.read_text() for path in (*_SOURCES, *_HEADERS)), str(_FOLDER.resolve()), *compile_flags(),
+        torch.__version__, sys.version, platform.machine(),
     ]).encode()).hexdigest()[:16]
     return default_cache_dir() / "torch_extensions" / f"cpu_kernels-{key}"
 

@@ -187,3 +187,18 @@ def test_the_default_cpu_backend_decodes_with_the_kernel(kernel, dtype: torch.dt
     layout, *_ = random_step(shape, *STEPS["mixed"], seed=0, device=CPU)
     metadata = create_backend(None, shape, CPU).prepare(layout)
     assert metadata.paged is not None and metadata.paged.kernel is kernel
+
+
+def test_each_checkout_builds_in_a_folder_of_its_own(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same sources in another folder (another checkout) get another build folder: ninja's build file names
+    the sources by absolute path, so sharing one would rebuild and replace the library at every switch."""
+    here = cpu_kernels.build_dir()
+    copy = tmp_path / "cpu_kernels"
+    copy.mkdir()
+    for path in (*cpu_kernels._SOURCES, *cpu_kernels._HEADERS):
+        (copy / path.name).write_text(path.read_text())
+    monkeypatch.setattr(cpu_kernels, "_FOLDER", copy)
+    monkeypatch.setattr(cpu_kernels, "_SOURCES", tuple(copy / p.name for p in cpu_kernels._SOURCES))
+    monkeypatch.setattr(cpu_kernels, "_HEADERS", tuple(copy / p.name for p in cpu_kernels._HEADERS))
+    assert cpu_kernels.build_dir() != here
+    assert cpu_kernels.build_dir() == cpu_kernels.build_dir()   # and stays put for one checkout
