@@ -6,7 +6,7 @@ Our runner's logits must lie within the float32 rounding measured in the same ru
 whole prefill, uneven chunks, token-by-token decode, a mixed batch, a prefix-cache hit; greedy tokens through
 LLMEngine equal transformers' generate; the paged cache holds the compressed latent (its bytes per token); a
 decode runner that pulls a prefill runner's latent blocks over the KV transfer's TCP transport goes on with
-transformers' logits (P/D).
+transformers' logits (P/D); a prefix's latent blocks restored from the host-RAM KV tier give transformers' tokens.
 """
 from __future__ import annotations
 
@@ -16,17 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV3Config
 
 from backends.core.batch import ForwardBatch, SeqChunk
+from backends.core.block_events import CPU
 from backends.core.engine_config import EngineConfig
 from backends.core.kv_transfer_params import RemoteBlocks
 from backends.core.sampling_params import SamplingParams
 from backends.engine.engine import LLMEngine
+from backends.kv_connectors.tiers.connector import TieredKVConnector
 from backends.kv_transfer import TcpTransport
 from backends.kv_transfer.torch_cache import TorchPagedKV
 from backends.worker.model_runner import ModelRunner
 from tests.backends.engine.runner_view import RunnerView
+from tests.backends.engine.test_engine_model import hf_greedy
+from tests.backends.engine.test_kv_tiers import evict_prefix, run_all as run_with_tiers
+from tests.backends.models.moe_checkpoints import TINY_DEEPSEEK_V3, tiny_deepseek_v3
 from tests.backends.numerics import (
     assert_mostly_clear,
     assert_same_tokens,
@@ -37,28 +41,7 @@ from tests.backends.numerics import (
 
 BLOCK = 4
 VOCAB = 97
-TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-            first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
-            qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
-            n_group=2, topk_group=1, n_shared_experts=1, max_position_embeddings=256,
-            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                             "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
-                             "mscale": 1.0, "mscale_all_dim": 1.0})
-
-
-def build(folder: Path, q_lora_rank: int | None) -> torch.nn.Module:
-    """A tiny random DeepSeek-V3 saved to `folder` with save_pretrained; transformers' model, float32."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(DeepseekV3Config(**TINY, q_lora_rank=q_lora_rank)).eval()
-    with torch.no_grad():  # large random weights (norms, router and correction bias included) so every term matters
-        for name, param in model.named_parameters():
-            param.copy_(1.0 + 0.2 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.copy_(0.1 * torch.randn_like(buffer))
-    model.save_pretrained(folder)
-    model.config._experts_implementation = "eager"   # its loop over experts also runs in float64 (grouped_mm does not)
-    return model
+TINY = TINY_DEEPSEEK_V3
 
 
 def tokens_of(length: int, seed: int) -> list[int]:
@@ -69,7 +52,7 @@ def tokens_of(length: int, seed: int) -> list[int]:
 @pytest.fixture(scope="module", params=[48, None], ids=["q_lora", "q_full"])
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp(f"deepseek-v3-{request.param}")
-    reference = build(folder, request.param)
+    reference = tiny_deepseek_v3(folder, request.param)
     runner = ModelRunner(folder, dtype=torch.float32, device="cpu", num_blocks=64, block_size=BLOCK)
     rows = [tokens_of(40, seed) for seed in (1, 2, 3)]
     tolerance = logit_tolerance(reference, float64_copy(reference), rows)
@@ -214,3 +197,38 @@ async def test_latent_blocks_pulled_over_tcp_decode_as_transformers(tiny) -> Non
     for pos in (20, 21):
         out = decode.execute(ForwardBatch((SeqChunk((tokens[pos],), pos, table),)))
         assert close(out[0], ref[pos], tolerance), pos
+
+
+def test_prefix_restored_from_the_ram_tier_gives_transformers_tokens(tiny) -> None:
+    """A prefix's latent blocks, evicted from a pool of 12 blocks down to the host-RAM tier (EngineConfig.kv_cpu_bytes,
+    --kv-cpu-gb) and read back from it: the step after the restore gives transformers' logits, the sequence its
+    greedy tokens, and every block is free after."""
+    runner, reference, tolerance, folder = tiny
+    pool = 12
+    view = RunnerView(runner, pool)
+    engine = LLMEngine(EngineConfig(model_dir=str(folder), block_size=BLOCK, num_blocks=pool,
+                                    kv_cpu_bytes=64 * runner.kv_cache.spec.bytes_per_block,
+                                    kv_read_slower_tiers=True), view, folder)
+    try:
+        shared = tokens_of(4 * BLOCK, 70)
+        second = shared + tokens_of(5, 72)
+        engine.add_request("a", shared + tokens_of(7, 71), SamplingParams(max_tokens=1, temperature=0.0))
+        run_with_tiers(engine)
+        evict_prefix(engine, CPU, 4, lambda seed, n: tokens_of(n, seed))
+        greedy = SamplingParams(max_tokens=12, temperature=0.0)
+        engine.add_request("b", second, greedy)
+        num_steps = len(view.steps)
+        out = run_with_tiers(engine)["b"]
+        assert out[-1].num_cached_tokens == 4 * BLOCK
+        assert engine.find_kv_connector(TieredKVConnector).restored == {CPU: 4}
+        batch, logits = view.steps[num_steps]
+        assert batch.chunks[0].num_context_tokens == 4 * BLOCK and len(batch.chunks[0].token_ids) == 5
+        assert close(logits[0], reference_logits(reference, second)[-1], tolerance)
+        (want, want_logits), = hf_greedy(reference, [second], 12, engine.eos_token_ids)
+        ref = choices(want_logits, greedy, None, engine.eos_token_ids, tolerance)
+        assert_mostly_clear([ref], "transformers' greedy tokens")
+        assert_same_tokens([t for o in out for t in o.new_token_ids], want, ref, "restored from RAM")
+        engine.block_manager.check_invariants()
+        assert engine.block_manager.num_free_blocks == pool
+    finally:
+        engine.close()
