@@ -95,7 +95,8 @@ def prompts(args: argparse.Namespace, c: int, warmup: bool) -> list[list[int]]:
 
 def worker_flags(args: argparse.Namespace, role: str, port: int) -> list[str]:
     """The worker CLI's flags; the in-process engine is configured from the same ones."""
-    return ["--port", str(port), "--role", role, "--device", args.device, "--dtype", args.dtype,
+    return ["--model", str(args.model_dir), "--port", str(port), "--role", role, "--device", args.device,
+            "--dtype", args.dtype,
             "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(max(64, *args.concurrency)),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--served-model-name", MODEL,
             "--log-level", "WARNING"]
