@@ -6,7 +6,8 @@ Our runner's logits must lie within the float32 rounding measured in the same ru
 whole prefill, uneven chunks, token-by-token decode, a mixed batch, a prefix-cache hit; greedy tokens through
 LLMEngine equal transformers' generate; the paged cache holds the compressed latent (its bytes per token); a
 decode runner that pulls a prefill runner's latent blocks over the KV transfer's TCP transport goes on with
-transformers' logits (P/D); a prefix's latent blocks restored from the host-RAM KV tier give transformers' tokens.
+transformers' logits (P/D); n-gram speculative decoding keeps transformers' greedy tokens; a prefix's latent blocks
+restored from the host-RAM or the disk KV tier give transformers' logits and tokens.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from backends.core.batch import ForwardBatch, SeqChunk
-from backends.core.block_events import CPU
+from backends.core.block_events import CPU, DISK
 from backends.core.engine_config import EngineConfig
 from backends.core.kv_transfer_params import RemoteBlocks
 from backends.core.sampling_params import SamplingParams
@@ -53,7 +54,9 @@ def tokens_of(length: int, seed: int) -> list[int]:
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp(f"deepseek-v3-{request.param}")
     reference = tiny_deepseek_v3(folder, request.param)
-    runner = ModelRunner(folder, dtype=torch.float32, device="cpu", num_blocks=64, block_size=BLOCK)
+    # fingerprinted: a disk tier files its blocks under the weights' digest
+    runner = ModelRunner(folder, dtype=torch.float32, device="cpu", num_blocks=64, block_size=BLOCK,
+                         fingerprint_weights=True)
     rows = [tokens_of(40, seed) for seed in (1, 2, 3)]
     tolerance = logit_tolerance(reference, float64_copy(reference), rows)
     return runner, reference, tolerance, folder
@@ -148,6 +151,30 @@ def test_greedy_tokens_equal_transformers_generate(tiny) -> None:
         assert_same_tokens(outs[rid], out.sequences[i, 21:].tolist(), refs[i], rid)
 
 
+def test_ngram_speculation_keeps_transformers_greedy_tokens(tiny) -> None:
+    """Prompt lookup drafts up to four tokens a step; verifying them runs each sequence's drafts through latent
+    attention over its cached latent and through the experts together. The prompts repeat a phrase so that
+    lookups find drafts: drafts are verified and some accepted, and the tokens stay transformers' greedy ones."""
+    runner, reference, tolerance, folder = tiny
+    view = RunnerView(runner)
+    engine = LLMEngine(EngineConfig(model_dir=str(folder), block_size=BLOCK, num_blocks=runner.num_blocks,
+                                    speculative="ngram", num_speculative_tokens=4, spec_adaptive=False),
+                       view, folder)
+    prompts = {f"s{i}": (tokens_of(6, 50 + i) * 4)[:22] for i in range(3)}
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, greedy)
+    outs = run_all(engine)
+    assert any(c.num_logits > 1 for batch, _ in view.steps for c in batch.chunks), "no step verified drafts"
+    assert engine.stats().num_spec_accepted_tokens > 0, engine.stats()
+    expected = hf_greedy(reference, list(prompts.values()), 16, (-1,))
+    refs = [choices(logits, greedy, None, (), tolerance) for _, logits in expected]
+    assert_mostly_clear(refs, "transformers' greedy tokens")
+    for rid, (want, _), ref in zip(prompts, expected, refs, strict=True):
+        assert_same_tokens(outs[rid], want, ref, rid)
+    engine.close()
+
+
 def test_prefix_cache_hit_gives_transformers_logits(tiny) -> None:
     """A second prompt sharing three blocks reads their latent from the cache: the hit is counted, and the step that
     computes only its last six tokens gives transformers' logits (the cold run's, within the rounding)."""
@@ -199,35 +226,37 @@ async def test_latent_blocks_pulled_over_tcp_decode_as_transformers(tiny) -> Non
         assert close(out[0], ref[pos], tolerance), pos
 
 
-def test_prefix_restored_from_the_ram_tier_gives_transformers_tokens(tiny) -> None:
+@pytest.mark.parametrize("medium", [CPU, DISK])
+def test_prefix_restored_from_a_tier_gives_transformers_tokens(tiny, medium: str, tmp_path: Path) -> None:
     """A prefix's latent blocks, evicted from a pool of 12 blocks down to the host-RAM tier (EngineConfig.kv_cpu_bytes,
-    --kv-cpu-gb) and read back from it: the step after the restore gives transformers' logits, the sequence its
-    greedy tokens, and every block is free after."""
+    --kv-cpu-gb) or the disk tier (kv_disk_dir, --kv-disk-dir) and read back from it: the step after the restore
+    gives transformers' logits, the sequence its greedy tokens, and every block is free after."""
     runner, reference, tolerance, folder = tiny
-    pool = 12
+    pool, block_bytes = 12, runner.kv_cache.spec.bytes_per_block
+    tier: dict[str, object] = ({"kv_cpu_bytes": 64 * block_bytes} if medium == CPU else
+                               {"kv_disk_dir": str(tmp_path), "kv_disk_bytes": 64 * (block_bytes + 64)})
     view = RunnerView(runner, pool)
     engine = LLMEngine(EngineConfig(model_dir=str(folder), block_size=BLOCK, num_blocks=pool,
-                                    kv_cpu_bytes=64 * runner.kv_cache.spec.bytes_per_block,
-                                    kv_read_slower_tiers=True), view, folder)
+                                    kv_read_slower_tiers=True, **tier), view, folder)
     try:
         shared = tokens_of(4 * BLOCK, 70)
         second = shared + tokens_of(5, 72)
         engine.add_request("a", shared + tokens_of(7, 71), SamplingParams(max_tokens=1, temperature=0.0))
         run_with_tiers(engine)
-        evict_prefix(engine, CPU, 4, lambda seed, n: tokens_of(n, seed))
+        evict_prefix(engine, medium, 4, lambda seed, n: tokens_of(n, seed))
         greedy = SamplingParams(max_tokens=12, temperature=0.0)
         engine.add_request("b", second, greedy)
         num_steps = len(view.steps)
         out = run_with_tiers(engine)["b"]
         assert out[-1].num_cached_tokens == 4 * BLOCK
-        assert engine.find_kv_connector(TieredKVConnector).restored == {CPU: 4}
+        assert engine.find_kv_connector(TieredKVConnector).restored == {medium: 4}
         batch, logits = view.steps[num_steps]
         assert batch.chunks[0].num_context_tokens == 4 * BLOCK and len(batch.chunks[0].token_ids) == 5
         assert close(logits[0], reference_logits(reference, second)[-1], tolerance)
         (want, want_logits), = hf_greedy(reference, [second], 12, engine.eos_token_ids)
         ref = choices(want_logits, greedy, None, engine.eos_token_ids, tolerance)
         assert_mostly_clear([ref], "transformers' greedy tokens")
-        assert_same_tokens([t for o in out for t in o.new_token_ids], want, ref, "restored from RAM")
+        assert_same_tokens([t for o in out for t in o.new_token_ids], want, ref, f"restored from {medium}")
         engine.block_manager.check_invariants()
         assert engine.block_manager.num_free_blocks == pool
     finally:

@@ -1,6 +1,6 @@
-"""Tiny random Qwen3-MoE and DeepSeek-V3 checkpoints (transformers' from_config, SmolLM2's tokenizer) served by real
-worker processes (fp32 CPU), two per family, each started once: the unified one (role both, which also prefills
-for the decode worker, as a `both` worker in a prefill pool does) and a decode worker.
+"""Tiny random Mixtral, Qwen3-MoE and DeepSeek-V3 checkpoints (transformers' from_config, SmolLM2's tokenizer)
+served by real worker processes (fp32 CPU), two per family, each started once: the unified one (role both, which
+also prefills for the decode worker, as a `both` worker in a prefill pool does) and a decode worker.
 
 - A completion's greedy tokens are transformers' `generate`'s.
 - Prefill on one worker then decode on the other (P/D) gives the unified worker's tokens. The blocks the decode
@@ -70,7 +70,7 @@ def checkpoint(family: str, folder: Path) -> PreTrainedModel:
     return model
 
 
-@pytest.fixture(scope="module", params=["qwen3-moe", "deepseek-v3"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3-moe", "deepseek-v3"])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
     model = checkpoint(request.param, folder)
