@@ -26,7 +26,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from backends.kv_transfer.base import CudaIpcRegion, KVLayout, SharedRegion
-from backends.kv_transfer.shm import joint_runs, stacked_bytes
+from backends.kv_transfer.shm import joint_runs, stacked_bytes, word_dtype
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +87,10 @@ def open_region(region: CudaIpcRegion, layout: KVLayout, device: torch.device) -
 
 def _words(t: torch.Tensor) -> torch.Tensor:
     """[layers, 2, blocks, words]: whole words per element, so a copy moves 8 bytes per thread, not 1."""
-    for word in (torch.int64, torch.int32, torch.int16):
-        try:
-            return t.view(word)
-        except RuntimeError:   # a block or an offset not a multiple of this word
-            continue
-    return t
+    try:
+        return t.view(word_dtype(t.shape[3]))
+    except RuntimeError:   # an offset not a multiple of the word
+        return t
 
 
 def copy_blocks(source: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]) -> int:

@@ -14,6 +14,7 @@ import torch
 
 from backends.kv_transfer.base import CudaIpcRegion, KVDtype, KVLayerReader, KVLayerWriter, KVLayout, SharedRegion
 from backends.kv_transfer.cuda_ipc import export_region
+from backends.kv_transfer.shm import word_dtype
 
 _DTYPES = {torch.float32: KVDtype.FLOAT32, torch.float16: KVDtype.FLOAT16,
            torch.bfloat16: KVDtype.BFLOAT16, torch.float8_e4m3fn: KVDtype.FLOAT8_E4M3FN,
@@ -139,12 +140,6 @@ class TorchPagedKV:
             self._free_staging.pop(sizes.index(min(sizes)))
 
 
-def _word_dtype(nbytes: int) -> torch.dtype:
-    """The widest integer type dividing a block: gathers and scatters then move whole words per
-    element (torch's bf16 index_select is ~100x slower than int64 rows)."""
-    return next(dt for dt in (torch.int64, torch.int32, torch.int16, torch.uint8) if nbytes % dt.itemsize == 0)
-
-
 class _Transfer:
     """One transfer's view of the cache: a reader (prefill side) or a writer (decode side)."""
 
@@ -159,7 +154,7 @@ class _Transfer:
         # copy fills never stages.
         self._staging: torch.Tensor | None = None
         block_nbytes = kv.layout().block_nbytes
-        self._word = _word_dtype(block_nbytes)
+        self._word = word_dtype(block_nbytes)
         self._row_len = block_nbytes // self._word.itemsize
 
     def _stage(self) -> None:

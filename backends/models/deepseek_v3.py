@@ -20,6 +20,7 @@ from backends.models.base import LayerKVSpec
 from backends.models.config import ModelConfig
 from backends.models.kernels.base import LayerKernels
 from backends.models.layers import CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, dense
+from backends.models.llama import LlamaMLP
 from backends.models.moe import QWEN_NAMES, MoEBlock, MoEConfig, sigmoid_group_topk
 
 
@@ -181,25 +182,6 @@ class LatentAttention(nn.Module):
         self.o_proj.load([weights[f"{p}.o_proj.weight"]], _maybe(weights, f"{p}.o_proj.bias"), scratch)
 
 
-class GatedMLP(nn.Module):
-    """down(silu(gate x) * up x): the dense layers' MLP."""
-
-    def __init__(self, hidden: int, intermediate: int, kernels: LayerKernels) -> None:
-        super().__init__()
-        self.kernels = kernels
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, False, kernels)
-        self.down_proj = Linear(intermediate, hidden, False, kernels)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)), residual)
-
-    def load(self, weights: Mapping[str, torch.Tensor | CompressedWeight], prefix: str,
-             scratch: ExpandScratch | None) -> None:
-        self.gate_up_proj.load([weights[f"{prefix}.gate_proj.weight"], weights[f"{prefix}.up_proj.weight"]], None,
-                               scratch)
-        self.down_proj.load([weights[f"{prefix}.down_proj.weight"]], None, scratch)
-
-
 class DeepseekV3MoE(MoEBlock):
     """The sparse MLP with DeepSeek-V3's routing: sigmoid scores, the correction bias, group-limited top-k."""
 
@@ -233,9 +215,8 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.self_attn = LatentAttention(config, layer, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         dims = cast(DeepseekV3Config, config)
-        self.mlp: GatedMLP | DeepseekV3MoE = (
-            GatedMLP(config.hidden_size, config.intermediate_size, kernels) if layer < dims.first_k_dense_replace
-            else DeepseekV3MoE(dims, kernels))
+        self.mlp: LlamaMLP | DeepseekV3MoE = (
+            LlamaMLP(config, kernels) if layer < dims.first_k_dense_replace else DeepseekV3MoE(dims, kernels))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x), cos, sin, attn, residual=x)
@@ -244,10 +225,7 @@ class DeepseekV3DecoderLayer(nn.Module):
     def load(self, weights: Mapping[str, torch.Tensor | CompressedWeight], prefix: str, interleaved: bool,
              scratch: ExpandScratch | None) -> None:
         self.self_attn.load(weights, prefix, interleaved, scratch)
-        if isinstance(self.mlp, DeepseekV3MoE):
-            self.mlp.load(weights, prefix, scratch)
-        else:
-            self.mlp.load(weights, f"{prefix}.mlp", scratch)
+        self.mlp.load(weights, prefix, scratch)
         self.input_layernorm.weight.copy_(dense(weights[f"{prefix}.input_layernorm.weight"]))
         self.post_attention_layernorm.weight.copy_(dense(weights[f"{prefix}.post_attention_layernorm.weight"]))
 
