@@ -27,7 +27,7 @@ BUSY = {**LOAD_IDLE, "num_prefill_tokens_pending": 100000, "num_decode_tokens_pe
 
 
 def pd_config(prefill: list[FakeUpstream], decode: list[FakeUpstream], both: list[FakeUpstream] | None = None,
-              health_interval_s: float = 0.2, max_attempts: int = 4) -> dict[str, Any]:
+              health_interval_s: float = 0.2, max_attempts: int = 4, policy: str = "least_tokens") -> dict[str, Any]:
     timeouts = {"connect_s": 1.0, "first_byte_s": 5.0, "total_s": 30.0}
     providers: dict[str, Any] = {"pd": {
         "kind": "switchyard-pd", "prefill_endpoints": [f.url for f in prefill], "endpoints": [f.url for f in decode],
@@ -35,7 +35,7 @@ def pd_config(prefill: list[FakeUpstream], decode: list[FakeUpstream], both: lis
     if both:
         providers["both"] = {"kind": "openai", "endpoints": [f.url for f in both], "timeouts": timeouts}
     return {
-        "models": {"m": {"providers": list(providers), "policy": {"name": "least_tokens"}}},
+        "models": {"m": {"providers": list(providers), "policy": {"name": policy}}},
         "providers": providers,
         "pollers": {"health_interval_s": health_interval_s, "load_interval_s": 0.1, "kv_events_interval_s": 0.2},
         "retries": {"backoff_initial_s": 0.01, "backoff_max_s": 0.05, "backoff_jitter_s": 0.01,
@@ -82,8 +82,9 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pd]:
     pair.stop()
 
 
-async def post(url: str, body: dict[str, Any], path: str = CHAT) -> tuple[int, dict[str, Any]]:
-    async with aiohttp.ClientSession() as client, client.post(url + path, json=body) as response:
+async def post(url: str, body: dict[str, Any], path: str = CHAT,
+               headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as client, client.post(url + path, json=body, headers=headers) as response:
         return response.status, orjson.loads(await response.read())
 
 
@@ -322,6 +323,36 @@ async def test_a_decode_worker_that_refused_a_prefill_workers_kv_is_passed_over_
         near.control(load_report=LOAD_IDLE)
         p1.control(load_report=LOAD_IDLE)
         await wait_idle(pair.gateway, [p1.url, near.url, far.url])
+    finally:
+        pair.stop()
+
+
+async def test_a_session_leaves_its_prefill_worker_only_when_that_is_over_the_load_bound(tmp_path: Path) -> None:
+    pair = Pd(tmp_path, ["p1", "p2"], ["d1"], policy="session_affinity")
+    try:
+        gateway, prefill = pair.gateway, {fake.url: fake for fake in pair.prefill}
+
+        async def turn() -> str:
+            """One turn of the session; the prefill worker that took its prefill leg."""
+            before = {url: fake.stats()["num_transfers"] for url, fake in prefill.items()}
+            status, answer = await post(gateway.url, BODY, headers={"x-session-affinity": "agent-1"})
+            assert status == 200, answer
+            took = [url for url, fake in prefill.items() if fake.stats()["num_transfers"] > before[url]]
+            assert len(took) == 1, took
+            return took[0]
+
+        home = await turn()
+        assert await turn() == home
+        prefill[home].control(load_report=BUSY)   # far over 1.25 x the mean load
+        await wait_load_report(gateway, home, BUSY)
+        moved_to = await turn()
+        assert moved_to != home
+        prefill[home].control(load_report=LOAD_IDLE)
+        await wait_load_report(gateway, home, LOAD_IDLE)
+        assert await turn() == moved_to   # re-homed: it stays where it went
+        assert metric(gateway, "switchyard_session_moves_total") == 1
+        for reason, count in (("affinity_new", 1), ("affinity_hit", 2), ("affinity_moved", 1)):
+            assert metric(gateway, "switchyard_routing_decisions_total", reason=reason) == count, reason
     finally:
         pair.stop()
 
