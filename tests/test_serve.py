@@ -1,6 +1,6 @@
 """`switchyard serve` end to end: the all-in-one launcher starts a prefill and a decode worker and the
 gateway (switchyard-pd), the unchanged OpenAI SDK gets a chat completion through it, and SIGINT stops
-every child process."""
+every child process; with two prefill workers, `x-session-affinity` keeps each session's turns on one."""
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +16,9 @@ from pathlib import Path
 import openai
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from policies.session_affinity import HashRing, ring_hash
 from tests.support.ports import free_port
 from tests.support.wait import wait_until
 from tests.support.worker_proc import REPO_ROOT
@@ -138,3 +140,61 @@ def test_serve_kv_store_starts_a_master_every_worker_shares(tmp_path: Path) -> N
                 tiers = {t["medium"]: t for t in orjson.loads(r.read())["kv_tiers"]}
             assert tiers["store"]["up"], url
         assert len(stop_with_sigint(proc, log_path)) >= 4   # the master, two workers, the gateway
+
+
+def num_chat_requests(url: str) -> int:
+    """Chat completions a worker answered, by its own /metrics (a prefill leg is one)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return int(sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == "switchyard_requests_total" and sample.labels["route"].endswith("chat/completions")
+                   and sample.labels["status"] == "200"))
+
+
+def sessions_homed_on(prefill_urls: list[str], num_each: int) -> dict[str, str]:
+    """Session keys, `num_each` of them whose ring home (policies/session_affinity.py) is each prefill worker, so
+    that the sessions must spread over both."""
+    ring = HashRing(prefill_urls, 100)
+    keys: dict[str, str] = {}
+    candidates = (f"s{i}" for i in range(1000))
+    while min(sum(1 for home in keys.values() if home == url) for url in prefill_urls) < num_each:
+        key = next(candidates)
+        home = ring.first(ring_hash(key), dict.fromkeys(prefill_urls))
+        assert home is not None
+        if sum(1 for h in keys.values() if h == home) < num_each:
+            keys[key] = home
+    return keys
+
+
+def test_serve_keeps_each_sessions_turns_on_one_prefill_worker(tmp_path: Path) -> None:
+    port = free_port()
+    with serving(tmp_path, "--port", str(port), "--prefill-workers", "2", "--worker-arg=--threads=1",
+                 "--worker-arg=--num-blocks=128", env={"SWITCHYARD_WORKER_API_KEY": WORKER_KEY}) as (proc, log_path):
+        wait_until(lambda: b"switchyard is serving" in log_path.read_bytes() or proc.poll() is not None,
+                   "switchyard serve to be ready", timeout_s=300)
+        assert proc.poll() is None, log_path.read_text()
+        prefill = [f"http://127.0.0.1:{p}" for p in re.findall(r"starting prefill worker \d+ on :(\d+)",
+                                                                 log_path.read_text())]
+        assert len(prefill) == 2, log_path.read_text()
+        sessions = sessions_homed_on(prefill, num_each=2)
+        conversations = {key: [{"role": "user", "content": f"Name a colour, {key}."}] for key in sessions}
+        served_on: dict[str, list[str]] = {key: [] for key in sessions}
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        for turn in range(3):
+            for key, messages in conversations.items():   # the sessions' turns interleave
+                before = {url: num_chat_requests(url) for url in prefill}
+                reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4,
+                                                       temperature=0, extra_headers={"x-session-affinity": key})
+                after = {url: num_chat_requests(url) for url in prefill}
+                served_on[key].extend(url for url in prefill if after[url] > before[url])
+                messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                             {"role": "user", "content": f"And another one ({turn})?"}]
+        # Each turn was one prefill leg, and each session's legs went to one worker: its ring home.
+        assert served_on == {key: [home] * 3 for key, home in sessions.items()}, (sessions, served_on)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status.json", timeout=5) as r:
+            status = orjson.loads(r.read())
+        assert status["num_sessions"] == len(sessions)
+        decisions = status["models"][0]["decisions"]
+        assert decisions.get("affinity_new") == len(sessions), decisions          # "sessions started"
+        assert decisions.get("affinity_hit") == 2 * len(sessions), decisions
+        stop_with_sigint(proc, log_path)

@@ -15,6 +15,9 @@ from gateway.config.yaml_fields import ConfigError, as_mapping, check_known, typ
 class PolicyConfig:
     name: str = "least_tokens"           # a policies.registry.PolicyName value
     options: Mapping[str, Any] = field(default_factory=dict)  # passed to make_policy as is
+    # The config names it: it then routes every pool that computes the model's prompts, a disaggregated
+    # provider's prefill pool too (else that pool keeps its own default: switchyard_pd.py).
+    named: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +48,8 @@ def build_model(name: str, raw: Any, base_dir: Path) -> ModelConfig:
         policy_raw = {"name": raw["policy"]}
     check_known(policy_raw, {"name", "options"}, f"{where}.policy")
     policy = PolicyConfig(name=str(policy_raw.get("name", "least_tokens")),
-                          options=dict(as_mapping(policy_raw.get("options"), f"{where}.policy.options")))
+                          options=dict(as_mapping(policy_raw.get("options"), f"{where}.policy.options")),
+                          named="name" in policy_raw)
     tokenizer = raw.get("tokenizer") or None
     block_size = typed_field(raw, "block_size", int, 16, where)
     if block_size <= 0:

@@ -33,6 +33,7 @@ providers: {p: {endpoints: ["http://h:1"]}}
 def test_minimal_config_has_defaults() -> None:
     config = parse_config(MINIMAL, {})
     assert config.models["m"].providers == ("p",) and config.models["m"].policy.name == "least_tokens"
+    assert not config.models["m"].policy.named   # a disaggregated provider's prefill pool keeps its own default
     assert config.providers["p"].timeouts.first_byte_s == 60.0 and config.ready is ReadyRequirement.EACH_MODEL
     assert config.api_keys == () and config.redis_url is None
 
@@ -89,6 +90,7 @@ def test_env_is_expanded_after_parsing_and_quoted_in_flow_collections() -> None:
     with_policy = "models: {m: {providers: [p], policy: {name: %s}}}\nproviders: {p: {endpoints: [\"http://h:1\"]}}\n"
     policy = with_policy % '"${POLICY:-power_of_two}"'
     assert parse_config(policy, {}).models["m"].policy.name == "power_of_two"
+    assert parse_config(policy, {}).models["m"].policy.named
     assert parse_config(policy, {"POLICY": "least_requests"}).models["m"].policy.name == "least_requests"
     tricky = "x: 1\n  # {not: structure}"  # would add a key or a comment if expanded before parsing
     config = parse_config(MINIMAL + "redis_url: ${URL}\n", {"URL": tricky})

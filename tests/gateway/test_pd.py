@@ -27,7 +27,7 @@ BUSY = {**LOAD_IDLE, "num_prefill_tokens_pending": 100000, "num_decode_tokens_pe
 
 
 def pd_config(prefill: list[FakeUpstream], decode: list[FakeUpstream], both: list[FakeUpstream] | None = None,
-              health_interval_s: float = 0.2, max_attempts: int = 4) -> dict[str, Any]:
+              health_interval_s: float = 0.2, max_attempts: int = 4, policy: str = "least_tokens") -> dict[str, Any]:
     timeouts = {"connect_s": 1.0, "first_byte_s": 5.0, "total_s": 30.0}
     providers: dict[str, Any] = {"pd": {
         "kind": "switchyard-pd", "prefill_endpoints": [f.url for f in prefill], "endpoints": [f.url for f in decode],
@@ -35,7 +35,7 @@ def pd_config(prefill: list[FakeUpstream], decode: list[FakeUpstream], both: lis
     if both:
         providers["both"] = {"kind": "openai", "endpoints": [f.url for f in both], "timeouts": timeouts}
     return {
-        "models": {"m": {"providers": list(providers), "policy": {"name": "least_tokens"}}},
+        "models": {"m": {"providers": list(providers), "policy": {"name": policy}}},
         "providers": providers,
         "pollers": {"health_interval_s": health_interval_s, "load_interval_s": 0.1, "kv_events_interval_s": 0.2},
         "retries": {"backoff_initial_s": 0.01, "backoff_max_s": 0.05, "backoff_jitter_s": 0.01,
@@ -82,8 +82,9 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pd]:
     pair.stop()
 
 
-async def post(url: str, body: dict[str, Any], path: str = CHAT) -> tuple[int, dict[str, Any]]:
-    async with aiohttp.ClientSession() as client, client.post(url + path, json=body) as response:
+async def post(url: str, body: dict[str, Any], path: str = CHAT,
+               headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as client, client.post(url + path, json=body, headers=headers) as response:
         return response.status, orjson.loads(await response.read())
 
 

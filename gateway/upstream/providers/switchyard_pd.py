@@ -1,6 +1,8 @@
 """The `switchyard-pd` provider kind: disaggregated serving as in docs/disaggregation.md. An attempt is a
 prefill leg on the prefill pool (`prefill_endpoints`), then a decode leg on the decode pool (`endpoints`)
-that carries the prefill's `kv_transfer_params`. Each pool has its own policy and its own leases.
+that carries the prefill's `kv_transfer_params`. Each pool has its own leases. The prefill worker is where a
+prompt's prefix cache lives, so the model's policy picks it, as it picks a unified endpoint, and a session is
+pinned to it (a model whose config names no policy keeps the pool's default); the decode pool has its own policy.
 """
 from __future__ import annotations
 
@@ -76,7 +78,8 @@ class SwitchyardPdProvider:
             raise ConfigError(f"providers.{config.name}.prefill_endpoints: required for kind switchyard-pd")
         self.config = config
         self.wire = openai_wire(config)
-        # Prefill: least queued prompt tokens, after prefix hits where the pool reports its KV events.
+        # Prefill, for a model whose config names no policy: least queued prompt tokens, after prefix hits where
+        # the pool reports its KV events.
         prefill_costs = {"prefill_weight": 1.0, "decode_weight": 0.0}
         self.prefill_policy = make_policy(PolicyName.PREFIX_AWARE, prefill_costs) if config.offers_kv_events \
             else make_policy(PolicyName.LEAST_TOKENS, prefill_costs)
@@ -123,10 +126,7 @@ class _PdRun:
         if held is None:
             if not legs.has_candidate(progress, decode_pool):
                 raise self._fall_back("decode_pool_unavailable")
-            chosen = legs.choose(progress, legs.pool(self._config.name, Pool.PREFILL), provider.prefill_policy)
-            if chosen is None:
-                raise self._fall_back("prefill_pool_unavailable")
-            prefilled = await self._prefill(chosen)
+            prefilled = await self._prefill(await self._choose_prefill())
             if isinstance(prefilled, Outcome):
                 return prefilled  # the prefill worker rejected the request (a 4xx, relayed)
             held = prefilled
@@ -146,6 +146,18 @@ class _PdRun:
             return await self._decode(held, chosen.endpoint, chosen.decision)
         except KvTransferFailed as exc:
             return await self._redo(exc)
+
+    async def _choose_prefill(self) -> Chosen:
+        """The prefill worker: the model's policy picks it where the model's config names one (`session_affinity`
+        keeps a session where its prefix is cached, within the load bound), else the pool's default; the session
+        is pinned to it before the leg starts, as a unified leg's is (`Legs.pin_session`)."""
+        progress, legs = self._progress, self._legs
+        policy = progress.policy if progress.request.model.policy.named else self._provider.prefill_policy
+        chosen = legs.choose(progress, legs.pool(self._config.name, Pool.PREFILL), policy)
+        if chosen is None:
+            raise self._fall_back("prefill_pool_unavailable")
+        await legs.pin_session(progress, chosen.decision)
+        return chosen
 
     def _takers(self, held: PrefillResult, decode_pool: list[Endpoint]) -> list[Endpoint]:
         """The decode workers not known to refuse the prefill worker's KV (`PdPairs`: by the weights their
