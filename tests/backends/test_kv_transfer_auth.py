@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
