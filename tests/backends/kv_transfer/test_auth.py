@@ -3,6 +3,7 @@ TcpTransport over real loopback sockets with keyed and keyless peers, raw client
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -173,3 +174,14 @@ async def test_a_keyless_listener_serves_as_before_and_a_keyed_client_waits_for_
         assert err.value.code is KVErrorCode.TIMEOUT and "CHALLENGE" in err.value.message, err.value
     finally:
         await server.close()
+
+
+@pytest.mark.parametrize("host, key, warned", [("0.0.0.0", None, True), ("0.0.0.0", KEY, False),
+                                               ("127.0.0.1", None, False)])
+async def test_a_keyless_listener_on_a_public_interface_warns(host: str, key: bytes | None, warned: bool,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    server = TcpTransport(KVTransferConfig(key=key))
+    with caplog.at_level(logging.WARNING, logger="backends.kv_transfer.tcp_server"):
+        await server.serve(make_kv(4), host, 0)
+    await server.close()
+    assert any("has no key" in r.getMessage() for r in caplog.records) is warned, caplog.records
