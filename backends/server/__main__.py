@@ -143,9 +143,21 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get(auth.ENV_VAR) or None,
                    help=f"clients must send `Authorization: Bearer <key>` (default: ${auth.ENV_VAR}; none: open)")
     p.add_argument("--debug-endpoints", action="store_true", help="serve /debug/* (tests only)")
+    p.add_argument("--otlp-traces-endpoint", default=_otlp_traces_endpoint(),
+                   help="export a span per API request, joined to the caller's `traceparent`, to this OTLP/HTTP "
+                        "traces URL (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, or $OTEL_EXPORTER_OTLP_ENDPOINT "
+                        "+ /v1/traces; none: no tracing)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM: how long requests in flight and held KV blocks may take to finish")
     p.add_argument("--log-level", default="INFO")
+
+
+def _otlp_traces_endpoint() -> str | None:
+    """OpenTelemetry's own variables: the traces URL as given, or the base URL with the signal's path."""
+    if traces := os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return traces
+    base = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    return base.rstrip("/") + "/v1/traces" if base else None
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -214,6 +226,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         kv_shared_memory=not args.no_kv_shared_memory,
         api_key=args.api_key,
         kv_key=args.kv_key,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     return server_config, engine_config
 

@@ -20,6 +20,7 @@ from backends.server.errors import APIError, ErrorType, error_body
 from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
 from backends.server.metrics import EngineCollector, ServerMetrics
 from backends.server.tokenization import PromptTokenizer
+from backends.server.tracing import WorkerTracing
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,12 @@ def create_app(
 ) -> web.Application:
     """A worker app; the engine starts in the app's start-up and shuts down in its cleanup."""
     drain = Drain()
-    middlewares = [error_middleware, *([auth.middleware(config.api_key)] if config.api_key else []),
-                   drain.middleware()]
+    tracing = WorkerTracing(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
+    middlewares = [*([tracing.middleware()] if tracing else []), error_middleware,
+                   *([auth.middleware(config.api_key)] if config.api_key else []), drain.middleware()]
     app = web.Application(client_max_size=config.max_request_bytes, middlewares=middlewares)
+    if tracing is not None:
+        app.cleanup_ctx.append(tracing.ctx)
     app[CONFIG_KEY] = config
     app[DRAIN] = drain
     app[TOKENIZER_KEY] = PromptTokenizer.from_model_dir(config.model_dir)

@@ -27,6 +27,7 @@ class ServerConfig:
     kv_shared_memory: bool = True          # same-host pulls copy from the peer's shared-memory cache
     api_key: str | None = None             # clients must send it as a bearer token (auth.py); None: no check
     kv_key: str | None = field(default=None, repr=False)  # the KV listener's and pulls' shared key; None: open
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL the worker's spans go to (tracing.py); None: off
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not self.api_key or not self.api_key.isprintable()):
