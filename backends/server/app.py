@@ -20,7 +20,6 @@ from backends.server.errors import APIError, ErrorType, error_body
 from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
 from backends.server.metrics import EngineCollector, ServerMetrics
 from backends.server.tokenization import PromptTokenizer
-from backends.server.tracing import WorkerTracing
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +32,11 @@ def create_app(
 ) -> web.Application:
     """A worker app; the engine starts in the app's start-up and shuts down in its cleanup."""
     drain = Drain()
-    tracing = WorkerTracing(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
+    tracing = None
+    if config.otlp_traces_endpoint:
+        from backends.server.tracing import WorkerTracing  # opentelemetry loads only where traces are wanted
+
+        tracing = WorkerTracing(config.otlp_traces_endpoint)
     middlewares = [*([tracing.middleware()] if tracing else []), error_middleware,
                    *([auth.middleware(config.api_key)] if config.api_key else []), drain.middleware()]
     app = web.Application(client_max_size=config.max_request_bytes, middlewares=middlewares)
