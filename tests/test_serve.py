@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import urllib.error
 import urllib.request
@@ -18,6 +19,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from backends.kv_transfer.protocol import HEADER_SIZE, FrameType, decode_header, encode_json_frame
 from policies.session_affinity import HashRing, ring_hash
 from tests.support.ports import free_port
 from tests.support.wait import wait_until
@@ -120,7 +122,27 @@ def test_serve_answers_the_openai_sdk_and_sigint_stops_everything(tmp_path: Path
             with pytest.raises(urllib.error.HTTPError) as refused:
                 urllib.request.urlopen(f"http://127.0.0.1:{worker_port}/v1/models", timeout=5)
             assert refused.value.code == 401
+        assert_kv_listener_keyed(log_path.read_text(), worker_ports)
         stop_with_sigint(proc, log_path)
+
+
+def assert_kv_listener_keyed(log: str, worker_ports: list[str]) -> None:
+    """The prefill worker's KV listener has a key drawn for the run: it challenges a stranger first and refuses
+    one who asks for a hold without proof; the decode worker's pulls proved it (no wrong proof counted)."""
+    kv_ports = re.findall(r"KV transfer listener on 127\.0\.0\.1:(\d+)", log)
+    assert len(kv_ports) == 1, log
+    with socket.create_connection(("127.0.0.1", int(kv_ports[0])), timeout=10) as sock:
+        sock.sendall(encode_json_frame(FrameType.PULL, {"transfer_id": "x", "num_blocks": 1}))
+        frames = sock.makefile("rb").read()   # until the listener closes
+    header = decode_header(frames[:HEADER_SIZE])
+    assert header.frame_type is FrameType.CHALLENGE, frames
+    assert decode_header(frames[HEADER_SIZE + header.meta_len:][:HEADER_SIZE]).frame_type is FrameType.ERROR
+    counts = []
+    for worker_port in worker_ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{worker_port}/metrics", timeout=5) as r:
+            counts += re.findall(r'switchyard_kv_transfer_refused_connections_total\{reason="(\w+)"\} (\S+)',
+                                 r.read().decode())
+    assert sorted(counts) == [("missing", "0.0"), ("missing", "1.0"), ("wrong", "0.0"), ("wrong", "0.0")], counts
 
 
 def test_serve_kv_store_starts_a_master_every_worker_shares(tmp_path: Path) -> None:

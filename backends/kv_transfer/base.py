@@ -10,7 +10,7 @@ import abc
 import enum
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from backends.core.kv_transfer_params import RemoteBlocks
@@ -105,7 +105,7 @@ class ReleaseMode(str, enum.Enum):
 
 
 class KVErrorCode(str, enum.Enum):
-    """Why a transfer failed; the first four also travel in ERROR frames."""
+    """Why a transfer failed; the first four, and `unauthorized`, also travel in ERROR frames."""
     UNKNOWN_TRANSFER = "unknown_transfer"   # no blocks held under that id (never, released, expired)
     LAYOUT_MISMATCH = "layout_mismatch"     # the two caches differ in shape, dtype or weights
     BAD_REQUEST = "bad_request"             # malformed request or block range
@@ -115,6 +115,7 @@ class KVErrorCode(str, enum.Enum):
     PEER_CLOSED = "peer_closed"             # the connection ended before the transfer did
     CONNECT_FAILED = "connect_failed"       # could not reach the peer
     TIMEOUT = "timeout"                     # connect, idle or total time limit passed
+    UNAUTHORIZED = "unauthorized"           # a keyed listener's peer did not prove the pool's key (auth.py)
 
 
 class KVTransferError(Exception):
@@ -135,6 +136,7 @@ class KVTransferConfig:
     checksum: ChecksumKind = ChecksumKind.CRC32C  # what the client asks the server to compute (TCP only)
     release: ReleaseMode = ReleaseMode.AFTER_PULL  # what the client asks for
     shared_memory: bool = True        # copy from the server's cache directly on one host (memfd) or GPU (CUDA IPC)
+    key: bytes | None = field(default=None, repr=False)  # the pool's shared key (auth.py); None: no handshake
 
 
 def prefill_kv_transfer_params(engine_id: str, host: str, port: int, transfer_id: str,

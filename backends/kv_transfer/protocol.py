@@ -38,6 +38,8 @@ class FrameType(enum.IntEnum):
     ERROR = 7     # server -> client: JSON {code, message}
     COPIED = 8    # client -> server: JSON {transfer_id, release}: copied from shared memory
     STREAM = 9    # client -> server: JSON {transfer_id}: cannot map the shared memory, send LAYERs
+    CHALLENGE = 10  # server -> client, first, where the listener has a key: JSON {scheme, nonce} (auth.py)
+    AUTH = 11       # client -> server: JSON {proof}: HMAC of the nonce under the pool's key
 
 
 @dataclass(frozen=True, slots=True)

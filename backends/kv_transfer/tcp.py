@@ -13,14 +13,17 @@ from backends.core.kv_transfer_params import RemoteBlocks
 from backends.kv_transfer.base import KVBlockSink, KVBlockSource, KVTransferConfig, KVTransport, PullResult
 from backends.kv_transfer.cuda_ipc import CudaIpcMappings, CudaIpcPull
 from backends.kv_transfer.shm import SharedMappings, SharedPull
-from backends.kv_transfer.tcp_client import SharedCopier, pull_blocks, release_blocks
-from backends.kv_transfer.tcp_server import TcpKVServer
+from backends.kv_transfer.tcp_client import SharedCopier, pull_blocks
+from backends.kv_transfer.tcp_release import release_blocks
+from backends.kv_transfer.tcp_server import RefusalHook, TcpKVServer
 from backends.kv_transfer.torch_cache import TorchPagedKV
 
 
 class TcpTransport(KVTransport):
-    def __init__(self, config: KVTransferConfig | None = None) -> None:
+    def __init__(self, config: KVTransferConfig | None = None, on_refused: RefusalHook | None = None) -> None:
+        """`on_refused`: told of each connection the listener refused for want of the key (the worker counts them)."""
         self.config = config or KVTransferConfig()
+        self._on_refused = on_refused
         self._server: TcpKVServer | None = None
         self._mappings = SharedMappings()
         self._cuda_mappings = CudaIpcMappings()
@@ -28,7 +31,7 @@ class TcpTransport(KVTransport):
     async def serve(self, source: KVBlockSource, host: str, port: int) -> tuple[str, int]:
         if self._server is not None:
             raise RuntimeError("this transport is already serving")
-        server = TcpKVServer(source, self.config)
+        server = TcpKVServer(source, self.config, self._on_refused)
         address = await server.start(host, port)
         self._server = server
         return address

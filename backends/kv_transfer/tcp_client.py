@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol, cast
 
 from backends.core.kv_transfer_params import RemoteBlocks
+from backends.kv_transfer import auth
 from backends.kv_transfer.base import (
     ChecksumKind,
     CudaIpcRegion,
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 
 
 class _Stage(enum.Enum):
+    AWAIT_CHALLENGE = "waiting for CHALLENGE (has the listener the pool's key?)"
     AWAIT_BEGIN = "waiting for BEGIN"
     COPYING = "copying from shared memory"
     AWAIT_DONE = "waiting for DONE"
@@ -111,7 +113,10 @@ class _PullProtocol(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._transport.write(encode_json_frame(FrameType.PULL, self._request.to_wire()))
+        if self._config.key is None:
+            self._transport.write(encode_json_frame(FrameType.PULL, self._request.to_wire()))
+        else:
+            self._stage = _Stage.AWAIT_CHALLENGE   # the keyed listener speaks first
         self._expect_header()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -175,7 +180,10 @@ class _PullProtocol(asyncio.BufferedProtocol):
         meta = decode_json_meta(ftype, self._pieces[0])
         if ftype is FrameType.ERROR:
             raise decode_error(meta)
-        if ftype is FrameType.BEGIN and self._stage is _Stage.AWAIT_BEGIN:
+        if ftype is FrameType.CHALLENGE and (self._stage is _Stage.AWAIT_CHALLENGE or (
+                self._config.key is None and self._stage is _Stage.AWAIT_BEGIN)):
+            self._on_challenge(meta)
+        elif ftype is FrameType.BEGIN and self._stage is _Stage.AWAIT_BEGIN:
             self._on_begin(meta)
         elif ftype is FrameType.DONE and self._stage is _Stage.LAYERS \
                 and self._next_layer == self._request.layout.num_layers:
@@ -185,6 +193,14 @@ class _PullProtocol(asyncio.BufferedProtocol):
             self._finish(released=meta.get("released") is True)
         else:
             raise KVTransferError(KVErrorCode.PROTOCOL, f"unexpected {ftype.name} frame while {self._stage.value}")
+
+    def _on_challenge(self, meta: dict[str, object]) -> None:
+        """Prove the key (UNAUTHORIZED without one), then ask for the blocks at once: no extra round trip."""
+        assert self._transport is not None
+        self._transport.write(auth.auth_frame(self._config.key, meta)
+                              + encode_json_frame(FrameType.PULL, self._request.to_wire()))
+        self._stage = _Stage.AWAIT_BEGIN
+        self._expect_header()
 
     def _on_begin(self, meta: dict[str, object]) -> None:
         try:
@@ -357,30 +373,3 @@ async def _connect(remote: RemoteBlocks, factory: Callable[[], _PullProtocol],
                               f"connect to {remote.host}:{remote.port} took over {timeout_s} s") from None
     except OSError as exc:
         raise KVTransferError(KVErrorCode.CONNECT_FAILED, f"{remote.host}:{remote.port}: {exc}") from None
-
-
-async def release_blocks(remote: RemoteBlocks, config: KVTransferConfig) -> bool:
-    """Send RELEASE on a fresh connection; True if the server dropped a hold."""
-    try:
-        async with asyncio.timeout(config.connect_timeout_s):
-            reader, writer = await asyncio.open_connection(remote.host, remote.port)
-    except TimeoutError:
-        raise KVTransferError(KVErrorCode.TIMEOUT, f"connect to {remote.host}:{remote.port} timed out") from None
-    except OSError as exc:
-        raise KVTransferError(KVErrorCode.CONNECT_FAILED, f"{remote.host}:{remote.port}: {exc}") from None
-    try:
-        async with asyncio.timeout(config.idle_timeout_s):
-            writer.write(encode_json_frame(FrameType.RELEASE, {"transfer_id": remote.transfer_id}))
-            header = decode_header(await reader.readexactly(HEADER_SIZE))
-            meta = decode_json_meta(header.frame_type, await reader.readexactly(header.meta_len))
-    except TimeoutError:
-        raise KVTransferError(KVErrorCode.TIMEOUT, "no RELEASED answer in time") from None
-    except (asyncio.IncompleteReadError, ConnectionError):
-        raise KVTransferError(KVErrorCode.PEER_CLOSED, "connection closed before RELEASED") from None
-    finally:
-        writer.close()
-    if header.frame_type is FrameType.ERROR:
-        raise decode_error(meta)
-    if header.frame_type is not FrameType.RELEASED:
-        raise KVTransferError(KVErrorCode.PROTOCOL, f"unexpected {header.frame_type.name} frame after RELEASE")
-    return meta.get("released") is True

@@ -1,4 +1,5 @@
-"""The prefill worker's KV listener: answers PULL and RELEASE frames over asyncio streams.
+"""The prefill worker's KV listener: answers PULL and RELEASE frames over asyncio streams, after the pool's key
+is proven where it has one (auth.py).
 
 Sends each layer's bytes as memoryviews of the source's buffers (`write`, or one `writelines`
 = writev under uvloop), never through `bytes` copies. Frees blocks only on RELEASE or a PULL
@@ -7,10 +8,12 @@ that asked for ON_SEND.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from backends.kv_transfer import auth
 from backends.kv_transfer.base import (
     CudaIpcRegion,
     KVBlockSource,
@@ -34,20 +37,29 @@ from backends.kv_transfer.protocol import (
 
 log = logging.getLogger(__name__)
 _MAX_IOV = 1024  # pieces per layer a scatter-gather write takes (Linux IOV_MAX; libuv splits beyond)
+_MAX_WARNED_PEERS = 1024  # refused peers logged at warning level once each; more are logged at info
+
+RefusalHook = Callable[[str], None]   # called with "missing" or "wrong" for each connection refused
 
 
 class TcpKVServer:
     """One listener per prefill worker; one task per connection, requests in order on each."""
 
-    def __init__(self, source: KVBlockSource, config: KVTransferConfig) -> None:
+    def __init__(self, source: KVBlockSource, config: KVTransferConfig, on_refused: RefusalHook | None = None) -> None:
         self._source = source
         self._config = config
+        self._on_refused = on_refused
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
+        self._warned_peers: set[str] = set()
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self._server = await asyncio.start_server(self._on_connection, host, port)
         bound = self._server.sockets[0].getsockname()
+        if self._config.key is None and not all(ipaddress.ip_address(s.getsockname()[0]).is_loopback
+                                                for s in self._server.sockets):
+            log.warning("KV transfer listener on %s:%d has no key: anyone who reaches it can read and release held "
+                        "KV (set --kv-key or $%s on every worker of the pool)", bound[0], bound[1], auth.ENV_VAR)
         return bound[0], bound[1]
 
     async def close(self) -> None:
@@ -76,6 +88,8 @@ class TcpKVServer:
         # is never overwritten while bytes from it are still queued.
         writer.transport.set_write_buffer_limits(high=0)
         try:
+            if self._config.key is not None and not await self._authenticate(reader, writer, peer):
+                return
             await self._serve(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError) as exc:
             log.info("KV connection from %s ended: %r", peer, exc)
@@ -90,6 +104,37 @@ class TcpKVServer:
                 writer.transport.abort()  # a peer that stopped reading must not pin the socket
             else:
                 writer.close()
+
+    async def _authenticate(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer: object) -> bool:
+        """CHALLENGE, then the client's AUTH must prove the key; anything else is refused before a request is read."""
+        nonce = auth.new_nonce()
+        writer.write(auth.challenge_frame(nonce))
+        await self._drain(writer)
+        reason = "missing"
+        try:
+            async with asyncio.timeout(self._config.idle_timeout_s):
+                header = decode_header(await reader.readexactly(HEADER_SIZE))
+                if header.frame_type is FrameType.AUTH:
+                    meta = decode_json_meta(header.frame_type, await reader.readexactly(header.meta_len))
+                    if auth.verify(self._config.key or b"", nonce, meta):
+                        return True
+                    reason = "wrong"
+        except (KVTransferError, asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass   # a peer that sends no AUTH at all is refused like one that sends another frame
+        self._refuse(peer, reason)
+        await _send_quietly(writer, encode_error(KVErrorCode.UNAUTHORIZED, "this KV listener needs the pool's key"))
+        return False
+
+    def _refuse(self, peer: object, reason: str) -> None:
+        if self._on_refused is not None:
+            self._on_refused(reason)
+        host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        if host in self._warned_peers or len(self._warned_peers) >= _MAX_WARNED_PEERS:
+            log.info("KV connection from %s refused: %s key", peer, reason)
+            return
+        self._warned_peers.add(host)
+        log.warning("KV connection from %s refused: %s key (logged once per peer; counted in "
+                    "switchyard_kv_transfer_refused_connections_total)", peer, reason)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Answer frames until the client closes; protocol errors end the connection."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from backends.attention.base import AttentionBackendName
 from backends.core.engine_config import SPECULATIVE_PROPOSERS, EngineConfig, KVConnectorName
+from backends.kv_transfer import auth as kv_auth
 from backends.server import auth
 from backends.server.config import ServerConfig, WorkerRole
 
@@ -98,6 +99,10 @@ def _add_kv_transfer_args(p: argparse.ArgumentParser) -> None:
                    help="release held prefill KV that no decode worker pulled after this long")
     p.add_argument("--kv-idle-timeout-s", type=float, default=10.0,
                    help="a KV pull with no bytes moving this long fails")
+    p.add_argument("--kv-key", default=os.environ.get(kv_auth.ENV_VAR) or None,
+                   help=f"the pool's shared KV-transfer key (default: ${kv_auth.ENV_VAR}, which keeps it out of `ps`): "
+                        "the listener refuses peers that cannot prove it, and pulls prove it; every prefill and "
+                        "decode worker of a pool needs the same one (none: the listener is open)")
     p.add_argument("--no-kv-shared-memory", action="store_true",
                    help="always move KV over TCP: by default a prefill/both worker on CPU keeps its KV cache in "
                         "shared memory, and a decode worker on the same host copies held blocks from it")
@@ -138,9 +143,21 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get(auth.ENV_VAR) or None,
                    help=f"clients must send `Authorization: Bearer <key>` (default: ${auth.ENV_VAR}; none: open)")
     p.add_argument("--debug-endpoints", action="store_true", help="serve /debug/* (tests only)")
+    p.add_argument("--otlp-traces-endpoint", default=_otlp_traces_endpoint(),
+                   help="export a span per API request, joined to the caller's `traceparent`, to this OTLP/HTTP "
+                        "traces URL (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, or $OTEL_EXPORTER_OTLP_ENDPOINT "
+                        "+ /v1/traces; none: no tracing)")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM: how long requests in flight and held KV blocks may take to finish")
     p.add_argument("--log-level", default="INFO")
+
+
+def _otlp_traces_endpoint() -> str | None:
+    """OpenTelemetry's own variables: the traces URL as given, or the base URL with the signal's path."""
+    if traces := os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return traces
+    base = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    return base.rstrip("/") + "/v1/traces" if base else None
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -208,6 +225,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         debug_endpoints=args.debug_endpoints,
         kv_shared_memory=not args.no_kv_shared_memory,
         api_key=args.api_key,
+        kv_key=args.kv_key,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     return server_config, engine_config
 

@@ -32,9 +32,16 @@ def create_app(
 ) -> web.Application:
     """A worker app; the engine starts in the app's start-up and shuts down in its cleanup."""
     drain = Drain()
-    middlewares = [error_middleware, *([auth.middleware(config.api_key)] if config.api_key else []),
-                   drain.middleware()]
+    tracing = None
+    if config.otlp_traces_endpoint:
+        from backends.server.tracing import WorkerTracing  # opentelemetry loads only where traces are wanted
+
+        tracing = WorkerTracing(config.otlp_traces_endpoint)
+    middlewares = [*([tracing.middleware()] if tracing else []), error_middleware,
+                   *([auth.middleware(config.api_key)] if config.api_key else []), drain.middleware()]
     app = web.Application(client_max_size=config.max_request_bytes, middlewares=middlewares)
+    if tracing is not None:
+        app.cleanup_ctx.append(tracing.ctx)
     app[CONFIG_KEY] = config
     app[DRAIN] = drain
     app[TOKENIZER_KEY] = PromptTokenizer.from_model_dir(config.model_dir)

@@ -2,8 +2,8 @@
 every route but the operational read-outs asks for `Authorization: Bearer <key>` and answers 401 in OpenAI's
 error shape without it. vLLM's `--api-key` guards `/v1` alone; here `/load`, `/kv_events` (block hashes of what
 clients sent: a prefix-cache probe) and `/kv_holds/release` too. The gateway sends a provider's `api_key` on
-requests, legs and its pollers alike. The KV-transfer listener is not covered: bind it to a private interface
-(`--kv-host`)."""
+requests, legs and its pollers alike. The KV-transfer listener has a key of its own, which gateways never hold
+(`--kv-key`, backends/kv_transfer/auth.py)."""
 from __future__ import annotations
 
 import hmac

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
@@ -26,10 +26,14 @@ class ServerConfig:
     debug_endpoints: bool = False          # GET /debug/kv_digest (tests only: exposes KV digests)
     kv_shared_memory: bool = True          # same-host pulls copy from the peer's shared-memory cache
     api_key: str | None = None             # clients must send it as a bearer token (auth.py); None: no check
+    kv_key: str | None = field(default=None, repr=False)  # the KV listener's and pulls' shared key; None: open
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces URL the worker's spans go to (tracing.py); None: off
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not self.api_key or not self.api_key.isprintable()):
             raise ValueError("api_key must be a non-empty printable string")
+        if self.kv_key is not None and not self.kv_key:
+            raise ValueError("kv_key must be non-empty (None: no key)")
         if not self.served_model_names:
             raise ValueError("served_model_names must not be empty")
         if self.max_request_bytes <= 0:

@@ -21,6 +21,7 @@ from aiohttp import web
 from backends.core.kv_transfer_params import KVTransferParams, RemoteBlocks
 from backends.core.outputs import FinishReason
 from backends.kv_connectors.pd_connector import PDConnector
+from backends.kv_transfer.auth import key_from_text
 from backends.kv_transfer.base import KVErrorCode, KVTransferConfig, KVTransport, prefill_kv_transfer_params
 from backends.server.config import ServerConfig, WorkerRole
 from backends.server.errors import APIError, ErrorType, invalid_param
@@ -71,7 +72,9 @@ def kv_transfer_ctx(config: ServerConfig) -> Callable[[web.Application], AsyncIt
 
         kv = TorchPagedKV(engine.kv_layers(), region=engine.kv_region(), weights=engine.weights_fingerprint())
         transport = TcpTransport(KVTransferConfig(idle_timeout_s=config.kv_idle_timeout_s,
-                                                    shared_memory=config.kv_shared_memory))
+                                                  shared_memory=config.kv_shared_memory,
+                                                  key=key_from_text(config.kv_key)),
+                                 on_refused=app[METRICS_KEY].observe_kv_refused)
         digest = partial(block_digests, engine.kv_layers()) if config.debug_endpoints else None
         connector.attach(transport, kv, engine.wake, digest)
         address = None

@@ -135,6 +135,11 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS_S, registry=reg)
         self.e2e = Histogram(f"{PREFIX}_request_duration_seconds", "Arrival to last output token.",
                              buckets=_E2E_BUCKETS_S, registry=reg)
+        self.kv_refused = Counter(f"{PREFIX}_kv_transfer_refused_connections",
+                                  "KV-transfer connections refused for want of the pool's key (reason: missing "
+                                  "or wrong proof).", ["reason"], registry=reg)
+        for reason in ("missing", "wrong"):   # both series exist from the start, at 0
+            self.kv_refused.labels(reason=reason)
         if engine_collector is not None:
             reg.register(engine_collector)
 
@@ -146,6 +151,9 @@ class ServerMetrics:
 
     def observe_request_duration(self, duration_s: float) -> None:
         self.e2e.observe(duration_s)
+
+    def observe_kv_refused(self, reason: str) -> None:
+        self.kv_refused.labels(reason=reason).inc()
 
     def observe_request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()

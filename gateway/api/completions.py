@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from opentelemetry.trace import SpanKind
 
 from cache.block_hash import block_hashes
 from gateway.api.admission import Charge, charge_rate_limit, settle
@@ -74,7 +75,7 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
     if body["model"] != model.name:     # an alias: upstreams know the model by its name
         body = {**body, "model": model.name}
         raw = orjson.dumps(body)
-    with services.tracing.span("request") as span:
+    with services.tracing.span("request", SpanKind.SERVER) as span:
         if span is not None:
             span.set_attribute("switchyard.model", model.name)
             span.set_attribute("switchyard.request_id", request_id_var.get())

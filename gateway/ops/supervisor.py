@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 WORKER_KEY_ENV = "SWITCHYARD_WORKER_API_KEY"   # what a worker reads its --api-key from (backends/server/auth.py)
+KV_KEY_ENV = "SWITCHYARD_KV_KEY"   # what a worker reads its --kv-key from (backends/kv_transfer/auth.py)
 
 MODEL_NAME = "smollm2"
 
@@ -186,8 +187,11 @@ def start_kv_store(sup: Supervisor) -> str:
 
 
 def start_workers(sup: Supervisor, plan: ServePlan, kv_store: str | None = None,
-                  worker_key: str | None = None) -> dict[str, list[str]]:
-    """The workers, each guarded by `worker_key` (passed in the environment: not in `ps`)."""
+                  worker_key: str | None = None, kv_key: str | None = None) -> dict[str, list[str]]:
+    """The workers, each guarded by `worker_key`, their KV listeners by `kv_key` (both passed in the environment:
+    not in `ps`)."""
+    keys = {WORKER_KEY_ENV: worker_key, KV_KEY_ENV: kv_key}
+    env = {name: key for name, key in keys.items() if key is not None} or None
     pools: dict[str, list[str]] = {"prefill": [], "decode": [], "both": []}
     counts = {"prefill": plan.num_prefill_workers, "decode": plan.num_decode_workers,
               "both": plan.num_both_workers}
@@ -199,7 +203,6 @@ def start_workers(sup: Supervisor, plan: ServePlan, kv_store: str | None = None,
             cmd = [sys.executable, "-m", "backends.server", "--model", plan.model, "--role", role,
                    "--port", str(port), "--served-model-name", plan.served_model_name, *plan.worker_args,
                    *(() if kv_store is None else ("--kv-store", kv_store))]
-            env = None if worker_key is None else {WORKER_KEY_ENV: worker_key}
             started.append((sup.start(name, cmd, env), f"http://127.0.0.1:{port}", name, role))
     for proc, url, name, role in started:
         wait_healthy(proc, url + "/health", name, timeout_s=600)
@@ -223,7 +226,9 @@ def main(argv: Sequence[str]) -> None:
         # The workers' ports answer the gateway alone, not whoever else reaches 127.0.0.1: with the key in
         # SWITCHYARD_WORKER_API_KEY when one is set (so that other tools can read the workers), else one per run.
         worker_key = os.environ.get(WORKER_KEY_ENV) or secrets.token_urlsafe(24)
-        pools = start_workers(sup, plan, start_kv_store(sup) if plan.kv_store else None, worker_key)
+        # The KV listeners answer the pool's workers alone, likewise; the gateway never holds this key.
+        kv_key = os.environ.get(KV_KEY_ENV) or secrets.token_urlsafe(24)
+        pools = start_workers(sup, plan, start_kv_store(sup) if plan.kv_store else None, worker_key, kv_key)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="switchyard-gateway-", delete=False) as fh:
             yaml.safe_dump(gateway_config(plan, model_dir, pools, worker_key), fh)
         workers = "auto" if plan.gateway_workers is None else str(plan.gateway_workers)

@@ -95,11 +95,12 @@ class Tracing:
         self.tracer = provider.get_tracer("switchyard.gateway")
         self.enabled = True
 
-    def span(self, name: str) -> AbstractContextManager[Any]:
-        """A span made current for the block; a shared no-op context when tracing is off (hot path)."""
+    def span(self, name: str, kind: trace.SpanKind = trace.SpanKind.INTERNAL) -> AbstractContextManager[Any]:
+        """A span made current for the block; a shared no-op context when tracing is off (hot path). `kind`:
+        SERVER for the client's request, CLIENT for a call upstream (whose `traceparent` names it)."""
         if not self.enabled:
             return _NO_SPAN
-        return self.tracer.start_as_current_span(name)
+        return self.tracer.start_as_current_span(name, kind=kind)
 
     def inject_headers(self, headers: dict[str, str]) -> None:
         """Add `traceparent` for the current span so upstreams can join the trace."""

@@ -14,6 +14,7 @@ from functools import partial
 import aiohttp
 import orjson
 from aiohttp import web
+from opentelemetry.trace import SpanKind
 
 from gateway.config.gateway_config import ConfigError, ProviderConfig
 from gateway.routing.endpoints import Endpoint
@@ -62,7 +63,7 @@ class AnthropicProvider:
         except Untranslatable as exc:
             raise ProviderExhausted(f"no Messages API form for {exc}", unsupported="") from None
         endpoint, decision, num_uncached = await legs.take(progress, self.config.name)
-        with legs.tracing.span("upstream_attempt") as span:
+        with legs.tracing.span("upstream_attempt", SpanKind.CLIENT) as span:
             headers = legs.leg_headers(progress, span, self._wire, endpoint.endpoint_id, decision)
             leg = Leg(self._wire, endpoint, LegKind.SINGLE, MESSAGES_PATH, orjson.dumps(body), headers,
                       num_uncached, request.facts.num_expected_output_tokens)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from functools import partial
 
 import aiohttp
+from opentelemetry.trace import SpanKind
 
 from gateway.config.gateway_config import ConfigError, ProviderConfig
 from gateway.upstream.legs import Legs
@@ -46,7 +47,7 @@ class OpenAIProvider:
         if progress.so_far is not None:
             progress.stitch = Stitcher(progress.so_far, request.api_path.endswith("chat/completions"), body[1])
         endpoint, decision, num_uncached = await legs.take(progress, self.config.name)
-        with legs.tracing.span("upstream_attempt") as span:
+        with legs.tracing.span("upstream_attempt", SpanKind.CLIENT) as span:
             headers = legs.leg_headers(progress, span, self._wire, endpoint.endpoint_id, decision)
             leg = Leg(self._wire, endpoint, LegKind.SINGLE, request.api_path, body[0], headers,
                       num_uncached, request.facts.num_expected_output_tokens)

@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from opentelemetry.trace import SpanKind
 
 from gateway.config.gateway_config import ConfigError, Pool, ProviderConfig
 from gateway.routing.endpoints import Endpoint
@@ -192,7 +193,7 @@ class _PdRun:
         endpoint, decision, num_uncached = chosen
         progress.tried.add(endpoint.endpoint_id)
         legs.metrics.on_decision(request.facts.model, decision.reason.value)
-        with legs.tracing.span("upstream_attempt") as span:
+        with legs.tracing.span("upstream_attempt", SpanKind.CLIENT) as span:
             headers = legs.leg_headers(progress, span, self.wire, endpoint.endpoint_id, decision)
             leg = Leg(self.wire, endpoint, LegKind.SINGLE, request.api_path, built[0], headers,
                       num_uncached, request.facts.num_expected_output_tokens)
@@ -268,7 +269,7 @@ class _PdRun:
         if self._config.upstream_model is not None:
             body["model"] = self._config.upstream_model
         legs.metrics.on_decision(request.facts.model, decision.reason.value)
-        with legs.tracing.span("prefill_leg") as span:
+        with legs.tracing.span("prefill_leg", SpanKind.CLIENT) as span:
             headers = legs.leg_headers(progress, span, wire, endpoint.endpoint_id, decision)
             leg = Leg(wire, endpoint, LegKind.PREFILL, request.api_path, orjson.dumps(body), headers,
                       num_uncached, 0)
@@ -320,7 +321,7 @@ class _PdRun:
             body["return_token_ids"] = True
         if self._config.upstream_model is not None:
             body["model"] = self._config.upstream_model
-        with legs.tracing.span("decode_leg") as span:
+        with legs.tracing.span("decode_leg", SpanKind.CLIENT) as span:
             headers = legs.leg_headers(progress, span, wire, endpoint.endpoint_id, decision)
             leg = Leg(wire, endpoint, LegKind.DECODE, request.api_path, orjson.dumps(body), headers,
                       0, request.facts.num_expected_output_tokens)
