@@ -1,6 +1,7 @@
 """OpenTelemetry end to end: a real gateway and a real worker (bundled SmolLM2) both export over OTLP/HTTP to a
 receiver this test runs, and one chat request yields one trace: the gateway's SERVER span, its CLIENT span for the
-upstream call, and the worker's SERVER span, a child of that CLIENT span through `traceparent`.
+upstream call, and the worker's SERVER span, a child of that CLIENT span through `traceparent`. A request that
+carries its caller's `traceparent` continues the caller's trace.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from tests.support.wait import await_until
 from tests.support.worker_proc import WorkerProcess
 
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}   # ms between the batch processor's exports (default 5000)
+CLIENT_TRACE_ID, CLIENT_SPAN_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+CLIENT_TRACEPARENT = f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01"   # W3C: a caller's own trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,11 +100,18 @@ async def test_one_request_is_one_trace_across_gateway_and_worker(receiver: Rece
             return trace if any(s.service == "switchyard-worker" for s in trace) else []
 
         trace = await await_until(worker_arrived, "the gateway's and the worker's spans to arrive")
+        (root,) = [s for s in receiver.spans if s.name == "request"]   # one request, one gateway request span
+        async with aiohttp.ClientSession() as session, session.post(
+                gateway.url + "/v1/chat/completions", headers={"traceparent": CLIENT_TRACEPARENT},
+                json={"model": "smollm2", "messages": [{"role": "user", "content": "Say hi."}],
+                      "max_tokens": 2, "temperature": 0}) as response:
+            assert response.status == 200, await response.text()
+        continued = await await_until(lambda: [s for s in receiver.spans if s.name == "request" and s is not root],
+                                      "the second request's span to arrive")
     finally:
         if gateway is not None:
             gateway.stop()
         worker.stop()
-    (root,) = [s for s in receiver.spans if s.name == "request"]   # one request, one gateway request span
     assert root.kind == SpanProto.SPAN_KIND_SERVER and root.parent_span_id == b"", root
     (served,) = [s for s in trace if s.service == "switchyard-worker"]
     assert served.name == "POST /v1/chat/completions" and served.kind == SpanProto.SPAN_KIND_SERVER
@@ -116,3 +126,5 @@ async def test_one_request_is_one_trace_across_gateway_and_worker(receiver: Rece
         ancestor = by_id[ancestor.parent_span_id]
     assert ancestor is root
 
+    (request_span,) = continued   # a client's `traceparent` is continued, not replaced
+    assert request_span.trace_id.hex() == CLIENT_TRACE_ID and request_span.parent_span_id.hex() == CLIENT_SPAN_ID

@@ -75,7 +75,7 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
     if body["model"] != model.name:     # an alias: upstreams know the model by its name
         body = {**body, "model": model.name}
         raw = orjson.dumps(body)
-    with services.tracing.span("request", SpanKind.SERVER) as span:
+    with services.tracing.span("request", SpanKind.SERVER, request.headers) as span:
         if span is not None:
             span.set_attribute("switchyard.model", model.name)
             span.set_attribute("switchyard.request_id", request_id_var.get())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
 from datetime import UTC, datetime
@@ -14,7 +15,7 @@ from typing import Any
 
 import orjson
 from opentelemetry import trace
-from opentelemetry.propagate import inject
+from opentelemetry.propagate import extract, inject
 
 from gateway.config.gateway_config import TracingConfig, TracingExporter
 
@@ -95,12 +96,16 @@ class Tracing:
         self.tracer = provider.get_tracer("switchyard.gateway")
         self.enabled = True
 
-    def span(self, name: str, kind: trace.SpanKind = trace.SpanKind.INTERNAL) -> AbstractContextManager[Any]:
+    def span(self, name: str, kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+             incoming: Mapping[str, str] | None = None) -> AbstractContextManager[Any]:
         """A span made current for the block; a shared no-op context when tracing is off (hot path). `kind`:
-        SERVER for the client's request, CLIENT for a call upstream (whose `traceparent` names it)."""
+        SERVER for the client's request, CLIENT for a call upstream (whose `traceparent` names it). `incoming`:
+        the client's headers, whose `traceparent` (W3C) the span continues, so a caller's trace goes on through
+        the gateway; without one the span starts a trace."""
         if not self.enabled:
             return _NO_SPAN
-        return self.tracer.start_as_current_span(name, kind=kind)
+        parent = extract(incoming) if incoming is not None else None
+        return self.tracer.start_as_current_span(name, context=parent, kind=kind)
 
     def inject_headers(self, headers: dict[str, str]) -> None:
         """Add `traceparent` for the current span so upstreams can join the trace."""
