@@ -255,12 +255,7 @@ class UpstreamBody:
                 if end_of_data - pos > 1024:
                     raise UpstreamProtocolError("chunked body: chunk size line too long")
                 break
-            try:
-                size = int(buffer[pos:line_end], 16)
-            except ValueError:      # chunk extensions, or not a size at all
-                size = _chunk_size(buffer[pos:line_end])
-            if size < 0:            # int() takes a sign, HTTP does not
-                raise UpstreamProtocolError("chunked body: bad chunk size")
+            size = _chunk_size(buffer[pos:line_end])
             if size == 0:  # the last chunk, then trailers (if any) and a blank line
                 close = buffer.find(b"\r\n\r\n", line_end)
                 if close < 0:
@@ -286,8 +281,12 @@ class UpstreamBody:
 
 
 def _chunk_size(line: bytes | bytearray) -> int:
-    """A chunk size line's hex size, chunk extensions after `;` ignored."""
+    """A chunk size line's hex size, chunk extensions after `;` ignored. Only hex digits, at most 16 (llhttp's
+    limit): int() would also take a sign, spaces, "_" and "0x", where llhttp reads no size or another one."""
+    digits = line.split(b";", 1)[0] if b";" in line else line
+    if not (0 < len(digits) <= 16 and digits.isalnum()) or digits[1:2] in (b"x", b"X"):
+        raise UpstreamProtocolError("chunked body: bad chunk size")
     try:
-        return int(line.split(b";", 1)[0], 16)
+        return int(digits, 16)
     except ValueError:
         raise UpstreamProtocolError("chunked body: bad chunk size") from None

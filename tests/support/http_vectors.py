@@ -158,3 +158,98 @@ def reads(draw: st.DrawFn, data: bytes) -> list[bytes]:
     cuts = sorted(set(draw(st.lists(st.integers(0, len(data)), max_size=6))))
     bounds = [0, *cuts, len(data)]
     return [data[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+
+
+# --- responses ---------------------------------------------------------------------------------------------------
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+CHUNKED = b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+
+# name -> (the bytes of an upstream's answer, whether the upstream then closes the connection)
+RESPONSE_CORPUS: dict[str, tuple[bytes, bool]] = {
+    "content_length": (OK + b"Content-Length: 5\r\n\r\nhello", False),
+    "content_length_trailing_bytes": (OK + b"Content-Length: 5\r\n\r\nhelloHTTP/1.1 200 OK\r\n\r\n", False),
+    "content_length_short_then_close": (OK + b"Content-Length: 9\r\n\r\nhello", True),
+    "content_length_duplicate": (OK + b"Content-Length: 5\r\nContent-Length: 5\r\n\r\nhello", True),
+    "content_length_differing": (OK + b"Content-Length: 5\r\nContent-Length: 3\r\n\r\nhello", True),
+    "content_length_signed": (OK + b"Content-Length: +5\r\n\r\nhello", True),
+    "content_length_negative": (OK + b"Content-Length: -1\r\n\r\nhello", True),
+    "content_length_list": (OK + b"Content-Length: 5, 5\r\n\r\nhello", True),
+    "content_length_huge": (OK + b"Content-Length: 99999999999999999999\r\n\r\nhello", True),
+    "chunked": (OK + b"Transfer-Encoding: chunked\r\n\r\n" + CHUNKED, False),
+    "chunked_trailing_bytes": (OK + b"Transfer-Encoding: chunked\r\n\r\n" + CHUNKED + b"extra", False),
+    "chunked_extensions_and_trailers": (OK + b"Transfer-Encoding: chunked\r\n\r\n5;a=b\r\nhello\r\n0\r\nT: 1\r\n\r\n",
+                                        False),
+    "chunked_and_content_length": (OK + b"Transfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n" + CHUNKED, False),
+    "chunked_not_last": (OK + b"Transfer-Encoding: chunked, gzip\r\n\r\n" + CHUNKED, True),
+    "chunked_uppercase": (OK + b"Transfer-Encoding: CHUNKED\r\n\r\n" + CHUNKED, False),
+    "chunked_size_signed": (OK + b"Transfer-Encoding: chunked\r\n\r\n+5\r\nhello\r\n0\r\n\r\n", True),
+    "chunked_size_underscore": (OK + b"Transfer-Encoding: chunked\r\n\r\n1_0\r\n" + b"a" * 16 + b"\r\n0\r\n\r\n",
+                                True),
+    "chunked_size_0x": (OK + b"Transfer-Encoding: chunked\r\n\r\n0x5\r\nhello\r\n0\r\n\r\n", True),
+    "chunked_size_spaces": (OK + b"Transfer-Encoding: chunked\r\n\r\n 5 \r\nhello\r\n0\r\n\r\n", True),
+    "chunked_bare_lf": (OK + b"Transfer-Encoding: chunked\r\n\r\n5\nhello\n0\n\n", True),
+    "chunked_cut_then_close": (OK + b"Transfer-Encoding: chunked\r\n\r\n5\r\nhel", True),
+    "close_delimited": (OK + b"\r\nhello world", True),
+    "close_delimited_http_1_0": (b"HTTP/1.0 200 OK\r\n\r\nhello", True),
+    "http_1_0_keep_alive": (b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 5\r\n\r\nhello", False),
+    "connection_close_in_second_field": (OK + b"Connection: keep-alive\r\nConnection: close\r\nContent-Length: 5"
+                                         b"\r\n\r\nhello", False),
+    "no_content_with_body": (b"HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\nhello", False),
+    "not_modified": (b"HTTP/1.1 304 Not Modified\r\n\r\n", False),
+    "continue_then_answer": (b"HTTP/1.1 100 Continue\r\n\r\n" + OK + b"Content-Length: 5\r\n\r\nhello", False),
+    "early_hints_then_answer": (b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + OK + b"Content-Length: 2\r\n\r\nhi",
+                                False),
+    "switching_protocols": (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\nhello", True),
+    "bare_lf_head": (b"HTTP/1.1 200 OK\nContent-Length: 5\n\nhello", True),
+    "obs_fold": (OK + b"X-A: a\r\n b\r\nContent-Length: 5\r\n\r\nhello", False),
+    "space_before_colon": (OK + b"Content-Length : 5\r\n\r\nhello", True),
+    "nul_in_value": (OK + b"X-A: a\x00b\r\nContent-Length: 5\r\n\r\nhello", False),
+    "non_ascii_value": (OK + b"X-A: caf\xc3\xa9\r\nContent-Length: 5\r\n\r\nhello", False),
+    "no_colon": (OK + b"garbage\r\nContent-Length: 5\r\n\r\nhello", False),
+    "status_two_digits": (b"HTTP/1.1 20 OK\r\nContent-Length: 5\r\n\r\nhello", True),
+    "status_four_digits": (b"HTTP/1.1 2000 OK\r\nContent-Length: 5\r\n\r\nhello", True),
+    "status_no_reason": (b"HTTP/1.1 200\r\nContent-Length: 5\r\n\r\nhello", False),
+    "http_2_status_line": (b"HTTP/2 200 OK\r\nContent-Length: 5\r\n\r\nhello", True),
+    "huge_header": (OK + b"X-A: " + b"a" * 100_000 + b"\r\nContent-Length: 5\r\n\r\nhello", True),
+}
+
+_RESPONSE_NAMES = [b"Content-Length", b"Transfer-Encoding", b"Connection", b"Content-Type", b"X-A"]
+_RESPONSE_VALUES = [b"5", b"0", b"chunked", b"close", b"keep-alive", b"gzip, chunked", b"text/event-stream"]
+_STATUS_LINES = [b"HTTP/1.1 200 OK"] * 8 + [b"HTTP/1.0 200 OK", b"HTTP/1.1 204 No Content", b"HTTP/1.1 304 Not",
+                                             b"HTTP/1.1 429 Slow down", b"HTTP/1.1 200", b"HTTP/1.1 2000 OK"]
+
+
+@st.composite
+def chunked_bodies(draw: st.DrawFn, wild: bool) -> bytes:
+    """Chunks of any data, with extensions, then the last chunk and trailers; in a `wild` body odd sizes too."""
+    sizes = st.sampled_from([b"+5", b"0x5", b" 5", b"5 ", b"-5", b"FFFFFFFFFFFFFFFFFF", b""]) if wild else st.nothing()
+    parts = []
+    for data in draw(st.lists(st.binary(min_size=1, max_size=12), max_size=4)):
+        size = draw(st.one_of(st.just(b"%x" % len(data)), sizes)) + draw(st.sampled_from([b"", b";x", b";a=\"b\""]))
+        parts.append(size + b"\r\n" + data + b"\r\n")
+    return b"".join(parts) + b"0\r\n" + draw(st.sampled_from([b"", b"T: 1\r\n"])) + b"\r\n"
+
+
+@st.composite
+def responses(draw: st.DrawFn) -> tuple[bytes, bool]:
+    """An upstream's answer (1xx first, sometimes) and whether it then closes; one in three is `wild`."""
+    wild = draw(st.integers(0, 2)) == 0
+    framing = draw(st.sampled_from(["length", "chunked", "close"]))
+    body = draw(chunked_bodies(wild)) if framing == "chunked" else draw(st.binary(max_size=30))
+    lines = [draw(st.sampled_from(_STATUS_LINES)) if wild else b"HTTP/1.1 200 OK"]
+    if framing == "length":
+        lines.append(b"Content-Length: %d" % len(body))
+    elif framing == "chunked":
+        lines.append(b"Transfer-Encoding: chunked")
+    if wild:
+        lines += draw(st.lists(st.builds(lambda n, v: n + b": " + v, st.sampled_from(_RESPONSE_NAMES),
+                                         st.sampled_from(_RESPONSE_VALUES)), max_size=3))
+    answer = b"\r\n".join([lines[0], *draw(st.permutations(lines[1:]))]) + b"\r\n\r\n" + body
+    if wild and draw(st.booleans()):
+        answer = b"HTTP/1.1 100 Continue\r\n\r\n" + answer
+    if draw(st.integers(0, 3)) == 0:
+        answer += draw(st.sampled_from([b"trailing", b"HTTP/1.1 200 OK\r\n\r\n", b"\r\n"]))
+    answer = draw(mutated(answer)) if wild and draw(st.booleans()) else answer
+    return answer, framing == "close" or draw(st.booleans())
+

@@ -95,6 +95,8 @@ class RecordingTransport:
     def close(self) -> None:
         self.closed = True
 
+    abort = close
+
     def is_closing(self) -> bool:
         return self.closed
 
