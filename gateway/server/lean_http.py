@@ -6,10 +6,11 @@ usually is: `POST /v1/chat/completions`, `/v1/completions` or `/v1/messages`, HT
 body, plain ASCII headers. It runs the app's own middlewares and handlers (`LeanRequest` has what they read), and
 writes their `web.Response`, or a stream through `LeanSse` (gateway/server/lean_stream.py), straight to the transport.
 
-Anything else on a connection (another route or method, a chunked body, `Expect`, `Upgrade`, HTTP/1.0,
-a head too long or not plainly formed) hands the connection, with the bytes not yet served, to aiohttp's
-own protocol for the rest of its life: aiohttp then parses, answers or rejects it as it always did. So
-this parser only has to recognise its subset exactly; it never has to reject anything.
+Anything else on a connection (another route or method, a chunked body, `Expect`, `Upgrade`, HTTP/1.0, no Host,
+a field aiohttp takes once given twice, a head too long or not plainly formed) hands the connection, with the bytes
+not yet served, to aiohttp's own protocol for the rest of its life: aiohttp then parses, answers or rejects it as it
+always did. So this parser only has to recognise its subset exactly; it never has to reject anything
+(tests/gateway/test_lean_http_differential.py holds it to aiohttp's parser).
 """
 from __future__ import annotations
 
