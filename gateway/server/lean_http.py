@@ -6,10 +6,11 @@ usually is: `POST /v1/chat/completions`, `/v1/completions` or `/v1/messages`, HT
 body, plain ASCII headers. It runs the app's own middlewares and handlers (`LeanRequest` has what they read), and
 writes their `web.Response`, or a stream through `LeanSse` (gateway/server/lean_stream.py), straight to the transport.
 
-Anything else on a connection (another route or method, a chunked body, `Expect`, `Upgrade`, HTTP/1.0,
-a head too long or not plainly formed) hands the connection, with the bytes not yet served, to aiohttp's
-own protocol for the rest of its life: aiohttp then parses, answers or rejects it as it always did. So
-this parser only has to recognise its subset exactly; it never has to reject anything.
+Anything else on a connection (another route or method, a chunked body, `Expect`, `Upgrade`, HTTP/1.0, no Host,
+a field aiohttp takes once given twice, a head too long or not plainly formed) hands the connection, with the bytes
+not yet served, to aiohttp's own protocol for the rest of its life: aiohttp then parses, answers or rejects it as it
+always did. So this parser only has to recognise its subset exactly; it never has to reject anything
+(tests/gateway/test_lean_http_differential.py holds it to aiohttp's parser).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from email.utils import formatdate
 from typing import Any, Protocol, cast
 
 from aiohttp import web
+from aiohttp.http_parser import SINGLETON_HEADERS
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.errors import GatewayError, error_response
@@ -214,22 +216,13 @@ class LeanProtocol(asyncio.Protocol):
         if match is None or match.end() != head_end + 4:
             self._hand_over()
             return
-        fields = []
-        for line in match.group(2).decode("ascii").split("\r\n")[:-1]:   # lines `_HEADER` matched: name:value
-            name, _, value = line.partition(":")
-            fields.append((name, value.strip(" \t")))
-        headers = CIMultiDictProxy(CIMultiDict(fields))
-        lengths = headers.getall("Content-Length", ())
-        connection = headers.get("Connection", "").lower()
-        if len(lengths) != 1 or not lengths[0].isdigit() or len(lengths[0]) > 18 \
-                or int(lengths[0]) > server.max_body_bytes \
-                or "Transfer-Encoding" in headers or "Expect" in headers or "Upgrade" in headers \
-                or "upgrade" in connection:
+        framing = _framing(match.group(2), server.max_body_bytes)
+        if framing is None:
             self._hand_over()
             return
+        headers, length, self.keep_alive = framing
         self.idle_since = None
-        self.keep_alive = "close" not in connection
-        length, start = int(lengths[0]), head_end + 4
+        start = head_end + 4
         complete = len(buffer) - start >= length
         body = bytes(buffer[start:start + length]) if complete else None
         self._buffer = buffer[start + length:] if complete else buffer[start:]
@@ -311,6 +304,28 @@ class LeanProtocol(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def _framing(lines: bytes, max_body_bytes: int) -> tuple[CIMultiDictProxy[str], int, bool] | None:
+    """(headers, Content-Length, keep-alive) of header lines `_HEADER` matched; None where aiohttp's parser may
+    read them otherwise or reject them: no one Content-Length of at most `max_body_bytes`, no Host, a field aiohttp
+    takes once given twice (Host, Content-Type...), Transfer-Encoding, Expect or an upgrade. The connection goes
+    on unless any Connection field lists `close` (llhttp reads them all, not the first)."""
+    fields = []
+    for line in lines.decode("ascii").split("\r\n")[:-1]:   # name:value
+        name, _, value = line.partition(":")
+        fields.append((name, value.strip(" \t")))
+    singletons = [lowered for name, _ in fields if (lowered := name.lower()) in SINGLETON_HEADERS]
+    if "host" not in singletons or len(set(singletons)) != len(singletons):
+        return None
+    headers = CIMultiDictProxy(CIMultiDict(fields))
+    length = headers.get("Content-Length", "")
+    connection = ",".join(headers.getall("Connection", ())).lower()
+    if not length.isdigit() or len(length) > 18 or int(length) > max_body_bytes \
+            or "Transfer-Encoding" in headers or "Expect" in headers or "Upgrade" in headers \
+            or "upgrade" in connection:
+        return None
+    return headers, int(length), "close" not in connection
 
 
 def _with_middlewares(handler: Handler, middlewares: Iterable[Any]) -> Handler:

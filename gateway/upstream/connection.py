@@ -13,6 +13,7 @@ import aiohttp
 from gateway.upstream.deadlines import Deadlines
 
 MAX_BUFFER_BYTES = 256 * 1024    # stop reading the socket while this much is unread (backpressure)
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
 
 
 class UpstreamProtocolError(aiohttp.ClientPayloadError):
@@ -255,12 +256,10 @@ class UpstreamBody:
                 if end_of_data - pos > 1024:
                     raise UpstreamProtocolError("chunked body: chunk size line too long")
                 break
-            try:
-                size = int(buffer[pos:line_end], 16)
-            except ValueError:      # chunk extensions, or not a size at all
-                size = _chunk_size(buffer[pos:line_end])
-            if size < 0:            # int() takes a sign, HTTP does not
-                raise UpstreamProtocolError("chunked body: bad chunk size")
+            size_line = buffer[pos:line_end]
+            # Hex digits only (int() would also take a sign, spaces, "_" and "0x"); else extensions, or an error.
+            size = int(size_line, 16) if 0 < len(size_line) <= 16 and not size_line.translate(None, _HEX_DIGITS) \
+                else _chunk_size(size_line)
             if size == 0:  # the last chunk, then trailers (if any) and a blank line
                 close = buffer.find(b"\r\n\r\n", line_end)
                 if close < 0:
@@ -286,8 +285,9 @@ class UpstreamBody:
 
 
 def _chunk_size(line: bytes | bytearray) -> int:
-    """A chunk size line's hex size, chunk extensions after `;` ignored."""
-    try:
-        return int(line.split(b";", 1)[0], 16)
-    except ValueError:
-        raise UpstreamProtocolError("chunked body: bad chunk size") from None
+    """A chunk size line's hex size, chunk extensions after `;` ignored. Only hex digits, at most 16 (llhttp's
+    limit): int() would also take a sign, spaces, "_" and "0x", where llhttp reads no size or another one."""
+    digits = line.split(b";", 1)[0]
+    if not 0 < len(digits) <= 16 or digits.translate(None, _HEX_DIGITS):
+        raise UpstreamProtocolError("chunked body: bad chunk size")
+    return int(digits, 16)

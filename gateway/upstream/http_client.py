@@ -11,6 +11,7 @@ connection and the body decoding live in gateway/upstream/connection.py; this mo
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Mapping
 from types import TracebackType
@@ -23,6 +24,9 @@ from multidict import CIMultiDict
 from gateway.upstream.connection import UpstreamBody, UpstreamConnection, UpstreamProtocolError
 from gateway.upstream.deadlines import Deadlines
 
+# A response head this client reads: the status line, then fields whose names are tokens (RFC 9110 §5.6.2) and
+# whose values hold no CR, LF or NUL. Linear whatever the bytes: a value cannot match a line's end.
+_HEAD = re.compile(r"HTTP/1\.[01] [0-9]{3}(?: [^\r\n\x00]*)?(?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\r\n\x00]*)*")
 MAX_HEADER_BYTES = 64 * 1024     # a response head larger than this is a protocol error
 MAX_IDLE_S = 10.0                # an idle pooled connection older than this is closed, not reused
 MAX_IDLE_PER_HOST = 256          # idle connections kept per host:port
@@ -46,25 +50,36 @@ class UpstreamResponse:
 
 
 def _parse_head(head: bytes) -> tuple[int, CIMultiDict[str], bool]:
-    """(status, headers, HTTP/1.1 keep-alive) from the bytes before the blank line."""
-    lines = head.decode("latin-1").split("\r\n")
-    status_line = lines[0]
-    if not status_line.startswith("HTTP/1.") or len(status_line) < 12:
-        raise UpstreamProtocolError(f"bad status line {status_line[:40]!r}")
-    try:
-        status = int(status_line[9:12])
-    except ValueError:
-        raise UpstreamProtocolError(f"bad status line {status_line[:40]!r}") from None
+    """(status, headers, HTTP/1.1 keep-alive) from the bytes before the blank line. A head aiohttp's parser might
+    read otherwise (a bare CR or LF, a NUL, a folded line, a name not a token, a status not of three digits) is
+    an error."""
+    text = head.decode("latin-1")
+    if _HEAD.fullmatch(text) is None:
+        raise UpstreamProtocolError(f"bad response head {text[:60]!r}")
     fields = []
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise UpstreamProtocolError(f"bad header line {line[:40]!r}")
-        fields.append((name.strip(), value.strip()))
+    for line in text.split("\r\n")[1:]:   # name:value, as `_HEAD` matched them
+        name, _, value = line.partition(":")
+        fields.append((name, value.strip(" \t")))
     headers = CIMultiDict(fields)   # built whole: cheaper than adding the fields one by one
-    connection = headers.get("Connection", "").lower()
-    keep_alive = "close" not in connection if status_line.startswith("HTTP/1.1") else "keep-alive" in connection
-    return status, headers, keep_alive
+    connection = ",".join(headers.getall("Connection", ())).lower()   # llhttp reads every Connection field
+    keep_alive = "close" not in connection if text.startswith("HTTP/1.1") else "keep-alive" in connection
+    return int(text[9:12]), headers, keep_alive
+
+
+def _framing(headers: CIMultiDict[str]) -> tuple[str, int]:
+    """The body's framing ("chunked", "length" or "close") and its Content-Length; a UpstreamProtocolError where
+    aiohttp's parser would refuse it or read it otherwise."""
+    encodings, lengths = headers.getall("Transfer-Encoding", ()), headers.getall("Content-Length", ())
+    if encodings:
+        if len(encodings) != 1 or encodings[0].lower() != "chunked" or lengths:
+            raise UpstreamProtocolError(f"unsupported framing {encodings} {lengths}")
+        return "chunked", 0
+    if not lengths:
+        return "close", 0
+    # int() would take "-1", "+3" and "1_0", and raise a ValueError past 4,300 digits
+    if len(lengths) != 1 or not (lengths[0].isascii() and lengths[0].isdigit() and len(lengths[0]) <= 18):
+        raise UpstreamProtocolError(f"bad Content-Length {lengths}")
+    return "length", int(lengths[0])
 
 
 class _Exchange:
@@ -105,17 +120,13 @@ class _Exchange:
         if 100 <= status < 200:
             raise UpstreamProtocolError(f"unexpected informational status {status}")
         quiet_s = self._timeout.sock_read
+        framing, length = _framing(headers)
         if status in (204, 304):
             body = UpstreamBody(conn, "length", 0)
-        elif "chunked" in headers.get("Transfer-Encoding", "").lower():
-            body = UpstreamBody(conn, "chunked", 0, quiet_s)
-        elif (length := headers.get("Content-Length")) is not None:
-            # int() would take "-1", "+3" and "1_0", and raise a ValueError past 4,300 digits
-            if not (length.isascii() and length.isdigit() and len(length) <= 18):
-                raise UpstreamProtocolError(f"bad Content-Length {length!r}")
-            body = UpstreamBody(conn, "length", int(length), quiet_s)
-        else:
+        elif framing == "close":
             body, keep_alive = UpstreamBody(conn, "close", 0, quiet_s), False
+        else:
+            body = UpstreamBody(conn, framing, length, quiet_s)
         self._response = UpstreamResponse(status, headers, body, keep_alive)
         return self._response
 
