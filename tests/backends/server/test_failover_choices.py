@@ -81,19 +81,21 @@ async def streamed(fleet: Fleet, path: str, body: dict[str, Any], kill_after: in
     got = Assembled()
     killed: WorkerProcess | None = None
     body = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-    async with aiohttp.ClientSession() as session, session.post(fleet.gateway.url + path, json=body) as r:
-        assert r.status == 200, await r.text()
-        async for line in r.content:
-            if line.startswith(b"data: {"):
-                got.add(orjson.loads(line[6:]))
-                if killed is None and kill_after is not None and got.num_output_events == kill_after:
-                    killed = await fleet.serving()
-                    killed.send_signal(signal.SIGKILL)
+    try:
+        async with aiohttp.ClientSession() as session, session.post(fleet.gateway.url + path, json=body) as r:
+            assert r.status == 200, await r.text()
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    got.add(orjson.loads(line[6:]))
+                    if killed is None and kill_after is not None and got.num_output_events == kill_after:
+                        killed = await fleet.serving()
+                        killed.send_signal(signal.SIGKILL)
+    finally:   # the next test has both workers, whatever this one found
+        if killed is not None:
+            await fleet.restart(killed)
     assert kill_after is None or killed is not None, "the stream ended before the kill"
     assert all("error" not in p for p in got.payloads), got.payloads[-1]
     assert {p["id"] for p in got.payloads} == {got.payloads[0]["id"]}, "one stream, one id"
-    if killed is not None:
-        await fleet.restart(killed)
     return got
 
 
