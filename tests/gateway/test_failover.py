@@ -138,11 +138,15 @@ async def test_an_anthropic_provider_does_not_restart_a_broken_stream(start_fake
     assert b.stats()["num_requests"] == 0
 
 
-async def test_a_token_id_prompt_is_not_continued_from_text(start_fakes, start_gateway) -> None:
+@pytest.mark.parametrize("fields", [{"prompt": [1, 2, 3]}, {"prompt": "Hi", "n": 2}, {"prompt": ["Hi", "Yo"]}],
+                         ids=["token-id prompt", "n=2", "batch"])
+async def test_what_text_cannot_continue_ends_with_an_error_event(start_fakes, start_gateway,
+                                                                  fields: dict[str, Any]) -> None:
+    """Other engines get text, for one choice of text only: a token-id prompt, n > 1 or a batch end as before."""
     (a,) = start_fakes("a", behaviour=BREAKS)
     (b,) = start_fakes("b")
     gateway = start_gateway(two_providers(a.url, b.url))
-    body = {"model": "m", "prompt": [1, 2, 3], "stream": True}
+    body = {"model": "m", **fields, "stream": True}
     async with aiohttp.ClientSession() as client, client.post(gateway.url + COMPLETIONS, json=body) as response:
         events = await read_events(response)
     assert data_events(events)[-1]["error"]["type"] == "upstream_error"

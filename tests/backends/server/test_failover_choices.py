@@ -103,23 +103,32 @@ def continued(fleet: Fleet) -> float:
     return metric(fleet.gateway, "switchyard_stream_failovers_total", outcome="continued")
 
 
-@pytest.mark.parametrize("prompts", [["The capital of France is"], ["The capital of France is", "List three colors:"]],
-                         ids=["n=2", "batch"])
-async def test_every_choice_goes_on_from_its_own_tokens(fleet: Fleet, referee: Referee, prompts: list[str]) -> None:
+FRANCE, COLORS = "The capital of France is", "List three colors:"
+HELLO = [{"role": "user", "content": "Say hello to a friend in one sentence."}]
+CASES = [   # (the stream's prompt fields, each prompt's own as a one-choice request, n, chat)
+    ({"prompt": FRANCE}, [{"prompt": FRANCE}], 2, False),
+    ({"prompt": [FRANCE, COLORS]}, [{"prompt": FRANCE}, {"prompt": COLORS}], 1, False),
+    ({"messages": HELLO}, [{"messages": HELLO}], 2, True),
+]
+
+
+@pytest.mark.parametrize(("fields", "prompts", "n", "chat"), CASES, ids=["n=2", "batch", "chat n=2"])
+async def test_every_choice_goes_on_from_its_own_tokens(fleet: Fleet, referee: Referee, fields: dict[str, Any],
+                                                        prompts: list[dict[str, Any]], n: int, chat: bool) -> None:
     """n = 2 of one prompt (both choices greedy: the same answer, each checked on its own), or a batch of two
     prompts (each choice its own prompt's answer): every choice whole, once, after the kill."""
-    n = 2 if len(prompts) == 1 else 1
-    refs = [await referee.reference({"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True},
-                                    chat=False) for p in prompts]
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    refs = [await referee.reference({**p, **sampling}, chat=chat) for p in prompts]
     before = continued(fleet)
-    body = {"model": "smollm2", "prompt": prompts if len(prompts) > 1 else prompts[0], "n": n,
-            "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
-    got = await streamed(fleet, "/v1/completions", body, KILL_AFTER)
+    body = {"model": "smollm2", **fields, "n": n, **sampling}
+    got = await streamed(fleet, "/v1/chat/completions" if chat else "/v1/completions", body, KILL_AFTER)
     num_choices = len(prompts) * n
     assert sorted(got.ids) == list(range(num_choices)), "every choice, none more"
     num_whole = 0
     for k in range(num_choices):
         assert got.finishes[k] == ["length"], f"choice {k}: one finish, {got.finishes[k]}"
+        if chat:
+            assert got.roles[k] == 1, f"choice {k}: the role is sent once"
         ref, _ = refs[k // n]
         num_whole += ref.check(got.ids[k], got.text[k], f"choice {k} after the kill")
     if num_whole == num_choices:   # the whole answer is the undisturbed one's: so is its usage
