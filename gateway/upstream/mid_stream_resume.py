@@ -3,13 +3,14 @@ answer, the answer goes on elsewhere as a continuation, and the client sees one 
 
 - `Transcript` keeps the events relayed to the client (and holds back a partial event, so the client never
   has half of one when the stream breaks).
-- `answered_so_far` reads a broken stream's transcript into what the client has (`SoFar`).
+- `answered_so_far` reads a broken stream's transcript into what the client has of each choice (`SoFar`).
 - `leg_body` builds an upstream body: for a continuation, the prompt plus the output so far. Our workers
-  (`offers_token_ids`) take the exact tokens (`resume_token_ids`), so greedy and seeded sampling go on as
-  if nothing had happened; any other engine gets text: completions prompt + text, chat an assistant prefix
-  (`continue_final_message`, as vLLM and SGLang take it).
+  (`offers_token_ids`) take the exact tokens of each choice (`resume_token_ids`), so greedy and seeded
+  sampling, `n` > 1, batches and tool calls go on as if nothing had happened; any other engine gets text, for
+  one choice of text: completions prompt + text, chat an assistant prefix (`continue_final_message`, as vLLM
+  and SGLang take it).
 - `Stitcher` rewrites the continuation's chunks into the first stream's: its id and `created`, no second
-  role, usage counted over both.
+  role for a choice that had one, usage counted over both.
 
 It never chooses endpoints, retries or writes to the client (the dispatcher and legs do).
 """
