@@ -72,7 +72,7 @@ async def generate_deltas(
     Raises APIError (400) when the engine refuses the request; close the iterator with
     `contextlib.aclosing` so that an early exit aborts the sequence at once.
     """
-    detok = _detokenizer(tokenizer, spec)
+    detok, _ = _detokenizer(tokenizer, spec)
     outputs = _start(engine, spec)
     engine_finished = False   # the engine ended the sequence itself: nothing to abort
     last_s: float | None = None
@@ -97,21 +97,27 @@ async def generate_deltas(
             await _abort(engine, spec.request_id)
 
 
-def _detokenizer(tokenizer: Tokenizer, spec: SequenceSpec) -> StopStringDetokenizer:
-    """A detokenizer in the state the output so far left it: for a decode leg, the prefill leg's
-    tokens are pushed and their safe text counted as sent (what the prefill leg answered)."""
+def prior_output_text(tokenizer: Tokenizer, spec: SequenceSpec) -> str:
+    """The text the output so far (`num_prior_output_tokens`) gave the client: what its safe text was when
+    another worker sent it. Raises APIError as `generate_deltas` would for those tokens."""
+    return _detokenizer(tokenizer, spec)[1]
+
+
+def _detokenizer(tokenizer: Tokenizer, spec: SequenceSpec) -> tuple[StopStringDetokenizer, str]:
+    """A detokenizer in the state the output so far left it, and that output's text: for a decode leg, the
+    prefill leg's tokens are pushed and their safe text counted as sent (what the prefill leg answered)."""
     k = spec.num_prior_output_tokens
     context = spec.prompt_token_ids[:len(spec.prompt_token_ids) - k]
     detok = StopStringDetokenizer(tokenizer, spec.params.stop, skip_special_tokens=spec.skip_special_tokens,
                                   prompt_token_ids=context)
-    if k:
-        if _push_until_stop(detok, spec.prompt_token_ids[-k:]) and detok.stopped:
-            param = "resume_token_ids" if spec.kv_transfer is None or spec.kv_transfer.remote is None \
-                else "kv_transfer_params"
-            raise APIError("The first tokens already complete a stop string: there is nothing to decode.",
-                           param=param, code="invalid_value")
-        detok.take()
-    return detok
+    if not k:
+        return detok, ""
+    if _push_until_stop(detok, spec.prompt_token_ids[-k:]) and detok.stopped:
+        param = "resume_token_ids" if spec.kv_transfer is None or spec.kv_transfer.remote is None \
+            else "kv_transfer_params"
+        raise APIError("The first tokens already complete a stop string: there is nothing to decode.",
+                       param=param, code="invalid_value")
+    return detok, detok.take()
 
 
 def _start(engine: WorkerEngine, spec: SequenceSpec) -> AsyncIterator[SequenceOutput]:

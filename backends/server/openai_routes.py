@@ -20,7 +20,7 @@ from backends.server import disagg
 from backends.server.choices import Choices
 from backends.server.errors import APIError, invalid_param, model_not_found
 from backends.server.fields import read_json
-from backends.server.generation import SequenceSpec, generate_deltas
+from backends.server.generation import SequenceSpec, generate_deltas, prior_output_text
 from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
 from backends.server.protocol import (
     GenerateRequest,
@@ -82,10 +82,9 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
     request_id = _ID_PREFIX[kind] + uuid.uuid4().hex
     if kv_params is not None and req.resume_token_ids:
         raise invalid_param("resume_token_ids", "`resume_token_ids` cannot be combined with `kv_transfer_params`.")
-    if req.tools is not None and req.tools.calls and (kv_params is not None or req.resume_token_ids):
-        raise invalid_param("kv_transfer_params" if kv_params is not None else "resume_token_ids",
-                            "A forced tool call is answered whole by one worker: it is not split into legs or "
-                            "resumed.")
+    if req.tools is not None and req.tools.calls and kv_params is not None:
+        raise invalid_param("kv_transfer_params", "A forced tool call is answered whole by one worker: it is not "
+                            "split into legs.")
     if kv_params is not None and req.num_sequences != 1:
         raise invalid_param("n" if req.num_choices != 1 else "prompt",
                             "A disaggregated leg samples one sequence: one prompt, n=1.")
@@ -111,8 +110,9 @@ async def _generate(request: web.Request, kind: RequestKind) -> web.StreamRespon
     spec = SequenceSpec(request_id, prompt_ids + resumed, params, req.skip_special_tokens, arrival_s,
                         num_prior_output_tokens=len(resumed),
                         kv_transfer=KVTransferParams(first_token_ids=resumed) if resumed else None)
+    prior_text = prior_output_text(tokenizer.backend, spec) if resumed and req.tools is not None else ""
     builder = ResponseBuilder(kind, request_id, req.model, tokenizer, return_token_ids=req.return_token_ids,
-                              prior_completion_ids=resumed, tools=req.tools)
+                              prior_completion_ids=resumed, tools=req.tools, prior_text=prior_text)
     return await respond(request, req, engine, spec, builder)
 
 

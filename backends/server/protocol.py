@@ -17,6 +17,7 @@ from backends.core.sampling_params import SamplingParams
 from backends.server.errors import APIError, invalid_param, model_not_found, unsupported_param
 from backends.server.fields import default, is_int, opt_bool, opt_float, opt_int
 from backends.server.output_format import parse_response_format
+from backends.server.resume import Resumed, parse_resume_token_ids
 from backends.server.tools import ToolCalling, parse_tool_calls, parse_tools, refuse_with_structured_output
 
 MAX_LOGPROBS = 20             # top alternatives per token, as OpenAI's top_logprobs allows
@@ -66,12 +67,13 @@ class GenerateRequest:
     include_usage: bool                         # stream_options.include_usage: a final usage chunk
     return_token_ids: bool                      # extension: choices carry "token_ids"
     resume_token_ids: tuple[int, ...]           # extension: output tokens the client already has (mid-stream
-                                                # failover); the answer goes on after them
+                                                # failover); the answer goes on after them (resume.py)
     skip_special_tokens: bool                   # special tokens stay out of the text
     continue_final_message: bool = False        # chat: the answer goes on from the last (assistant) message
                                                 # in place, as vLLM's extension and Anthropic's prefill do
     add_generation_prompt: bool = True          # chat: the template opens a new assistant turn at the end
     tools: ToolCalling | None = None            # chat: the request's tools (tools.py); its answer may be calls
+    resume_choices: tuple[Resumed, ...] = ()    # several sequences: `resume_token_ids` of each choice by index
 
     @property
     def num_sequences(self) -> int:
@@ -114,6 +116,8 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
     stream = opt_bool(body, "stream") or False
     include_usage = _parse_stream_options(body, stream)
     params = _parse_sampling(body, ctx.vocab_size, max_tokens, logprobs, tools)
+    resumed, resume_choices = parse_resume_token_ids(body.get("resume_token_ids"), ctx.vocab_size,
+                                                     max(1, len(batch)) * num_choices)
     return GenerateRequest(
         kind=kind,
         model=model,
@@ -127,12 +131,12 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
         stream=stream,
         include_usage=include_usage,
         return_token_ids=opt_bool(body, "return_token_ids") or False,
-        resume_token_ids=_parse_resume_token_ids(body.get("resume_token_ids"), ctx.vocab_size,
-                                                 max(1, len(batch)) * num_choices),
+        resume_token_ids=resumed,
         skip_special_tokens=default(opt_bool(body, "skip_special_tokens"), True),
         continue_final_message=continue_final,
         add_generation_prompt=add_generation_prompt,
         tools=tools,
+        resume_choices=resume_choices,
     )
 
 
@@ -370,15 +374,3 @@ def _parse_logit_bias(bias: Any, vocab_size: int) -> tuple[tuple[int, float], ..
         if value:
             out.append((token, float(value)))
     return tuple(out)
-
-
-def _parse_resume_token_ids(ids: Any, vocab_size: int, num_sequences: int) -> tuple[int, ...]:
-    if ids is None:
-        return ()
-    if num_sequences != 1:
-        raise invalid_param("resume_token_ids", "`resume_token_ids` continues one sequence: it needs one prompt "
-                            "and n=1.")
-    if not isinstance(ids, list) or not ids or not all(is_int(t) and 0 <= t < vocab_size for t in ids):
-        raise invalid_param("resume_token_ids",
-                            f"`resume_token_ids` must be a non-empty array of token ids in [0, {vocab_size}).")
-    return tuple(ids)

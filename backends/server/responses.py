@@ -42,10 +42,12 @@ class ResponseBuilder:
     def __init__(
         self, kind: RequestKind, response_id: str, model: str, tokenizer: PromptTokenizer, *, return_token_ids: bool,
         prior_completion_ids: Sequence[int] = (), index: int = 0, tools: ToolCalling | None = None,
+        prior_text: str = "",
     ) -> None:
         """`prior_completion_ids`: output tokens the client got from elsewhere (a decode leg's first token, a
-        resumed stream's tokens): counted in usage and in completions' `text_offset`, not sent. `index`: the
-        choice this builder's sequence is (one of `n`)."""
+        resumed stream's tokens): counted in usage and in completions' `text_offset`, not sent; `prior_text`:
+        their text, where a forced tool call's deltas go on from it. `index`: the choice this builder's sequence
+        is (one of `n`)."""
         self._kind = kind
         self._index = index
         self._id = response_id
@@ -61,6 +63,8 @@ class ResponseBuilder:
         self._num_completion_tokens = len(prior_completion_ids)
         self._calls = ToolCallText(tools) if tools is not None and tools.calls and kind is RequestKind.CHAT else None
         self._calls_finish = "tool_calls" if tools is not None and tools.forced is None else "stop"
+        if self._calls is not None and prior_text:
+            self._calls.feed(prior_text)   # the calls' heads and arguments so far reached the client from elsewhere
 
     @property
     def usage(self) -> Usage:

@@ -95,7 +95,8 @@ class Dispatcher:
         model = request.facts.model
         progress.tried.add(broken.endpoint_id)
         progress.log.append(f"{broken.endpoint_id}: failed mid-stream: {broken.description}")
-        leg = answered_so_far(broken.transcript, chat=request.api_path.endswith("chat/completions"))
+        leg = answered_so_far(broken.transcript, chat=request.api_path.endswith("chat/completions"),
+                              num_choices=num_sequences(request.body))
         so_far = leg if progress.so_far is None or leg is None else progress.so_far.then(leg)
         if so_far is not None and so_far.finished:   # it broke after its last token: nothing is missing
             await client.send(DONE_EVENT)
@@ -113,9 +114,10 @@ class Dispatcher:
 
 
 def _can_fail_over(routed: RoutedRequest, client: ClientStream | None) -> bool:
-    """A stream of one choice, for a model that allows failover. A stream re-encoded for another API (POST
-    /v1/messages) fails over too: the continuation's chunks feed the same translation."""
-    return client is not None and routed.model.mid_stream_failover and num_sequences(routed.body) == 1
+    """A stream, for a model that allows failover: each of its choices goes on from its own output (whether a
+    provider can continue it is `leg_body`'s). A stream re-encoded for another API (POST /v1/messages) fails
+    over too: the continuation's chunks feed the same translation."""
+    return client is not None and routed.model.mid_stream_failover
 
 
 class _ChainWalk:

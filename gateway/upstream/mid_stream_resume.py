@@ -3,13 +3,14 @@ answer, the answer goes on elsewhere as a continuation, and the client sees one 
 
 - `Transcript` keeps the events relayed to the client (and holds back a partial event, so the client never
   has half of one when the stream breaks).
-- `answered_so_far` reads a broken stream's transcript into what the client has (`SoFar`).
+- `answered_so_far` reads a broken stream's transcript into what the client has of each choice (`SoFar`).
 - `leg_body` builds an upstream body: for a continuation, the prompt plus the output so far. Our workers
-  (`offers_token_ids`) take the exact tokens (`resume_token_ids`), so greedy and seeded sampling go on as
-  if nothing had happened; any other engine gets text: completions prompt + text, chat an assistant prefix
-  (`continue_final_message`, as vLLM and SGLang take it).
+  (`offers_token_ids`) take the exact tokens of each choice (`resume_token_ids`), so greedy and seeded
+  sampling, `n` > 1, batches and tool calls go on as if nothing had happened; any other engine gets text, for
+  one choice of text: completions prompt + text, chat an assistant prefix (`continue_final_message`, as vLLM
+  and SGLang take it).
 - `Stitcher` rewrites the continuation's chunks into the first stream's: its id and `created`, no second
-  role, usage counted over both.
+  role for a choice that had one, usage counted over both.
 
 It never chooses endpoints, retries or writes to the client (the dispatcher and legs do).
 """
@@ -81,53 +82,102 @@ class Transcript:
 
 
 @dataclass(frozen=True, slots=True)
-class SoFar:
-    """What the client has of a streamed answer, over every leg so far."""
-    envelope: Mapping[str, Any]          # the first stream's id and created (the continuation's chunks get them)
+class ChoiceSoFar:
+    """What the client has of one choice of a streamed answer, over every leg so far."""
     text: str                            # output text sent
     token_ids: tuple[int, ...] | None    # its token ids, when every leg sent them (our workers)
     num_tokens: int                      # output tokens sent (token ids, else content events)
-    finished: bool                       # a finish_reason was sent: the answer is whole
+    finished: bool                       # a finish_reason was sent: the choice is whole
+    calls: bool                          # tool calls were sent: text cannot continue it
+
+    def then(self, later: ChoiceSoFar) -> ChoiceSoFar:
+        """This, followed by what a continuation sent of the same choice."""
+        ids = None if self.token_ids is None or later.token_ids is None else self.token_ids + later.token_ids
+        return ChoiceSoFar(self.text + later.text, ids, self.num_tokens + later.num_tokens,
+                           self.finished or later.finished, self.calls or later.calls)
+
+
+@dataclass(frozen=True, slots=True)
+class SoFar:
+    """What the client has of a streamed answer, over every leg so far."""
+    envelope: Mapping[str, Any]          # the first stream's id and created (the continuation's chunks get them)
+    choices: tuple[ChoiceSoFar, ...]     # by index: every choice the request samples (n of each prompt)
+
+    @property
+    def finished(self) -> bool:
+        """Every choice is whole."""
+        return all(c.finished for c in self.choices)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
 
     def then(self, later: SoFar) -> SoFar:
         """This, followed by what a continuation sent."""
-        ids = None if self.token_ids is None or later.token_ids is None else self.token_ids + later.token_ids
-        return SoFar(self.envelope, self.text + later.text, ids, self.num_tokens + later.num_tokens, later.finished)
+        return SoFar(self.envelope, tuple(a.then(b) for a, b in zip(self.choices, later.choices, strict=True)))
+
+    def resume_token_ids(self) -> list[int] | list[list[int] | None] | None:
+        """Our workers' `resume_token_ids` (backends/server/resume.py): one choice's tokens, or each choice's (null
+        for a whole one); None when there is nothing to resume from (no token reached the client) or a leg did
+        not send its token ids."""
+        if any(c.token_ids is None for c in self.choices) or not self.num_tokens:
+            return None
+        if len(self.choices) == 1:
+            return list(self.choices[0].token_ids or ())
+        return [None if c.finished else list(c.token_ids or ()) for c in self.choices]
 
 
-def answered_so_far(transcript: Transcript, chat: bool) -> SoFar | None:
-    """What the transcript's events gave the client; None when it cannot be continued: an error event,
-    a choice other than index 0 (n > 1), tool calls, or an event that is not JSON."""
+class _ChoiceReader:
+    """One choice's events as `answered_so_far` reads them."""
+
+    __slots__ = ("calls", "finished", "ids", "num_events", "text")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.ids: list[int] | None = []
+        self.num_events, self.finished, self.calls = 0, False, False
+
+    def read(self, choice: dict[str, Any], chat: bool) -> None:
+        calls = False
+        if chat:
+            delta = choice.get("delta") or {}
+            calls = bool(delta.get("tool_calls") or delta.get("function_call"))
+            piece = delta.get("content")
+        else:
+            piece = choice.get("text")
+        token_ids = choice.get("token_ids")
+        if self.ids is not None and isinstance(token_ids, list):
+            self.ids.extend(token_ids)
+        elif piece or calls:
+            self.ids = None            # output without its tokens: this upstream does not send them
+        if isinstance(piece, str) and piece:
+            self.text.append(piece)
+            self.num_events += 1
+        self.calls = self.calls or calls
+        self.finished = self.finished or choice.get("finish_reason") is not None
+
+    def so_far(self) -> ChoiceSoFar:
+        ids = None if self.ids is None else tuple(self.ids)
+        return ChoiceSoFar("".join(self.text), ids, self.num_events if ids is None else len(ids), self.finished,
+                           self.calls)
+
+
+def answered_so_far(transcript: Transcript, chat: bool, num_choices: int = 1) -> SoFar | None:
+    """What the transcript's events gave the client of each of its `num_choices` choices; None when it cannot be
+    continued: an error event, a choice index out of range, or an event that is not JSON."""
     envelope: dict[str, Any] = {}
-    text: list[str] = []
-    ids: list[int] | None = []
-    num_events, finished = 0, False
+    readers = [_ChoiceReader() for _ in range(num_choices)]
     for payload in transcript.events():
         if not isinstance(payload, dict) or "error" in payload:
             return None
         if not envelope:
             envelope = {k: payload[k] for k in ("id", "created") if k in payload}
         for choice in payload.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+            index = choice.get("index", 0) if isinstance(choice, dict) else None
+            if not isinstance(index, int) or not 0 <= index < num_choices:
                 return None
-            if chat:
-                delta = choice.get("delta") or {}
-                if delta.get("tool_calls") or delta.get("function_call"):
-                    return None
-                piece = delta.get("content")
-            else:
-                piece = choice.get("text")
-            token_ids = choice.get("token_ids")
-            if ids is not None and isinstance(token_ids, list):
-                ids.extend(token_ids)
-            elif piece:
-                ids = None            # text without its tokens: this upstream does not send them
-            if isinstance(piece, str) and piece:
-                text.append(piece)
-                num_events += 1
-            finished = finished or choice.get("finish_reason") is not None
-    return SoFar(envelope, "".join(text), None if ids is None else tuple(ids),
-                 num_events if ids is None else len(ids), finished)
+            readers[index].read(choice, chat)
+    return SoFar(envelope, tuple(r.so_far() for r in readers))
 
 
 def asks_token_ids(request_body: Mapping[str, Any]) -> bool:
@@ -147,9 +197,18 @@ def leg_body(config: ProviderConfig, body: Mapping[str, Any], raw: bytes, *, can
     if so_far is None:
         return (raw, False) if out is None else (orjson.dumps(out), False)
     out = dict(out or body)
-    if config.offers_token_ids and so_far.token_ids is not None:
-        out["resume_token_ids"] = list(so_far.token_ids)   # max_tokens counts them: unchanged
+    if config.offers_token_ids and all(c.token_ids is not None for c in so_far.choices):
+        resumed = so_far.resume_token_ids()
+        if resumed is not None:
+            out["resume_token_ids"] = resumed   # max_tokens counts them: unchanged
         return orjson.dumps(out), True
+    if len(so_far.choices) != 1 or so_far.choices[0].calls:
+        return None    # text continues one choice of text: n > 1, a batch or tool calls need our workers' tokens
+    return _text_continuation(out, so_far.choices[0])
+
+
+def _text_continuation(out: dict[str, Any], so_far: ChoiceSoFar) -> tuple[bytes, bool] | None:
+    """`out` continuing `so_far` as text (any engine): the prompt, or an assistant prefix, ends with it."""
     for limit in _OUTPUT_LIMITS:
         if isinstance(out.get(limit), int):
             if out[limit] <= so_far.num_tokens:
@@ -174,12 +233,15 @@ def leg_body(config: ProviderConfig, body: Mapping[str, Any], raw: bytes, *, can
 class Stitcher:
     """Rewrites a continuation's SSE chunks (whole events) so that they read as the first stream's."""
 
-    __slots__ = ("_chat", "_envelope", "_usage_offset")
+    __slots__ = ("_chat", "_envelope", "_num_moved", "_num_not_run", "_started")
 
     def __init__(self, so_far: SoFar, chat: bool, usage_counts_so_far: bool) -> None:
         self._envelope = so_far.envelope
         self._chat = chat
-        self._usage_offset = 0 if usage_counts_so_far else so_far.num_tokens
+        # Output the continuation's usage counts as prompt (text), and that of choices it did not run (whole ones).
+        self._num_moved = 0 if usage_counts_so_far else so_far.num_tokens
+        self._num_not_run = sum(c.num_tokens for c in so_far.choices if c.finished) if usage_counts_so_far else 0
+        self._started = frozenset(i for i, c in enumerate(so_far.choices) if c.num_tokens or c.finished)
 
     def __call__(self, chunk: bytes) -> bytes:
         out = []
@@ -203,19 +265,21 @@ class Stitcher:
             return True
         payload.update(self._envelope)
         choices = payload.get("choices") or []
-        if self._chat:
+        if self._chat:   # a choice the client has part of has its role: a second one says nothing
             for choice in choices:
                 delta = choice.get("delta")
-                if isinstance(delta, dict) and delta.pop("role", None) is not None and not delta.get("content") \
-                        and choice.get("finish_reason") is None and len(choices) == 1 and "usage" not in payload:
+                if isinstance(delta, dict) and choice.get("index", 0) in self._started \
+                        and delta.pop("role", None) is not None and not delta.get("content") \
+                        and not delta.get("tool_calls") and choice.get("finish_reason") is None \
+                        and len(choices) == 1 and "usage" not in payload:
                     return False
         usage = payload.get("usage")
-        if isinstance(usage, dict) and self._usage_offset:
+        if isinstance(usage, dict) and (self._num_moved or self._num_not_run):
             prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
             if isinstance(prompt, int) and isinstance(completion, int):
-                # The continuation's prompt held the output so far as text: count it as output again.
-                usage["prompt_tokens"] = max(0, prompt - self._usage_offset)
-                usage["completion_tokens"] = completion + self._usage_offset
+                # Text: the continuation's prompt held the output so far, which counts as output again.
+                usage["prompt_tokens"] = max(0, prompt - self._num_moved)
+                usage["completion_tokens"] = completion + self._num_moved + self._num_not_run
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         return True
 

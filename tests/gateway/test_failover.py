@@ -10,7 +10,15 @@ import orjson
 import pytest
 
 from gateway.config.gateway_config import ProviderConfig, ProviderKind
-from gateway.upstream.mid_stream_resume import SoFar, Stitcher, Transcript, answered_so_far, leg_body, without_token_ids
+from gateway.upstream.mid_stream_resume import (
+    ChoiceSoFar,
+    SoFar,
+    Stitcher,
+    Transcript,
+    answered_so_far,
+    leg_body,
+    without_token_ids,
+)
 from tests.gateway.conftest import gateway_config, metric
 from tests.gateway.test_streaming import read_events
 
@@ -130,11 +138,15 @@ async def test_an_anthropic_provider_does_not_restart_a_broken_stream(start_fake
     assert b.stats()["num_requests"] == 0
 
 
-async def test_a_token_id_prompt_is_not_continued_from_text(start_fakes, start_gateway) -> None:
+@pytest.mark.parametrize("fields", [{"prompt": [1, 2, 3]}, {"prompt": "Hi", "n": 2}, {"prompt": ["Hi", "Yo"]}],
+                         ids=["token-id prompt", "n=2", "batch"])
+async def test_what_text_cannot_continue_ends_with_an_error_event(start_fakes, start_gateway,
+                                                                  fields: dict[str, Any]) -> None:
+    """Other engines get text, for one choice of text only: a token-id prompt, n > 1 or a batch end as before."""
     (a,) = start_fakes("a", behaviour=BREAKS)
     (b,) = start_fakes("b")
     gateway = start_gateway(two_providers(a.url, b.url))
-    body = {"model": "m", "prompt": [1, 2, 3], "stream": True}
+    body = {"model": "m", **fields, "stream": True}
     async with aiohttp.ClientSession() as client, client.post(gateway.url + COMPLETIONS, json=body) as response:
         events = await read_events(response)
     assert data_events(events)[-1]["error"]["type"] == "upstream_error"
@@ -159,6 +171,11 @@ def test_the_transcript_holds_back_a_partial_event() -> None:
     assert [e["choices"][0]["text"] for e in transcript.events()] == ["a", "a", "b"]
 
 
+def one(envelope: dict[str, Any], text: str, ids: tuple[int, ...] | None, num_tokens: int) -> SoFar:
+    """What the client has of a one-choice answer, unfinished, without tool calls."""
+    return SoFar(envelope, (ChoiceSoFar(text, ids, num_tokens, False, False),))
+
+
 def test_what_the_client_has_and_when_it_cannot_be_continued() -> None:
     transcript = Transcript()
     transcript.take_whole(event({"id": "x", "created": 5, "choices": [{"index": 0, "delta": {"role": "assistant",
@@ -167,11 +184,10 @@ def test_what_the_client_has_and_when_it_cannot_be_continued() -> None:
     transcript.take_whole(event({"id": "x", "choices": [{"index": 0, "delta": {"content": " yo"},
                                                          "token_ids": [8, 9]}]}))
     so_far = answered_so_far(transcript, chat=True)
-    assert so_far == SoFar({"id": "x", "created": 5}, "Hi yo", (7, 8, 9), 3, False)
+    assert so_far == one({"id": "x", "created": 5}, "Hi yo", (7, 8, 9), 3)
     transcript.take_whole(event({"choices": [{"index": 0, "delta": {"content": "!"}}]}))   # no token ids
-    assert answered_so_far(transcript, chat=True) == SoFar({"id": "x", "created": 5}, "Hi yo!", None, 3, False)
-    for bad in ({"error": {"message": "boom"}}, {"choices": [{"index": 1, "delta": {"content": "b"}}]},
-                {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]}):
+    assert answered_so_far(transcript, chat=True) == one({"id": "x", "created": 5}, "Hi yo!", None, 3)
+    for bad in ({"error": {"message": "boom"}}, {"choices": [{"index": 1, "delta": {"content": "b"}}]}):
         broken = Transcript()
         broken.take_whole(event(bad))
         assert answered_so_far(broken, chat=True) is None, bad
@@ -188,7 +204,7 @@ def test_leg_bodies() -> None:
     first, _ = leg_body(provider(True), body, raw, can_fail_over=True, so_far=None) or (b"", False)
     assert orjson.loads(first)["return_token_ids"] is True              # our workers: asked for token ids
     assert leg_body(provider(True), body, raw, can_fail_over=False, so_far=None) == (raw, False)
-    so_far = SoFar({"id": "x"}, "Hi yo", (7, 8, 9), 3, False)
+    so_far = one({"id": "x"}, "Hi yo", (7, 8, 9), 3)
     resumed, counted = leg_body(provider(True), body, raw, can_fail_over=True, so_far=so_far) or (b"", False)
     assert orjson.loads(resumed)["resume_token_ids"] == [7, 8, 9] and orjson.loads(resumed)["max_tokens"] == 10
     assert counted
@@ -199,12 +215,12 @@ def test_leg_bodies() -> None:
                  "continue_final_message": True, "add_generation_prompt": False}
     text, _ = leg_body(provider(False), prefilled, raw, can_fail_over=True, so_far=so_far) or (b"", True)
     assert orjson.loads(text)["messages"][1:] == [{"role": "assistant", "content": "Well, Hi yo"}]   # in place
-    spent = SoFar({"id": "x"}, "Hi yo", None, 10, False)
+    spent = one({"id": "x"}, "Hi yo", None, 10)
     assert leg_body(provider(False), body, raw, can_fail_over=True, so_far=spent) is None
 
 
 def test_the_stitcher_makes_the_continuation_read_as_the_first_stream() -> None:
-    so_far = SoFar({"id": "first", "created": 1}, "Hi", None, 2, False)
+    so_far = one({"id": "first", "created": 1}, "Hi", None, 2)
     stitch = Stitcher(so_far, chat=True, usage_counts_so_far=False)
     chunk = event({"id": "second", "created": 2, "choices": [{"index": 0, "delta": {"role": "assistant",
                                                                                     "content": ""}}]}) + \
@@ -228,3 +244,43 @@ def test_token_ids_are_dropped_only_where_they_are() -> None:
         b'"prompt_token_ids":[3]}\n\n'
     plain = event({"choices": [{"index": 0, "text": "token_ids"}]})
     assert without_token_ids(plain) is plain
+
+
+def test_each_choice_is_read_and_resumed_from_its_own_tokens() -> None:
+    """n = 2 (or a batch): each index's events are its own; our workers get each choice's tokens, null for a
+    whole one; text cannot continue several choices, nor tool calls."""
+    transcript = Transcript()
+    for index, ids, finish in ((0, [7], None), (1, [7], None), (1, [8], "length"), (0, [8], None)):
+        transcript.take_whole(event({"id": "x", "choices": [{"index": index, "text": str(ids[0]), "token_ids": ids,
+                                                             "finish_reason": finish}]}))
+    so_far = answered_so_far(transcript, chat=False, num_choices=3)
+    assert so_far is not None and not so_far.finished and so_far.num_tokens == 4
+    assert so_far.choices == (ChoiceSoFar("78", (7, 8), 2, False, False), ChoiceSoFar("78", (7, 8), 2, True, False),
+                              ChoiceSoFar("", (), 0, False, False))
+    assert answered_so_far(transcript, chat=False, num_choices=1) is None          # index 1 of one choice
+    body = {"model": "m", "prompt": ["a", "b", "c"], "max_tokens": 10, "stream": True}
+    resumed, counted = leg_body(provider(True), body, orjson.dumps(body), can_fail_over=True, so_far=so_far) \
+        or (b"", False)
+    assert orjson.loads(resumed)["resume_token_ids"] == [[7, 8], None, []] and counted
+    assert leg_body(provider(False), body, orjson.dumps(body), can_fail_over=True, so_far=so_far) is None
+    calls = Transcript()
+    calls.take_whole(event({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {
+        "arguments": "{"}}]}, "token_ids": [5]}]}))
+    called = answered_so_far(calls, chat=True)
+    assert called == SoFar({}, (ChoiceSoFar("", (5,), 1, False, True),))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "q"}], "stream": True}
+    assert orjson.loads((leg_body(provider(True), chat, b"", can_fail_over=True, so_far=called) or (b"",))[0]) \
+        ["resume_token_ids"] == [5]
+    assert leg_body(provider(False), chat, b"", can_fail_over=True, so_far=called) is None
+
+
+def test_the_stitcher_keeps_a_new_choice_s_role_and_counts_whole_choices() -> None:
+    so_far = SoFar({"id": "first"}, (ChoiceSoFar("Hi", (1,), 1, False, False), ChoiceSoFar("", (), 0, False, False),
+                                     ChoiceSoFar("Yo", (2, 3), 2, True, False)))
+    stitch = Stitcher(so_far, chat=True, usage_counts_so_far=True)
+    out = stitch(event({"id": "second", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}) +
+                 event({"id": "second", "choices": [{"index": 1, "delta": {"role": "assistant", "content": ""}}]}) +
+                 event({"choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 9}}))
+    payloads = [orjson.loads(e[6:]) for e in out.split(b"\n\n") if e.startswith(b"data: {")]
+    assert payloads[0]["choices"] == [{"index": 1, "delta": {"role": "assistant", "content": ""}}]
+    assert payloads[1]["usage"] == {"prompt_tokens": 6, "completion_tokens": 11, "total_tokens": 17}

@@ -43,7 +43,7 @@ class OpenAIProvider:
         body = leg_body(self.config, request.body, request.raw, can_fail_over=progress.can_fail_over,
                         so_far=progress.so_far)
         if body is None:
-            raise ProviderExhausted("cannot continue a token-id prompt from text")
+            raise ProviderExhausted("cannot continue this answer from text")
         if progress.so_far is not None:
             progress.stitch = Stitcher(progress.so_far, request.api_path.endswith("chat/completions"), body[1])
         endpoint, decision, num_uncached = await legs.take(progress, self.config.name)

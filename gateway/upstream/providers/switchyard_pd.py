@@ -184,7 +184,7 @@ class _PdRun:
         built = leg_body(self._config, request.body, request.raw, can_fail_over=progress.can_fail_over,
                          so_far=progress.so_far)
         if built is None:
-            raise ProviderExhausted("cannot continue a token-id prompt from text")
+            raise ProviderExhausted("cannot continue this answer from text")
         if progress.so_far is not None:
             progress.stitch = Stitcher(progress.so_far, request.api_path.endswith("chat/completions"), built[1])
         chosen = legs.choose(progress, legs.pool(self._config.name, Pool.MAIN), self._provider.decode_policy)

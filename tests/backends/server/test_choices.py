@@ -168,3 +168,22 @@ async def test_a_client_leaving_ends_every_choice(worker_url: str) -> None:
         assert await num_generated(session, worker_url) - before < 3 * 600
         status, answer = await post(session, worker_url + "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
         assert status == 200 and [c["index"] for c in answer["choices"]] == [0]
+
+
+async def test_resumed_choices_go_on_from_their_own_tokens(worker_url: str) -> None:
+    """`resume_token_ids` of each choice (the gateway's mid-stream failover): a choice goes on after its own
+    tokens, one with none starts afresh, one the client has whole (null) does not run; usage counts each prompt
+    and the output of the choices that ran."""
+    body = {**BASE, "prompt": ["Once upon a time", "The sea is"], "n": 2, "seed": None, "temperature": 0.0}
+    async with aiohttp.ClientSession() as session:
+        status, whole = await post(session, worker_url + "/v1/completions", body)
+        assert status == 200, whole
+        ids = [c["token_ids"] for c in whole["choices"]]
+        status, resumed = await post(session, worker_url + "/v1/completions",
+                                     {**body, "resume_token_ids": [None, ids[1][:3], [], ids[3][:7]]})
+        assert status == 200, resumed
+        assert [c["index"] for c in resumed["choices"]] == [1, 2, 3]
+        assert [c["token_ids"] for c in resumed["choices"]] == [ids[1][3:], ids[2], ids[3][7:]]
+        assert resumed["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+        assert resumed["usage"]["completion_tokens"] == 3 * BASE["max_tokens"]
+        await wait_idle(session, worker_url)

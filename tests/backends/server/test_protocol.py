@@ -158,7 +158,22 @@ BAD = [
         (C, [1, 2]), (CHAT, "5"), (C, {"1000": 1}), (C, {"-1": 1}), (C, {"+5": 1}), (C, {" 5": 1}), (C, {"abc": 1}),
         (C, {"\u0663": 1}), (C, {"": 1}), (C, {"9" * 5000: 1}), (CHAT, {"5": 101}), (C, {"5": -100.5}),
         (C, {"5": "1"}), (C, {"5": True}), (C, {"5": None})]],
+    *[(C, fields, 400, "resume_token_ids", "invalid_value") for fields in [
+        {"resume_token_ids": []}, {"resume_token_ids": [[1]]}, {"n": 2, "resume_token_ids": [1, 2]},
+        {"n": 2, "resume_token_ids": [[1]]}, {"n": 2, "resume_token_ids": [None, None]},
+        {"n": 2, "resume_token_ids": [[1], [1000]]}, {"prompt": ["a", "b"], "resume_token_ids": [[1], "2"]}]],
 ]
+
+
+@pytest.mark.parametrize(("fields", "one", "each"), [
+    ({"resume_token_ids": [5, 6]}, (5, 6), ()),
+    ({"n": 2, "resume_token_ids": [[5, 6], []]}, (), ((5, 6), ())),
+    ({"prompt": ["a", "b"], "n": 2, "resume_token_ids": [None, [1], [], [2]]}, (), (None, (1,), (), (2,))),
+])
+def test_resumed_tokens_of_one_choice_or_of_each(fields: dict[str, Any], one: tuple[int, ...],
+                                                 each: tuple[tuple[int, ...] | None, ...]) -> None:
+    req = parse_request(C, body(C, **fields), CTX)
+    assert (req.resume_token_ids, req.resume_choices) == (one, each)
 
 
 @pytest.mark.parametrize(("kind", "fields", "status", "param", "code"), BAD)

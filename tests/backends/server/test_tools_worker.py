@@ -145,9 +145,12 @@ async def test_a_conversation_goes_on_after_a_call_and_what_is_refused_leaks_not
                                   chat(messages=history, tool_choice="none", max_tokens=8))
         assert status == 200 and isinstance(body["choices"][0]["message"]["content"], str), body
         for fields, param in (({"tool_choice": "auto"}, "tool_choice"),
-                              ({"tool_choice": "required", "resume_token_ids": [1, 2]}, "resume_token_ids"),
                               ({"tool_choice": "required", "kv_transfer_params": {"do_remote_decode": True}},
                                "kv_transfer_params")):
             status, refused = await post(session, f"{worker_url}/v1/chat/completions", chat(**fields))
             assert status == 400 and refused["error"]["param"] == param, refused
+        # A call resumes (mid-stream failover) from tokens that begin it, and from no others.
+        status, refused = await post(session, f"{worker_url}/v1/chat/completions",
+                                     chat(tool_choice="required", resume_token_ids=[1, 2]))
+        assert status == 400, refused
         await wait_idle(session, worker_url)
