@@ -13,6 +13,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,6 +195,8 @@ class Build:
         if any(token in ("&&", "||", ";", "|", "(", ")", ">", "<", "&") for token in step):
             raise Unsupported(f"RUN step {' '.join(step)}")
         program, rest = step[0], [str(self.image.host_path(a)) if a.startswith("/") else a for a in step[1:]]
+        if program.startswith("python") and "-c" in rest and re.search(r"['\"]/", rest[rest.index("-c") + 1]):
+            raise Unsupported(f"an absolute path inside python code (the replay cannot move it): {' '.join(step)}")
         if program in ("pip", "pip3", "python", "python3"):
             if program.startswith("pip"):
                 rest = [arg for arg in rest if arg != "--no-cache-dir"]   # pip's download cache may serve
@@ -223,12 +226,14 @@ class Build:
                 raise AssertionError(f"the image installs {package} with apt-get; install it here too")
 
     def _call(self, argv: list[str], stage: Stage, cwd: Path | None = None) -> None:
+        started_s = time.monotonic()
         print(f"$ {' '.join(argv)}  (in {cwd or self.workdir})", file=self.log, flush=True)
         # pip's settings of this machine (its index, as Docker's build network would be) and its download cache
         pip = {k: v for k, v in os.environ.items() if k.startswith("PIP_")}
         pip.setdefault("PIP_CACHE_DIR", str(Path.home() / ".cache" / "pip"))
         done = subprocess.run(argv, cwd=cwd or self.workdir, env={**stage.process_env(), **pip}, stdout=self.log,
                               stderr=subprocess.STDOUT)
+        print(f"# {time.monotonic() - started_s:.1f} s", file=self.log, flush=True)
         if done.returncode:
             self.log.close()
             tail = Path(self.log.name).read_text(errors="replace")[-6000:]
