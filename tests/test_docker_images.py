@@ -39,8 +39,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
 TORCH_SPEC = "torch==2.13.0"   # for the images' default, which names an index this machine cannot reach
+# The compose file's own knobs. WORKER_THREADS=1: two workers on 2 cores. GATEWAY_WORKERS=1: one gateway process,
+# so that its /ready speaks for the process the requests reach (each of `auto`'s processes polls its endpoints'
+# health on its own, and a request may land on one that has not yet seen them healthy).
 COMPOSE_ENV = {"SWITCHYARD_API_KEY": "sk-client", "SWITCHYARD_METRICS_KEY": "sk-metrics",
-               "SWITCHYARD_WORKER_API_KEY": "sk-worker", "WORKER_THREADS": "1"}   # 1: two workers on 2 cores
+               "SWITCHYARD_WORKER_API_KEY": "sk-worker", "WORKER_THREADS": "1", "GATEWAY_WORKERS": "1"}
 MESSAGES = [{"role": "user", "content": "Name three primary colors."}]
 
 
@@ -187,6 +190,10 @@ def test_the_gateway_counts_with_the_model_tokenizer(deployment: Deployment, wor
     converted = worker_image.host_path(worker_image.env["SWITCHYARD_CACHE"]) / "models" / "smollm2-135m-instruct"
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (tokenizer / name).read_bytes() == (converted / name).read_bytes(), name
+    # ... and it did so without the worker's packages: the tokenizer stage's torch and transformers stayed there
+    absent = "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) for m in ('torch', 'transformers')))"
+    found = subprocess.run([gateway_image.which("python"), "-c", absent], env=gateway_image.process_env())
+    assert found.returncode == 0
 
 
 @pytest.mark.parametrize("line", [
