@@ -13,7 +13,7 @@ import pytest
 from gateway.upstream.mid_stream_resume import Stitcher
 from gateway.upstream.so_far import ChoiceSoFar, SoFar
 from gateway.upstream.text_batch import TextBatch, text_batch
-from tests.gateway.conftest import metric
+from tests.gateway.conftest import gateway_config, metric
 from tests.gateway.test_failover import COMPLETIONS, data_events, event, two_providers
 from tests.gateway.test_streaming import read_events
 
@@ -69,6 +69,25 @@ async def test_several_choices_go_on_elsewhere_as_one_batch(start_fakes, start_g
     assert a.stats()["num_requests"] == 1 and b.stats()["num_requests"] == 2    # the continuation, the reference
     assert metric(gateway, "switchyard_stream_failovers_total", outcome="continued") == 1
     assert metric(gateway, "switchyard_stream_errors_total") == 0
+
+
+async def test_a_text_batch_that_breaks_too_goes_on_from_what_the_client_got(start_fakes, start_gateway) -> None:
+    """n = 2 breaks at a after 3 events, its continuation at b after 5: b had run past choice 0's budget (the
+    client got 2 of its 3 events, then "length"), so c continues choice 1 alone and usage counts what was sent."""
+    (a,) = start_fakes("a", behaviour={"text_engine": True, "chunks": 5, "reset_after": 3})
+    (b,) = start_fakes("b", behaviour={"text_engine": True, "chunks": 5, "reset_after": 5})
+    (c,) = start_fakes("c", behaviour={"text_engine": True, "chunks": 5})
+    gateway = start_gateway(gateway_config({"first": [a.url], "second": [b.url], "third": [c.url]}))
+    body = {"model": "m", "prompt": "A says: ", "n": 2, "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}
+    payloads = await stream(gateway.url, body)
+    assert all("error" not in p for p in payloads), payloads
+    assert {k: c.stats()["last_body"][k] for k in ("prompt", "n", "max_tokens")} == \
+        {"prompt": ["A says: A/1/0 A/1/1 A/1/2 "], "n": 1, "max_tokens": 1}
+    undisturbed = await stream(c.url, body)
+    assert by_choice(payloads) == by_choice(undisturbed)
+    assert [p["usage"] for p in payloads if p.get("usage")] == [p["usage"] for p in undisturbed if p.get("usage")]
+    assert metric(gateway, "switchyard_stream_failovers_total", outcome="continued") == 2
 
 
 # --- the pieces -----------------------------------------------------------------------------------
