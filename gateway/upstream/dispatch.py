@@ -97,6 +97,8 @@ class Dispatcher:
         progress.log.append(f"{broken.endpoint_id}: failed mid-stream: {broken.description}")
         leg = answered_so_far(broken.transcript, chat=request.api_path.endswith("chat/completions"),
                               num_choices=num_sequences(request.body))
+        if leg is not None and progress.stitch is not None:   # a continuation's leg: at the client's indices
+            leg = progress.stitch.read_back(leg)
         so_far = leg if progress.so_far is None or leg is None else progress.so_far.then(leg)
         if so_far is not None and so_far.finished:   # it broke after its last token: nothing is missing
             await client.send(DONE_EVENT)

@@ -3,14 +3,15 @@ answer, the answer goes on elsewhere as a continuation, and the client sees one 
 
 - `Transcript` keeps the events relayed to the client (and holds back a partial event, so the client never
   has half of one when the stream breaks).
-- `answered_so_far` reads a broken stream's transcript into what the client has of each choice (`SoFar`).
+- `answered_so_far` reads a broken stream's transcript into what the client has of each choice (`SoFar`,
+  so_far.py).
 - `leg_body` builds an upstream body: for a continuation, the prompt plus the output so far. Our workers
   (`offers_token_ids`) take the exact tokens of each choice (`resume_token_ids`), so greedy and seeded
-  sampling, `n` > 1, batches and tool calls go on as if nothing had happened; any other engine gets text, for
-  one choice of text: completions prompt + text, chat an assistant prefix (`continue_final_message`, as vLLM
-  and SGLang take it).
+  sampling, `n` > 1, batches and tool calls go on as if nothing had happened; any other engine gets text:
+  completions prompt + text (several choices as one batch: text_batch.py), chat an assistant prefix
+  (`continue_final_message`, as vLLM and SGLang take it) for one choice of text.
 - `Stitcher` rewrites the continuation's chunks into the first stream's: its id and `created`, no second
-  role for a choice that had one, usage counted over both.
+  role for a choice that had one, a text batch's choices back at the client's indices, usage counted over both.
 
 It never chooses endpoints, retries or writes to the client (the dispatcher and legs do).
 """
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from gateway.config.gateway_config import ProviderConfig
 from gateway.server.client_stream import StreamUsage
+from gateway.upstream.so_far import ChoiceSoFar, SoFar
+from gateway.upstream.text_batch import BatchRewrite, batch_body, text_batch
 
 _TOKEN_IDS = re.compile(rb',"token_ids":\[[0-9,]*\]')   # our workers' extension on a choice, digits only
 _OUTPUT_LIMITS = ("max_tokens", "max_completion_tokens")
@@ -79,52 +81,6 @@ class Transcript:
                 except orjson.JSONDecodeError:
                     out.append(None)
         return out
-
-
-@dataclass(frozen=True, slots=True)
-class ChoiceSoFar:
-    """What the client has of one choice of a streamed answer, over every leg so far."""
-    text: str                            # output text sent
-    token_ids: tuple[int, ...] | None    # its token ids, when every leg sent them (our workers)
-    num_tokens: int                      # output tokens sent (token ids, else content events)
-    finished: bool                       # a finish_reason was sent: the choice is whole
-    calls: bool                          # tool calls were sent: text cannot continue it
-
-    def then(self, later: ChoiceSoFar) -> ChoiceSoFar:
-        """This, followed by what a continuation sent of the same choice."""
-        ids = None if self.token_ids is None or later.token_ids is None else self.token_ids + later.token_ids
-        return ChoiceSoFar(self.text + later.text, ids, self.num_tokens + later.num_tokens,
-                           self.finished or later.finished, self.calls or later.calls)
-
-
-@dataclass(frozen=True, slots=True)
-class SoFar:
-    """What the client has of a streamed answer, over every leg so far."""
-    envelope: Mapping[str, Any]          # the first stream's id and created (the continuation's chunks get them)
-    choices: tuple[ChoiceSoFar, ...]     # by index: every choice the request samples (n of each prompt)
-
-    @property
-    def finished(self) -> bool:
-        """Every choice is whole."""
-        return all(c.finished for c in self.choices)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.choices)
-
-    def then(self, later: SoFar) -> SoFar:
-        """This, followed by what a continuation sent."""
-        return SoFar(self.envelope, tuple(a.then(b) for a, b in zip(self.choices, later.choices, strict=True)))
-
-    def resume_token_ids(self) -> list[int] | list[list[int] | None] | None:
-        """Our workers' `resume_token_ids` (backends/server/resume.py): one choice's tokens, or each choice's (null
-        for a whole one); None when there is nothing to resume from (no token reached the client) or a leg did
-        not send its token ids."""
-        if any(c.token_ids is None for c in self.choices) or not self.num_tokens:
-            return None
-        if len(self.choices) == 1:
-            return list(self.choices[0].token_ids or ())
-        return [None if c.finished else list(c.token_ids or ()) for c in self.choices]
 
 
 class _ChoiceReader:
@@ -202,9 +158,12 @@ def leg_body(config: ProviderConfig, body: Mapping[str, Any], raw: bytes, *, can
         if resumed is not None:
             out["resume_token_ids"] = resumed   # max_tokens counts them: unchanged
         return orjson.dumps(out), True
-    if len(so_far.choices) != 1 or so_far.choices[0].calls:
-        return None    # text continues one choice of text: n > 1, a batch or tool calls need our workers' tokens
-    return _text_continuation(out, so_far.choices[0])
+    if len(so_far.choices) == 1 and not so_far.choices[0].calls and not isinstance(out.get("prompt"), list):
+        return _text_continuation(out, so_far.choices[0])
+    if "messages" in out:
+        return None    # chat has no batch: several choices or tool calls need our workers' tokens
+    batch = text_batch(out, so_far)
+    return None if batch is None else (orjson.dumps(batch_body(out, batch)), False)
 
 
 def _text_continuation(out: dict[str, Any], so_far: ChoiceSoFar) -> tuple[bytes, bool] | None:
@@ -233,11 +192,16 @@ def _text_continuation(out: dict[str, Any], so_far: ChoiceSoFar) -> tuple[bytes,
 class Stitcher:
     """Rewrites a continuation's SSE chunks (whole events) so that they read as the first stream's."""
 
-    __slots__ = ("_chat", "_envelope", "_num_moved", "_num_not_run", "_started")
+    __slots__ = ("_batch", "_chat", "_envelope", "_num_moved", "_num_not_run", "_started")
 
-    def __init__(self, so_far: SoFar, chat: bool, usage_counts_so_far: bool) -> None:
+    def __init__(self, so_far: SoFar, chat: bool, usage_counts_so_far: bool,
+                 body: Mapping[str, Any] | None = None) -> None:
+        """`body`: the client's, whose text continuation of several choices was one batch (`leg_body`)."""
         self._envelope = so_far.envelope
         self._chat = chat
+        batch = None if usage_counts_so_far or chat or body is None or len(so_far.choices) == 1 \
+            else text_batch(body, so_far)
+        self._batch = None if batch is None else BatchRewrite(batch, so_far)
         # Output the continuation's usage counts as prompt (text), and that of choices it did not run (whole ones).
         self._num_moved = 0 if usage_counts_so_far else so_far.num_tokens
         self._num_not_run = sum(c.num_tokens for c in so_far.choices if c.finished) if usage_counts_so_far else 0
@@ -264,6 +228,8 @@ class Stitcher:
         if "error" in payload:
             return True
         payload.update(self._envelope)
+        if self._batch is not None:
+            return self._rewrite_batch(payload)
         choices = payload.get("choices") or []
         if self._chat:   # a choice the client has part of has its role: a second one says nothing
             for choice in choices:
@@ -281,6 +247,21 @@ class Stitcher:
                 usage["prompt_tokens"] = max(0, prompt - self._num_moved)
                 usage["completion_tokens"] = completion + self._num_moved + self._num_not_run
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return True
+
+    def read_back(self, leg: SoFar) -> SoFar:
+        """What this continuation's leg (read at its own indices) gave the client of each of its choices."""
+        return leg if self._batch is None else self._batch.read_back(leg)
+
+    def _rewrite_batch(self, payload: dict[str, Any]) -> bool:
+        assert self._batch is not None
+        choices = payload.get("choices")
+        if isinstance(choices, list) and choices:
+            payload["choices"] = self._batch.choices(choices)
+            if not payload["choices"] and "usage" not in payload:
+                return False    # past its choice's budget: dropped
+        if isinstance(payload.get("usage"), dict):
+            self._batch.usage(payload["usage"])
         return True
 
 

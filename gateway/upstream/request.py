@@ -18,7 +18,8 @@ from aiohttp import web
 from gateway.config.gateway_config import ModelConfig
 from gateway.routing.endpoints import Endpoint
 from gateway.server.client_stream import ClientStream, StreamUsage
-from gateway.upstream.mid_stream_resume import SoFar, Stitcher
+from gateway.upstream.mid_stream_resume import Stitcher
+from gateway.upstream.so_far import SoFar
 from policies.base import Policy, RequestFacts
 
 EMBEDDINGS_PATH = "/v1/embeddings"      # a prompt's vectors: no output tokens, never streamed

@@ -11,14 +11,13 @@ import pytest
 
 from gateway.config.gateway_config import ProviderConfig, ProviderKind
 from gateway.upstream.mid_stream_resume import (
-    ChoiceSoFar,
-    SoFar,
     Stitcher,
     Transcript,
     answered_so_far,
     leg_body,
     without_token_ids,
 )
+from gateway.upstream.so_far import ChoiceSoFar, SoFar
 from tests.gateway.conftest import gateway_config, metric
 from tests.gateway.test_streaming import read_events
 
@@ -138,16 +137,19 @@ async def test_an_anthropic_provider_does_not_restart_a_broken_stream(start_fake
     assert b.stats()["num_requests"] == 0
 
 
-@pytest.mark.parametrize("fields", [{"prompt": [1, 2, 3]}, {"prompt": "Hi", "n": 2}, {"prompt": ["Hi", "Yo"]}],
-                         ids=["token-id prompt", "n=2", "batch"])
-async def test_what_text_cannot_continue_ends_with_an_error_event(start_fakes, start_gateway,
+@pytest.mark.parametrize(("path", "fields"), [
+    (COMPLETIONS, {"prompt": [1, 2, 3]}), (COMPLETIONS, {"prompt": [[1, 2], [3]]}),
+    (CHAT, {"messages": [{"role": "user", "content": "hello"}], "n": 2})],
+    ids=["token-id prompt", "token-id batch", "chat n=2"])
+async def test_what_text_cannot_continue_ends_with_an_error_event(start_fakes, start_gateway, path: str,
                                                                   fields: dict[str, Any]) -> None:
-    """Other engines get text, for one choice of text only: a token-id prompt, n > 1 or a batch end as before."""
+    """Other engines get text: a token-id prompt cannot take it, and chat has no batch to continue several
+    choices in one leg (completions n > 1 and batches go on: tests/gateway/test_failover_text.py)."""
     (a,) = start_fakes("a", behaviour=BREAKS)
     (b,) = start_fakes("b")
     gateway = start_gateway(two_providers(a.url, b.url))
     body = {"model": "m", **fields, "stream": True}
-    async with aiohttp.ClientSession() as client, client.post(gateway.url + COMPLETIONS, json=body) as response:
+    async with aiohttp.ClientSession() as client, client.post(gateway.url + path, json=body) as response:
         events = await read_events(response)
     assert data_events(events)[-1]["error"]["type"] == "upstream_error"
     assert b.stats()["num_requests"] == 0
@@ -248,7 +250,7 @@ def test_token_ids_are_dropped_only_where_they_are() -> None:
 
 def test_each_choice_is_read_and_resumed_from_its_own_tokens() -> None:
     """n = 2 (or a batch): each index's events are its own; our workers get each choice's tokens, null for a
-    whole one; text cannot continue several choices, nor tool calls."""
+    whole one; text continues the unfinished ones as a batch of prompt + text; text cannot continue tool calls."""
     transcript = Transcript()
     for index, ids, finish in ((0, [7], None), (1, [7], None), (1, [8], "length"), (0, [8], None)):
         transcript.take_whole(event({"id": "x", "choices": [{"index": index, "text": str(ids[0]), "token_ids": ids,
@@ -262,7 +264,9 @@ def test_each_choice_is_read_and_resumed_from_its_own_tokens() -> None:
     resumed, counted = leg_body(provider(True), body, orjson.dumps(body), can_fail_over=True, so_far=so_far) \
         or (b"", False)
     assert orjson.loads(resumed)["resume_token_ids"] == [[7, 8], None, []] and counted
-    assert leg_body(provider(False), body, orjson.dumps(body), can_fail_over=True, so_far=so_far) is None
+    text, counted = leg_body(provider(False), body, orjson.dumps(body), can_fail_over=True, so_far=so_far) \
+        or (b"", True)
+    assert orjson.loads(text) == {**body, "prompt": ["a78", "c"], "n": 1} and not counted   # whole ones not sent
     calls = Transcript()
     calls.take_whole(event({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {
         "arguments": "{"}}]}, "token_ids": [5]}]}))

@@ -4,7 +4,8 @@ Behaviour per request comes from the body's `"fake"` object (unknown fields pass
 or the `x-fake` header (JSON), else from the process default (CLI `--behaviour JSON` or POST /control).
 Fields: status, retry_after, stall_s (before headers), first_chunk_delay_s, chunks, chunk_delay_s,
 reset_after (abort the connection after that many chunks), die (exit the process), usage, and
-fault (cut, malformed and oversized answers: tests/support/fake_faults.py).
+fault (cut, malformed and oversized answers: tests/support/fake_faults.py), text_engine (streamed completions
+that go on from the text so far: tests/support/fake_text_engine.py).
 Gates hold a request at the same four points until the test lets it go, so a test orders events
 without a clock: stall_gate, first_chunk_gate, chunk_gate (before every chunk after the first) and
 done_gate (after `data: [DONE]`, before the body's end) name a gate; each pass takes one permit

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from cache.block_hash import ROOT_HASH
 from cache.kv_events import DEVICE, KvEvent, KvEventType
-from tests.support import fake_faults
+from tests.support import fake_faults, fake_text_engine
 from tests.support.fake_upstream_pd import claim, pd_leg, release_hold
 from tests.support.fake_upstream_state import FakeState, chunk_event, full_answer, gate, pass_gate
 
@@ -77,6 +77,8 @@ async def _scripted(request: web.Request, state: FakeState, body: dict[str, Any]
         return web.Response(status=status, body=orjson.dumps(error), content_type="application/json",
                             headers=headers)
     chat = request.path.endswith("chat/completions")
+    if behaviour.get("text_engine") and body.get("stream") and not chat:
+        return await fake_text_engine.serve(request, state, body, behaviour)
     num_chunks = int(behaviour.get("chunks", 3))
     model = body.get("model", "")
     if not body.get("stream"):

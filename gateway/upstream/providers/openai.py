@@ -45,7 +45,8 @@ class OpenAIProvider:
         if body is None:
             raise ProviderExhausted("cannot continue this answer from text")
         if progress.so_far is not None:
-            progress.stitch = Stitcher(progress.so_far, request.api_path.endswith("chat/completions"), body[1])
+            progress.stitch = Stitcher(progress.so_far, request.api_path.endswith("chat/completions"), body[1],
+                                      request.body)
         endpoint, decision, num_uncached = await legs.take(progress, self.config.name)
         with legs.tracing.span("upstream_attempt", SpanKind.CLIENT) as span:
             headers = legs.leg_headers(progress, span, self._wire, endpoint.endpoint_id, decision)

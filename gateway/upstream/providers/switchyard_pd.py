@@ -186,7 +186,8 @@ class _PdRun:
         if built is None:
             raise ProviderExhausted("cannot continue this answer from text")
         if progress.so_far is not None:
-            progress.stitch = Stitcher(progress.so_far, request.api_path.endswith("chat/completions"), built[1])
+            progress.stitch = Stitcher(progress.so_far, request.api_path.endswith("chat/completions"), built[1],
+                                      request.body)
         chosen = legs.choose(progress, legs.pool(self._config.name, Pool.MAIN), self._provider.decode_policy)
         if chosen is None:
             raise self._fall_back("decode_pool_exhausted")
