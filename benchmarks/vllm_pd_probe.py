@@ -10,7 +10,9 @@ external KV hits) and what the producer still holds after a prefill leg that no 
 works with the venv as installed. `--connector mooncake`: MooncakeConnector over TCP; needs the transfer engine,
 which the venv lacks, installed beside it (`pip install --no-deps --target DIR
 mooncake-transfer-engine-non-cuda==0.3.13.post1`, then `--mooncake-site DIR`), and a shim (written here) for the one
-accelerator call vLLM 0.32's connector makes at start-up.
+accelerator call vLLM 0.32's connector makes at start-up. Mooncake's consumer recomputes only the last prompt token,
+through another kernel than a whole prefill: in bfloat16 that flips a near-tied greedy token on the streamed prompt
+here (margin 0.004 nats); `--dtype float32` makes both answers equal the unified server's.
 
     .venv/bin/python benchmarks/vllm_pd_probe.py [--connector example|mooncake] [--mooncake-site DIR]
         [--dtype auto|float32] [--max-tokens 24] [--start-timeout-s 900] [--keep]
@@ -73,6 +75,9 @@ if not torch.accelerator.is_available():
 class MooncakeConnector(_mooncake.MooncakeConnector):
     pass
 '''
+# Log lines that show the transfer: ExampleConnector's hits and loads, Mooncake's transfer summary (producer), and
+# the stats logger's external hit rate (consumer; logged every 10 s while there is traffic).
+LOG_NEEDLES = ("External Cache Hit", "Inject KV cache", "KV Transfer metrics", "External prefix cache hit rate")
 UNCLAIMED_TIMEOUT_S = 30  # the producer's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT here (vLLM's default: 480)
 
 
@@ -315,10 +320,19 @@ def run_pd(args: argparse.Namespace, recipe: Recipe, model_dir: pathlib.Path,
             _show("consumer's counters (delta)", result["consumer_delta"])
             _show("producer's counters (delta)", result["producer_delta"])
         unclaimed(recipe, producer, work)
+        for server in servers:
+            print(f"{server.name}'s log:", *_log_lines(server), sep="\n    ")
         return results
     finally:
         for server in servers:
             stop(server)
+
+
+def _log_lines(server: Server) -> list[str]:
+    """The lines of a server's log that say what its counters say (LOG_NEEDLES), less the idle 0% ones."""
+    lines = server.log_path.read_text(errors="replace").splitlines()
+    return [line[-240:] for line in lines
+            if any(n in line for n in LOG_NEEDLES) and "External prefix cache hit rate: 0.0%" not in line]
 
 
 def run_unified(args: argparse.Namespace, model_dir: pathlib.Path, work: pathlib.Path) -> list[str]:
