@@ -142,6 +142,10 @@ def test_a_tier_slower_than_computing_is_read_only_now_and_then(make_engine, tmp
         if i == 0:       # measured once (faster than computing, here); now say it cost far more than a prefill
             assert restored[0] and tiers.num_skipped == 0
             tiers.restore_seconds[DISK] = 1e6
+            # ... against a prompt token's compute, which the engine fits from its step times; on a loaded machine
+            # that fit can stay unsound (None: no price, so the tier would be read), so give it one. A later sound
+            # fit replaces it, and any positive one leaves the tier slower than computing.
+            tiers.observe_compute(1e-3)
         for j in range(2):   # two fillers of more than half the pool: the prefix leaves the device again
             engine.add_request(f"filler{i}-{j}", prompt(1000 + 2 * i + j, (POOL // 2 + 1) * BLOCK), one)
             run_all(engine)
