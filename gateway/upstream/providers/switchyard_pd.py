@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Mapping
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import orjson
@@ -37,12 +37,14 @@ from gateway.upstream.providers.pd_answer import (
     PrefillResult,
     cached_tokens,
     chunk_base,
+    decoded_whole,
     joined,
     json_response,
     sse_chunk,
     stream_usage,
     usage_body,
 )
+from gateway.upstream.providers.pd_handshake import KvHandshake, SwitchyardHandshake
 from gateway.upstream.providers.pd_pairs import PdPairs
 from gateway.upstream.request import (
     EMBEDDINGS_PATH,
@@ -72,27 +74,6 @@ class KvTransferFailed(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.endpoint = endpoint         # the decode worker
-
-
-class KvHandshake(Protocol):
-    """What the legs tell the pools about the KV: the prefill leg's `kv_transfer_params`, and the decode leg's
-    from them and what the prefill answered (None: the prefill holds nothing to claim)."""
-
-    def prefill_params(self) -> dict[str, Any]: ...
-
-    def decode_params(self, prefill_endpoint_id: str, sent: Mapping[str, Any],
-                      returned: Mapping[str, Any] | None) -> Mapping[str, Any] | None: ...
-
-
-class SwitchyardHandshake:
-    """Our workers name their held blocks in the prefill's answer, and the decode leg sends that back."""
-
-    def prefill_params(self) -> dict[str, Any]:
-        return {"do_remote_decode": True}
-
-    def decode_params(self, prefill_endpoint_id: str, sent: Mapping[str, Any],
-                      returned: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
-        return returned
 
 
 class SwitchyardPdProvider:
@@ -158,7 +139,7 @@ class _PdRun:
             if held.kv_transfer_params is None or held.finish_reason == "stop" or _max_tokens(body) == 1:
                 return await self._answer_prefill_only(held)
             self._held = held
-            if progress.client is not None:
+            if progress.client is not None and not provider.handshake.decode_answers_whole:
                 first = sse_chunk(progress, held, {"role": "assistant", "content": held.text}, None)
                 await progress.client.send_first(first if asks_token_ids(body) else without_token_ids(first),
                                                  "text/event-stream")
@@ -357,7 +338,7 @@ class _PdRun:
         if outcome.endpoint_id is not None:  # prompt and cached tokens are the prefill's to report
             outcome.usage.num_prompt_tokens = held.usage.get("prompt_tokens", outcome.usage.num_prompt_tokens)
             outcome.usage.num_cached_tokens = cached_tokens(held.usage)
-            if not outcome.usage.exact:
+            if not outcome.usage.exact and not self._provider.handshake.decode_answers_whole:
                 outcome.usage.num_output_tokens += 1  # the first token came from the prefill
         return outcome
 
@@ -370,13 +351,14 @@ class _PdRun:
             if code in (_KV_TRANSFER_FAILED, _KV_TRANSFER_MISMATCH):
                 raise KvTransferFailed(code, error_message(body), endpoint)
             return await legs.answer_error(response, body, endpoint.breaker, client)
+        whole = self._provider.handshake.decode_answers_whole
         if client is None:
             payload = orjson.loads(await response.read())
             endpoint.breaker.on_success()
-            return joined(held, payload, endpoint.endpoint_id)
+            return (decoded_whole if whole else joined)(held, payload, endpoint.endpoint_id)
         first = await legs.first_chunk(response, first_byte_deadline, lease)
         self._held = None   # a token came: the decode worker has the KV (its pull released the hold)
-        sent = sse_chunk(self._progress, held, {"role": "assistant", "content": held.text}, None)
+        sent = b"" if whole else sse_chunk(self._progress, held, {"role": "assistant", "content": held.text}, None)
         return await legs.relay_stream(self._progress, response, first, lease, endpoint, sent_before=sent)
 
     def _asks_token_ids(self) -> bool:

@@ -17,7 +17,10 @@ class VllmHandshake:
     """MooncakeConnector's protocol: the gateway names the transfer (`transfer_id`, the same on both legs), the
     producer answers `kv_transfer_params: null`, and the consumer pulls from the producer's bootstrap server
     (`remote_engine_id`, `remote_bootstrap_addr`, from the provider's `kv_bootstrap`). A connector whose
-    producer names its blocks in its answer (NIXL's way) has those sent on as they are."""
+    producer names its blocks in its answer (NIXL's way) has those sent on as they are. The consumer samples the
+    first token again from the pulled KV and answers whole, so the client's first token comes from it."""
+
+    decode_answers_whole = True
 
     def __init__(self, peers: Mapping[str, KvBootstrap]) -> None:
         self._peers = peers              # prefill endpoint URL -> its connector's engine id and bootstrap server
