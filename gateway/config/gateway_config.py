@@ -15,12 +15,18 @@ from typing import Any
 import yaml
 
 from gateway.config.api_keys import ApiKeyConfig as ApiKeyConfig, build_keys
-from gateway.config.discovery import DnsName, is_discovered
+from gateway.config.discovery import DnsName
 from gateway.config.model_entries import (
     ModelConfig as ModelConfig,
     PolicyConfig as PolicyConfig,
     build_model,
     models_by_name as models_by_name,
+)
+from gateway.config.vllm_sources import (
+    KvBootstrap as KvBootstrap,
+    KvEventSource as KvEventSource,
+    kv_bootstraps,
+    kv_event_sources,
 )
 from gateway.config.yaml_fields import (
     ConfigError as ConfigError,
@@ -39,6 +45,7 @@ class ProviderKind(str, Enum):
     OPENAI = "openai"          # any OpenAI-compatible server: our workers, vLLM, SGLang, hosted APIs
     SWITCHYARD_PD = "switchyard-pd"  # disaggregated: a prefill pool then a decode pool (docs/disaggregation.md)
     ANTHROPIC = "anthropic"    # an Anthropic-compatible Messages API (chat requests translated both ways)
+    VLLM_PD = "vllm-pd"        # disaggregated over vLLM's KV connectors: vLLM prefill then decode pools
 
 
 class Pool(str, Enum):
@@ -94,24 +101,19 @@ class TimeoutsConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class KvEventSource:
-    endpoint: str                        # vLLM's --kv-events-config endpoint (routing/vllm_kv_events.py)
-    topic: str = ""                      # vLLM's `topic`: tells engines apart on one socket
-
-
-@dataclass(frozen=True, slots=True)
 class ProviderConfig:
     name: str                            # referenced by models' provider chains
     kind: ProviderKind                   # picks the implementation in gateway.upstream.providers
-    endpoints: tuple[str, ...]           # base URLs (scheme://host:port, no /v1); the decode pool for switchyard-pd
+    endpoints: tuple[str, ...]           # base URLs (scheme://host:port, no /v1); the decode pool for *-pd kinds
     upstream_model: str | None = None    # the model name sent upstream; None: the client's name
     api_key: str | None = None           # sent as `Authorization: Bearer` upstream (`x-api-key` for anthropic)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     offers_load: bool = False            # endpoints serve GET /load (switchyard workers)
     offers_kv_events: bool = False       # endpoints serve GET /kv_events?since=N
     health_path: str | None = "/health"  # None: no health checks, endpoints assumed healthy
-    prefill_endpoints: tuple[str, ...] = ()  # the prefill pool (switchyard-pd only; the kind checks it)
+    prefill_endpoints: tuple[str, ...] = ()  # the prefill pool (switchyard-pd and vllm-pd; the kind checks it)
     kv_event_sources: Mapping[str, KvEventSource] = field(default_factory=dict)  # endpoint URL -> vLLM KV events
+    kv_bootstrap: Mapping[str, KvBootstrap] = field(default_factory=dict)  # prefill URL -> its connector (vllm-pd)
     offers_vllm_metrics: bool = False    # endpoints are vLLM: GET /metrics (Prometheus) is polled as load
     kv_capacity_tokens: int = 262144     # endpoints without KV events: KV tokens each caches, unless a load report says
     offers_token_ids: bool = False       # endpoints send `token_ids` and take `resume_token_ids` (switchyard workers):
@@ -314,27 +316,12 @@ def _build_provider(name: str, raw: Any) -> ProviderConfig:
         offers_load=typed_field(raw, "offers_load", bool, False, where),
         offers_kv_events=typed_field(raw, "offers_kv_events", bool, False, where),
         health_path=raw.get("health_path", "/health") or None,
-        kv_event_sources=_kv_event_sources(raw.get("kv_event_sources"), endpoints + prefill, where),
+        kv_event_sources=kv_event_sources(raw.get("kv_event_sources"), endpoints + prefill, where),
+        kv_bootstrap=kv_bootstraps(raw.get("kv_bootstrap"), prefill, where),
         offers_vllm_metrics=typed_field(raw, "offers_vllm_metrics", bool, False, where),
         kv_capacity_tokens=_positive(raw, "kv_capacity_tokens", 262144, where),
         offers_token_ids=typed_field(raw, "offers_token_ids", bool, False, where),
     )
-
-
-def _kv_event_sources(raw: Any, urls: tuple[str, ...], where: str) -> dict[str, KvEventSource]:
-    where = f"{where}.kv_event_sources"
-    sources = {}
-    for url, body in as_mapping(raw, where).items():
-        if str(url).rstrip("/") not in urls or is_discovered(str(url)):
-            raise ConfigError(f"{where}: {url!r} is not one of the provider's endpoints (a dns+http:// entry "
-                              f"has none of its own)")
-        body = {"endpoint": body} if isinstance(body, str) else as_mapping(body, f"{where}.{url}")
-        check_known(body, {"endpoint", "topic"}, f"{where}.{url}")
-        endpoint = typed_field(body, "endpoint", str, None, f"{where}.{url}")
-        if not endpoint or not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ConfigError(f"{where}.{url}.endpoint: expected a ZMQ address like tcp://host:5557")
-        sources[str(url).rstrip("/")] = KvEventSource(endpoint, typed_field(body, "topic", str, "", f"{where}.{url}"))
-    return sources
 
 
 def _positive(raw: Mapping[str, Any], name: str, default: int, where: str) -> int:

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,25 +62,27 @@ class VllmServer:
         return self.log_path.read_text(errors="replace")[-4000:]
 
 
-def _start(name: str, cpu: int, kv_events_endpoint: str, topic: str, model_dir: Path, log_dir: Path) -> VllmServer:
+def start_vllm(name: str, cpu: int, kv_events_endpoint: str, topic: str, model_dir: Path, log_dir: Path,
+               flags: tuple[str, ...] = (), env: Mapping[str, str] | None = None) -> VllmServer:
+    """One vLLM server on one core; `flags` and `env` come after (and win over) the common ones."""
     if not Path(VLLM_PYTHON).exists():
         raise RuntimeError(f"no vLLM at {VLLM_PYTHON}: run `make vllm-setup` (or set SWITCHYARD_VLLM_PYTHON)")
     port = free_port()
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events_endpoint, "topic": topic}
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(cpu), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1"}
+           "VLLM_NO_USAGE_STATS": "1", **(env or {})}
     log_path = log_dir / f"vllm-{name}.log"
     proc = subprocess.Popen(
         [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
          "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
          "--max-model-len", "2048", "--block-size", str(VLLM_BLOCK_SIZE), "--enable-prefix-caching",
-         "--kv-events-config", orjson.dumps(config).decode()],
+         "--kv-events-config", orjson.dumps(config).decode(), *flags],
         env=env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     return VllmServer(name, f"http://127.0.0.1:{port}", kv_events_endpoint, topic, proc, log_path)
 
 
-def _healthy(server: VllmServer) -> bool:
+def healthy(server: VllmServer) -> bool:
     if server.proc.poll() is not None:
         raise RuntimeError(f"vLLM {server.name} exited with {server.proc.returncode}:\n{server.log_tail()}")
     try:
@@ -90,7 +92,7 @@ def _healthy(server: VllmServer) -> bool:
         return False
 
 
-def _stop(server: VllmServer) -> None:
+def stop_vllm(server: VllmServer) -> None:
     """End the server and its engine-core child: the process group it leads (started with its own session)."""
     if server.proc.poll() is None:
         os.killpg(server.proc.pid, signal.SIGTERM)
@@ -105,13 +107,13 @@ def _stop(server: VllmServer) -> None:
 def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, VllmServer]]:
     model_dir = resolve_model(MODEL)
     log_dir = tmp_path_factory.mktemp("vllm")
-    a = _start("a", 0, f"tcp://*:{free_port()}", "engine-a", model_dir, log_dir)
-    b = _start("b", 1, f"tcp://127.0.0.1:{free_port()}", "engine-b", model_dir, log_dir)
+    a = start_vllm("a", 0, f"tcp://*:{free_port()}", "engine-a", model_dir, log_dir)
+    b = start_vllm("b", 1, f"tcp://127.0.0.1:{free_port()}", "engine-b", model_dir, log_dir)
     try:
         for server in (a, b):
-            wait_until(lambda s=server: _healthy(s), f"vLLM {server.name} to start", timeout_s=START_TIMEOUT_S,
+            wait_until(lambda s=server: healthy(s), f"vLLM {server.name} to start", timeout_s=START_TIMEOUT_S,
                        interval_s=1.0)
         yield a, b
     finally:
-        _stop(a)
-        _stop(b)
+        stop_vllm(a)
+        stop_vllm(b)

@@ -9,11 +9,13 @@ from gateway.upstream.providers.anthropic import AnthropicProvider
 from gateway.upstream.providers.base import Provider, ProviderRun
 from gateway.upstream.providers.openai import OpenAIProvider
 from gateway.upstream.providers.switchyard_pd import SwitchyardPdProvider
+from gateway.upstream.providers.vllm_pd import vllm_pd_provider
 
 PROVIDER_KINDS: Mapping[ProviderKind, Callable[[ProviderConfig], Provider]] = MappingProxyType({
     ProviderKind.OPENAI: OpenAIProvider,
     ProviderKind.SWITCHYARD_PD: SwitchyardPdProvider,
     ProviderKind.ANTHROPIC: AnthropicProvider,
+    ProviderKind.VLLM_PD: vllm_pd_provider,
 })
 
 

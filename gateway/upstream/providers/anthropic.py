@@ -43,7 +43,7 @@ MESSAGES_PATH = "/v1/messages"
 class AnthropicProvider:
     def __init__(self, config: ProviderConfig) -> None:
         if config.prefill_endpoints:
-            raise ConfigError(f"providers.{config.name}.prefill_endpoints: only for kind switchyard-pd")
+            raise ConfigError(f"providers.{config.name}.prefill_endpoints: only for kind switchyard-pd or vllm-pd")
         self.config = config
         self._wire = replace(openai_wire(config), headers={
             "Content-Type": "application/json", "anthropic-version": API_VERSION, **config.auth_headers()})

@@ -30,7 +30,7 @@ def openai_wire(config: ProviderConfig) -> Wire:
 class OpenAIProvider:
     def __init__(self, config: ProviderConfig) -> None:
         if config.prefill_endpoints:
-            raise ConfigError(f"providers.{config.name}.prefill_endpoints: only for kind switchyard-pd")
+            raise ConfigError(f"providers.{config.name}.prefill_endpoints: only for kind switchyard-pd or vllm-pd")
         self.config = config
         self._wire = openai_wire(config)
 

@@ -46,6 +46,15 @@ def joined(held: PrefillResult, payload: dict[str, Any], endpoint_id: str) -> Ou
     return Outcome(json_response(payload), endpoint_id, stream_usage(usage))
 
 
+def decoded_whole(held: PrefillResult, payload: dict[str, Any], endpoint_id: str) -> Outcome:
+    """A decode answer that is the whole answer (vLLM's decode server samples the first token again); prompt and
+    cached tokens are the prefill's to report, as in `joined`."""
+    decode_usage = payload.get("usage") or {}
+    usage = usage_body(held.usage, decode_usage.get("completion_tokens", 0))
+    payload.update(usage=usage)
+    return Outcome(json_response(payload), endpoint_id, stream_usage(usage))
+
+
 def usage_body(prefill_usage: Mapping[str, Any], num_completion: int) -> dict[str, Any]:
     num_prompt = prefill_usage.get("prompt_tokens", 0)
     return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,

@@ -3,6 +3,7 @@ prefill leg on the prefill pool (`prefill_endpoints`), then a decode leg on the 
 that carries the prefill's `kv_transfer_params`. Each pool has its own leases. The prefill worker is where a
 prompt's prefix cache lives, so the model's policy picks it, as it picks a unified endpoint, and a session is
 pinned to it (a model whose config names no policy keeps the pool's default); the decode pool has its own policy.
+What the two legs say about the KV is the pools' `KvHandshake` (vLLM's connectors: providers/vllm_pd.py).
 """
 from __future__ import annotations
 
@@ -36,12 +37,14 @@ from gateway.upstream.providers.pd_answer import (
     PrefillResult,
     cached_tokens,
     chunk_base,
+    decoded_whole,
     joined,
     json_response,
     sse_chunk,
     stream_usage,
     usage_body,
 )
+from gateway.upstream.providers.pd_handshake import KvHandshake, SwitchyardHandshake
 from gateway.upstream.providers.pd_pairs import PdPairs
 from gateway.upstream.request import (
     EMBEDDINGS_PATH,
@@ -74,16 +77,18 @@ class KvTransferFailed(Exception):
 
 
 class SwitchyardPdProvider:
-    def __init__(self, config: ProviderConfig) -> None:
+    def __init__(self, config: ProviderConfig, handshake: KvHandshake | None = None) -> None:
         if not config.prefill_endpoints:
-            raise ConfigError(f"providers.{config.name}.prefill_endpoints: required for kind switchyard-pd")
+            raise ConfigError(f"providers.{config.name}.prefill_endpoints: required for kind {config.kind.value}")
         self.config = config
         self.wire = openai_wire(config)
+        self.handshake = handshake or SwitchyardHandshake()
         # Prefill, for a model whose config names no policy: least queued prompt tokens, after prefix hits where
-        # the pool reports its KV events.
+        # the pool reports its KV events (ours over HTTP, vLLM's over ZMQ).
         prefill_costs = {"prefill_weight": 1.0, "decode_weight": 0.0}
-        self.prefill_policy = make_policy(PolicyName.PREFIX_AWARE, prefill_costs) if config.offers_kv_events \
-            else make_policy(PolicyName.LEAST_TOKENS, prefill_costs)
+        prefix_aware = config.offers_kv_events or bool(config.kv_event_sources)
+        self.prefill_policy = make_policy(PolicyName.PREFIX_AWARE if prefix_aware else PolicyName.LEAST_TOKENS,
+                                          prefill_costs)
         # Decode: least output tokens in flight, among the workers with KV headroom.
         self.decode_policy = make_policy(PolicyName.LEAST_TOKENS, {
             "prefill_weight": 0.0, "decode_weight": 1.0, "min_kv_free_fraction": _MIN_KV_FREE_FRACTION})
@@ -134,7 +139,7 @@ class _PdRun:
             if held.kv_transfer_params is None or held.finish_reason == "stop" or _max_tokens(body) == 1:
                 return await self._answer_prefill_only(held)
             self._held = held
-            if progress.client is not None:
+            if progress.client is not None and not provider.handshake.decode_answers_whole:
                 first = sse_chunk(progress, held, {"role": "assistant", "content": held.text}, None)
                 await progress.client.send_first(first if asks_token_ids(body) else without_token_ids(first),
                                                  "text/event-stream")
@@ -263,8 +268,9 @@ class _PdRun:
         request = progress.request
         body = {k: v for k, v in request.body.items() if k not in ("max_completion_tokens", "stream_options")}
         body.update(max_tokens=1, stream=False)
+        sent: dict[str, Any] = {}
         if _max_tokens(request.body) != 1:   # else the one token is the answer: nothing to hold
-            body["kv_transfer_params"] = {"do_remote_decode": True}
+            body["kv_transfer_params"] = sent = self._provider.handshake.prefill_params()
         if self._asks_token_ids():
             body["return_token_ids"] = True
         if self._config.upstream_model is not None:
@@ -274,9 +280,9 @@ class _PdRun:
             headers = legs.leg_headers(progress, span, wire, endpoint.endpoint_id, decision)
             leg = Leg(wire, endpoint, LegKind.PREFILL, request.api_path, orjson.dumps(body), headers,
                       num_uncached, 0)
-            return await legs.send(progress, leg, partial(self._read_prefill, endpoint))
+            return await legs.send(progress, leg, partial(self._read_prefill, endpoint, sent))
 
-    async def _read_prefill(self, endpoint: Endpoint, response: aiohttp.ClientResponse,
+    async def _read_prefill(self, endpoint: Endpoint, sent: Mapping[str, Any], response: aiohttp.ClientResponse,
                             first_byte_deadline: Any, lease: Lease) -> PrefillResult | Outcome:
         if response.status != 200:
             return await self._legs.non_200(response, endpoint.breaker, self._progress.client)
@@ -284,9 +290,11 @@ class _PdRun:
         try:
             choice = payload["choices"][0]
             text = choice["message"]["content"] if "message" in choice else choice["text"]
-            params = payload.pop("kv_transfer_params", None)
+            returned = payload.pop("kv_transfer_params", None)
+            params = self._provider.handshake.decode_params(
+                endpoint.endpoint_id, sent, returned if isinstance(returned, dict) else None) if sent else None
             result = PrefillResult(endpoint.endpoint_id, payload, text or "", choice.get("finish_reason"),
-                                   params if isinstance(params, dict) else None, payload.get("usage") or {})
+                                   params, payload.get("usage") or {})
         except (KeyError, IndexError, TypeError):
             endpoint.breaker.on_failure()
             raise RetryableFailure("bad prefill answer: no first token") from None
@@ -330,7 +338,7 @@ class _PdRun:
         if outcome.endpoint_id is not None:  # prompt and cached tokens are the prefill's to report
             outcome.usage.num_prompt_tokens = held.usage.get("prompt_tokens", outcome.usage.num_prompt_tokens)
             outcome.usage.num_cached_tokens = cached_tokens(held.usage)
-            if not outcome.usage.exact:
+            if not outcome.usage.exact and not self._provider.handshake.decode_answers_whole:
                 outcome.usage.num_output_tokens += 1  # the first token came from the prefill
         return outcome
 
@@ -343,13 +351,14 @@ class _PdRun:
             if code in (_KV_TRANSFER_FAILED, _KV_TRANSFER_MISMATCH):
                 raise KvTransferFailed(code, error_message(body), endpoint)
             return await legs.answer_error(response, body, endpoint.breaker, client)
+        whole = self._provider.handshake.decode_answers_whole
         if client is None:
             payload = orjson.loads(await response.read())
             endpoint.breaker.on_success()
-            return joined(held, payload, endpoint.endpoint_id)
+            return (decoded_whole if whole else joined)(held, payload, endpoint.endpoint_id)
         first = await legs.first_chunk(response, first_byte_deadline, lease)
         self._held = None   # a token came: the decode worker has the KV (its pull released the hold)
-        sent = sse_chunk(self._progress, held, {"role": "assistant", "content": held.text}, None)
+        sent = b"" if whole else sse_chunk(self._progress, held, {"role": "assistant", "content": held.text}, None)
         return await legs.relay_stream(self._progress, response, first, lease, endpoint, sent_before=sent)
 
     def _asks_token_ids(self) -> bool:
