@@ -116,8 +116,9 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
     stream = opt_bool(body, "stream") or False
     include_usage = _parse_stream_options(body, stream)
     params = _parse_sampling(body, ctx.vocab_size, max_tokens, logprobs, tools)
-    resumed, resume_choices = parse_resume_token_ids(body.get("resume_token_ids"), ctx.vocab_size,
-                                                     max(1, len(batch)) * num_choices)
+    resume_ids = body.get("resume_token_ids")   # only a failover's continuation sends it
+    resumed, resume_choices = ((), ()) if resume_ids is None else \
+        parse_resume_token_ids(resume_ids, ctx.vocab_size, max(1, len(batch)) * num_choices)
     return GenerateRequest(
         kind=kind,
         model=model,
