@@ -9,8 +9,9 @@ external KV hits) and what the producer still holds after a prefill leg that no 
 `--connector example`: ExampleConnector, KV as safetensors files in a shared folder keyed by the prompt's tokens;
 works with the venv as installed. `--connector mooncake`: MooncakeConnector over TCP; needs the transfer engine,
 which the venv lacks, installed beside it (`pip install --no-deps --target DIR
-mooncake-transfer-engine-non-cuda==0.3.13.post1`, then `--mooncake-site DIR`), and a shim (written here) for the one
-accelerator call vLLM 0.32's connector makes at start-up. Mooncake's consumer recomputes only the last prompt token,
+mooncake-transfer-engine-non-cuda==0.3.13.post1`, as `make vllm-setup` does, then `--mooncake-site DIR`), and the
+tests' shim (tests/vllm/support/cpu_mooncake_shim.py) for the one accelerator call vLLM 0.32's connector makes at
+start-up. Mooncake's consumer recomputes only the last prompt token,
 through another kernel than a whole prefill: in bfloat16 that flips a near-tied greedy token on the streamed prompt
 here (margin 0.004 nats); `--dtype float32` makes both answers equal the unified server's.
 
@@ -61,17 +62,8 @@ PROMPTS = (  # distinct prompts (whole, streamed, never claimed), so none hits a
     "List the steps a request takes through an HTTP gateway in front of two inference servers, from the "
     "first byte of the body to the last byte of the answer. " * 4,
 )
-MOONCAKE_SHIM = '''"""vLLM 0.32's MooncakeConnector on CPU: its worker asks torch for the current accelerator."""
-import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as _mooncake
-
-if not torch.accelerator.is_available():
-    torch.accelerator.current_device_index = lambda: 0  # CpuPlatform.set_device(0) is torch.cpu.set_device
-
-
-class MooncakeConnector(_mooncake.MooncakeConnector):
-    pass
-'''
+# The shim for the one accelerator call vLLM 0.32's MooncakeConnector makes at start-up: the tests' own file.
+SHIM_DIR = pathlib.Path(__file__).resolve().parents[1] / "tests" / "vllm" / "support"   # cpu_mooncake_shim.py
 # Log lines that show the transfer: ExampleConnector's hits and loads, Mooncake's transfer summary (producer), and
 # the stats logger's external hit rate (consumer, every 10 s). The last two were in the logs after runs but not yet
 # when read here in Mooncake runs, even after the servers' process groups had exited: the counters are the proof.
@@ -111,13 +103,12 @@ def example_recipe(work: pathlib.Path) -> Recipe:
                               for role in ("producer", "consumer")})
 
 
-def mooncake_recipe(work: pathlib.Path, site: pathlib.Path) -> Recipe:
-    (work / "cpu_mooncake_shim.py").write_text(MOONCAKE_SHIM)
+def mooncake_recipe(site: pathlib.Path) -> Recipe:
     ports = {role: free_port() for role in ("producer", "consumer")}
     configs = {role: {"kv_connector": "MooncakeConnector", "kv_role": f"kv_{role}", "engine_id": role,
                       "kv_connector_module_path": "cpu_mooncake_shim",
                       "kv_connector_extra_config": {"mooncake_protocol": "tcp"}} for role in ports}
-    envs = {role: {"PYTHONPATH": f"{site}:{work}", "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port)}
+    envs = {role: {"PYTHONPATH": f"{site}:{SHIM_DIR}", "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port)}
             for role, port in ports.items()}
     envs["producer"]["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = str(UNCLAIMED_TIMEOUT_S)
     return Recipe("mooncake", configs, envs, f"http://127.0.0.1:{ports['producer']}")
@@ -386,7 +377,7 @@ def main() -> int:
     print(f"work folder {work}")
     try:
         recipe = (example_recipe(work) if args.connector == "example"
-                  else mooncake_recipe(work, args.mooncake_site.resolve()))
+                  else mooncake_recipe(args.mooncake_site.resolve()))
         results = run_pd(args, recipe, model_dir, work)
         unified = run_unified(args, model_dir, work)
     finally:
