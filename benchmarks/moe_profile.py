@@ -69,11 +69,12 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         seqs = [torch.randint(10, 32000, (args.prompt_len,), generator=g).tolist() for _ in range(args.streams)]
         tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(args.streams)]
-        runner.execute(ForwardBatch(tuple(SeqChunk(tuple(s), 0, t, num_logits=1) for s, t in zip(seqs, tables))))
+        chunks = zip(seqs, tables, strict=True)
+        runner.execute(ForwardBatch(tuple(SeqChunk(tuple(s), 0, t, num_logits=1) for s, t in chunks)))
         step_s: list[float] = []
         for step in range(args.steps + 2):   # two warm-up steps
             pos = args.prompt_len + step
-            batch = ForwardBatch(tuple(SeqChunk((s[-1],), pos, t) for s, t in zip(seqs, tables)))
+            batch = ForwardBatch(tuple(SeqChunk((s[-1],), pos, t) for s, t in zip(seqs, tables, strict=True)))
             calls.clear()
             start = time.perf_counter()
             runner.execute(batch)
