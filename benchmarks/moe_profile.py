@@ -1,8 +1,8 @@
 """Where a decode step of a MoE model goes on the CPU (issue 47): the share of the grouped expert products, the
 experts they read and at what rate, against what a plain 1 GiB sum reads on the same machine.
 
-The model is moe_bench.py's Qwen3-MoE shape (hidden 2048, 64 experts, top-6, 1408 wide each, `--layers` layers)
-with random weights drawn by the runner (speed does not depend on their values). `--streams` sequences are
+The model is moe_bench.py's checkpoint (transformers' own random Qwen3-MoE: hidden 2048, 64 experts, top-6, 1408
+wide each, `--layers` layers). `--streams` sequences are
 prefilled, then `--steps` decode steps of all of them are timed; each call of backends.models.moe.grouped_experts
 is timed on its own. A script, not a test:
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 from backends.core.batch import ForwardBatch, SeqChunk  # noqa: E402
 from backends.models import moe  # noqa: E402
 from backends.worker.model_runner import ModelRunner  # noqa: E402
-from benchmarks.moe_bench import machine, read_bandwidth_gb_s  # noqa: E402
+from benchmarks.moe_bench import build_checkpoint, machine, read_bandwidth_gb_s  # noqa: E402
 
 BLOCK = 16
 
@@ -37,15 +37,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     return p.parse_args()
-
-
-def write_config(folder: Path, layers: int) -> None:
-    from transformers import Qwen3MoeConfig
-
-    Qwen3MoeConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=layers, num_attention_heads=16,
-                   num_key_value_heads=4, head_dim=128, intermediate_size=5632, moe_intermediate_size=1408,
-                   num_experts=64, num_experts_per_tok=6, norm_topk_prob=True,
-                   max_position_embeddings=4096).save_pretrained(folder)
 
 
 def main() -> None:
@@ -62,10 +53,11 @@ def main() -> None:
     moe.grouped_experts = timed   # MoEBlock.forward looks it up in the module at each call
     with tempfile.TemporaryDirectory(prefix="moe-profile-") as work:
         folder = Path(work)
-        write_config(folder, args.layers)
+        shape = argparse.Namespace(hidden=2048, layers=args.layers, experts=64, top_k=6, expert_width=1408,
+                                   dtype=args.dtype)
+        build_checkpoint(shape, folder)   # moe_bench's checkpoint (transformers' own init), saved; dropped here
         dtype = getattr(torch, args.dtype)
-        runner = ModelRunner(folder, dtype=dtype, device="cpu", num_blocks=8 * args.streams, block_size=BLOCK,
-                             random_weights=True)
+        runner = ModelRunner(folder, dtype=dtype, device="cpu", num_blocks=8 * args.streams, block_size=BLOCK)
         g = torch.Generator().manual_seed(0)
         seqs = [torch.randint(10, 32000, (args.prompt_len,), generator=g).tolist() for _ in range(args.streams)]
         tables = [tuple(range(8 * i, 8 * i + 8)) for i in range(args.streams)]
