@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not TRITON_PATH or (platform.system(), platform.
 ROOT = Path(__file__).resolve().parents[2]
 # lines each run must print: one per (shape, dtype, step) / (shape, dtype) / tensor
 CHECKS = {"attention": 18, "static_decode": 6, "compression": 5, "decode_splits": 12, "fused_layers": 14,
-          "moe_experts": 5, "latent_decode": 15}
+          "moe_experts": 5, "latent_decode": 18}
 
 
 @pytest.mark.parametrize("what", sorted(CHECKS))

@@ -158,13 +158,13 @@ def latent_decode(device: torch.device) -> None:
     """backends/attention/triton_mla.py through the Triton backend against SDPA over the same latent cache
     (backends/attention/sdpa.py, checked against transformers through DeepSeek-V3): value channels past the K
     half, within it only, and an odd width; more heads than one program takes; decode and mixed steps; every
-    split count on the decode step."""
+    split count on the decode step; and the inputs a CUDA graph replays."""
     from backends.attention.base import AttentionShape, decode_rows
     from backends.attention.sdpa import SDPABackend
     from backends.attention.triton_decode import TritonDecodeBackend
     from backends.attention.triton_mla import latent_decode as decode
     from backends.attention.triton_splits import MAX_SPLITS
-    from tests.backends.test_attention_gpu import STEPS, random_step
+    from tests.backends.test_attention_gpu import NUM_BLOCKS, STEPS, random_step
 
     for heads, half, value_dim, dtype in ((4, 24, 32, torch.float32), (20, 26, 36, torch.bfloat16),
                                           (4, 28, 16, torch.float32)):
@@ -189,3 +189,12 @@ def latent_decode(device: torch.device) -> None:
                                  splits=splits).float()
                     torch.testing.assert_close(got, outs[1], atol=tol, rtol=tol)
                     print(f"latent decode heads={heads} {dtype} splits={splits}: triton == sdpa")
+                # a CUDA graph's inputs (backends/worker/cuda_graphs.py): int64 lengths and a table wider than any
+                # sequence needs, its extra entries stale live blocks, which the kernel must never read
+                gen = torch.Generator().manual_seed(2)
+                stale = torch.randint(0, NUM_BLOCKS, (len(layout.query_lens), 40), generator=gen, dtype=torch.int32)
+                stale = stale.to(device)
+                stale[:, :rows.block_tables.shape[1]] = rows.block_tables
+                got = decode(q, k_cache, v_cache, stale, rows.seq_lens.long(), shape.scale, value_dim).float()
+                torch.testing.assert_close(got, outs[1], atol=tol, rtol=tol)
+                print(f"latent decode heads={heads} {dtype} from a CUDA graph's inputs: triton == sdpa")
