@@ -175,11 +175,13 @@ class AttentionContext:
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def default_backend_name(device: torch.device, dtype: torch.dtype) -> AttentionBackendName:
-    """flash when flash_attn is importable on CUDA (fp16/bf16), else Triton decode on CUDA, else SDPA."""
+def default_backend_name(device: torch.device, dtype: torch.dtype,
+                         latent: bool = False) -> AttentionBackendName:
+    """flash when flash_attn is importable on CUDA (fp16/bf16), else Triton decode on CUDA, else SDPA. A latent
+    cache skips flash (its kernels read K and V heads)."""
     if device.type != "cuda":
         return AttentionBackendName.SDPA
-    if dtype in _FLASH_DTYPES and importlib.util.find_spec("flash_attn") is not None:
+    if not latent and dtype in _FLASH_DTYPES and importlib.util.find_spec("flash_attn") is not None:
         return AttentionBackendName.FLASH
     if importlib.util.find_spec("triton") is not None:
         return AttentionBackendName.TRITON
@@ -189,12 +191,11 @@ def default_backend_name(device: torch.device, dtype: torch.dtype) -> AttentionB
 def create_backend(name: AttentionBackendName | str | None, shape: AttentionShape,
                    device: torch.device) -> AttentionBackend[Any]:
     """The named backend (or the default for `device`); a GPU backend on a CPU device is an error. Latent
-    attention runs on SDPA only (the paged kernels read separate K and V heads)."""
-    default = AttentionBackendName.SDPA if shape.latent_value_dim is not None else default_backend_name(
-        device, shape.dtype)
-    chosen = default if name is None else AttentionBackendName(name)
-    if shape.latent_value_dim is not None and chosen is not AttentionBackendName.SDPA:
-        raise ValueError(f"attention backend {chosen.value!r} does not read a latent KV cache: use sdpa")
+    attention runs on SDPA or on Triton (its own decode kernel), not on flash_attn (which reads K and V heads)."""
+    latent = shape.latent_value_dim is not None
+    chosen = default_backend_name(device, shape.dtype, latent) if name is None else AttentionBackendName(name)
+    if latent and chosen is AttentionBackendName.FLASH:
+        raise ValueError(f"attention backend {chosen.value!r} does not read a latent KV cache: use sdpa or triton")
     if chosen is not AttentionBackendName.SDPA and device.type != "cuda":
         raise ValueError(f"attention backend {chosen.value!r} needs a CUDA device, got {device}")
     if chosen is AttentionBackendName.FLASH and shape.dtype not in _FLASH_DTYPES:

@@ -1,4 +1,5 @@
 """CUDA attention without flash_attn: a Triton paged-decode kernel for one-token chunks, SDPA for prefill chunks.
+A latent cache (multi-head latent attention) decodes through its own kernel, triton_mla.py.
 
 The kernel runs one program per (sequence, KV head, split): each split walks its share of the sequence's
 tokens, a tile at a time (each token's block looked up in the block table), with an online softmax, for
@@ -9,7 +10,6 @@ series. The split count depends only on the batch's shape, so a CUDA graph captu
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +18,9 @@ import triton.language as tl
 
 from backends.attention.base import AttentionBackend, AttentionBackendName, DecodeRows, StepLayout, decode_rows
 from backends.attention.sdpa import PaddedGroup, attend_group, padded_group
+from backends.attention.triton_mla import latent_decode
+from backends.attention.triton_splits import MAX_SPLITS, merge_splits_kernel, programs_wanted
 
-MAX_SPLITS = 16
 SPLIT = True   # False: one program per (sequence, KV head), as before the splits (a benchmark's baseline)
 
 
@@ -78,37 +79,11 @@ def _paged_decode_kernel(
         tl.store(stats_ptr + row * 2 + 1, l_i, mask=g_ok)
 
 
-@triton.jit(do_not_specialize=["splits"])
-def _merge_splits_kernel(part_ptr, stats_ptr, out_ptr, splits, stride_ot, stride_oh, NUM_HEADS: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, DIM_PAD)
-    s_ok = s < splits
-    row = (seq * NUM_HEADS + head) * splits + s
-    m = tl.load(stats_ptr + row * 2, mask=s_ok, other=float("-inf"))
-    l_s = tl.load(stats_ptr + row * 2 + 1, mask=s_ok, other=0.0)
-    m_max = tl.max(m, axis=0)   # finite: split 0 holds the sequence's first token
-    w = tl.where(s_ok, tl.exp(m - m_max), 0.0)
-    part = tl.load(part_ptr + row[:, None] * DIM_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
-    out = tl.sum(w[:, None] * part, axis=0) / tl.sum(w * l_s, axis=0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
-
-
-@functools.cache
-def _programs_wanted(device: torch.device) -> int:
-    """Programs that keep every multiprocessor busy: two per SM on CUDA; a few under Triton's interpreter."""
-    if device.type != "cuda":
-        return 8
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def decode_splits(n: int, num_kv_heads: int, device: torch.device) -> int:
     """Splits per (sequence, KV head) for a decode of n sequences: enough programs for the device."""
     if not SPLIT:
         return 1
-    return max(1, min(MAX_SPLITS, _programs_wanted(device) // (n * num_kv_heads)))
+    return max(1, min(MAX_SPLITS, programs_wanted(device) // (n * num_kv_heads)))
 
 
 def _padded(group: int, head_dim: int) -> tuple[int, int]:
@@ -141,7 +116,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         # Triton's default of 4 warps a program, but 1 where the grid holds programs for 3 waves of the GPU: on
         # an H100, the 8B shape at 64 sequences took 69 us with 1 warp against 113 with 4, while SmolLM2's
         # (192 programs) ran faster with 4 (docs/benchmarks.md, "CUDA decode kernels")
-        num_warps = 1 if 2 * n * num_kv_heads * splits >= 3 * _programs_wanted(q.device) else 4
+        num_warps = 1 if 2 * n * num_kv_heads * splits >= 3 * programs_wanted(q.device) else 4
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view of qkv
     if n == 0:
         return out
@@ -156,7 +131,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, TILE=tile, SPLIT=splits > 1, num_warps=num_warps)
     if splits > 1:
-        _merge_splits_kernel[(n, num_heads)](
+        merge_splits_kernel[(n, num_heads)](
             part, stats, out, splits, out.stride(0), out.stride(1), NUM_HEADS=num_heads, HEAD_DIM=head_dim,
             DIM_PAD=dim_pad, SPLITS_PAD=triton.next_power_of_2(MAX_SPLITS))
     return out
@@ -188,11 +163,10 @@ class TritonDecodeBackend(AttentionBackend[TritonMetadata]):
                metadata: TritonMetadata) -> torch.Tensor:
         decode, group = metadata.decode, metadata.prefill
         if decode is not None and decode.in_order:
-            return paged_decode(q, k_cache, v_cache, decode.block_tables, decode.seq_lens, self.shape.scale)
-        out = q.new_empty(q.shape)
+            return self._decode(q, k_cache, v_cache, decode)
+        out = q.new_empty((*q.shape[:2], self.shape.out_dim))
         if decode is not None:
-            rows = paged_decode(q.index_select(0, decode.token_index), k_cache, v_cache,
-                                decode.block_tables, decode.seq_lens, self.shape.scale)
+            rows = self._decode(q.index_select(0, decode.token_index), k_cache, v_cache, decode)
             out.index_copy_(0, decode.token_index, rows)
         assert group is not None   # not decode-only: some chunk is a prefill
         rows = attend_group(self.shape, q, k_cache, v_cache, group, gather_queries=True)
@@ -200,3 +174,11 @@ class TritonDecodeBackend(AttentionBackend[TritonMetadata]):
             rows = rows.index_select(0, group.real_rows)
         out.index_copy_(0, group.out_tokens, rows)
         return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                decode: DecodeRows) -> torch.Tensor:
+        """The one-token rows: the latent kernel for a latent cache (triton_mla.py), else the K/V-head one."""
+        if self.shape.latent_value_dim is not None:
+            return latent_decode(q, k_cache, v_cache, decode.block_tables, decode.seq_lens, self.shape.scale,
+                                 self.shape.latent_value_dim)
+        return paged_decode(q, k_cache, v_cache, decode.block_tables, decode.seq_lens, self.shape.scale)

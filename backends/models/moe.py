@@ -157,7 +157,10 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MoE output for x [T, H], plus `residual` when given."""
         weights, ids = self.route(x)
-        out = grouped_experts(x, ids, weights, self.gate_up, self.down, self.kernels, self.packed)
+        out = None if self.packed is not None else self.kernels.expert_products(x, ids, weights, self.gate_up,
+                                                                               self.down)
+        if out is None:
+            out = grouped_experts(x, ids, weights, self.gate_up, self.down, self.kernels, self.packed)
         if self.shared_gate_up is not None and self.shared_down is not None:
             shared = self.shared_down(self.kernels.silu_mul(self.shared_gate_up(x)))
             if self.shared_gate is not None:

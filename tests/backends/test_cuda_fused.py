@@ -28,6 +28,14 @@ def test_one_row_projection_matches_float64_on_cuda() -> None:
     triton_checks.gemv(torch.device("cuda"))
 
 
+def test_grouped_expert_kernels_match_torch_on_cuda() -> None:
+    triton_checks.moe_experts(torch.device("cuda"))
+
+
+def test_latent_decode_kernel_matches_sdpa_on_cuda() -> None:
+    triton_checks.latent_decode(torch.device("cuda"))
+
+
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 

@@ -1,4 +1,5 @@
-"""The Triton kernels (paged-decode attention, compressed-weight decode) executed on the CPU by Triton's
+"""The Triton kernels (paged-decode attention, latent-attention decode,
+the grouped expert products, compressed-weight decode) executed on the CPU by Triton's
 interpreter, so that their logic is checked on every run, not only where a GPU is lent: attention
 against SDPA, the weight decoder against the original bits and the C decoder. The interpreter must be
 switched on before Triton is imported, so each check runs in a subprocess (tests/backends/triton_interpreted.py)."""
@@ -20,7 +21,8 @@ pytestmark = pytest.mark.skipif(not TRITON_PATH or (platform.system(), platform.
 
 ROOT = Path(__file__).resolve().parents[2]
 # lines each run must print: one per (shape, dtype, step) / (shape, dtype) / tensor
-CHECKS = {"attention": 18, "static_decode": 6, "compression": 5, "decode_splits": 12, "fused_layers": 14}
+CHECKS = {"attention": 18, "static_decode": 6, "compression": 5, "decode_splits": 12, "fused_layers": 14,
+          "moe_experts": 5, "latent_decode": 18}
 
 
 @pytest.mark.parametrize("what", sorted(CHECKS))

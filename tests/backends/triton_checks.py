@@ -103,3 +103,98 @@ def gemv(device: torch.device) -> None:
             assert got.shape == (1, out_features) and got.dtype == dtype
             torch.testing.assert_close(got.double(), want, atol=tol * 10, rtol=tol)
         print(f"gemv {out_features}x{in_features} {dtype}: {len(GEMV_CONFIGS)} configurations == float64")
+
+
+def moe_experts(device: torch.device) -> None:
+    """backends/models/kernels/triton_moe.py against the torch path (backends.models.moe.grouped_experts): skewed
+    routing so that one expert spans several tiles and others get no rows, one token, widths that are not
+    multiples of the blocks, both tile heights; then a whole MoEBlock through TritonKernels against the
+    reference kernels, which checks that the layer takes the Triton path."""
+    from backends.models.kernels import triton_moe
+    from backends.models.kernels.base import LayerKernels
+    from backends.models.kernels.triton import TritonKernels
+    from backends.models.kernels.triton_moe import block_m, grouped_experts as triton_grouped
+    from backends.models.moe import QWEN_NAMES, MoEBlock, MoEConfig, grouped_experts, softmax_topk
+
+    gen = torch.Generator().manual_seed(5)
+    cases = ((1, 72, 40, 8, 2, torch.float32), (40, 72, 40, 8, 2, torch.float32), (300, 64, 96, 4, 2, torch.bfloat16),
+             (5, 128, 64, 16, 4, torch.bfloat16))
+    for tokens, hidden, inter, experts, k, dtype in cases:
+        x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+        skew = torch.zeros(experts)
+        skew[3], skew[-1] = 3.0, -9.0   # expert 3 takes most tokens, the last one none
+        logits = torch.randn(tokens, experts, generator=gen) + skew
+        weights, ids = softmax_topk(logits.to(device), k, renormalize=True)
+        gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(device, dtype)
+        down = (torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5).to(device, dtype)
+        want = grouped_experts(x, ids, weights, gate_up, down, LayerKernels()).float()
+        got = triton_grouped(x, ids, weights, gate_up, down)
+        assert got.shape == x.shape and got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max().item(), rtol=tol)
+        print(f"grouped experts T={tokens} E={experts} k={k} {hidden}x{inter} {dtype} "
+              f"(tiles of {block_m(tokens * k, experts)}): triton == torch")
+    config = MoEConfig(hidden_size=64, num_experts=8, top_k=2, intermediate_size=48, renormalize=False,
+                       names=QWEN_NAMES)
+    blocks = [MoEBlock(config, kernels) for kernels in (TritonKernels(), LayerKernels())]
+    for name, tensor in blocks[0].named_parameters():
+        tensor.copy_(torch.randn(tensor.shape, generator=gen) * 0.2)
+        blocks[1].get_parameter(name).copy_(tensor)
+    x = torch.randn(9, 64, generator=gen)
+    blocks = [block.to(device) for block in blocks]
+    calls: list[int] = []
+    kernel = triton_moe.grouped_experts
+    triton_moe.grouped_experts = lambda *args: calls.append(1) or kernel(*args)   # counts the layer's calls
+    try:
+        got, want = blocks[0](x.to(device)), blocks[1](x.to(device))
+    finally:
+        triton_moe.grouped_experts = kernel
+    assert calls == [1]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    print("MoEBlock on TritonKernels == MoEBlock on the reference kernels")
+
+
+def latent_decode(device: torch.device) -> None:
+    """backends/attention/triton_mla.py through the Triton backend against SDPA over the same latent cache
+    (backends/attention/sdpa.py, checked against transformers through DeepSeek-V3): value channels past the K
+    half, within it only, and an odd width; more heads than one program takes; decode and mixed steps; every
+    split count on the decode step; and the inputs a CUDA graph replays."""
+    from backends.attention.base import AttentionShape, decode_rows
+    from backends.attention.sdpa import SDPABackend
+    from backends.attention.triton_decode import TritonDecodeBackend
+    from backends.attention.triton_mla import latent_decode as decode
+    from backends.attention.triton_splits import MAX_SPLITS
+    from tests.backends.test_attention_gpu import NUM_BLOCKS, STEPS, random_step
+
+    for heads, half, value_dim, dtype in ((4, 24, 32, torch.float32), (20, 26, 36, torch.bfloat16),
+                                          (4, 28, 16, torch.float32)):
+        shape = AttentionShape(heads, 1, half, block_size=16, scale=0.1, dtype=dtype, latent_value_dim=value_dim)
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        for step in ("decode", "mixed"):
+            layout, _, k, v, caches = random_step(shape, *STEPS[step], seed=heads + half, device=device)
+            q = torch.randn(layout.num_tokens, heads, 2 * half, generator=torch.Generator().manual_seed(half))
+            q = q.to(device, dtype)
+            outs = []
+            for backend in (TritonDecodeBackend(shape), SDPABackend(shape)):
+                k_cache, v_cache = caches[0].clone(), caches[1].clone()
+                outs.append(backend.forward(q, k, v, k_cache, v_cache, layout.slot_mapping,
+                                            backend.prepare(layout)).float())
+            assert outs[0].shape == (layout.num_tokens, heads, value_dim)
+            torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
+            print(f"latent {step} heads={heads} half={half} value={value_dim} {dtype}: triton == sdpa")
+            if step == "decode":
+                rows = decode_rows(layout, range(len(layout.query_lens)), layout.starts, shape.block_size)
+                for splits in (1, 3, MAX_SPLITS):
+                    got = decode(q, k_cache, v_cache, rows.block_tables, rows.seq_lens, shape.scale, value_dim,
+                                 splits=splits).float()
+                    torch.testing.assert_close(got, outs[1], atol=tol, rtol=tol)
+                    print(f"latent decode heads={heads} {dtype} splits={splits}: triton == sdpa")
+                # a CUDA graph's inputs (backends/worker/cuda_graphs.py): int64 lengths and a table wider than any
+                # sequence needs, its extra entries stale live blocks, which the kernel must never read
+                gen = torch.Generator().manual_seed(2)
+                stale = torch.randint(0, NUM_BLOCKS, (len(layout.query_lens), 40), generator=gen, dtype=torch.int32)
+                stale = stale.to(device)
+                stale[:, :rows.block_tables.shape[1]] = rows.block_tables
+                got = decode(q, k_cache, v_cache, stale, rows.seq_lens.long(), shape.scale, value_dim).float()
+                torch.testing.assert_close(got, outs[1], atol=tol, rtol=tol)
+                print(f"latent decode heads={heads} {dtype} from a CUDA graph's inputs: triton == sdpa")

@@ -119,5 +119,9 @@ if __name__ == "__main__":
     elif sys.argv[1] == "fused_layers":
         triton_checks.fused_layers(torch.device("cpu"))
         triton_checks.gemv(torch.device("cpu"))
+    elif sys.argv[1] == "moe_experts":
+        triton_checks.moe_experts(torch.device("cpu"))
+    elif sys.argv[1] == "latent_decode":
+        triton_checks.latent_decode(torch.device("cpu"))
     else:
         compression(Path(sys.argv[2]))

@@ -101,6 +101,13 @@ class LayerKernels:
         them); the reference is the matrix product it replaces."""
         return torch.nn.functional.linear(x, weight)
 
+    def expert_products(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor | None:
+        """A sparse MLP's routed output [T, H] for x [T, H] and its experts' stacked weights (gate_up [E, 2I, H],
+        down [E, H, I]) by this family's own grouped kernel; None where it has none (then
+        backends.models.moe.grouped_experts runs them with torch ops)."""
+        return None
+
     def pack(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """`weight` [out, in] in `dtype`, in the layout `packed_linear` reads; None: this family keeps plain
         layouts for it."""

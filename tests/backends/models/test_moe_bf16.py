@@ -1,5 +1,5 @@
-"""bf16 at the model level: a tiny random Qwen3-MoE and DeepSeek-V3, saved in bfloat16 (as checkpoints ship), run
-in bfloat16 by our runner against transformers on the same weights.
+"""bf16 at the model level: a tiny random Mixtral, Qwen3-MoE and DeepSeek-V3, saved in bfloat16 (as checkpoints
+ship), run in bfloat16 by our runner against transformers on the same weights.
 
 The exact logits are transformers' float64 forward on the bf16 weights. bf16's rounding is measured in the same run
 as numerics.logit_tolerance measures float32's, from transformers' own bf16 forward on the same tokens, but per
@@ -38,7 +38,7 @@ def tokens_of(length: int, seed: int) -> list[int]:
     return [rng.randrange(VOCAB) for _ in range(length)]
 
 
-@pytest.fixture(scope="module", params=["qwen3-moe", "deepseek-v3"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3-moe", "deepseek-v3"])
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """Our bf16 runner on a bf16 checkpoint; transformers' model in bf16, and in float64 on the same bf16 weights."""
     folder = tmp_path_factory.mktemp(f"bf16-{request.param}")

@@ -1,5 +1,6 @@
 """The model registry: every registered architecture builds a model that satisfies the CausalLM protocol and
-runs a paged forward through it; an unknown one is refused with the supported names."""
+runs a paged forward through it; an unknown one is refused with the supported names; and which attention backend
+a latent cache (DeepSeek-V3) is given."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -102,3 +103,22 @@ def test_an_unknown_architecture_names_the_supported_ones(architectures: list[st
 
 def test_the_first_supported_name_wins() -> None:
     assert model_class(["GPT2LMHeadModel", "Qwen2ForCausalLM"]).__name__ == "Qwen2ForCausalLM"
+
+
+def test_a_latent_cache_gets_sdpa_on_the_cpu_and_never_flash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend for a latent cache (DeepSeek-V3): SDPA on the CPU; on CUDA the Triton backend (its latent decode
+    kernel, backends/attention/triton_mla.py) even where flash_attn is installed, since flash reads K and V heads."""
+    from backends.attention import base
+    from backends.attention.base import AttentionBackendName, default_backend_name
+
+    latent = AttentionShape(4, 1, 24, block_size=4, scale=0.1, dtype=torch.bfloat16, latent_value_dim=32)
+    assert create_backend(None, latent, torch.device("cpu")).name is AttentionBackendName.SDPA
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        create_backend("triton", latent, torch.device("cpu"))
+    with pytest.raises(ValueError, match="does not read a latent KV cache"):
+        create_backend("flash", latent, torch.device("cpu"))
+    monkeypatch.setattr(base.importlib.util, "find_spec", lambda name: object())   # flash_attn and Triton "installed"
+    cuda = torch.device("cuda")
+    assert default_backend_name(cuda, torch.bfloat16) is AttentionBackendName.FLASH
+    assert default_backend_name(cuda, torch.bfloat16, latent=True) is AttentionBackendName.TRITON
+    assert default_backend_name(torch.device("cpu"), torch.bfloat16, latent=True) is AttentionBackendName.SDPA
