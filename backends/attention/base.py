@@ -178,10 +178,11 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 def default_backend_name(device: torch.device, dtype: torch.dtype,
                          latent: bool = False) -> AttentionBackendName:
     """flash when flash_attn is importable on CUDA (fp16/bf16), else Triton decode on CUDA, else SDPA. A latent
-    cache skips flash (its kernels read K and V heads)."""
-    if device.type != "cuda":
+    cache gets SDPA: flash reads K and V heads, and the Triton latent kernel (triton_mla.py), checked only under
+    Triton's interpreter so far, is `--attention-backend triton` until it has run on a GPU (docs/gpu.md)."""
+    if device.type != "cuda" or latent:
         return AttentionBackendName.SDPA
-    if not latent and dtype in _FLASH_DTYPES and importlib.util.find_spec("flash_attn") is not None:
+    if dtype in _FLASH_DTYPES and importlib.util.find_spec("flash_attn") is not None:
         return AttentionBackendName.FLASH
     if importlib.util.find_spec("triton") is not None:
         return AttentionBackendName.TRITON

@@ -106,8 +106,9 @@ def test_the_first_supported_name_wins() -> None:
 
 
 def test_a_latent_cache_gets_sdpa_on_the_cpu_and_never_flash(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The backend for a latent cache (DeepSeek-V3): SDPA on the CPU; on CUDA the Triton backend (its latent decode
-    kernel, backends/attention/triton_mla.py) even where flash_attn is installed, since flash reads K and V heads."""
+    """The backend for a latent cache (DeepSeek-V3): SDPA by default, on the CPU and on CUDA even where flash_attn
+    and Triton are installed (flash reads K and V heads; the Triton latent kernel, backends/attention/triton_mla.py,
+    is asked for by name until it has run on a GPU); flash is refused."""
     from backends.attention import base
     from backends.attention.base import AttentionBackendName, default_backend_name
 
@@ -120,5 +121,5 @@ def test_a_latent_cache_gets_sdpa_on_the_cpu_and_never_flash(monkeypatch: pytest
     monkeypatch.setattr(base.importlib.util, "find_spec", lambda name: object())   # flash_attn and Triton "installed"
     cuda = torch.device("cuda")
     assert default_backend_name(cuda, torch.bfloat16) is AttentionBackendName.FLASH
-    assert default_backend_name(cuda, torch.bfloat16, latent=True) is AttentionBackendName.TRITON
+    assert default_backend_name(cuda, torch.bfloat16, latent=True) is AttentionBackendName.SDPA
     assert default_backend_name(torch.device("cpu"), torch.bfloat16, latent=True) is AttentionBackendName.SDPA
