@@ -75,6 +75,9 @@ class RedisStore:
         self._client: Client | None = None
         self._scripts: dict[str, AsyncScript] = {}
         self._connecting = asyncio.Lock()
+        # The cluster client's per-node pools fail at max_connections instead of waiting (a plain server's pool
+        # waits): calls beyond it queue here, so a burst is never mistaken for an outage.
+        self._cluster_calls = asyncio.Semaphore(options.max_connections)
 
     @classmethod
     def from_url(cls, url: str, key_prefix: str = "switchyard:") -> RedisStore:
@@ -190,6 +193,9 @@ class RedisStore:
         try:
             client = await self._connected()
             try:
+                if isinstance(client, RedisCluster):
+                    async with self._cluster_calls:
+                        return await call(client)
                 return await call(client)
             except AskError as exc:          # MovedError is an AskError
                 if isinstance(client, RedisCluster):
@@ -232,17 +238,29 @@ class RedisStore:
         if topology(self._options.url) is Topology.CLUSTER:
             if not is_cluster:
                 raise StoreMisconfigured(f"redis_url names a cluster, but {url} is not in cluster mode")
-            return cluster_client(self._options)
+            return await _initialized(cluster_client(self._options))
         if is_cluster:
             log.info("redis at %s is a cluster node: sharing state through the cluster", url)
-            return cluster_client(replace(self._options, url=as_cluster_url(self._options.url)))
+            return await _initialized(cluster_client(replace(self._options, url=as_cluster_url(self._options.url))))
         return plain_client(self._options)
 
     async def _use_cluster(self, plain: Client) -> None:
         async with self._connecting:
             if self._client is plain:
-                self._set_client(cluster_client(replace(self._options, url=as_cluster_url(self._options.url))))
+                url = as_cluster_url(self._options.url)
+                self._set_client(await _initialized(cluster_client(replace(self._options, url=url))))
         await plain.aclose()
+
+
+async def _initialized(client: RedisCluster) -> RedisCluster:
+    """Read the slot map before the first call: redis-py 8.1's cluster client, first used by many calls at
+    once, can hand one of them a connection that another is closing (AttributeError on `writelines`)."""
+    try:
+        await client.initialize()
+    except BaseException:
+        await client.aclose()
+        raise
+    return client
 
 
 async def _nothing(client: Client) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from gateway.state.redis_store import session_keys
 from tests.faults.client import (
     Reply,
     assert_gateway_serves,
@@ -70,7 +71,7 @@ async def _wait_for_more(load: Load, num_more: int, what: str) -> None:
 
 
 def _session_key(session: str) -> str:
-    return f"switchyard:session:m\x00{session}"   # RedisStore's key for the model's session
+    return session_keys("switchyard:", f"m\x00{session}")[0]   # RedisStore's key for the model's session
 
 
 async def _in_session(gateway: GatewayProcess, session: str, sent: list[str]) -> str:
