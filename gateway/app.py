@@ -117,7 +117,8 @@ def _check_policies(config: GatewayConfig) -> None:
 async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     try:
-        store: StateStore = await open_store(config.redis_url, max_response_bytes=config.response_cache.max_memory_bytes)
+        store: StateStore = await open_store(config.redis_url,
+                                             max_response_bytes=config.response_cache.max_memory_bytes)
     except StoreMisconfigured as exc:
         raise ConfigError(f"redis_url: {exc}") from None
     tracing = Tracing(config.tracing)

@@ -15,8 +15,8 @@ from gateway.state import (
     ResilientStore,
     StoreMisconfigured,
     open_store,
+    redis_store as redis_store_module,
 )
-from gateway.state import redis_store as redis_store_module
 from gateway.state.redis_store import NUM_SESSION_SHARDS, session_keys
 from tests.support.redis_cluster_proc import RedisClusterProc
 from tests.support.redis_proc import RedisProc
