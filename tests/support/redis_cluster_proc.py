@@ -19,7 +19,9 @@ from tests.support.wait import wait_until
 
 @dataclass(frozen=True, slots=True)
 class ClusterNodeInfo:
+    node_id: str              # the cluster's id of the node
     port: int                 # the node's client port
+    master_id: str | None     # a replica's master; None for a master
     is_master: bool           # serves slots now (after a failover: the promoted replica)
     is_failed: bool           # marked fail by the others (killed, or cut off)
 
@@ -83,13 +85,19 @@ class RedisClusterProc:
         for line in self.live_nodes()[0].cli("CLUSTER", "NODES").splitlines():
             fields = line.split()
             flags = fields[2].split(",")
-            rows.append(ClusterNodeInfo(port=int(fields[1].split("@")[0].rsplit(":", 1)[1]),
+            rows.append(ClusterNodeInfo(node_id=fields[0], port=int(fields[1].split("@")[0].rsplit(":", 1)[1]),
+                                        master_id=None if fields[3] == "-" else fields[3],
                                         is_master="master" in flags, is_failed="fail" in flags))
         return rows
 
     def masters(self) -> list[RedisProc]:
         serving = {n.port for n in self.topology() if n.is_master and not n.is_failed}
         return [node for node in self.live_nodes() if node.port in serving]
+
+    def replica_of(self, master: RedisProc) -> RedisProc:
+        rows = self.topology()
+        master_id = next(row.node_id for row in rows if row.port == master.port)
+        return self.node(next(row.port for row in rows if row.master_id == master_id))
 
     def node(self, port: int) -> RedisProc:
         return next(node for node in self.nodes if node.port == port)
