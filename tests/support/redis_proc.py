@@ -34,7 +34,10 @@ class RedisProc:
         self._executable = executable
         self.port = port or free_port()
         self.host = host
-        self._extra_args = tuple(extra_args)
+        # Off a loopback address (inside a namespace the test made, so still reachable by nothing else), protected
+        # mode would refuse every client: there is no password.
+        loopback = host.startswith("127.")
+        self._extra_args = (*(() if loopback else ("--protected-mode", "no")), *extra_args)
         self._wrapper = tuple(wrapper)         # a command the server runs under, e.g. ip netns exec NAME
         self._start_timeout_s = start_timeout_s
         self._dir = Path(tempfile.mkdtemp(prefix="switchyard-redis-"))
