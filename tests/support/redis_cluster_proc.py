@@ -67,13 +67,17 @@ class RedisClusterProc:
         return self
 
     def wait_ok(self, timeout_s: float = 60.0) -> None:
-        """Until every running node says cluster_state:ok and agrees that the masters are up and cover the slots."""
+        """Until every running node says cluster_state:ok and agrees that the masters are up and cover the slots,
+        and every live replica's link to its master is up (synced: what it would take over is there)."""
         def ok() -> bool:
             for node in self.live_nodes():
                 if "cluster_state:ok" not in node.cli("CLUSTER", "INFO"):
                     return False
-            masters = [n for n in self.topology() if n.is_master and not n.is_failed]
-            return len(masters) == self._num_masters
+            rows = self.topology()
+            masters = [n for n in rows if n.is_master and not n.is_failed]
+            replicas = [self.node(n.port) for n in rows if not n.is_master and not n.is_failed]
+            return len(masters) == self._num_masters and all(
+                "master_link_status:up" in r.cli("INFO", "replication") for r in replicas if r.running)
         wait_until(ok, "every cluster node to report cluster_state:ok", timeout_s=timeout_s, interval_s=0.05)
 
     def live_nodes(self) -> list[RedisProc]:
