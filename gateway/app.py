@@ -18,8 +18,7 @@ from cache.prefix_index import PrefixIndex
 from gateway import api
 from gateway.api import messages, status
 from gateway.config.gateway_config import ConfigError, GatewayConfig, load_config, models_by_name
-from gateway.routing.breaker import CircuitState
-from gateway.routing.endpoints import UpstreamRegistry
+from gateway.routing.endpoints import CircuitState, UpstreamRegistry
 from gateway.routing.load import LoadTracker, OutputLengthEstimator
 from gateway.routing.load_share import LoadSharer
 from gateway.routing.prefix_feed import configure_prefix_index
@@ -147,11 +146,13 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
         policies={name: make_policy(PolicyName(m.policy.name), m.policy.options) for name, m in config.models.items()},
         retrier=retrier, metrics=metrics, keepalive_s=config.keepalive_s)
     background = BackgroundTasks()
+    response_cache = ResponseCache(config.response_cache, store)
+    caches_any = any(response_cache.enabled_for(m) for m in config.models.values())
     app[SERVICES] = Services(
         config=config, dispatcher=dispatcher, registry=registry, store=store,
         counter=TokenCounter({name: m.tokenizer for name, m in config.models.items()}),
         estimator=OutputLengthEstimator(), metrics=metrics, tracing=tracing, background=background,
-        response_cache=ResponseCache(config.response_cache, store), models_by_name=models_by_name(config.models))
+        response_cache=response_cache if caches_any else None, models_by_name=models_by_name(config.models))
     registry.start(session)
     kv_events.start()
     if sharing:

@@ -58,7 +58,7 @@ class Services:
     metrics: Metrics                                   # Prometheus registry of this app
     tracing: Tracing                                   # the app's tracer
     background: BackgroundTasks                        # post-response work
-    response_cache: ResponseCache                      # whole answers served again (off unless configured)
+    response_cache: ResponseCache | None               # whole answers served again (None: no model's are)
     models_by_name: Mapping[str, ModelConfig]          # every name a client may send (aliases too) to its model
 
 

@@ -1,10 +1,9 @@
-"""Policy names (as written in the config) and the one table from name to factory.
-Adding a policy = one file in policies/ and one line in `_FACTORIES`."""
+"""Policy names (as written in the config), each with its factory: the enum is the registry. Adding a policy =
+one file in policies/ and one member of `PolicyName` (`NAME = "name", NamePolicy.from_options`)."""
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 from typing import Any
 
 from policies.base import Policy
@@ -15,28 +14,28 @@ from policies.prefix_aware import PrefixAwarePolicy
 from policies.round_robin import RoundRobinPolicy
 from policies.session_affinity import SessionAffinityPolicy
 
-
-class PolicyName(str, enum.Enum):
-    ROUND_ROBIN = "round_robin"
-    LEAST_REQUESTS = "least_requests"
-    LEAST_TOKENS = "least_tokens"
-    POWER_OF_TWO = "power_of_two"
-    SESSION_AFFINITY = "session_affinity"
-    PREFIX_AWARE = "prefix_aware"
-
-
 PolicyFactory = Callable[[Mapping[str, Any]], Policy]
 
-_FACTORIES: Mapping[PolicyName, PolicyFactory] = MappingProxyType({
-    PolicyName.ROUND_ROBIN: RoundRobinPolicy.from_options,
-    PolicyName.LEAST_REQUESTS: LeastRequestsPolicy.from_options,
-    PolicyName.LEAST_TOKENS: LeastTokensPolicy.from_options,
-    PolicyName.POWER_OF_TWO: PowerOfTwoPolicy.from_options,
-    PolicyName.SESSION_AFFINITY: SessionAffinityPolicy.from_options,
-    PolicyName.PREFIX_AWARE: PrefixAwarePolicy.from_options,
-})
+
+class PolicyName(str, enum.Enum):
+    factory: PolicyFactory    # the member's policy, built from the config's options
+
+    def __new__(cls, value: str, *factory: PolicyFactory) -> PolicyName:
+        """A member, `NAME = "name", factory`; a lookup by value, `PolicyName("name")`, never comes here (the
+        enum's machinery answers it), though mypy checks it against this signature."""
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.factory = factory[0]
+        return member
+
+    ROUND_ROBIN = "round_robin", RoundRobinPolicy.from_options
+    LEAST_REQUESTS = "least_requests", LeastRequestsPolicy.from_options
+    LEAST_TOKENS = "least_tokens", LeastTokensPolicy.from_options
+    POWER_OF_TWO = "power_of_two", PowerOfTwoPolicy.from_options
+    SESSION_AFFINITY = "session_affinity", SessionAffinityPolicy.from_options
+    PREFIX_AWARE = "prefix_aware", PrefixAwarePolicy.from_options
 
 
 def make_policy(name: PolicyName, options: Mapping[str, Any] | None = None) -> Policy:
     """A new policy instance; raises ValueError on an unknown name or option (config errors)."""
-    return _FACTORIES[PolicyName(name)](options or {})
+    return PolicyName(name).factory(options or {})

@@ -34,10 +34,11 @@ pytestmark = pytest.mark.slow
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GATEWAY_PACKAGES = ("gateway", "cache", "policies")   # what the gateway process runs
 WORKER_PACKAGES = ("backends",)                       # what the worker process runs
-# Ratchets at what one request runs today (docs/architecture.md lists the modules). Issue 46 asks for 20 and
-# 24: lower these as the path is cut, never raise them without saying why in the commit.
-MAX_GATEWAY_MODULES = 26
-MAX_WORKER_MODULES = 29
+# What one request may run (issue 46's caps; docs/architecture.md lists the modules). A feature the request does
+# not use (tools, response_format, the response cache, API keys, a continuation) runs none of its code. Lower
+# these as the path is cut; never raise them without saying why in the commit.
+MAX_GATEWAY_MODULES = 20
+MAX_WORKER_MODULES = 24
 BODY = {"model": "smollm2", "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 4, "temperature": 0}
 

@@ -21,9 +21,22 @@ MetadataT = TypeVar("MetadataT")
 
 
 class AttentionBackendName(str, enum.Enum):
-    SDPA = "sdpa"        # torch SDPA over gathered blocks: CPU path and reference
-    FLASH = "flash"      # flash_attn varlen prefill + paged decode
-    TRITON = "triton"    # Triton paged-decode kernel, SDPA for prefill
+    """The attention backends (the CLI's `--attention-backend` choices), each with where its class lives
+    ("module:class", imported when chosen): the enum is the registry, and adding a backend is one file in
+    backends/attention/ and one member here."""
+    target: str
+
+    def __new__(cls, value: str, *target: str) -> AttentionBackendName:
+        """A member, `NAME = "name", "module:attribute"`; a lookup by value, `AttentionBackendName("name")`, never comes
+        here (the enum's machinery answers it), though mypy checks it against this signature."""
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.target = target[0]
+        return member
+
+    SDPA = "sdpa", "backends.attention.sdpa:SDPABackend"                      # torch SDPA: the CPU path, the reference
+    FLASH = "flash", "backends.attention.flash:FlashAttentionBackend"         # flash_attn varlen prefill, paged decode
+    TRITON = "triton", "backends.attention.triton_decode:TritonDecodeBackend"  # Triton paged decode, SDPA for prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,14 +172,6 @@ class AttentionContext:
         return self.backend.attend(q, self.k_caches[layer], self.v_caches[layer], self.metadata)
 
 
-# name → "module:class"; a new backend is one file and one line here.
-_BACKENDS = {
-    AttentionBackendName.SDPA: "backends.attention.sdpa:SDPABackend",
-    AttentionBackendName.FLASH: "backends.attention.flash:FlashAttentionBackend",
-    AttentionBackendName.TRITON: "backends.attention.triton_decode:TritonDecodeBackend",
-}
-
-
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -194,6 +199,6 @@ def create_backend(name: AttentionBackendName | str | None, shape: AttentionShap
         raise ValueError(f"attention backend {chosen.value!r} needs a CUDA device, got {device}")
     if chosen is AttentionBackendName.FLASH and shape.dtype not in _FLASH_DTYPES:
         raise ValueError(f"flash_attn needs float16 or bfloat16, got {shape.dtype}")
-    module_name, class_name = _BACKENDS[chosen].split(":")
+    module_name, class_name = chosen.target.split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     return cls(shape, device)

@@ -15,9 +15,24 @@ SPECULATIVE_PROPOSERS = ("ngram", "draft", "eagle", "ngram+draft", "ngram+eagle"
 
 
 class KVConnectorName(str, enum.Enum):
-    """The KV connectors a worker can consult (backends/kv_connectors/registry.py builds each)."""
-    PD = "pd"          # prefill-to-decode transfer (pd_connector.py)
-    TIERS = "tiers"    # host RAM, disk and a shared store below the device pool (tiers/)
+    """The KV connectors a worker can consult, each with where its factory lives ("module:function", a
+    `ConnectorFactory` that backends/kv_connectors/registry.py imports when a worker is configured with it: this
+    layer imports none of them). The enum is the registry: adding a connector is one file in kv_connectors/ and
+    one member here."""
+    target: str
+
+    def __new__(cls, value: str, *target: str) -> KVConnectorName:
+        """A member, `NAME = "name", "module:attribute"`; a lookup by value, `KVConnectorName("name")`, never comes
+        here (the enum's machinery answers it), though mypy checks it against this signature."""
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.target = target[0]
+        return member
+
+    # prefill-to-decode transfer
+    PD = "pd", "backends.kv_connectors.pd_connector:build_pd_connector"
+    # host RAM, disk and a shared store below the device pool
+    TIERS = "tiers", "backends.kv_connectors.tiers.factory:build_tiered_connector"
 
 
 @dataclass(frozen=True, slots=True)

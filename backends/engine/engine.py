@@ -39,10 +39,9 @@ from backends.kv_connectors.multi import find_connector
 from backends.kv_connectors.registry import build_kv_connector
 from backends.speculative.adaptive import SpecPolicy, StepCost
 from backends.speculative.proposer import DraftRequest, Proposer
-from backends.speculative.verify import Verified, verify
 from backends.structured_output.json_output import JsonOutput
 from backends.worker.pooler import pool_last_tokens
-from backends.worker.sampler import MAX_LOGPROBS, SampleRow
+from backends.worker.sampler import MAX_LOGPROBS, SampleRow, Verified, verify
 
 __all__ = ["EngineRequestError", "EngineStats", "LLMEngine", "LoadReport", "ModelRunnerLike"]
 log = logging.getLogger(__name__)
@@ -117,7 +116,8 @@ class LLMEngine:
             raise EngineRequestError(f"first token ids must be in [0, {self.vocab_size})")
         if len(prompt_token_ids) + len(first) > self.max_model_len:
             raise EngineRequestError("prompt and first tokens exceed the context")
-        self.json_output.check(params, first)
+        if params.structured:   # the grammar's code runs for structured requests alone
+            self.json_output.check(params, first)
 
     def validate_embedding(self, prompt_token_ids: list[int]) -> None:
         """`validate` for an embedding input: no output, so the prompt may fill the context."""
@@ -144,7 +144,8 @@ class LLMEngine:
         seq = Sequence(request_id, tuple(prompt_token_ids), params, seed, kv_transfer=kv_transfer)
         for token in () if kv_transfer is None else kv_transfer.first_token_ids:
             seq.append_token(token)
-        self.json_output.start(seq)
+        if params.structured:
+            self.json_output.start(seq)
         self.scheduler.add(seq)
 
     def add_embedding(self, request_id: str, prompt_token_ids: list[int]) -> None:
@@ -303,7 +304,7 @@ class LLMEngine:
     def _row(self, seq: Sequence) -> SampleRow:
         assert seq.params is not None, "an embedding input is never sampled"
         return SampleRow(seq.params, seq.seed, seq.prompt_token_ids, seq.output_token_ids, self.eos_token_ids,
-                         self.json_output.allowed(seq))
+                         None if seq.json_state is None else self.json_output.allowed(seq))
 
     def _append(self, s: ScheduledSeq, v: Verified) -> SequenceOutput:
         """Append the step's tokens up to the first that ends the sequence (the caller finishes it)."""
@@ -320,7 +321,8 @@ class LLMEngine:
         count = 0
         for token in v.token_ids:
             seq.append_token(token)
-            self.json_output.advance(seq, token)
+            if seq.json_state is not None:
+                self.json_output.advance(seq, token)
             count += 1
             reason = self._finish_reason(seq, token)
             if reason is not None:

@@ -1,20 +1,17 @@
-"""Connector names (`KVConnectorName`, in backends/core/engine_config.py with the list that names them)
-and the one table from name to factory; `build_kv_connector` builds what an `EngineConfig` names, in its
-order, and composes several into one `MultiConnector`.
-Adding a connector = one file in kv_connectors/ with a `ConnectorFactory`, one member of `KVConnectorName`
-and one line in `_FACTORIES`."""
+"""Connector names (`KVConnectorName`, in backends/core/engine_config.py with the list that names them, each
+member with its factory's module); `build_kv_connector` builds what an `EngineConfig` names, in its order, and
+composes several into one `MultiConnector`. A connector's module is imported only when a worker uses it.
+Adding a connector = one file in kv_connectors/ with a `ConnectorFactory`, and one member of `KVConnectorName`."""
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 from backends.core.block_events import KVEventRing
 from backends.core.engine_config import EngineConfig, KVConnectorName
 from backends.kv_connectors.base import KVConnector
 from backends.kv_connectors.multi import MultiConnector
-from backends.kv_connectors.pd_connector import build_pd_connector
-from backends.kv_connectors.tiers.factory import build_tiered_connector
 
 __all__ = ["ConnectorFactory", "KVConnectorName", "build_kv_connector", "connector_factory"]
 
@@ -22,18 +19,16 @@ __all__ = ["ConnectorFactory", "KVConnectorName", "build_kv_connector", "connect
 # the engine's KV event ring) -> a connector
 ConnectorFactory = Callable[[EngineConfig, Any, str, KVEventRing], KVConnector]
 
-_FACTORIES: Mapping[KVConnectorName, ConnectorFactory] = MappingProxyType({
-    KVConnectorName.PD: build_pd_connector,
-    KVConnectorName.TIERS: build_tiered_connector,
-})
-
-
 def connector_factory(name: KVConnectorName | str) -> ConnectorFactory:
     """The factory for `name`; ValueError for a name no connector has."""
     try:
-        return _FACTORIES[KVConnectorName(name)]
+        member = KVConnectorName(name)
     except ValueError:
-        raise ValueError(f"unknown KV connector {name!r} (known: {', '.join(n.value for n in _FACTORIES)})") from None
+        known = ", ".join(n.value for n in KVConnectorName)
+        raise ValueError(f"unknown KV connector {name!r} (known: {known})") from None
+    module, function = member.target.split(":")
+    factory: ConnectorFactory = getattr(importlib.import_module(module), function)
+    return factory
 
 
 def build_kv_connector(config: EngineConfig, kv_cache: Any, weights_fingerprint: str,

@@ -1,4 +1,5 @@
-"""The worker's aiohttp app factory: typed state, engine/tokenizer lifetimes, the error middleware, routes.
+"""The worker's aiohttp app factory: typed state, engine/tokenizer lifetimes, the error and drain middlewares,
+routes.
 
 Run it with `handler_cancellation=True` (as `__main__` does) so that a client that goes away
 cancels its handler and thereby aborts its sequence.
@@ -10,12 +11,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from backends.core.engine_config import EngineConfig
 from backends.kv_connectors.pd_connector import PDConnector
 from backends.server import auth, disagg, embeddings, openai_routes, openapi, ops_routes, status
 from backends.server.config import ServerConfig
-from backends.server.drain import DRAIN, Drain
 from backends.server.errors import APIError, ErrorType, error_body
 from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
 from backends.server.metrics import EngineCollector, ServerMetrics
@@ -25,6 +26,38 @@ log = logging.getLogger(__name__)
 
 EngineFactory = Callable[[EngineConfig], WorkerEngine]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+# Routes a draining worker still serves: probes, scrapes and the gateway's pollers.
+_ALWAYS = frozenset({"/metrics", "/load", "/kv_events", "/kv_holds/release"})   # a release speeds the drain
+
+
+class Drain:
+    """Counts the HTTP requests in flight; `draining` turns new ones away."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.num_in_flight = 0
+
+    def middleware(self) -> Middleware:
+        @web.middleware
+        async def drain_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+            if request.path in _ALWAYS:
+                return await handler(request)
+            if self.draining:
+                raise APIError("This worker is shutting down; retry the request on another worker.",
+                               status=HTTPStatus.SERVICE_UNAVAILABLE, error_type=ErrorType.UNAVAILABLE,
+                               code="shutting_down")
+            self.num_in_flight += 1
+            try:
+                return await handler(request)
+            finally:
+                self.num_in_flight -= 1
+
+        return drain_middleware
+
+
+DRAIN: web.AppKey[Drain] = web.AppKey("switchyard_worker_drain", Drain)
 
 
 def create_app(

@@ -1,7 +1,8 @@
 """A worker's graceful shutdown: on SIGTERM it answers new generation requests with 503
 `shutting_down` and /health with 503 (the gateway's poller stops routing to it) while the listener
 stays open; the requests in flight finish, blocks held for a decode worker are pulled or expire, and
-only then does the server close. It never cancels a request itself.
+only then does the server close. It never cancels a request itself. The app's `Drain` middleware
+(backends/server/app.py) counts the requests in flight and turns new ones away.
 """
 from __future__ import annotations
 
@@ -9,51 +10,16 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
-from http import HTTPStatus
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 
-from backends.server.errors import APIError, ErrorType
+from backends.server.app import DRAIN
 from backends.server.keys import ENGINE_KEY
 from backends.server.protocol_errors import answer_protocol_errors_in_json
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-# Routes a draining worker still serves: probes, scrapes and the gateway's pollers.
-_ALWAYS = frozenset({"/metrics", "/load", "/kv_events", "/kv_holds/release"})   # a release speeds the drain
 _POLL_S = 0.05
-
-
-class Drain:
-    """Counts the HTTP requests in flight; `draining` turns new ones away."""
-
-    def __init__(self) -> None:
-        self.draining = False
-        self.num_in_flight = 0
-
-    def middleware(self) -> Middleware:
-        @web.middleware
-        async def drain_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-            if request.path in _ALWAYS:
-                return await handler(request)
-            if self.draining:
-                raise APIError("This worker is shutting down; retry the request on another worker.",
-                               status=HTTPStatus.SERVICE_UNAVAILABLE, error_type=ErrorType.UNAVAILABLE,
-                               code="shutting_down")
-            self.num_in_flight += 1
-            try:
-                return await handler(request)
-            finally:
-                self.num_in_flight -= 1
-
-        return drain_middleware
-
-
-DRAIN: web.AppKey[Drain] = web.AppKey("switchyard_worker_drain", Drain)
 
 
 async def serve(app: web.Application, host: str, port: int, drain_timeout_s: float) -> None:

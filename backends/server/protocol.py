@@ -28,6 +28,8 @@ MAX_STOP_STRING_CHARS = 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1     # what torch.Generator.manual_seed accepts
 _CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# The fields of tool use (`parse_tools`); a body with none of them has none to parse.
+_TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls", "functions", "function_call"})
 
 
 class RequestKind(str, enum.Enum):
@@ -99,7 +101,7 @@ def parse_request(kind: RequestKind, body: Any, ctx: ParseContext) -> GenerateRe
     continue_final, add_generation_prompt = False, True
     tools = None
     if kind is RequestKind.CHAT:
-        tools = parse_tools(body)
+        tools = parse_tools(body) if not _TOOL_FIELDS.isdisjoint(body) else None
         messages = _parse_messages(body.get("messages"))
         continue_final, add_generation_prompt = _parse_final_message(body, messages)
         max_tokens = opt_int(body, "max_completion_tokens", 1) or opt_int(body, "max_tokens", 1)
@@ -269,8 +271,8 @@ def _parse_message(index: int, message: Any) -> ChatMessage:
     call_id = message.get("tool_call_id")
     if call_id is not None and (role != "tool" or not isinstance(call_id, str)):
         raise invalid_param(f"{param}.tool_call_id", "tool_call_id is a tool message's string.")
-    return ChatMessage(role=role, content=content, tool_calls=parse_tool_calls(f"{param}.tool_calls", calls),
-                       tool_call_id=call_id)
+    return ChatMessage(role=role, content=content, tool_call_id=call_id,
+                       tool_calls=() if calls is None else parse_tool_calls(f"{param}.tool_calls", calls))
 
 
 def _join_text_parts(param: str, parts: list[Any]) -> str:
@@ -307,13 +309,16 @@ def _parse_stream_options(body: dict[str, Any], stream: bool) -> bool:
 def _parse_sampling(body: dict[str, Any], vocab_size: int, max_tokens: int | None,
                     logprobs: int | None, tools: ToolCalling | None) -> SamplingParams:
     seed = opt_int(body, "seed", SEED_MIN, SEED_MAX)
-    output_format = parse_response_format(body)
-    refuse_with_structured_output(tools, output_format.structured)
-    json_schema = tools.schema if tools is not None and tools.calls else output_format.json_schema
-    structured = output_format.structured or json_schema is not None
+    output_format = parse_response_format(body) if body.get("response_format") is not None else None
+    structured_format = output_format is not None and output_format.structured
+    if tools is not None:
+        refuse_with_structured_output(tools, structured_format)
+    json_schema = tools.schema if tools is not None and tools.calls else \
+        output_format.json_schema if output_format is not None else None
+    structured = structured_format or json_schema is not None
     ignore_eos, min_tokens = opt_bool(body, "ignore_eos") or False, default(opt_int(body, "min_tokens", 0), 0)
     if structured and (ignore_eos or min_tokens):
-        raise invalid_param("response_format" if output_format.structured else "tool_choice",
+        raise invalid_param("response_format" if structured_format else "tool_choice",
                             "A JSON response ends when its JSON value closes: it cannot be combined with "
                             "ignore_eos or min_tokens.")
     return SamplingParams(
@@ -333,7 +338,7 @@ def _parse_sampling(body: dict[str, Any], vocab_size: int, max_tokens: int | Non
         logit_bias=_parse_logit_bias(body.get("logit_bias"), vocab_size),
         stop=_parse_stop(body.get("stop")),
         speculative=default(opt_bool(body, "speculative"), True) and not structured,
-        json_object=output_format.json_object,
+        json_object=output_format is not None and output_format.json_object,
         json_schema=json_schema,
     )
 

@@ -2,8 +2,8 @@
 
 Each step, before scheduling, the engine asks the proposer for up to `num_tokens` draft tokens per
 decoding sequence (`propose`). The target model then checks them all in one forward over the
-sequence's last token and its drafts (`backends/speculative/verify.py`). A proposer keeps whatever state
-it needs per request id (an n-gram index, a draft model's own paged KV) and drops it in `free`.
+sequence's last token and its drafts (`verify` in `backends/worker/sampler.py`). A proposer keeps whatever
+state it needs per request id (an n-gram index, a draft model's own paged KV) and drops it in `free`.
 
 Drafts are deterministic (a proposer's best guess, not a sample), so verification treats the draft
 distribution as one-hot: the accepted tokens are distributed exactly as the target's own samples.

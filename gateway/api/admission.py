@@ -35,12 +35,11 @@ class Charge:
         self.headers = headers           # x-ratelimit-* for the answer (None: no per-minute limit)
 
 
-async def charge_rate_limit(services: Services, key: ApiKey | None, num_tokens: int) -> Charge | None:
-    """Charge one request and `num_tokens` (prompt + expected output); None: no key, nothing to settle. The
-    daily quota is asked first: a request it refuses never spends the per-minute bucket, and one the per-minute
-    limit refuses is refunded to the quota."""
-    if key is None:
-        return None
+async def charge_rate_limit(services: Services, key: ApiKey, num_tokens: int) -> Charge:
+    """Charge one request of the caller's `key` and `num_tokens` (prompt + expected output); a request without a
+    key (none are configured) has nothing to charge and never comes here. The daily quota is asked first: a
+    request it refuses never spends the per-minute bucket, and one the per-minute limit refuses is refunded to
+    the quota."""
     store, buckets = services.store, []
     daily = key.daily_limits
     if daily is not None:

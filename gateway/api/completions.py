@@ -1,6 +1,6 @@
-"""POST /v1/chat/completions, /v1/completions and /v1/embeddings: parse, count the prompt, admit (the rate
-limit), route, relay; the rate-limit charge is settled on every way out. Who the caller is was settled by the
-access middleware.
+"""POST /v1/chat/completions, /v1/completions and /v1/embeddings: parse, resolve the model (`model_for`, which
+every API surface uses), count the prompt, admit (the rate limit), route, relay; the rate-limit charge is
+settled on every way out. Who the caller is was settled by the access middleware.
 
 The rate limit is a step here, not a middleware: it charges the prompt's token count, which needs the
 parsed body and the model's tokenizer; a middleware would have to parse and count the body twice.
@@ -21,15 +21,14 @@ from opentelemetry.trace import SpanKind
 
 from cache.block_hash import block_hashes
 from gateway.api.admission import Charge, charge_rate_limit, settle
-from gateway.api.models import model_for
 from gateway.config.gateway_config import LimitsConfig, ModelConfig
-from gateway.errors import BadRequest, GatewayError, RequestTimeout
-from gateway.routing.response_cache import CACHE_HEADER, CachePlan
+from gateway.errors import BadRequest, GatewayError, NotFound, RequestTimeout
+from gateway.routing.response_cache import CACHE_HEADER, CachePlan, ResponseCache
 from gateway.routing.token_count import PromptTokens
 from gateway.server.access_log import ACCESS_RECORD, AccessRecord
 from gateway.server.client_stream import ClientGone, ClientStream, SseResponseFactory, StreamUsage
 from gateway.server.lean_http import LeanRequest
-from gateway.server.middlewares import caller_key
+from gateway.server.middlewares import API_KEY, caller_key
 from gateway.services import SERVICES, Services
 from gateway.telemetry.tracing import request_id_var
 from gateway.upstream.request import EMBEDDINGS_PATH, Outcome, RoutedRequest, num_sequences
@@ -66,6 +65,18 @@ async def _handle(request: web.Request, surface: Surface) -> web.StreamResponse:
     return (await serve(request, surface, body, raw, started_s)).response
 
 
+def model_for(request: web.Request, name: Any) -> ModelConfig:
+    """The configured model `name` (or that one of its aliases names) where the caller's key may use it; else
+    404 `model_not_found`, one answer for a model that is not there and one the key may not use (as OpenAI
+    answers both)."""
+    model = request.app[SERVICES].models_by_name.get(name) if isinstance(name, str) else None
+    key = request.get(API_KEY)
+    if model is None or (key is not None and not key.may_use(model.name)):
+        raise NotFound(f"The model {name!r} does not exist or you do not have access to it", param="model",
+                       code="model_not_found")
+    return model
+
+
 async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any], raw: bytes, started_s: float,
                 sse_response: Callable[[RoutedRequest], SseResponseFactory] | None = None) -> Outcome:
     """Count, admit, route and dispatch a validated body (`raw`: its bytes as forwarded upstream). Another
@@ -87,9 +98,9 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
         key = caller_key(request)
         cache = services.response_cache
         plan = cache.plan(request.headers, surface.value, model, body, key.key_id if key else None) \
-            if cache.enabled_for(model) else None
-        charge = await charge_rate_limit(services, key, prompt.num_tokens + num_expected)
-        cached = await cache.read(plan) if plan is not None else None
+            if cache is not None and cache.enabled_for(model) else None
+        charge = await charge_rate_limit(services, key, prompt.num_tokens + num_expected) if key is not None else None
+        cached = await cache.read(plan) if cache is not None and plan is not None else None
         session_key = request.headers.get(SESSION_HEADER) or None
         session_id = f"{model.name}\x00{session_key}" if session_key else None
         session_endpoint = await services.store.get_session(session_id) if session_id and cached is None else None
@@ -112,27 +123,27 @@ async def serve(request: web.Request, surface: Surface, body: Mapping[str, Any],
             return await _answer_from_cache(services, routed, charge, cached, client, headers)
         if plan is not None:
             services.metrics.on_response_cache(model.name, plan.header)
-            if client is not None and plan.key is not None:
+            if client is not None and plan.key is not None and cache is not None:
                 client.record(cache.max_entry_bytes)
         outcome = await _dispatch(services, routed, charge, client, record)
     if client is None and headers is not None:
         outcome.response.headers.update(headers)
-    if plan is not None and plan.key is not None:
-        _keep(services, plan, outcome, client)
+    if cache is not None and plan is not None and plan.key is not None:
+        _keep(services, cache, plan, outcome, client)
     if outcome.endpoint_id is not None and generates:
         services.estimator.observe(model.name, outcome.usage.num_output_tokens // num_seqs)
     return outcome
 
 
-def _keep(services: Services, plan: CachePlan, outcome: Outcome, client: ClientStream | None) -> None:
+def _keep(services: Services, cache: ResponseCache, plan: CachePlan, outcome: Outcome,
+          client: ClientStream | None) -> None:
     """Into the response cache, in the background: a whole answer (the cache keeps 200s alone), or a stream
     recorded whole."""
     if client is None:
         if isinstance(outcome.response, web.Response):
-            services.background.spawn(services.response_cache.keep(plan, outcome.response.status,
-                                                                   outcome.response.body))
+            services.background.spawn(cache.keep(plan, outcome.response.status, outcome.response.body))
     elif (recorded := client.recorded()) is not None:
-        services.background.spawn(services.response_cache.keep(plan, 200, recorded))
+        services.background.spawn(cache.keep(plan, 200, recorded))
 
 
 def _answer_headers(charge: Charge | None, cache_result: str | None) -> dict[str, str] | None:

@@ -14,8 +14,7 @@ from functools import partial
 import orjson
 from aiohttp import web
 
-from gateway.api.completions import Surface, check_body, decode_json, read_body, serve
-from gateway.api.models import model_for
+from gateway.api.completions import Surface, check_body, decode_json, model_for, read_body, serve
 from gateway.api.reencoded import reencoded_response_class
 from gateway.errors import GatewayError
 from gateway.routing.response_cache import CACHE_HEADER

@@ -1,5 +1,6 @@
 """GET /v1/models and GET /v1/models/{model}: the model names clients may send (the configured aliases, not
-upstream names), those the caller's key may use; and `model_for`, the one lookup of a requested model."""
+upstream names), those the caller's key may use (`completions.model_for`, the one lookup of a requested
+model)."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,22 +8,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.config.gateway_config import ModelConfig
-from gateway.errors import NotFound
-from gateway.server.middlewares import API_KEY, caller_key
+from gateway.api.completions import model_for
+from gateway.server.middlewares import caller_key
 from gateway.services import SERVICES
-
-
-def model_for(request: web.Request, name: Any) -> ModelConfig:
-    """The configured model `name` (or that one of its aliases names) where the caller's key may use it; else
-    404 `model_not_found`, one answer for a model that is not there and one the key may not use (as OpenAI
-    answers both)."""
-    model = request.app[SERVICES].models_by_name.get(name) if isinstance(name, str) else None
-    key = request.get(API_KEY)
-    if model is None or (key is not None and not key.may_use(model.name)):
-        raise NotFound(f"The model {name!r} does not exist or you do not have access to it", param="model",
-                       code="model_not_found")
-    return model
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -17,7 +17,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from gateway.routing.breaker import CircuitState
+from gateway.routing.endpoints import CircuitState
 from gateway.routing.load import TIER_MEDIA
 from gateway.services import SERVICES, Services
 from gateway.state import StoreUnavailable

@@ -42,10 +42,27 @@ from gateway.config.yaml_fields import (
 
 
 class ProviderKind(str, Enum):
-    OPENAI = "openai"          # any OpenAI-compatible server: our workers, vLLM, SGLang, hosted APIs
-    SWITCHYARD_PD = "switchyard-pd"  # disaggregated: a prefill pool then a decode pool (docs/disaggregation.md)
-    ANTHROPIC = "anthropic"    # an Anthropic-compatible Messages API (chat requests translated both ways)
-    VLLM_PD = "vllm-pd"        # disaggregated over vLLM's KV connectors: vLLM prefill then decode pools
+    """The provider kinds, each with where its class lives ("module:attribute", imported by
+    gateway/upstream/providers/__init__.py, since this layer must not import that one): the enum is the
+    registry, and adding a kind is one file in gateway/upstream/providers/ and one member here."""
+    target: str
+
+    def __new__(cls, value: str, *target: str) -> ProviderKind:
+        """A member, `NAME = "name", "module:attribute"`; a lookup by value, `ProviderKind("name")`, never comes
+        here (the enum's machinery answers it), though mypy checks it against this signature."""
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.target = target[0]
+        return member
+
+    # any OpenAI-compatible server: our workers, vLLM, SGLang, hosted APIs
+    OPENAI = "openai", "gateway.upstream.providers.openai:OpenAIProvider"
+    # disaggregated: a prefill pool then a decode pool (docs/disaggregation.md)
+    SWITCHYARD_PD = "switchyard-pd", "gateway.upstream.providers.switchyard_pd:SwitchyardPdProvider"
+    # an Anthropic-compatible Messages API (chat requests translated both ways)
+    ANTHROPIC = "anthropic", "gateway.upstream.providers.anthropic:AnthropicProvider"
+    # disaggregated over vLLM's KV connectors: vLLM prefill then decode pools
+    VLLM_PD = "vllm-pd", "gateway.upstream.providers.vllm_pd:vllm_pd_provider"
 
 
 class Pool(str, Enum):

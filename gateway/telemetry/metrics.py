@@ -2,25 +2,31 @@
 
 In-flight load and circuit states are read at scrape time (a collector), so the hot path only
 increments counters. No module-level registry: two apps in one process do not share metrics.
+
+The counters and histograms are this module's own (`LabelledCounter`, `LabelledHistogram`), for code that runs
+on one event loop's thread: an event is a dict update, with no lock and no per-label child object, read at
+scrape time through `CountsCollector` in the same exposition as prometheus_client's own (less their `_created`
+samples). prometheus_client's metrics take a lock on every increment and walk their buckets in Python; on the
+gateway's hot path that was about 5% of its instructions per request (docs/gateway_performance.md).
 """
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Iterable
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
-
-from gateway.telemetry.counts import CountsCollector, LabelledCounter, LabelledHistogram
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # Mean gaps between a stream's output tokens (a CPU worker's decode step is 20-100 ms).
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 # One row per endpoint at scrape time: (endpoint_id, num_requests, num_prefill_tokens, num_decode_tokens, circuit),
-# the circuit as routing/breaker.py's CircuitState (an IntEnum: 0 closed, 1 half-open, 2 open)
+# the circuit as routing/endpoints.py's CircuitState (an IntEnum: 0 closed, 1 half-open, 2 open)
 EndpointRow = tuple[str, int, int, int, int]
 # One row per endpoint, poller and cause that failed: (endpoint_id, poller, cause, failures so far)
 PollFailureRow = tuple[str, str, str, int]
@@ -87,7 +93,7 @@ class _RuntimeCollector(Collector):
 
 
 class Metrics:
-    """The gateway's counters and histograms (gateway/telemetry/counts.py: a dict update per event)."""
+    """The gateway's counters and histograms (below: a dict update per event)."""
 
     def __init__(self, endpoint_rows: Callable[[], Iterable[EndpointRow]],
                  poll_failure_rows: Callable[[], Iterable[PollFailureRow]] = tuple,
@@ -194,3 +200,72 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LabelledCounter:
+    """A counter per tuple of label values (`inc(("m", "200"))`)."""
+
+    __slots__ = ("_values", "documentation", "labels", "name")
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str] = ()) -> None:
+        self.name = name                  # without `_total`: the exposition adds it
+        self.documentation = documentation
+        self.labels = tuple(labels)
+        self._values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, label_values: tuple[str, ...] = (), amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError(f"{self.name}: a counter only goes up, not by {amount}")
+        values = self._values
+        values[label_values] = values.get(label_values, 0) + amount
+
+    def family(self) -> CounterMetricFamily:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+        for label_values, value in self._values.items():
+            family.add_metric(label_values, value)
+        return family
+
+
+class LabelledHistogram:
+    """A histogram per tuple of label values; `buckets` are the finite upper bounds (`le`, inclusive)."""
+
+    __slots__ = ("_bounds", "_rows", "documentation", "labels", "name")
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str], buckets: Sequence[float]) -> None:
+        if list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"{name}: buckets must be increasing, got {buckets}")
+        self.name = name
+        self.documentation = documentation
+        self.labels = tuple(labels)
+        self._bounds = tuple(float(b) for b in buckets)
+        # Per label tuple: the count in each bucket alone (the last one +Inf), then the sum of the values.
+        self._rows: dict[tuple[str, ...], list[float]] = {}
+
+    def observe(self, label_values: tuple[str, ...], value: float) -> None:
+        row = self._rows.get(label_values)
+        if row is None:
+            row = self._rows[label_values] = [0.0] * (len(self._bounds) + 2)
+        row[bisect_left(self._bounds, value)] += 1
+        row[-1] += value
+
+    def family(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
+        names = [floatToGoString(b) for b in self._bounds] + ["+Inf"]
+        for label_values, row in self._rows.items():
+            cumulative, buckets = 0.0, []
+            for name, count in zip(names, row[:-1], strict=True):
+                cumulative += count
+                buckets.append((name, cumulative))
+            family.add_metric(list(label_values), buckets, row[-1])
+        return family
+
+
+class CountsCollector(Collector):
+    """Exposes counters and histograms to a prometheus_client registry."""
+
+    def __init__(self, metrics: Iterable[LabelledCounter | LabelledHistogram]) -> None:
+        self._metrics = tuple(metrics)
+
+    def collect(self) -> Iterable[CounterMetricFamily | HistogramMetricFamily]:
+        for metric in self._metrics:
+            yield metric.family()

@@ -1,8 +1,10 @@
 """What a provider drives its legs with (`Legs`): choose an endpoint in a pool, send one leg under a load
 lease, its breaker and the first-byte deadline, and relay a whole answer to the client, or a streamed one
-through gateway/upstream/relay.py.
+through gateway/upstream/relay.py; `leg_body`, the client's body as a provider's endpoints take it (a
+continuation's from mid_stream_resume.py).
 
-It never walks the provider chain or retries (dispatch.py does) and never builds a wire body (providers do).
+It never walks the provider chain or retries (dispatch.py does) and never builds a provider's own wire body
+(a prefill or decode leg's: the P/D providers do).
 """
 from __future__ import annotations
 
@@ -19,9 +21,8 @@ import orjson
 from aiohttp import web
 
 from cache.prefix_index import NO_MATCH, MatchedByMedium, PrefixIndex, num_cached_tokens
-from gateway.config.gateway_config import Pool
-from gateway.routing.breaker import CircuitBreaker, eligible
-from gateway.routing.endpoints import Endpoint, UpstreamRegistry
+from gateway.config.gateway_config import Pool, ProviderConfig
+from gateway.routing.endpoints import CircuitBreaker, Endpoint, UpstreamRegistry, eligible
 from gateway.routing.load import Lease, LoadTracker
 from gateway.server.client_stream import ClientGone, ClientStream, StreamUsage, apply_usage
 from gateway.state import StateStore
@@ -29,8 +30,18 @@ from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.tracing import REQUEST_ID_HEADER, Tracing
 from gateway.upstream.deadlines import TaskDeadline
 from gateway.upstream.http_client import UpstreamClient
+from gateway.upstream.mid_stream_resume import continuation_body
 from gateway.upstream.relay import CONNECT_ERRORS, relay_stream
-from gateway.upstream.request import Leg, Outcome, Progress, ProviderExhausted, RetryableFailure, Wire
+from gateway.upstream.request import (
+    Leg,
+    Outcome,
+    Progress,
+    ProviderExhausted,
+    RetryableFailure,
+    Wire,
+    asks_token_ids,
+)
+from gateway.upstream.so_far import SoFar
 from policies.base import Decision, EndpointState, Policy
 
 log = logging.getLogger(__name__)
@@ -282,6 +293,22 @@ class Legs:
                            endpoint: Endpoint, sent_before: bytes = b"") -> Outcome:
         """Relay SSE bytes as they arrive (gateway/upstream/relay.py)."""
         return await relay_stream(self.metrics, progress, response, first, lease, endpoint, sent_before)
+
+
+def leg_body(config: ProviderConfig, body: Mapping[str, Any], raw: bytes, *, can_fail_over: bool,
+             so_far: SoFar | None) -> tuple[bytes, bool] | None:
+    """The body of a leg to `config`'s endpoints and whether the continuation's usage already counts the
+    output so far; `raw` (the client's bytes) when nothing changes. With `can_fail_over` our workers are asked
+    for token ids. For a continuation (`so_far`), mid-stream resume's body, None when this provider cannot
+    continue it."""
+    out: dict[str, Any] | None = None
+    if config.upstream_model is not None and body.get("model") != config.upstream_model:
+        out = {**body, "model": config.upstream_model}
+    if can_fail_over and config.offers_token_ids and not asks_token_ids(body):
+        out = {**(out or body), "return_token_ids": True}
+    if so_far is None:
+        return (raw, False) if out is None else (orjson.dumps(out), False)
+    return continuation_body(config, dict(out or body), so_far)
 
 
 def error_message(body: bytes) -> str:

@@ -5,7 +5,7 @@ answer, the answer goes on elsewhere as a continuation, and the client sees one 
   has half of one when the stream breaks).
 - `answered_so_far` reads a broken stream's transcript into what the client has of each choice (`SoFar`,
   so_far.py).
-- `leg_body` builds an upstream body: for a continuation, the prompt plus the output so far. Our workers
+- `continuation_body` builds a continuation's upstream body: the prompt plus the output so far. Our workers
   (`offers_token_ids`) take the exact tokens of each choice (`resume_token_ids`), so greedy and seeded
   sampling, `n` > 1, batches and tool calls go on as if nothing had happened; any other engine gets text:
   completions prompt + text (several choices as one batch: text_batch.py), chat an assistant prefix
@@ -136,23 +136,9 @@ def answered_so_far(transcript: Transcript, chat: bool, num_choices: int = 1) ->
     return SoFar(envelope, tuple(r.so_far() for r in readers))
 
 
-def asks_token_ids(request_body: Mapping[str, Any]) -> bool:
-    return request_body.get("return_token_ids") is True
-
-
-def leg_body(config: ProviderConfig, body: Mapping[str, Any], raw: bytes, *, can_fail_over: bool,
-             so_far: SoFar | None) -> tuple[bytes, bool] | None:
-    """The body of a leg to `config`'s endpoints and whether the continuation's usage already counts the
-    output so far; `raw` (the client's bytes) when nothing changes. With `can_fail_over` our workers are asked
-    for token ids. For a continuation (`so_far`), None when this provider cannot continue it."""
-    out: dict[str, Any] | None = None
-    if config.upstream_model is not None and body.get("model") != config.upstream_model:
-        out = {**body, "model": config.upstream_model}
-    if can_fail_over and config.offers_token_ids and not asks_token_ids(body):
-        out = {**(out or body), "return_token_ids": True}
-    if so_far is None:
-        return (raw, False) if out is None else (orjson.dumps(out), False)
-    out = dict(out or body)
+def continuation_body(config: ProviderConfig, out: dict[str, Any], so_far: SoFar) -> tuple[bytes, bool] | None:
+    """A continuation's body for `config`'s endpoints from `out` (the first leg's body, as `legs.leg_body` built
+    it), and whether its usage already counts the output so far; None when this provider cannot continue it."""
     if config.offers_token_ids and all(c.token_ids is not None for c in so_far.choices):
         resumed = so_far.resume_token_ids()
         if resumed is not None:

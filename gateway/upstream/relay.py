@@ -20,8 +20,8 @@ from gateway.routing.load import Lease
 from gateway.server.client_stream import DONE_EVENT, ClientGone, ClientStream, SseCounter, error_event
 from gateway.telemetry.metrics import Metrics
 from gateway.upstream.connection import UpstreamBody
-from gateway.upstream.mid_stream_resume import StreamBroken, Transcript, asks_token_ids, without_token_ids
-from gateway.upstream.request import Outcome, Progress, RetryableFailure
+from gateway.upstream.mid_stream_resume import StreamBroken, Transcript, without_token_ids
+from gateway.upstream.request import Outcome, Progress, RetryableFailure, asks_token_ids
 
 log = logging.getLogger(__name__)
 

@@ -33,6 +33,11 @@ def num_sequences(body: Mapping[str, Any]) -> int:
     return (body.get("n") or 1) * num_prompts
 
 
+def asks_token_ids(body: Mapping[str, Any]) -> bool:
+    """The client asked for our workers' token ids itself (so they are not stripped from its answer)."""
+    return body.get("return_token_ids") is True
+
+
 # Built for every request: NamedTuples, immutable and cheaper to build than frozen dataclasses (policies/base.py).
 class RoutedRequest(NamedTuple):
     model: ModelConfig                  # the client's model, resolved from config

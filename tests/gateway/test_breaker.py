@@ -1,8 +1,8 @@
-"""gateway/routing/breaker.py: the circuit breaker's state machine, and never ejecting every endpoint."""
+"""gateway/routing/endpoints.py: the circuit breaker's state machine, and never ejecting every endpoint."""
 from __future__ import annotations
 
 from gateway.config.gateway_config import BreakerConfig
-from gateway.routing.breaker import CircuitBreaker, CircuitState, eligible
+from gateway.routing.endpoints import CircuitBreaker, CircuitState, eligible
 from tests.support.clock import ManualClock
 
 

@@ -1,5 +1,5 @@
-"""gateway/telemetry/counts.py against prometheus_client's own Counter and Histogram: the same events give the same
-samples in the exposition (less prometheus_client's `_created` ones)."""
+"""The lock-free counters of gateway/telemetry/metrics.py against prometheus_client's own Counter and Histogram:
+the same events give the same samples in the exposition (less prometheus_client's `_created` ones)."""
 from __future__ import annotations
 
 import random
@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.telemetry.counts import CountsCollector, LabelledCounter, LabelledHistogram
+from gateway.telemetry.metrics import CountsCollector, LabelledCounter, LabelledHistogram
 
 BUCKETS = (0.0005, 0.001, 0.0025, 0.01, 0.1, 1, 2.5)
 

@@ -10,13 +10,8 @@ import orjson
 import pytest
 
 from gateway.config.gateway_config import ProviderConfig, ProviderKind
-from gateway.upstream.mid_stream_resume import (
-    Stitcher,
-    Transcript,
-    answered_so_far,
-    leg_body,
-    without_token_ids,
-)
+from gateway.upstream.legs import leg_body
+from gateway.upstream.mid_stream_resume import Stitcher, Transcript, answered_so_far, without_token_ids
 from gateway.upstream.so_far import ChoiceSoFar, SoFar
 from tests.gateway.conftest import gateway_config, metric
 from tests.gateway.test_streaming import read_events

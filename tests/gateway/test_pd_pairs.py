@@ -3,8 +3,7 @@ report, and by refusals remembered until they expire or either worker reports ot
 from __future__ import annotations
 
 from gateway.config.gateway_config import BreakerConfig
-from gateway.routing.breaker import CircuitBreaker
-from gateway.routing.endpoints import Endpoint
+from gateway.routing.endpoints import CircuitBreaker, Endpoint
 from gateway.upstream.providers.pd_pairs import PdPairs
 
 

@@ -1,26 +1,23 @@
-"""The provider-kind registry: adding a kind is one module and one line here."""
+"""The provider-kind registry: each `ProviderKind` member names its kind's module (gateway/config); adding a
+kind is one module here and one member there."""
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
+import importlib
+from collections.abc import Callable
 
 from gateway.config.gateway_config import ProviderConfig, ProviderKind
-from gateway.upstream.providers.anthropic import AnthropicProvider
 from gateway.upstream.providers.base import Provider, ProviderRun
-from gateway.upstream.providers.openai import OpenAIProvider
-from gateway.upstream.providers.switchyard_pd import SwitchyardPdProvider
-from gateway.upstream.providers.vllm_pd import vllm_pd_provider
 
-PROVIDER_KINDS: Mapping[ProviderKind, Callable[[ProviderConfig], Provider]] = MappingProxyType({
-    ProviderKind.OPENAI: OpenAIProvider,
-    ProviderKind.SWITCHYARD_PD: SwitchyardPdProvider,
-    ProviderKind.ANTHROPIC: AnthropicProvider,
-    ProviderKind.VLLM_PD: vllm_pd_provider,
-})
+
+def provider_class(kind: ProviderKind) -> Callable[[ProviderConfig], Provider]:
+    """What builds a provider of `kind`, imported from the module its member names."""
+    module, attribute = kind.target.split(":")
+    built: Callable[[ProviderConfig], Provider] = getattr(importlib.import_module(module), attribute)
+    return built
 
 
 def make_provider(config: ProviderConfig) -> Provider:
-    return PROVIDER_KINDS[config.kind](config)
+    return provider_class(config.kind)(config)
 
 
-__all__ = ["PROVIDER_KINDS", "Provider", "ProviderRun", "make_provider"]
+__all__ = ["Provider", "ProviderRun", "make_provider", "provider_class"]

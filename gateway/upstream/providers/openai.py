@@ -11,8 +11,8 @@ import aiohttp
 from opentelemetry.trace import SpanKind
 
 from gateway.config.gateway_config import ConfigError, ProviderConfig
-from gateway.upstream.legs import Legs
-from gateway.upstream.mid_stream_resume import Stitcher, leg_body
+from gateway.upstream.legs import Legs, leg_body
+from gateway.upstream.mid_stream_resume import Stitcher
 from gateway.upstream.providers.base import ProviderRun
 from gateway.upstream.request import Leg, LegKind, Outcome, Progress, ProviderExhausted, Wire
 

@@ -22,15 +22,8 @@ from gateway.config.gateway_config import ConfigError, Pool, ProviderConfig
 from gateway.routing.endpoints import Endpoint
 from gateway.routing.load import Lease
 from gateway.server.client_stream import DONE_EVENT, ClientGone, StreamUsage, error_event
-from gateway.upstream.legs import MAX_ERROR_BODY, Chosen, Legs, error_code, error_message
-from gateway.upstream.mid_stream_resume import (
-    Stitcher,
-    StreamBroken,
-    Transcript,
-    asks_token_ids,
-    leg_body,
-    without_token_ids,
-)
+from gateway.upstream.legs import MAX_ERROR_BODY, Chosen, Legs, error_code, error_message, leg_body
+from gateway.upstream.mid_stream_resume import Stitcher, StreamBroken, Transcript, without_token_ids
 from gateway.upstream.providers.base import ProviderRun
 from gateway.upstream.providers.openai import openai_wire
 from gateway.upstream.providers.pd_answer import (
@@ -55,6 +48,7 @@ from gateway.upstream.request import (
     ProviderExhausted,
     RetryableFailure,
     Wire,
+    asks_token_ids,
     num_sequences,
 )
 from policies.base import Decision

@@ -18,9 +18,8 @@ from backends.core.spec_state import SpecState
 from backends.speculative.adaptive import SpecPolicy, StepCost
 from backends.speculative.ngram import NgramProposer
 from backends.speculative.proposer import DraftRequest
-from backends.speculative.verify import verify
 from backends.worker.model_runner import ModelRunner
-from backends.worker.sampler import SampleRow
+from backends.worker.sampler import SampleRow, verify
 from tests.backends.engine.test_engine_model import make_engine, run_all, tokens
 from tests.backends.numerics import (
     assert_mostly_clear,
