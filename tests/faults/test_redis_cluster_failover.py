@@ -1,6 +1,6 @@
 """A Redis Cluster master SIGKILLed under load from two gateway replicas (issue 52 §1): both keep answering
 every request from their in-process fallback while its replica takes over, then return to the cluster by
-themselves. What drifts in that window is measured and printed (docs/reliability.md quotes a run):
+themselves. What drifts in that window is measured and printed (docs/reliability.md; runs in docs/benchmarks.md):
 
 - usage: requests answered in the window are counted in the replicas' own memory, not in the cluster;
 - rate limits: each replica enforces a full bucket of its own, so a spent key gets one more burst per replica;
