@@ -40,7 +40,7 @@ from gateway.server.middlewares import (
     make_error_middleware,
 )
 from gateway.services import SERVICES, BackgroundTasks, Services
-from gateway.state import StateStore, make_store
+from gateway.state import StateStore, StoreMisconfigured, open_store
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.tracing import RequestIds, Tracing
 from gateway.upstream.dispatch import Dispatcher, Retrier, RetryBudget
@@ -115,6 +115,11 @@ def _check_policies(config: GatewayConfig) -> None:
 
 async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
+    try:
+        store: StateStore = await open_store(config.redis_url,
+                                             max_response_bytes=config.response_cache.max_memory_bytes)
+    except StoreMisconfigured as exc:
+        raise ConfigError(f"redis_url: {exc}") from None
     tracing = Tracing(config.tracing)
     tracker = LoadTracker()
     prefix_index = PrefixIndex()
@@ -126,7 +131,6 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
     # and upstream cookies are never kept or sent (a dummy jar skips the per-request cookie filtering).
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
                                     auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar())
-    store: StateStore = make_store(config.redis_url, max_response_bytes=config.response_cache.max_memory_bytes)
     retrier = Retrier(config.retries, RetryBudget(config.retries))
     # Peer processes' leases and approximate routing decisions through the store (with Redis: other
     # `--workers` and replicas).

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.redis_cluster_proc import redis_cluster, redis_cluster_session, shared_redis  # noqa: F401
 from tests.support.redis_proc import RedisProc
 
 

@@ -209,7 +209,7 @@ class GatewayConfig:
     models: Mapping[str, ModelConfig] = field(default_factory=dict)        # by client-facing name
     providers: Mapping[str, ProviderConfig] = field(default_factory=dict)  # by provider name
     api_keys: tuple[ApiKeyConfig, ...] = ()   # empty: no authentication
-    redis_url: str | None = None         # shared state across replicas; None: in-process store
+    redis_url: str | None = None         # shared state across replicas (one server or a cluster); None: in-process
     max_body_bytes: int = 1 << 20        # larger request bodies get 413
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     keepalive_s: float = 5.0             # SSE comment interval while the first token is awaited
@@ -245,6 +245,18 @@ def parse_config(text: str, environ: Mapping[str, str], base_dir: Path = Path(".
     return _build_gateway(as_mapping(expand_tree(raw, environ), "config"), base_dir)
 
 
+# redis:// and rediss:// name one server (a cluster node is found out and used as the cluster); the +cluster
+# forms name a Redis Cluster by one or more comma-separated host:port start-up nodes (gateway/state/redis_client.py).
+_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+
+
+def _redis_url(url: str | None) -> str | None:
+    scheme = url.partition("://")[0] if url and "://" in url else None
+    if url is not None and scheme not in _REDIS_SCHEMES:
+        raise ConfigError(f"redis_url: expected one of {', '.join(s + '://' for s in _REDIS_SCHEMES)}, got {url!r}")
+    return url
+
+
 def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
     check_known(raw, set(GatewayConfig.__dataclass_fields__), "config")
     providers = {name: _build_provider(name, body)
@@ -257,7 +269,7 @@ def _build_gateway(raw: Mapping[str, Any], base_dir: Path) -> GatewayConfig:
             if provider not in providers:
                 raise ConfigError(f"models.{model.name}.providers: unknown provider {provider!r}")
     keys = build_keys(raw.get("api_keys") or None, {name: model.name for name, model in named.items()})
-    redis_url = typed_field(raw, "redis_url", str, None, "config") or None
+    redis_url = _redis_url(typed_field(raw, "redis_url", str, None, "config") or None)
     tracing_raw = dict(as_mapping(raw.get("tracing"), "tracing"))
     exporter = enum_value(TracingExporter, tracing_raw.pop("exporter", "none"), "tracing.exporter")
     tracing = simple_record(TracingConfig, tracing_raw, "tracing")

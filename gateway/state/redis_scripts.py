@@ -1,5 +1,7 @@
 """The Lua scripts RedisStore runs with EVALSHA: each one is atomic and costs one round trip.
 
+A script's keys always share one hash slot (RedisStore's key layout), so each runs on a Redis Cluster too.
+
 RATE_LIMIT and CHARGE mirror `bucket.take` and `bucket.charge` line for line (same algorithm as
 MemoryStore); they read the clock with TIME on the Redis server, so replicas need not agree on time.
 """
@@ -66,9 +68,19 @@ expire(KEYS[1], r, k, rc, kc, w)
 return 1
 """
 
+# KEYS[1]: the key's usage hash. ARGV: requests, prompt, cached, completion (added to the fields of the same
+# names).
+RECORD_USAGE = """
+redis.call('HINCRBY', KEYS[1], 'requests', ARGV[1])
+redis.call('HINCRBY', KEYS[1], 'prompt', ARGV[2])
+redis.call('HINCRBY', KEYS[1], 'cached', ARGV[3])
+redis.call('HINCRBY', KEYS[1], 'completion', ARGV[4])
+"""
+
 # Sessions: KEYS[1] the session hash {e: endpoint, ttl: ms}; KEYS[2] the index of live sessions, a
 # sorted set of session keys scored by expiry (ms on Redis's clock), so they can be counted; expired
-# members are pruned on every write, so it holds only what lives.
+# members are pruned on every write, so it holds only what lives. The index is one of several shards,
+# the one whose hash tag the session's key carries.
 _NOW_MS = """
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -92,7 +104,7 @@ redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms)
 redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[2]), KEYS[1])
 """
 
-# KEYS[1]: the index alone. Returns the live sessions.
+# KEYS[1]: one shard of the index alone. Returns its live sessions.
 COUNT_SESSIONS = _NOW_MS + """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms)
 return redis.call('ZCARD', KEYS[1])

@@ -32,6 +32,10 @@ class ResilientStore:
         self._degraded = False
 
     @property
+    def primary(self) -> StateStore:
+        return self._primary
+
+    @property
     def degraded(self) -> bool:
         """True while calls are answered by the fallback (for /health and metrics)."""
         return self._degraded

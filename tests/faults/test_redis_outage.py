@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from gateway.state.redis_store import session_keys
 from tests.faults.client import (
     Reply,
     assert_gateway_serves,
@@ -24,6 +25,7 @@ from tests.faults.client import (
     post,
 )
 from tests.faults.conftest import Processes
+from tests.faults.load import BACK_LOG, OUTAGE_LOG, Load
 from tests.gateway.conftest import gateway_config
 from tests.support.fake_faults import words
 from tests.support.fake_upstream import FakeUpstream
@@ -32,45 +34,11 @@ from tests.support.redis_proc import RedisProc
 from tests.support.wait import await_until
 
 LOAD_KEY, LIMITED_KEY = "sk-load", "sk-limited"
-NUM_CLIENTS = 4
 MAX_LIMITED_PER_MIN = 2   # refills one request per 30 s: nothing refills while the test runs
-OUTAGE_LOG, BACK_LOG = "shared state store unavailable", "shared state store is back"
-
-
-class Load:
-    """Clients that send requests one after another until stopped, streamed and whole, half of them in a
-    session; every request has its own id, and every reply is kept."""
-
-    def __init__(self, url: str) -> None:
-        self._url = url
-        self._stopped = asyncio.Event()
-        self.replies: list[tuple[str, bool, Reply]] = []   # request id, streamed, reply
-
-    async def run(self) -> None:
-        await asyncio.gather(*(self._client(i) for i in range(NUM_CLIENTS)))
-
-    def stop(self) -> None:
-        self._stopped.set()
-
-    async def _client(self, index: int) -> None:
-        num_sent = 0
-        while not self._stopped.is_set():
-            stream = num_sent % 2 == 1
-            headers = {"Authorization": f"Bearer {LOAD_KEY}", "x-request-id": new_request_id()}
-            if index % 2:
-                headers["x-session-affinity"] = f"load-{index}"
-            reply = await post(self._url, chat("m", stream), headers=headers)
-            self.replies.append((headers["x-request-id"], stream, reply))
-            num_sent += 1
-
-
-async def _wait_for_more(load: Load, num_more: int, what: str) -> None:
-    target = len(load.replies) + num_more
-    await await_until(lambda: len(load.replies) >= target, what)
 
 
 def _session_key(session: str) -> str:
-    return f"switchyard:session:m\x00{session}"   # RedisStore's key for the model's session
+    return session_keys("switchyard:", f"m\x00{session}")[0]   # RedisStore's key for the model's session
 
 
 async def _in_session(gateway: GatewayProcess, session: str, sent: list[str]) -> str:
@@ -127,18 +95,18 @@ async def test_redis_killed_and_restarted_under_load(fleet: tuple[list[FakeUpstr
     home = await _in_session(gateway, "kept", sent)
     assert admin.hget(_session_key("kept"), "e") == url_of[home]
 
-    load = Load(gateway.url)
+    load = Load([gateway.url], LOAD_KEY)
     running = asyncio.create_task(load.run())
     try:
-        await _wait_for_more(load, 10, "requests to flow")
+        await load.wait_for_more(10, "requests to flow")
         redis_server.kill()
         await await_until(lambda: OUTAGE_LOG in gateway.log(), "the gateway to see the outage")
-        await _wait_for_more(load, 20, "requests answered during the outage")
+        await load.wait_for_more(20, "requests answered during the outage")
         _assert_limited(await _limited(gateway, sent))   # limits are kept in-process
 
         redis_server.start()   # the same port, empty
         await await_until(lambda: BACK_LOG in gateway.log(), "the gateway to switch back to Redis")
-        await _wait_for_more(load, 10, "requests answered after the recovery")
+        await load.wait_for_more(10, "requests answered after the recovery")
     finally:
         load.stop()
         await running

@@ -92,7 +92,7 @@ def test_env_is_expanded_after_parsing_and_quoted_in_flow_collections() -> None:
     assert parse_config(policy, {}).models["m"].policy.name == "power_of_two"
     assert parse_config(policy, {}).models["m"].policy.named
     assert parse_config(policy, {"POLICY": "least_requests"}).models["m"].policy.name == "least_requests"
-    tricky = "x: 1\n  # {not: structure}"  # would add a key or a comment if expanded before parsing
+    tricky = "redis://x: 1\n  # {not: structure}"  # would add a key or a comment if expanded before parsing
     config = parse_config(MINIMAL + "redis_url: ${URL}\n", {"URL": tricky})
     assert config.redis_url == tricky
     with pytest.raises(ConfigError, match=r"must be quoted"):

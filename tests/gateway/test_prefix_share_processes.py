@@ -1,20 +1,21 @@
 """The approximate prefix index shared between real gateway processes behind one Redis
 (gateway/routing/prefix_share.py): a conversation routed by one process has its next turn follow its prefix in the
-other. The sharing itself, on both stores, is in tests/gateway/state/test_prefix_share.py."""
+other, on one Redis server and on a Redis Cluster. The sharing itself, on both stores, is in
+tests/gateway/state/test_prefix_share.py."""
 from __future__ import annotations
 
 import aiohttp
 
 from tests.gateway.conftest import gateway_config, metric
 from tests.gateway.test_prefix_routing import served_by
-from tests.support.redis_proc import RedisProc
+from tests.support.redis_cluster_proc import SharedRedis
 from tests.support.wait import await_until
 
 
 async def test_a_conversation_follows_its_prefix_across_gateway_processes(start_fakes, start_gateway,
-                                                                         redis_server: RedisProc) -> None:
+                                                                         shared_redis: SharedRedis) -> None:
     fakes = start_fakes("a", "b", "c")
-    config = gateway_config({"p": [f.url for f in fakes]}, policy="prefix_aware", redis_url=redis_server.url)
+    config = gateway_config({"p": [f.url for f in fakes]}, policy="prefix_aware", redis_url=shared_redis.url)
     config["pollers"]["share_interval_s"] = 0.05
     first_process, second_process = start_gateway(config), start_gateway(config)
     # No common system prompt: the second process has never seen any of these prefixes, so a prefix hit

@@ -60,12 +60,12 @@ api_keys: [{{key_id: a, key: s, {field}: 0}}]"""
             parse_config(text, {})
 
 
-async def test_two_replicas_share_one_quota_through_redis(start_fakes, start_gateway, redis_server) -> None:
+async def test_two_replicas_share_one_quota_through_redis(start_fakes, start_gateway, shared_redis) -> None:
     """The fake answers each request with usage of 10 tokens; a 45-token quota lets four or five through,
     whichever replica they reach (one more where a settlement, in the background with Redis, lags the next
     request), then refuses with `insufficient_quota` and a Retry-After in hours."""
     (fake,) = start_fakes("e0")
-    config = gateway_config({"p": [fake.url]}, redis_url=redis_server.url,
+    config = gateway_config({"p": [fake.url]}, redis_url=shared_redis.url,
                             api_keys=[{"key_id": "k", "key": "sk-quota", "max_tokens_per_day": 45}])
     replicas = [start_gateway(config), start_gateway(config)]
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}

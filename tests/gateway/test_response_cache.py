@@ -9,7 +9,6 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-import redis
 
 from gateway.config.gateway_config import ModelConfig, ResponseCacheConfig
 from gateway.errors import BadRequest
@@ -118,9 +117,9 @@ async def ask(client: aiohttp.ClientSession, url: str, body: dict[str, Any], key
         return await response.read(), response.headers.get(CACHE_HEADER)
 
 
-async def test_two_replicas_share_answers_through_redis(start_fakes, start_gateway, redis_server) -> None:
+async def test_two_replicas_share_answers_through_redis(start_fakes, start_gateway, shared_redis) -> None:
     (fake,) = start_fakes("e0")
-    config = gateway_config({"p": [fake.url]}, redis_url=redis_server.url, response_cache={"ttl_s": 60},
+    config = gateway_config({"p": [fake.url]}, redis_url=shared_redis.url, response_cache={"ttl_s": 60},
                             api_keys=[{"key_id": "a", "key": "sk-a"}, {"key_id": "b", "key": "sk-b"}],
                             limits={"metrics_public": True})
     replica1, replica2 = start_gateway(config), start_gateway(config)
@@ -158,7 +157,7 @@ async def test_two_replicas_share_answers_through_redis(start_fakes, start_gatew
         await await_until(expired, "the short-lived entry to expire", timeout_s=30)
     assert metric(replica2, "switchyard_response_cache_total", result="hit") >= 1
     assert metric(replica1, "switchyard_response_cache_total", result="bypass") == 2
-    assert redis.Redis.from_url(redis_server.url).keys("switchyard:resp:*"), "the answers live in Redis"
+    assert shared_redis.keys("switchyard:resp:*"), "the answers live in Redis"
 
 
 def test_without_redis_the_gateway_keeps_answers_itself(start_fakes, start_gateway) -> None:

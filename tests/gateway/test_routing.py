@@ -30,9 +30,9 @@ def chat(content: str = "hi", **extra: Any) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "user", "content": content}], **extra}
 
 
-async def test_session_affinity_across_two_replicas(start_fakes, start_gateway, redis_server) -> None:
+async def test_session_affinity_across_two_replicas(start_fakes, start_gateway, shared_redis) -> None:
     fakes = start_fakes("e0", "e1", "e2")
-    config = gateway_config({"p": [f.url for f in fakes]}, policy="session_affinity", redis_url=redis_server.url)
+    config = gateway_config({"p": [f.url for f in fakes]}, policy="session_affinity", redis_url=shared_redis.url)
     config["models"]["m"]["policy"]["options"] = {"load_factor": 1.25}
     replica1, replica2 = start_gateway(config), start_gateway(config)
     async with aiohttp.ClientSession() as client:

@@ -54,3 +54,22 @@ def _bindable(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+CLUSTER_BUS_OFFSET = 10_000      # a Redis Cluster node also listens on its port + 10000 (the cluster bus)
+
+
+def free_cluster_port() -> int:
+    """A port for a Redis Cluster node: it and its bus port (+10000) both outside the ephemeral range, free a
+    moment ago, never handed out before, and the bus port still a valid port (so the port is below 55536)."""
+    low, high = _candidate_range()
+    high = min(high - CLUSTER_BUS_OFFSET, 65_535 - CLUSTER_BUS_OFFSET)
+    if high - low < 100:
+        raise RuntimeError(f"no room for a port and its bus port (+{CLUSTER_BUS_OFFSET}) outside the ephemeral range")
+    for _ in range(1000):
+        port = random.randint(low, high)
+        bus = port + CLUSTER_BUS_OFFSET
+        if {port, bus}.isdisjoint(_handed_out) and _bindable(port) and _bindable(bus):
+            _handed_out.update((port, bus))
+            return port
+    raise RuntimeError(f"no free port pair in {low}-{high} after 1000 tries")

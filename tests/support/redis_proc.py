@@ -1,5 +1,7 @@
 """A real `redis-server` for tests: free port, temp dir, no persistence; kill/pause/restart on the SAME port
-so that "Redis died mid-run" can be tested against clients that keep their configured URL.
+so that "Redis died mid-run" can be tested against clients that keep their configured URL. A node of a Redis
+Cluster (tests/support/redis_cluster_proc.py) is one of these with cluster options, possibly run inside a
+network namespace (`wrapper`: `ip netns exec NAME`).
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -23,19 +26,30 @@ def redis_server_path() -> str | None:
 class RedisProc:
     """`with RedisProc() as redis: redis.url` — started on enter, stopped and cleaned on exit."""
 
-    def __init__(self, port: int | None = None, start_timeout_s: float = 10.0) -> None:
+    def __init__(self, port: int | None = None, start_timeout_s: float = 10.0, *, host: str = "127.0.0.1",
+                 extra_args: Sequence[str] = (), wrapper: Sequence[str] = ()) -> None:
         executable = redis_server_path()
         if executable is None:
             raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
         self._executable = executable
         self.port = port or free_port()
+        self.host = host
+        # Off a loopback address (inside a namespace the test made, so still reachable by nothing else), protected
+        # mode would refuse every client: there is no password.
+        loopback = host.startswith("127.")
+        self._extra_args = (*(() if loopback else ("--protected-mode", "no")), *extra_args)
+        self._wrapper = tuple(wrapper)         # a command the server runs under, e.g. ip netns exec NAME
         self._start_timeout_s = start_timeout_s
         self._dir = Path(tempfile.mkdtemp(prefix="switchyard-redis-"))
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def directory(self) -> Path:
+        return self._dir
 
     @property
     def running(self) -> bool:
@@ -46,8 +60,8 @@ class RedisProc:
             return self
         log_file = self._dir / "redis.log"
         self._proc = subprocess.Popen(
-            [self._executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self._dir),
-             "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(log_file)],
+            [*self._wrapper, self._executable, "--port", str(self.port), "--bind", self.host, "--dir", str(self._dir),
+             "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(log_file), *self._extra_args],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         proc = self._proc
 
@@ -101,7 +115,18 @@ class RedisProc:
                  tb: TracebackType | None) -> None:
         self.stop()
 
+    def cli(self, *args: str, timeout_s: float = 10.0) -> str:
+        """`redis-cli` against this server (inside its namespace, if any); its output."""
+        done = subprocess.run([*self._wrapper, "redis-cli", "-h", self.host, "-p", str(self.port), *args],
+                              capture_output=True, text=True, timeout=timeout_s, check=True)
+        return done.stdout
+
     def _pings(self) -> bool:
+        if self._wrapper:
+            try:
+                return self.cli("PING", timeout_s=2.0).startswith("PONG")
+            except (subprocess.SubprocessError, OSError):
+                return False
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
                 sock.sendall(b"PING\r\n")

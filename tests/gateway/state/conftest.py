@@ -1,4 +1,4 @@
-"""Fixtures: one real redis-server per test session, and each store kind with a fresh key namespace."""
+"""Fixtures: each store kind (in-process, one real redis-server, a real Redis Cluster) with a fresh key namespace."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from gateway.state import MemoryStore, RedisOptions, RedisStore, StateStore
+from tests.support.redis_cluster_proc import RedisClusterProc
 from tests.support.redis_proc import RedisProc
 
 
@@ -29,14 +30,22 @@ def redis_store(url: str) -> RedisStore:
     return RedisStore(RedisOptions(url=url, key_prefix=f"test-{uuid.uuid4().hex[:12]}:"))
 
 
-@pytest.fixture(params=["memory", "redis"])
+def redis_url(request: pytest.FixtureRequest, kind: str) -> str:
+    """A fresh server's URL, or the session's Redis Cluster (reached by one node's plain URL)."""
+    if kind == "redis-cluster":
+        cluster: RedisClusterProc = request.getfixturevalue("redis_cluster_session")
+        return cluster.url
+    server: RedisProc = request.getfixturevalue("redis_server")
+    return server.url
+
+
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
-    """Each test using it runs once per store kind: the two must behave the same."""
+    """Each test using it runs once per store kind: they must behave the same."""
     if request.param == "memory":
         yield MemoryStore()
         return
-    server: RedisProc = request.getfixturevalue("redis_server")
-    redis = redis_store(server.url)
+    redis = redis_store(redis_url(request, request.param))
     yield redis
     await redis.close()
 
@@ -44,7 +53,7 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
 Wait = Callable[[float], Awaitable[None]]   # lets this many seconds pass for a store
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def clocked_store(request: pytest.FixtureRequest) -> AsyncIterator[tuple[StateStore, Wait]]:
     """A store and how to let time pass for it: MemoryStore runs on a FakeClock that the test moves,
     Redis reads its own clock, so there the time really has to pass."""
@@ -52,7 +61,6 @@ async def clocked_store(request: pytest.FixtureRequest) -> AsyncIterator[tuple[S
         clock = FakeClock()
         yield MemoryStore(clock=clock), clock.advance
         return
-    server: RedisProc = request.getfixturevalue("redis_server")
-    redis = redis_store(server.url)
+    redis = redis_store(redis_url(request, request.param))
     yield redis, asyncio.sleep
     await redis.close()

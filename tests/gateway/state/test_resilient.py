@@ -22,6 +22,7 @@ from gateway.state import (
     StoreUnavailable,
     Usage,
 )
+from gateway.state.redis_store import session_keys
 from tests.support.ports import free_port
 from tests.support.redis_proc import RedisProc
 from tests.support.wait import await_until
@@ -97,7 +98,7 @@ async def test_killed_redis_degrades_to_memory_and_recovers(
     admin = aioredis.Redis.from_url(proc.url, decode_responses=True)
     await resilient.set_session("s", "http://a:1", ttl_s=30)
     await resilient.record_usage("k", 10, 0, 2)
-    assert await admin.hget(f"{PREFIX}session:s", "e") == "http://a:1"   # really on Redis
+    assert await admin.hget(session_keys(PREFIX, "s")[0], "e") == "http://a:1"   # really on Redis
     assert not resilient.degraded
     await admin.aclose()
 
@@ -189,7 +190,8 @@ async def test_a_transport_closed_under_a_call_is_an_outage(proc: RedisProc, mon
         raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
 
     try:
-        monkeypatch.setattr(store._redis, "execute_command", closed_transport)
+        await store.connect()
+        monkeypatch.setattr(store._client, "execute_command", closed_transport)
         with pytest.raises(StoreUnavailable):
             await store.get_session("s")
         assert not await store.ping()
