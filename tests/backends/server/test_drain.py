@@ -19,7 +19,9 @@ async def test_sigterm_drains_then_exits_zero(tmp_path) -> None:
     # The drain deadline only bounds a broken run: 200 tokens took over the default 30 s on a loaded 2-core machine.
     worker = WorkerProcess(["--max-num-seqs", "8", "--drain-timeout-s", "600"], log_dir=tmp_path)
     try:
-        async with aiohttp.ClientSession() as client:
+        # No whole-request deadline (aiohttp's default is 300 s): on a loaded machine the streams take longer, and
+        # pytest's own timeout bounds a broken run; a stall between chunks still ends it.
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_read=300)) as client:
             url = worker.url
             body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": NUM_TOKENS,
                     "ignore_eos": True, "temperature": 0, "stream": True,
