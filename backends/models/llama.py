@@ -62,7 +62,10 @@ class LlamaAttention(nn.Module):
                 qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
             qk = self.kernels.rotate(qk, cos, sin)  # q and k rotated in one pass
             out = attn(self.layer, qk[:, :heads], qk[:, heads:], v)  # [num_tokens, heads, head_dim]
-        return _row_parallel(self.o_proj, out.reshape(num_tokens, heads * head_dim), residual, self.tp)
+        out = out.reshape(num_tokens, heads * head_dim)
+        if self.tp is None:
+            return self.o_proj(out, residual)
+        return _row_parallel(self.o_proj, out, residual, self.tp)
 
 
 class DecoderMLP(Protocol):
@@ -93,6 +96,8 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP output, plus `residual` when given (added inside down_proj's matrix product on CUDA)."""
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        if self.tp is None:
+            return self.down_proj(self.kernels.silu_mul(gate_up), residual)
         return _row_parallel(self.down_proj, self.kernels.silu_mul(gate_up), residual, self.tp)
 
     def load(self, weights: Mapping[str, torch.Tensor | CompressedWeight], layer_prefix: str,
@@ -108,12 +113,9 @@ def llama_mlp(config: ModelConfig, layer: int, kernels: LayerKernels) -> nn.Modu
     return LlamaMLP(config, kernels)
 
 
-def _row_parallel(proj: Linear, x: torch.Tensor, residual: torch.Tensor | None,
-                  tp: TensorParallel | None) -> torch.Tensor:
-    """proj(x) (+ residual); over a group, the ranks' partial products summed by one all-reduce, the residual
+def _row_parallel(proj: Linear, x: torch.Tensor, residual: torch.Tensor | None, tp: TensorParallel) -> torch.Tensor:
+    """proj(x) (+ residual) over a group: the ranks' partial products summed by one all-reduce, the residual
     (replicated on every rank) added by rank 0 alone, inside its product as on one rank."""
-    if tp is None:
-        return proj(x, residual)
     return tp.all_reduce(proj(x, residual if tp.rank == 0 else None))
 
 

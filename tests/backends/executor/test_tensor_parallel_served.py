@@ -20,12 +20,20 @@ from transformers import PreTrainedModel
 
 from backends.core.sampling_params import SamplingParams
 from tests.backends.engine.test_engine_model import hf_greedy
+from tests.backends.executor.ranks import gone, rank_pids
 from tests.backends.executor.tp_checkpoints import tiny_llama
-from tests.backends.numerics import Choice, assert_mostly_clear, assert_same_tokens, choices, float64_copy, \
-    logit_tolerance
+from tests.backends.numerics import (
+    Choice,
+    assert_mostly_clear,
+    assert_same_tokens,
+    choices,
+    float64_copy,
+    logit_tolerance,
+)
 from tests.backends.pd_http import assert_idle, get, post
 from tests.backends.references import prompt_ids, smollm2_vocabulary
 from tests.support.gateway_proc import GatewayProcess
+from tests.support.wait import wait_until
 from tests.support.worker_proc import REPO_ROOT, WorkerProcess, started_workers
 
 pytestmark = pytest.mark.slow
@@ -54,7 +62,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     args = {"tp2": ["--model", str(folder), "--tensor-parallel-size", "2", *COMMON],
             "tp1": ["--model", str(folder), *COMMON]}
     with started_workers(args, tmp_path_factory.mktemp("tp-workers")) as workers:
+        ranks = rank_pids(workers["tp2"].pid)
+        assert len(ranks) == 1, ranks   # rank 1; rank 0 is the worker itself
         yield Served(folder, model, float64_copy(model), workers)
+    wait_until(lambda: all(gone(pid) for pid in ranks), "the group's ranks to exit with the worker")
 
 
 def hf_reference(served: Served, prompt: list[int], max_tokens: int) -> tuple[list[int], list[Choice]]:
@@ -116,3 +127,26 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_at_start(served: Serve
                           timeout=120)
     assert done.returncode != 0
     assert "--tensor-parallel-size 3 does not divide the model's 4 attention heads" in done.stderr, done.stderr
+
+
+def test_smollm2_over_three_ranks_gives_transformers_greedy_tokens(smollm2_dir: Path, hf_smollm2: torch.nn.Module,
+                                                                   hf_smollm2_f64: torch.nn.Module,
+                                                                   tmp_path: Path) -> None:
+    """The bundled SmolLM2 (9 query heads, 3 KV heads, tied embeddings): one KV head per rank at TP=3."""
+    import asyncio
+
+    tokenizer, eos = smollm2_vocabulary()
+    body = {**BODY, "model": "smollm2"}
+    prompt = prompt_ids(tokenizer, body, chat=False)
+    (want, logits), = hf_greedy(hf_smollm2, [prompt], body["max_tokens"], eos)
+    tolerance = logit_tolerance(hf_smollm2, hf_smollm2_f64, [prompt + want])
+    reference = choices(logits, SamplingParams(max_tokens=body["max_tokens"], temperature=0.0), None, eos, tolerance)
+    worker = WorkerProcess(["--model", "smollm2", "--tensor-parallel-size", "3", "--threads", "1",
+                            "--num-blocks", "64"], log_dir=tmp_path)
+    try:
+        status, answer = asyncio.run(post(worker.url, body))
+        assert status == 200, answer
+        assert_same_tokens(answer["choices"][0]["token_ids"], want, reference, "TP=3 against transformers")
+        assert "rank 2:" in worker.log() and "KV blocks" in worker.log()   # each rank's memory, logged at start
+    finally:
+        worker.stop()
