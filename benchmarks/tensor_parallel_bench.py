@@ -112,7 +112,7 @@ def main() -> None:
             torch.set_num_threads(threads)
             single = ModelRunner(folder, dtype=torch.float32, device="cpu", num_blocks=NUM_BLOCKS, block_size=BLOCK)
             run_case(f"TP=1, {threads} thread(s)", single, args, rows)
-            weights = single.weight_bytes()
+            weights = single.weight_bytes()   # (its resident memory would hold the group's leftovers)
             del single
     report(args, rows, traffic, ranks, weights)
 
@@ -129,10 +129,11 @@ def report(args: argparse.Namespace, rows: list[list[str]], traffic: list[list[s
     for row in traffic:
         print("| " + " | ".join(row) + " |")
     print(f"\nTP=1: weights {weights / 1e6:.1f} MB")
-    print("\n| rank | weights MB | read from checkpoint MB | anonymous resident MB |\n|---|---|---|---|")
+    print("\n| rank | weights MB | read from checkpoint MB | anonymous resident MB before / after its shard |")
+    print("|---|---|---|---|")
     for ready in ranks:
         print(f"| {ready.rank} | {ready.weight_bytes / 1e6:.1f} | {ready.read_bytes / 1e6:.1f} | "
-              f"{ready.rss_anon_bytes / 1e6:.1f} |")
+              f"{ready.rss_anon_before_bytes / 1e6:.1f} / {ready.rss_anon_bytes / 1e6:.1f} |")
 
 
 if __name__ == "__main__":

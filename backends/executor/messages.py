@@ -47,6 +47,7 @@ class Ready:
     weight_bytes: int          # bytes of its parameters (its resident share of the model)
     read_bytes: int            # bytes it read from the checkpoint (its slices)
     rss_anon_bytes: int        # its anonymous resident memory after loading (/proc/self/status RssAnon)
+    rss_anon_before_bytes: int  # the same before it built its shard (the interpreter, torch, the group)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,13 +34,14 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
     try:
         tp = join_group(spec.rank, spec.world_size, None, spec.store_port, config.device,
                         config.distributed_timeout_s)
+        before = rss_anon_bytes()
         runner = runner_for(config, Path(spec.model_dir), 0, tp)
     except Exception as exc:  # boundary: the start-up error goes to rank 0, which fails the worker's start
         log.exception("rank %d could not start", spec.rank)
         conn.send(Failed(spec.rank, f"{type(exc).__name__}: {exc}"))
         sys.exit(1)
     conn.send(Ready(rank=spec.rank, num_blocks=runner.num_blocks, weight_bytes=runner.weight_bytes(),
-                    read_bytes=runner.read_bytes, rss_anon_bytes=rss_anon_bytes()))
+                    read_bytes=runner.read_bytes, rss_anon_bytes=rss_anon_bytes(), rss_anon_before_bytes=before))
     code = _serve(spec, conn, runner, tp)
     leave_group()
     sys.exit(code)

@@ -35,9 +35,10 @@ class TensorParallelRunner:
         try:
             self.tp: DistributedTP = join_group(0, self.group.size, self.group.store, 0, config.device,
                                                 config.distributed_timeout_s)
+            before = rss_anon_bytes()
             # no CUDA graphs: a graph cannot capture the group's collectives
             self.local = runner_for(config, model_dir, 0, self.tp)
-            self.ranks: list[Ready] = [self._own_report(), *self.group.wait_ready()]
+            self.ranks: list[Ready] = [self._own_report(before), *self.group.wait_ready()]
         except BaseException:
             self.group.fail("rank 0 could not start")
             leave_group()
@@ -46,13 +47,14 @@ class TensorParallelRunner:
         self.num_blocks, self.block_size = self.local.num_blocks, self.local.block_size
         self.max_model_len, self.vocab_size = self.local.max_model_len, self.local.vocab_size
         for ready in self.ranks:
-            log.info("rank %d: %.1f MB of weights (read %.1f MB of slices), %.1f MB anonymous resident, "
-                     "%d KV blocks", ready.rank, ready.weight_bytes / 1e6, ready.read_bytes / 1e6,
-                     ready.rss_anon_bytes / 1e6, ready.num_blocks)
+            log.info("rank %d: %.1f MB of weights (read %.1f MB of slices), %.1f MB anonymous resident (%.1f MB "
+                     "before its shard), %d KV blocks", ready.rank, ready.weight_bytes / 1e6, ready.read_bytes / 1e6,
+                     ready.rss_anon_bytes / 1e6, ready.rss_anon_before_bytes / 1e6, ready.num_blocks)
 
-    def _own_report(self) -> Ready:
+    def _own_report(self, rss_before: int) -> Ready:
         return Ready(rank=0, num_blocks=self.local.num_blocks, weight_bytes=self.local.weight_bytes(),
-                     read_bytes=self.local.read_bytes, rss_anon_bytes=rss_anon_bytes())
+                     read_bytes=self.local.read_bytes, rss_anon_bytes=rss_anon_bytes(),
+                     rss_anon_before_bytes=rss_before)
 
     @property
     def counts(self) -> CollectiveCounts:

@@ -19,13 +19,14 @@ from backends.models import model_class, tensor_parallel_model_class
 from backends.models.base import CausalLM, LayerKVSpec
 from backends.models.config import ModelConfig, load_model_config
 from backends.models.kernels.registry import select_kernels
+from backends.models.layers import Linear, LMHead
 from backends.models.tensor_parallel import TensorParallel, TPLayout
 from backends.worker.cuda_graphs import DecodeGraphs, StaticInputs
 from backends.worker.fingerprint import model_fingerprint
 from backends.worker.kv_cache import KVCache, KVCacheSpec
 from backends.worker.loader import load_weights
 from backends.worker.random_weights import RandomCheckpoint
-from backends.worker.shard_loader import load_weight_shards
+from backends.worker.shard_loader import ShardReader
 
 log = logging.getLogger(__name__)
 
@@ -140,19 +141,21 @@ class ModelRunner:
                 self.config, self.kernels, tp=tp)
         _materialize_empty(model, self.dtype, self.device)
         start = time.perf_counter()
-        weights, self.read_bytes = load_weight_shards(model_dir, TPLayout.of(self.config, tp.rank, tp.size))
-        with torch.no_grad():
+        with ShardReader(model_dir, TPLayout.of(self.config, tp.rank, tp.size)) as weights, torch.no_grad():
             model.load_weights(weights)
+        self.read_bytes = weights.read_bytes
         log.info("rank %d of %d: %.1f MB of slices of %s read and placed in %.2f s", tp.rank, tp.size,
                  self.read_bytes / 1e6, model_dir, time.perf_counter() - start)
         return model.eval()
 
     def weight_bytes(self) -> int:
-        """Bytes of the model's parameters on this runner (a tied table counted once)."""
+        """Bytes of the model's weights on this runner: parameters and the kernels' packed copies that replace
+        them (a tied table counted once)."""
         seen: dict[int, int] = {}
         for module in self.model.modules():
-            for param in module.parameters(recurse=False):
-                seen[id(param)] = param.numel() * param.element_size()
+            packed = [module.packed] if isinstance(module, Linear | LMHead) and module.packed is not None else []
+            for tensor in (*module.parameters(recurse=False), *packed):
+                seen[id(tensor)] = tensor.numel() * tensor.element_size()
         return sum(seen.values())
 
     def _blocks_for_memory(self, memory_gb: float | None, num_layers: int, kv: LayerKVSpec) -> int:

@@ -7,7 +7,10 @@ group, with the reason, rather than read whole.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -16,25 +19,44 @@ from backends.models.tensor_parallel import TPLayout
 from backends.worker.loader import COMPRESSED_FORMAT_KEY, checkpoint_files
 
 
-def load_weight_shards(folder: Path, layout: TPLayout) -> tuple[dict[str, torch.Tensor], int]:
-    """Rank `layout.rank`'s part of every tensor in `folder`, by HF name, and the bytes it read."""
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    if config.get("quantization_config"):
-        raise ValueError(f"{folder} is quantized ({config['quantization_config'].get('quant_method')}): a "
-                         "tensor-parallel group reads plain safetensors only")
-    files, _ = checkpoint_files(folder)
-    weights: dict[str, torch.Tensor] = {}
-    read = 0
-    for path in files:
-        with safe_open(str(path), framework="pt") as file:
+class ShardReader(Mapping[str, torch.Tensor]):
+    """A rank's part of every tensor in a folder, by HF name, read out of the mapped files when asked for (so a
+    tensor's copy is freed once the model has placed it); `read_bytes` counts what was read. A context manager:
+    the files stay open until it exits."""
+
+    def __init__(self, folder: Path, layout: TPLayout) -> None:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        if config.get("quantization_config"):
+            raise ValueError(f"{folder} is quantized ({config['quantization_config'].get('quant_method')}): a "
+                             "tensor-parallel group reads plain safetensors only")
+        self.layout = layout
+        self.read_bytes = 0
+        self._stack = ExitStack()
+        self._files: dict[str, Any] = {}
+        for path in checkpoint_files(folder)[0]:
+            file = self._stack.enter_context(safe_open(str(path), framework="pt"))
             if COMPRESSED_FORMAT_KEY in (file.metadata() or {}):
+                self._stack.close()
                 raise ValueError(f"{path} holds compressed weights: a tensor-parallel group reads plain "
                                  "safetensors only")
-            for name in file.keys():  # noqa: SIM118 - safe_open is no Mapping
-                tensor = _read_slice(file.get_slice(name), layout.rows_of(name))
-                weights[name] = tensor
-                read += tensor.numel() * tensor.element_size()
-    return weights, read
+            self._files.update(dict.fromkeys(file.keys(), file))
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = _read_slice(self._files[name].get_slice(name), self.layout.rows_of(name))
+        self.read_bytes += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
 
 
 def _read_slice(part: object, rows: tuple[int, int, int] | None) -> torch.Tensor:
