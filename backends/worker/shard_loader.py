@@ -52,6 +52,9 @@ class ShardReader(Mapping[str, torch.Tensor]):
         self.read_bytes += tensor.numel() * tensor.element_size()
         return tensor
 
+    def __contains__(self, name: object) -> bool:   # Mapping's own would read the tensor to find out
+        return name in self._files
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
 
