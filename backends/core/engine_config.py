@@ -72,6 +72,8 @@ class EngineConfig:
     # last when a tier above is set without being named here (`kv_connector_names`).
     kv_connectors: tuple[KVConnectorName, ...] = ()
     kv_hold_timeout_s: float = 30.0           # the P/D connector: held prefill blocks nobody pulls go after this
+    tensor_parallel_size: int = 1             # ranks the model is split over (rank 0 spawns the others)
+    distributed_timeout_s: float = 60.0       # a group's collective, or a rank's silence, past this: the group fails
 
     def __post_init__(self) -> None:
         try:
@@ -104,6 +106,21 @@ class EngineConfig:
             raise ValueError("kv_cpu_bytes and kv_store_bytes must be >= 0 and kv_write_queue_blocks >= 1")
         if self.speculative not in (None, "ngram") and not self.speculative_model:
             raise ValueError(f"--speculative {self.speculative} needs --speculative-model")
+        self._check_group()
+
+    def _check_group(self) -> None:
+        """What a tensor-parallel group does not serve yet is refused at start, not half-served."""
+        if self.tensor_parallel_size < 1 or self.distributed_timeout_s <= 0:
+            raise ValueError("tensor_parallel_size must be >= 1 and distributed_timeout_s positive")
+        if self.tensor_parallel_size == 1:
+            return
+        unsupported = {"KV tiers": self.has_kv_tiers, "a KV connector (P/D transfer)": bool(self.kv_connectors),
+                       "a draft model or EAGLE head": self.speculative not in (None, "ngram"),
+                       "weights kept compressed": self.keep_weights_compressed}
+        named = [what for what, asked in unsupported.items() if asked]
+        if named:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} does not serve "
+                             f"{' or '.join(named)} yet")
 
     @property
     def has_kv_tiers(self) -> bool:
@@ -123,9 +140,10 @@ class EngineConfig:
         return bool(self.kv_disk_dir or self.kv_store)
 
     def resolved_torch_threads(self) -> int:
+        """Threads of each rank's torch (the flag and the variable are per rank)."""
         if self.torch_num_threads is not None:
             return max(1, self.torch_num_threads)
         env = os.environ.get(TORCH_THREADS_ENV)
         if env:
             return max(1, int(env))
-        return os.cpu_count() or 1
+        return max(1, (os.cpu_count() or 1) // self.tensor_parallel_size)   # each rank its share of the cores

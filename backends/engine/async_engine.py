@@ -17,7 +17,7 @@ import torch
 
 from backends.core.block_events import KVEventBatch
 from backends.core.engine_config import EngineConfig
-from backends.core.engine_errors import EngineRequestError
+from backends.core.engine_errors import EngineDeadError, EngineRequestError
 from backends.core.kv_transfer_params import KVTransferParams
 from backends.core.outputs import FinishReason, LoadReport, SequenceOutput
 from backends.core.sampling_params import SamplingParams
@@ -108,7 +108,7 @@ class AsyncEngine:
         """Stream a sequence's outputs; raises EngineRequestError at once for a bad request.
         Closing or cancelling the iterator aborts the sequence. A decode leg's outputs are the
         tokens after `kv_transfer.first_token_ids`."""
-        engine = self._require_started()
+        engine = self._require_serving()
         if request_id in self._streams:
             raise EngineRequestError(f"request id {request_id!r} is already running")
         engine.validate(prompt_token_ids, params, kv_transfer)
@@ -135,7 +135,7 @@ class AsyncEngine:
         """An embedding input's one output: its vector in `embedding`, or ABORT (with an error when the
         engine failed it). Raises EngineRequestError for a bad input before anything is queued. Cancelled,
         it aborts the sequence, whose blocks are freed in the engine thread's next turn."""
-        engine = self._require_started()
+        engine = self._require_serving()
         if request_id in self._streams:
             raise EngineRequestError(f"request id {request_id!r} is already running")
         engine.validate_embedding(prompt_token_ids)
@@ -168,6 +168,10 @@ class AsyncEngine:
         loader threads move blocks while the engine thread idles, and they count under their own locks."""
         assert self._report is not None and self._engine is not None, "engine not started"
         return self._engine.add_connector_load(self._report)
+
+    def failure(self) -> str | None:
+        """Why the engine can never step again (a rank of its group was lost), or None while it serves."""
+        return None if self._engine is None else self._engine.failure()
 
     def find_kv_connector(self, kind: type[C]) -> C | None:
         """The engine's KV connector of class `kind` (backends/kv_connectors/multi.py), if it has one."""
@@ -209,6 +213,14 @@ class AsyncEngine:
         if self._stopping:
             raise RuntimeError("AsyncEngine has shut down")
         return self._engine
+
+    def _require_serving(self) -> LLMEngine:
+        """The engine, for a new request; EngineDeadError once it can never step again."""
+        engine = self._require_started()
+        failure = engine.failure()
+        if failure is not None:
+            raise EngineDeadError(failure)
+        return engine
 
     def _post(self, command: _Command) -> None:
         with self._cond:
@@ -255,6 +267,8 @@ class AsyncEngine:
                         self._call_in_loop(_resolve, ack)
                 if engine.has_unfinished() or woken:
                     outputs.extend(engine.step())
+            except EngineDeadError as exc:   # the group lost a rank: every live sequence ends with the reason
+                outputs = engine.abort_all(f"the worker's tensor-parallel group failed: {exc}")
             except Exception:  # boundary: a bug outside a step; fail everything live, keep serving
                 log.exception("engine loop failed; aborting all sequences")
                 outputs = engine.abort_all("engine loop failed")

@@ -25,7 +25,7 @@ from backends.core.kv_transfer_params import KVTransferParams
 from backends.core.outputs import EngineStats, FinishReason, LoadReport, SequenceOutput
 from backends.core.sampling_params import SamplingParams
 from backends.core.sequence import Sequence, SequenceStatus
-from backends.engine.runner import ModelRunnerLike, build_runner, resolve_model_dir
+from backends.engine.runner import GroupRunner, ModelRunnerLike, build_runner, resolve_model_dir
 from backends.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from backends.kv_connectors.base import (
     BlockObserver,
@@ -56,6 +56,7 @@ class LLMEngine:
             model_dir = model_dir or resolve_model_dir(config)
             runner = build_runner(config, model_dir)
         self.runner = runner
+        self._group = runner if isinstance(runner, GroupRunner) else None   # a tensor-parallel group's rank 0
         self.weights_fingerprint: str = getattr(runner, "weights_fingerprint", None) or ""   # "": the runner has none
         self.block_size = runner.block_size
         self.vocab_size = runner.vocab_size
@@ -97,9 +98,15 @@ class LLMEngine:
             self.kv_connector.set_wake(wake)
 
     def close(self) -> None:
-        """Stop the KV connector's threads (the engine is not stepped after this)."""
+        """Stop the KV connector's threads and a group's other ranks (the engine is not stepped after this)."""
         if isinstance(self.kv_connector, Closeable):
             self.kv_connector.close()
+        if self._group is not None:
+            self._group.close()
+
+    def failure(self) -> str | None:
+        """Why the engine can never step again (its group lost a rank), or None; any thread."""
+        return None if self._group is None else self._group.failure()
 
     def find_kv_connector(self, kind: type[C]) -> C | None:
         """The KV connector of class `kind` (the P/D connector, for the server's holds), if the engine has one."""

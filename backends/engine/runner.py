@@ -4,7 +4,7 @@ engine builds the real one from its config. Runs nothing itself.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -35,13 +35,26 @@ def resolve_model_dir(config: EngineConfig) -> Path:
 
 
 def build_runner(config: EngineConfig, model_dir: Path) -> ModelRunnerLike:
-    from backends.worker.model_runner import ModelRunner
+    """One rank's runner, or, with tensor_parallel_size > 1, rank 0's over a group it spawns
+    (backends/executor)."""
+    if config.tensor_parallel_size > 1:
+        from backends.executor.tp_runner import TensorParallelRunner
 
-    kv_gb = None if config.kv_cache_memory_bytes is None else config.kv_cache_memory_bytes / 2**30
-    return ModelRunner(model_dir, dtype=getattr(torch, config.dtype), device=config.device,
-                       num_blocks=config.num_blocks, block_size=config.block_size,
-                       attention_backend=config.attention_backend, kv_cache_memory_gb=kv_gb,
-                       kv_shared_memory=config.kv_shared_memory,
-                       keep_weights_compressed=config.keep_weights_compressed,
-                       cuda_graph_max_batch=min(config.max_num_seqs, MAX_CUDA_GRAPH_BATCH) if config.cuda_graphs else 0,
-                       fingerprint_weights=True)   # KV tiers and KV transfers name the weights by it
+        return TensorParallelRunner(config, model_dir)
+    from backends.worker.model_runner import runner_for
+
+    return runner_for(config, model_dir,
+                      min(config.max_num_seqs, MAX_CUDA_GRAPH_BATCH) if config.cuda_graphs else 0)
+
+
+@runtime_checkable
+class GroupRunner(Protocol):
+    """A runner over a group of ranks (backends/executor/tp_runner.py): it can lose a rank, and must be closed."""
+
+    def failure(self) -> str | None:
+        """Why the group is down (a rank died or stopped answering), or None while it serves."""
+        ...
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the group."""
+        ...

@@ -18,6 +18,7 @@ from backends.models.config import ModelConfig
 if TYPE_CHECKING:
     from backends.models.kernels.base import LayerKernels
     from backends.models.layers import CompressedWeight
+    from backends.models.tensor_parallel import TensorParallel
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,3 +79,9 @@ class ModelFactory(Protocol):
     """A model class as the registry hands it out: built from a config and the layer kernels for its device."""
 
     def __call__(self, config: ModelConfig, kernels: LayerKernels) -> CausalLM: ...
+
+
+class ShardedModelFactory(Protocol):
+    """A model class that can build one rank's shard of itself (the registry's tensor_parallel_model_class)."""
+
+    def __call__(self, config: ModelConfig, kernels: LayerKernels, *, tp: TensorParallel) -> CausalLM: ...

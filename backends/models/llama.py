@@ -16,20 +16,28 @@ from backends.models.base import LayerKVSpec
 from backends.models.config import ModelConfig
 from backends.models.kernels.base import LayerKernels
 from backends.models.layers import CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, dense, rope_inv_freq
+from backends.models.tensor_parallel import TensorParallel, TPLayout, vocab_parallel_embed
 
 
 class LlamaAttention(nn.Module):
+    """With `tp`: this rank's heads (TPLayout); qkv_proj column-parallel, o_proj row-parallel, one all-reduce."""
+
     def __init__(self, config: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 kernels: LayerKernels) -> None:
+                 kernels: LayerKernels, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.kernels = kernels
+        self.tp = tp
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        if tp is not None:
+            layout = TPLayout.of(config, tp.rank, tp.size)
+            self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, qkv_bias, kernels)
-        self.o_proj = Linear(q_size, config.hidden_size, o_bias, kernels)
+        # a row-parallel bias is added once, by rank 0, before the all-reduce sums the ranks' parts
+        self.o_proj = Linear(q_size, config.hidden_size, o_bias and (tp is None or tp.rank == 0), kernels)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernels) if qk_norm else None
 
@@ -54,7 +62,10 @@ class LlamaAttention(nn.Module):
                 qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
             qk = self.kernels.rotate(qk, cos, sin)  # q and k rotated in one pass
             out = attn(self.layer, qk[:, :heads], qk[:, heads:], v)  # [num_tokens, heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, heads * head_dim), residual)
+        out = out.reshape(num_tokens, heads * head_dim)
+        if self.tp is None:
+            return self.o_proj(out, residual)
+        return _row_parallel(self.o_proj, out, residual, self.tp)
 
 
 class DecoderMLP(Protocol):
@@ -71,17 +82,23 @@ MLPFactory = Callable[[ModelConfig, int, LayerKernels], nn.Module]
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: LayerKernels) -> None:
+    """With `tp`: this rank's MLP columns; gate_up column-parallel, down_proj row-parallel, one all-reduce."""
+
+    def __init__(self, config: ModelConfig, kernels: LayerKernels, tp: TensorParallel | None = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.kernels = kernels
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, kernels)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, kernels)
+        self.tp = tp
+        width = config.intermediate_size if tp is None else TPLayout.of(config, tp.rank, tp.size).intermediate
+        self.gate_up_proj = Linear(config.hidden_size, 2 * width, bias, kernels)
+        self.down_proj = Linear(width, config.hidden_size, bias and (tp is None or tp.rank == 0), kernels)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP output, plus `residual` when given (added inside down_proj's matrix product on CUDA)."""
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        return self.down_proj(self.kernels.silu_mul(gate_up), residual)
+        if self.tp is None:
+            return self.down_proj(self.kernels.silu_mul(gate_up), residual)
+        return _row_parallel(self.down_proj, self.kernels.silu_mul(gate_up), residual, self.tp)
 
     def load(self, weights: Mapping[str, torch.Tensor | CompressedWeight], layer_prefix: str,
              scratch: ExpandScratch | None) -> None:
@@ -96,14 +113,21 @@ def llama_mlp(config: ModelConfig, layer: int, kernels: LayerKernels) -> nn.Modu
     return LlamaMLP(config, kernels)
 
 
+def _row_parallel(proj: Linear, x: torch.Tensor, residual: torch.Tensor | None, tp: TensorParallel) -> torch.Tensor:
+    """proj(x) (+ residual) over a group: the ranks' partial products summed by one all-reduce, the residual
+    (replicated on every rank) added by rank 0 alone, inside its product as on one rank."""
+    return tp.all_reduce(proj(x, residual if tp.rank == 0 else None))
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 kernels: LayerKernels, mlp: MLPFactory = llama_mlp) -> None:
+                 kernels: LayerKernels, mlp: MLPFactory = llama_mlp, tp: TensorParallel | None = None) -> None:
+        """`tp`: this rank's shard of the layer (dense MLPs only: the registry refuses others over a group)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.self_attn = LlamaAttention(config, layer, qkv_bias, o_bias, qk_norm, kernels)
+        self.self_attn = LlamaAttention(config, layer, qkv_bias, o_bias, qk_norm, kernels, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.mlp = mlp(config, layer, kernels)
+        self.mlp = mlp(config, layer, kernels) if tp is None else LlamaMLP(config, kernels, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x), cos, sin, attn, residual=x)
@@ -124,23 +148,28 @@ class LlamaForCausalLM(nn.Module):
     (backends.models.base.CausalLM)."""
 
     def __init__(self, config: ModelConfig, kernels: LayerKernels, *, qkv_bias: bool | None = None,
-                 o_bias: bool | None = None, qk_norm: bool = False, mlp: MLPFactory = llama_mlp) -> None:
-        """`mlp` builds each layer's feed-forward block (the MoE families pass theirs)."""
+                 o_bias: bool | None = None, qk_norm: bool = False, mlp: MLPFactory = llama_mlp,
+                 tp: TensorParallel | None = None) -> None:
+        """`mlp` builds each layer's feed-forward block (the MoE families pass theirs). `tp`: build this rank's
+        shard (backends/models/tensor_parallel.py): its heads, MLP columns and vocabulary rows."""
         super().__init__()
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias if qkv_bias is None else qkv_bias
         o_bias = attention_bias if o_bias is None else o_bias
         self.config = config
         self.kernels = kernels
+        self.tp = tp
+        self.tp_layout = None if tp is None else TPLayout.of(config, tp.rank, tp.size)
+        vocab_rows = config.vocab_size if self.tp_layout is None else self.tp_layout.vocab
         # `_weight`: an uninitialised table (load_weights fills it); the default random init of a
         # 49152 x 576 table cost 0.17 s of every worker start.
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size,
+                                         _weight=torch.empty(vocab_rows, config.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm, kernels, mlp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm, kernels, mlp, tp)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size, kernels)
+        self.lm_head = LMHead(config.hidden_size, vocab_rows, kernels)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
         # A plain attribute, not a buffer: `.to(bfloat16)` must not round it. Built on the CPU (the model
@@ -173,10 +202,15 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        if self.tp is None or self.tp_layout is None:
+            return self.embed_tokens(input_ids)
+        return vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.tp_layout, self.tp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """Over a group: rank 0 gets every rank's vocabulary columns (the padding past the vocabulary cut)."""
+        if self.tp is None:
+            return self.lm_head(hidden)
+        return self.tp.gather_vocab(self.lm_head(hidden))[:, :self.config.vocab_size]
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.lm_head.weight
@@ -204,11 +238,16 @@ class LlamaForCausalLM(nn.Module):
             cast(DecoderMLP, layer.mlp).load(weights, prefix, scratch)
             layer.input_layernorm.weight.copy_(dense(weights[f"{prefix}.input_layernorm.weight"]))
             layer.post_attention_layernorm.weight.copy_(dense(weights[f"{prefix}.post_attention_layernorm.weight"]))
-        embed = dense(weights["model.embed_tokens.weight"])
+        embed = self._vocab_rows(dense(weights["model.embed_tokens.weight"]))
         self.embed_tokens.weight.copy_(embed)
         self.norm.weight.copy_(dense(weights["model.norm.weight"]))
         tied = getattr(self.config, "tie_word_embeddings", False)  # then a stored lm_head.weight is ignored
-        self.lm_head.load(embed if tied else dense(weights["lm_head.weight"]))
+        self.lm_head.load(embed if tied else self._vocab_rows(dense(weights["lm_head.weight"])))
+
+    def _vocab_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """A rank's vocabulary rows padded with zeros to its share (the last rank's may run past the vocabulary)."""
+        missing = self.embed_tokens.weight.shape[0] - rows.shape[0]
+        return rows if missing <= 0 else torch.cat((rows, rows.new_zeros(missing, rows.shape[1])))
 
 
 def _maybe(weights: Mapping[str, torch.Tensor | CompressedWeight], names: list[str]) -> list[torch.Tensor] | None:

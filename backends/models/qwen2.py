@@ -4,8 +4,9 @@ from __future__ import annotations
 from backends.models.config import ModelConfig
 from backends.models.kernels.base import LayerKernels
 from backends.models.llama import LlamaForCausalLM
+from backends.models.tensor_parallel import TensorParallel
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig, kernels: LayerKernels) -> None:
-        super().__init__(config, kernels, qkv_bias=True, o_bias=False)
+    def __init__(self, config: ModelConfig, kernels: LayerKernels, *, tp: TensorParallel | None = None) -> None:
+        super().__init__(config, kernels, qkv_bias=True, o_bias=False, tp=tp)

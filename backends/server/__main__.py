@@ -10,7 +10,7 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from backends.attention.base import AttentionBackendName
 from backends.core.engine_config import SPECULATIVE_PROPOSERS, EngineConfig, KVConnectorName
@@ -56,6 +56,12 @@ def _add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks")
     kv.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache budget in GiB")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many ranks (processes this worker spawns; one device each on "
+                        "CUDA): heads, KV heads, MLP columns and the vocabulary sharded (docs/parallelism.md)")
+    p.add_argument("--distributed-timeout-s", type=float, default=60.0,
+                   help="with --tensor-parallel-size: a collective that waits this long, or a rank silent this "
+                        "long between steps, fails the whole group (/health answers 503)")
 
 
 def _add_kv_tier_args(p: argparse.ArgumentParser) -> None:
@@ -176,6 +182,9 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
     from backends.worker.loader import resolve_model  # converts the bundled GGUF once, then cached
 
     model_dir = str(resolve_model(args.model))
+    group = args.tensor_parallel_size > 1
+    if group:
+        _check_group(Path(model_dir), args.tensor_parallel_size)
     kv_bytes = int(args.kv_cache_memory_gb * 2**30) if args.kv_cache_memory_gb is not None else None
     engine_config = EngineConfig(
         model_dir=model_dir,
@@ -191,7 +200,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         enable_prefix_caching=not args.no_prefix_caching,
         torch_num_threads=args.threads,
         kv_shared_memory=(not args.no_kv_shared_memory and args.role != WorkerRole.DECODE.value
-                          and args.device == "cpu"),
+                          and args.device == "cpu" and not group),
         keep_weights_compressed=args.keep_weights_compressed,
         cuda_graphs=not args.no_cuda_graphs,
         speculative=args.speculative,
@@ -201,17 +210,14 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         spec_int8=not args.no_int8_drafts,
-        kv_cpu_bytes=int(args.kv_cpu_gb * 2**30),
-        kv_disk_dir=args.kv_disk_dir,
-        kv_disk_bytes=int(args.kv_disk_gb * 2**30),
-        kv_store=args.kv_store,
-        kv_store_bytes=int(args.kv_store_gb * 2**30),
-        kv_write_queue_blocks=args.kv_write_queue_blocks,
-        kv_read_slower_tiers=args.kv_read_slower_tiers,
+        **_kv_tier_fields(args),
         # Every role serves some disaggregated leg; a plain request finds nothing for the P/D connector to do.
         # The tiers join when --kv-cpu-gb, --kv-disk-dir or --kv-store sets a tier.
-        kv_connectors=(KVConnectorName.PD,),
+        # A group moves no KV between workers yet: it serves unified requests only.
+        kv_connectors=() if group else (KVConnectorName.PD,),
         kv_hold_timeout_s=args.kv_hold_timeout_s,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_timeout_s=args.distributed_timeout_s,
     )
     server_config = ServerConfig(
         model_dir=model_dir,
@@ -231,6 +237,25 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
     return server_config, engine_config
 
 
+def _kv_tier_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig's KV tier fields from the flags (docs/kv_tiers.md)."""
+    return dict(kv_cpu_bytes=int(args.kv_cpu_gb * 2**30), kv_disk_dir=args.kv_disk_dir,
+                kv_disk_bytes=int(args.kv_disk_gb * 2**30), kv_store=args.kv_store,
+                kv_store_bytes=int(args.kv_store_gb * 2**30), kv_write_queue_blocks=args.kv_write_queue_blocks,
+                kv_read_slower_tiers=args.kv_read_slower_tiers)
+
+
+def _check_group(model_dir: Path, size: int) -> None:
+    """Refuse, before anything starts, a group size the model cannot be split over (and say what can)."""
+    from backends.models.config import load_model_config
+    from backends.worker.model_runner import check_tensor_parallel
+
+    try:
+        check_tensor_parallel(load_model_config(model_dir), size)
+    except ValueError as exc:
+        raise SystemExit(f"switchyard worker: {exc}") from None
+
+
 async def _freeze_gc(app: web.Application) -> None:
     """After the engine started: the model's and the engine's objects join the permanent generation."""
     gc.freeze()
@@ -244,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config, engine_config = build_configs(args)
-    if engine_config.model_dir is not None and not engine_config.keep_weights_compressed:
+    if (engine_config.model_dir is not None and not engine_config.keep_weights_compressed
+            and engine_config.tensor_parallel_size == 1):   # a group's ranks read only their slices
         from backends.worker.loader import prefetch_weights
         prefetch_weights(Path(engine_config.model_dir))   # read while the server's modules import
     # Imported only now: aiohttp and transformers take ~1.1 s to import, the prefetch's time to read.

@@ -14,6 +14,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from backends.core.engine_config import EngineConfig
+from backends.core.engine_errors import EngineDeadError
 from backends.kv_connectors.pd_connector import PDConnector
 from backends.server import auth, disagg, embeddings, openai_routes, openapi, ops_routes, status
 from backends.server.config import ServerConfig
@@ -137,6 +138,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         response = await handler(request)
     except APIError as exc:
         response = openai_routes.json_response(exc.body(), exc.status)
+    except EngineDeadError as exc:   # a tensor-parallel group lost a rank: /health says 503 too
+        err = APIError(f"This worker's engine failed ({exc}); retry the request on another worker.",
+                       status=HTTPStatus.SERVICE_UNAVAILABLE, error_type=ErrorType.UNAVAILABLE, code="engine_dead")
+        response = openai_routes.json_response(err.body(), err.status)
     except web.HTTPException as exc:
         response = _http_error(exc)
     except Exception:

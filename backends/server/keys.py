@@ -62,6 +62,10 @@ class WorkerEngine(Protocol):
 
     def find_kv_connector(self, kind: type[C]) -> C | None: ...
 
+    def failure(self) -> str | None:
+        """Why the engine can never step again (a tensor-parallel group lost a rank), or None."""
+        ...
+
 
 CONFIG_KEY = web.AppKey("config", ServerConfig)
 ENGINE_KEY = web.AppKey("engine", WorkerEngine)

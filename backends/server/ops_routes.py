@@ -1,6 +1,8 @@
 """The operations surface of a worker: /health, /metrics, /load and /kv_events for the gateway."""
 from __future__ import annotations
 
+from http import HTTPStatus
+
 from aiohttp import web
 
 from backends.server.errors import invalid_param
@@ -12,7 +14,9 @@ _MAX_KV_EVENTS_PER_CALL = 10_000
 
 async def health(request: web.Request) -> web.Response:
     # The app serves only after the engine started (cleanup_ctx), and stops serving before it shuts down.
-    _ = request.app[ENGINE_KEY]
+    failure = request.app[ENGINE_KEY].failure()
+    if failure is not None:   # the gateway's poller stops routing here; the worker needs a restart
+        return json_response({"status": "failed", "error": failure}, HTTPStatus.SERVICE_UNAVAILABLE)
     return json_response({"status": "ok"})
 
 

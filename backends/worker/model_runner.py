@@ -14,15 +14,19 @@ import torch
 
 from backends.attention.base import AttentionContext, AttentionShape, StepLayout, create_backend
 from backends.core.batch import ForwardBatch
-from backends.models import model_class
+from backends.core.engine_config import EngineConfig
+from backends.models import model_class, tensor_parallel_model_class
 from backends.models.base import CausalLM, LayerKVSpec
-from backends.models.config import load_model_config
+from backends.models.config import ModelConfig, load_model_config
 from backends.models.kernels.registry import select_kernels
+from backends.models.layers import Linear, LMHead
+from backends.models.tensor_parallel import TensorParallel, TPLayout
 from backends.worker.cuda_graphs import DecodeGraphs, StaticInputs
 from backends.worker.fingerprint import model_fingerprint
 from backends.worker.kv_cache import KVCache, KVCacheSpec
 from backends.worker.loader import load_weights
 from backends.worker.random_weights import RandomCheckpoint
+from backends.worker.shard_loader import ShardReader
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +40,15 @@ class ModelRunner:
                  block_size: int = 16, attention_backend: str | None = None,
                  kv_cache_memory_gb: float | None = None, kv_shared_memory: bool = False,
                  keep_weights_compressed: bool = False, cuda_graph_max_batch: int = 0,
-                 random_weights: bool = False, fingerprint_weights: bool = False) -> None:
+                 random_weights: bool = False, fingerprint_weights: bool = False,
+                 tensor_parallel: TensorParallel | None = None) -> None:
         """`cuda_graph_max_batch`: on CUDA, decode steps of up to this many sequences replay CUDA graphs
         captured here (0: every step runs eagerly). `random_weights`: no checkpoint is read; every weight
         is drawn at random (benchmarks of model shapes whose weights are not here: speed does not depend
         on the values). `fingerprint_weights`: digest the weights as they are loaded (`weights_fingerprint`,
         which KV tiers on disk or in a shared store file their blocks under, and KV transfers compare); else it
-        is None."""
+        is None. `tensor_parallel`: this runner is one rank of a group and holds that rank's shard (its slices
+        read from the checkpoint, its KV heads cached); only rank 0's logits are the model's."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = torch.device(device)
@@ -53,13 +59,21 @@ class ModelRunner:
         self.dtype = dtype
         self.config = load_model_config(Path(model_dir))
         self.weights_fingerprint: str | None = None
+        self.tensor_parallel = tensor_parallel
+        self.read_bytes = 0   # bytes read from the checkpoint (a rank's slices; its mapped files otherwise)
         self.kernels = select_kernels(self.device)   # the layers' kernels for this device, chosen once
-        self.model = self._load_model(Path(model_dir), keep_weights_compressed, random_weights, fingerprint_weights)
+        if tensor_parallel is not None:
+            self.model = self._load_shard(Path(model_dir), tensor_parallel)
+        else:
+            self.model = self._load_model(Path(model_dir), keep_weights_compressed, random_weights,
+                                          fingerprint_weights)
         self.kernels.prepare(self.model)   # before the graphs capture which kernel each projection runs
         kv_layers = self.model.kv_cache_spec()
         kv = uniform_kv_spec(kv_layers)
         self.block_size = block_size
         self.num_blocks = num_blocks or self._blocks_for_memory(kv_cache_memory_gb, len(kv_layers), kv)
+        if tensor_parallel is not None:   # one block table serves every rank: all must hold as many blocks
+            self.num_blocks = tensor_parallel.agree_min(self.num_blocks)
         if self.num_blocks <= 0:
             raise ValueError("the KV cache must hold at least one block")
         self.kv_cache = KVCache(KVCacheSpec(num_layers=len(kv_layers), num_blocks=self.num_blocks,
@@ -119,6 +133,30 @@ class ModelRunner:
                                         else model_fingerprint(self.config, weights))
             log.info("weights fingerprint %s", self.weights_fingerprint)
         return model.eval()
+
+    def _load_shard(self, model_dir: Path, tp: TensorParallel) -> CausalLM:
+        """This rank's shard, built from its slices of the checkpoint alone."""
+        with torch.device("meta"):
+            model = tensor_parallel_model_class(getattr(self.config, "architectures", None))(
+                self.config, self.kernels, tp=tp)
+        _materialize_empty(model, self.dtype, self.device)
+        start = time.perf_counter()
+        with ShardReader(model_dir, TPLayout.of(self.config, tp.rank, tp.size)) as weights, torch.no_grad():
+            model.load_weights(weights)
+        self.read_bytes = weights.read_bytes
+        log.info("rank %d of %d: %.1f MB of slices of %s read and placed in %.2f s", tp.rank, tp.size,
+                 self.read_bytes / 1e6, model_dir, time.perf_counter() - start)
+        return model.eval()
+
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights on this runner: parameters and the kernels' packed copies that replace
+        them (a tied table counted once)."""
+        seen: dict[int, int] = {}
+        for module in self.model.modules():
+            packed = [module.packed] if isinstance(module, Linear | LMHead) and module.packed is not None else []
+            for tensor in (*module.parameters(recurse=False), *packed):
+                seen[id(tensor)] = tensor.numel() * tensor.element_size()
+        return sum(seen.values())
 
     def _blocks_for_memory(self, memory_gb: float | None, num_layers: int, kv: LayerKVSpec) -> int:
         spec = KVCacheSpec(num_layers=num_layers, num_blocks=1, block_size=self.block_size,
@@ -196,6 +234,30 @@ class ModelRunner:
             raise ValueError(f"chunk {index}: block id out of range [0, {self.num_blocks})")
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             raise ValueError(f"chunk {index}: token id out of range [0, {self.vocab_size})")
+
+
+def runner_for(config: EngineConfig, model_dir: Path, cuda_graph_max_batch: int,
+               tensor_parallel: TensorParallel | None = None) -> ModelRunner:
+    """The runner an engine's configuration asks for (one rank's, with `tensor_parallel`)."""
+    kv_gb = None if config.kv_cache_memory_bytes is None else config.kv_cache_memory_bytes / 2**30
+    device = config.device
+    if tensor_parallel is not None and device.startswith("cuda"):
+        device = f"cuda:{tensor_parallel.rank}"   # one device per rank
+    return ModelRunner(model_dir, dtype=getattr(torch, config.dtype), device=device,
+                       num_blocks=config.num_blocks, block_size=config.block_size,
+                       attention_backend=config.attention_backend, kv_cache_memory_gb=kv_gb,
+                       kv_shared_memory=config.kv_shared_memory,
+                       keep_weights_compressed=config.keep_weights_compressed,
+                       cuda_graph_max_batch=cuda_graph_max_batch,
+                       fingerprint_weights=tensor_parallel is None,   # KV tiers and KV transfers name the weights
+                       tensor_parallel=tensor_parallel)
+
+
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+    """ValueError, saying what to choose, where `size` ranks cannot split this model (checked before any starts)."""
+    if size > 1:
+        tensor_parallel_model_class(getattr(config, "architectures", None))
+        TPLayout.of(config, 0, size)
 
 
 def uniform_kv_spec(layers: tuple[LayerKVSpec, ...]) -> LayerKVSpec:

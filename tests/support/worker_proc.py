@@ -60,6 +60,10 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self._proc.poll() is None
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
     def log(self) -> str:
         if not self._log.closed:
             self._log.flush()

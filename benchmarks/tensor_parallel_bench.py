@@ -1,0 +1,140 @@
+"""Step time of one rank against a tensor-parallel group on this CPU, in one run, with the bytes each collective
+moves per step against the theory and each rank's memory (issue 48; docs/parallelism.md).
+
+The checkpoint is transformers' own: a Llama of SmolLM2-135M's shape (hidden 576, MLP 1536, `--layers` layers,
+vocabulary 49,152, tied embeddings) but with 8 query heads over 2 KV heads so that two ranks divide it, random
+weights as transformers initialises them, saved in float32. Each case runs the same batches through the runner the
+engine would hold (ModelRunner, or rank 0's TensorParallelRunner over ranks it spawns, gloo): a prefill of
+`--prompt-len` tokens, and decode steps of 1 and 8 sequences at that context; the median of `--steps` steps.
+A script, not a test:
+
+    .venv/bin/python benchmarks/tensor_parallel_bench.py [--layers 30] [--steps 20]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from backends.core.batch import ForwardBatch, SeqChunk  # noqa: E402
+from backends.core.engine_config import EngineConfig  # noqa: E402
+from backends.executor.tp_runner import TensorParallelRunner  # noqa: E402
+from backends.worker.model_runner import ModelRunner  # noqa: E402
+
+BLOCK = 16
+NUM_BLOCKS = 128
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--size", type=int, default=2, help="ranks of the group")
+    return p.parse_args()
+
+
+def build_checkpoint(layers: int, folder: Path) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, rope_theta=100000.0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+
+
+def batches(prompt_len: int) -> dict[str, ForwardBatch]:
+    blocks = -(-(prompt_len + 1) // BLOCK)
+    table = lambda seq: tuple(range(seq * blocks, (seq + 1) * blocks))  # noqa: E731
+    decode = lambda n: ForwardBatch(tuple(SeqChunk((7,), prompt_len, table(s)) for s in range(n)))  # noqa: E731
+    return {f"prefill {prompt_len} tokens": ForwardBatch((SeqChunk(tuple(range(1, prompt_len + 1)), 0, table(0)),)),
+            "decode, 1 sequence": decode(1), "decode, 8 sequences": decode(8)}
+
+
+def time_steps(runner: Any, batch: ForwardBatch, steps: int) -> float:
+    runner.execute(batch)   # warm
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        runner.execute(batch)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def run_case(label: str, runner: Any, args: argparse.Namespace, rows: list[list[str]]) -> dict[str, float]:
+    out = {}
+    for name, batch in batches(args.prompt_len).items():
+        out[name] = time_steps(runner, batch, args.steps)
+        rows.append([label, name, f"{out[name]:.1f}"])
+    return out
+
+
+def collective_bytes(runner: TensorParallelRunner, batch: ForwardBatch, layers: int, size: int) -> list[str]:
+    before = (runner.counts.num_all_reduces, runner.counts.all_reduce_bytes, runner.counts.gather_bytes)
+    runner.execute(batch)
+    after = (runner.counts.num_all_reduces, runner.counts.all_reduce_bytes, runner.counts.gather_bytes)
+    tokens, rows = batch.num_tokens, len(batch.chunks)
+    theory = tokens * 576 * 4 * (2 * layers + 1)   # hidden x tokens x 4 bytes x (2 per layer + the embedding)
+    gather_theory = rows * (-(-49152 // size)) * 4
+    return [str(tokens), str(after[0] - before[0]), f"{(after[1] - before[1]) / 1e3:.1f}", f"{theory / 1e3:.1f}",
+            f"{(after[2] - before[2]) / 1e3:.1f}", f"{gather_theory / 1e3:.1f}"]
+
+
+def main() -> None:
+    args = parse_args()
+    rows: list[list[str]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        build_checkpoint(args.layers, folder)
+        torch.set_num_threads(1)   # the group first: rank 0's resident memory is then its own shard's
+        config = EngineConfig(model_dir=str(folder), num_blocks=NUM_BLOCKS, block_size=BLOCK, torch_num_threads=1,
+                              tensor_parallel_size=args.size)
+        group = TensorParallelRunner(config, folder)
+        try:
+            run_case(f"TP={args.size}, 1 thread per rank", group, args, rows)
+            traffic = [collective_bytes(group, b, args.layers, args.size) for b in batches(args.prompt_len).values()]
+            ranks = group.ranks
+        finally:
+            group.close()
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            single = ModelRunner(folder, dtype=torch.float32, device="cpu", num_blocks=NUM_BLOCKS, block_size=BLOCK)
+            run_case(f"TP=1, {threads} thread(s)", single, args, rows)
+            weights = single.weight_bytes()   # (its resident memory would hold the group's leftovers)
+            del single
+    report(args, rows, traffic, ranks, weights)
+
+
+def report(args: argparse.Namespace, rows: list[list[str]], traffic: list[list[str]], ranks: list[Any],
+           weights: int) -> None:
+    print(f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, {args.layers} layers, float32, median of {args.steps} steps\n")
+    print("| runner | step | ms |\n|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print("\n| tokens | all-reduces | all-reduce kB (rank 0) | theory kB | gather kB (rank 0) | theory kB |")
+    print("|---|---|---|---|---|---|")
+    for row in traffic:
+        print("| " + " | ".join(row) + " |")
+    print(f"\nTP=1: weights {weights / 1e6:.1f} MB")
+    print("\n| rank | weights MB | read from checkpoint MB | anonymous resident MB before / after its shard |")
+    print("|---|---|---|---|")
+    for ready in ranks:
+        print(f"| {ready.rank} | {ready.weight_bytes / 1e6:.1f} | {ready.read_bytes / 1e6:.1f} | "
+              f"{ready.rss_anon_before_bytes / 1e6:.1f} / {ready.rss_anon_bytes / 1e6:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""How a Llama-family model splits over a tensor-parallel group (backends/models/tensor_parallel.py): which heads,
+KV heads, MLP columns and vocabulary rows each rank holds, and the sizes refused at start. Pure: no processes."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from backends.models.tensor_parallel import TPLayout
+from backends.worker.model_runner import check_tensor_parallel
+
+SMOLLM2 = SimpleNamespace(architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
+                          num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
+EIGHT_OVER_TWO = SimpleNamespace(architectures=["LlamaForCausalLM"], hidden_size=512, intermediate_size=1024,
+                                 num_attention_heads=8, num_key_value_heads=2, vocab_size=1001)
+
+
+@pytest.mark.parametrize(("config", "size", "rank", "want"), [
+    # (query heads, first head, KV heads, first KV head, MLP columns, vocabulary rows)
+    (SMOLLM2, 3, 0, (3, 0, 1, 0, 512, 16384)),
+    (SMOLLM2, 3, 2, (3, 6, 1, 2, 512, 16384)),
+    (EIGHT_OVER_TWO, 2, 1, (4, 4, 1, 1, 512, 501)),
+    (EIGHT_OVER_TWO, 4, 1, (2, 2, 1, 0, 256, 251)),   # KV head 0 replicated on ranks 0 and 1
+    (EIGHT_OVER_TWO, 4, 2, (2, 4, 1, 1, 256, 251)),   # query heads 4-5 read KV head 1
+    (EIGHT_OVER_TWO, 8, 7, (1, 7, 1, 1, 128, 126)),
+])
+def test_each_rank_holds_its_heads_columns_and_rows(config: SimpleNamespace, size: int, rank: int,
+                                                    want: tuple[int, ...]) -> None:
+    layout = TPLayout.of(config, rank, size)
+    got = (layout.num_heads, layout.first_head, layout.num_kv_heads, layout.first_kv_head, layout.intermediate,
+           layout.vocab)
+    assert got == want
+    # a query head h reads KV head h // (heads / kv_heads): this rank's heads read the KV heads it holds
+    group = config.num_attention_heads // config.num_key_value_heads
+    kv_read = {h // group for h in range(layout.first_head, layout.first_head + layout.num_heads)}
+    assert kv_read == set(range(layout.first_kv_head, layout.first_kv_head + layout.num_kv_heads))
+
+
+def test_rows_each_rank_reads_of_each_tensor() -> None:
+    layout = TPLayout.of(SMOLLM2, 1, 3)   # heads 3-5 of 64 channels, KV head 1, MLP columns 512-1023
+    rows = {name: layout.rows_of(f"model.layers.0.{name}") for name in (
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.bias", "self_attn.o_proj.weight",
+        "self_attn.o_proj.bias", "mlp.gate_proj.weight", "mlp.down_proj.weight", "mlp.down_proj.bias",
+        "input_layernorm.weight", "self_attn.q_norm.weight")}
+    assert rows == {
+        "self_attn.q_proj.weight": (0, 192, 384), "self_attn.k_proj.weight": (0, 64, 128),
+        "self_attn.v_proj.bias": (0, 64, 128), "self_attn.o_proj.weight": (1, 192, 384),
+        "self_attn.o_proj.bias": None, "mlp.gate_proj.weight": (0, 512, 1024), "mlp.down_proj.weight": (1, 512, 1024),
+        "mlp.down_proj.bias": None, "input_layernorm.weight": None, "self_attn.q_norm.weight": None}
+    assert layout.rows_of("model.embed_tokens.weight") == layout.rows_of("lm_head.weight") == (0, 16384, 32768)
+    assert layout.rows_of("model.norm.weight") is None
+
+
+@pytest.mark.parametrize(("config", "size", "message"), [
+    (SMOLLM2, 2, "does not divide the model's 9 attention heads"),
+    (SimpleNamespace(**{**vars(SMOLLM2), "num_attention_heads": 12, "num_key_value_heads": 4}), 6,
+     "neither divides the model's 4 KV heads nor is a multiple of them"),
+    (EIGHT_OVER_TWO, 3, "does not divide the model's 8 attention heads"),
+    (SimpleNamespace(**{**vars(SMOLLM2), "intermediate_size": 1000}), 3, "1000 MLP columns"),
+    (SimpleNamespace(**{**vars(SMOLLM2), "architectures": ["MixtralForCausalLM"]}), 3,
+     "MixtralForCausalLM cannot be split over a tensor-parallel group yet"),
+])
+def test_sizes_the_model_cannot_split_are_refused(config: SimpleNamespace, size: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel(config, size)
+    check_tensor_parallel(config, 1)   # one rank runs anything

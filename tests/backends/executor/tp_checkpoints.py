@@ -1,0 +1,34 @@
+"""Tiny random Llama-family checkpoints over SmolLM2's vocabulary (transformers' config classes, from_config,
+save_pretrained; SmolLM2's tokenizer beside them) for the tensor-parallel tests."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
+
+from tests.backends.references import smollm2_vocabulary
+
+# 4 query heads over 2 KV heads, MLP 96 wide: TP=2 splits each in two (TP=4 would replicate the KV heads).
+# Biases on every projection, so that the column-parallel ones are split and the row-parallel ones added once.
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, attention_bias=True, mlp_bias=True)
+
+
+def tiny_llama(folder: Path, **overrides: Any) -> PreTrainedModel:
+    """transformers' tiny Llama in float32 with large random weights (every term matters), saved into `folder`
+    with SmolLM2's tokenizer; returned for reference forwards."""
+    tokenizer, eos = smollm2_vocabulary()
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**TINY_LLAMA, "vocab_size": len(tokenizer), "eos_token_id": list(eos), **overrides})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1.0 + 0.2 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
+    model.save_pretrained(folder)
+    source = Path(tokenizer.name_or_path)
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(source / file, folder / file)
+    return model
