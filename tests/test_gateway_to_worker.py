@@ -94,7 +94,7 @@ class Transformers:
         from transformers import AutoTokenizer
 
         from backends.engine.engine import eos_token_ids
-        from backends.models.config import load_model_config
+        from backends.models.model_config import load_model_config
 
         self.model, self.model64 = model, float64_copy(model)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)

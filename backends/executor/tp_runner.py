@@ -20,7 +20,7 @@ from backends.executor.collectives import CollectiveCounts, DistributedTP, join_
 from backends.executor.group import RankGroup
 from backends.executor.messages import Ready
 from backends.executor.rank_process import rss_anon_bytes
-from backends.models.config import load_model_config
+from backends.models.model_config import load_model_config
 from backends.worker.model_runner import check_tensor_parallel, runner_for
 
 log = logging.getLogger(__name__)

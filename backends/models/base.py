@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from backends.attention.base import AttentionContext
-from backends.models.config import ModelConfig
+from backends.models.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from backends.models.kernels.base import LayerKernels

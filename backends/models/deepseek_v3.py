@@ -17,10 +17,10 @@ from torch import nn
 
 from backends.attention.base import AttentionContext
 from backends.models.base import LayerKVSpec
-from backends.models.config import ModelConfig
 from backends.models.kernels.base import LayerKernels
 from backends.models.layers import CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, dense
 from backends.models.llama import LlamaMLP
+from backends.models.model_config import ModelConfig
 from backends.models.moe import QWEN_NAMES, MoEBlock, MoEConfig, sigmoid_group_topk
 
 

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.models.config import ModelConfig
 from backends.models.kernels.base import GemvConfig, LayerKernels
+from backends.models.model_config import ModelConfig
 
 
 def choose_transposed(in_features: int, out_features: int) -> bool:

@@ -13,9 +13,9 @@ from torch import nn
 
 from backends.attention.base import AttentionContext
 from backends.models.base import LayerKVSpec
-from backends.models.config import ModelConfig
 from backends.models.kernels.base import LayerKernels
 from backends.models.layers import CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, dense, rope_inv_freq
+from backends.models.model_config import ModelConfig
 from backends.models.tensor_parallel import TensorParallel, TPLayout, vocab_parallel_embed
 
 

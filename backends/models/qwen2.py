@@ -1,9 +1,9 @@
 """Qwen2: the Llama decoder with biases on q/k/v (none on o_proj)."""
 from __future__ import annotations
 
-from backends.models.config import ModelConfig
 from backends.models.kernels.base import LayerKernels
 from backends.models.llama import LlamaForCausalLM
+from backends.models.model_config import ModelConfig
 from backends.models.tensor_parallel import TensorParallel
 
 

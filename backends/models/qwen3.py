@@ -1,9 +1,9 @@
 """Qwen3: the Llama decoder with per-head RMSNorm on q and k before rotary (biases per `attention_bias`)."""
 from __future__ import annotations
 
-from backends.models.config import ModelConfig
 from backends.models.kernels.base import LayerKernels
 from backends.models.llama import LlamaForCausalLM
+from backends.models.model_config import ModelConfig
 from backends.models.tensor_parallel import TensorParallel
 
 

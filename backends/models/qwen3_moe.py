@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from backends.models.config import ModelConfig
 from backends.models.kernels.base import LayerKernels
 from backends.models.llama import LlamaForCausalLM, LlamaMLP
+from backends.models.model_config import ModelConfig
 from backends.models.moe import QWEN_NAMES, MoEBlock, MoEConfig
 
 

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from backends.models.config import ModelConfig
+from backends.models.model_config import ModelConfig
 
 
 class TensorParallel(Protocol):

@@ -16,7 +16,7 @@ from backends.attention.base import AttentionBackendName
 from backends.core.engine_config import SPECULATIVE_PROPOSERS, EngineConfig, KVConnectorName
 from backends.kv_transfer import auth as kv_auth
 from backends.server import auth
-from backends.server.config import ServerConfig, WorkerRole
+from backends.server.server_config import ServerConfig, WorkerRole
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -247,7 +247,7 @@ def _kv_tier_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 def _check_group(model_dir: Path, size: int) -> None:
     """Refuse, before anything starts, a group size the model cannot be split over (and say what can)."""
-    from backends.models.config import load_model_config
+    from backends.models.model_config import load_model_config
     from backends.worker.model_runner import check_tensor_parallel
 
     try:

@@ -17,10 +17,10 @@ from backends.core.engine_config import EngineConfig
 from backends.core.engine_errors import EngineDeadError
 from backends.kv_connectors.pd_connector import PDConnector
 from backends.server import auth, disagg, embeddings, openai_routes, openapi, ops_routes, status
-from backends.server.config import ServerConfig
+from backends.server.app_keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
 from backends.server.errors import APIError, ErrorType, error_body
-from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
 from backends.server.metrics import EngineCollector, ServerMetrics
+from backends.server.server_config import ServerConfig
 from backends.server.tokenization import PromptTokenizer
 
 log = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ from typing import Any
 
 from backends.core.kv_transfer_params import KVTransferParams
 from backends.core.sampling_params import SamplingParams
+from backends.server.app_keys import WorkerEngine
 from backends.server.errors import invalid_param
 from backends.server.generation import (
     GenerationDelta,
@@ -27,7 +28,6 @@ from backends.server.generation import (
     generate_deltas,
     prior_output_text,
 )
-from backends.server.keys import WorkerEngine
 from backends.server.protocol import SEED_MAX, GenerateRequest
 from backends.server.responses import ResponseBuilder, Usage
 from backends.server.tokenization import PromptTokenizer

@@ -23,13 +23,13 @@ from backends.core.outputs import FinishReason
 from backends.kv_connectors.pd_connector import PDConnector
 from backends.kv_transfer.auth import key_from_text
 from backends.kv_transfer.base import KVErrorCode, KVTransferConfig, KVTransport, prefill_kv_transfer_params
-from backends.server.config import ServerConfig, WorkerRole
+from backends.server.app_keys import ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY
 from backends.server.errors import APIError, ErrorType, invalid_param
 from backends.server.fields import read_json
 from backends.server.generation import GenerationDelta, SequenceSpec, generate_deltas
-from backends.server.keys import ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY
 from backends.server.protocol import GenerateRequest, RequestKind, resolve_max_tokens
 from backends.server.responses import ResponseBuilder
+from backends.server.server_config import ServerConfig, WorkerRole
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import time
 from aiohttp import web
 
 from backends.server.app import DRAIN
-from backends.server.keys import ENGINE_KEY
+from backends.server.app_keys import ENGINE_KEY
 from backends.server.protocol_errors import answer_protocol_errors_in_json
 
 log = logging.getLogger(__name__)

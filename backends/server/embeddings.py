@@ -21,9 +21,9 @@ from aiohttp import web
 
 from backends.core.engine_errors import EngineRequestError
 from backends.core.outputs import SequenceOutput
+from backends.server.app_keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
 from backends.server.errors import APIError, ErrorType, invalid_param, unsupported_param
 from backends.server.fields import is_int, opt_int, read_json
-from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
 from backends.server.openai_routes import json_response
 from backends.server.protocol import MAX_SEQUENCES, parse_model
 

@@ -19,9 +19,9 @@ from backends.core.engine_errors import EngineRequestError
 from backends.core.kv_transfer_params import KVTransferParams
 from backends.core.outputs import FinishReason, SequenceOutput, TokenLogprob
 from backends.core.sampling_params import SamplingParams
+from backends.server.app_keys import WorkerEngine
 from backends.server.detokenizer import StopStringDetokenizer
 from backends.server.errors import APIError, ErrorType
-from backends.server.keys import WorkerEngine
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ from aiohttp import web
 
 from backends.core.kv_transfer_params import KVTransferParams
 from backends.server import disagg
+from backends.server.app_keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
 from backends.server.choices import Choices
 from backends.server.errors import APIError, invalid_param, model_not_found
 from backends.server.fields import read_json
 from backends.server.generation import SequenceSpec, generate_deltas, prior_output_text
-from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY, TOKENIZER_KEY, WorkerEngine
 from backends.server.protocol import (
     GenerateRequest,
     ParseContext,

@@ -5,8 +5,8 @@ from http import HTTPStatus
 
 from aiohttp import web
 
+from backends.server.app_keys import ENGINE_KEY, METRICS_KEY
 from backends.server.errors import invalid_param
-from backends.server.keys import ENGINE_KEY, METRICS_KEY
 from backends.server.openai_routes import json_response
 
 _MAX_KV_EVENTS_PER_CALL = 10_000

@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from backends.server.keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY
+from backends.server.app_keys import CONFIG_KEY, ENGINE_KEY, METRICS_KEY
 
 QUANTILES = (0.5, 0.9, 0.99)
 # (snapshot name, histogram name) of the request-side latencies ServerMetrics records

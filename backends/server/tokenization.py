@@ -13,7 +13,7 @@ import jinja2
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from backends.models.config import read_config_json
+from backends.models.model_config import read_config_json
 from backends.server.errors import invalid_param
 from backends.server.protocol import ChatMessage, GenerateRequest, RequestKind
 from backends.structured_output.token_bytes import TokenBytes
@@ -80,7 +80,7 @@ def _plain_config(model_dir: Path) -> dict[str, Any]:
     """AutoTokenizer's `config` argument, when a plain one will do: AutoTokenizer picks the class from
     tokenizer_config.json's `tokenizer_class` and the config's model_type and name, and given no config
     it reads them through the model's config class, whose import costs 1.5 s of a worker start (see
-    backends.models.config). A plain PretrainedConfig of config.json carries the same three. Not when
+    backends.models.model_config). A plain PretrainedConfig of config.json carries the same three. Not when
     tokenizer_config.json names no class or custom code: AutoTokenizer then looks the class up by the
     config class itself."""
     try:

@@ -22,12 +22,12 @@ from backends.core.block_manager import BlockManager
 from backends.core.sampling_params import SamplingParams
 from backends.core.sequence import Sequence as BlockOwner
 from backends.models.base import CausalLM
-from backends.models.config import ModelConfig, load_model_config
 from backends.models.int8_linear import INT8_COST, int8_available, int8_lm_head, matmul_cost, replace_linears
 from backends.models.kernels.base import LayerKernels
 from backends.models.kernels.registry import select_kernels
 from backends.models.layers import Linear, LMHead, rope_inv_freq
 from backends.models.llama import DecoderMLP, LlamaDecoderLayer
+from backends.models.model_config import ModelConfig, load_model_config
 from backends.speculative.proposer import DraftRequest
 
 if TYPE_CHECKING:

@@ -17,9 +17,9 @@ from backends.core.batch import ForwardBatch
 from backends.core.engine_config import EngineConfig
 from backends.models import model_class, tensor_parallel_model_class
 from backends.models.base import CausalLM, LayerKVSpec
-from backends.models.config import ModelConfig, load_model_config
 from backends.models.kernels.registry import select_kernels
 from backends.models.layers import Linear, LMHead
+from backends.models.model_config import ModelConfig, load_model_config
 from backends.models.tensor_parallel import TensorParallel, TPLayout
 from backends.worker.cuda_graphs import DecodeGraphs, StaticInputs
 from backends.worker.fingerprint import model_fingerprint

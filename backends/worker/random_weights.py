@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from backends.models.config import ModelConfig
+from backends.models.model_config import ModelConfig
 
 _INIT_STD = 0.02
 

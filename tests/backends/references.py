@@ -48,7 +48,7 @@ def smollm2_vocabulary() -> tuple[PreTrainedTokenizerBase, tuple[int, ...]]:
     from transformers import AutoTokenizer
 
     from backends.engine.engine import eos_token_ids
-    from backends.models.config import load_model_config
+    from backends.models.model_config import load_model_config
     from backends.worker.loader import resolve_model
 
     model_dir = resolve_model("smollm2")

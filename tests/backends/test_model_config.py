@@ -14,8 +14,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from backends.models import model_class
-from backends.models.config import load_model_config
 from backends.models.kernels.registry import select_kernels
+from backends.models.model_config import load_model_config
 from backends.server.tokenization import PromptTokenizer
 from tests.backends.test_model_forward import _TINY, TINY_MODELS
 

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from backends.core.batch import ForwardBatch, SeqChunk
-from backends.models.config import load_model_config
+from backends.models.model_config import load_model_config
 from backends.worker.model_runner import ModelRunner
 from backends.worker.random_weights import RandomCheckpoint
 

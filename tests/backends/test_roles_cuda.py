@@ -95,7 +95,7 @@ def test_unified_and_disaggregated_on_cuda_give_transformers_tokens(
         wants.append(out[0, len(prompt):].tolist())
     tolerance = logit_tolerance(hf_smollm2, hf_smollm2_f64, [p + w for p, w in zip(prompts, wants, strict=True)])
     from backends.engine.engine import eos_token_ids
-    from backends.models.config import load_model_config
+    from backends.models.model_config import load_model_config
     eos = eos_token_ids(load_model_config(smollm2_dir), smollm2_dir)
     references = []
     for prompt, want, (unified, legs) in zip(prompts, wants, got, strict=True):

@@ -169,7 +169,7 @@ async def test_the_worker_route_feeds_the_index() -> None:
     from backends.core.sampling_params import SamplingParams
     from backends.core.sequence import Sequence
     from backends.server import ops_routes
-    from backends.server.keys import ENGINE_KEY
+    from backends.server.app_keys import ENGINE_KEY
 
     assert [f.name for f in dataclasses.fields(KvEvent)] == [f.name for f in dataclasses.fields(KVEvent)]
     assert MEDIA == WORKER_MEDIA

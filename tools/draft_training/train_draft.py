@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.core.paths import default_cache_dir
-from backends.models.config import ModelConfig, read_config_json
 from backends.models.kernels.base import apply_rotary
 from backends.models.layers import rope_inv_freq
+from backends.models.model_config import ModelConfig, read_config_json
 from backends.speculative.proposer import DraftRequest
 from backends.worker.loader import resolve_model
 from tools.draft_training.train_prompts import PROSE, STRUCTURED, prompt_sets

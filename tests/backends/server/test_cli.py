@@ -7,7 +7,7 @@ import pytest
 
 from backends.core.engine_config import EngineConfig, KVConnectorName
 from backends.server.__main__ import build_configs, build_parser, resolve_dtype
-from backends.server.config import ServerConfig, WorkerRole
+from backends.server.server_config import ServerConfig, WorkerRole
 
 
 @pytest.fixture

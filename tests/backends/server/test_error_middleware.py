@@ -8,8 +8,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from backends.server.app import error_middleware
+from backends.server.app_keys import METRICS_KEY
 from backends.server.errors import APIError, model_not_found
-from backends.server.keys import METRICS_KEY
 from backends.server.metrics import ServerMetrics
 
 

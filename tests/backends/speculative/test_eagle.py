@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from backends.attention.base import AttentionContext, AttentionShape, StepLayout, create_backend
-from backends.models.config import read_config_json
 from backends.models.int8_linear import INT8_COST, int8_available
 from backends.models.llama import LlamaForCausalLM
+from backends.models.model_config import read_config_json
 from backends.speculative.eagle import EagleProposer, load_eagle_head, read_head_weights
 from backends.speculative.lookup_first import LookupFirstProposer
 from backends.speculative.ngram import NgramProposer

@@ -11,8 +11,8 @@ from backends.core.kv_transfer_params import KVTransferParams
 from backends.core.outputs import LoadReport, SequenceOutput
 from backends.core.sampling_params import SamplingParams
 from backends.kv_transfer.base import SharedRegion
-from backends.server.config import ServerConfig
 from backends.server.metrics import ServerMetrics
+from backends.server.server_config import ServerConfig
 from backends.server.tokenization import PromptTokenizer
 
 if TYPE_CHECKING:
