@@ -10,6 +10,7 @@ otherwise least_tokens.
 """
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,8 +29,13 @@ from policies.base import (
     prefix_affinity_key,
     within_load_bound,
 )
+from policies.fleet_view import FleetView, Levels, run_of
 from policies.least_tokens import LeastTokensConfig, LeastTokensPolicy
 from policies.session_affinity import HashRing, ring_hash
+
+# In `select_fleet`, a level of the prompt's leading runs held by at most this many usable endpoints is visited
+# member by member; the endpoints outside it are visited least loaded first, until none can score better.
+_NUM_LISTED = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,3 +145,62 @@ class PrefixAwarePolicy:
         return (self._alpha_prefill * endpoint.num_prefill_tokens
                 + self._alpha_decode * endpoint.num_decode_tokens
                 - cached_blocks * block_size)
+
+    def select_fleet(self, request: RequestFacts, fleet: FleetView, levels: Levels) -> Decision | None:
+        """`select` over a fleet, without an `EndpointState` per endpoint: the argmin of the same score over the
+        usable endpoints within the bound, ties at random. Not covered (None): `prefix_key_tokens` and alpha 0."""
+        if self._config.prefix_key_tokens or not self._config.alpha:
+            return None
+        bound = fleet.bound(self._weights, self._config.load_factor)
+        if bound is None:
+            return None
+        usable = fleet.usable_mask
+        runs = [(depth, mask & usable) for depth, mask in levels]
+        while runs and not runs[-1][1]:   # nested masks: the empty ones are the deepest
+            runs.pop()
+        tied = self._least_scored(request.block_size, fleet, runs, bound)
+        if not tied:
+            return None
+        endpoint_id, run = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        return Decision(endpoint_id, DecisionReason.PREFIX_HIT if run else DecisionReason.BALANCED, None)
+
+    def _least_scored(self, block_size: int, fleet: FleetView, runs: Levels,
+                      bound: float) -> list[tuple[str, int]]:
+        """(endpoint id, device run) of every usable endpoint within `bound` of least negative score. The first
+        level with few holders is scored member by member; the endpoints outside it are scored least loaded first,
+        which stops once even the deepest run outside it (`depth_rest`) could not beat the best score."""
+        pw, dw = self._weights.prefill_weight, self._weights.decode_weight
+        ap, ad, alpha = self._alpha_prefill, self._alpha_decode, self._config.alpha
+        loads, best, tied = fleet.loads, math.inf, []
+        j = next((k for k, (_, mask) in enumerate(runs) if mask.bit_count() <= _NUM_LISTED), len(runs))
+        listed = set()
+        mask = runs[j][1] if j < len(runs) else 0
+        while mask:
+            low = mask & -mask
+            mask ^= low
+            endpoint_id = fleet.id_of_bit[low]
+            listed.add(endpoint_id)
+            num_prefill, num_decode = loads[endpoint_id]
+            if pw * num_prefill + dw * num_decode + 1.0 > bound:
+                continue
+            run = run_of(low, runs)
+            score = ap * num_prefill + ad * num_decode - run * block_size
+            if score <= best:
+                tied = tied if score == best else []
+                best = score
+                tied.append((endpoint_id, run))
+        rest = runs[:j]
+        depth_rest = rest[-1][0] if rest else 0
+        for load, endpoint_id in fleet.ascending(self._weights):
+            if load + 1.0 > bound or alpha * load - depth_rest * block_size > best + 1e-6 * (1.0 + abs(best)):
+                break
+            if endpoint_id in listed:
+                continue
+            num_prefill, num_decode = loads[endpoint_id]
+            run = run_of(fleet.bit_of[endpoint_id], rest)
+            score = ap * num_prefill + ad * num_decode - run * block_size
+            if score <= best:
+                tied = tied if score == best else []
+                best = score
+                tied.append((endpoint_id, run))
+        return tied

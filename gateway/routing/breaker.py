@@ -29,6 +29,7 @@ class CircuitBreaker:
         "_held_until",
         "_last_failure_at",
         "_on_change",
+        "_on_update",
         "_opened_at",
         "_probe_in_flight",
         "_state",
@@ -36,7 +37,8 @@ class CircuitBreaker:
     )
 
     def __init__(self, endpoint_id: str, config: BreakerConfig, clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[str, CircuitState], None] | None = None) -> None:
+                 on_change: Callable[[str, CircuitState], None] | None = None,
+                 on_update: Callable[[str], None] | None = None) -> None:
         self.endpoint_id = endpoint_id
         self._config = config
         self._clock = clock
@@ -47,6 +49,7 @@ class CircuitBreaker:
         self._probe_in_flight = False
         self._state = CircuitState.CLOSED
         self._on_change = on_change
+        self._on_update = on_update   # told of a state change or a hold-off (live_pools.py re-reads the breaker)
 
     @property
     def state(self) -> CircuitState:
@@ -77,6 +80,8 @@ class CircuitBreaker:
         """The endpoint asked for no requests for `seconds` (its Retry-After, capped by the caller)."""
         if seconds > 0:
             self._held_until = max(self._held_until, self._clock() + seconds)
+            if self._on_update is not None:
+                self._on_update(self.endpoint_id)
 
     def on_success(self) -> None:
         self._failures = 0
@@ -96,6 +101,8 @@ class CircuitBreaker:
     def _set(self, state: CircuitState) -> None:
         if state is not self._state:
             self._state = state
+            if self._on_update is not None:
+                self._on_update(self.endpoint_id)
             if self._on_change is not None:
                 self._on_change(self.endpoint_id, state)
 

@@ -34,18 +34,29 @@ log = logging.getLogger(__name__)
 class Endpoint:
     """Runtime state of one upstream server (shared by every provider that lists its URL)."""
 
-    __slots__ = ("breaker", "endpoint_id", "failing_polls", "health_checked", "healthy", "kv_since",
+    __slots__ = ("_changed", "_healthy", "breaker", "endpoint_id", "failing_polls", "health_checked", "kv_since",
                  "poll_failures", "weights")
 
-    def __init__(self, endpoint_id: str, breaker: CircuitBreaker) -> None:
+    def __init__(self, endpoint_id: str, breaker: CircuitBreaker, changed: set[str] | None = None) -> None:
         self.endpoint_id = endpoint_id
         self.breaker = breaker
-        self.healthy = True              # optimistic until a health check says otherwise
+        self._changed = set() if changed is None else changed   # told when `healthy` changes (live_pools.py)
+        self._healthy = True             # optimistic until a health check says otherwise
         self.health_checked = False      # a health check has succeeded at least once (for /ready)
         self.kv_since = 0                # the `next` cursor of /kv_events
         self.poll_failures: dict[tuple[str, str], int] = {}  # (poller, cause) -> failures so far
         self.failing_polls: set[str] = set()  # pollers whose bad answer was logged, not yet followed by a success
         self.weights = ""                # its weights' fingerprint, as its last /load said ("": not said)
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, healthy: bool) -> None:
+        if healthy != self._healthy:
+            self._healthy = healthy
+            self._changed.add(self.endpoint_id)
 
 
 class UpstreamRegistry:
@@ -60,6 +71,7 @@ class UpstreamRegistry:
         self._on_circuit_change = on_circuit_change
         self.endpoints: dict[str, Endpoint] = {}
         self.pools: dict[tuple[str, Pool], list[Endpoint]] = {}   # by (provider name, pool)
+        self.pools_version = 0   # counts the pools' changes (DNS), for those that keep a view of them
         self.discoveries: list[Discovery] = []
         # Per pool: what its DNS entries name now, by entry (an address its static URLs list stays either way).
         self._named: dict[tuple[str, Pool], dict[str, set[str]]] = {}
@@ -77,7 +89,9 @@ class UpstreamRegistry:
     def _endpoint(self, url: str) -> Endpoint:
         endpoint = self.endpoints.get(url)
         if endpoint is None:
-            endpoint = Endpoint(url, CircuitBreaker(url, self._config.breaker, on_change=self._on_circuit_change))
+            changed = self._tracker.changed   # what live_pools.py re-reads: health and circuits, as loads
+            endpoint = Endpoint(url, CircuitBreaker(url, self._config.breaker, on_change=self._on_circuit_change,
+                                                    on_update=changed.add), changed)
             self.endpoints[url] = endpoint
         return endpoint
 
@@ -151,6 +165,7 @@ class UpstreamRegistry:
         named[entry] = set(urls)
         now = set().union(*named.values())
         listed = self.pools[(provider.name, pool)]
+        self.pools_version += 1
         static = {url for url in provider.pools()[pool] if not is_discovered(url)}
         for url in sorted(now - before - static):
             endpoint = self._endpoint(url)
