@@ -166,41 +166,44 @@ class PrefixAwarePolicy:
 
     def _least_scored(self, block_size: int, fleet: FleetView, runs: Levels,
                       bound: float) -> list[tuple[str, int]]:
-        """(endpoint id, device run) of every usable endpoint within `bound` of least negative score. The first
-        level with few holders is scored member by member; the endpoints outside it are scored least loaded first,
-        which stops once even the deepest run outside it (`depth_rest`) could not beat the best score."""
+        """(endpoint id, device run) of every usable endpoint within `bound` of least negative score. The best
+        score is the least, over the levels (depth d, holders M; and depth 0, every endpoint), of the least loaded
+        holder's score at d: an endpoint's own level gives its score, a shallower one only a worse one. Levels of
+        few holders are scored member by member; in a level of many, the least loaded holder is near the front."""
         pw, dw = self._weights.prefill_weight, self._weights.decode_weight
-        ap, ad, alpha = self._alpha_prefill, self._alpha_decode, self._config.alpha
-        loads, best, tied = fleet.loads, math.inf, []
+        ap, ad, loads = self._alpha_prefill, self._alpha_decode, fleet.loads
         j = next((k for k, (_, mask) in enumerate(runs) if mask.bit_count() <= _NUM_LISTED), len(runs))
-        listed = set()
+        scored: dict[str, tuple[float, int]] = {}   # endpoint -> (least score seen, the run it was scored at)
         mask = runs[j][1] if j < len(runs) else 0
         while mask:
             low = mask & -mask
             mask ^= low
             endpoint_id = fleet.id_of_bit[low]
-            listed.add(endpoint_id)
             num_prefill, num_decode = loads[endpoint_id]
-            if pw * num_prefill + dw * num_decode + 1.0 > bound:
-                continue
-            run = run_of(low, runs)
-            score = ap * num_prefill + ad * num_decode - run * block_size
-            if score <= best:
-                tied = tied if score == best else []
-                best = score
-                tied.append((endpoint_id, run))
-        rest = runs[:j]
-        depth_rest = rest[-1][0] if rest else 0
-        for load, endpoint_id in fleet.ascending(self._weights):
-            if load + 1.0 > bound or alpha * load - depth_rest * block_size > best + 1e-6 * (1.0 + abs(best)):
-                break
-            if endpoint_id in listed:
-                continue
-            num_prefill, num_decode = loads[endpoint_id]
-            run = run_of(fleet.bit_of[endpoint_id], rest)
-            score = ap * num_prefill + ad * num_decode - run * block_size
-            if score <= best:
-                tied = tied if score == best else []
-                best = score
-                tied.append((endpoint_id, run))
-        return tied
+            if pw * num_prefill + dw * num_decode + 1.0 <= bound:
+                run = run_of(low, runs)
+                scored[endpoint_id] = (ap * num_prefill + ad * num_decode - run * block_size, run)
+        for depth, level_mask in ((0, -1), *runs[:j]):
+            for endpoint_id in _least_members(fleet, self._weights, level_mask, bound):
+                num_prefill, num_decode = loads[endpoint_id]
+                score = ap * num_prefill + ad * num_decode - depth * block_size
+                if endpoint_id not in scored or score < scored[endpoint_id][0]:
+                    scored[endpoint_id] = (score, depth)
+        if not scored:
+            return []
+        best = min(score for score, _ in scored.values())
+        return [(endpoint_id, run) for endpoint_id, (score, run) in scored.items() if score == best]
+
+
+def _least_members(fleet: FleetView, weights: TokenWeights, mask: int, bound: float) -> list[str]:
+    """The least loaded usable endpoints within `bound` whose bits are in `mask` (all of them at that load)."""
+    found: list[str] = []
+    least = math.inf
+    bit_of = fleet.bit_of
+    for load, endpoint_id in fleet.ascending(weights):
+        if load > least or load + 1.0 > bound:
+            break
+        if bit_of[endpoint_id] & mask:
+            found.append(endpoint_id)
+            least = load
+    return found

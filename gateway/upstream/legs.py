@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from email.utils import parsedate_to_datetime
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import aiohttp
 import orjson
@@ -67,6 +67,7 @@ class Legs:
         self._tracker = tracker
         self._prefix_index = prefix_index
         self.live_pools = LivePools(registry, tracker, prefix_index)   # large pools, without listing them
+        self._takes_fleet: dict[type, bool] = {}   # policy class -> it has `select_fleet` (FleetPolicy)
         self._on_routed = on_routed   # an approximate endpoint's decision, for peer processes (prefix_share.py)
         self._store = store
         self.metrics = metrics
@@ -130,14 +131,18 @@ class Legs:
                         policy: Policy) -> tuple[Decision, MatchedByMedium] | None:
         """The policy's pick from a large pool's live view (gateway/routing/live_pools.py), without a state per
         endpoint, and its match; None: list the candidates instead (`view_for` or the policy cannot decide so)."""
-        if not isinstance(policy, FleetPolicy):
+        kind = type(policy)
+        takes_fleet = self._takes_fleet.get(kind)
+        if takes_fleet is None:   # a Protocol's isinstance costs tens of µs: asked once per policy class
+            takes_fleet = self._takes_fleet[kind] = isinstance(policy, FleetPolicy)
+        if not takes_fleet:
             return None
         fleet = self.live_pools.view_for(pool, progress.tried)
         if fleet is None:
             return None
         facts = progress.request.facts
         levels = self._prefix_index.matched_levels(facts.block_hashes) if facts.block_hashes else []
-        decision = policy.select_fleet(facts, fleet, levels)
+        decision = cast(FleetPolicy, policy).select_fleet(facts, fleet, levels)
         if decision is None:
             return None
         return decision, (run_of(fleet.bit_of[decision.endpoint_id], levels), 0, 0, 0)
