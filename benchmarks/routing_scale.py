@@ -178,6 +178,32 @@ def ingestion(fleet: Fleet, num_pages: int, page_events: int) -> dict[str, float
             "per_event_us": per_event_us, "events_per_s": 1e6 / per_event_us}
 
 
+def upkeep_us(fleet: Fleet, rng: random.Random, repeats: int = 300) -> float:
+    """CPU µs per changed endpoint for the live view to catch up (`LivePools` re-reading it): leases opened and
+    released at random endpoints, then one `view_for`."""
+    fleet.legs.live_pools.min_endpoints = 32
+    fleet.legs.live_pools.view_for(fleet.pool, ())
+    total_ns = num_changed = 0
+    for _ in range(repeats):
+        for _ in range(8):
+            fleet.churn(rng.choice(fleet.ids), 512, rng)
+        num_changed += len(fleet.tracker.changed)
+        start = time.thread_time_ns()
+        fleet.legs.live_pools.view_for(fleet.pool, ())
+        total_ns += time.thread_time_ns() - start
+    return total_ns / 1000 / max(1, num_changed)
+
+
+def yardstick_us() -> float:
+    """This machine's speed now: CPU µs for `sum(range(1000))` (an idle 2020s core: about 8)."""
+    times = []
+    for _ in range(2000):
+        start = time.thread_time_ns()
+        sum(range(1000))
+        times.append((time.thread_time_ns() - start) / 1000)
+    return statistics.median(times)
+
+
 def run_size(num_endpoints: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     rng = random.Random(args.seed)
     num_blocks = args.blocks if num_endpoints <= 1000 else args.blocks_at_5000
@@ -194,10 +220,12 @@ def run_size(num_endpoints: int, args: argparse.Namespace) -> list[dict[str, Any
                    "p50_us": p(times, 0.5), "p99_us": p(times, 0.99), "decisions": num_decisions}
             rows.append(row)
             print(f"  {row['policy']:<18}{row['mode']:<8}p50 {row['p50_us']:>9.1f} µs  p99 {row['p99_us']:>9.1f} µs")
+    upkeep = upkeep_us(fleet, rng)
+    print(f"  live view upkeep: {upkeep:.1f} µs per changed endpoint; yardstick sum(range(1000)) {yardstick_us():.1f} µs")
     ing = ingestion(fleet, args.pages, 256)
     print(f"  KV events into the full index: parse {ing['parse_us']:.2f} + apply {ing['apply_us']:.2f} = "
           f"{ing['per_event_us']:.2f} µs/event, {ing['events_per_s']:,.0f} events/s on one core")
-    rows.append({"endpoints": num_endpoints, "ingestion": ing, "index_bytes": fleet.index_bytes})
+    rows.append({"endpoints": num_endpoints, "ingestion": ing, "index_bytes": fleet.index_bytes, "upkeep_us": upkeep})
     return rows
 
 
@@ -212,6 +240,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    print(f"yardstick: sum(range(1000)) {yardstick_us():.1f} µs CPU (an idle 2020s core: about 8)")
     print(f"block hashing, {PROMPT_TOKENS}-token prompt ({PROMPT_TOKENS // BLOCK} blocks): "
           f"{hashing_us(rng):.0f} µs median (any fleet size)")
     for num_endpoints in args.sizes:

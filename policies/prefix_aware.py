@@ -35,7 +35,7 @@ from policies.session_affinity import HashRing, ring_hash
 
 # In `select_fleet`, a level of the prompt's leading runs held by at most this many usable endpoints is visited
 # member by member; the endpoints outside it are visited least loaded first, until none can score better.
-_NUM_LISTED = 32
+_NUM_LISTED = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +171,7 @@ class PrefixAwarePolicy:
         holder's score at d: an endpoint's own level gives its score, a shallower one only a worse one. Levels of
         few holders are scored member by member; in a level of many, the least loaded holder is near the front."""
         pw, dw = self._weights.prefill_weight, self._weights.decode_weight
-        ap, ad, loads = self._alpha_prefill, self._alpha_decode, fleet.loads
+        ap, ad, alpha, loads = self._alpha_prefill, self._alpha_decode, self._config.alpha, fleet.loads
         j = next((k for k, (_, mask) in enumerate(runs) if mask.bit_count() <= _NUM_LISTED), len(runs))
         scored: dict[str, tuple[float, int]] = {}   # endpoint -> (least score seen, the run it was scored at)
         mask = runs[j][1] if j < len(runs) else 0
@@ -183,10 +183,20 @@ class PrefixAwarePolicy:
             if pw * num_prefill + dw * num_decode + 1.0 <= bound:
                 run = run_of(low, runs)
                 scored[endpoint_id] = (ap * num_prefill + ad * num_decode - run * block_size, run)
-        for depth, level_mask in ((0, -1), *runs[:j]):
-            for endpoint_id in _least_members(fleet, self._weights, level_mask, bound):
+        # Depth 0 (every endpoint) first, then the deepest level first: each best score so far caps the load
+        # worth looking for at the next level, load <= (best + depth x block_size) / alpha.
+        levels = [(0, -1), *reversed(runs[:j])]
+        if j and runs[0][1] == fleet.usable_mask:   # every endpoint holds the first blocks
+            levels[0] = runs[0]
+            levels.pop()
+        best = min((score for score, _ in scored.values()), default=math.inf)
+        for depth, level_mask in levels:
+            cap = bound if best == math.inf else min(bound, ((best + depth * block_size) / alpha + 1.0) * (1 + 1e-9))
+            whole = level_mask == fleet.usable_mask   # every usable endpoint: no bit to test
+            for endpoint_id in fleet.least(self._weights, -1 if whole else level_mask, cap):
                 num_prefill, num_decode = loads[endpoint_id]
                 score = ap * num_prefill + ad * num_decode - depth * block_size
+                best = min(best, score)
                 if endpoint_id not in scored or score < scored[endpoint_id][0]:
                     scored[endpoint_id] = (score, depth)
         if not scored:
@@ -194,16 +204,3 @@ class PrefixAwarePolicy:
         best = min(score for score, _ in scored.values())
         return [(endpoint_id, run) for endpoint_id, (score, run) in scored.items() if score == best]
 
-
-def _least_members(fleet: FleetView, weights: TokenWeights, mask: int, bound: float) -> list[str]:
-    """The least loaded usable endpoints within `bound` whose bits are in `mask` (all of them at that load)."""
-    found: list[str] = []
-    least = math.inf
-    bit_of = fleet.bit_of
-    for load, endpoint_id in fleet.ascending(weights):
-        if load > least or load + 1.0 > bound:
-            break
-        if bit_of[endpoint_id] & mask:
-            found.append(endpoint_id)
-            least = load
-    return found

@@ -19,6 +19,9 @@ class CircuitState(IntEnum):
     OPEN = 2        # ejected until the cool-down ends
 
 
+_CLOSED = CircuitState.CLOSED   # an IntEnum member read on a hot path: looked up once
+
+
 class CircuitBreaker:
     """One endpoint's breaker. Not thread-safe: it lives on the event loop."""
 
@@ -70,6 +73,10 @@ class CircuitBreaker:
         if state is CircuitState.CLOSED:
             return True
         return state is CircuitState.HALF_OPEN and not self._probe_in_flight
+
+    def is_closed(self) -> bool:
+        """Closed and not held off: traffic flows with no probe or wait (a pool's live view counts it usable)."""
+        return self._state is _CLOSED and self._held_until <= self._clock()
 
     def on_attempt(self) -> None:
         """Called when a request is actually sent; marks the half-open probe as taken."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from cache.prefix_index import PrefixIndex
-from gateway.routing.breaker import CircuitState
 from gateway.routing.endpoints import Endpoint, UpstreamRegistry
 from gateway.routing.load import LoadTracker
 from policies.fleet_view import FleetView
@@ -19,13 +18,14 @@ MIN_ENDPOINTS = 32
 
 
 class _LivePool:
-    __slots__ = ("endpoints", "fleet", "ids", "mask", "suspects")
+    __slots__ = ("bits", "endpoints", "fleet", "ids", "mask", "suspects")
 
     def __init__(self, endpoints: list[Endpoint]) -> None:
         self.endpoints = endpoints                      # the registry's pool list (DNS changes it in place)
         self.ids = frozenset(e.endpoint_id for e in endpoints)
         self.fleet = FleetView([e.endpoint_id for e in endpoints])
         self.mask = 0                                   # the pool's bits in the prefix index
+        self.bits: dict[str, int] = {}                  # each endpoint's bit there
         self.suspects: set[str] = set()                 # circuit not plainly closed: re-read at every use
 
 
@@ -55,10 +55,10 @@ class LivePools:
             return None
         for endpoint_id in list(live.suspects):
             breaker = self._registry.endpoints[endpoint_id].breaker
-            if breaker.allows():
-                if breaker.state is not CircuitState.CLOSED:
-                    return None   # a probe may go there: `eligible` lists it
+            if breaker.is_closed():
                 self._update(live, self._registry.endpoints[endpoint_id])
+            elif breaker.allows():
+                return None   # a half-open probe may go there: `eligible` lists it
         if not live.fleet.usable_mask or live.mask & self._index.tiered_mask:
             return None
         return live.fleet
@@ -85,20 +85,21 @@ class LivePools:
                 continue
             live = self._by_list[id(endpoints)] = _LivePool(endpoints)
             for endpoint in endpoints:
-                live.mask |= self._index.endpoint_bit(endpoint.endpoint_id)
+                bit = live.bits[endpoint.endpoint_id] = self._index.endpoint_bit(endpoint.endpoint_id)
+                live.mask |= bit
                 self._of_endpoint.setdefault(endpoint.endpoint_id, []).append(live)
                 self._update(live, endpoint)
 
     def _update(self, live: _LivePool, endpoint: Endpoint) -> None:
         """Re-read one endpoint: usable (healthy, circuit closed and not held off) with its load, or not."""
         endpoint_id, breaker = endpoint.endpoint_id, endpoint.breaker
-        plain = breaker.allows() and breaker.state is CircuitState.CLOSED
+        plain = breaker.is_closed()
         if plain:
             live.suspects.discard(endpoint_id)
         else:
             live.suspects.add(endpoint_id)
         if plain and endpoint.healthy:
             _, num_prefill, num_decode = self._tracker.snapshot(endpoint_id)
-            live.fleet.put(endpoint_id, self._index.endpoint_bit(endpoint_id), num_prefill, num_decode)
+            live.fleet.put(endpoint_id, live.bits[endpoint_id], num_prefill, num_decode)
         else:
             live.fleet.discard(endpoint_id)
