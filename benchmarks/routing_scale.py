@@ -16,6 +16,7 @@ full index (each stored block evicts one), per event.
 from __future__ import annotations
 
 import argparse
+import array
 import gc
 import math
 import pathlib
@@ -82,7 +83,7 @@ class Fleet:
         self.hot = [chain(self.system[-1], (1 << 30) + k, 32) for k in range(max(16, num_endpoints // 4))]
         self.weights = [1.0 / (k + 1) for k in range(len(self.hot))]
         before = rss_bytes()
-        for i, endpoint_id in enumerate(self.ids):
+        for endpoint_id in self.ids:
             self.index.set_capacity(endpoint_id, num_blocks)
             self.index.store(endpoint_id, self.system)
             n = 0
@@ -174,8 +175,26 @@ def ingestion(fleet: Fleet, num_pages: int, page_events: int) -> dict[str, float
         parse_s += mid - start
     num_events = num_pages * page_events
     per_event_us = (parse_s + apply_s) / num_events * 1e6
+    packed_s = packed_ingestion(fleet, parent, num_pages, page_events)
     return {"parse_us": parse_s / num_events * 1e6, "apply_us": apply_s / num_events * 1e6,
-            "per_event_us": per_event_us, "events_per_s": 1e6 / per_event_us}
+            "per_event_us": per_event_us, "events_per_s": 1e6 / per_event_us,
+            "packed_us": packed_s / num_events * 1e6}
+
+
+def packed_ingestion(fleet: Fleet, parent: int, num_pages: int, page_events: int) -> float:
+    """Seconds to apply the same number of STORED events as packed pages (one array of 64-bit block hashes per
+    page, as a relay that coalesces events could send them): unpacked and stored (`PrefixIndex.store`)."""
+    endpoint_id, pages = fleet.ids[-1], []
+    for page in range(num_pages):
+        hashes = []
+        for i in range(page_events):
+            parent = hash_block_tokens(parent, (page, i, 7))
+            hashes.append(parent)
+        pages.append(array.array("Q", hashes).tobytes())
+    start = time.perf_counter()
+    for body in pages:
+        fleet.index.store(endpoint_id, array.array("Q", body))
+    return time.perf_counter() - start
 
 
 def upkeep_us(fleet: Fleet, rng: random.Random, repeats: int = 300) -> float:
@@ -209,8 +228,9 @@ def run_size(num_endpoints: int, args: argparse.Namespace) -> list[dict[str, Any
     num_blocks = args.blocks if num_endpoints <= 1000 else args.blocks_at_5000
     start = time.perf_counter()
     fleet = Fleet(num_endpoints, num_blocks, rng)
+    built_s = time.perf_counter() - start
     print(f"\n{num_endpoints} endpoints x {num_blocks} blocks: index {fleet.index_bytes / 2**20:.0f} MiB RSS "
-          f"({fleet.index_bytes / (num_endpoints * num_blocks):.0f} B/block), built in {time.perf_counter() - start:.0f} s")
+          f"({fleet.index_bytes / (num_endpoints * num_blocks):.0f} B/block), built in {built_s:.0f} s")
     rows = []
     num_decisions = args.decisions if num_endpoints <= 1000 else args.decisions // 4
     for policy_name in POLICIES:
@@ -221,10 +241,12 @@ def run_size(num_endpoints: int, args: argparse.Namespace) -> list[dict[str, Any
             rows.append(row)
             print(f"  {row['policy']:<18}{row['mode']:<8}p50 {row['p50_us']:>9.1f} µs  p99 {row['p99_us']:>9.1f} µs")
     upkeep = upkeep_us(fleet, rng)
-    print(f"  live view upkeep: {upkeep:.1f} µs per changed endpoint; yardstick sum(range(1000)) {yardstick_us():.1f} µs")
+    print(f"  live view upkeep: {upkeep:.1f} µs per changed endpoint; "
+          f"yardstick sum(range(1000)) {yardstick_us():.1f} µs")
     ing = ingestion(fleet, args.pages, 256)
     print(f"  KV events into the full index: parse {ing['parse_us']:.2f} + apply {ing['apply_us']:.2f} = "
-          f"{ing['per_event_us']:.2f} µs/event, {ing['events_per_s']:,.0f} events/s on one core")
+          f"{ing['per_event_us']:.2f} µs/event, {ing['events_per_s']:,.0f} events/s on one core; packed pages "
+          f"{ing['packed_us']:.2f} µs/event")
     rows.append({"endpoints": num_endpoints, "ingestion": ing, "index_bytes": fleet.index_bytes, "upkeep_us": upkeep})
     return rows
 

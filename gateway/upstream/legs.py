@@ -131,6 +131,8 @@ class Legs:
                         policy: Policy) -> tuple[Decision, MatchedByMedium] | None:
         """The policy's pick from a large pool's live view (gateway/routing/live_pools.py), without a state per
         endpoint, and its match; None: list the candidates instead (`view_for` or the policy cannot decide so)."""
+        if len(pool) < self.live_pools.min_endpoints:   # small pools are listed (and live_pools.py is not entered)
+            return None
         kind = type(policy)
         takes_fleet = self._takes_fleet.get(kind)
         if takes_fleet is None:   # a Protocol's isinstance costs tens of µs: asked once per policy class
