@@ -44,7 +44,7 @@ import random
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -55,20 +55,28 @@ from cache.prefix_index import PrefixIndex, num_cached_tokens
 from gateway.routing.load import Lease, LoadTracker, OutputLengthEstimator
 from policies.base import DecisionReason, EndpointState, Policy, RequestFacts
 from policies.registry import PolicyName, make_policy
+from routing_sim_args import parse_args
 from routing_sim_report import UNLIMITED, print_approx_ratios, print_row, print_targets, summarize
 from routing_sim_tiers import (
     NO_TIERS,
     UNLIMITED_TIERS,
     Lru,
     Medium,
+    StoreWrite,
     TierConfig,
     WorkerCache,
-    add_tier_arguments,
     block_tokens,
     restore_tokens,
     tier_steps,
 )
-from routing_sim_trace import BLOCK_TOKENS, TRACE, TraceRequest, load_trace, replay_unlimited, spread_arrivals
+from routing_sim_trace import (
+    BLOCK_TOKENS,
+    TraceRequest,
+    copy_trace,
+    load_trace,
+    replay_unlimited,
+    spread_arrivals,
+)
 
 MODEL = "sim"
 
@@ -299,29 +307,6 @@ class Simulation:
                 self.index.remove(worker.endpoint_id, (block_hash,))
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", type=pathlib.Path, default=TRACE)
-    parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--cache-blocks", type=int, default=2000, help="per worker, 512-token blocks")
-    parser.add_argument("--utilization", type=float, default=0.8,
-                        help="offered prefill load / fleet prefill capacity, with no cache hits")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--spread-arrivals", action="store_true",
-                        help="spread each 3-second timestamp slot's requests over the slot, in trace order")
-    parser.add_argument("--json", action="store_true", help="also print one JSON line per policy")
-    parser.add_argument("--gateways", type=int, default=1,
-                        help="gateway processes (switchyard gateway --workers N), each request to a random one")
-    parser.add_argument("--approx-capacity", type=int, default=None,
-                        help="blocks the approximate index assumes per worker (default: --cache-blocks)")
-    parser.add_argument("--share-interval", type=float, default=0.25,
-                        help="approx shared: seconds between a process's publishing and reading its peers'")
-    parser.add_argument("--only", nargs="*", help="run only the rows whose label contains one of these words")
-    add_tier_arguments(parser)
-    return parser.parse_args()
-
-
 def policy_rows(seed: dict[str, Any]) -> list[Row]:
     return [
         Row(UNLIMITED, PolicyName.PREFIX_AWARE, seed, tiers=UNLIMITED_TIERS),
@@ -336,6 +321,22 @@ def policy_rows(seed: dict[str, Any]) -> list[Row]:
         Row("prefix_aware approx shared", PolicyName.PREFIX_AWARE, seed, approximate=True, shared=True),
         Row("prefix_aware approx+key", PolicyName.PREFIX_AWARE, {**seed, "prefix_key_tokens": 1024}, approximate=True),
     ]
+
+
+def replication_rows(args: argparse.Namespace, seed: dict[str, Any]) -> list[Row]:
+    """Issue 52: hot prefixes across a large fleet. prefix_aware as it is (load bound 1.5), with a tight bound
+    (1.1: a prefix whose holders are over it is copied to the least loaded worker, by recomputing it), and with
+    that bound and one store that every worker writes through, so that the new holder reads the hot prefix's KV
+    from the store instead of computing it, and the router counts the store's blocks at every worker."""
+    base = tier_steps(args)[0][1]
+    store = replace(base, store_blocks=args.cache_blocks * 64 if args.store_blocks is None else args.store_blocks,
+                    store_write=StoreWrite.THROUGH)
+    tight = {**seed, "load_factor": args.replicate_load_factor}
+    return [Row(UNLIMITED, PolicyName.PREFIX_AWARE, seed, tiers=UNLIMITED_TIERS),
+            Row("prefix_aware precise", PolicyName.PREFIX_AWARE, seed),
+            Row(f"prefix_aware bound {args.replicate_load_factor}, recompute", PolicyName.PREFIX_AWARE, tight),
+            Row(f"prefix_aware bound {args.replicate_load_factor}, copy via store", PolicyName.PREFIX_AWARE, tight,
+                tiers=store)]
 
 
 def tier_rows(args: argparse.Namespace, seed: dict[str, Any]) -> list[Row]:
@@ -354,12 +355,13 @@ def tier_rows(args: argparse.Namespace, seed: dict[str, Any]) -> list[Row]:
 
 
 def main() -> None:
-    args = parse_args()
+    args = parse_args(__doc__)
     if not args.trace.is_file():
         sys.exit(f"no trace at {args.trace}: pass --trace PATH (Mooncake's conversation trace, JSONL)")
     requests = load_trace(args.trace, args.limit)
     if args.spread_arrivals:
         requests = spread_arrivals(requests, args.seed)
+    requests = copy_trace(requests, args.copies, args.merge_copies)
     duration_s = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
     offered = sum(r.num_prompt_tokens for r in requests) / duration_s
     config = SimConfig(num_workers=args.workers, cache_blocks=args.cache_blocks,
@@ -371,7 +373,8 @@ def main() -> None:
           f"per worker (utilization {args.utilization} without hits); seed {args.seed}; an unlimited cache in "
           f"trace order (no timing) hits {replay_blocks:.1%} of blocks, {replay_tokens:.1%} of tokens")
     seed = {"seed": args.seed}
-    rows = tier_rows(args, seed) if args.tiers else policy_rows(seed)
+    rows = (tier_rows(args, seed) if args.tiers else replication_rows(args, seed) if args.replication
+            else policy_rows(seed))
     if args.only:
         rows = [r for r in rows if r.label == UNLIMITED or any(word in r.label for word in args.only)]
     if args.tiers:

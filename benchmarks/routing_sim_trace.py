@@ -57,6 +57,26 @@ def spread_arrivals(requests: list[TraceRequest], seed: int) -> list[TraceReques
     return sorted(spread, key=lambda r: r.arrival_s)
 
 
+def copy_trace(requests: list[TraceRequest], num_copies: int, merge: bool) -> list[TraceRequest]:
+    """`num_copies` copies of the trace played at once, for a fleet `num_copies` times as large at the same
+    utilization: copy k is rotated by k/num_copies of the trace's span (what passes its end wraps to the start), as
+    other users' day. `merge`: the copies share every prefix, so each conversation's is `num_copies` times as hot
+    (the hot-prefix case); otherwise each copy's blocks are its own past the first (the prompt every request shares)."""
+    if num_copies <= 1:
+        return requests
+    start_s = min(r.arrival_s for r in requests)
+    span_s = max(r.arrival_s for r in requests) - start_s + 1.0
+    top = 1 + max(h for r in requests for h in r.block_hashes)
+    copies = []
+    for k in range(num_copies):
+        for r in requests:
+            ids = r.block_hashes if merge or k == 0 else (r.block_hashes[0], *(h + k * top for h in r.block_hashes[1:]))
+            arrival_s = start_s + (r.arrival_s - start_s + k * span_s / num_copies) % span_s
+            copies.append(replace(r, arrival_s=arrival_s, block_hashes=ids,
+                                  session_key=None if r.session_key is None else f"{k}:{r.session_key}"))
+    return sorted(copies, key=lambda r: r.arrival_s)
+
+
 def replay_unlimited(requests: list[TraceRequest]) -> tuple[float, float]:
     """Hit rate (of blocks, of tokens) of one unbounded cache in trace order, without timing."""
     seen: set[int] = set()

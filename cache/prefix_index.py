@@ -56,6 +56,7 @@ class PrefixIndex:
         self._holders: dict[int, int] = {}  # block hash -> bitmask of endpoints holding it on their device
         self._free_bits: list[int] = []     # bits of forgotten endpoints, reused first
         self._next_bit = 1
+        self.tiered_mask = 0                # bits of the endpoints holding some block in a KV tier
 
     def apply(self, endpoint_id: str, events: Iterable[KvEvent | Mapping[str, Any]]) -> None:
         """Apply events in order; an event whose seq was already applied is skipped, so a
@@ -152,6 +153,7 @@ class PrefixIndex:
             self._unmark(block_hash, blocks.bit)
         blocks.lru.clear()
         blocks.tiers.clear()
+        self.tiered_mask &= ~blocks.bit
         blocks.last_seq = -1
 
     def forget(self, endpoint_id: str) -> None:
@@ -191,6 +193,29 @@ class PrefixIndex:
         if depth:
             self._record(matched, alive, depth)
         return matched
+
+    def matched_levels(self, block_hashes: Sequence[int]) -> list[tuple[int, int]]:
+        """The device runs of `matched_blocks` as nested holder masks, with no walk over the endpoints: by
+        increasing depth, (depth, bitmask of the endpoints whose run is at least `depth`), one pair for each depth
+        after which the set shrinks; an endpoint in a level's mask and not the next's has that level's depth."""
+        levels: list[tuple[int, int]] = []
+        alive = -1
+        depth = 0
+        for block_hash in block_hashes:
+            holders = self._holders.get(block_hash, 0) & alive
+            if holders != alive and depth:
+                levels.append((depth, alive))
+            alive = holders
+            if not alive:
+                return levels
+            depth += 1
+        if depth:
+            levels.append((depth, alive))
+        return levels
+
+    def endpoint_bit(self, endpoint_id: str) -> int:
+        """`endpoint_id`'s bit in `matched_levels`' masks (it is tracked from now on, holding nothing yet)."""
+        return self._blocks(endpoint_id).bit
 
     def matched_blocks_by_medium(self, block_hashes: Sequence[int]) -> dict[str, MatchedByMedium]:
         """Every endpoint's leading run of `block_hashes` by medium (`MatchedByMedium`): `matched_blocks`'
@@ -260,6 +285,10 @@ class PrefixIndex:
             tiers[block_hash] = media
         else:
             tiers.pop(block_hash, None)
+        if tiers:
+            self.tiered_mask |= blocks.bit
+        else:
+            self.tiered_mask &= ~blocks.bit
 
     def _unmark(self, block_hash: int, bit: int) -> None:
         mask = self._holders.get(block_hash, 0) & ~bit

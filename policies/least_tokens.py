@@ -18,6 +18,7 @@ from policies.base import (
     config_from_options,
     pick_least,
 )
+from policies.fleet_view import FleetView, Levels
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,3 +53,10 @@ class LeastTokensPolicy:
             candidates = roomy or endpoints
         chosen = pick_least(candidates, self._weights.cost, self._rng)
         return None if chosen is None else Decision(chosen.endpoint_id, DecisionReason.BALANCED, None)
+
+    def select_fleet(self, request: RequestFacts, fleet: FleetView, levels: Levels) -> Decision | None:
+        """`select` over a fleet: its least loaded usable endpoint, from the fleet's ordering by load."""
+        if self._min_kv_free > 0.0:
+            return None
+        chosen = fleet.pick_least(self._weights, self._rng)
+        return None if chosen is None else Decision(chosen, DecisionReason.BALANCED, None)

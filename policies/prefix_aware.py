@@ -10,6 +10,7 @@ otherwise least_tokens.
 """
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,8 +29,13 @@ from policies.base import (
     prefix_affinity_key,
     within_load_bound,
 )
+from policies.fleet_view import FleetView, Levels, run_of
 from policies.least_tokens import LeastTokensConfig, LeastTokensPolicy
 from policies.session_affinity import HashRing, ring_hash
+
+# In `select_fleet`, a level of the prompt's leading runs held by at most this many usable endpoints is visited
+# member by member; the endpoints outside it are visited least loaded first, until none can score better.
+_NUM_LISTED = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,3 +145,62 @@ class PrefixAwarePolicy:
         return (self._alpha_prefill * endpoint.num_prefill_tokens
                 + self._alpha_decode * endpoint.num_decode_tokens
                 - cached_blocks * block_size)
+
+    def select_fleet(self, request: RequestFacts, fleet: FleetView, levels: Levels) -> Decision | None:
+        """`select` over a fleet, without an `EndpointState` per endpoint: the argmin of the same score over the
+        usable endpoints within the bound, ties at random. Not covered (None): `prefix_key_tokens` and alpha 0."""
+        if self._config.prefix_key_tokens or not self._config.alpha:
+            return None
+        bound = fleet.bound(self._weights, self._config.load_factor)
+        if bound is None:
+            return None
+        usable = fleet.usable_mask
+        runs = [(depth, mask & usable) for depth, mask in levels]
+        while runs and not runs[-1][1]:   # nested masks: the empty ones are the deepest
+            runs.pop()
+        tied = self._least_scored(request.block_size, fleet, runs, bound)
+        if not tied:
+            return None
+        endpoint_id, run = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        return Decision(endpoint_id, DecisionReason.PREFIX_HIT if run else DecisionReason.BALANCED, None)
+
+    def _least_scored(self, block_size: int, fleet: FleetView, runs: Levels,
+                      bound: float) -> list[tuple[str, int]]:
+        """(endpoint id, device run) of every usable endpoint within `bound` of least negative score. The best
+        score is the least, over the levels (depth d, holders M; and depth 0, every endpoint), of the least loaded
+        holder's score at d: an endpoint's own level gives its score, a shallower one only a worse one. Levels of
+        few holders are scored member by member; in a level of many, the least loaded holder is near the front."""
+        pw, dw = self._weights.prefill_weight, self._weights.decode_weight
+        ap, ad, alpha, loads = self._alpha_prefill, self._alpha_decode, self._config.alpha, fleet.loads
+        j = next((k for k, (_, mask) in enumerate(runs) if mask.bit_count() <= _NUM_LISTED), len(runs))
+        scored: dict[str, tuple[float, int]] = {}   # endpoint -> (least score seen, the run it was scored at)
+        mask = runs[j][1] if j < len(runs) else 0
+        while mask:
+            low = mask & -mask
+            mask ^= low
+            endpoint_id = fleet.id_of_bit[low]
+            num_prefill, num_decode = loads[endpoint_id]
+            if pw * num_prefill + dw * num_decode + 1.0 <= bound:
+                run = run_of(low, runs)
+                scored[endpoint_id] = (ap * num_prefill + ad * num_decode - run * block_size, run)
+        # Depth 0 (every endpoint) first, then the deepest level first: each best score so far caps the load
+        # worth looking for at the next level, load <= (best + depth x block_size) / alpha.
+        levels = [(0, -1), *reversed(runs[:j])]
+        if j and runs[0][1] == fleet.usable_mask:   # every endpoint holds the first blocks
+            levels[0] = runs[0]
+            levels.pop()
+        best = min((score for score, _ in scored.values()), default=math.inf)
+        for depth, level_mask in levels:
+            cap = bound if best == math.inf else min(bound, ((best + depth * block_size) / alpha + 1.0) * (1 + 1e-9))
+            whole = level_mask == fleet.usable_mask   # every usable endpoint: no bit to test
+            for endpoint_id in fleet.least(self._weights, -1 if whole else level_mask, cap):
+                num_prefill, num_decode = loads[endpoint_id]
+                score = ap * num_prefill + ad * num_decode - depth * block_size
+                best = min(best, score)
+                if endpoint_id not in scored or score < scored[endpoint_id][0]:
+                    scored[endpoint_id] = (score, depth)
+        if not scored:
+            return []
+        best = min(score for score, _ in scored.values())
+        return [(endpoint_id, run) for endpoint_id, (score, run) in scored.items() if score == best]
+

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from policies.base import (
     prefix_affinity_key,
     within_load_bound,
 )
+from policies.fleet_view import FleetView, Levels, WithinBound
 from policies.least_tokens import LeastTokensConfig, LeastTokensPolicy
 
 # Past this many distinct endpoint ids the ring is rebuilt from the current candidates only,
@@ -71,19 +72,20 @@ class HashRing:
     def grown(self, endpoints: Sequence[EndpointState]) -> HashRing:
         """This ring, or a new one with the endpoints it has not seen added; ids seen before stay, so a
         key's ring home does not move when a candidate is left out of one call (already tried, unhealthy)."""
+        return self.grown_ids(e.endpoint_id for e in endpoints)
+
+    def grown_ids(self, endpoint_ids: Iterable[str]) -> HashRing:
+        """`grown`, from endpoint ids."""
+        ids = list(endpoint_ids)
         known = self.endpoint_ids
-        for endpoint in endpoints:
-            if endpoint.endpoint_id not in known:
-                break
-        else:
+        if all(eid in known for eid in ids):
             return self
-        ids = {e.endpoint_id for e in endpoints}
-        union = ids | known
+        union = known.union(ids)
         if len(union) > MAX_RING_ENDPOINTS:
-            union = ids
+            union = frozenset(ids)
         return HashRing(sorted(union), self._num_virtual_nodes)
 
-    def first(self, key_hash: int, accept: Mapping[str, object]) -> str | None:
+    def first(self, key_hash: int, accept: Container[str]) -> str | None:
         """The first endpoint clockwise from `key_hash` whose id is in `accept`."""
         start = bisect.bisect_right(self._points, key_hash)
         n = len(self._owners)
@@ -103,6 +105,7 @@ class SessionAffinityPolicy:
             prefill_weight=config.prefill_weight, decode_weight=config.decode_weight,
             seed=config.seed))
         self._ring = HashRing((), config.num_virtual_nodes)
+        self._grown_from: tuple[str, ...] | None = None   # the fleet members the ring last grew by
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> SessionAffinityPolicy:
@@ -128,7 +131,28 @@ class SessionAffinityPolicy:
         if home is not None and home in within:
             return Decision(home, DecisionReason.AFFINITY_HIT, None)
         self._ring = self._ring.grown(endpoints)
-        chosen = self._ring.first(ring_hash(key), within)
+        return self._moved(home, derived, self._ring.first(ring_hash(key), within))
+
+    def select_fleet(self, request: RequestFacts, fleet: FleetView, levels: Levels) -> Decision | None:
+        """`select` over a fleet: the home's load and the ring walk's endpoints are looked up, not scanned."""
+        key, home, derived = request.session_key, request.session_endpoint, False
+        if key is None:
+            key, home, derived = prefix_affinity_key(
+                request.block_hashes, request.block_size, self._config.prefix_key_tokens), None, True
+            if key is None:
+                return self._fallback.select_fleet(request, fleet, levels)
+        bound = fleet.bound(self._weights, self._config.load_factor)
+        if bound is None:
+            return None
+        if home is not None and fleet.within(home, self._weights, bound):
+            return Decision(home, DecisionReason.AFFINITY_HIT, None)
+        if fleet.member_ids is not self._grown_from:
+            self._ring, self._grown_from = self._ring.grown_ids(fleet.member_ids), fleet.member_ids
+        within = WithinBound(fleet, self._weights, bound)
+        return self._moved(home, derived, self._ring.first(ring_hash(key), within))
+
+    def _moved(self, home: str | None, derived: bool, chosen: str | None) -> Decision | None:
+        """The decision for the ring's pick `chosen` when the home (if any) was not within the bound."""
         if chosen is None:  # unreachable: `grown` put every candidate on the ring
             return None
         if derived:

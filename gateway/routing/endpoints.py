@@ -8,10 +8,9 @@ answer (an HTTP error, a body that does not parse) is a warning once per endpoin
 poller succeeds again; an unreachable endpoint is the health poller's to report. Every failure is
 counted (switchyard_poll_failures_total).
 
-Circuit breakers: one per endpoint, open after N consecutive failures, one half-open probe after a cool-down;
-an endpoint that answered with Retry-After is held off (no new requests) until then. `eligible()` enforces the
-provider-wide rule that never every endpoint is ejected at once: if all would be open, the least-recently-failed
-one stays eligible. The breaker's clock is injected for tests; it does no I/O.
+Circuit breakers: one per endpoint, open after N consecutive failures, one half-open probe after a cool-down; a
+Retry-After holds the endpoint off until then. `eligible()` never ejects every endpoint at once: if all would be
+open, the least-recently-failed one stays eligible. The breaker's clock is injected for tests; no I/O.
 """
 from __future__ import annotations
 
@@ -43,24 +42,18 @@ class CircuitState(IntEnum):
     OPEN = 2        # ejected until the cool-down ends
 
 
+_CLOSED = CircuitState.CLOSED   # an IntEnum member read on a hot path: looked up once
+
+
 class CircuitBreaker:
     """One endpoint's breaker. Not thread-safe: it lives on the event loop."""
 
-    __slots__ = (
-        "_clock",
-        "_config",
-        "_failures",
-        "_held_until",
-        "_last_failure_at",
-        "_on_change",
-        "_opened_at",
-        "_probe_in_flight",
-        "_state",
-        "endpoint_id",
-    )
+    __slots__ = ("_clock", "_config", "_failures", "_held_until", "_last_failure_at", "_on_change", "_on_update",
+                 "_opened_at", "_probe_in_flight", "_state", "endpoint_id")
 
     def __init__(self, endpoint_id: str, config: BreakerConfig, clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[str, CircuitState], None] | None = None) -> None:
+                 on_change: Callable[[str, CircuitState], None] | None = None,
+                 on_update: Callable[[str], None] | None = None) -> None:
         self.endpoint_id = endpoint_id
         self._config = config
         self._clock = clock
@@ -71,6 +64,7 @@ class CircuitBreaker:
         self._probe_in_flight = False
         self._state = CircuitState.CLOSED
         self._on_change = on_change
+        self._on_update = on_update   # told of a state change or a hold-off (live_pools.py re-reads the breaker)
 
     @property
     def state(self) -> CircuitState:
@@ -92,6 +86,10 @@ class CircuitBreaker:
             return True
         return state is CircuitState.HALF_OPEN and not self._probe_in_flight
 
+    def is_closed(self) -> bool:
+        """Closed and not held off: traffic flows with no probe or wait (a pool's live view counts it usable)."""
+        return self._state is _CLOSED and self._held_until <= self._clock()
+
     def on_attempt(self) -> None:
         """Called when a request is actually sent; marks the half-open probe as taken."""
         if self.state is CircuitState.HALF_OPEN:
@@ -101,6 +99,8 @@ class CircuitBreaker:
         """The endpoint asked for no requests for `seconds` (its Retry-After, capped by the caller)."""
         if seconds > 0:
             self._held_until = max(self._held_until, self._clock() + seconds)
+            if self._on_update is not None:
+                self._on_update(self.endpoint_id)
 
     def on_success(self) -> None:
         self._failures = 0
@@ -120,6 +120,8 @@ class CircuitBreaker:
     def _set(self, state: CircuitState) -> None:
         if state is not self._state:
             self._state = state
+            if self._on_update is not None:
+                self._on_update(self.endpoint_id)
             if self._on_change is not None:
                 self._on_change(self.endpoint_id, state)
 
@@ -135,18 +137,29 @@ def eligible(breakers: Sequence[CircuitBreaker]) -> list[CircuitBreaker]:
 class Endpoint:
     """Runtime state of one upstream server (shared by every provider that lists its URL)."""
 
-    __slots__ = ("breaker", "endpoint_id", "failing_polls", "health_checked", "healthy", "kv_since",
+    __slots__ = ("_changed", "_healthy", "breaker", "endpoint_id", "failing_polls", "health_checked", "kv_since",
                  "poll_failures", "weights")
 
-    def __init__(self, endpoint_id: str, breaker: CircuitBreaker) -> None:
+    def __init__(self, endpoint_id: str, breaker: CircuitBreaker, changed: set[str] | None = None) -> None:
         self.endpoint_id = endpoint_id
         self.breaker = breaker
-        self.healthy = True              # optimistic until a health check says otherwise
+        self._changed = set() if changed is None else changed   # told when `healthy` changes (live_pools.py)
+        self._healthy = True             # optimistic until a health check says otherwise
         self.health_checked = False      # a health check has succeeded at least once (for /ready)
         self.kv_since = 0                # the `next` cursor of /kv_events
         self.poll_failures: dict[tuple[str, str], int] = {}  # (poller, cause) -> failures so far
         self.failing_polls: set[str] = set()  # pollers whose bad answer was logged, not yet followed by a success
         self.weights = ""                # its weights' fingerprint, as its last /load said ("": not said)
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, healthy: bool) -> None:
+        if healthy != self._healthy:
+            self._healthy = healthy
+            self._changed.add(self.endpoint_id)
 
 
 class UpstreamRegistry:
@@ -161,6 +174,7 @@ class UpstreamRegistry:
         self._on_circuit_change = on_circuit_change
         self.endpoints: dict[str, Endpoint] = {}
         self.pools: dict[tuple[str, Pool], list[Endpoint]] = {}   # by (provider name, pool)
+        self.pools_version = 0   # counts the pools' changes (DNS), for those that keep a view of them
         self.discoveries: list[Discovery] = []
         # Per pool: what its DNS entries name now, by entry (an address its static URLs list stays either way).
         self._named: dict[tuple[str, Pool], dict[str, set[str]]] = {}
@@ -178,7 +192,9 @@ class UpstreamRegistry:
     def _endpoint(self, url: str) -> Endpoint:
         endpoint = self.endpoints.get(url)
         if endpoint is None:
-            endpoint = Endpoint(url, CircuitBreaker(url, self._config.breaker, on_change=self._on_circuit_change))
+            changed = self._tracker.changed   # what live_pools.py re-reads: health and circuits, as loads
+            endpoint = Endpoint(url, CircuitBreaker(url, self._config.breaker, on_change=self._on_circuit_change,
+                                                    on_update=changed.add), changed)
             self.endpoints[url] = endpoint
         return endpoint
 
@@ -252,6 +268,7 @@ class UpstreamRegistry:
         named[entry] = set(urls)
         now = set().union(*named.values())
         listed = self.pools[(provider.name, pool)]
+        self.pools_version += 1
         static = {url for url in provider.pools()[pool] if not is_discovered(url)}
         for url in sorted(now - before - static):
             endpoint = self._endpoint(url)

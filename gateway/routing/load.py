@@ -8,6 +8,7 @@ fresh) + what the worker's last report saw beyond all of those (direct clients),
 """
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import OrderedDict
@@ -131,12 +132,14 @@ class _EndpointLoad:
 class Lease:
     """One request's share of an endpoint's load. Use as a (async) context manager, or call
     `release()` in a `finally`; release is idempotent and gives back exactly what remains."""
-    __slots__ = ("_decode_tokens", "_load", "_prefill_tokens", "_released", "endpoint_id")
+    __slots__ = ("_changed", "_decode_tokens", "_load", "_prefill_tokens", "_released", "endpoint_id")
 
     def __init__(self, endpoint_id: str, load: _EndpointLoad, num_prompt_tokens: int,
-                 num_expected_output_tokens: int) -> None:
+                 num_expected_output_tokens: int, changed: set[str]) -> None:
         self.endpoint_id = endpoint_id
         self._load = load
+        self._changed = changed   # the tracker's endpoints whose counts changed since last taken
+        changed.add(endpoint_id)
         self._prefill_tokens = max(0, num_prompt_tokens)
         self._decode_tokens = max(0, num_expected_output_tokens)
         self._released = False
@@ -146,6 +149,7 @@ class Lease:
 
     def prefill_done(self) -> None:
         """The prompt is processed (first token seen): its prefill tokens leave the count."""
+        self._changed.add(self.endpoint_id)
         self._load.num_prefill_tokens -= self._prefill_tokens
         self._prefill_tokens = 0
 
@@ -155,6 +159,7 @@ class Lease:
         if self._prefill_tokens:
             self.prefill_done()
         taken = min(max(0, num_tokens), self._decode_tokens)
+        self._changed.add(self.endpoint_id)
         self._decode_tokens -= taken
         self._load.num_decode_tokens -= taken
 
@@ -193,6 +198,10 @@ class LoadTracker:
     def __init__(self, report_ttl_s: float = DEFAULT_REPORT_TTL_S,
                  clock: Callable[[], float] = time.monotonic, peer_ttl_s: float = DEFAULT_PEER_TTL_S) -> None:
         self._loads: dict[str, _EndpointLoad] = {}
+        # Endpoints whose snapshot may have changed since `take_changed` (gateway/routing/live_pools.py keeps its
+        # pools current from them), and when a peer's or a worker's figures go stale: (expiry, read at, ttl, id).
+        self.changed: set[str] = set()
+        self._expiries: list[tuple[float, float, float, str]] = []
         self._report_ttl_s = report_ttl_s
         self._peer_ttl_s = peer_ttl_s
         self._clock = clock
@@ -201,7 +210,24 @@ class LoadTracker:
               num_expected_output_tokens: int) -> Lease:
         """Count a request at `endpoint_id` from now until the lease is released."""
         return Lease(endpoint_id, self._load(endpoint_id), num_prompt_tokens,
-                     num_expected_output_tokens)
+                     num_expected_output_tokens, self.changed)
+
+    def take_changed(self) -> set[str]:
+        """The endpoints whose `snapshot` may differ from when this was last called: counts changed, or figures
+        gone stale since (the caller re-reads their snapshots)."""
+        now_s, expiries, changed = self._clock(), self._expiries, self.changed
+        while expiries and now_s - expiries[0][1] > expiries[0][2]:   # as `snapshot` tests freshness
+            changed.add(heapq.heappop(expiries)[3])
+        taken = changed.copy()   # cleared in place: open leases hold this set
+        changed.clear()
+        return taken
+
+    def _expires(self, endpoint_id: str, read_s: float, ttl_s: float) -> None:
+        self.changed.add(endpoint_id)
+        expiries = self._expiries
+        while expiries and read_s - expiries[0][1] > expiries[0][2]:   # bounded even if nobody takes changes
+            self.changed.add(heapq.heappop(expiries)[3])
+        heapq.heappush(self._expiries, (read_s + ttl_s, read_s, ttl_s, endpoint_id))
 
     def snapshot(self, endpoint_id: str) -> tuple[int, int, int]:
         """(num_requests, num_prefill_tokens, num_decode_tokens) in flight at `endpoint_id`:
@@ -266,6 +292,7 @@ class LoadTracker:
         if any(f is not None for f in report.restore_fractions):
             load.restore_fractions = report.restore_fractions
         load.report_time_s = self._clock()
+        self._expires(endpoint_id, load.report_time_s, self._report_ttl_s)
 
     def set_peer_load(self, endpoint_id: str, num_requests: int, num_prefill_tokens: int,
                       num_decode_tokens: int) -> None:
@@ -273,10 +300,12 @@ class LoadTracker:
         load = self._load(endpoint_id)
         load.peers = (max(0, num_requests), max(0, num_prefill_tokens), max(0, num_decode_tokens))
         load.peer_time_s = self._clock()
+        self._expires(endpoint_id, load.peer_time_s, self._peer_ttl_s)
 
     def forget(self, endpoint_id: str) -> None:
         """Drop an endpoint removed from the config; its open leases still release safely."""
         self._loads.pop(endpoint_id, None)
+        self.changed.add(endpoint_id)
 
     def endpoint_ids(self) -> list[str]:
         return list(self._loads)

@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from email.utils import parsedate_to_datetime
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import aiohttp
 import orjson
@@ -23,6 +23,7 @@ from aiohttp import web
 from cache.prefix_index import NO_MATCH, MatchedByMedium, PrefixIndex, num_cached_tokens
 from gateway.config.gateway_config import Pool, ProviderConfig
 from gateway.routing.endpoints import CircuitBreaker, Endpoint, UpstreamRegistry, eligible
+from gateway.routing.live_pools import LivePools
 from gateway.routing.load import Lease, LoadTracker
 from gateway.server.client_stream import ClientGone, ClientStream, StreamUsage, apply_usage
 from gateway.state import StateStore
@@ -43,6 +44,7 @@ from gateway.upstream.request import (
 )
 from gateway.upstream.so_far import SoFar
 from policies.base import Decision, EndpointState, Policy
+from policies.fleet_view import FleetPolicy, run_of
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,8 @@ class Legs:
         self._registry = registry
         self._tracker = tracker
         self._prefix_index = prefix_index
+        self.live_pools = LivePools(registry, tracker, prefix_index)   # large pools, without listing them
+        self._takes_fleet: dict[type, bool] = {}   # policy class -> it has `select_fleet` (FleetPolicy)
         self._on_routed = on_routed   # an approximate endpoint's decision, for peer processes (prefix_share.py)
         self._store = store
         self.metrics = metrics
@@ -116,20 +120,45 @@ class Legs:
         the prompt tokens it must compute (those it does not hold in its prefix cache or KV tiers)."""
         facts = progress.request.facts
         with self.tracing.span("routing_decision"):
-            candidates = self._candidates(progress, pool)
-            if not candidates:
-                return None
-            matched = self._prefix_index.matched_blocks_by_medium(facts.block_hashes) if facts.block_hashes else {}
-            decision = policy.select(facts, [self._state(b.endpoint_id, matched) for b in candidates])
-        if decision is None:
-            return None
+            fast = self._choose_in_view(progress, pool, policy)
+            if fast is None:
+                candidates = self._candidates(progress, pool)
+                if not candidates:
+                    return None
+                matched = self._prefix_index.matched_blocks_by_medium(facts.block_hashes) if facts.block_hashes else {}
+                decision = policy.select(facts, [self._state(b.endpoint_id, matched) for b in candidates])
+                if decision is None:
+                    return None
+                fast = decision, matched.get(decision.endpoint_id, NO_MATCH)
+        decision, chosen_match = fast
         num_cached = 0
         if facts.block_hashes:  # approximate prefix mode: remember what went where (a no-op for precise endpoints)
             if self._prefix_index.record_routed(decision.endpoint_id, facts.block_hashes) and self._on_routed:
                 self._on_routed(decision.endpoint_id, facts.block_hashes)
-            num_cached = num_cached_tokens(matched.get(decision.endpoint_id, NO_MATCH), facts.block_size,
-                                           facts.num_prompt_tokens)
+            num_cached = num_cached_tokens(chosen_match, facts.block_size, facts.num_prompt_tokens)
         return Chosen(self._registry.endpoints[decision.endpoint_id], decision, facts.num_prompt_tokens - num_cached)
+
+    def _choose_in_view(self, progress: Progress, pool: Sequence[Endpoint],
+                        policy: Policy) -> tuple[Decision, MatchedByMedium] | None:
+        """The policy's pick from a large pool's live view (gateway/routing/live_pools.py), without a state per
+        endpoint, and its match; None: list the candidates instead (`view_for` or the policy cannot decide so)."""
+        if len(pool) < self.live_pools.min_endpoints:   # small pools are listed (and live_pools.py is not entered)
+            return None
+        kind = type(policy)
+        takes_fleet = self._takes_fleet.get(kind)
+        if takes_fleet is None:   # a Protocol's isinstance costs tens of µs: asked once per policy class
+            takes_fleet = self._takes_fleet[kind] = isinstance(policy, FleetPolicy)
+        if not takes_fleet:
+            return None
+        fleet = self.live_pools.view_for(pool, progress.tried)
+        if fleet is None:
+            return None
+        facts = progress.request.facts
+        levels = self._prefix_index.matched_levels(facts.block_hashes) if facts.block_hashes else []
+        decision = cast(FleetPolicy, policy).select_fleet(facts, fleet, levels)
+        if decision is None:
+            return None
+        return decision, (run_of(fleet.bit_of[decision.endpoint_id], levels), 0, 0, 0)
 
     async def take(self, progress: Progress, provider_name: str) -> Chosen:
         """A single leg's endpoint from the provider's main pool: chosen, counted as tried (a retry if

@@ -1,0 +1,110 @@
+"""gateway/routing/live_pools.py through `Legs.choose`: a large pool's live view gives the decisions that listing
+every candidate gives, as leases, health, circuits and stale figures change; where it cannot (a tried endpoint, a
+half-open circuit) the candidates are listed."""
+from __future__ import annotations
+
+import math
+import random
+
+import orjson
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cache.prefix_index import PrefixIndex
+from gateway.config.gateway_config import parse_config
+from gateway.routing.endpoints import CircuitState, UpstreamRegistry
+from gateway.routing.load import LoadReport, LoadTracker
+from gateway.state.memory import MemoryStore
+from gateway.telemetry.metrics import Metrics
+from gateway.telemetry.tracing import Tracing
+from gateway.upstream.legs import Legs
+from gateway.upstream.request import Progress, RoutedRequest
+from policies.base import RequestFacts
+from policies.registry import PolicyName, make_policy
+from tests.support.clock import ManualClock
+
+NUM_ENDPOINTS = 40
+PROMPT = (21, 22, 23, 24)
+
+
+class Gateway:
+    def __init__(self) -> None:
+        urls = [f"http://w{i}:8000" for i in range(NUM_ENDPOINTS)]
+        self.config = parse_config(orjson.dumps({"models": {"m": {"providers": ["p"]}},
+                                                 "providers": {"p": {"endpoints": urls}}}).decode(), {})
+        self.clock = ManualClock()
+        self.tracker, self.index = LoadTracker(clock=self.clock), PrefixIndex()
+        self.registry = UpstreamRegistry(self.config, self.tracker, self.index)
+        self.pool = self.registry.pool("p")
+        for endpoint in self.pool:   # the registry's breakers read the real clock: these read the test's
+            endpoint.breaker._clock = self.clock
+        self.legs = Legs(None, self.registry, self.tracker, self.index, MemoryStore(), Metrics(tuple),  # type: ignore[arg-type]
+                         Tracing(self.config.tracing), 0.0)
+
+    def choose(self, policy_name: PolicyName, live: bool, session: str | None = None, tried: set[str] | None = None):
+        self.legs.live_pools.min_endpoints = 32 if live else math.inf
+        facts = RequestFacts("m", 64, 16, PROMPT, session, None, 16)
+        model = self.config.models["m"]
+        request = RoutedRequest(model, "/v1/chat/completions", {}, b"", False, facts, "r", 0.0, session)
+        options = {"seed": 0} if policy_name is PolicyName.LEAST_TOKENS else {"seed": 0, "load_factor": 1.25}
+        policy = make_policy(policy_name, options)
+        progress = Progress(request, None, policy, tried=tried or set())
+        return self.legs.choose(progress, self.pool, policy)
+
+
+def distinct_loads(gateway: Gateway, rng: random.Random) -> None:
+    """Leases of distinct sizes (no ties: both ways must then pick the same endpoint)."""
+    sizes = rng.sample(range(1, 10_000), NUM_ENDPOINTS)
+    for endpoint, size in zip(gateway.pool, sizes, strict=True):
+        gateway.tracker.lease(endpoint.endpoint_id, size, 7)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), session=st.sampled_from([None, "conversation-1"]),
+       policy_name=st.sampled_from([PolicyName.PREFIX_AWARE, PolicyName.SESSION_AFFINITY, PolicyName.LEAST_TOKENS]))
+def test_live_view_decides_as_the_listed_candidates(seed, session, policy_name) -> None:
+    rng = random.Random(seed)
+    gateway = Gateway()
+    distinct_loads(gateway, rng)
+    for endpoint in rng.sample(gateway.pool, 6):
+        gateway.index.store(endpoint.endpoint_id, PROMPT[:rng.randrange(1, 5)])
+    gateway.choose(policy_name, live=True)   # the view is built, then kept current from here
+    gateway.pool[rng.randrange(NUM_ENDPOINTS)].healthy = False
+    for _ in range(5):
+        gateway.pool[rng.randrange(NUM_ENDPOINTS)].breaker.on_failure()
+    held = gateway.pool[rng.randrange(NUM_ENDPOINTS)]
+    held.breaker.hold_off(5.0)
+    gateway.tracker.reconcile(gateway.pool[0].endpoint_id, LoadReport(0, 0, 50_000, 0, 10, 10, 0, 16))
+    gateway.tracker.lease(gateway.pool[1].endpoint_id, rng.randrange(1, 10_000), 3)
+    for _ in range(3):   # the report, the hold-off, then nothing stale: each moment decided alike
+        live, listed = gateway.choose(policy_name, live=True, session=session), gateway.choose(
+            policy_name, live=False, session=session)
+        assert (live.endpoint.endpoint_id, live.decision, live.num_uncached_tokens) == (
+            listed.endpoint.endpoint_id, listed.decision, listed.num_uncached_tokens)
+        gateway.clock.now += 3.0
+
+
+def test_circuits_and_tried_endpoints() -> None:
+    gateway = Gateway()
+    distinct_loads(gateway, random.Random(1))
+    least = min(gateway.pool, key=lambda e: gateway.tracker.snapshot(e.endpoint_id)[1])
+    assert gateway.legs.live_pools.view_for(gateway.pool, ()) is not None
+    assert gateway.choose(PolicyName.LEAST_TOKENS, live=True).endpoint is least
+    for _ in range(gateway.config.breaker.failure_threshold):
+        least.breaker.on_failure()
+    assert least.breaker.state is CircuitState.OPEN
+    assert gateway.choose(PolicyName.LEAST_TOKENS, live=True).endpoint is not least
+    gateway.clock.now += gateway.config.breaker.cooldown_s + 1   # half-open: a probe may go there
+    assert gateway.legs.live_pools.view_for(gateway.pool, ()) is None
+    assert gateway.choose(PolicyName.LEAST_TOKENS, live=True).endpoint is least
+    least.breaker.on_success()
+    assert gateway.legs.live_pools.view_for(gateway.pool, ()) is not None
+    assert gateway.legs.live_pools.view_for(gateway.pool, {least.endpoint_id}) is None   # tried: listed
+    chosen = gateway.choose(PolicyName.LEAST_TOKENS, live=True, tried={least.endpoint_id})
+    assert chosen.endpoint is not least
+
+
+@pytest.mark.parametrize("num_endpoints", [8])
+def test_small_pools_are_listed(num_endpoints) -> None:
+    gateway = Gateway()
+    assert gateway.legs.live_pools.view_for(gateway.pool[:num_endpoints], ()) is None
