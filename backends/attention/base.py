@@ -5,7 +5,6 @@ K/V into the paged cache and attends. Backends never decide what runs; models ne
 """
 from __future__ import annotations
 
-import enum
 import importlib
 import importlib.util
 import itertools
@@ -16,24 +15,16 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from backends.core.registered import Registered
+
 # What a backend's `prepare` builds once per step and its `attend` reads in every layer.
 MetadataT = TypeVar("MetadataT")
 
 
-class AttentionBackendName(str, enum.Enum):
+class AttentionBackendName(Registered):
     """The attention backends (the CLI's `--attention-backend` choices), each with where its class lives
     ("module:class", imported when chosen): the enum is the registry, and adding a backend is one file in
     backends/attention/ and one member here."""
-    target: str
-
-    def __new__(cls, value: str, *target: str) -> AttentionBackendName:
-        """A member, `NAME = "name", "module:attribute"`; a lookup by value, `AttentionBackendName("name")`, never comes
-        here (the enum's machinery answers it), though mypy checks it against this signature."""
-        member = str.__new__(cls, value)
-        member._value_ = value
-        member.target = target[0]
-        return member
-
     SDPA = "sdpa", "backends.attention.sdpa:SDPABackend"                      # torch SDPA: the CPU path, the reference
     FLASH = "flash", "backends.attention.flash:FlashAttentionBackend"         # flash_attn varlen prefill, paged decode
     TRITON = "triton", "backends.attention.triton_decode:TritonDecodeBackend"  # Triton paged decode, SDPA for prefill

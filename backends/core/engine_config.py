@@ -5,30 +5,21 @@ falling back to SWITCHYARD_TORCH_THREADS (done in `resolved_torch_threads`).
 """
 from __future__ import annotations
 
-import enum
 import os
 from dataclasses import dataclass
+
+from backends.core.registered import Registered
 
 TORCH_THREADS_ENV = "SWITCHYARD_TORCH_THREADS"
 # Prompt lookup, a draft model, an EAGLE head; "ngram+X": lookup first, X where it finds nothing.
 SPECULATIVE_PROPOSERS = ("ngram", "draft", "eagle", "ngram+draft", "ngram+eagle")
 
 
-class KVConnectorName(str, enum.Enum):
+class KVConnectorName(Registered):
     """The KV connectors a worker can consult, each with where its factory lives ("module:function", a
     `ConnectorFactory` that backends/kv_connectors/registry.py imports when a worker is configured with it: this
     layer imports none of them). The enum is the registry: adding a connector is one file in kv_connectors/ and
     one member here."""
-    target: str
-
-    def __new__(cls, value: str, *target: str) -> KVConnectorName:
-        """A member, `NAME = "name", "module:attribute"`; a lookup by value, `KVConnectorName("name")`, never comes
-        here (the enum's machinery answers it), though mypy checks it against this signature."""
-        member = str.__new__(cls, value)
-        member._value_ = value
-        member.target = target[0]
-        return member
-
     # prefill-to-decode transfer
     PD = "pd", "backends.kv_connectors.pd_connector:build_pd_connector"
     # host RAM, disk and a shared store below the device pool
