@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gateway.ops.supervisor import wait_healthy  # noqa: E402
+from gateway.state.redis_store import NUM_SESSION_SHARDS  # noqa: E402
 from gateway_bench_load import MODEL, run_upstream, wait_http  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 
@@ -113,6 +114,11 @@ def start_worker(workdir: Path) -> tuple[subprocess.Popen, str]:
 
 # --- sampling ------------------------------------------------------------------------------------
 
+async def _num_sessions(redis) -> int:
+    """Live sessions: the gateway's session index, one sorted set per shard (gateway/state/redis_store.py)."""
+    return sum([await redis.zcard(f"switchyard:sessions:{{{shard}}}") for shard in range(NUM_SESSION_SHARDS)])
+
+
 async def sample(client, gateway_url: str, redis, started: float, pid: int | None = None) -> Sample:
     async with client.get(gateway_url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}) as response:
         text = await response.text()
@@ -124,7 +130,7 @@ async def sample(client, gateway_url: str, redis, started: float, pid: int | Non
     num_connections, num_clients = connections(pid, int(gateway_url.rsplit(":", 1)[1])) if pid else (0, 0)
     return Sample(at_s=time.monotonic() - started, rss_mb=values["process_resident_memory_bytes"] / 2**20,
                   open_fds=int(values["process_open_fds"]), tasks=int(values["switchyard_asyncio_tasks"]),
-                  redis_keys=await redis.dbsize(), sessions=await redis.zcard("switchyard:sessions"),
+                  redis_keys=await redis.dbsize(), sessions=await _num_sessions(redis),
                   connections=num_connections, client_connections=num_clients)
 
 
