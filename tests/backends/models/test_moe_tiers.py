@@ -9,7 +9,6 @@ Mixtral and Qwen3-MoE on every tier; DeepSeek-V3 on the shared store, where what
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +23,13 @@ from backends.kv_connectors.tiers.connector import TieredKVConnector
 from backends.worker.model_runner import ModelRunner
 from tests.backends.engine.runner_view import RunnerView
 from tests.backends.engine.test_engine_model import hf_greedy
-from tests.backends.engine.test_kv_tiers import evict_prefix, run_all
+from tests.backends.engine.test_kv_tiers import (  # mooncake_master: the engine tests' fixture, used here too
+    evict_prefix,
+    mooncake_master,  # noqa: F401
+    run_all,
+)
 from tests.backends.models.moe_checkpoints import float64_twin, tiny_deepseek_v3, tiny_moe
 from tests.backends.numerics import assert_mostly_clear, assert_same_tokens, choices, logit_tolerance
-from tests.support.mooncake import Master
 
 BLOCK = 4
 POOL = 12    # device blocks: small, so that a few prompts evict the prefix
@@ -54,15 +56,6 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                          fingerprint_weights=True)
     rows = [Family(folder, runner, hf, 0.0).prompt(seed, 40) for seed in range(3)]
     return Family(folder, runner, hf, logit_tolerance(hf, float64_twin(hf), rows))
-
-
-@pytest.fixture
-def mooncake_master(tmp_path: Path) -> Iterator[Master]:
-    pytest.importorskip("mooncake.store", reason="pip install mooncake-transfer-engine-non-cuda (make setup)")
-    master = Master(tmp_path)
-    master.start()
-    yield master
-    master.kill()
 
 
 def tier_config(medium: str, block_bytes: int, tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, object]:
