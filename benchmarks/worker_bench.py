@@ -63,7 +63,7 @@ class Scenario:
         return f"{self.concurrency} concurrent, {'shared prefix' if self.shared else 'unique'}"
 
     def num_requests(self) -> int:
-        return 4 if self.concurrency == 1 else max(self.concurrency, 16)
+        return 4 if self.concurrency == 1 else max(self.concurrency, 64)
 
 
 def prompts(scenario: Scenario, vocab: list[int], prompt_tokens: int, shared_tokens: int, salt: str) -> list[list[int]]:
@@ -144,13 +144,21 @@ def start_switchyard(port: int, extra: list[str], checkout: Path = ROOT) -> subp
                             start_new_session=True)
 
 
-def start_vllm(port: int, python: str, model_dir: Path, log: Path) -> subprocess.Popen:
+def vllm_dtype(choice: str) -> str:
+    """vLLM's best setting here: bfloat16 where the CPU multiplies it natively (AVX512-BF16 or AMX), else float32."""
+    if choice != "auto":
+        return choice
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return "bfloat16" if native else "float32"
+
+
+def start_vllm(port: int, python: str, model_dir: Path, log: Path, dtype: str) -> subprocess.Popen:
     cores = os.cpu_count() or 1
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1"}
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
-           MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048"]
+           MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", "2048"]
     return subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -168,7 +176,8 @@ def run_engine(engine: str, args: argparse.Namespace, model_dir: Path, scenarios
                vocab: list[int], salt: str) -> dict[Scenario, dict[str, float]]:
     port = free_port()
     if engine == "vllm":
-        proc = start_vllm(port, args.vllm_python, model_dir, Path(args.log_dir) / f"vllm-{salt}.log")
+        proc = start_vllm(port, args.vllm_python, model_dir, Path(args.log_dir) / f"vllm-{salt}.log",
+                          vllm_dtype(args.vllm_dtype))
     else:
         proc = start_switchyard(port, args.worker_args.split(), dict(args.worker_tree).get(engine, ROOT))
     base = f"http://127.0.0.1:{port}"
@@ -225,6 +234,8 @@ def parse_args() -> argparse.Namespace:
                     help="one more engine NAME: the switchyard worker run from the checkout DIR; repeatable")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--vllm-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: bfloat16 where the CPU has AVX512-BF16 or AMX, float32 elsewhere")
     ap.add_argument("--worker-args", default="", help="extra worker flags, e.g. '--dtype bfloat16'")
     ap.add_argument("--log-dir", default="/tmp")
     args = ap.parse_args()
@@ -245,7 +256,7 @@ def main() -> None:
     flags = Path("/proc/cpuinfo").read_text()
     isa = "AVX512-BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
     print(f"# {time.strftime('%Y-%m-%d %H:%M')} | {cpu} ({isa}) | {os.cpu_count()} cores | torch {torch.__version__} "
-          f"| fp32 | {args.prompt_tokens}-token prompts, {args.new_tokens} out "
+          f"| vLLM {vllm_dtype(args.vllm_dtype)} | {args.prompt_tokens}-token prompts, {args.new_tokens} out "
           f"| worker args: {args.worker_args or '-'}")
     vocab = ordinary_vocab(model_dir)
     scenarios = [Scenario(c, s) for s in (False, True) for c in args.concurrency]
@@ -271,12 +282,12 @@ def print_table(engines: list[str], scenarios: list[Scenario], passes: Passes) -
         return statistics.median(p[sc][key] for p in passes[engine])
 
     against_vllm = sorted(engines) == ["switchyard", "vllm"]
-    print("\n| scenario | " + " | ".join(f"{e} out tok/s | {e} TTFT p50 ms | {e} ITL p50 ms" for e in engines)
+    print("\n| scenario | " + " | ".join(f"{e} out tok/s | {e} TTFT p50 ms | {e} ITL p50 / p90 ms" for e in engines)
           + (" | switchyard / vllm tok/s | TTFT ratio |" if against_vllm else " |"))
     print("|---" * (1 + 3 * len(engines) + (2 if against_vllm else 0)) + "|")
     for sc in scenarios:
         cells = [f"{med(e, sc, 'tok_s'):.1f} | {med(e, sc, 'ttft_p50_ms'):.0f} | {med(e, sc, 'itl_p50_ms'):.1f}"
-                 for e in engines]
+                 f" / {med(e, sc, 'itl_p90_ms'):.1f}" for e in engines]
         ratio = ""
         if against_vllm:
             ratio = (f" | {med('switchyard', sc, 'tok_s') / med('vllm', sc, 'tok_s'):.2f}"

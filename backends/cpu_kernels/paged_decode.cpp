@@ -44,7 +44,12 @@ struct Strides {
 
 // A vector of kLanes floats in the compiler's generic vector type: plain loops over acc[g][d] += p * v[d]
 // reload and store acc for every key (gcc cannot prove acc and v apart); these keep it in registers.
+// 16 lanes (one zmm register) where the build targets AVX-512, 8 (one ymm) elsewhere.
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
 constexpr int kLanes = 8;
+#endif
 typedef float VecF __attribute__((vector_size(kLanes * sizeof(float))));
 typedef uint16_t VecH __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t VecU __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -62,6 +67,107 @@ inline VecF load_vec(const c10::BFloat16* p) {  // bf16 is the high half of a fl
   VecF v;
   std::memcpy(&v, &bits, sizeof(v));
   return v;
+}
+
+// Asks for `count` rows of `elems` elements, `stride` elements apart, to be brought into the cache: a tile's keys lie
+// in a block the hardware prefetcher cannot foresee (blocks are scattered), and a decode step reads them once.
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* first, int64_t stride, int64_t count, int64_t elems) {
+  constexpr int64_t kLine = 64 / sizeof(scalar_t);
+  for (int64_t t = 0; t < count; ++t) {
+    for (int64_t e = 0; e < elems; e += kLine) __builtin_prefetch(first + t * stride + e, 0, 3);
+  }
+}
+
+// Sixteen keys' dot-product vectors (p[t]: lane-wise partial sums of q . k_t) reduced to their sixteen sums, key t in
+// lane t of the result (two vectors of 8 with 8 lanes): each level adds the two halves of every vector, packing two
+// vectors' halves into one, so 15 shuffle-and-add steps replace 16 horizontal sums.
+#ifdef __AVX512F__
+inline VecF pair_halves(VecF a, VecF b) {  // lanes 0-7: a's halves summed, 8-15: b's
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+inline VecF pair_quarters(VecF a, VecF b) {  // a, b hold two keys' 8 partials each: out four keys' 4 partials
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+inline VecF pair_eighths(VecF a, VecF b) {  // four keys' 4 partials each: out eight keys' 2 partials
+  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+inline VecF pair_lanes(VecF a, VecF b) {  // eight keys' 2 partials each: out sixteen keys' sums
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+inline void reduce_keys(VecF (&p)[kTile], float* out) {
+  VecF q[8], r[4];
+  for (int i = 0; i < 8; ++i) q[i] = pair_halves(p[2 * i], p[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) r[i] = pair_quarters(q[2 * i], q[2 * i + 1]);
+  const VecF all = pair_lanes(pair_eighths(r[0], r[1]), pair_eighths(r[2], r[3]));
+  std::memcpy(out, &all, sizeof(all));
+}
+#else
+inline VecF pair_halves(VecF a, VecF b) {  // lanes 0-3: a's halves summed, 4-7: b's
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+inline VecF pair_quarters(VecF a, VecF b) {  // two keys' 4 partials each: out four keys' 2 partials
+  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13) + __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15);
+}
+inline VecF pair_lanes(VecF a, VecF b) {  // four keys' 2 partials each: out eight keys' sums
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+inline void reduce_keys(VecF (&p)[kTile], float* out) {
+  for (int half = 0; half < 2; ++half) {
+    const VecF* h = p + 8 * half;
+    const VecF all = pair_lanes(pair_quarters(pair_halves(h[0], h[1]), pair_halves(h[2], h[3])),
+                                pair_quarters(pair_halves(h[4], h[5]), pair_halves(h[6], h[7])));
+    std::memcpy(out + 8 * half, &all, sizeof(all));
+  }
+}
+#endif
+
+// scores[r][t] = q_r . k_t for the tile's keys and every row (q rows widened and scaled already: qf, kD floats
+// apart); keys past tile_keys are not read and score 0 (the caller masks them).
+template <typename scalar_t, int kD>
+void tile_scores(const float* qf, const scalar_t* k_tile, int64_t k_stride, int64_t rows, int64_t tile_keys,
+                 float (*scores)[kTile]) {
+  constexpr int kVecs = kD / kLanes;
+  for (int64_t r = 0; r < rows; ++r) {
+    VecF q[kVecs];
+    for (int c = 0; c < kVecs; ++c) q[c] = load_vec(qf + r * kD + c * kLanes);
+    VecF p[kTile];
+    for (int64_t t = 0; t < kTile; ++t) {
+      if (t >= tile_keys) {
+        p[t] = VecF{};
+        continue;
+      }
+      const scalar_t* k = k_tile + t * k_stride;
+      VecF sum = q[0] * load_vec(k);
+      for (int c = 1; c < kVecs; ++c) sum += q[c] * load_vec(k + c * kLanes);
+      p[t] = sum;
+    }
+    reduce_keys(p, scores[r]);
+  }
+}
+
+// Up to kGroup query rows at a time: their accumulators stay in registers and each V row is widened once for all
+// of them (GQA: a KV head's query heads share its rows).
+constexpr int64_t kGroup = 4;
+
+// acc rows `first` .. `first + count - 1` += sum over the tile's keys t of scores[r][t] * v_t, kLanes dims at a
+// time: each V vector is widened once for the group.
+template <typename scalar_t, int kD>
+void tile_values(float* acc, const float (*scores)[kTile], const scalar_t* v_tile, int64_t v_stride, int64_t first,
+                 int64_t count, int64_t tile_keys) {
+  for (int c = 0; c < kD; c += kLanes) {
+    VecF a[kGroup];
+    for (int64_t g = 0; g < count; ++g) a[g] = load_vec(acc + (first + g) * kD + c);
+    for (int64_t t = 0; t < tile_keys; ++t) {
+      const VecF v = load_vec(v_tile + t * v_stride + c);
+      for (int64_t g = 0; g < count; ++g) a[g] += scores[first + g][t] * v;
+    }
+    for (int64_t g = 0; g < count; ++g) std::memcpy(acc + (first + g) * kD + c, &a[g], sizeof(VecF));
+  }
 }
 
 // acc row r += sum over the tile's keys t of scores[r][t] * v_row(t), four vectors of a row at a time; acc rows
@@ -113,6 +219,7 @@ void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
                  int64_t q_len, int64_t num_keys, int64_t kv_head, int64_t group, int64_t head_dim,
                  int64_t block_size, float scale, const Strides& s, scalar_t* out) {
   const int64_t d_len = kD > 0 ? kD : head_dim;
+  constexpr bool kVectorD = kD > 0 && kD % kLanes == 0;  // the register-tiled path (tile_scores, tile_values)
   const int64_t rows = q_len * group;
   alignas(64) float qf[kMaxRowElems];
   alignas(64) float acc[kMaxRowElems];
@@ -138,18 +245,30 @@ void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
     const int64_t offset = static_cast<int64_t>(table[block]) * s.kv_block + first * s.kv_token + kv_head * s.kv_head;
     const scalar_t* k_tile = k_cache + offset;
     const scalar_t* v_tile = v_cache + offset;
+    if (start + tile_keys < num_keys) {  // the next tile's K and V rows, from memory while this one computes
+      const int64_t next = start + tile_keys, next_first = next % block_size;
+      const int64_t next_offset = static_cast<int64_t>(table[next / block_size]) * s.kv_block +
+                                  next_first * s.kv_token + kv_head * s.kv_head;
+      const int64_t next_keys = std::min({kTile, block_size - next_first, num_keys - next});
+      prefetch_rows(k_cache + next_offset, s.kv_token, next_keys, d_len);
+      prefetch_rows(v_cache + next_offset, s.kv_token, next_keys, d_len);
+    }
+    if constexpr (kVectorD) {
+      tile_scores<scalar_t, kD>(qf, k_tile, s.kv_token, rows, tile_keys, scores);
+    } else {
+      for (int64_t t = 0; t < tile_keys; ++t) {
+        const scalar_t* k_row = k_tile + t * s.kv_token;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* q_r = qf + r * d_len;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < d_len; ++d) dot += q_r[d] * to_float(k_row[d]);
+          scores[r][t] = dot;
+        }
+      }
+    }
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t t = tile_keys; t < kTile; ++t) scores[r][t] = -std::numeric_limits<float>::infinity();
-    }
-    for (int64_t t = 0; t < tile_keys; ++t) {
-      const scalar_t* k_row = k_tile + t * s.kv_token;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* q_r = qf + r * d_len;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < d_len; ++d) dot += q_r[d] * to_float(k_row[d]);
-        scores[r][t] = dot;
-      }
     }
     for (int64_t r = 0; r < rows; ++r) {
       // Keys of this tile the row may see: all of them for a decode, fewer for the earlier tokens of a chunk.
@@ -179,7 +298,14 @@ void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
         for (int64_t d = 0; d < d_len; ++d) acc_r[d] *= alpha;
       }
     }
-    accumulate_v<scalar_t, kD>(acc, scores, v_tile, s.kv_token, rows, d_len, tile_keys, row);
+    if constexpr (kVectorD) {
+      for (int64_t first_row = 0; first_row < rows; first_row += kGroup) {
+        tile_values<scalar_t, kD>(acc, scores, v_tile, s.kv_token, first_row, std::min(kGroup, rows - first_row),
+                                  tile_keys);
+      }
+    } else {
+      accumulate_v<scalar_t, kD>(acc, scores, v_tile, s.kv_token, rows, d_len, tile_keys, row);
+    }
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = 1.0f / running_sum[r];
