@@ -57,13 +57,14 @@ def pct(values: list[float], q: float) -> float:
 class Scenario:
     concurrency: int
     shared: bool
+    requests: int = 64   # per concurrent scenario (a single stream sends 4)
 
     @property
     def name(self) -> str:
         return f"{self.concurrency} concurrent, {'shared prefix' if self.shared else 'unique'}"
 
     def num_requests(self) -> int:
-        return 4 if self.concurrency == 1 else max(self.concurrency, 64)
+        return 4 if self.concurrency == 1 else max(self.concurrency, self.requests)
 
 
 def prompts(scenario: Scenario, vocab: list[int], prompt_tokens: int, shared_tokens: int, salt: str) -> list[list[int]]:
@@ -228,6 +229,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=64, help="requests per concurrent scenario")
     ap.add_argument("--engines", nargs="+", default=None,
                     help="switchyard, vllm and the --worker-tree names (default: the trees, else switchyard vllm)")
     ap.add_argument("--worker-tree", type=tree_option, action="append", default=[], metavar="NAME=DIR",
@@ -259,7 +261,7 @@ def main() -> None:
           f"| vLLM {vllm_dtype(args.vllm_dtype)} | {args.prompt_tokens}-token prompts, {args.new_tokens} out "
           f"| worker args: {args.worker_args or '-'}")
     vocab = ordinary_vocab(model_dir)
-    scenarios = [Scenario(c, s) for s in (False, True) for c in args.concurrency]
+    scenarios = [Scenario(c, s, args.requests) for s in (False, True) for c in args.concurrency]
     passes: dict[str, list[dict[Scenario, dict[str, float]]]] = {e: [] for e in args.engines}
     for r in range(args.rounds):
         for engine in (args.engines if r % 2 == 0 else args.engines[::-1]):

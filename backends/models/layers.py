@@ -63,6 +63,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None
+        self.packed_wide: torch.Tensor | None = None   # float32, for steps of kernels.wide_rows rows or more
         self.compressed: tuple[CompressedWeight, ...] = ()
         self.scratch: ExpandScratch | None = None
         # on CUDA: the Triton kernel that projects one row faster than cuBLAS (triton_ops.tune_linears)
@@ -85,6 +86,9 @@ class Linear(nn.Module):
         return out if residual is None else residual + out
 
     def _project(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_wide is not None and x.shape[0] >= self.kernels.wide_rows:
+            bias = None if self.bias is None else self.bias.float()
+            return self.kernels.packed_linear(x.float(), self.packed_wide, bias).to(x.dtype)
         if self.packed is not None:
             return self.kernels.packed_linear(x, self.packed, self.bias)
         if self.compressed:
@@ -120,6 +124,8 @@ class Linear(nn.Module):
         fused = torch.cat([dense(w) for w in weights], 0)
         self.packed = self.kernels.pack(fused, self.weight.dtype)
         if self.packed is not None:
+            # from the rounded weight: a wide step multiplies the values a narrow one does
+            self.packed_wide = self.kernels.pack_wide(fused.to(self.weight.dtype), self.weight.dtype)
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)   # the packed copy replaces it
             return
         if self.transposed and self.weight.dtype != torch.float32:

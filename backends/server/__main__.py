@@ -44,7 +44,7 @@ def _add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--role", choices=[r.value for r in WorkerRole], default=WorkerRole.BOTH.value,
                    help="both (unified); prefill or decode for disaggregated serving")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="float32",
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights and KV cache; auto: bfloat16 on a GPU that has it and on a CPU with AVX512-BF16 "
                         "or AMX (half the bytes a decode step reads, at native speed), float32 elsewhere "
                         "(an AVX2 CPU converts bfloat16 in software)")

@@ -153,7 +153,8 @@ class ModelRunner:
         them (a tied table counted once)."""
         seen: dict[int, int] = {}
         for module in self.model.modules():
-            packed = [module.packed] if isinstance(module, Linear | LMHead) and module.packed is not None else []
+            packed = [] if not isinstance(module, Linear | LMHead) else [
+                t for t in (module.packed, getattr(module, "packed_wide", None)) if t is not None]
             for tensor in (*module.parameters(recurse=False), *packed):
                 seen[id(tensor)] = tensor.numel() * tensor.element_size()
         return sum(seen.values())

@@ -48,7 +48,11 @@ class WorkerProcess:
         log_dir = log_dir or Path(tempfile.mkdtemp(prefix="switchyard-worker-"))
         self.log_path = log_dir / f"worker-{self.port}.log"
         self._log = self.log_path.open("wb")
-        cmd = [sys.executable, "-m", "backends.server", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        # float32 unless a test asks otherwise: the references the tests compare against (transformers' forward
+        # and generate) run in float32, and `--dtype auto` would give bfloat16 on a CPU with AVX512-BF16 or AMX.
+        dtype = () if "--dtype" in args else ("--dtype", "float32")
+        cmd = [sys.executable, "-m", "backends.server", "--host", "127.0.0.1", "--port", str(self.port), *dtype,
+               *args]
         self._proc = subprocess.Popen(
             cmd, cwd=REPO_ROOT, env={**os.environ, **(env or {})}, stdout=self._log, stderr=subprocess.STDOUT
         )

@@ -113,6 +113,14 @@ class LayerKernels:
         layouts for it."""
         return None
 
+    def pack_wide(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """A float32 copy of a `dtype` weight, packed for `packed_linear`, that steps of at least `wide_rows` rows
+        multiply instead (where this family's float32 products outrun its `dtype` ones on many rows); None: the
+        `pack` copy serves every step."""
+        return None
+
+    wide_rows = 0   # rows from which a Linear with a pack_wide copy multiplies in float32
+
     def pack_expert(self, weight: torch.Tensor) -> torch.Tensor | None:
         """One expert's [out, in] weight (backends.models.moe) in the layout `packed_linear` reads; None: this
         family runs experts from their plain stacked layout."""

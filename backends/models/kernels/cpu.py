@@ -27,6 +27,7 @@ from backends.models.kernels.base import LayerKernels
 log = logging.getLogger(__name__)
 
 FUSED_SWITCH = "SWITCHYARD_CPU_FUSED_LAYERS"
+WIDE_SWITCH = "SWITCHYARD_CPU_WIDE_PREFILL"
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)
 _PACK_ROWS_HINT = 32   # the batch size oneDNN is told to pack for (4 and 32 measured alike at 1-8 rows)
 
@@ -83,6 +84,20 @@ class CpuKernels(LayerKernels):
         if dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16()):
             return torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), _PACK_ROWS_HINT)
         return None
+
+    # Measured on the 2-core Xeon (AVX512-BF16, no AMX), SmolLM2's 30 layers, oneDNN-packed: bfloat16 against
+    # float32 was 0.56x as long at 1 row, 0.92x at 16, 1.02x at 32, 1.36x at 48 and 1.99x at 256 (prefill chunks).
+    wide_rows = 48
+
+    def pack_wide(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Where the CPU has AVX512-BF16 but no AMX, bfloat16 products stop paying once a step has wide_rows rows:
+        vdpbf16ps does twice an FMA's work at half its rate, so compute-bound products run no faster than in
+        float32 and lose to oneDNN's float32 kernels by up to 2x; a float32 copy then serves prefill chunks (a
+        third more weight memory than float32 alone). SWITCHYARD_CPU_WIDE_PREFILL=0 turns it off."""
+        if (dtype != torch.bfloat16 or not native_bf16() or torch.cpu._is_amx_tile_supported()
+                or os.environ.get(WIDE_SWITCH, "1") == "0" or not torch.backends.mkldnn.is_available()):
+            return None
+        return torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), _PACK_ROWS_HINT)
 
     def pack_expert(self, weight: torch.Tensor) -> torch.Tensor | None:
         """Experts as `pack` packs projections, in their own dtype: a decode step of a 2-layer, 64-expert bf16 MoE

@@ -58,17 +58,32 @@ def test_each_family_matches_the_reference(kernels: LayerKernels) -> None:
     torch.testing.assert_close(kernels.gemv(x[:1], w, (2, 16, 1)), x[:1] @ w.t())
 
 
-def test_only_the_cpu_family_packs_and_only_float32() -> None:
+def test_only_the_cpu_family_packs_float32_and_bfloat16_where_native() -> None:
+    """float32 always; bfloat16 only where the CPU multiplies it natively, with a float32 copy for wide steps where
+    that CPU has no AMX. Each packed product against the plain one, on whatever CPU runs the test."""
     weight = torch.randn(8, 4)
     assert LayerKernels().pack(weight, torch.float32) is None
     assert CudaKernels().pack(weight, torch.float32) is None
-    assert CpuKernels().pack(weight, torch.bfloat16) is None
+    assert LayerKernels().pack_wide(weight, torch.bfloat16) is None
+    cpu = CpuKernels()
+    assert cpu.pack_wide(weight, torch.float32) is None
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert (cpu.pack(weight, torch.bfloat16) is not None) == (native and torch.backends.mkldnn.is_available())
     if torch.backends.mkldnn.is_available():
-        cpu = CpuKernels()
         packed = cpu.pack(weight, torch.float32)
         assert packed is not None
         x = torch.randn(3, 4)
         torch.testing.assert_close(cpu.packed_linear(x, packed, None), x @ weight.t(), atol=1e-5, rtol=1e-5)
+    narrow = weight.bfloat16()
+    packed_bf16 = cpu.pack(narrow, torch.bfloat16)
+    if packed_bf16 is not None:
+        x16 = torch.randn(3, 4).bfloat16()
+        want = (x16.float() @ narrow.float().t())
+        torch.testing.assert_close(cpu.packed_linear(x16, packed_bf16, None).float(), want, atol=2e-2, rtol=2e-2)
+        wide = cpu.pack_wide(narrow, torch.bfloat16)
+        assert (wide is not None) == (not torch.cpu._is_amx_tile_supported())
+        if wide is not None:
+            torch.testing.assert_close(cpu.packed_linear(x16.float(), wide, None), want, atol=1e-5, rtol=1e-5)
     with pytest.raises(TypeError, match="pack no weights"):
         LayerKernels().packed_linear(torch.randn(1, 4), weight, None)
 

@@ -36,7 +36,8 @@ def test_flags_become_configs(model_dir: Path) -> None:
 def test_defaults(model_dir: Path) -> None:
     server, engine = build_configs(build_parser().parse_args(["--model", str(model_dir), "--port", "1"]))
     assert server.role is WorkerRole.BOTH and server.served_model_names == (str(model_dir),)
-    assert (engine.dtype, engine.device, engine.block_size, engine.num_blocks) == ("float32", "cpu", 16, None)
+    assert (engine.dtype, engine.device, engine.block_size, engine.num_blocks) == (resolve_dtype("auto", "cpu"),
+                                                                                   "cpu", 16, None)
     assert not engine.keep_weights_compressed
 
 
