@@ -36,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from backends.server.__main__ import resolve_dtype  # noqa: E402
 from backends.worker.loader import resolve_model  # noqa: E402
 from bench_trees import check_trees, ratio_cell, spread, tree_option  # noqa: E402  (beside this script)
 from sse import data_chunks  # noqa: E402  (benchmarks/sse.py, beside this script)
@@ -146,11 +147,9 @@ def start_switchyard(port: int, extra: list[str], checkout: Path = ROOT) -> subp
 
 
 def vllm_dtype(choice: str) -> str:
-    """vLLM's best setting here: bfloat16 where the CPU multiplies it natively (AVX512-BF16 or AMX), else float32."""
-    if choice != "auto":
-        return choice
-    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return "bfloat16" if native else "float32"
+    """vLLM's best setting here: what our worker's `--dtype auto` picks on this CPU (bfloat16 where the CPU multiplies
+    it natively, float32 elsewhere)."""
+    return resolve_dtype(choice, "cpu")
 
 
 def start_vllm(port: int, python: str, model_dir: Path, log: Path, dtype: str) -> subprocess.Popen:

@@ -170,39 +170,17 @@ void tile_values(float* acc, const float (*scores)[kTile], const scalar_t* v_til
   }
 }
 
-// acc row r += sum over the tile's keys t of scores[r][t] * v_row(t), four vectors of a row at a time; acc rows
-// are d_len floats apart.
-template <typename scalar_t, int kD>
+// acc row r += sum over the tile's keys t of scores[r][t] * v_row(t), for a head_dim without the register-tiled
+// path (tile_values): each V row widened once into `row`; acc rows are d_len floats apart.
+template <typename scalar_t>
 void accumulate_v(float* acc, const float (*scores)[kTile], const scalar_t* v_tile, int64_t v_stride, int64_t rows,
                   int64_t d_len, int64_t tile_keys, float* row) {
-  if (kD == 0 || d_len % (4 * kLanes) != 0) {  // any head_dim: the plain loops
-    for (int64_t t = 0; t < tile_keys; ++t) {
-      const scalar_t* src = v_tile + t * v_stride;
-      for (int64_t d = 0; d < d_len; ++d) row[d] = to_float(src[d]);
-      for (int64_t r = 0; r < rows; ++r) {
-        float* acc_r = acc + r * d_len;
-        for (int64_t d = 0; d < d_len; ++d) acc_r[d] += scores[r][t] * row[d];
-      }
-    }
-    return;
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    float* acc_r = acc + r * kD;
-    for (int64_t c = 0; c < kD; c += 4 * kLanes) {
-      VecF a0 = load_vec(acc_r + c), a1 = load_vec(acc_r + c + kLanes);
-      VecF a2 = load_vec(acc_r + c + 2 * kLanes), a3 = load_vec(acc_r + c + 3 * kLanes);
-      for (int64_t t = 0; t < tile_keys; ++t) {
-        const float p = scores[r][t];
-        const scalar_t* v = v_tile + t * v_stride + c;
-        a0 += p * load_vec(v);
-        a1 += p * load_vec(v + kLanes);
-        a2 += p * load_vec(v + 2 * kLanes);
-        a3 += p * load_vec(v + 3 * kLanes);
-      }
-      std::memcpy(acc_r + c, &a0, sizeof(a0));
-      std::memcpy(acc_r + c + kLanes, &a1, sizeof(a1));
-      std::memcpy(acc_r + c + 2 * kLanes, &a2, sizeof(a2));
-      std::memcpy(acc_r + c + 3 * kLanes, &a3, sizeof(a3));
+  for (int64_t t = 0; t < tile_keys; ++t) {
+    const scalar_t* src = v_tile + t * v_stride;
+    for (int64_t d = 0; d < d_len; ++d) row[d] = to_float(src[d]);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* acc_r = acc + r * d_len;
+      for (int64_t d = 0; d < d_len; ++d) acc_r[d] += scores[r][t] * row[d];
     }
   }
 }
@@ -304,7 +282,7 @@ void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
                                   tile_keys);
       }
     } else {
-      accumulate_v<scalar_t, kD>(acc, scores, v_tile, s.kv_token, rows, d_len, tile_keys, row);
+      accumulate_v<scalar_t>(acc, scores, v_tile, s.kv_token, rows, d_len, tile_keys, row);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
