@@ -43,8 +43,8 @@ def test_runner_logits_identical_to_uncompressed_bf16(smollm2_folders: tuple[Pat
 def test_weights_kept_compressed_give_the_same_logits_in_less_memory(smollm2_folders: tuple[Path, Path, Path]) -> None:
     """--keep-weights-compressed: every decoder-layer matrix stays compressed in memory and is expanded
     into one shared buffer just before its layer runs; the logits of a prefill and of a decode step
-    equal, bit for bit, those of a runner on the uncompressed bf16 folder (both hold bf16 matrices
-    [out, in], so the same matmul runs)."""
+    equal, bit for bit, those of a runner on the uncompressed bf16 folder where both hold bf16 matrices
+    [out, in], so the same matmul runs (close, where that runner packs them for native bf16 products)."""
     runner_module = pytest.importorskip("backends.worker.model_runner")
     from backends.compression import CompressedTensor
     from backends.core.batch import ForwardBatch, SeqChunk
@@ -59,15 +59,22 @@ def test_weights_kept_compressed_give_the_same_logits_in_less_memory(smollm2_fol
                                            block_size=16, keep_weights_compressed=keep)
         logits.append([runner.execute(batch) for batch in steps])
         runners.append(runner)
+    dense_layers, kept_layers = (list(r.model.layers.modules()) for r in runners)
+    dense = [m for m in dense_layers if isinstance(m, layers.Linear)]
     for ours, want in zip(logits[1], logits[0], strict=True):
         assert torch.isfinite(want).all()
-        # exact: the expanded buffer holds the same bf16 matrices, so the same matmuls run on the same shapes
-        assert torch.equal(ours.view(torch.int16), want.view(torch.int16))
-    dense_layers, kept_layers = (list(r.model.layers.modules()) for r in runners)
+        if all(m.packed is None for m in dense):
+            # exact: the expanded buffer holds the same bf16 matrices, so the same matmuls run on the same shapes
+            assert torch.equal(ours.view(torch.int16), want.view(torch.int16))
+        else:
+            # where the CPU multiplies bf16 natively the dense runner's matrices are oneDNN-packed, another kernel
+            # that may sum in another order: the same values up to bf16 rounding, and the same greedy token
+            torch.testing.assert_close(ours.float(), want.float(), rtol=2e-2, atol=2e-2)
+            assert torch.equal(ours.argmax(-1), want.argmax(-1))
     kept = [m for m in kept_layers if isinstance(m, layers.Linear)]
     assert kept and all(m.compressed and m.weight.numel() == 0 for m in kept)
     assert all(isinstance(p, CompressedTensor) for m in kept for p in m.compressed)
-    dense_bytes = sum(m.weight.numel() * 2 for m in dense_layers if isinstance(m, layers.Linear))
+    dense_bytes = sum(m.out_features * m.in_features * 2 for m in dense)
     kept_bytes = sum(p.compressed_bytes for m in kept for p in m.compressed)
     assert kept_bytes <= 0.70 * dense_bytes
     with pytest.raises(ValueError, match="--dtype bfloat16"):
