@@ -118,12 +118,14 @@ def test_policies_that_read_no_levels_skip_the_walk(policy_name, monkeypatch) ->
     distinct_loads(gateway, random.Random(2))
     for k, endpoint in enumerate(gateway.pool):   # every endpoint holds a run of its own length
         gateway.index.store(endpoint.endpoint_id, PROMPT[:k % (len(PROMPT) + 1)])
+    walks: list[tuple[int, ...]] = []
+    walk = gateway.index.matched_levels
+    monkeypatch.setattr(gateway.index, "matched_levels", lambda hashes: walks.append(hashes) or walk(hashes))
     for session in (None, "conversation-1", "conversation-2"):
-        listed = gateway.choose(policy_name, live=False, session=session)
-        walks = []
-        monkeypatch.setattr(gateway.index, "matched_levels", lambda hashes: walks.append(hashes) or [])
-        live = gateway.choose(policy_name, live=True, session=session)
-        monkeypatch.undo()
-        assert walks == []
+        live, listed = gateway.choose(policy_name, live=True, session=session), gateway.choose(
+            policy_name, live=False, session=session)
         assert (live.endpoint, live.decision, live.num_uncached_tokens) == (
             listed.endpoint, listed.decision, listed.num_uncached_tokens)
+    assert walks == []
+    gateway.choose(PolicyName.PREFIX_AWARE, live=True)   # a policy that reads the levels walks them once
+    assert walks == [PROMPT]
