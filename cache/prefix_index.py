@@ -7,8 +7,8 @@ estimate of its KV capacity) and one of at most `max_blocks_per_endpoint` tier b
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, overload
 
 from cache.kv_events import CPU, DEVICE, DISK, MEDIA, MEDIUM_BITS, STORE, KvEvent, KvEventBatch, KvEventType
 
@@ -201,8 +201,9 @@ class PrefixIndex:
         levels: list[tuple[int, int]] = []
         alive = -1
         depth = 0
+        get = self._holders.get   # bound once: a lookup per prompt block
         for block_hash in block_hashes:
-            holders = self._holders.get(block_hash, 0) & alive
+            holders = get(block_hash, 0) & alive
             if holders != alive and depth:
                 levels.append((depth, alive))
             alive = holders
@@ -212,6 +213,10 @@ class PrefixIndex:
         if depth:
             levels.append((depth, alive))
         return levels
+
+    def lazy_levels(self, block_hashes: Sequence[int]) -> LazyLevels:
+        """`matched_levels(block_hashes)`, walked only when first read."""
+        return LazyLevels(self, block_hashes)
 
     def endpoint_bit(self, endpoint_id: str) -> int:
         """`endpoint_id`'s bit in `matched_levels`' masks (it is tracked from now on, holding nothing yet)."""
@@ -296,6 +301,42 @@ class PrefixIndex:
             self._holders[block_hash] = mask
         else:
             self._holders.pop(block_hash, None)
+
+
+class LazyLevels(Sequence[tuple[int, int]]):
+    """A prompt's `PrefixIndex.matched_levels`, walked on first read: a policy that decides without them (session
+    affinity, least tokens) costs no walk of the prompt's blocks, and its pick's run is then looked up alone
+    (`num_matched_blocks`). Read it before the index changes (one routing decision)."""
+    __slots__ = ("_block_hashes", "_index", "_levels")
+
+    def __init__(self, index: PrefixIndex, block_hashes: Sequence[int]) -> None:
+        self._index = index
+        self._block_hashes = block_hashes
+        self._levels: list[tuple[int, int]] | None = None   # None: not walked yet
+
+    @property
+    def walked(self) -> bool:
+        return self._levels is not None
+
+    def _walk(self) -> list[tuple[int, int]]:
+        if self._levels is None:
+            self._levels = self._index.matched_levels(self._block_hashes)
+        return self._levels
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self._walk())
+
+    def __len__(self) -> int:
+        return len(self._walk())
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[int, int]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[tuple[int, int]]: ...
+
+    def __getitem__(self, i: int | slice) -> tuple[int, int] | Sequence[tuple[int, int]]:
+        return self._walk()[i]
 
 
 def _tier_run(tiers: Mapping[int, int], block_hashes: Sequence[int], num_device: int) -> MatchedByMedium:

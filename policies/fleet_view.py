@@ -19,32 +19,40 @@ _BUCKET_TOKENS = 64
 # increasing depth, (depth, bitmask of the endpoints whose device run is at least `depth`), masks shrinking.
 Levels = Sequence[tuple[int, int]]
 
+# One usable endpoint's load for `FleetView.put_many`: (endpoint id, its bit, prefill tokens, decode tokens in flight).
+LoadUpdate = tuple[str, int, int, int]
+
 
 class _Order:
     """The usable endpoints by one weighting's load (weighted tokens in flight), in buckets of `_BUCKET_TOKENS`:
     a load that changes within its bucket (a few tokens streamed) costs two dict writes, and the least loaded are
     in the first buckets. An endpoint's bucket is int(load) // _BUCKET_TOKENS (loads are never negative)."""
-    __slots__ = ("bucket_of", "buckets", "nonempty", "weights")
+    __slots__ = ("bucket_of", "buckets", "decode_weight", "nonempty", "prefill_weight")
 
     def __init__(self, weights: TokenWeights) -> None:
-        self.weights = weights
+        self.prefill_weight = weights.prefill_weight
+        self.decode_weight = weights.decode_weight
         self.buckets: dict[int, dict[str, float]] = {}   # bucket -> {endpoint id: load}
         self.bucket_of: dict[str, int] = {}
         self.nonempty: list[int] = []                     # the buckets that hold an endpoint, ascending
 
-    def put(self, endpoint_id: str, num_prefill: int, num_decode: int) -> None:
-        load = self.weights.prefill_weight * num_prefill + self.weights.decode_weight * num_decode
-        bucket = int(load) // _BUCKET_TOKENS
-        if self.bucket_of.get(endpoint_id) != bucket:
+    def put_many(self, updates: Sequence[LoadUpdate]) -> None:
+        """Each endpoint's new load: in place while it stays in its bucket (the common case: a few tokens more or
+        less), else moved. One loop with locals: the live view's upkeep runs it at every decision."""
+        pw, dw, bucket_of, buckets = self.prefill_weight, self.decode_weight, self.bucket_of, self.buckets
+        for endpoint_id, _, num_prefill, num_decode in updates:
+            load = pw * num_prefill + dw * num_decode
+            bucket = int(load) // _BUCKET_TOKENS
+            if bucket_of.get(endpoint_id) == bucket:
+                buckets[bucket][endpoint_id] = load
+                continue
             self.discard(endpoint_id)
-            self.bucket_of[endpoint_id] = bucket
-            members = self.buckets.get(bucket)
+            bucket_of[endpoint_id] = bucket
+            members = buckets.get(bucket)
             if members is None:
-                members = self.buckets[bucket] = {}
+                members = buckets[bucket] = {}
                 bisect.insort(self.nonempty, bucket)
             members[endpoint_id] = load
-        else:
-            self.buckets[bucket][endpoint_id] = load
 
     def discard(self, endpoint_id: str) -> None:
         bucket = self.bucket_of.pop(endpoint_id, None)
@@ -92,25 +100,32 @@ class FleetView:
         self.sum_prefill = 0
         self.sum_decode = 0
         self._orders: dict[tuple[float, float], _Order] = {}
+        self._order_list: list[_Order] = []                # the same, iterated at every `put`
 
     def put(self, endpoint_id: str, bit: int, num_prefill: int, num_decode: int) -> None:
         """`endpoint_id` is usable, with these tokens in flight."""
-        before = self.loads.get(endpoint_id)
-        if before is not None:   # usable already: its load changed (a lease, tokens streamed, a report)
-            self.loads[endpoint_id] = (num_prefill, num_decode)
-            self.sum_prefill += num_prefill - before[0]
-            self.sum_decode += num_decode - before[1]
-            for order in self._orders.values():
-                order.put(endpoint_id, num_prefill, num_decode)
-            return
-        self.loads[endpoint_id] = (num_prefill, num_decode)
-        self.bit_of[endpoint_id] = bit
-        self.id_of_bit[bit] = endpoint_id
-        self.usable_mask |= bit
-        self.sum_prefill += num_prefill
-        self.sum_decode += num_decode
-        for order in self._orders.values():
-            order.put(endpoint_id, num_prefill, num_decode)
+        self.put_many(((endpoint_id, bit, num_prefill, num_decode),))
+
+    def put_many(self, updates: Sequence[LoadUpdate]) -> None:
+        """`put` for each of `updates` (endpoints appear once), in one loop with locals: the upkeep of the endpoints
+        changed since the last decision, at every decision."""
+        loads, bit_of, id_of_bit = self.loads, self.bit_of, self.id_of_bit
+        sum_prefill, sum_decode, usable_mask = self.sum_prefill, self.sum_decode, self.usable_mask
+        for endpoint_id, bit, num_prefill, num_decode in updates:
+            before = loads.get(endpoint_id)
+            loads[endpoint_id] = (num_prefill, num_decode)
+            if before is None:   # usable from now on
+                bit_of[endpoint_id] = bit
+                id_of_bit[bit] = endpoint_id
+                usable_mask |= bit
+                sum_prefill += num_prefill
+                sum_decode += num_decode
+            else:   # usable already: its load changed (a lease, tokens streamed, a report)
+                sum_prefill += num_prefill - before[0]
+                sum_decode += num_decode - before[1]
+        self.sum_prefill, self.sum_decode, self.usable_mask = sum_prefill, sum_decode, usable_mask
+        for order in self._order_list:
+            order.put_many(updates)
 
     def discard(self, endpoint_id: str) -> None:
         """`endpoint_id` is not usable (unhealthy, circuit not closed, gone)."""
@@ -122,7 +137,7 @@ class FleetView:
         self.usable_mask &= ~bit
         self.sum_prefill -= loads[0]
         self.sum_decode -= loads[1]
-        for order in self._orders.values():
+        for order in self._order_list:
             order.discard(endpoint_id)
 
     def bound(self, weights: TokenWeights, load_factor: float) -> float | None:
@@ -176,8 +191,9 @@ class FleetView:
         order = self._orders.get(key)
         if order is None:  # a weighting seen first: sorted once, then kept
             order = self._orders[key] = _Order(weights)
-            for endpoint_id, (num_prefill, num_decode) in self.loads.items():
-                order.put(endpoint_id, num_prefill, num_decode)
+            self._order_list.append(order)
+            order.put_many([(endpoint_id, 0, num_prefill, num_decode)
+                            for endpoint_id, (num_prefill, num_decode) in self.loads.items()])
         return order
 
 

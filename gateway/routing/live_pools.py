@@ -18,7 +18,7 @@ MIN_ENDPOINTS = 32
 
 
 class _LivePool:
-    __slots__ = ("bits", "endpoints", "fleet", "ids", "mask", "suspects")
+    __slots__ = ("bits", "due", "endpoints", "fleet", "ids", "mask", "suspects")
 
     def __init__(self, endpoints: list[Endpoint]) -> None:
         self.endpoints = endpoints                      # the registry's pool list (DNS changes it in place)
@@ -27,6 +27,7 @@ class _LivePool:
         self.mask = 0                                   # the pool's bits in the prefix index
         self.bits: dict[str, int] = {}                  # each endpoint's bit there
         self.suspects: set[str] = set()                 # circuit not plainly closed: re-read at every use
+        self.due: list[str] = []                        # usable endpoints whose loads `_sync` puts next
 
 
 class LivePools:
@@ -67,13 +68,31 @@ class LivePools:
         if self._registry.pools_version != self._version:
             self._rebuild()
             return
-        for endpoint_id in self._tracker.take_changed():
-            endpoint = self._registry.endpoints.get(endpoint_id)
-            for live in self._of_endpoint.get(endpoint_id, ()):
-                if endpoint is None:
+        changed = self._tracker.take_changed()
+        if not changed:
+            return
+        endpoints, of_endpoint = self._registry.endpoints, self._of_endpoint
+        due: list[_LivePool] = []   # the views with loads to put
+        for endpoint_id in changed:
+            lives = of_endpoint.get(endpoint_id)
+            if lives is None:   # in no large pool
+                continue
+            endpoint = endpoints.get(endpoint_id)
+            for live in lives:
+                if endpoint is None or not self._usable(live, endpoint):
                     live.fleet.discard(endpoint_id)
-                else:
-                    self._update(live, endpoint)
+                    continue
+                if not live.due:
+                    due.append(live)
+                live.due.append(endpoint_id)
+        snapshot = self._tracker.snapshot
+        for live in due:   # one batch per view: the loads, then every ordering of them
+            bits, updates = live.bits, []
+            for endpoint_id in live.due:
+                _, num_prefill, num_decode = snapshot(endpoint_id)
+                updates.append((endpoint_id, bits[endpoint_id], num_prefill, num_decode))
+            live.fleet.put_many(updates)
+            live.due.clear()
 
     def _rebuild(self) -> None:
         self._version = self._registry.pools_version
@@ -91,15 +110,19 @@ class LivePools:
                 self._update(live, endpoint)
 
     def _update(self, live: _LivePool, endpoint: Endpoint) -> None:
-        """Re-read one endpoint: usable (healthy, circuit closed and not held off) with its load, or not."""
-        endpoint_id, breaker = endpoint.endpoint_id, endpoint.breaker
-        plain = breaker.is_closed()
-        if plain:
-            live.suspects.discard(endpoint_id)
+        """Re-read one endpoint: usable with its load, or not."""
+        if self._usable(live, endpoint):
+            _, num_prefill, num_decode = self._tracker.snapshot(endpoint.endpoint_id)
+            live.fleet.put(endpoint.endpoint_id, live.bits[endpoint.endpoint_id], num_prefill, num_decode)
         else:
-            live.suspects.add(endpoint_id)
-        if plain and endpoint.healthy:
-            _, num_prefill, num_decode = self._tracker.snapshot(endpoint_id)
-            live.fleet.put(endpoint_id, live.bits[endpoint_id], num_prefill, num_decode)
-        else:
-            live.fleet.discard(endpoint_id)
+            live.fleet.discard(endpoint.endpoint_id)
+
+    @staticmethod
+    def _usable(live: _LivePool, endpoint: Endpoint) -> bool:
+        """Healthy, circuit closed and not held off; a circuit not plainly closed is re-read at every use."""
+        if not endpoint.breaker.is_closed():
+            live.suspects.add(endpoint.endpoint_id)
+            return False
+        if live.suspects:
+            live.suspects.discard(endpoint.endpoint_id)
+        return endpoint.healthy

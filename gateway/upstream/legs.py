@@ -153,12 +153,18 @@ class Legs:
         fleet = self.live_pools.view_for(pool, progress.tried)
         if fleet is None:
             return None
-        facts = progress.request.facts
-        levels = self._prefix_index.matched_levels(facts.block_hashes) if facts.block_hashes else []
-        decision = cast(FleetPolicy, policy).select_fleet(facts, fleet, levels)
+        hashes = progress.request.facts.block_hashes
+        if not hashes:
+            decision = cast(FleetPolicy, policy).select_fleet(progress.request.facts, fleet, ())
+            return None if decision is None else (decision, NO_MATCH)
+        levels = self._prefix_index.lazy_levels(hashes)   # walked only if the policy reads them (prefix_aware)
+        decision = cast(FleetPolicy, policy).select_fleet(progress.request.facts, fleet, levels)
         if decision is None:
             return None
-        return decision, (run_of(fleet.bit_of[decision.endpoint_id], levels), 0, 0, 0)
+        endpoint_id = decision.endpoint_id
+        run = (run_of(fleet.bit_of[endpoint_id], levels) if levels.walked
+               else self._prefix_index.num_matched_blocks(endpoint_id, hashes))
+        return decision, (run, 0, 0, 0)
 
     async def take(self, progress: Progress, provider_name: str) -> Chosen:
         """A single leg's endpoint from the provider's main pool: chosen, counted as tried (a retry if

@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 from cache.block_hash import ROOT_HASH, block_hashes
 from cache.kv_events import CPU, DEVICE, DISK, MEDIA, MEDIUM_BITS, STORE, KvEvent, KvEventBatch, KvEventType
 from cache.prefix_index import PrefixIndex
+from policies.fleet_view import run_of
 
 ENDPOINTS = ("a", "b", "c")
 
@@ -273,6 +274,11 @@ def test_matches_reference_model(ops, queries, cap) -> None:
                 expected_by_medium[endpoint] = by_medium
         assert index.matched_blocks(query) == expected
         assert index.matched_blocks_by_medium(query) == expected_by_medium
+        levels = index.lazy_levels(query)   # the live view's path: each run read off the nested holder masks
+        assert not levels.walked
+        assert list(levels) == index.matched_levels(query) and levels.walked
+        for endpoint in ENDPOINTS:
+            assert run_of(index.endpoint_bit(endpoint), levels) == expected.get(endpoint, 0)
     assert len(index._holders) == len(set().union(*model.values()))  # no stale holder entries
     for endpoint in ENDPOINTS:
         blocks = index._endpoints.get(endpoint)

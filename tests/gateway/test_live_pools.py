@@ -108,3 +108,24 @@ def test_circuits_and_tried_endpoints() -> None:
 def test_small_pools_are_listed(num_endpoints) -> None:
     gateway = Gateway()
     assert gateway.legs.live_pools.view_for(gateway.pool[:num_endpoints], ()) is None
+
+
+@pytest.mark.parametrize("policy_name", [PolicyName.SESSION_AFFINITY, PolicyName.LEAST_TOKENS])
+def test_policies_that_read_no_levels_skip_the_walk(policy_name, monkeypatch) -> None:
+    """Session affinity and least tokens decide without the prompt's levels: the index is not walked for them, and
+    the pick's cached run (its lease's uncached tokens) is its own lookup, the same as listing gives."""
+    gateway = Gateway()
+    distinct_loads(gateway, random.Random(2))
+    for k, endpoint in enumerate(gateway.pool):   # every endpoint holds a run of its own length
+        gateway.index.store(endpoint.endpoint_id, PROMPT[:k % (len(PROMPT) + 1)])
+    walks: list[tuple[int, ...]] = []
+    walk = gateway.index.matched_levels
+    monkeypatch.setattr(gateway.index, "matched_levels", lambda hashes: walks.append(hashes) or walk(hashes))
+    for session in (None, "conversation-1", "conversation-2"):
+        live, listed = gateway.choose(policy_name, live=True, session=session), gateway.choose(
+            policy_name, live=False, session=session)
+        assert (live.endpoint, live.decision, live.num_uncached_tokens) == (
+            listed.endpoint, listed.decision, listed.num_uncached_tokens)
+    assert walks == []
+    gateway.choose(PolicyName.PREFIX_AWARE, live=True)   # a policy that reads the levels walks them once
+    assert walks == [PROMPT]

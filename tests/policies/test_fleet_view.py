@@ -2,10 +2,12 @@
 state: the same decision, up to the random choice among endpoints of equal score."""
 from __future__ import annotations
 
+import math
+
 from hypothesis import given, settings, strategies as st
 
 from cache.prefix_index import PrefixIndex
-from policies.base import DecisionReason, EndpointState, RequestFacts, within_load_bound
+from policies.base import DecisionReason, EndpointState, RequestFacts, TokenWeights, within_load_bound
 from policies.fleet_view import FleetView
 from policies.registry import PolicyName, make_policy
 
@@ -106,3 +108,45 @@ def test_pick_least_shares_ties() -> None:
     policy = make_policy(PolicyName.LEAST_TOKENS, {"seed": 1})
     picks = {policy.select_fleet(request(), view, ()).endpoint_id for _ in range(50)}
     assert picks == {"a", "b"}
+
+
+load_steps = st.lists(st.lists(st.tuples(
+    st.integers(0, 11),                                   # which endpoint
+    st.sampled_from([None, 0, 5, 63, 64, 130, 1000]),     # its prefill tokens now (None: not usable)
+    st.sampled_from([0, 7, 64, 500]),                     # its decode tokens now
+), max_size=8), max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=load_steps)
+def test_batched_upkeep_leaves_the_view_a_rebuilt_one_would_be(steps) -> None:
+    """`put_many` (the live view's upkeep per decision) against a view built afresh from the same loads: the same
+    sums, the same orderings bucket by bucket, the same least loaded endpoints."""
+    ids = [f"e{i}" for i in range(12)]
+    weightings = [TokenWeights(1.0, 1.0), TokenWeights(2.0, 0.5)]
+    view, current = FleetView(ids), {}
+    for weights in weightings:   # orderings made before the loads come: kept by every batch from here on
+        assert view.least(weights, -1, math.inf) == []
+    for step in steps:
+        updates: dict[str, tuple[int, int]] = {}
+        for i, num_prefill, num_decode in step:
+            if num_prefill is None:
+                view.discard(ids[i])
+                current.pop(ids[i], None)
+                updates.pop(ids[i], None)
+            else:
+                updates[ids[i]] = (num_prefill, num_decode)
+        view.put_many([(e, 1 << ids.index(e), p, d) for e, (p, d) in updates.items()])
+        current.update(updates)
+        fresh = FleetView(ids)
+        for endpoint_id, (num_prefill, num_decode) in current.items():
+            fresh.put(endpoint_id, 1 << ids.index(endpoint_id), num_prefill, num_decode)
+        assert (view.loads, view.bit_of, view.id_of_bit, view.usable_mask, view.sum_prefill, view.sum_decode) == (
+            fresh.loads, fresh.bit_of, fresh.id_of_bit, fresh.usable_mask, fresh.sum_prefill, fresh.sum_decode)
+        for weights in weightings:
+            kept, rebuilt = view._order(weights), fresh._order(weights)
+            assert (kept.bucket_of, kept.buckets, kept.nonempty) == (rebuilt.bucket_of, rebuilt.buckets,
+                                                                     rebuilt.nonempty)
+            for mask in (-1, 0b101010101010, 0b11):
+                for bound in (math.inf, 100.0, 700.0):
+                    assert sorted(view.least(weights, mask, bound)) == sorted(fresh.least(weights, mask, bound))
