@@ -6,7 +6,7 @@ vocabulary 49,152, tied embeddings) but with 8 query heads over 2 KV heads so th
 weights as transformers initialises them, saved in float32. Each case runs the same batches through the runner the
 engine would hold (ModelRunner, or rank 0's TensorParallelRunner over ranks it spawns, gloo): a prefill of
 `--prompt-len` tokens, and decode steps of 1 and 8 sequences at that context; the median of `--steps` steps.
-`--family qwen3-moe`: a Qwen3-MoE of the same width (16 experts of 384 columns, top-4, head_dim 64), served by a
+`--family qwen3-moe`: a Qwen3-MoE of the same width (16 experts of 384 columns, top-4), served by a
 group twice, its experts split within each expert and, with expert parallelism, whole (`--enable-expert-parallel`).
 A script, not a test:
 
@@ -53,11 +53,12 @@ def parse_args() -> argparse.Namespace:
 def build_checkpoint(family: str, layers: int, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
-    shape = dict(vocab_size=49152, hidden_size=576, num_hidden_layers=layers, num_attention_heads=8,
-                 num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=100000.0)
+    shape: dict[str, Any] = dict(vocab_size=49152, hidden_size=576, num_hidden_layers=layers,
+                                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+                                 tie_word_embeddings=True, rope_theta=100000.0)
     config = (LlamaConfig(intermediate_size=1536, **shape) if family == "llama" else
               Qwen3MoeConfig(intermediate_size=1536, moe_intermediate_size=384, num_experts=16, num_experts_per_tok=4,
-                             head_dim=64, **shape))
+                             **shape))
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
 
 

@@ -36,7 +36,8 @@ from tests.support.worker_proc import REPO_ROOT, WorkerProcess, started_workers
 pytestmark = pytest.mark.slow
 
 NAME = "tiny-moe"
-BODY = {"model": NAME, "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0.0,
+MAX_TOKENS = 10
+BODY = {"model": NAME, "prompt": "The capital of France is", "max_tokens": MAX_TOKENS, "temperature": 0.0,
         "return_token_ids": True, "logprobs": 1}
 COMMON = ["--threads", "1", "--num-blocks", "32", "--served-model-name", NAME]
 GROUPS = {"tp2": ["--tensor-parallel-size", "2"], "ep2": ["--tensor-parallel-size", "2", "--enable-expert-parallel"]}
@@ -78,9 +79,9 @@ def completion(body: dict[str, object]) -> tuple[list[int], list[float]]:
 async def test_tp2_and_ep2_give_one_ranks_greedy_tokens(served: Served, tmp_path: Path) -> None:
     tokenizer, eos = smollm2_vocabulary()
     prompt = prompt_ids(tokenizer, BODY, chat=False)
-    (want, logits), = hf_greedy(served.model, [prompt], BODY["max_tokens"], eos)
+    (want, logits), = hf_greedy(served.model, [prompt], MAX_TOKENS, eos)
     tolerance = logit_tolerance(served.model, float64_twin(served.model), [prompt + want])
-    reference = choices(logits, SamplingParams(max_tokens=BODY["max_tokens"], temperature=0.0), None, eos, tolerance)
+    reference = choices(logits, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), None, eos, tolerance)
     assert_mostly_clear([reference], "transformers' greedy tokens")
 
     answers = {}

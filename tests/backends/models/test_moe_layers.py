@@ -173,7 +173,8 @@ def test_the_ranks_moe_shards_sum_to_the_whole_block(expert_parallel: bool) -> N
                        names=QWEN_NAMES)
     weights = {"model.layers.0.mlp.gate.weight": torch.randn(EXPERTS, HIDDEN)}
     for e in range(EXPERTS):
-        for name, shape in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)), ("down_proj", (HIDDEN, INTER))):
+        for name, shape in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)),
+                            ("down_proj", (HIDDEN, INTER))):
             weights[f"model.layers.0.mlp.experts.{e}.{name}.weight"] = 0.1 * torch.randn(shape)
     kernels = select_kernels("cpu")
     whole = MoEBlock(config, kernels)
