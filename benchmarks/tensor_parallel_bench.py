@@ -6,9 +6,11 @@ vocabulary 49,152, tied embeddings) but with 8 query heads over 2 KV heads so th
 weights as transformers initialises them, saved in float32. Each case runs the same batches through the runner the
 engine would hold (ModelRunner, or rank 0's TensorParallelRunner over ranks it spawns, gloo): a prefill of
 `--prompt-len` tokens, and decode steps of 1 and 8 sequences at that context; the median of `--steps` steps.
+`--family qwen3-moe`: a Qwen3-MoE of the same width (16 experts of 384 columns, top-4), served by a
+group twice, its experts split within each expert and, with expert parallelism, whole (`--enable-expert-parallel`).
 A script, not a test:
 
-    .venv/bin/python benchmarks/tensor_parallel_bench.py [--layers 30] [--steps 20]
+    .venv/bin/python benchmarks/tensor_parallel_bench.py [--layers 30] [--steps 20] [--family qwen3-moe]
 """
 from __future__ import annotations
 
@@ -43,15 +45,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--size", type=int, default=2, help="ranks of the group")
+    p.add_argument("--family", choices=("llama", "qwen3-moe"), default="llama")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads of the TP=1 runs")
     return p.parse_args()
 
 
-def build_checkpoint(layers: int, folder: Path) -> None:
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def build_checkpoint(family: str, layers: int, folder: Path) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
-    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=True, rope_theta=100000.0)
+    shape: dict[str, Any] = dict(vocab_size=49152, hidden_size=576, num_hidden_layers=layers,
+                                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+                                 tie_word_embeddings=True, rope_theta=100000.0)
+    config = (LlamaConfig(intermediate_size=1536, **shape) if family == "llama" else
+              Qwen3MoeConfig(intermediate_size=1536, moe_intermediate_size=384, num_experts=16, num_experts_per_tok=4,
+                             **shape))
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
 
 
@@ -73,12 +80,12 @@ def time_steps(runner: Any, batch: ForwardBatch, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def run_case(label: str, runner: Any, args: argparse.Namespace, rows: list[list[str]]) -> dict[str, float]:
-    out = {}
-    for name, batch in batches(args.prompt_len).items():
-        out[name] = time_steps(runner, batch, args.steps)
-        rows.append([label, name, f"{out[name]:.1f}"])
-    return out
+def run_case(label: str, runner: Any, args: argparse.Namespace, rows: list[list[str]]) -> torch.Tensor:
+    """Times each batch into `rows`; returns the prefill's logits (held against one rank's)."""
+    cases = batches(args.prompt_len)
+    for name, batch in cases.items():
+        rows.append([label, name, f"{time_steps(runner, batch, args.steps):.1f}"])
+    return runner.execute(next(iter(cases.values()))).clone()
 
 
 def collective_bytes(runner: TensorParallelRunner, batch: ForwardBatch, layers: int, size: int) -> list[str]:
@@ -97,42 +104,53 @@ def main() -> None:
     rows: list[list[str]] = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        build_checkpoint(args.layers, folder)
-        torch.set_num_threads(1)   # the group first: rank 0's resident memory is then its own shard's
-        config = EngineConfig(model_dir=str(folder), num_blocks=NUM_BLOCKS, block_size=BLOCK, torch_num_threads=1,
-                              tensor_parallel_size=args.size)
-        group = TensorParallelRunner(config, folder)
-        try:
-            run_case(f"TP={args.size}, 1 thread per rank", group, args, rows)
-            traffic = [collective_bytes(group, b, args.layers, args.size) for b in batches(args.prompt_len).values()]
-            ranks = group.ranks
-        finally:
-            group.close()
-        for threads in (1, 2):
+        build_checkpoint(args.family, args.layers, folder)
+        torch.set_num_threads(1)   # the groups first: rank 0's resident memory is then its own shard's
+        traffic: list[list[str]] = []
+        ranks: list[tuple[str, Any]] = []
+        logits: dict[str, torch.Tensor] = {}   # each runner's prefill logits
+        for expert_parallel in (False, True) if args.family != "llama" else (False,):
+            config = EngineConfig(model_dir=str(folder), num_blocks=NUM_BLOCKS, block_size=BLOCK,
+                                  torch_num_threads=1, tensor_parallel_size=args.size,
+                                  enable_expert_parallel=expert_parallel)
+            label = f"{'EP' if expert_parallel else 'TP'}={args.size}"
+            group = TensorParallelRunner(config, folder)
+            try:
+                logits[label] = run_case(f"{label}, 1 thread per rank", group, args, rows)
+                traffic += [[label, *collective_bytes(group, b, args.layers, args.size)]
+                            for b in batches(args.prompt_len).values()]
+                ranks += [(label, ready) for ready in group.ranks]
+            finally:
+                group.close()
+        for threads in args.threads:
             torch.set_num_threads(threads)
             single = ModelRunner(folder, dtype=torch.float32, device="cpu", num_blocks=NUM_BLOCKS, block_size=BLOCK)
-            run_case(f"TP=1, {threads} thread(s)", single, args, rows)
+            logits[f"TP=1, {threads} thread(s)"] = run_case(f"TP=1, {threads} thread(s)", single, args, rows)
             weights = single.weight_bytes()   # (its resident memory would hold the group's leftovers)
             del single
+    one = logits.pop(f"TP=1, {args.threads[0]} thread(s)")
+    for label, group_logits in logits.items():
+        print(f"{label}: prefill logits at most {(group_logits - one).abs().max().item():.2e} from TP=1's "
+              f"(largest |logit| {one.abs().max().item():.2f})")
     report(args, rows, traffic, ranks, weights)
 
 
-def report(args: argparse.Namespace, rows: list[list[str]], traffic: list[list[str]], ranks: list[Any],
+def report(args: argparse.Namespace, rows: list[list[str]], traffic: list[list[str]], ranks: list[tuple[str, Any]],
            weights: int) -> None:
     print(f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch {torch.__version__}, {args.layers} layers, float32, median of {args.steps} steps\n")
+          f"torch {torch.__version__}, {args.family}, {args.layers} layers, float32, median of {args.steps} steps\n")
     print("| runner | step | ms |\n|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    print("\n| tokens | all-reduces | all-reduce kB (rank 0) | theory kB | gather kB (rank 0) | theory kB |")
-    print("|---|---|---|---|---|---|")
+    print("\n| group | tokens | all-reduces | all-reduce kB (rank 0) | theory kB | gather kB (rank 0) | theory kB |")
+    print("|---|---|---|---|---|---|---|")
     for row in traffic:
         print("| " + " | ".join(row) + " |")
     print(f"\nTP=1: weights {weights / 1e6:.1f} MB")
-    print("\n| rank | weights MB | read from checkpoint MB | anonymous resident MB before / after its shard |")
-    print("|---|---|---|---|")
-    for ready in ranks:
-        print(f"| {ready.rank} | {ready.weight_bytes / 1e6:.1f} | {ready.read_bytes / 1e6:.1f} | "
+    print("\n| group | rank | weights MB | read from checkpoint MB | anonymous resident MB before / after its shard |")
+    print("|---|---|---|---|---|")
+    for label, ready in ranks:
+        print(f"| {label} | {ready.rank} | {ready.weight_bytes / 1e6:.1f} | {ready.read_bytes / 1e6:.1f} | "
               f"{ready.rss_anon_before_bytes / 1e6:.1f} / {ready.rss_anon_bytes / 1e6:.1f} |")
 
 

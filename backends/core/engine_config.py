@@ -13,6 +13,8 @@ from backends.core.registered import Registered
 TORCH_THREADS_ENV = "SWITCHYARD_TORCH_THREADS"
 # Prompt lookup, a draft model, an EAGLE head; "ngram+X": lookup first, X where it finds nothing.
 SPECULATIVE_PROPOSERS = ("ngram", "draft", "eagle", "ngram+draft", "ngram+eagle")
+EXPERT_PARALLEL_NEEDS_A_GROUP = ("--enable-expert-parallel splits the experts over a group's ranks: it needs "
+                                 "--tensor-parallel-size 2 or more")
 
 
 class KVConnectorName(Registered):
@@ -64,6 +66,7 @@ class EngineConfig:
     kv_connectors: tuple[KVConnectorName, ...] = ()
     kv_hold_timeout_s: float = 30.0           # the P/D connector: held prefill blocks nobody pulls go after this
     tensor_parallel_size: int = 1             # ranks the model is split over (rank 0 spawns the others)
+    enable_expert_parallel: bool = False      # MoE layers: whole experts per rank, not every expert's columns
     distributed_timeout_s: float = 60.0       # a group's collective, or a rank's silence, past this: the group fails
 
     def __post_init__(self) -> None:
@@ -104,6 +107,8 @@ class EngineConfig:
         if self.tensor_parallel_size < 1 or self.distributed_timeout_s <= 0:
             raise ValueError("tensor_parallel_size must be >= 1 and distributed_timeout_s positive")
         if self.tensor_parallel_size == 1:
+            if self.enable_expert_parallel:
+                raise ValueError(EXPERT_PARALLEL_NEEDS_A_GROUP)
             return
         unsupported = {"KV tiers": self.has_kv_tiers, "a KV connector (P/D transfer)": bool(self.kv_connectors),
                        "a draft model or EAGLE head": self.speculative not in (None, "ngram"),

@@ -31,9 +31,10 @@ class DistributedTP:
     is the worker's `distributed_timeout_s`; start-up's (agree_min) on the default group, whose timeout covers
     the ranks' slowest load."""
 
-    def __init__(self, rank: int, size: int, steps: dist.ProcessGroup) -> None:
+    def __init__(self, rank: int, size: int, steps: dist.ProcessGroup, expert_parallel: bool) -> None:
         self.rank = rank
         self.size = size
+        self.expert_parallel = expert_parallel
         self.steps = steps
         self.counts = CollectiveCounts()
 
@@ -67,16 +68,16 @@ def master_store(world_size: int) -> dist.TCPStore:
 
 
 def join_group(rank: int, world_size: int, store: dist.Store | None, store_port: int, device: str,
-               timeout_s: float) -> DistributedTP:
+               timeout_s: float, expert_parallel: bool) -> DistributedTP:
     """Join the worker's group (rank 0 passes its master store; the others dial `store_port`); the steps'
-    collectives time out after `timeout_s`."""
+    collectives time out after `timeout_s`. `expert_parallel`: the models split whole experts over the ranks."""
     start = timedelta(seconds=START_TIMEOUT_S)
     if store is None:
         store = dist.TCPStore(STORE_HOST, store_port, world_size, is_master=False, timeout=start)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=start)
     steps = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=timeout_s), backend=backend)
-    return DistributedTP(rank, world_size, steps)
+    return DistributedTP(rank, world_size, steps, expert_parallel)
 
 
 def leave_group() -> None:

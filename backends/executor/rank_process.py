@@ -33,7 +33,7 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
     torch.set_num_threads(config.resolved_torch_threads())
     try:
         tp = join_group(spec.rank, spec.world_size, None, spec.store_port, config.device,
-                        config.distributed_timeout_s)
+                        config.distributed_timeout_s, config.enable_expert_parallel)
         before = rss_anon_bytes()
         runner = runner_for(config, Path(spec.model_dir), 0, tp)
     except Exception as exc:  # boundary: the start-up error goes to rank 0, which fails the worker's start

@@ -30,11 +30,12 @@ class TensorParallelRunner:
     """A ModelRunnerLike (backends/engine/runner.py) and a GroupRunner: `failure()` and `close()`."""
 
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
-        check_tensor_parallel(load_model_config(model_dir), config.tensor_parallel_size)   # before any spawn
+        check_tensor_parallel(load_model_config(model_dir), config.tensor_parallel_size,   # before any spawn
+                              config.enable_expert_parallel)
         self.group = RankGroup(config, model_dir)
         try:
             self.tp: DistributedTP = join_group(0, self.group.size, self.group.store, 0, config.device,
-                                                config.distributed_timeout_s)
+                                                config.distributed_timeout_s, config.enable_expert_parallel)
             before = rss_anon_bytes()
             # no CUDA graphs: a graph cannot capture the group's collectives
             self.local = runner_for(config, model_dir, 0, self.tp)

@@ -20,9 +20,10 @@ _MODELS = MappingProxyType({
     "DeepseekV3ForCausalLM": "backends.models.deepseek_v3:DeepseekV3ForCausalLM",
 })
 
-# Those whose class builds one rank's shard (`tp=`; backends/models/tensor_parallel.py). The MoE families and
-# latent attention are not split yet: a group refuses them at start.
-_TENSOR_PARALLEL = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+# Those whose class builds one rank's shard (`tp=`; backends/models/tensor_parallel.py). Latent attention
+# (DeepSeek-V3) is not split yet: a group refuses it at start.
+_TENSOR_PARALLEL = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+                              "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 
 
 def supported_architectures() -> tuple[str, ...]:

@@ -77,8 +77,9 @@ class DecoderMLP(Protocol):
              scratch: ExpandScratch | None) -> None: ...
 
 
-# (config, layer index, kernels) -> the layer's feed-forward block (a DecoderMLP nn.Module)
-MLPFactory = Callable[[ModelConfig, int, LayerKernels], nn.Module]
+# (config, layer index, kernels, this rank's group or None) -> the layer's feed-forward block (a DecoderMLP
+# nn.Module; with a group, this rank's shard of it)
+MLPFactory = Callable[[ModelConfig, int, LayerKernels, TensorParallel | None], nn.Module]
 
 
 class LlamaMLP(nn.Module):
@@ -109,8 +110,8 @@ class LlamaMLP(nn.Module):
                             _maybe(weights, [f"{layer_prefix}.mlp.down_proj.bias"]), scratch)
 
 
-def llama_mlp(config: ModelConfig, layer: int, kernels: LayerKernels) -> nn.Module:
-    return LlamaMLP(config, kernels)
+def llama_mlp(config: ModelConfig, layer: int, kernels: LayerKernels, tp: TensorParallel | None) -> nn.Module:
+    return LlamaMLP(config, kernels, tp)
 
 
 def _row_parallel(proj: Linear, x: torch.Tensor, residual: torch.Tensor | None, tp: TensorParallel) -> torch.Tensor:
@@ -122,12 +123,12 @@ def _row_parallel(proj: Linear, x: torch.Tensor, residual: torch.Tensor | None, 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
                  kernels: LayerKernels, mlp: MLPFactory = llama_mlp, tp: TensorParallel | None = None) -> None:
-        """`tp`: this rank's shard of the layer (dense MLPs only: the registry refuses others over a group)."""
+        """`tp`: this rank's shard of the layer (its heads; its part of the MLP, which `mlp` builds)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.self_attn = LlamaAttention(config, layer, qkv_bias, o_bias, qk_norm, kernels, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.mlp = mlp(config, layer, kernels) if tp is None else LlamaMLP(config, kernels, tp)
+        self.mlp = mlp(config, layer, kernels, tp)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x), cos, sin, attn, residual=x)

@@ -1,6 +1,7 @@
 """Mixture-of-experts layers the MoE model files share: the routers (plain functions, in float32), the grouped
 expert products, and `MoEBlock`, the sparse MLP of a decoder layer (experts stacked, loaded from either the
-per-expert or the fused checkpoint layout). Pure nn.Module and torch functions: nothing here asks the device.
+per-expert or the fused checkpoint layout; over a tensor-parallel group, this rank's ExpertSplit of them). Pure
+nn.Module and torch functions: nothing here asks the device.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from backends.models.kernels.base import LayerKernels
 from backends.models.layers import CompressedWeight, ExpandScratch, Linear, dense
+from backends.models.tensor_parallel import ExpertSplit, TensorParallel
 
 
 def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,14 +64,16 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     The T*k token-slots are sorted by expert, so each active expert runs one matrix product over all of its
     tokens (gate_up [E, 2I, H], down [E, H, I], stored [out, in] as F.linear reads them); the results are
     weighted by the routing weights (float32) and summed per token. With `packed`, the products read those
-    (gate_up and down may then be empty). The slots per expert are read on the host; while a CUDA graph is
-    being captured, which allows no such read, every expert runs (`every_expert`)."""
+    (gate_up and down may then be empty). An id past the last expert held (another rank's, under expert
+    parallelism: ExpertSplit.local_ids) contributes nothing. The slots per expert are read on the host; while a
+    CUDA graph is being captured, which allows no such read, every expert runs (`every_expert`)."""
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return every_expert(x, topk_ids, topk_weights, gate_up, down, kernels)
     num_tokens, k = topk_ids.shape
+    num_experts = len(packed.gate_up) if packed is not None else gate_up.shape[0]
     flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)            # [T*k] slots grouped by expert
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    order = torch.argsort(flat_ids, stable=True)            # [T*k] slots grouped by expert (foreign ones last)
+    counts = torch.bincount(flat_ids, minlength=num_experts)[:num_experts].tolist()
     # index_select, not x[...] or index_add_: on CPU those took 5 and 50 ms for a few rows of 2048
     rows = x.index_select(0, order // k)                    # [T*k, H] tokens in expert order
     out = torch.empty_like(rows)
@@ -85,6 +89,7 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
             h = kernels.silu_mul(F.linear(rows[start:end], gate_up[expert]))   # [count, I]
             torch.mm(h, down[expert].t(), out=out[start:end])
         start = end
+    out[start:] = 0   # the slots of experts another rank holds
     per_slot = out.index_select(0, torch.argsort(order)).view(num_tokens, k, -1)   # back in slot order
     # the weighted sum over each token's k experts, in float32: [T, 1, k] @ [T, k, H]
     return torch.bmm(topk_weights.float().unsqueeze(1), per_slot.float()).squeeze(1).to(x.dtype)
@@ -132,14 +137,25 @@ class MoEConfig:
 
 class MoEBlock(nn.Module):
     """The sparse MLP: a float32 router, top-k softmax routing, grouped expert products; optionally a shared
-    expert added for every token. `route` may be replaced by a family with its own routing (DeepSeek-V3)."""
+    expert added for every token. `route` may be replaced by a family with its own routing (DeepSeek-V3).
 
-    def __init__(self, config: MoEConfig, kernels: LayerKernels) -> None:
+    With `tp`: this rank's ExpertSplit of the experts (every expert's columns, or whole experts with expert
+    parallelism) under the replicated router; the ranks' partial outputs are summed by one all-reduce, the
+    residual added by rank 0 alone (no shared expert: the families that have one are not split yet)."""
+
+    def __init__(self, config: MoEConfig, kernels: LayerKernels, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = config
         self.kernels = kernels
-        experts, hidden, inter = config.num_experts, config.hidden_size, config.intermediate_size
-        self.gate = nn.Parameter(torch.empty(experts, hidden, dtype=torch.float32), requires_grad=False)
+        self.tp = tp
+        self.split = None if tp is None else ExpertSplit.of(config.num_experts, config.intermediate_size, tp.rank,
+                                                            tp.size, tp.expert_parallel)
+        if self.split is not None and config.shared_intermediate_size:
+            raise ValueError("a sparse MLP with a shared expert cannot be split over a tensor-parallel group yet")
+        hidden = config.hidden_size
+        experts = config.num_experts if self.split is None else self.split.num_experts
+        inter = config.intermediate_size if self.split is None else self.split.intermediate
+        self.gate = nn.Parameter(torch.empty(config.num_experts, hidden, dtype=torch.float32), requires_grad=False)
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.empty(experts, hidden, inter), requires_grad=False)
         shared = config.shared_intermediate_size
@@ -157,8 +173,10 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MoE output for x [T, H], plus `residual` when given."""
         weights, ids = self.route(x)
-        out = None if self.packed is not None else self.kernels.expert_products(x, ids, weights, self.gate_up,
-                                                                               self.down)
+        if self.split is not None:
+            ids = self.split.local_ids(ids)
+        own_kernel = self.packed is None and (self.split is None or not self.split.expert_parallel)
+        out = self.kernels.expert_products(x, ids, weights, self.gate_up, self.down) if own_kernel else None
         if out is None:
             out = grouped_experts(x, ids, weights, self.gate_up, self.down, self.kernels, self.packed)
         if self.shared_gate_up is not None and self.shared_down is not None:
@@ -166,6 +184,8 @@ class MoEBlock(nn.Module):
             if self.shared_gate is not None:
                 shared = shared * torch.sigmoid(F.linear(x.float(), self.shared_gate.float())).to(shared.dtype)
             out = out + shared
+        if self.tp is not None:   # the ranks' partial sums; the replicated residual added once, by rank 0
+            return self.tp.all_reduce(out if residual is None or self.tp.rank != 0 else residual + out)
         return out if residual is None else residual + out
 
     def load(self, weights: Mapping[str, torch.Tensor | CompressedWeight], layer_prefix: str,
@@ -181,12 +201,16 @@ class MoEBlock(nn.Module):
         # the router stays float32 whatever the model's dtype (the runner gives every parameter the model's)
         self.gate = _float32(weights[f"{prefix}.gate.weight"], self.gate_up.device)
         if f"{prefix}.experts.gate_up_proj" in weights:
+            if self.split is not None:   # a rank would read every expert whole to keep its part
+                raise ValueError("fused expert tensors (experts.gate_up_proj) cannot be split over a "
+                                 "tensor-parallel group yet; save the checkpoint with per-expert tensors")
             self.gate_up.copy_(dense(weights[f"{prefix}.experts.gate_up_proj"]))
             self.down.copy_(dense(weights[f"{prefix}.experts.down_proj"]))
         else:
-            for e in range(self.config.num_experts):
-                expert = f"{prefix}.experts.{e}"
-                inter = self.config.intermediate_size
+            first = 0 if self.split is None else self.split.first_expert
+            inter = self.gate_up.shape[1] // 2   # this rank's columns of each expert
+            for e in range(self.gate_up.shape[0]):   # this rank's experts, whose slices the reader gives
+                expert = f"{prefix}.experts.{first + e}"
                 self.gate_up[e, :inter].copy_(dense(weights[f"{expert}.{names.gate}.weight"]))
                 self.gate_up[e, inter:].copy_(dense(weights[f"{expert}.{names.up}.weight"]))
                 self.down[e].copy_(dense(weights[f"{expert}.{names.down}.weight"]))
@@ -201,11 +225,12 @@ class MoEBlock(nn.Module):
 
     def _pack(self) -> None:
         """Experts packed where the kernels pack them; the packed copies replace the stacked ones."""
-        gate_up = [self.kernels.pack_expert(self.gate_up[e]) for e in range(self.config.num_experts)]
-        down = [self.kernels.pack_expert(self.down[e]) for e in range(self.config.num_experts)]
+        num_experts = self.gate_up.shape[0]
+        gate_up = [self.kernels.pack_expert(self.gate_up[e]) for e in range(num_experts)]
+        down = [self.kernels.pack_expert(self.down[e]) for e in range(num_experts)]
         packed_gate_up = [w for w in gate_up if w is not None]
         packed_down = [w for w in down if w is not None]
-        if len(packed_gate_up) == len(packed_down) == self.config.num_experts:
+        if len(packed_gate_up) == len(packed_down) == num_experts:
             self.packed = PackedExperts(tuple(packed_gate_up), tuple(packed_down))
             empty = torch.empty(0, dtype=self.gate_up.dtype, device=self.gate_up.device)
             self.gate_up = nn.Parameter(empty, requires_grad=False)

@@ -1,6 +1,6 @@
 """Tensor parallelism as the models see it: the group's collectives (`TensorParallel`, a protocol the executor
-implements over torch.distributed), how a Llama-family checkpoint splits over the ranks (`TPLayout`), and the
-check that refuses a size the model's heads do not divide.
+implements over torch.distributed), how a Llama-family checkpoint splits over the ranks (`TPLayout`, with
+`ExpertSplit` for the MoE families' experts), and the check that refuses a size the model does not divide.
 
 Megatron's split, as vLLM's ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding do it: q/k/v and
 gate/up are split by output rows (column-parallel: no communication), o_proj and down_proj by input columns
@@ -21,6 +21,7 @@ class TensorParallel(Protocol):
     """A rank's view of its tensor-parallel group."""
     rank: int   # this process's rank, 0..size-1 (rank 0 samples)
     size: int   # ranks in the group (> 1: a single rank runs with no TensorParallel at all)
+    expert_parallel: bool   # MoE layers: whole experts split over the ranks, not each expert's columns
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; returns it."""
@@ -36,11 +37,72 @@ class TensorParallel(Protocol):
         ...
 
 
-def _divide(what: str, count: int, size: int) -> int:
+def _divide(what: str, count: int, size: int, mode: str = "") -> int:
     if count % size:
-        raise ValueError(f"--tensor-parallel-size {size} does not divide the model's {count} {what}; "
+        raise ValueError(f"--tensor-parallel-size {size} {mode}does not divide the model's {count} {what}; "
                          f"choose a size that divides {count}")
     return count // size
+
+
+# Per-expert checkpoint tensors by their projection's name (Qwen-MoE's, Mixtral's): gate and up are split by
+# output rows, down by input columns, as LlamaMLP's are.
+_EXPERT_COLUMN_PARALLEL = frozenset({"gate_proj", "up_proj", "w1", "w3"})
+_EXPERT_ROW_PARALLEL = frozenset({"down_proj", "w2"})
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertSplit:
+    """What rank `rank` holds of a sparse MLP's experts: by default every expert's columns [r*I/N, (r+1)*I/N)
+    (within each expert); with expert parallelism, whole experts [r*E/N, (r+1)*E/N). Either way the router is
+    replicated and the ranks' outputs are summed by one all-reduce."""
+    expert_parallel: bool     # whole experts per rank (True) or a slice of every expert (False)
+    first_expert: int         # this rank's first expert
+    num_experts: int          # experts on this rank (all of them within each expert)
+    first_column: int         # this rank's first column of each expert's width
+    intermediate: int         # columns of each expert on this rank
+
+    @classmethod
+    def of(cls, num_experts: int, intermediate: int, rank: int, size: int, expert_parallel: bool) -> ExpertSplit:
+        """The split, or ValueError naming what `size` does not divide."""
+        if expert_parallel:
+            local = _divide("experts", num_experts, size, "with --enable-expert-parallel ")
+            return cls(True, rank * local, local, 0, intermediate)
+        width = _divide("expert columns (moe_intermediate_size)", intermediate, size)
+        return cls(False, 0, num_experts, rank * width, width)
+
+    def rows_of(self, projection: str) -> tuple[int, int, int] | None:
+        """(dim, start, stop) this rank reads of one expert's `projection` weight; None: all of it (a whole
+        expert: with expert parallelism a rank asks for its own experts only)."""
+        columns = (self.first_column, self.first_column + self.intermediate)
+        if self.expert_parallel:
+            return None
+        if projection in _EXPERT_COLUMN_PARALLEL:
+            return 0, *columns
+        if projection in _EXPERT_ROW_PARALLEL:
+            return 1, *columns
+        raise ValueError(f"no split known for the expert projection {projection!r}")
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Routed expert ids [T, k] as this rank's indices; another rank's experts become `num_experts` (past the
+        last local one: the grouped products skip them)."""
+        if not self.expert_parallel:
+            return ids
+        local = ids - self.first_expert
+        return local.masked_fill((local < 0) | (local >= self.num_experts), self.num_experts)
+
+
+def moe_shape(config: ModelConfig) -> tuple[int, int] | None:
+    """(routed experts, columns of each) of a MoE family's config (Mixtral's num_local_experts and
+    intermediate_size, Qwen-MoE's num_experts and moe_intermediate_size); None for a dense model."""
+    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if not num_experts:
+        return None
+    return int(num_experts), int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+
+
+def _has_dense(config: ModelConfig) -> bool:
+    """Whether a MoE config keeps dense MLPs in some layers (Qwen-MoE's mlp_only_layers, decoder_sparse_step)."""
+    return bool(getattr(config, "mlp_only_layers", None)) or int(getattr(config, "decoder_sparse_step", 1) or 1) > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +118,12 @@ class TPLayout:
     first_kv_head: int        # this rank's first KV head
     intermediate: int         # MLP columns on this rank
     vocab: int                # vocabulary rows on this rank (the last rank's may run past the real vocabulary)
+    experts: ExpertSplit | None = None   # the sparse MLPs' experts on this rank (None: a dense model)
 
     @classmethod
-    def of(cls, config: ModelConfig, rank: int, size: int) -> TPLayout:
-        """The layout, or ValueError naming what `size` does not divide."""
+    def of(cls, config: ModelConfig, rank: int, size: int, expert_parallel: bool = False) -> TPLayout:
+        """The layout, or ValueError naming what `size` does not divide (or that there are no experts to split
+        with `expert_parallel`)."""
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
@@ -72,10 +136,18 @@ class TPLayout:
                 raise ValueError(f"--tensor-parallel-size {size} neither divides the model's {kv_heads} KV heads "
                                  f"nor is a multiple of them")
             local_kv, first_kv = 1, rank * kv_heads // size
-        intermediate = _divide("MLP columns (intermediate_size)", int(config.intermediate_size), size)
+        shape = moe_shape(config)
+        if expert_parallel and shape is None:
+            raise ValueError(f"--enable-expert-parallel: {', '.join(getattr(config, 'architectures', None) or [])} "
+                             "has no experts to split; leave the flag out")
+        experts = None if shape is None else ExpertSplit.of(*shape, rank, size, expert_parallel)
+        dense = int(config.intermediate_size)   # a MoE model's dense MLPs' width: split only if it has any
+        intermediate = (_divide("MLP columns (intermediate_size)", dense, size) if shape is None or _has_dense(config)
+                        else dense // size)
         vocab = -(-int(config.vocab_size) // size)
         return cls(rank=rank, size=size, num_heads=local_heads, num_kv_heads=local_kv, head_dim=head_dim,
-                   first_head=rank * local_heads, first_kv_head=first_kv, intermediate=intermediate, vocab=vocab)
+                   first_head=rank * local_heads, first_kv_head=first_kv, intermediate=intermediate, vocab=vocab,
+                   experts=experts)
 
     @property
     def first_vocab(self) -> int:
@@ -86,6 +158,8 @@ class TPLayout:
         (norms, a row-parallel bias: replicated). `stop` may run past a vocabulary's end (read to the end)."""
         part = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else name
         is_bias = name.endswith(".bias")
+        if ".experts." in name and self.experts is not None:   # a routed expert's projection
+            return self.experts.rows_of(part)
         heads = {"q_proj": (self.first_head, self.num_heads), "k_proj": (self.first_kv_head, self.num_kv_heads),
                  "v_proj": (self.first_kv_head, self.num_kv_heads)}
         if part in heads:

@@ -59,6 +59,9 @@ def _add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks (processes this worker spawns; one device each on "
                         "CUDA): heads, KV heads, MLP columns and the vocabulary sharded (docs/parallelism.md)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size: MoE layers split whole experts over the ranks (each holds "
+                        "experts/size of them) instead of every expert's columns (docs/parallelism.md)")
     p.add_argument("--distributed-timeout-s", type=float, default=60.0,
                    help="with --tensor-parallel-size: a collective that waits this long, or a rank silent this "
                         "long between steps, fails the whole group (/health answers 503)")
@@ -183,8 +186,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
 
     model_dir = str(resolve_model(args.model))
     group = args.tensor_parallel_size > 1
-    if group:
-        _check_group(Path(model_dir), args.tensor_parallel_size)
+    if group or args.enable_expert_parallel:
+        _check_group(Path(model_dir), args.tensor_parallel_size, args.enable_expert_parallel)
     kv_bytes = int(args.kv_cache_memory_gb * 2**30) if args.kv_cache_memory_gb is not None else None
     engine_config = EngineConfig(
         model_dir=model_dir,
@@ -217,6 +220,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         kv_connectors=() if group else (KVConnectorName.PD,),
         kv_hold_timeout_s=args.kv_hold_timeout_s,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         distributed_timeout_s=args.distributed_timeout_s,
     )
     server_config = ServerConfig(
@@ -245,13 +249,13 @@ def _kv_tier_fields(args: argparse.Namespace) -> dict[str, Any]:
                 kv_read_slower_tiers=args.kv_read_slower_tiers)
 
 
-def _check_group(model_dir: Path, size: int) -> None:
+def _check_group(model_dir: Path, size: int, expert_parallel: bool) -> None:
     """Refuse, before anything starts, a group size the model cannot be split over (and say what can)."""
     from backends.models.model_config import load_model_config
     from backends.worker.model_runner import check_tensor_parallel
 
     try:
-        check_tensor_parallel(load_model_config(model_dir), size)
+        check_tensor_parallel(load_model_config(model_dir), size, expert_parallel)
     except ValueError as exc:
         raise SystemExit(f"switchyard worker: {exc}") from None
 

@@ -14,12 +14,13 @@ import torch
 
 from backends.attention.base import AttentionContext, AttentionShape, StepLayout, create_backend
 from backends.core.batch import ForwardBatch
-from backends.core.engine_config import EngineConfig
+from backends.core.engine_config import EXPERT_PARALLEL_NEEDS_A_GROUP, EngineConfig
 from backends.models import model_class, tensor_parallel_model_class
 from backends.models.base import CausalLM, LayerKVSpec
 from backends.models.kernels.registry import select_kernels
 from backends.models.layers import Linear, LMHead
 from backends.models.model_config import ModelConfig, load_model_config
+from backends.models.moe import MoEBlock
 from backends.models.tensor_parallel import TensorParallel, TPLayout
 from backends.worker.cuda_graphs import DecodeGraphs, StaticInputs
 from backends.worker.fingerprint import model_fingerprint
@@ -141,7 +142,8 @@ class ModelRunner:
                 self.config, self.kernels, tp=tp)
         _materialize_empty(model, self.dtype, self.device)
         start = time.perf_counter()
-        with ShardReader(model_dir, TPLayout.of(self.config, tp.rank, tp.size)) as weights, torch.no_grad():
+        layout = TPLayout.of(self.config, tp.rank, tp.size, tp.expert_parallel)
+        with ShardReader(model_dir, layout) as weights, torch.no_grad():
             model.load_weights(weights)
         self.read_bytes = weights.read_bytes
         log.info("rank %d of %d: %.1f MB of slices of %s read and placed in %.2f s", tp.rank, tp.size,
@@ -153,9 +155,7 @@ class ModelRunner:
         them (a tied table counted once)."""
         seen: dict[int, int] = {}
         for module in self.model.modules():
-            packed = [] if not isinstance(module, Linear | LMHead) else [
-                t for t in (module.packed, getattr(module, "packed_wide", None)) if t is not None]
-            for tensor in (*module.parameters(recurse=False), *packed):
+            for tensor in (*module.parameters(recurse=False), *_packed_copies(module)):
                 seen[id(tensor)] = tensor.numel() * tensor.element_size()
         return sum(seen.values())
 
@@ -254,11 +254,22 @@ def runner_for(config: EngineConfig, model_dir: Path, cuda_graph_max_batch: int,
                        tensor_parallel=tensor_parallel)
 
 
-def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+def _packed_copies(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The kernels' packed copies a module holds in place of (or beside) its parameters."""
+    if isinstance(module, Linear | LMHead):
+        return [t for t in (module.packed, getattr(module, "packed_wide", None)) if t is not None]
+    if isinstance(module, MoEBlock) and module.packed is not None:
+        return [*module.packed.gate_up, *module.packed.down]
+    return []
+
+
+def check_tensor_parallel(config: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     """ValueError, saying what to choose, where `size` ranks cannot split this model (checked before any starts)."""
+    if size == 1 and expert_parallel:
+        raise ValueError(EXPERT_PARALLEL_NEEDS_A_GROUP)
     if size > 1:
         tensor_parallel_model_class(getattr(config, "architectures", None))
-        TPLayout.of(config, 0, size)
+        TPLayout.of(config, 0, size, expert_parallel)
 
 
 def uniform_kv_spec(layers: tuple[LayerKVSpec, ...]) -> LayerKVSpec:

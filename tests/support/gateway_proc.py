@@ -21,7 +21,8 @@ class GatewayProcess:
     """`python -m gateway.cli gateway --config FILE [args]`; `url` is its base URL."""
 
     def __init__(self, config: dict[str, Any], workdir: Path, env: dict[str, str] | None = None,
-                 wait_path: str = "/ready", ca_file: str | None = None, args: tuple[str, ...] = ()) -> None:
+                 wait_path: str = "/ready", ca_file: str | None = None, args: tuple[str, ...] = (),
+                 start_timeout_s: float = 30.0) -> None:
         config = dict(config)
         listen = dict(config.get("listen") or {})
         listen.setdefault("host", "127.0.0.1")
@@ -37,7 +38,7 @@ class GatewayProcess:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "gateway", "--config", str(self.config_path), *args],
             cwd=REPO_ROOT, env={**os.environ, **(env or {})}, stdout=self._log, stderr=subprocess.STDOUT)
-        self._wait(wait_path)
+        self._wait(wait_path, start_timeout_s)
 
     def _wait(self, path: str, timeout_s: float = 30.0) -> None:
         def answers() -> bool:

@@ -2,6 +2,7 @@
 KV heads, MLP columns and vocabulary rows each rank holds, and the sizes refused at start. Pure: no processes."""
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +12,12 @@ from backends.worker.model_runner import check_tensor_parallel
 
 SMOLLM2 = SimpleNamespace(architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
                           num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
+# the tiny MoE configs of tests/backends/models/moe_checkpoints.py (Qwen3-MoE: layer 1 dense, 96 wide)
+QWEN3_MOE = SimpleNamespace(architectures=["Qwen3MoeForCausalLM"], hidden_size=64, intermediate_size=96,
+                            moe_intermediate_size=40, num_experts=8, mlp_only_layers=[1], num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, vocab_size=97)
+MIXTRAL = SimpleNamespace(architectures=["MixtralForCausalLM"], hidden_size=64, intermediate_size=48,
+                          num_local_experts=8, num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
 EIGHT_OVER_TWO = SimpleNamespace(architectures=["LlamaForCausalLM"], hidden_size=512, intermediate_size=1024,
                                  num_attention_heads=8, num_key_value_heads=2, vocab_size=1001)
 
@@ -57,10 +64,59 @@ def test_rows_each_rank_reads_of_each_tensor() -> None:
      "neither divides the model's 4 KV heads nor is a multiple of them"),
     (EIGHT_OVER_TWO, 3, "does not divide the model's 8 attention heads"),
     (SimpleNamespace(**{**vars(SMOLLM2), "intermediate_size": 1000}), 3, "1000 MLP columns"),
-    (SimpleNamespace(**{**vars(SMOLLM2), "architectures": ["MixtralForCausalLM"]}), 3,
-     "MixtralForCausalLM cannot be split over a tensor-parallel group yet"),
+    (SimpleNamespace(**{**vars(SMOLLM2), "architectures": ["DeepseekV3ForCausalLM"]}), 3,
+     "DeepseekV3ForCausalLM cannot be split over a tensor-parallel group yet"),
+    (SimpleNamespace(**{**vars(QWEN3_MOE), "moe_intermediate_size": 42}), 4,
+     "--tensor-parallel-size 4 does not divide the model's 42 expert columns"),
 ])
 def test_sizes_the_model_cannot_split_are_refused(config: SimpleNamespace, size: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         check_tensor_parallel(config, size)
     check_tensor_parallel(config, 1)   # one rank runs anything
+
+
+@pytest.mark.parametrize(("expert_parallel", "rank", "want", "rows"), [
+    # (first expert, experts held, first column, columns of each) and the rows read of expert 5's tensors
+    (False, 1, (0, 8, 20, 20), {"gate_proj": (0, 20, 40), "up_proj": (0, 20, 40), "down_proj": (1, 20, 40)}),
+    (True, 1, (4, 4, 0, 40), {"gate_proj": None, "up_proj": None, "down_proj": None}),
+])
+def test_each_rank_holds_its_experts_or_their_columns(expert_parallel: bool, rank: int, want: tuple[int, ...],
+                                                      rows: dict[str, tuple[int, int, int] | None]) -> None:
+    layout = TPLayout.of(QWEN3_MOE, rank, 2, expert_parallel)
+    assert layout.experts is not None
+    split = layout.experts
+    assert (split.first_expert, split.num_experts, split.first_column, split.intermediate) == want
+    assert {p: layout.rows_of(f"model.layers.0.mlp.experts.5.{p}.weight") for p in rows} == rows
+    # the router is replicated; a dense layer's MLP (mlp_only_layers) splits by intermediate_size as LlamaMLP's
+    assert layout.rows_of("model.layers.0.mlp.gate.weight") is None
+    assert layout.rows_of("model.layers.1.mlp.gate_proj.weight") == (0, 48 * rank, 48 * (rank + 1))
+
+
+def test_expert_parallel_gives_each_rank_only_its_own_experts() -> None:
+    import torch
+
+    split = TPLayout.of(MIXTRAL, 1, 2, expert_parallel=True).experts
+    assert split is not None and (split.first_expert, split.num_experts) == (4, 4)
+    ids = torch.tensor([[0, 4], [7, 3], [5, 6]])
+    assert split.local_ids(ids).tolist() == [[4, 0], [3, 4], [1, 2]]   # 4: another rank's expert
+    within = TPLayout.of(MIXTRAL, 1, 2).experts
+    assert within is not None and within.local_ids(ids) is ids and within.rows_of("w2") == (1, 24, 48)
+
+
+@pytest.mark.parametrize(("config", "size", "message"), [
+    (SimpleNamespace(**{**vars(MIXTRAL), "num_local_experts": 6}), 4,
+     "--tensor-parallel-size 4 with --enable-expert-parallel does not divide the model's 6 experts"),
+    (SMOLLM2, 3, "--enable-expert-parallel: LlamaForCausalLM has no experts to split"),
+    (MIXTRAL, 1, "--enable-expert-parallel splits the experts over a group's ranks: it needs"),
+])
+def test_expert_parallel_sizes_refused(config: SimpleNamespace, size: int, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_tensor_parallel(config, size, expert_parallel=True)
+
+
+def test_expert_parallel_needs_no_expert_columns_to_divide() -> None:
+    """Mixtral's experts are whole on each rank: a width 4 does not divide is no obstacle (it is within each)."""
+    narrow = SimpleNamespace(**{**vars(MIXTRAL), "intermediate_size": 42})
+    check_tensor_parallel(narrow, 4, expert_parallel=True)
+    with pytest.raises(ValueError, match="does not divide the model's 42 expert columns"):
+        check_tensor_parallel(narrow, 4)

@@ -1,5 +1,5 @@
-"""Tiny random Llama-family checkpoints over SmolLM2's vocabulary (transformers' config classes, from_config,
-save_pretrained; SmolLM2's tokenizer beside them) for the tensor-parallel tests."""
+"""Tiny random Llama-family and MoE checkpoints over SmolLM2's vocabulary (transformers' config classes,
+from_config, save_pretrained; SmolLM2's tokenizer beside them) for the tensor-parallel tests."""
 from __future__ import annotations
 
 import shutil
@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
+from tests.backends.models.moe_checkpoints import tiny_moe
 from tests.backends.references import smollm2_vocabulary
 
 # 4 query heads over 2 KV heads, MLP 96 wide: TP=2 splits each in two (TP=4 would replicate the KV heads).
@@ -28,7 +29,20 @@ def tiny_llama(folder: Path, **overrides: Any) -> PreTrainedModel:
         for name, param in model.named_parameters():
             param.copy_(1.0 + 0.2 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
     model.save_pretrained(folder)
-    source = Path(tokenizer.name_or_path)
+    _copy_tokenizer(Path(tokenizer.name_or_path), folder)
+    return model
+
+
+def tiny_moe_checkpoint(family: str, folder: Path) -> PreTrainedModel:
+    """The MoE tests' tiny `family` ("mixtral", "qwen3-moe": 8 experts, top-2; transformers' config class and
+    from_config, per-expert tensors as save_pretrained writes them) over SmolLM2's vocabulary, its tokenizer
+    beside it."""
+    tokenizer, eos = smollm2_vocabulary()
+    model = tiny_moe(family, folder, vocab_size=len(tokenizer), eos_token_id=list(eos))
+    _copy_tokenizer(Path(tokenizer.name_or_path), folder)
+    return model
+
+
+def _copy_tokenizer(source: Path, folder: Path) -> None:
     for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(source / file, folder / file)
-    return model

@@ -146,3 +146,54 @@ def test_moe_block_with_a_gated_shared_expert_matches_qwen2_moes_block(renormali
     with torch.inference_mode():
         want, got = theirs(x)[0], ours(x[0], residual=x[0]) - x[0]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+class _SummedLater:
+    """One rank's view of a group of `size` whose all-reduce the test does itself (by summing the ranks' outputs)."""
+
+    def __init__(self, rank: int, size: int, expert_parallel: bool) -> None:
+        self.rank, self.size, self.expert_parallel = rank, size, expert_parallel
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("a sparse MLP gathers no logits")
+
+    def agree_min(self, value: int) -> int:
+        return value
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_the_ranks_moe_shards_sum_to_the_whole_block(expert_parallel: bool) -> None:
+    """Each rank's shard (every expert's columns, or whole experts) loaded from its slices of the same tensors, run
+    on the same tokens: their outputs, rank 0's with the residual, sum to the single block's plus the residual."""
+    torch.manual_seed(0)
+    config = MoEConfig(hidden_size=HIDDEN, num_experts=EXPERTS, top_k=2, intermediate_size=INTER, renormalize=True,
+                       names=QWEN_NAMES)
+    weights = {"model.layers.0.mlp.gate.weight": torch.randn(EXPERTS, HIDDEN)}
+    for e in range(EXPERTS):
+        for name, shape in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)),
+                            ("down_proj", (HIDDEN, INTER))):
+            weights[f"model.layers.0.mlp.experts.{e}.{name}.weight"] = 0.1 * torch.randn(shape)
+    kernels = select_kernels("cpu")
+    whole = MoEBlock(config, kernels)
+    whole.load(weights, "model.layers.0")
+    x, residual = torch.randn(7, HIDDEN), torch.randn(7, HIDDEN)
+    parts = []
+    for rank in range(2):
+        block = MoEBlock(config, kernels, _SummedLater(rank, 2, expert_parallel))
+        split = block.split
+        assert split is not None
+        block.load({n: _slice(t, split.rows_of(n.rsplit(".", 2)[-2]) if ".experts." in n else None)
+                    for n, t in weights.items()}, "model.layers.0")
+        parts.append(block(x, residual))
+    torch.testing.assert_close(parts[0] + parts[1], whole(x, residual), rtol=1e-5, atol=1e-5)
+
+
+def _slice(tensor: torch.Tensor, rows: tuple[int, int, int] | None) -> torch.Tensor:
+    """What the shard reader gives a rank of `tensor`: its (dim, start, stop), or all of it."""
+    if rows is None:
+        return tensor
+    dim, start, stop = rows
+    return tensor.narrow(dim, start, stop - start)
