@@ -100,7 +100,6 @@ class FleetView:
         self.sum_prefill = 0
         self.sum_decode = 0
         self._orders: dict[tuple[float, float], _Order] = {}
-        self._order_list: list[_Order] = []                # the same, iterated at every `put`
 
     def put(self, endpoint_id: str, bit: int, num_prefill: int, num_decode: int) -> None:
         """`endpoint_id` is usable, with these tokens in flight."""
@@ -124,7 +123,7 @@ class FleetView:
                 sum_prefill += num_prefill - before[0]
                 sum_decode += num_decode - before[1]
         self.sum_prefill, self.sum_decode, self.usable_mask = sum_prefill, sum_decode, usable_mask
-        for order in self._order_list:
+        for order in self._orders.values():
             order.put_many(updates)
 
     def discard(self, endpoint_id: str) -> None:
@@ -137,7 +136,7 @@ class FleetView:
         self.usable_mask &= ~bit
         self.sum_prefill -= loads[0]
         self.sum_decode -= loads[1]
-        for order in self._order_list:
+        for order in self._orders.values():
             order.discard(endpoint_id)
 
     def bound(self, weights: TokenWeights, load_factor: float) -> float | None:
@@ -191,7 +190,6 @@ class FleetView:
         order = self._orders.get(key)
         if order is None:  # a weighting seen first: sorted once, then kept
             order = self._orders[key] = _Order(weights)
-            self._order_list.append(order)
             order.put_many([(endpoint_id, 0, num_prefill, num_decode)
                             for endpoint_id, (num_prefill, num_decode) in self.loads.items()])
         return order

@@ -10,7 +10,7 @@ from collections.abc import Collection, Sequence
 from cache.prefix_index import PrefixIndex
 from gateway.routing.endpoints import Endpoint, UpstreamRegistry
 from gateway.routing.load import LoadTracker
-from policies.fleet_view import FleetView
+from policies.fleet_view import FleetView, LoadUpdate
 
 # Below this many endpoints a pool's states are listed per request, as before: cheap there, and the policies'
 # random tie-breaks draw exactly as they always did.
@@ -18,7 +18,7 @@ MIN_ENDPOINTS = 32
 
 
 class _LivePool:
-    __slots__ = ("bits", "due", "endpoints", "fleet", "ids", "mask", "suspects")
+    __slots__ = ("bits", "endpoints", "fleet", "ids", "mask", "suspects")
 
     def __init__(self, endpoints: list[Endpoint]) -> None:
         self.endpoints = endpoints                      # the registry's pool list (DNS changes it in place)
@@ -27,7 +27,6 @@ class _LivePool:
         self.mask = 0                                   # the pool's bits in the prefix index
         self.bits: dict[str, int] = {}                  # each endpoint's bit there
         self.suspects: set[str] = set()                 # circuit not plainly closed: re-read at every use
-        self.due: list[str] = []                        # usable endpoints whose loads `_sync` puts next
 
 
 class LivePools:
@@ -72,7 +71,8 @@ class LivePools:
         if not changed:
             return
         endpoints, of_endpoint = self._registry.endpoints, self._of_endpoint
-        due: list[_LivePool] = []   # the views with loads to put
+        snapshot = self._tracker.snapshot
+        due: dict[_LivePool, list[LoadUpdate]] = {}   # each view's usable changed endpoints, with their loads
         for endpoint_id in changed:
             lives = of_endpoint.get(endpoint_id)
             if lives is None:   # in no large pool
@@ -82,17 +82,10 @@ class LivePools:
                 if endpoint is None or not self._usable(live, endpoint):
                     live.fleet.discard(endpoint_id)
                     continue
-                if not live.due:
-                    due.append(live)
-                live.due.append(endpoint_id)
-        snapshot = self._tracker.snapshot
-        for live in due:   # one batch per view: the loads, then every ordering of them
-            bits, updates = live.bits, []
-            for endpoint_id in live.due:
                 _, num_prefill, num_decode = snapshot(endpoint_id)
-                updates.append((endpoint_id, bits[endpoint_id], num_prefill, num_decode))
+                due.setdefault(live, []).append((endpoint_id, live.bits[endpoint_id], num_prefill, num_decode))
+        for live, updates in due.items():   # one batch per view: the loads, then every ordering of them
             live.fleet.put_many(updates)
-            live.due.clear()
 
     def _rebuild(self) -> None:
         self._version = self._registry.pools_version
