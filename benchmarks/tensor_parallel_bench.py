@@ -4,7 +4,7 @@ moves per step against the theory and each rank's memory (issue 48; docs/paralle
 The checkpoint is transformers' own: a Llama of SmolLM2-135M's shape (hidden 576, MLP 1536, `--layers` layers,
 vocabulary 49,152, tied embeddings) but with 8 query heads over 2 KV heads so that two ranks divide it, random
 weights as transformers initialises them, saved in float32. Each case runs the same batches through the runner the
-engine would hold (ModelRunner, or rank 0's TensorParallelRunner over ranks it spawns, gloo): a prefill of
+engine would hold (ModelRunner, or rank 0's GroupModelRunner over ranks it spawns, gloo): a prefill of
 `--prompt-len` tokens, and decode steps of 1 and 8 sequences at that context; the median of `--steps` steps.
 `--family qwen3-moe`: a Qwen3-MoE of the same width (16 experts of 384 columns, top-4), served by a
 group twice, its experts split within each expert and, with expert parallelism, whole (`--enable-expert-parallel`).
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from backends.core.batch import ForwardBatch, SeqChunk  # noqa: E402
 from backends.core.engine_config import EngineConfig  # noqa: E402
-from backends.executor.tp_runner import TensorParallelRunner  # noqa: E402
+from backends.executor.group_runner import GroupModelRunner  # noqa: E402
 from backends.worker.model_runner import ModelRunner  # noqa: E402
 
 BLOCK = 16
@@ -88,7 +88,7 @@ def run_case(label: str, runner: Any, args: argparse.Namespace, rows: list[list[
     return runner.execute(next(iter(cases.values()))).clone()
 
 
-def collective_bytes(runner: TensorParallelRunner, batch: ForwardBatch, layers: int, size: int) -> list[str]:
+def collective_bytes(runner: GroupModelRunner, batch: ForwardBatch, layers: int, size: int) -> list[str]:
     before = (runner.counts.num_all_reduces, runner.counts.all_reduce_bytes, runner.counts.gather_bytes)
     runner.execute(batch)
     after = (runner.counts.num_all_reduces, runner.counts.all_reduce_bytes, runner.counts.gather_bytes)
@@ -114,7 +114,7 @@ def main() -> None:
                                   torch_num_threads=1, tensor_parallel_size=args.size,
                                   enable_expert_parallel=expert_parallel)
             label = f"{'EP' if expert_parallel else 'TP'}={args.size}"
-            group = TensorParallelRunner(config, folder)
+            group = GroupModelRunner(config, folder)
             try:
                 logits[label] = run_case(f"{label}, 1 thread per rank", group, args, rows)
                 traffic += [[label, *collective_bytes(group, b, args.layers, args.size)]
