@@ -117,9 +117,8 @@ class EngineConfig:
                        "weights kept compressed": self.keep_weights_compressed}
         named = [what for what, asked in unsupported.items() if asked]
         if named:
-            raise ValueError(f"a group of ranks (--tensor-parallel-size {self.tensor_parallel_size}, "
-                             f"--pipeline-parallel-size {self.pipeline_parallel_size}) does not serve "
-                             f"{' or '.join(named)} yet")
+            raise ValueError(f"a group of ranks ({self.tensor_parallel_size} tensor-parallel x "
+                             f"{self.pipeline_parallel_size} pipeline stages) does not serve {' or '.join(named)} yet")
 
     @property
     def world_size(self) -> int:
