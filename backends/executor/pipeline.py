@@ -21,6 +21,11 @@ from backends.core.batch import ForwardBatch, SeqChunk
 from backends.models.pipeline import PipelineStage
 from backends.worker.model_runner import ModelRunner
 
+# Fewer tokens than this per micro-batch and a step runs in fewer of them: a micro-batch reads the stage's weights
+# again, which costs a memory-bound decode more than the stages' overlap gains (docs/parallelism.md, measured: 8
+# decodes over 2 stages took 220 ms in two micro-batches against 158 ms for one rank).
+MIN_MICRO_BATCH_TOKENS = 32
+
 
 @dataclass(slots=True)
 class SendCounts:
@@ -112,7 +117,7 @@ def pipeline_step(runner: ModelRunner, links: PipelineLinks, batch: ForwardBatch
     `all_hidden`, else of the logits rows); other stages: None. ValueError, before anything is sent, for a batch
     every rank refuses alike."""
     runner.check_batch(batch)
-    parts = micro_batches(batch, links.stage.num_stages)
+    parts = micro_batches(batch, max(1, min(links.stage.num_stages, batch.num_tokens // MIN_MICRO_BATCH_TOKENS)))
     width, dtype, device = int(runner.config.hidden_size), runner.dtype, runner.device
     sends: list[dist.Work | None] = []
     if links.stage.is_first:

@@ -22,6 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from backends.core.sampling_params import SamplingParams
+from backends.executor.pipeline import MIN_MICRO_BATCH_TOKENS
 from tests.backends.engine.test_engine_model import hf_greedy
 from tests.backends.executor.ranks import gone, rank_pids
 from tests.backends.executor.tp_checkpoints import tiny_llama
@@ -45,6 +46,11 @@ NAME = "tiny-llama"
 BODY = {"model": NAME, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0.0,
         "return_token_ids": True}
 COMMON = ["--threads", "1", "--num-blocks", "64", "--served-model-name", NAME]
+# Over 2 x MIN_MICRO_BATCH_TOKENS tokens: a pipeline cuts its prefill into micro-batches (a short one runs whole)
+STORY = ("Once upon a time, in a land far away, there lived a king who had three daughters, and each of them was "
+         "more beautiful than the last. The eldest loved music, the second loved the sea, and the youngest loved "
+         "the old stories her grandmother told by the fire, of dragons, of giants and of the stars. One winter "
+         "night the youngest")
 GROUPS = {"tp2": ["--tensor-parallel-size", "2"], "pp2": ["--pipeline-parallel-size", "2"],
           "tp2pp2": ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]}
 
@@ -114,16 +120,15 @@ async def test_groups_give_one_ranks_and_transformers_greedy_tokens(served: Serv
 
 @pytest.mark.parametrize("group", list(GROUPS))
 async def test_a_prefix_cache_hit_gives_the_same_tokens(served: Served, group: str) -> None:
-    body = {**BODY, "prompt": "Once upon a time, in a land far away, there lived a king who had three daughters, "
-                              "and each of them was more beautiful than the last. The youngest", "max_tokens": 8}
+    body = {**BODY, "prompt": STORY, "max_tokens": 8}
     tokenizer, _ = smollm2_vocabulary()
     prompt = prompt_ids(tokenizer, body, chat=False)
-    assert len(prompt) >= 32   # two full blocks of 16: the second request finds them cached
+    assert len(prompt) >= 2 * MIN_MICRO_BATCH_TOKENS   # the second request finds its full blocks cached
     want, reference = hf_reference(served, prompt, body["max_tokens"])
     first_status, first = await post(served.url(group), body)
     second_status, second = await post(served.url(group), body)
     assert first_status == second_status == 200, (first, second)
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32, second["usage"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prompt) // 16 * 16 - 16, second["usage"]
     assert_same_tokens(first["choices"][0]["token_ids"], want, reference, "the first request against transformers")
     assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
     await assert_idle([served.url(group)])
@@ -152,7 +157,7 @@ def test_smollm2_over_a_group_gives_transformers_greedy_tokens(smollm2_dir: Path
     import asyncio
 
     tokenizer, eos = smollm2_vocabulary()
-    body = {**BODY, "model": "smollm2"}
+    body = {**BODY, "model": "smollm2", "prompt": STORY}   # long enough to run in micro-batches over stages
     prompt = prompt_ids(tokenizer, body, chat=False)
     (want, logits), = hf_greedy(hf_smollm2, [prompt], body["max_tokens"], eos)
     tolerance = logit_tolerance(hf_smollm2, hf_smollm2_f64, [prompt + want])
