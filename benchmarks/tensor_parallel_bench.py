@@ -1,18 +1,22 @@
-"""Step time of one rank against a tensor-parallel group on this CPU, in one run, with the bytes each collective
-moves per step against the theory and each rank's memory (issue 48; docs/parallelism.md).
+"""Step time of one rank against groups of ranks on this CPU (tensor-parallel, pipeline stages), in one run, with
+the bytes each collective and each stage's sends move per step against the theory and each rank's memory (issue
+48; docs/parallelism.md).
 
 The checkpoint is transformers' own: a Llama of SmolLM2-135M's shape (hidden 576, MLP 1536, `--layers` layers,
 vocabulary 49,152, tied embeddings) but with 8 query heads over 2 KV heads so that two ranks divide it, random
 weights as transformers initialises them, saved in float32. Each case runs the same batches through the runner the
-engine would hold (ModelRunner, or rank 0's TensorParallelRunner over ranks it spawns, gloo): a prefill of
+engine would hold (ModelRunner, or rank 0's GroupModelRunner over ranks it spawns, gloo): a prefill of
 `--prompt-len` tokens, and decode steps of 1 and 8 sequences at that context; the median of `--steps` steps.
 `--family qwen3-moe`: a Qwen3-MoE of the same width (16 experts of 384 columns, top-4), served by a
 group twice, its experts split within each expert and, with expert parallelism, whole (`--enable-expert-parallel`).
 `--family deepseek-v3`: DeepSeek-V3 of that width (latent attention with kv_lora_rank 128 and q_lora_rank 192 over
 the 8 heads, a dense first layer, then 16 experts of 384 columns, top-4 in 2 of 4 groups, and a shared expert),
-served by the same two groups. A script, not a test:
+served by the same TP and EP groups (not PP: DeepSeek-V3 has no pipeline stages yet).
+`--groups`: which groups of `--size` ranks run (TP, EP for the MoE families, PP: `--size` pipeline stages).
+A script, not a test:
 
     .venv/bin/python benchmarks/tensor_parallel_bench.py [--layers 30] [--steps 20] [--family qwen3-moe|deepseek-v3]
+        [--groups tp pp]
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from backends.core.batch import ForwardBatch, SeqChunk  # noqa: E402
 from backends.core.engine_config import EngineConfig  # noqa: E402
-from backends.executor.tp_runner import TensorParallelRunner  # noqa: E402
+from backends.executor.group_runner import GroupModelRunner  # noqa: E402
 from backends.worker.model_runner import ModelRunner  # noqa: E402
 
 BLOCK = 16
@@ -49,6 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--size", type=int, default=2, help="ranks of the group")
     p.add_argument("--family", choices=("llama", "qwen3-moe", "deepseek-v3"), default="llama")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads of the TP=1 runs")
+    p.add_argument("--groups", nargs="+", choices=("tp", "ep", "pp"), default=["tp", "ep", "pp"],
+                   help="groups to run (ep: the MoE families only; pp: not deepseek-v3)")
     return p.parse_args()
 
 
@@ -94,15 +100,22 @@ def run_case(label: str, runner: Any, args: argparse.Namespace, rows: list[list[
     return runner.execute(next(iter(cases.values()))).clone()
 
 
-def collective_bytes(runner: TensorParallelRunner, batch: ForwardBatch, layers: int, size: int) -> list[str]:
-    before = (runner.counts.num_all_reduces, runner.counts.all_reduce_bytes, runner.counts.gather_bytes)
+def collective_bytes(runner: GroupModelRunner, batch: ForwardBatch, layers: int, size: int, stages: int) -> list[str]:
+    """Rank 0's traffic in one step of `batch` against the theory: with `size` tensor-parallel ranks, hidden x tokens
+    x 4 bytes x (2 all-reduces per layer + the embedding's) and its vocabulary columns gathered; with `stages`,
+    hidden x tokens x 4 bytes sent to stage 1."""
+    counts, sends = runner.counts, runner.send_counts
+    before = (counts.num_all_reduces, counts.all_reduce_bytes, counts.gather_bytes, sends.num_sends, sends.send_bytes)
     runner.execute(batch)
-    after = (runner.counts.num_all_reduces, runner.counts.all_reduce_bytes, runner.counts.gather_bytes)
+    after = (counts.num_all_reduces, counts.all_reduce_bytes, counts.gather_bytes, sends.num_sends, sends.send_bytes)
     tokens, rows = batch.num_tokens, len(batch.chunks)
-    theory = tokens * 576 * 4 * (2 * layers + 1)   # hidden x tokens x 4 bytes x (2 per layer + the embedding)
-    gather_theory = rows * (-(-49152 // size)) * 4
-    return [str(tokens), str(after[0] - before[0]), f"{(after[1] - before[1]) / 1e3:.1f}", f"{theory / 1e3:.1f}",
-            f"{(after[2] - before[2]) / 1e3:.1f}", f"{gather_theory / 1e3:.1f}"]
+    tp = size > 1
+    theory = tokens * 576 * 4 * (2 * layers // stages + 1) if tp else 0
+    gather_theory = rows * (-(-49152 // size)) * 4 if tp else 0
+    send_theory = tokens * 576 * 4 if stages > 1 else 0
+    kb = lambda i: f"{(after[i] - before[i]) / 1e3:.1f}"  # noqa: E731
+    return [str(tokens), str(after[0] - before[0]), kb(1), f"{theory / 1e3:.1f}", kb(2), f"{gather_theory / 1e3:.1f}",
+            str(after[3] - before[3]), kb(4), f"{send_theory / 1e3:.1f}"]
 
 
 def main() -> None:
@@ -115,15 +128,18 @@ def main() -> None:
         traffic: list[list[str]] = []
         ranks: list[tuple[str, Any]] = []
         logits: dict[str, torch.Tensor] = {}   # each runner's prefill logits
-        for expert_parallel in (False, True) if args.family != "llama" else (False,):
+        for kind in args.groups:
+            if kind == "ep" and args.family == "llama":
+                continue
+            size, stages = (1, args.size) if kind == "pp" else (args.size, 1)
             config = EngineConfig(model_dir=str(folder), num_blocks=NUM_BLOCKS, block_size=BLOCK,
-                                  torch_num_threads=1, tensor_parallel_size=args.size,
-                                  enable_expert_parallel=expert_parallel)
-            label = f"{'EP' if expert_parallel else 'TP'}={args.size}"
-            group = TensorParallelRunner(config, folder)
+                                  torch_num_threads=1, tensor_parallel_size=size, pipeline_parallel_size=stages,
+                                  enable_expert_parallel=kind == "ep")
+            label = f"{kind.upper()}={args.size}"
+            group = GroupModelRunner(config, folder)
             try:
                 logits[label] = run_case(f"{label}, 1 thread per rank", group, args, rows)
-                traffic += [[label, *collective_bytes(group, b, args.layers, args.size)]
+                traffic += [[label, *collective_bytes(group, b, args.layers, size, stages)]
                             for b in batches(args.prompt_len).values()]
                 ranks += [(label, ready) for ready in group.ranks]
             finally:
@@ -148,8 +164,9 @@ def report(args: argparse.Namespace, rows: list[list[str]], traffic: list[list[s
     print("| runner | step | ms |\n|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    print("\n| group | tokens | all-reduces | all-reduce kB (rank 0) | theory kB | gather kB (rank 0) | theory kB |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| group | tokens | all-reduces | all-reduce kB (rank 0) | theory kB | gather kB (rank 0) | theory kB "
+          "| sends | sent kB (rank 0) | theory kB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in traffic:
         print("| " + " | ".join(row) + " |")
     print(f"\nTP=1: weights {weights / 1e6:.1f} MB")

@@ -65,7 +65,8 @@ class EngineConfig:
     # last when a tier above is set without being named here (`kv_connector_names`).
     kv_connectors: tuple[KVConnectorName, ...] = ()
     kv_hold_timeout_s: float = 30.0           # the P/D connector: held prefill blocks nobody pulls go after this
-    tensor_parallel_size: int = 1             # ranks the model is split over (rank 0 spawns the others)
+    tensor_parallel_size: int = 1             # ranks each layer is split over (rank 0 spawns the others)
+    pipeline_parallel_size: int = 1           # stages the layers are split over, each of tensor_parallel_size ranks
     enable_expert_parallel: bool = False      # MoE layers: whole experts per rank, not every expert's columns
     distributed_timeout_s: float = 60.0       # a group's collective, or a rank's silence, past this: the group fails
 
@@ -103,20 +104,26 @@ class EngineConfig:
         self._check_group()
 
     def _check_group(self) -> None:
-        """What a tensor-parallel group does not serve yet is refused at start, not half-served."""
-        if self.tensor_parallel_size < 1 or self.distributed_timeout_s <= 0:
-            raise ValueError("tensor_parallel_size must be >= 1 and distributed_timeout_s positive")
-        if self.tensor_parallel_size == 1:
-            if self.enable_expert_parallel:
-                raise ValueError(EXPERT_PARALLEL_NEEDS_A_GROUP)
+        """What a group of ranks does not serve yet is refused at start, not half-served."""
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1 or self.distributed_timeout_s <= 0:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1 and distributed_timeout_s "
+                             "positive")
+        if self.tensor_parallel_size == 1 and self.enable_expert_parallel:
+            raise ValueError(EXPERT_PARALLEL_NEEDS_A_GROUP)
+        if self.world_size == 1:
             return
         unsupported = {"KV tiers": self.has_kv_tiers, "a KV connector (P/D transfer)": bool(self.kv_connectors),
                        "a draft model or EAGLE head": self.speculative not in (None, "ngram"),
                        "weights kept compressed": self.keep_weights_compressed}
         named = [what for what, asked in unsupported.items() if asked]
         if named:
-            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} does not serve "
-                             f"{' or '.join(named)} yet")
+            raise ValueError(f"a group of ranks ({self.tensor_parallel_size} tensor-parallel x "
+                             f"{self.pipeline_parallel_size} pipeline stages) does not serve {' or '.join(named)} yet")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the worker's group: tensor-parallel ranks in each pipeline stage, times the stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def has_kv_tiers(self) -> bool:
@@ -142,4 +149,4 @@ class EngineConfig:
         env = os.environ.get(TORCH_THREADS_ENV)
         if env:
             return max(1, int(env))
-        return max(1, (os.cpu_count() or 1) // self.tensor_parallel_size)   # each rank its share of the cores
+        return max(1, (os.cpu_count() or 1) // self.world_size)   # each rank its share of the cores

@@ -35,12 +35,12 @@ def resolve_model_dir(config: EngineConfig) -> Path:
 
 
 def build_runner(config: EngineConfig, model_dir: Path) -> ModelRunnerLike:
-    """One rank's runner, or, with tensor_parallel_size > 1, rank 0's over a group it spawns
-    (backends/executor)."""
-    if config.tensor_parallel_size > 1:
-        from backends.executor.tp_runner import TensorParallelRunner
+    """One rank's runner, or, with more than one rank (tensor-parallel or pipeline), rank 0's over a group it
+    spawns (backends/executor)."""
+    if config.world_size > 1:
+        from backends.executor.group_runner import GroupModelRunner
 
-        return TensorParallelRunner(config, model_dir)
+        return GroupModelRunner(config, model_dir)
     from backends.worker.model_runner import runner_for
 
     return runner_for(config, model_dir,
@@ -49,7 +49,7 @@ def build_runner(config: EngineConfig, model_dir: Path) -> ModelRunnerLike:
 
 @runtime_checkable
 class GroupRunner(Protocol):
-    """A runner over a group of ranks (backends/executor/tp_runner.py): it can lose a rank, and must be closed."""
+    """A runner over a group of ranks (backends/executor/group_runner.py): it can lose a rank, and must be closed."""
 
     def failure(self) -> str | None:
         """Why the group is down (a rank died or stopped answering), or None while it serves."""

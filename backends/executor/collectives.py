@@ -1,16 +1,24 @@
-"""The tensor-parallel group over torch.distributed: gloo on the CPU, NCCL on CUDA, every collective bounded by
+"""A worker's group of ranks over torch.distributed: gloo on the CPU, NCCL on CUDA, every collective bounded by
 the group's timeout (a rank that dies or stops makes the others' collectives raise instead of waiting forever).
 
-Implements the models' `TensorParallel` (backends/models/tensor_parallel.py) and counts what it moves, so that
-docs/parallelism.md can hold the bytes per step against the theory.
+Ranks are laid out stage-major: rank r is tensor-parallel rank r % tp of pipeline stage r // tp, so rank 0 is
+stage 0's first rank. Each stage's ranks form a tensor-parallel group (`DistributedTP`, the models'
+`TensorParallel`); the stages pass activations point to point (backends/executor/pipeline.py). Both count what
+they move, so that docs/parallelism.md can hold the bytes per step against the theory.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from backends.core.engine_config import EngineConfig
+from backends.executor.pipeline import PipelineLinks
+from backends.models.model_config import load_model_config
+from backends.models.pipeline import PipelineStage
 
 STORE_HOST = "127.0.0.1"
 # How long the ranks may take to start (import torch, meet, load their shards) at most.
@@ -27,9 +35,8 @@ class CollectiveCounts:
 
 
 class DistributedTP:
-    """This process's rank in its worker's group: the steps' collectives run on `steps`, a group whose timeout
-    is the worker's `distributed_timeout_s`; start-up's (agree_min) on the default group, whose timeout covers
-    the ranks' slowest load."""
+    """This process's rank in its stage's tensor-parallel group: the steps' collectives run on `steps`, a group
+    whose timeout is the worker's `distributed_timeout_s`."""
 
     def __init__(self, rank: int, size: int, steps: dist.ProcessGroup, expert_parallel: bool) -> None:
         self.rank = rank
@@ -55,7 +62,21 @@ class DistributedTP:
         dist.gather(local, parts, dst=0, group=self.steps)
         return torch.cat(parts, dim=1)   # [rows, size * vocab_per_rank]
 
+
+
+@dataclass(slots=True)
+class GroupPlace:
+    """Where this process sits in its worker's group (the worker's `RankPlace`): its rank, its stage's
+    tensor-parallel group (None with one rank per stage), its stage and the links to the next and previous
+    (None with one stage)."""
+    rank: int
+    world_size: int
+    tensor_parallel: DistributedTP | None
+    stage: PipelineStage | None
+    links: PipelineLinks | None
+
     def agree_min(self, value: int) -> int:
+        """Over the default group, whose timeout covers the ranks' slowest start (start-up only)."""
         tensor = torch.tensor([value], dtype=torch.long, device=_collective_device())
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
         return int(tensor.item())
@@ -67,17 +88,46 @@ def master_store(world_size: int) -> dist.TCPStore:
                          wait_for_workers=False)
 
 
-def join_group(rank: int, world_size: int, store: dist.Store | None, store_port: int, device: str,
-               timeout_s: float, expert_parallel: bool) -> DistributedTP:
+@dataclass(frozen=True, slots=True)
+class GroupShape:
+    """How a worker's ranks split its model."""
+    tensor_parallel_size: int   # ranks per stage
+    pipeline_stages: int        # stages
+    num_layers: int             # the model's decoder layers, split over the stages
+    expert_parallel: bool       # MoE layers: whole experts per tensor-parallel rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_stages
+
+
+def group_shape(config: EngineConfig, model_dir: Path) -> GroupShape:
+    """The split an engine's configuration asks for, of the model in `model_dir`."""
+    layers = int(load_model_config(model_dir).num_hidden_layers)
+    return GroupShape(config.tensor_parallel_size, config.pipeline_parallel_size, layers, config.enable_expert_parallel)
+
+
+def join_group(rank: int, shape: GroupShape, store: dist.Store | None, store_port: int, device: str,
+               timeout_s: float) -> GroupPlace:
     """Join the worker's group (rank 0 passes its master store; the others dial `store_port`); the steps'
-    collectives time out after `timeout_s`. `expert_parallel`: the models split whole experts over the ranks."""
+    collectives and sends time out after `timeout_s`."""
     start = timedelta(seconds=START_TIMEOUT_S)
+    world, size = shape.world_size, shape.tensor_parallel_size
     if store is None:
-        store = dist.TCPStore(STORE_HOST, store_port, world_size, is_master=False, timeout=start)
+        store = dist.TCPStore(STORE_HOST, store_port, world, is_master=False, timeout=start)
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=start)
-    steps = dist.new_group(list(range(world_size)), timeout=timedelta(seconds=timeout_s), backend=backend)
-    return DistributedTP(rank, world_size, steps, expert_parallel)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=start)
+    steps = timedelta(seconds=timeout_s)
+    # every rank creates every group, in the same order (torch.distributed's rule), and keeps its own stage's
+    stage_groups = [dist.new_group(list(range(s * size, (s + 1) * size)), timeout=steps, backend=backend)
+                    for s in range(shape.pipeline_stages)]
+    index = rank // size
+    tp = None if size == 1 else DistributedTP(rank % size, size, stage_groups[index], shape.expert_parallel)
+    if shape.pipeline_stages == 1:
+        return GroupPlace(rank, world, tp, None, None)
+    everyone = dist.new_group(list(range(world)), timeout=steps, backend=backend)
+    stage = PipelineStage.of(shape.num_layers, index, shape.pipeline_stages)
+    return GroupPlace(rank, world, tp, stage, PipelineLinks(rank, size, stage, everyone, timeout_s))
 
 
 def leave_group() -> None:

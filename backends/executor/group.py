@@ -33,7 +33,7 @@ class RankGroup:
     """The spawned ranks of one worker, their control pipes, and the group's health."""
 
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
-        self.size = config.tensor_parallel_size
+        self.size = config.world_size
         self.timeout_s = config.distributed_timeout_s
         self.store = master_store(self.size)   # rank 0 joins the group over it
         self._interval_s = min(1.0, self.timeout_s / 4)
@@ -91,11 +91,11 @@ class RankGroup:
         return [ready[rank] for rank in sorted(ready)]
 
     # --- steps (the engine thread) ------------------------------------------------------------
-    def begin_step(self, batch: ForwardBatch) -> None:
+    def begin_step(self, batch: ForwardBatch, all_hidden: bool = False) -> None:
         """Send the step to every rank; EngineDeadError if the group is down."""
         self._raise_if_failed()
         self._in_step = True
-        self._send(Step(batch))
+        self._send(Step(batch, all_hidden))
 
     def end_step(self) -> None:
         self._last_step_end = time.monotonic()
@@ -124,7 +124,7 @@ class RankGroup:
         """Take the group down (any thread; the first reason is kept): every other rank is killed and reaped."""
         if self._failure is None:
             self._failure = reason
-            log.error("tensor-parallel group failed: %s; stopping every rank", reason)
+            log.error("the group of ranks failed: %s; stopping every rank", reason)
         self._stop.set()
         for proc in self._procs:
             if proc.is_alive():

@@ -26,6 +26,8 @@ class RankSpec:
 class Step:
     """Rank 0 -> rank r: run this batch's forward on your shard (its logits stay with rank 0)."""
     batch: ForwardBatch        # the same batch rank 0 runs: each rank builds its positions and slots from it
+    all_hidden: bool = False   # pipeline stages: the last sends every token's hidden state back, not only those
+                               # of the logits rows (a proposer or a pooler reads them)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
-"""A spawned rank's life (ranks 1..N-1): join the group, load its shard, then run each step rank 0 sends until
-it sends Stop, goes silent, or dies. Never serves HTTP, schedules or samples.
+"""A spawned rank's life (ranks 1..N-1): join the group, load its shard (its stage's layers, its slices of them),
+then run its part of each step rank 0 sends until it sends Stop, goes silent, or dies. Never serves HTTP,
+schedules or samples.
 
 It dies with rank 0: the kernel kills it when rank 0's engine thread ends (PR_SET_PDEATHSIG), a closed pipe
 ends its wait for the next step, and a collective whose peer is gone raises within the group's timeout.
@@ -16,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from backends.executor.collectives import DistributedTP, join_group, leave_group
+from backends.executor.collectives import GroupPlace, group_shape, join_group, leave_group
 from backends.executor.messages import Failed, Ping, Pong, RankSpec, Ready, Step
+from backends.executor.pipeline import pipeline_step
 from backends.worker.model_runner import ModelRunner, runner_for
 
 log = logging.getLogger(__name__)
@@ -32,22 +34,22 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
     config = spec.engine_config
     torch.set_num_threads(config.resolved_torch_threads())
     try:
-        tp = join_group(spec.rank, spec.world_size, None, spec.store_port, config.device,
-                        config.distributed_timeout_s, config.enable_expert_parallel)
+        place = join_group(spec.rank, group_shape(config, Path(spec.model_dir)), None, spec.store_port,
+                           config.device, config.distributed_timeout_s)
         before = rss_anon_bytes()
-        runner = runner_for(config, Path(spec.model_dir), 0, tp)
+        runner = runner_for(config, Path(spec.model_dir), 0, place)
     except Exception as exc:  # boundary: the start-up error goes to rank 0, which fails the worker's start
         log.exception("rank %d could not start", spec.rank)
         conn.send(Failed(spec.rank, f"{type(exc).__name__}: {exc}"))
         sys.exit(1)
     conn.send(Ready(rank=spec.rank, num_blocks=runner.num_blocks, weight_bytes=runner.weight_bytes(),
                     read_bytes=runner.read_bytes, rss_anon_bytes=rss_anon_bytes(), rss_anon_before_bytes=before))
-    code = _serve(spec, conn, runner, tp)
+    code = _serve(spec, conn, runner, place)
     leave_group()
     sys.exit(code)
 
 
-def _serve(spec: RankSpec, conn: Connection, runner: ModelRunner, tp: DistributedTP) -> int:
+def _serve(spec: RankSpec, conn: Connection, runner: ModelRunner, place: GroupPlace) -> int:
     """Run rank 0's steps; the exit code: 0 when told to stop, 1 when rank 0 or the group went away."""
     while True:
         try:
@@ -61,7 +63,10 @@ def _serve(spec: RankSpec, conn: Connection, runner: ModelRunner, tp: Distribute
             return 1
         if isinstance(message, Step):
             try:
-                runner.execute(message.batch)
+                if place.links is None:
+                    runner.execute(message.batch)
+                else:
+                    pipeline_step(runner, place.links, message.batch, message.all_hidden)
             except ValueError as exc:   # refused before any collective, on every rank alike
                 log.warning("batch refused: %s", exc)
             except Exception:  # boundary: a collective failed (a peer died or stalled): the group is over
@@ -70,8 +75,11 @@ def _serve(spec: RankSpec, conn: Connection, runner: ModelRunner, tp: Distribute
         elif isinstance(message, Ping):
             conn.send(Pong(spec.rank, message.seq))
         else:
-            log.info("stopping (%d all-reduces, %.1f MB reduced)", tp.counts.num_all_reduces,
-                     tp.counts.all_reduce_bytes / 1e6)
+            reduced = place.tensor_parallel.counts if place.tensor_parallel is not None else None
+            sent = place.links.counts if place.links is not None else None
+            log.info("stopping (%d all-reduces, %.1f MB reduced; %d sends, %.1f MB sent)",
+                     reduced.num_all_reduces if reduced else 0, reduced.all_reduce_bytes / 1e6 if reduced else 0.0,
+                     sent.num_sends if sent else 0, sent.send_bytes / 1e6 if sent else 0.0)
             return 0
 
 

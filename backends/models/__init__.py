@@ -23,6 +23,9 @@ _MODELS = MappingProxyType({
 # Those whose class builds one rank's shard (`tp=`; backends/models/tensor_parallel.py).
 _TENSOR_PARALLEL = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
                               "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"})
+# Those whose class builds one pipeline stage's layers (`stage=`; backends/models/pipeline.py).
+_PIPELINE = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+                       "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -39,13 +42,16 @@ def model_class(architectures: Sequence[str] | None) -> ModelFactory:
     raise ValueError(f"unsupported architectures {list(architectures or [])}; supported: {list(_MODELS)}")
 
 
-def tensor_parallel_model_class(architectures: Sequence[str] | None) -> ShardedModelFactory:
-    """`model_class`, for a class that can build one rank's shard; ValueError for one that cannot."""
+def sharded_model_class(architectures: Sequence[str] | None, *, tensor_parallel: bool,
+                        pipeline: bool) -> ShardedModelFactory:
+    """`model_class`, for a class that can build one rank's shard (`tensor_parallel`) and one pipeline stage
+    (`pipeline`); ValueError for one that cannot, naming those that can."""
     for name in architectures or ():
         if name in _MODELS:
-            if name not in _TENSOR_PARALLEL:
-                raise ValueError(f"{name} cannot be split over a tensor-parallel group yet; it can: "
-                                 f"{', '.join(sorted(_TENSOR_PARALLEL))}")
+            for wanted, able, what in ((tensor_parallel, _TENSOR_PARALLEL, "a tensor-parallel group"),
+                                       (pipeline, _PIPELINE, "pipeline stages")):
+                if wanted and name not in able:
+                    raise ValueError(f"{name} cannot be split over {what} yet; it can: {', '.join(sorted(able))}")
             module_name, class_name = _MODELS[name].split(":")
             return getattr(importlib.import_module(module_name), class_name)
     raise ValueError(f"unsupported architectures {list(architectures or [])}; supported: {list(_MODELS)}")

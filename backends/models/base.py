@@ -18,6 +18,7 @@ from backends.models.model_config import ModelConfig
 if TYPE_CHECKING:
     from backends.models.kernels.base import LayerKernels
     from backends.models.layers import CompressedWeight
+    from backends.models.pipeline import PipelineStage
     from backends.models.tensor_parallel import TensorParallel
 
 
@@ -40,9 +41,12 @@ class CausalLM(Protocol):
 
     config: ModelConfig
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext,
+                 hidden: torch.Tensor | None = None) -> torch.Tensor:
         """[num_tokens, hidden] final-normed hidden states of input_ids [num_tokens] at positions [num_tokens];
-        writes every token's K/V into attn's caches."""
+        writes every token's K/V into attn's caches. A pipeline stage (backends/models/pipeline.py) after the
+        first starts from `hidden`, the previous stage's output; one before the last returns its residual
+        stream, not normed."""
         ...
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -82,6 +86,8 @@ class ModelFactory(Protocol):
 
 
 class ShardedModelFactory(Protocol):
-    """A model class that can build one rank's shard of itself (the registry's tensor_parallel_model_class)."""
+    """A model class that can build one rank's shard of itself, or one pipeline stage's layers, or both (the
+    registry's sharded_model_class)."""
 
-    def __call__(self, config: ModelConfig, kernels: LayerKernels, *, tp: TensorParallel) -> CausalLM: ...
+    def __call__(self, config: ModelConfig, kernels: LayerKernels, *, tp: TensorParallel | None = None,
+                 stage: PipelineStage | None = None) -> CausalLM: ...

@@ -24,6 +24,7 @@ from backends.models.layers import CompressedWeight, ExpandScratch, Linear, LMHe
 from backends.models.llama import LlamaMLP
 from backends.models.model_config import ModelConfig
 from backends.models.moe import QWEN_NAMES, MoEBlock, MoEConfig, sigmoid_group_topk
+from backends.models.pipeline import PipelineStage
 from backends.models.tensor_parallel import TensorParallel, TPLayout, vocab_parallel_embed
 
 
@@ -249,7 +250,12 @@ class DeepseekV3ForCausalLM(nn.Module):
     """Token ids + positions in, hidden states out (backends.models.base.CausalLM). `tp`: build this rank's shard
     (backends/models/tensor_parallel.py), the embedding and LM head by vocabulary rows as Llama's."""
 
-    def __init__(self, config: ModelConfig, kernels: LayerKernels, *, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: ModelConfig, kernels: LayerKernels, *, tp: TensorParallel | None = None,
+                 stage: PipelineStage | None = None) -> None:
+        """`stage`: the runner passes its pipeline stage to every sharded class; DeepSeek-V3 has none yet (the
+        registry refuses it over stages at start), so only None."""
+        if stage is not None:
+            raise ValueError("DeepseekV3ForCausalLM cannot be split over pipeline stages yet")
         super().__init__()
         self.config = config
         self.kernels = kernels

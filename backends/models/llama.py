@@ -6,7 +6,7 @@ Pure nn.Module over flat token batches ([num_tokens, ...], no batch dim): attent
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Protocol, cast
+from typing import Protocol, TypeVar, cast
 
 import torch
 from torch import nn
@@ -16,11 +16,15 @@ from backends.models.base import LayerKVSpec
 from backends.models.kernels.base import LayerKernels
 from backends.models.layers import CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, dense, rope_inv_freq
 from backends.models.model_config import ModelConfig
+from backends.models.pipeline import PipelineStage
 from backends.models.tensor_parallel import TensorParallel, TPLayout, vocab_parallel_embed
+
+_M = TypeVar("_M", bound=nn.Module)
 
 
 class LlamaAttention(nn.Module):
-    """With `tp`: this rank's heads (TPLayout); qkv_proj column-parallel, o_proj row-parallel, one all-reduce."""
+    """With `tp`: this rank's heads (TPLayout); qkv_proj column-parallel, o_proj row-parallel, one all-reduce.
+    `layer`: which of the runner's KV caches is this layer's (its index within the stage that holds it)."""
 
     def __init__(self, config: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
                  kernels: LayerKernels, tp: TensorParallel | None = None) -> None:
@@ -122,11 +126,15 @@ def _row_parallel(proj: Linear, x: torch.Tensor, residual: torch.Tensor | None, 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 kernels: LayerKernels, mlp: MLPFactory = llama_mlp, tp: TensorParallel | None = None) -> None:
-        """`tp`: this rank's shard of the layer (its heads; its part of the MLP, which `mlp` builds)."""
+                 kernels: LayerKernels, mlp: MLPFactory = llama_mlp, tp: TensorParallel | None = None,
+                 cache_index: int | None = None) -> None:
+        """`layer`: its index in the model; `cache_index`: its KV cache's among the runner's (`layer` unless a
+        pipeline stage holds it). `tp`: this rank's shard of the layer (its heads; its part of the MLP, which
+        `mlp` builds)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.self_attn = LlamaAttention(config, layer, qkv_bias, o_bias, qk_norm, kernels, tp)
+        self.self_attn = LlamaAttention(config, layer if cache_index is None else cache_index, qkv_bias, o_bias,
+                                        qk_norm, kernels, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = mlp(config, layer, kernels, tp)
 
@@ -150,9 +158,11 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, kernels: LayerKernels, *, qkv_bias: bool | None = None,
                  o_bias: bool | None = None, qk_norm: bool = False, mlp: MLPFactory = llama_mlp,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, stage: PipelineStage | None = None) -> None:
         """`mlp` builds each layer's feed-forward block (the MoE families pass theirs). `tp`: build this rank's
-        shard (backends/models/tensor_parallel.py): its heads, MLP columns and vocabulary rows."""
+        shard (backends/models/tensor_parallel.py): its heads, MLP columns and vocabulary rows. `stage`: build
+        only a pipeline stage's layers (backends/models/pipeline.py), with the embedding and LM head on the
+        first stage alone."""
         super().__init__()
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias if qkv_bias is None else qkv_bias
@@ -161,18 +171,25 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = kernels
         self.tp = tp
         self.tp_layout = None if tp is None else TPLayout.of(config, tp.rank, tp.size)
+        self.stage = stage
+        self.first_layer = 0 if stage is None else stage.first_layer
+        stop_layer = config.num_hidden_layers if stage is None else stage.stop_layer
         vocab_rows = config.vocab_size if self.tp_layout is None else self.tp_layout.vocab
-        # `_weight`: an uninitialised table (load_weights fills it); the default random init of a
-        # 49152 x 576 table cost 0.17 s of every worker start.
-        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size,
-                                         _weight=torch.empty(vocab_rows, config.hidden_size))
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm, kernels, mlp, tp)
-                                    for i in range(config.num_hidden_layers))
+        self.embed_tokens: nn.Embedding | None = None
+        self.lm_head: LMHead | None = None
+        if stage is None or stage.is_first:
+            # `_weight`: an uninitialised table (load_weights fills it); the default random init of a
+            # 49152 x 576 table cost 0.17 s of every worker start.
+            self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size,
+                                             _weight=torch.empty(vocab_rows, config.hidden_size))
+            self.embed_tokens.weight.requires_grad_(False)
+            self.lm_head = LMHead(config.hidden_size, vocab_rows, kernels)
+            if getattr(config, "tie_word_embeddings", False):
+                self.lm_head.weight = self.embed_tokens.weight
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm, kernels, mlp, tp, cache_index=i - self.first_layer)
+            for i in range(self.first_layer, stop_layer))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.lm_head = LMHead(config.hidden_size, vocab_rows, kernels)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.embed_tokens.weight
         # A plain attribute, not a buffer: `.to(bfloat16)` must not round it. Built on the CPU (the model
         # may be constructed on the meta device) and moved to the device of the first positions it sees.
         with torch.device("cpu"):
@@ -187,34 +204,47 @@ class LlamaForCausalLM(nn.Module):
         """The rotary tables of `positions` (the kernels' rotary_tables)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        return self.kernels.rotary_tables(self.inv_freq, positions, self.embed_tokens.weight.dtype)
+        return self.kernels.rotary_tables(self.inv_freq, positions, self.norm.weight.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
-        """[num_tokens, hidden] final-normed hidden states; writes every token's K/V into the cache."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """[num_tokens, hidden] final-normed hidden states; writes every token's K/V into the cache. A pipeline
+        stage after the first starts from `hidden` (the previous stage's output) instead of the embeddings, and
+        one before the last returns its layers' residual stream, not normed."""
         cos, sin = self.rotary(positions)
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if hidden is None else hidden
+        last = self.stage is None or self.stage.is_last
         if self.kernels.residual_in_norm:
             residual: torch.Tensor | None = None
             for index in range(len(self.layers)):
                 x, residual = self.decoder_layer(index).forward_fused(x, residual, cos, sin, attn)
-            return self.norm.add_norm(x, residual)[0]
+            if last:
+                return self.norm.add_norm(x, residual)[0]
+            return x if residual is None else x + residual
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
-        return self.norm(x)
+        return self.norm(x) if last else x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        table = self._first_stage(self.embed_tokens)
         if self.tp is None or self.tp_layout is None:
-            return self.embed_tokens(input_ids)
-        return vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.tp_layout, self.tp)
+            return table(input_ids)
+        return vocab_parallel_embed(table.weight, input_ids, self.tp_layout, self.tp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Over a group: rank 0 gets every rank's vocabulary columns (the padding past the vocabulary cut)."""
+        head = self._first_stage(self.lm_head)
         if self.tp is None:
-            return self.lm_head(hidden)
-        return self.tp.gather_vocab(self.lm_head(hidden))[:, :self.config.vocab_size]
+            return head(hidden)
+        return self.tp.gather_vocab(head(hidden))[:, :self.config.vocab_size]
 
     def lm_head_weight(self) -> torch.Tensor:
-        return self.lm_head.weight
+        return self._first_stage(self.lm_head).weight
+
+    def _first_stage(self, module: _M | None) -> _M:
+        if module is None:
+            raise RuntimeError("only the first pipeline stage holds the embedding and the LM head")
+        return module
 
     def kv_cache_spec(self) -> tuple[LayerKVSpec, ...]:
         return tuple(self.decoder_layer(i).self_attn.kv_spec() for i in range(len(self.layers)))
@@ -226,7 +256,7 @@ class LlamaForCausalLM(nn.Module):
         just before each runs (the embedding, norms and LM head are expanded once)."""
         scratch = ExpandScratch() if keep_compressed else None
         for i in range(len(self.layers)):
-            prefix, layer = f"model.layers.{i}", self.decoder_layer(i)
+            prefix, layer = f"model.layers.{self.first_layer + i}", self.decoder_layer(i)
             attn = layer.self_attn
             qkv = [f"{prefix}.self_attn.{p}_proj" for p in "qkv"]
             attn.qkv_proj.load([weights[f"{n}.weight"] for n in qkv], _maybe(weights, [f"{n}.bias" for n in qkv]),
@@ -239,15 +269,17 @@ class LlamaForCausalLM(nn.Module):
             cast(DecoderMLP, layer.mlp).load(weights, prefix, scratch)
             layer.input_layernorm.weight.copy_(dense(weights[f"{prefix}.input_layernorm.weight"]))
             layer.post_attention_layernorm.weight.copy_(dense(weights[f"{prefix}.post_attention_layernorm.weight"]))
+        self.norm.weight.copy_(dense(weights["model.norm.weight"]))
+        if self.embed_tokens is None or self.lm_head is None:   # a later pipeline stage
+            return
         embed = self._vocab_rows(dense(weights["model.embed_tokens.weight"]))
         self.embed_tokens.weight.copy_(embed)
-        self.norm.weight.copy_(dense(weights["model.norm.weight"]))
         tied = getattr(self.config, "tie_word_embeddings", False)  # then a stored lm_head.weight is ignored
         self.lm_head.load(embed if tied else self._vocab_rows(dense(weights["lm_head.weight"])))
 
     def _vocab_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """A rank's vocabulary rows padded with zeros to its share (the last rank's may run past the vocabulary)."""
-        missing = self.embed_tokens.weight.shape[0] - rows.shape[0]
+        missing = self._first_stage(self.embed_tokens).weight.shape[0] - rows.shape[0]
         return rows if missing <= 0 else torch.cat((rows, rows.new_zeros(missing, rows.shape[1])))
 
 

@@ -8,6 +8,7 @@ from backends.models.kernels.base import LayerKernels
 from backends.models.llama import LlamaForCausalLM
 from backends.models.model_config import ModelConfig
 from backends.models.moe import MIXTRAL_NAMES, MoEBlock, MoEConfig
+from backends.models.pipeline import PipelineStage
 from backends.models.tensor_parallel import TensorParallel
 
 
@@ -22,7 +23,8 @@ def mixtral_moe(config: ModelConfig, layer: int, kernels: LayerKernels, tp: Tens
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig, kernels: LayerKernels, *, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: ModelConfig, kernels: LayerKernels, *, tp: TensorParallel | None = None,
+                 stage: PipelineStage | None = None) -> None:
         if getattr(config, "sliding_window", None):
             raise NotImplementedError("Mixtral with a sliding window is not supported")
-        super().__init__(config, kernels, mlp=mixtral_moe, tp=tp)
+        super().__init__(config, kernels, mlp=mixtral_moe, tp=tp, stage=stage)

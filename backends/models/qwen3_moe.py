@@ -9,6 +9,7 @@ from backends.models.kernels.base import LayerKernels
 from backends.models.llama import LlamaForCausalLM, LlamaMLP
 from backends.models.model_config import ModelConfig
 from backends.models.moe import QWEN_NAMES, MoEBlock, MoEConfig
+from backends.models.pipeline import PipelineStage
 from backends.models.tensor_parallel import TensorParallel
 
 
@@ -26,7 +27,8 @@ def qwen3_moe_mlp(config: ModelConfig, layer: int, kernels: LayerKernels, tp: Te
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: ModelConfig, kernels: LayerKernels, *, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config: ModelConfig, kernels: LayerKernels, *, tp: TensorParallel | None = None,
+                 stage: PipelineStage | None = None) -> None:
         if getattr(config, "use_sliding_window", False):
             raise NotImplementedError("Qwen3-MoE with a sliding window is not supported")
-        super().__init__(config, kernels, qk_norm=True, mlp=qwen3_moe_mlp, tp=tp)
+        super().__init__(config, kernels, qk_norm=True, mlp=qwen3_moe_mlp, tp=tp, stage=stage)

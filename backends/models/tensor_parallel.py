@@ -33,10 +33,6 @@ class TensorParallel(Protocol):
         other ranks: `local`, unchanged (only rank 0 samples)."""
         ...
 
-    def agree_min(self, value: int) -> int:
-        """The smallest `value` any rank holds (every rank gets it): sizes the ranks must share."""
-        ...
-
 
 def _divide(what: str, count: int, size: int, mode: str = "") -> int:
     if count % size:

@@ -59,6 +59,9 @@ def _add_model_and_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks (processes this worker spawns; one device each on "
                         "CUDA): heads, KV heads, MLP columns and the vocabulary sharded (docs/parallelism.md)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="split the layers over this many stages of --tensor-parallel-size ranks each (processes this "
+                        "worker spawns); each step's batch runs through them in micro-batches (docs/parallelism.md)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="with --tensor-parallel-size: MoE layers split whole experts over the ranks (each holds "
                         "experts/size of them) instead of every expert's columns (docs/parallelism.md)")
@@ -185,9 +188,10 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
     from backends.worker.loader import resolve_model  # converts the bundled GGUF once, then cached
 
     model_dir = str(resolve_model(args.model))
-    group = args.tensor_parallel_size > 1
+    group = args.tensor_parallel_size * args.pipeline_parallel_size > 1
     if group or args.enable_expert_parallel:
-        _check_group(Path(model_dir), args.tensor_parallel_size, args.enable_expert_parallel)
+        _check_group(Path(model_dir), args.tensor_parallel_size, args.pipeline_parallel_size,
+                     args.enable_expert_parallel)
     kv_bytes = int(args.kv_cache_memory_gb * 2**30) if args.kv_cache_memory_gb is not None else None
     engine_config = EngineConfig(
         model_dir=model_dir,
@@ -220,6 +224,7 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         kv_connectors=() if group else (KVConnectorName.PD,),
         kv_hold_timeout_s=args.kv_hold_timeout_s,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         distributed_timeout_s=args.distributed_timeout_s,
     )
@@ -249,13 +254,13 @@ def _kv_tier_fields(args: argparse.Namespace) -> dict[str, Any]:
                 kv_read_slower_tiers=args.kv_read_slower_tiers)
 
 
-def _check_group(model_dir: Path, size: int, expert_parallel: bool) -> None:
-    """Refuse, before anything starts, a group size the model cannot be split over (and say what can)."""
+def _check_group(model_dir: Path, size: int, stages: int, expert_parallel: bool) -> None:
+    """Refuse, before anything starts, a group the model cannot be split over (and say what can)."""
     from backends.models.model_config import load_model_config
-    from backends.worker.model_runner import check_tensor_parallel
+    from backends.worker.model_runner import check_group
 
     try:
-        check_tensor_parallel(load_model_config(model_dir), size, expert_parallel)
+        check_group(load_model_config(model_dir), size, stages, expert_parallel)
     except ValueError as exc:
         raise SystemExit(f"switchyard worker: {exc}") from None
 
@@ -274,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config, engine_config = build_configs(args)
     if (engine_config.model_dir is not None and not engine_config.keep_weights_compressed
-            and engine_config.tensor_parallel_size == 1):   # a group's ranks read only their slices
+            and engine_config.world_size == 1):   # a group's ranks read only their slices
         from backends.worker.loader import prefetch_weights
         prefetch_weights(Path(engine_config.model_dir))   # read while the server's modules import
     # Imported only now: aiohttp and transformers take ~1.1 s to import, the prefetch's time to read.

@@ -9,18 +9,20 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from backends.attention.base import AttentionContext, AttentionShape, StepLayout, create_backend
 from backends.core.batch import ForwardBatch
 from backends.core.engine_config import EXPERT_PARALLEL_NEEDS_A_GROUP, EngineConfig
-from backends.models import model_class, tensor_parallel_model_class
+from backends.models import model_class, sharded_model_class
 from backends.models.base import CausalLM, LayerKVSpec
 from backends.models.kernels.registry import select_kernels
 from backends.models.layers import Linear, LMHead
 from backends.models.model_config import ModelConfig, load_model_config
 from backends.models.moe import MoEBlock
+from backends.models.pipeline import PipelineStage
 from backends.models.tensor_parallel import TensorParallel, TPLayout
 from backends.worker.cuda_graphs import DecodeGraphs, StaticInputs
 from backends.worker.fingerprint import model_fingerprint
@@ -36,20 +38,49 @@ DEFAULT_CPU_KV_CACHE_GB = 1.0
 CUDA_KV_CACHE_FREE_FRACTION = 0.8
 
 
+class RankPlace(Protocol):
+    """Where a runner sits in a worker's group of ranks (backends/executor builds it): its tensor-parallel
+    group and its pipeline stage (either may be None, not both)."""
+
+    @property
+    def rank(self) -> int:
+        """Its rank in the whole group (0: the one that samples)."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the group: the tensor-parallel size times the pipeline stages."""
+        ...
+
+    @property
+    def tensor_parallel(self) -> TensorParallel | None:
+        """The ranks of its stage that split each layer with it (None: it holds its layers whole)."""
+        ...
+
+    @property
+    def stage(self) -> PipelineStage | None:
+        """The layers it holds (None: one stage, all of them)."""
+        ...
+
+    def agree_min(self, value: int) -> int:
+        """The smallest `value` any rank of the whole group holds (every rank gets it)."""
+        ...
+
+
 class ModelRunner:
     def __init__(self, model_dir: Path, *, dtype: torch.dtype, device: str, num_blocks: int | None,
                  block_size: int = 16, attention_backend: str | None = None,
                  kv_cache_memory_gb: float | None = None, kv_shared_memory: bool = False,
                  keep_weights_compressed: bool = False, cuda_graph_max_batch: int = 0,
                  random_weights: bool = False, fingerprint_weights: bool = False,
-                 tensor_parallel: TensorParallel | None = None) -> None:
+                 place: RankPlace | None = None) -> None:
         """`cuda_graph_max_batch`: on CUDA, decode steps of up to this many sequences replay CUDA graphs
         captured here (0: every step runs eagerly). `random_weights`: no checkpoint is read; every weight
         is drawn at random (benchmarks of model shapes whose weights are not here: speed does not depend
         on the values). `fingerprint_weights`: digest the weights as they are loaded (`weights_fingerprint`,
         which KV tiers on disk or in a shared store file their blocks under, and KV transfers compare); else it
-        is None. `tensor_parallel`: this runner is one rank of a group and holds that rank's shard (its slices
-        read from the checkpoint, its KV heads cached); only rank 0's logits are the model's."""
+        is None. `place`: this runner is one rank of a group and holds that rank's shard (its slices of its stage's
+        layers read from the checkpoint, their KV heads cached); only rank 0's logits are the model's."""
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.device = torch.device(device)
@@ -60,11 +91,13 @@ class ModelRunner:
         self.dtype = dtype
         self.config = load_model_config(Path(model_dir))
         self.weights_fingerprint: str | None = None
-        self.tensor_parallel = tensor_parallel
+        self.place = place
+        self.tensor_parallel = None if place is None else place.tensor_parallel
+        self.stage = None if place is None else place.stage
         self.read_bytes = 0   # bytes read from the checkpoint (a rank's slices; its mapped files otherwise)
         self.kernels = select_kernels(self.device)   # the layers' kernels for this device, chosen once
-        if tensor_parallel is not None:
-            self.model = self._load_shard(Path(model_dir), tensor_parallel)
+        if place is not None:
+            self.model = self._load_shard(Path(model_dir), place)
         else:
             self.model = self._load_model(Path(model_dir), keep_weights_compressed, random_weights,
                                           fingerprint_weights)
@@ -73,8 +106,8 @@ class ModelRunner:
         kv = uniform_kv_spec(kv_layers)
         self.block_size = block_size
         self.num_blocks = num_blocks or self._blocks_for_memory(kv_cache_memory_gb, len(kv_layers), kv)
-        if tensor_parallel is not None:   # one block table serves every rank: all must hold as many blocks
-            self.num_blocks = tensor_parallel.agree_min(self.num_blocks)
+        if place is not None:   # one block table serves every rank: all must hold as many blocks
+            self.num_blocks = place.agree_min(self.num_blocks)
         if self.num_blocks <= 0:
             raise ValueError("the KV cache must hold at least one block")
         self.kv_cache = KVCache(KVCacheSpec(num_layers=len(kv_layers), num_blocks=self.num_blocks,
@@ -135,18 +168,19 @@ class ModelRunner:
             log.info("weights fingerprint %s", self.weights_fingerprint)
         return model.eval()
 
-    def _load_shard(self, model_dir: Path, tp: TensorParallel) -> CausalLM:
-        """This rank's shard, built from its slices of the checkpoint alone."""
+    def _load_shard(self, model_dir: Path, place: RankPlace) -> CausalLM:
+        """This rank's shard, built from its slices of the checkpoint alone (its stage's layers only)."""
+        tp, stage = place.tensor_parallel, place.stage
         with torch.device("meta"):
-            model = tensor_parallel_model_class(getattr(self.config, "architectures", None))(
-                self.config, self.kernels, tp=tp)
+            model = sharded_model_class(getattr(self.config, "architectures", None), tensor_parallel=tp is not None,
+                                        pipeline=stage is not None)(self.config, self.kernels, tp=tp, stage=stage)
         _materialize_empty(model, self.dtype, self.device)
         start = time.perf_counter()
-        layout = TPLayout.of(self.config, tp.rank, tp.size, tp.expert_parallel)
+        layout = None if tp is None else TPLayout.of(self.config, tp.rank, tp.size, tp.expert_parallel)
         with ShardReader(model_dir, layout) as weights, torch.no_grad():
             model.load_weights(weights)
         self.read_bytes = weights.read_bytes
-        log.info("rank %d of %d: %.1f MB of slices of %s read and placed in %.2f s", tp.rank, tp.size,
+        log.info("rank %d of %d: %.1f MB of slices of %s read and placed in %.2f s", place.rank, place.world_size,
                  self.read_bytes / 1e6, model_dir, time.perf_counter() - start)
         return model.eval()
 
@@ -183,6 +217,13 @@ class ModelRunner:
                 self._check_chunk(index, chunk.token_ids, chunk.num_context_tokens, chunk.block_table)
             with torch.inference_mode():
                 return self.decode_graphs.run(batch)
+        hidden, logits_rows = self.run_layers(batch)
+        return self.logits(hidden.index_select(0, logits_rows)), hidden
+
+    def run_layers(self, batch: ForwardBatch, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This runner's decoder layers over a non-empty batch (writing their K/V): their output [num_tokens,
+        hidden], and the rows of it whose logits the batch wants. `hidden`: a later pipeline stage's input, the
+        previous stage's output for the same batch."""
         token_ids, positions, slots, logits_rows = self._flatten(batch)
         layout = StepLayout(
             query_lens=tuple(len(c.token_ids) for c in batch.chunks),
@@ -193,10 +234,16 @@ class ModelRunner:
             metadata = self.attention.prepare(layout)
             context = AttentionContext(backend=self.attention, metadata=metadata, slot_mapping=slots,
                                        k_caches=self.kv_cache.k, v_caches=self.kv_cache.v)
-            hidden = self.model(token_ids, positions, context)  # [num_tokens, hidden]
-            if logits_rows.numel() == 0:
-                return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device), hidden
-            return self.model.compute_logits(hidden.index_select(0, logits_rows)).float(), hidden
+            if hidden is None:
+                return self.model(token_ids, positions, context), logits_rows  # [num_tokens, hidden]
+            return self.model(token_ids, positions, context, hidden), logits_rows
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] of final hidden states [rows, hidden] (the first stage's LM head)."""
+        if hidden.shape[0] == 0:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        with torch.inference_mode():
+            return self.model.compute_logits(hidden).float()
 
     def _flatten(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """token ids, positions, cache slots ([num_tokens] each) and the rows to take logits from."""
@@ -205,20 +252,26 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
-        for index, chunk in enumerate(batch.chunks):
-            self._check_chunk(index, chunk.token_ids, chunk.num_context_tokens, chunk.block_table)
+        self.check_batch(batch)
+        for chunk in batch.chunks:
             start, table = chunk.num_context_tokens, chunk.block_table
             end = start + len(chunk.token_ids)
             token_ids.extend(chunk.token_ids)
             positions.extend(range(start, end))
             slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
             if chunk.want_logits:
-                if not 1 <= chunk.num_logits <= len(chunk.token_ids):
-                    raise ValueError(f"chunk {index} wants logits for {chunk.num_logits} of its "
-                                     f"{len(chunk.token_ids)} tokens")
                 logits_rows.extend(range(len(token_ids) - chunk.num_logits, len(token_ids)))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)  # noqa: E731
         return as_tensor(token_ids), as_tensor(positions), as_tensor(slots), as_tensor(logits_rows)
+
+    def check_batch(self, batch: ForwardBatch) -> None:
+        """ValueError for a chunk that could write outside its blocks, index past the vocabulary or want logits
+        it has no tokens for (raised before anything runs)."""
+        for index, chunk in enumerate(batch.chunks):
+            self._check_chunk(index, chunk.token_ids, chunk.num_context_tokens, chunk.block_table)
+            if chunk.want_logits and not 1 <= chunk.num_logits <= len(chunk.token_ids):
+                raise ValueError(f"chunk {index} wants logits for {chunk.num_logits} of its "
+                                 f"{len(chunk.token_ids)} tokens")
 
     def _check_chunk(self, index: int, token_ids: tuple[int, ...], num_context: int, table: tuple[int, ...]) -> None:
         """Reject a malformed chunk before it can write outside its blocks or index past the vocab."""
@@ -238,20 +291,20 @@ class ModelRunner:
 
 
 def runner_for(config: EngineConfig, model_dir: Path, cuda_graph_max_batch: int,
-               tensor_parallel: TensorParallel | None = None) -> ModelRunner:
-    """The runner an engine's configuration asks for (one rank's, with `tensor_parallel`)."""
+               place: RankPlace | None = None) -> ModelRunner:
+    """The runner an engine's configuration asks for (one rank's of a group, with `place`)."""
     kv_gb = None if config.kv_cache_memory_bytes is None else config.kv_cache_memory_bytes / 2**30
     device = config.device
-    if tensor_parallel is not None and device.startswith("cuda"):
-        device = f"cuda:{tensor_parallel.rank}"   # one device per rank
+    if place is not None and device.startswith("cuda"):
+        device = f"cuda:{place.rank}"   # one device per rank
     return ModelRunner(model_dir, dtype=getattr(torch, config.dtype), device=device,
                        num_blocks=config.num_blocks, block_size=config.block_size,
                        attention_backend=config.attention_backend, kv_cache_memory_gb=kv_gb,
                        kv_shared_memory=config.kv_shared_memory,
                        keep_weights_compressed=config.keep_weights_compressed,
                        cuda_graph_max_batch=cuda_graph_max_batch,
-                       fingerprint_weights=tensor_parallel is None,   # KV tiers and KV transfers name the weights
-                       tensor_parallel=tensor_parallel)
+                       fingerprint_weights=place is None,   # KV tiers and KV transfers name the weights
+                       place=place)
 
 
 def _packed_copies(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -263,13 +316,17 @@ def _packed_copies(module: torch.nn.Module) -> list[torch.Tensor]:
     return []
 
 
-def check_tensor_parallel(config: ModelConfig, size: int, expert_parallel: bool = False) -> None:
-    """ValueError, saying what to choose, where `size` ranks cannot split this model (checked before any starts)."""
+def check_group(config: ModelConfig, size: int, stages: int = 1, expert_parallel: bool = False) -> None:
+    """ValueError, saying what to choose, where `size` tensor-parallel ranks in each of `stages` pipeline stages
+    cannot split this model (checked before any rank starts)."""
     if size == 1 and expert_parallel:
         raise ValueError(EXPERT_PARALLEL_NEEDS_A_GROUP)
+    if size > 1 or stages > 1:
+        sharded_model_class(getattr(config, "architectures", None), tensor_parallel=size > 1, pipeline=stages > 1)
     if size > 1:
-        tensor_parallel_model_class(getattr(config, "architectures", None))
         TPLayout.of(config, 0, size, expert_parallel)
+    if stages > 1:
+        PipelineStage.of(int(config.num_hidden_layers), 0, stages)
 
 
 def uniform_kv_spec(layers: tuple[LayerKVSpec, ...]) -> LayerKVSpec:

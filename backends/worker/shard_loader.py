@@ -24,7 +24,9 @@ class ShardReader(Mapping[str, torch.Tensor]):
     tensor's copy is freed once the model has placed it); `read_bytes` counts what was read. A context manager:
     the files stay open until it exits."""
 
-    def __init__(self, folder: Path, layout: TPLayout) -> None:
+    def __init__(self, folder: Path, layout: TPLayout | None) -> None:
+        """`layout`: the rank's tensor-parallel slices; None: whole tensors (a pipeline stage of one rank, which
+        asks for its own layers' only)."""
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
         if config.get("quantization_config"):
             raise ValueError(f"{folder} is quantized ({config['quantization_config'].get('quant_method')}): a "
@@ -48,7 +50,8 @@ class ShardReader(Mapping[str, torch.Tensor]):
         self._stack.close()
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = _read_slice(self._files[name].get_slice(name), self.layout.rows_of(name))
+        rows = None if self.layout is None else self.layout.rows_of(name)
+        tensor = _read_slice(self._files[name].get_slice(name), rows)
         self.read_bytes += tensor.numel() * tensor.element_size()
         return tensor
 

@@ -1,7 +1,8 @@
-"""A tensor-parallel group that loses a rank goes down whole, within its timeout, and leaves no process behind:
+"""A group of ranks that loses one goes down whole, within its timeout, and leaves no process behind:
 
-- rank 1 killed in the middle of a stream: the stream ends (no hang), /health answers 503 with the reason, new
-  requests get 503 `engine_dead`, and rank 0 exits cleanly on SIGTERM;
+- rank 1 killed in the middle of a stream (a tensor-parallel peer, or the second pipeline stage): the stream
+  ends (no hang), /health answers 503 with the reason, new requests get 503 `engine_dead`, and rank 0 exits
+  cleanly on SIGTERM;
 - rank 1 stopped (SIGSTOP: alive, silent): rank 0's watchdog fails the group after the timeout and kills it;
 - rank 0 killed: rank 1 exits by itself (the kernel's parent-death signal).
 """
@@ -37,8 +38,10 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def group(folder: Path, tmp_path: Path) -> Iterator[WorkerProcess]:
-    worker = WorkerProcess(["--model", str(folder), "--tensor-parallel-size", "2", "--threads", "1",
+def group(folder: Path, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[WorkerProcess]:
+    """Two ranks: tensor-parallel (the default) or, with the parameter "pp2", two pipeline stages."""
+    split = "--pipeline-parallel-size" if getattr(request, "param", "tp2") == "pp2" else "--tensor-parallel-size"
+    worker = WorkerProcess(["--model", str(folder), split, "2", "--threads", "1",
                             "--num-blocks", "64", "--served-model-name", NAME,
                             "--distributed-timeout-s", str(TIMEOUT_S)], log_dir=tmp_path)
     try:
@@ -63,6 +66,7 @@ async def assert_failed(worker: WorkerProcess, reason: str) -> None:
     assert status == 503 and refused["error"]["code"] == "engine_dead", refused
 
 
+@pytest.mark.parametrize("group", ["tp2", "pp2"], indirect=True)
 async def test_a_rank_killed_mid_stream_ends_the_group(group: WorkerProcess) -> None:
     rank, = rank_pids(group.pid)
     events: list[dict[str, object]] = []

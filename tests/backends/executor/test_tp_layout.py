@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from backends.models.tensor_parallel import TPLayout
-from backends.worker.model_runner import check_tensor_parallel
+from backends.worker.model_runner import check_group
 
 SMOLLM2 = SimpleNamespace(architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
                           num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
@@ -79,8 +79,8 @@ def test_rows_each_rank_reads_of_each_tensor() -> None:
 ])
 def test_sizes_the_model_cannot_split_are_refused(config: SimpleNamespace, size: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        check_tensor_parallel(config, size)
-    check_tensor_parallel(config, 1)   # one rank runs anything
+        check_group(config, size)
+    check_group(config, 1)   # one rank runs anything
 
 
 @pytest.mark.parametrize(("expert_parallel", "rank", "want", "rows"), [
@@ -119,15 +119,15 @@ def test_expert_parallel_gives_each_rank_only_its_own_experts() -> None:
 ])
 def test_expert_parallel_sizes_refused(config: SimpleNamespace, size: int, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
-        check_tensor_parallel(config, size, expert_parallel=True)
+        check_group(config, size, expert_parallel=True)
 
 
 def test_expert_parallel_needs_no_expert_columns_to_divide() -> None:
     """Mixtral's experts are whole on each rank: a width 4 does not divide is no obstacle (it is within each)."""
     narrow = SimpleNamespace(**{**vars(MIXTRAL), "intermediate_size": 42})
-    check_tensor_parallel(narrow, 4, expert_parallel=True)
+    check_group(narrow, 4, expert_parallel=True)
     with pytest.raises(ValueError, match="does not divide the model's 42 expert columns"):
-        check_tensor_parallel(narrow, 4)
+        check_group(narrow, 4)
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
@@ -164,5 +164,12 @@ def test_deepseek_v3s_shared_expert_must_divide_even_with_expert_parallelism() -
     """Whole routed experts need no width to divide, but the shared expert is split by columns in either mode."""
     narrow = SimpleNamespace(**{**vars(DEEPSEEK_V3), "moe_intermediate_size": 42, "intermediate_size": 96})
     with pytest.raises(ValueError, match="does not divide the model's 42 shared expert columns"):
-        check_tensor_parallel(narrow, 4, expert_parallel=True)
-    check_tensor_parallel(narrow, 2, expert_parallel=True)
+        check_group(narrow, 4, expert_parallel=True)
+    check_group(narrow, 2, expert_parallel=True)
+
+
+def test_deepseek_v3_over_pipeline_stages_is_refused() -> None:
+    """Its class builds no pipeline stage yet: refused from the config, with or without tensor parallelism."""
+    for size in (1, 2):
+        with pytest.raises(ValueError, match="DeepseekV3ForCausalLM cannot be split over pipeline stages yet"):
+            check_group(DEEPSEEK_V3, size, stages=2)
