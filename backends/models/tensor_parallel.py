@@ -100,7 +100,7 @@ class LatentHeads:
     and their norms are replicated: the latent is every head's key and value."""
     qk_head_dim: int     # qk_nope_head_dim + qk_rope_head_dim
     kv_b_head_dim: int   # qk_nope_head_dim + v_head_dim
-    v_head_dim: int
+    v_head_dim: int      # o_proj's input columns per head
 
     @classmethod
     def of(cls, config: ModelConfig) -> LatentHeads | None:
