@@ -9,10 +9,13 @@ engine would hold (ModelRunner, or rank 0's GroupModelRunner over ranks it spawn
 `--prompt-len` tokens, and decode steps of 1 and 8 sequences at that context; the median of `--steps` steps.
 `--family qwen3-moe`: a Qwen3-MoE of the same width (16 experts of 384 columns, top-4), served by a
 group twice, its experts split within each expert and, with expert parallelism, whole (`--enable-expert-parallel`).
-`--groups`: which groups of `--size` ranks run (TP, EP for the MoE family, PP: `--size` pipeline stages).
+`--family deepseek-v3`: DeepSeek-V3 of that width (latent attention with kv_lora_rank 128 and q_lora_rank 192 over
+the 8 heads, a dense first layer, then 16 experts of 384 columns, top-4 in 2 of 4 groups, and a shared expert),
+served by the same TP and EP groups (not PP: DeepSeek-V3 has no pipeline stages yet).
+`--groups`: which groups of `--size` ranks run (TP, EP for the MoE families, PP: `--size` pipeline stages).
 A script, not a test:
 
-    .venv/bin/python benchmarks/tensor_parallel_bench.py [--layers 30] [--steps 20] [--family qwen3-moe]
+    .venv/bin/python benchmarks/tensor_parallel_bench.py [--layers 30] [--steps 20] [--family qwen3-moe|deepseek-v3]
         [--groups tp pp]
 """
 from __future__ import annotations
@@ -48,22 +51,26 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--size", type=int, default=2, help="ranks of the group")
-    p.add_argument("--family", choices=("llama", "qwen3-moe"), default="llama")
+    p.add_argument("--family", choices=("llama", "qwen3-moe", "deepseek-v3"), default="llama")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads of the TP=1 runs")
     p.add_argument("--groups", nargs="+", choices=("tp", "ep", "pp"), default=["tp", "ep", "pp"],
-                   help="groups to run (ep: the MoE family only)")
+                   help="groups to run (ep: the MoE families only; pp: not deepseek-v3)")
     return p.parse_args()
 
 
 def build_checkpoint(family: str, layers: int, folder: Path) -> None:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, LlamaConfig, Qwen3MoeConfig
 
     shape: dict[str, Any] = dict(vocab_size=49152, hidden_size=576, num_hidden_layers=layers,
                                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
                                  tie_word_embeddings=True, rope_theta=100000.0)
-    config = (LlamaConfig(intermediate_size=1536, **shape) if family == "llama" else
-              Qwen3MoeConfig(intermediate_size=1536, moe_intermediate_size=384, num_experts=16, num_experts_per_tok=4,
-                             **shape))
+    moe: dict[str, Any] = dict(intermediate_size=1536, moe_intermediate_size=384, num_experts_per_tok=4)
+    config = {"llama": lambda: LlamaConfig(intermediate_size=1536, **shape),
+              "qwen3-moe": lambda: Qwen3MoeConfig(num_experts=16, **moe, **shape),
+              "deepseek-v3": lambda: DeepseekV3Config(
+                  n_routed_experts=16, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                  q_lora_rank=192, kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64,
+                  **moe, **{**shape, "num_key_value_heads": 8})}[family]()
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
 
 

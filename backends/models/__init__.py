@@ -20,10 +20,9 @@ _MODELS = MappingProxyType({
     "DeepseekV3ForCausalLM": "backends.models.deepseek_v3:DeepseekV3ForCausalLM",
 })
 
-# Those whose class builds one rank's shard (`tp=`; backends/models/tensor_parallel.py). Latent attention
-# (DeepSeek-V3) is not split yet: a group refuses it at start.
+# Those whose class builds one rank's shard (`tp=`; backends/models/tensor_parallel.py).
 _TENSOR_PARALLEL = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
-                              "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+                              "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"})
 # Those whose class builds one pipeline stage's layers (`stage=`; backends/models/pipeline.py).
 _PIPELINE = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
                        "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})

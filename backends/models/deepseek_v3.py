@@ -4,6 +4,8 @@ dense first layers, then sparse MLPs with shared experts and DeepSeek's group-li
 Pure nn.Module over flat token batches ([num_tokens, ...]). The cache keeps per token only the normed latent c_kv
 (kv_lora_rank) and the rotated k_pe (qk_rope_head_dim), never the per-head K and V: queries are absorbed into the
 latent space through W_UK and the attention output leaves it through W_UV (absorbed form, prefill and decode).
+With `tp=`, one rank's shard: its query heads (the latent, which all heads read, replicated and cached on every
+rank), its MLP and shared-expert columns, its ExpertSplit of the routed experts, its vocabulary rows.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from backends.models.layers import CompressedWeight, ExpandScratch, Linear, LMHe
 from backends.models.llama import LlamaMLP
 from backends.models.model_config import ModelConfig
 from backends.models.moe import QWEN_NAMES, MoEBlock, MoEConfig, sigmoid_group_topk
+from backends.models.pipeline import PipelineStage
+from backends.models.tensor_parallel import TensorParallel, TPLayout, vocab_parallel_embed
 
 
 class DeepseekV3Config(ModelConfig, Protocol):
@@ -98,13 +102,19 @@ def interleaved_to_halves(rows: int) -> torch.Tensor:
 
 
 class LatentAttention(nn.Module):
-    """MLA: q (optionally through a low-rank q_a/q_b), the latent [c_kv, k_pe] cached, absorbed attention."""
+    """MLA: q (optionally through a low-rank q_a/q_b), the latent [c_kv, k_pe] cached, absorbed attention.
 
-    def __init__(self, config: ModelConfig, layer: int, kernels: LayerKernels) -> None:
+    With `tp`: this rank's query heads (q / q_b rows, W_UK and W_UV of kv_b, o_proj's columns: row-parallel, one
+    all-reduce); q_a, kv_a_proj_with_mqa and their norms replicated, so every rank computes and caches the whole
+    latent (vLLM's MLA does the same)."""
+
+    def __init__(self, config: ModelConfig, layer: int, kernels: LayerKernels,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.layer, self.kernels = layer, kernels
+        self.layer, self.kernels, self.tp = layer, kernels, tp
         dims = cast(DeepseekV3Config, config)
-        hidden, self.num_heads = config.hidden_size, config.num_attention_heads
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads if tp is None else TPLayout.of(config, tp.rank, tp.size).num_heads
         self.q_lora_rank: int | None = getattr(config, "q_lora_rank", None)
         self.kv_lora_rank, self.rope_dim = int(dims.kv_lora_rank), int(dims.qk_rope_head_dim)
         self.nope_dim, self.v_dim = int(dims.qk_nope_head_dim), int(dims.v_head_dim)
@@ -124,7 +134,8 @@ class LatentAttention(nn.Module):
         # kv_b_proj split per head: W_UK absorbs q_nope into the latent, W_UV takes the output out of it
         self.w_uk = nn.Parameter(torch.empty(self.num_heads, self.nope_dim, self.kv_lora_rank), requires_grad=False)
         self.w_uv = nn.Parameter(torch.empty(self.num_heads, self.v_dim, self.kv_lora_rank), requires_grad=False)
-        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias, kernels)
+        # a row-parallel bias is added once, by rank 0
+        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias and (tp is None or tp.rank == 0), kernels)
         self.latent_dim = self.kv_lora_rank + self.rope_dim
         self.cached_half = -(-self.latent_dim // 2)   # channels of the latent in each of the K and V caches
         self.scale = softmax_scale(config, self.nope_dim + self.rope_dim)
@@ -154,7 +165,11 @@ class LatentAttention(nn.Module):
         out = attn(self.layer, query, cached[..., :self.cached_half], cached[..., self.cached_half:])
         # out [num_tokens, heads, kv_lora_rank] leaves the latent: x [heads, kv_lora_rank, v_dim]
         out = torch.bmm(out.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)
-        return self.o_proj(out.reshape(num_tokens, heads * self.v_dim), residual)
+        out = out.reshape(num_tokens, heads * self.v_dim)
+        if self.tp is None:
+            return self.o_proj(out, residual)
+        # the ranks' partial products summed; the replicated residual added by rank 0 alone
+        return self.tp.all_reduce(self.o_proj(out, residual if self.tp.rank == 0 else None))
 
     def load(self, weights: Mapping[str, torch.Tensor | CompressedWeight], prefix: str, interleaved: bool,
              scratch: ExpandScratch | None) -> None:
@@ -185,12 +200,12 @@ class LatentAttention(nn.Module):
 class DeepseekV3MoE(MoEBlock):
     """The sparse MLP with DeepSeek-V3's routing: sigmoid scores, the correction bias, group-limited top-k."""
 
-    def __init__(self, config: DeepseekV3Config, kernels: LayerKernels) -> None:
+    def __init__(self, config: DeepseekV3Config, kernels: LayerKernels, tp: TensorParallel | None = None) -> None:
         super().__init__(MoEConfig(
             hidden_size=config.hidden_size, num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
             intermediate_size=config.moe_intermediate_size, renormalize=bool(getattr(config, "norm_topk_prob", True)),
             names=QWEN_NAMES, shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts),
-            kernels)
+            kernels, tp)
         self.n_group, self.topk_group = int(config.n_group), int(config.topk_group)
         self.scaling = float(config.routed_scaling_factor)
         self.correction_bias = nn.Parameter(torch.empty(config.n_routed_experts, dtype=torch.float32),
@@ -209,14 +224,15 @@ class DeepseekV3MoE(MoEBlock):
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, kernels: LayerKernels) -> None:
+    def __init__(self, config: ModelConfig, layer: int, kernels: LayerKernels,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.self_attn = LatentAttention(config, layer, kernels)
+        self.self_attn = LatentAttention(config, layer, kernels, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         dims = cast(DeepseekV3Config, config)
-        self.mlp: LlamaMLP | DeepseekV3MoE = (
-            LlamaMLP(config, kernels) if layer < dims.first_k_dense_replace else DeepseekV3MoE(dims, kernels))
+        self.mlp: LlamaMLP | DeepseekV3MoE = (LlamaMLP(config, kernels, tp) if layer < dims.first_k_dense_replace
+                                              else DeepseekV3MoE(dims, kernels, tp))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         x = self.self_attn(self.input_layernorm(x), cos, sin, attn, residual=x)
@@ -231,18 +247,28 @@ class DeepseekV3DecoderLayer(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    """Token ids + positions in, hidden states out (backends.models.base.CausalLM)."""
+    """Token ids + positions in, hidden states out (backends.models.base.CausalLM). `tp`: build this rank's shard
+    (backends/models/tensor_parallel.py), the embedding and LM head by vocabulary rows as Llama's."""
 
-    def __init__(self, config: ModelConfig, kernels: LayerKernels) -> None:
+    def __init__(self, config: ModelConfig, kernels: LayerKernels, *, tp: TensorParallel | None = None,
+                 stage: PipelineStage | None = None) -> None:
+        """`stage`: the runner passes its pipeline stage to every sharded class; DeepSeek-V3 has none yet (the
+        registry refuses it over stages at start), so only None."""
+        if stage is not None:
+            raise ValueError("DeepseekV3ForCausalLM cannot be split over pipeline stages yet")
         super().__init__()
         self.config = config
         self.kernels = kernels
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.tp = tp
+        self.tp_layout = None if tp is None else TPLayout.of(config, tp.rank, tp.size, tp.expert_parallel)
+        vocab_rows = config.vocab_size if self.tp_layout is None else self.tp_layout.vocab
+        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size,
+                                         _weight=torch.empty(vocab_rows, config.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(config, i, kernels) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(config, i, kernels, tp)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size, kernels)
+        self.lm_head = LMHead(config.hidden_size, vocab_rows, kernels)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.embed_tokens.weight
         with torch.device("cpu"):   # a plain attribute, kept float32, moved to the positions' device on first use
@@ -266,10 +292,15 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        if self.tp is None or self.tp_layout is None:
+            return self.embed_tokens(input_ids)
+        return vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.tp_layout, self.tp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """Over a group: rank 0 gets every rank's vocabulary columns (the padding past the vocabulary cut)."""
+        if self.tp is None:
+            return self.lm_head(hidden)
+        return self.tp.gather_vocab(self.lm_head(hidden))[:, :self.config.vocab_size]
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.lm_head.weight
@@ -283,11 +314,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         interleaved = bool(getattr(self.config, "rope_interleave", True))
         for i in range(len(self.layers)):
             self.decoder_layer(i).load(weights, f"model.layers.{i}", interleaved, scratch)
-        embed = dense(weights["model.embed_tokens.weight"])
+        embed = self._vocab_rows(dense(weights["model.embed_tokens.weight"]))
         self.embed_tokens.weight.copy_(embed)
         self.norm.weight.copy_(dense(weights["model.norm.weight"]))
         tied = getattr(self.config, "tie_word_embeddings", False)
-        self.lm_head.load(embed if tied else dense(weights["lm_head.weight"]))
+        self.lm_head.load(embed if tied else self._vocab_rows(dense(weights["lm_head.weight"])))
+
+    def _vocab_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """A rank's vocabulary rows padded with zeros to its share (the last rank's may run past the vocabulary)."""
+        missing = self.embed_tokens.weight.shape[0] - rows.shape[0]
+        return rows if missing <= 0 else torch.cat((rows, rows.new_zeros(missing, rows.shape[1])))
 
 
 def _maybe(weights: Mapping[str, torch.Tensor | CompressedWeight], name: str) -> list[torch.Tensor] | None:

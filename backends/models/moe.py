@@ -14,7 +14,7 @@ from torch import nn
 
 from backends.models.kernels.base import LayerKernels
 from backends.models.layers import CompressedWeight, ExpandScratch, Linear, dense
-from backends.models.tensor_parallel import ExpertSplit, TensorParallel
+from backends.models.tensor_parallel import ExpertSplit, TensorParallel, shared_expert_columns
 
 
 def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,8 +140,9 @@ class MoEBlock(nn.Module):
     expert added for every token. `route` may be replaced by a family with its own routing (DeepSeek-V3).
 
     With `tp`: this rank's ExpertSplit of the experts (every expert's columns, or whole experts with expert
-    parallelism) under the replicated router; the ranks' partial outputs are summed by one all-reduce, the
-    residual added by rank 0 alone (no shared expert: the families that have one are not split yet)."""
+    parallelism) under the replicated router, and its columns of the shared expert (in either mode, as a dense
+    MLP's); the routed and shared partial outputs are added, then summed over the ranks by one all-reduce, the
+    residual added by rank 0 alone."""
 
     def __init__(self, config: MoEConfig, kernels: LayerKernels, tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -150,15 +151,14 @@ class MoEBlock(nn.Module):
         self.tp = tp
         self.split = None if tp is None else ExpertSplit.of(config.num_experts, config.intermediate_size, tp.rank,
                                                             tp.size, tp.expert_parallel)
-        if self.split is not None and config.shared_intermediate_size:
-            raise ValueError("a sparse MLP with a shared expert cannot be split over a tensor-parallel group yet")
         hidden = config.hidden_size
         experts = config.num_experts if self.split is None else self.split.num_experts
         inter = config.intermediate_size if self.split is None else self.split.intermediate
         self.gate = nn.Parameter(torch.empty(config.num_experts, hidden, dtype=torch.float32), requires_grad=False)
         self.gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.empty(experts, hidden, inter), requires_grad=False)
-        shared = config.shared_intermediate_size
+        shared = (config.shared_intermediate_size if tp is None
+                  else shared_expert_columns(config.shared_intermediate_size, tp.size))
         self.shared_gate_up = Linear(hidden, 2 * shared, False, kernels) if shared else None
         self.shared_down = Linear(shared, hidden, False, kernels) if shared else None
         self.shared_gate = (nn.Parameter(torch.empty(1, hidden, dtype=torch.float32), requires_grad=False)

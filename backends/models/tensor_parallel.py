@@ -1,6 +1,7 @@
 """Tensor parallelism as the models see it: the group's collectives (`TensorParallel`, a protocol the executor
-implements over torch.distributed), how a Llama-family checkpoint splits over the ranks (`TPLayout`, with
-`ExpertSplit` for the MoE families' experts), and the check that refuses a size the model does not divide.
+implements over torch.distributed), how a Llama-family or DeepSeek-V3 checkpoint splits over the ranks (`TPLayout`,
+with `ExpertSplit` for the MoE families' experts and `LatentHeads` for latent attention), and the check that refuses
+a size the model does not divide.
 
 Megatron's split, as vLLM's ColumnParallelLinear / RowParallelLinear / VocabParallelEmbedding do it: q/k/v and
 gate/up are split by output rows (column-parallel: no communication), o_proj and down_proj by input columns
@@ -87,24 +88,57 @@ class ExpertSplit:
         return local.masked_fill((local < 0) | (local >= self.num_experts), self.num_experts)
 
 
+def shared_expert_columns(width: int, size: int) -> int:
+    """Columns of a shared expert `width` wide on each of `size` ranks (split as a dense MLP's), or ValueError."""
+    return _divide("shared expert columns", width, size)
+
+
+@dataclass(frozen=True, slots=True)
+class LatentHeads:
+    """Per-head widths of multi-head latent attention's split tensors (DeepSeek-V3): q_proj / q_b_proj rows, kv_b_proj
+    rows (W_UK then W_UV of each head) and o_proj columns. The latent projection (kv_a_proj_with_mqa), q_a_proj
+    and their norms are replicated: the latent is every head's key and value."""
+    qk_head_dim: int     # qk_nope_head_dim + qk_rope_head_dim
+    kv_b_head_dim: int   # qk_nope_head_dim + v_head_dim
+    v_head_dim: int      # o_proj's input columns per head
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> LatentHeads | None:
+        """The widths of a latent-attention config (one with kv_lora_rank); None for any other."""
+        if not getattr(config, "kv_lora_rank", None):
+            return None
+        nope, rope, v = (int(getattr(config, n)) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        return cls(qk_head_dim=nope + rope, kv_b_head_dim=nope + v, v_head_dim=v)
+
+
 def moe_shape(config: ModelConfig) -> tuple[int, int] | None:
     """(routed experts, columns of each) of a MoE family's config (Mixtral's num_local_experts and
-    intermediate_size, Qwen-MoE's num_experts and moe_intermediate_size); None for a dense model."""
-    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    intermediate_size, Qwen-MoE's num_experts and moe_intermediate_size, DeepSeek's n_routed_experts); None for a
+    dense model."""
+    num_experts = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+                   or getattr(config, "n_routed_experts", None))
     if not num_experts:
         return None
     return int(num_experts), int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
 
 
 def _has_dense(config: ModelConfig) -> bool:
-    """Whether a MoE config keeps dense MLPs in some layers (Qwen-MoE's mlp_only_layers, decoder_sparse_step)."""
-    return bool(getattr(config, "mlp_only_layers", None)) or int(getattr(config, "decoder_sparse_step", 1) or 1) > 1
+    """Whether a MoE config keeps dense MLPs in some layers (Qwen-MoE's mlp_only_layers, decoder_sparse_step;
+    DeepSeek's first_k_dense_replace)."""
+    return (bool(getattr(config, "mlp_only_layers", None)) or int(getattr(config, "decoder_sparse_step", 1) or 1) > 1
+            or int(getattr(config, "first_k_dense_replace", 0) or 0) > 0)
+
+
+def _shared_expert_width(config: ModelConfig) -> int:
+    """The (summed) width of a MoE config's shared experts: DeepSeek's n_shared_experts of moe_intermediate_size."""
+    return int(getattr(config, "n_shared_experts", 0) or 0) * int(getattr(config, "moe_intermediate_size", 0) or 0)
 
 
 @dataclass(frozen=True, slots=True)
 class TPLayout:
-    """What rank `rank` of `size` holds of a Llama-family model: contiguous ranges of heads, MLP columns and
-    vocabulary rows. With fewer KV heads than ranks, each KV head is replicated on size // num_kv_heads ranks."""
+    """What rank `rank` of `size` holds of a Llama-family or DeepSeek-V3 model: contiguous ranges of heads, MLP
+    columns and vocabulary rows. With fewer KV heads than ranks, each KV head is replicated on size // num_kv_heads
+    ranks; latent attention's one cached latent is replicated on every rank (num_kv_heads 1)."""
     rank: int                 # this rank
     size: int                 # ranks in the group
     num_heads: int            # query heads on this rank
@@ -115,6 +149,8 @@ class TPLayout:
     intermediate: int         # MLP columns on this rank
     vocab: int                # vocabulary rows on this rank (the last rank's may run past the real vocabulary)
     experts: ExpertSplit | None = None   # the sparse MLPs' experts on this rank (None: a dense model)
+    shared_intermediate: int = 0         # shared expert columns on this rank (0: none)
+    latent: LatentHeads | None = None    # latent attention's per-head widths (None: K/V heads of head_dim)
 
     @classmethod
     def of(cls, config: ModelConfig, rank: int, size: int, expert_parallel: bool = False) -> TPLayout:
@@ -124,7 +160,10 @@ class TPLayout:
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         local_heads = _divide("attention heads", heads, size)
-        if kv_heads >= size:
+        latent = LatentHeads.of(config)
+        if latent is not None:   # one latent per token, which every rank's heads read
+            local_kv, first_kv = 1, 0
+        elif kv_heads >= size:
             local_kv = _divide("KV heads", kv_heads, size)
             first_kv = rank * local_kv
         else:   # fewer KV heads than ranks: each rank keeps the one its query heads read
@@ -141,13 +180,20 @@ class TPLayout:
         intermediate = (_divide("MLP columns (intermediate_size)", dense, size) if shape is None or _has_dense(config)
                         else dense // size)
         vocab = -(-int(config.vocab_size) // size)
+        shared = shared_expert_columns(_shared_expert_width(config), size)
         return cls(rank=rank, size=size, num_heads=local_heads, num_kv_heads=local_kv, head_dim=head_dim,
                    first_head=rank * local_heads, first_kv_head=first_kv, intermediate=intermediate, vocab=vocab,
-                   experts=experts)
+                   experts=experts, shared_intermediate=shared, latent=latent)
 
     @property
     def first_vocab(self) -> int:
         return self.rank * self.vocab
+
+    def _latent_rows(self, part: str, latent: LatentHeads) -> tuple[int, int, int]:
+        """Latent attention's head-split tensors: q (or q_b) and kv_b by output rows, o_proj by input columns."""
+        dim, width = {"q_proj": (0, latent.qk_head_dim), "q_b_proj": (0, latent.qk_head_dim),
+                      "kv_b_proj": (0, latent.kv_b_head_dim), "o_proj": (1, latent.v_head_dim)}[part]
+        return dim, self.first_head * width, (self.first_head + self.num_heads) * width
 
     def rows_of(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, stop) of checkpoint tensor `name` that this rank reads, or None: the whole tensor
@@ -156,6 +202,11 @@ class TPLayout:
         is_bias = name.endswith(".bias")
         if ".experts." in name and self.experts is not None:   # a routed expert's projection
             return self.experts.rows_of(part)
+        if ".shared_experts." in name:   # split as a dense MLP, by its own columns
+            columns = (self.rank * self.shared_intermediate, (self.rank + 1) * self.shared_intermediate)
+            return (0, *columns) if part in ("gate_proj", "up_proj") else (1, *columns)
+        if self.latent is not None and part in ("q_proj", "q_b_proj", "kv_b_proj", "o_proj") and not is_bias:
+            return self._latent_rows(part, self.latent)
         heads = {"q_proj": (self.first_head, self.num_heads), "k_proj": (self.first_kv_head, self.num_kv_heads),
                  "v_proj": (self.first_kv_head, self.num_kv_heads)}
         if part in heads:

@@ -1,6 +1,8 @@
-"""Tiny random Mixtral and Qwen3-MoE checkpoints (transformers' config classes, from_config; 8 experts, top-2)
-served by one rank, by a tensor-parallel group of two (`--tensor-parallel-size 2`: every expert's columns split)
-and by an expert-parallel group of two (`--enable-expert-parallel`: 4 whole experts per rank), gloo on the CPU:
+"""Tiny random Mixtral, Qwen3-MoE and DeepSeek-V3 checkpoints (transformers' config classes, from_config; 8 experts,
+top-2; DeepSeek-V3's latent attention with q through q_a / q_b, and, served by TP=2 only, through one q_proj) served
+by one rank, by a tensor-parallel group of two (`--tensor-parallel-size 2`: every expert's columns split, DeepSeek's
+query heads and shared expert too) and by an expert-parallel group of two (`--enable-expert-parallel`: 4 whole
+experts per rank), gloo on the CPU:
 
 - the groups' greedy tokens are the single rank's (and transformers'), served directly and through the gateway,
   and their logprobs the single rank's within float32 rounding;
@@ -41,6 +43,10 @@ BODY = {"model": NAME, "prompt": "The capital of France is", "max_tokens": MAX_T
         "return_token_ids": True, "logprobs": 1}
 COMMON = ["--threads", "1", "--num-blocks", "32", "--served-model-name", NAME]
 GROUPS = {"tp2": ["--tensor-parallel-size", "2"], "ep2": ["--tensor-parallel-size", "2", "--enable-expert-parallel"]}
+# the groups each family is served by: DeepSeek-V3 without q_lora_rank differs in its attention only, which EP=2
+# splits as TP=2 does (one group fewer to start)
+FAMILY_GROUPS = {"mixtral": GROUPS, "qwen3-moe": GROUPS, "deepseek-v3": GROUPS,
+                 "deepseek-v3-q-full": {"tp2": GROUPS["tp2"]}}
 # |logprob| differences of the same tokens, a group against one rank: float32 rounding of sums taken in another
 # order (the bound held in every run; the largest difference itself is not recorded)
 MAX_LOGPROB_DIFF = 1e-4
@@ -52,21 +58,25 @@ class Served:
     family: str
     folder: Path
     model: PreTrainedModel                 # transformers' float32 model on the checkpoint's weights
-    workers: dict[str, WorkerProcess]      # "tp1" (one rank), "tp2" and "ep2" (the groups)
+    workers: dict[str, WorkerProcess]      # "tp1" (one rank), "tp2" and "ep2" (the groups; FAMILY_GROUPS)
+
+    @property
+    def groups(self) -> dict[str, list[str]]:
+        return FAMILY_GROUPS[self.family]
 
     def url(self, name: str) -> str:
         return self.workers[name].url
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3-moe"])
+@pytest.fixture(scope="module", params=list(FAMILY_GROUPS))
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
     model = tiny_moe_checkpoint(request.param, folder)
     args = {"tp1": ["--model", str(folder), *COMMON],
-            **{name: ["--model", str(folder), *flags, *COMMON] for name, flags in GROUPS.items()}}
+            **{name: ["--model", str(folder), *flags, *COMMON] for name, flags in FAMILY_GROUPS[request.param].items()}}
     with started_workers(args, tmp_path_factory.mktemp(f"{request.param}-workers")) as workers:
-        ranks = [pid for name in GROUPS for pid in rank_pids(workers[name].pid)]
-        assert len(ranks) == len(GROUPS), ranks   # rank 1 of each group
+        ranks = [pid for name in FAMILY_GROUPS[request.param] for pid in rank_pids(workers[name].pid)]
+        assert len(ranks) == len(FAMILY_GROUPS[request.param]), ranks   # rank 1 of each group
         yield Served(request.param, folder, model, workers)
     wait_until(lambda: all(gone(pid) for pid in ranks), "the groups' ranks to exit with their workers")
 
@@ -85,13 +95,13 @@ async def test_tp2_and_ep2_give_one_ranks_greedy_tokens(served: Served, tmp_path
     assert_mostly_clear([reference], "transformers' greedy tokens")
 
     answers = {}
-    for name in ("tp1", *GROUPS):
+    for name in ("tp1", *served.groups):
         status, body = await post(served.url(name), BODY)
         assert status == 200, body
         answers[name] = completion(body)
         assert_same_tokens(answers[name][0], want, reference, f"{served.family} {name} against transformers")
     one_ids, one_logprobs = answers["tp1"]
-    for name in GROUPS:
+    for name in served.groups:
         ids, logprobs = answers[name]
         assert ids == one_ids, f"{served.family} {name} against one rank"
         worst = max(abs(a - b) for a, b in zip(logprobs, one_logprobs, strict=True))
@@ -99,23 +109,24 @@ async def test_tp2_and_ep2_give_one_ranks_greedy_tokens(served: Served, tmp_path
 
     gateway = GatewayProcess({   # both groups behind one model: whichever it picks answers one rank's tokens
         "models": {NAME: {"tokenizer": str(served.folder), "providers": ["groups"]}},
-        "providers": {"groups": {"kind": "openai", "endpoints": [served.url(n) for n in GROUPS],
+        "providers": {"groups": {"kind": "openai", "endpoints": [served.url(n) for n in served.groups],
                                  "offers_load": True}},
     }, tmp_path, start_timeout_s=120)   # its import and first health checks: over 30 s on a loaded 2-core VM
     try:
-        for _ in GROUPS:
+        for _ in served.groups:
             status, body = await post(gateway.url, BODY)
             assert status == 200, body
             assert body["choices"][0]["token_ids"] == one_ids
     finally:
         gateway.stop()
-    await assert_idle([served.url(name) for name in ("tp1", *GROUPS)])
+    await assert_idle([served.url(name) for name in ("tp1", *served.groups)])
 
 
 def test_each_rank_reads_only_its_slices_or_its_experts(served: Served) -> None:
-    """Each rank of either group reads about half of the checkpoint's bytes (the norms and the routers whole)."""
+    """Each rank of either group reads about half of the checkpoint's bytes (the norms and the routers whole;
+    DeepSeek-V3's latent projections too)."""
     total = sum(path.stat().st_size for path in served.folder.glob("*.safetensors"))
-    for name in GROUPS:
+    for name in served.groups:
         read = {int(rank): float(mb) * 1e6 for rank, _, mb in _WEIGHTS.findall(served.workers[name].log())}
         assert sorted(read) == [0, 1], served.workers[name].log()
         for rank, read_bytes in read.items():

@@ -1,5 +1,6 @@
-"""How a Llama-family model splits over a tensor-parallel group (backends/models/tensor_parallel.py): which heads,
-KV heads, MLP columns and vocabulary rows each rank holds, and the sizes refused at start. Pure: no processes."""
+"""How a Llama-family or DeepSeek-V3 model splits over a tensor-parallel group (backends/models/tensor_parallel.py):
+which heads, KV heads, MLP columns and vocabulary rows each rank holds, and the sizes refused at start. Pure: no
+processes."""
 from __future__ import annotations
 
 import re
@@ -18,6 +19,12 @@ QWEN3_MOE = SimpleNamespace(architectures=["Qwen3MoeForCausalLM"], hidden_size=6
                             num_key_value_heads=2, head_dim=16, vocab_size=97)
 MIXTRAL = SimpleNamespace(architectures=["MixtralForCausalLM"], hidden_size=64, intermediate_size=48,
                           num_local_experts=8, num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+# tests/backends/models/moe_checkpoints.py's TINY_DEEPSEEK_V3 (q_lora_rank 48): a dense first layer 96 wide, then
+# 8 experts 32 wide and one shared expert as wide
+DEEPSEEK_V3 = SimpleNamespace(architectures=["DeepseekV3ForCausalLM"], hidden_size=64, intermediate_size=96,
+                              moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
+                              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+                              qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, head_dim=16, vocab_size=97)
 EIGHT_OVER_TWO = SimpleNamespace(architectures=["LlamaForCausalLM"], hidden_size=512, intermediate_size=1024,
                                  num_attention_heads=8, num_key_value_heads=2, vocab_size=1001)
 
@@ -64,8 +71,9 @@ def test_rows_each_rank_reads_of_each_tensor() -> None:
      "neither divides the model's 4 KV heads nor is a multiple of them"),
     (EIGHT_OVER_TWO, 3, "does not divide the model's 8 attention heads"),
     (SimpleNamespace(**{**vars(SMOLLM2), "intermediate_size": 1000}), 3, "1000 MLP columns"),
-    (SimpleNamespace(**{**vars(SMOLLM2), "architectures": ["DeepseekV3ForCausalLM"]}), 3,
-     "DeepseekV3ForCausalLM cannot be split over a tensor-parallel group yet"),
+    (DEEPSEEK_V3, 3, "--tensor-parallel-size 3 does not divide the model's 4 attention heads"),
+    (SimpleNamespace(**{**vars(DEEPSEEK_V3), "num_attention_heads": 128, "n_routed_experts": 256}), 3,
+     "--tensor-parallel-size 3 does not divide the model's 128 attention heads; choose a size that divides 128"),
     (SimpleNamespace(**{**vars(QWEN3_MOE), "moe_intermediate_size": 42}), 4,
      "--tensor-parallel-size 4 does not divide the model's 42 expert columns"),
 ])
@@ -120,3 +128,48 @@ def test_expert_parallel_needs_no_expert_columns_to_divide() -> None:
     check_group(narrow, 4, expert_parallel=True)
     with pytest.raises(ValueError, match="does not divide the model's 42 expert columns"):
         check_group(narrow, 4)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_deepseek_v3_splits_its_query_heads_and_replicates_the_latent(expert_parallel: bool) -> None:
+    """Rank 1 of 2: query heads 2-3 (q_b / q_proj rows of 48 per head, kv_b's W_UK and W_UV rows of 64 per head,
+    o_proj's columns of 32 per head); the latent's projections, norms and the router whole; the dense MLP and the
+    shared expert by columns in either mode; the routed experts by columns or whole."""
+    layout = TPLayout.of(DEEPSEEK_V3, 1, 2, expert_parallel)
+    assert (layout.num_heads, layout.first_head, layout.num_kv_heads, layout.vocab) == (2, 2, 1, 49)
+    assert layout.shared_intermediate == 16
+    attention = {name: layout.rows_of(f"model.layers.1.self_attn.{name}") for name in (
+        "q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "q_proj.weight", "kv_a_proj_with_mqa.weight",
+        "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight", "o_proj.bias")}
+    assert attention == {
+        "q_a_proj.weight": None, "q_a_layernorm.weight": None, "q_b_proj.weight": (0, 96, 192),
+        "q_proj.weight": (0, 96, 192), "kv_a_proj_with_mqa.weight": None, "kv_a_layernorm.weight": None,
+        "kv_b_proj.weight": (0, 128, 256), "o_proj.weight": (1, 64, 128), "o_proj.bias": None}
+    mlp = {name: layout.rows_of(f"model.layers.{name}") for name in (
+        "0.mlp.gate_proj.weight", "0.mlp.down_proj.weight", "1.mlp.gate.weight", "1.mlp.gate.e_score_correction_bias",
+        "1.mlp.shared_experts.gate_proj.weight", "1.mlp.shared_experts.up_proj.weight",
+        "1.mlp.shared_experts.down_proj.weight", "1.mlp.experts.5.gate_proj.weight",
+        "1.mlp.experts.5.down_proj.weight")}
+    routed = (None, None) if expert_parallel else ((0, 16, 32), (1, 16, 32))
+    assert mlp == {
+        "0.mlp.gate_proj.weight": (0, 48, 96), "0.mlp.down_proj.weight": (1, 48, 96), "1.mlp.gate.weight": None,
+        "1.mlp.gate.e_score_correction_bias": None, "1.mlp.shared_experts.gate_proj.weight": (0, 16, 32),
+        "1.mlp.shared_experts.up_proj.weight": (0, 16, 32), "1.mlp.shared_experts.down_proj.weight": (1, 16, 32),
+        "1.mlp.experts.5.gate_proj.weight": routed[0], "1.mlp.experts.5.down_proj.weight": routed[1]}
+    assert layout.experts is not None and layout.experts.first_expert == (4 if expert_parallel else 0)
+    assert layout.rows_of("model.embed_tokens.weight") == layout.rows_of("lm_head.weight") == (0, 49, 98)
+
+
+def test_deepseek_v3s_shared_expert_must_divide_even_with_expert_parallelism() -> None:
+    """Whole routed experts need no width to divide, but the shared expert is split by columns in either mode."""
+    narrow = SimpleNamespace(**{**vars(DEEPSEEK_V3), "moe_intermediate_size": 42, "intermediate_size": 96})
+    with pytest.raises(ValueError, match="does not divide the model's 42 shared expert columns"):
+        check_group(narrow, 4, expert_parallel=True)
+    check_group(narrow, 2, expert_parallel=True)
+
+
+def test_deepseek_v3_over_pipeline_stages_is_refused() -> None:
+    """Its class builds no pipeline stage yet: refused from the config, with or without tensor parallelism."""
+    for size in (1, 2):
+        with pytest.raises(ValueError, match="DeepseekV3ForCausalLM cannot be split over pipeline stages yet"):
+            check_group(DEEPSEEK_V3, size, stages=2)

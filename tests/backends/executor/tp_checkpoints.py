@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
-from tests.backends.models.moe_checkpoints import tiny_moe
+from tests.backends.models.moe_checkpoints import tiny_deepseek_v3, tiny_moe
 from tests.backends.references import smollm2_vocabulary
 
 # 4 query heads over 2 KV heads, MLP 96 wide: TP=2 splits each in two (TP=4 would replicate the KV heads).
@@ -33,12 +33,19 @@ def tiny_llama(folder: Path, **overrides: Any) -> PreTrainedModel:
     return model
 
 
+# DeepSeek-V3's q through the low-rank q_a / q_b (q_lora_rank 48, as the model tests'), or one q_proj
+DEEPSEEK_V3_Q_LORA = {"deepseek-v3": 48, "deepseek-v3-q-full": None}
+
+
 def tiny_moe_checkpoint(family: str, folder: Path) -> PreTrainedModel:
-    """The MoE tests' tiny `family` ("mixtral", "qwen3-moe": 8 experts, top-2; transformers' config class and
-    from_config, per-expert tensors as save_pretrained writes them) over SmolLM2's vocabulary, its tokenizer
+    """The MoE tests' tiny `family` ("mixtral", "qwen3-moe": 8 experts, top-2; "deepseek-v3", "deepseek-v3-q-full":
+    latent attention, a dense first layer, then 8 experts, top-2, and a shared expert; transformers' config class
+    and from_config, per-expert tensors as save_pretrained writes them) over SmolLM2's vocabulary, its tokenizer
     beside it."""
     tokenizer, eos = smollm2_vocabulary()
-    model = tiny_moe(family, folder, vocab_size=len(tokenizer), eos_token_id=list(eos))
+    vocab = dict(vocab_size=len(tokenizer), eos_token_id=list(eos))
+    model = (tiny_deepseek_v3(folder, DEEPSEEK_V3_Q_LORA[family], **vocab) if family in DEEPSEEK_V3_Q_LORA
+             else tiny_moe(family, folder, **vocab))
     _copy_tokenizer(Path(tokenizer.name_or_path), folder)
     return model
 

@@ -23,6 +23,7 @@ from backends.models.moe import (
     sigmoid_group_topk,
     softmax_topk,
 )
+from backends.models.tensor_parallel import ExpertSplit
 
 HIDDEN, INTER, EXPERTS = 48, 40, 8
 
@@ -164,18 +165,21 @@ class _SummedLater:
         return value
 
 
+@pytest.mark.parametrize("shared", [0, 2 * INTER], ids=["routed", "with_shared"])
 @pytest.mark.parametrize("expert_parallel", [False, True])
-def test_the_ranks_moe_shards_sum_to_the_whole_block(expert_parallel: bool) -> None:
-    """Each rank's shard (every expert's columns, or whole experts) loaded from its slices of the same tensors, run
-    on the same tokens: their outputs, rank 0's with the residual, sum to the single block's plus the residual."""
+def test_the_ranks_moe_shards_sum_to_the_whole_block(expert_parallel: bool, shared: int) -> None:
+    """Each rank's shard (every expert's columns, or whole experts; a shared expert's columns in either mode, as
+    DeepSeek-V3's) loaded from its slices of the same tensors, run on the same tokens: their outputs, rank 0's with
+    the residual, sum to the single block's plus the residual."""
     torch.manual_seed(0)
     config = MoEConfig(hidden_size=HIDDEN, num_experts=EXPERTS, top_k=2, intermediate_size=INTER, renormalize=True,
-                       names=QWEN_NAMES)
+                       names=QWEN_NAMES, shared_intermediate_size=shared)
     weights = {"model.layers.0.mlp.gate.weight": torch.randn(EXPERTS, HIDDEN)}
-    for e in range(EXPERTS):
-        for name, shape in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)),
-                            ("down_proj", (HIDDEN, INTER))):
-            weights[f"model.layers.0.mlp.experts.{e}.{name}.weight"] = 0.1 * torch.randn(shape)
+    experts = [(f"experts.{e}", INTER) for e in range(EXPERTS)] + ([("shared_experts", shared)] if shared else [])
+    for expert, width in experts:
+        for name, shape in (("gate_proj", (width, HIDDEN)), ("up_proj", (width, HIDDEN)),
+                            ("down_proj", (HIDDEN, width))):
+            weights[f"model.layers.0.mlp.{expert}.{name}.weight"] = 0.1 * torch.randn(shape)
     kernels = select_kernels("cpu")
     whole = MoEBlock(config, kernels)
     whole.load(weights, "model.layers.0")
@@ -185,10 +189,20 @@ def test_the_ranks_moe_shards_sum_to_the_whole_block(expert_parallel: bool) -> N
         block = MoEBlock(config, kernels, _SummedLater(rank, 2, expert_parallel))
         split = block.split
         assert split is not None
-        block.load({n: _slice(t, split.rows_of(n.rsplit(".", 2)[-2]) if ".experts." in n else None)
-                    for n, t in weights.items()}, "model.layers.0")
+        block.load({n: _slice(t, _rows(n, split, rank, shared // 2)) for n, t in weights.items()}, "model.layers.0")
         parts.append(block(x, residual))
     torch.testing.assert_close(parts[0] + parts[1], whole(x, residual), rtol=1e-5, atol=1e-5)
+
+
+def _rows(name: str, split: ExpertSplit, rank: int, shared: int) -> tuple[int, int, int] | None:
+    """What TPLayout.rows_of names for a sparse MLP's tensor: a routed expert's by `split`, the shared expert's
+    `shared` columns of rank `rank` (gate / up rows, down columns), the router whole."""
+    part = name.rsplit(".", 2)[-2]
+    if ".experts." in name:
+        return split.rows_of(part)
+    if ".shared_experts." in name:
+        return (0 if part != "down_proj" else 1), rank * shared, (rank + 1) * shared
+    return None
 
 
 def _slice(tensor: torch.Tensor, rows: tuple[int, int, int] | None) -> torch.Tensor:
