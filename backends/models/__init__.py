@@ -23,9 +23,7 @@ _MODELS = MappingProxyType({
 # Those whose class builds one rank's shard (`tp=`; backends/models/tensor_parallel.py).
 _TENSOR_PARALLEL = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
                               "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"})
-# Those whose class builds one pipeline stage's layers (`stage=`; backends/models/pipeline.py).
-_PIPELINE = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
-                       "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"})
+# Every class builds one pipeline stage's layers (`stage=`; backends/models/pipeline.py).
 
 
 def supported_architectures() -> tuple[str, ...]:
@@ -42,16 +40,14 @@ def model_class(architectures: Sequence[str] | None) -> ModelFactory:
     raise ValueError(f"unsupported architectures {list(architectures or [])}; supported: {list(_MODELS)}")
 
 
-def sharded_model_class(architectures: Sequence[str] | None, *, tensor_parallel: bool,
-                        pipeline: bool) -> ShardedModelFactory:
-    """`model_class`, for a class that can build one rank's shard (`tensor_parallel`) and one pipeline stage
-    (`pipeline`); ValueError for one that cannot, naming those that can."""
+def sharded_model_class(architectures: Sequence[str] | None, *, tensor_parallel: bool) -> ShardedModelFactory:
+    """`model_class`, as a class that builds one pipeline stage and, with `tensor_parallel`, one rank's shard;
+    ValueError for one that cannot split over a tensor-parallel group, naming those that can."""
     for name in architectures or ():
         if name in _MODELS:
-            for wanted, able, what in ((tensor_parallel, _TENSOR_PARALLEL, "a tensor-parallel group"),
-                                       (pipeline, _PIPELINE, "pipeline stages")):
-                if wanted and name not in able:
-                    raise ValueError(f"{name} cannot be split over {what} yet; it can: {', '.join(sorted(able))}")
+            if tensor_parallel and name not in _TENSOR_PARALLEL:
+                raise ValueError(f"{name} cannot be split over a tensor-parallel group yet; it can: "
+                                 f"{', '.join(sorted(_TENSOR_PARALLEL))}")
             module_name, class_name = _MODELS[name].split(":")
             return getattr(importlib.import_module(module_name), class_name)
     raise ValueError(f"unsupported architectures {list(architectures or [])}; supported: {list(_MODELS)}")

@@ -24,7 +24,7 @@ from backends.models.layers import CompressedWeight, ExpandScratch, Linear, LMHe
 from backends.models.llama import LlamaMLP
 from backends.models.model_config import ModelConfig
 from backends.models.moe import QWEN_NAMES, MoEBlock, MoEConfig, sigmoid_group_topk
-from backends.models.pipeline import PipelineStage
+from backends.models.pipeline import PipelineStage, on_first_stage
 from backends.models.tensor_parallel import TensorParallel, TPLayout, vocab_parallel_embed
 
 
@@ -225,10 +225,12 @@ class DeepseekV3MoE(MoEBlock):
 
 class DeepseekV3DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, kernels: LayerKernels,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, cache_index: int | None = None) -> None:
+        """`layer`: its index in the model; `cache_index`: its KV cache's among the runner's (`layer` unless a
+        pipeline stage holds it)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.self_attn = LatentAttention(config, layer, kernels, tp)
+        self.self_attn = LatentAttention(config, layer if cache_index is None else cache_index, kernels, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         dims = cast(DeepseekV3Config, config)
         self.mlp: LlamaMLP | DeepseekV3MoE = (LlamaMLP(config, kernels, tp) if layer < dims.first_k_dense_replace
@@ -248,29 +250,32 @@ class DeepseekV3DecoderLayer(nn.Module):
 
 class DeepseekV3ForCausalLM(nn.Module):
     """Token ids + positions in, hidden states out (backends.models.base.CausalLM). `tp`: build this rank's shard
-    (backends/models/tensor_parallel.py), the embedding and LM head by vocabulary rows as Llama's."""
+    (backends/models/tensor_parallel.py), the embedding and LM head by vocabulary rows as Llama's. `stage`: only a
+    pipeline stage's layers (backends/models/pipeline.py), the embedding and LM head on the first stage alone."""
 
     def __init__(self, config: ModelConfig, kernels: LayerKernels, *, tp: TensorParallel | None = None,
                  stage: PipelineStage | None = None) -> None:
-        """`stage`: the runner passes its pipeline stage to every sharded class; DeepSeek-V3 has none yet (the
-        registry refuses it over stages at start), so only None."""
-        if stage is not None:
-            raise ValueError("DeepseekV3ForCausalLM cannot be split over pipeline stages yet")
         super().__init__()
         self.config = config
         self.kernels = kernels
         self.tp = tp
+        self.stage = stage
         self.tp_layout = None if tp is None else TPLayout.of(config, tp.rank, tp.size, tp.expert_parallel)
         vocab_rows = config.vocab_size if self.tp_layout is None else self.tp_layout.vocab
-        self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size,
-                                         _weight=torch.empty(vocab_rows, config.hidden_size))
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(config, i, kernels, tp)
-                                    for i in range(config.num_hidden_layers))
+        self.embed_tokens: nn.Embedding | None = None
+        self.lm_head: LMHead | None = None
+        if stage is None or stage.is_first:
+            self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size,
+                                             _weight=torch.empty(vocab_rows, config.hidden_size))
+            self.embed_tokens.weight.requires_grad_(False)
+            self.lm_head = LMHead(config.hidden_size, vocab_rows, kernels)
+            if getattr(config, "tie_word_embeddings", False):
+                self.lm_head.weight = self.embed_tokens.weight
+        held = PipelineStage.layers_of(stage, config.num_hidden_layers)
+        self.first_layer = held.start
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(config, i, kernels, tp, cache_index=i - held.start)
+                                    for i in held)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.lm_head = LMHead(config.hidden_size, vocab_rows, kernels)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.embed_tokens.weight
         with torch.device("cpu"):   # a plain attribute, kept float32, moved to the positions' device on first use
             rope_dim = int(cast(DeepseekV3Config, config).qk_rope_head_dim)
             self.inv_freq, self.attention_factor = rope_tables(config, rope_dim)
@@ -280,30 +285,34 @@ class DeepseekV3ForCausalLM(nn.Module):
         assert isinstance(layer, DeepseekV3DecoderLayer)
         return layer
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """A later pipeline stage starts from `hidden`; one before the last returns its residual stream, not normed."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        cos, sin = self.kernels.rotary_tables(self.inv_freq, positions, self.embed_tokens.weight.dtype)
+        cos, sin = self.kernels.rotary_tables(self.inv_freq, positions, self.norm.weight.dtype)
         if self.attention_factor != 1.0:   # YaRN scales both tables (a rotation scaled: linear in each)
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if hidden is None else hidden
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
-        return self.norm(x)
+        return self.norm(x) if self.stage is None or self.stage.is_last else x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        table = on_first_stage(self.embed_tokens)
         if self.tp is None or self.tp_layout is None:
-            return self.embed_tokens(input_ids)
-        return vocab_parallel_embed(self.embed_tokens.weight, input_ids, self.tp_layout, self.tp)
+            return table(input_ids)
+        return vocab_parallel_embed(table.weight, input_ids, self.tp_layout, self.tp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Over a group: rank 0 gets every rank's vocabulary columns (the padding past the vocabulary cut)."""
+        head = on_first_stage(self.lm_head)
         if self.tp is None:
-            return self.lm_head(hidden)
-        return self.tp.gather_vocab(self.lm_head(hidden))[:, :self.config.vocab_size]
+            return head(hidden)
+        return self.tp.gather_vocab(head(hidden))[:, :self.config.vocab_size]
 
     def lm_head_weight(self) -> torch.Tensor:
-        return self.lm_head.weight
+        return on_first_stage(self.lm_head).weight
 
     def kv_cache_spec(self) -> tuple[LayerKVSpec, ...]:
         return tuple(self.decoder_layer(i).self_attn.kv_spec() for i in range(len(self.layers)))
@@ -313,16 +322,18 @@ class DeepseekV3ForCausalLM(nn.Module):
         scratch = ExpandScratch() if keep_compressed else None
         interleaved = bool(getattr(self.config, "rope_interleave", True))
         for i in range(len(self.layers)):
-            self.decoder_layer(i).load(weights, f"model.layers.{i}", interleaved, scratch)
+            self.decoder_layer(i).load(weights, f"model.layers.{self.first_layer + i}", interleaved, scratch)
+        self.norm.weight.copy_(dense(weights["model.norm.weight"]))
+        if self.embed_tokens is None or self.lm_head is None:   # a later pipeline stage
+            return
         embed = self._vocab_rows(dense(weights["model.embed_tokens.weight"]))
         self.embed_tokens.weight.copy_(embed)
-        self.norm.weight.copy_(dense(weights["model.norm.weight"]))
         tied = getattr(self.config, "tie_word_embeddings", False)
         self.lm_head.load(embed if tied else self._vocab_rows(dense(weights["lm_head.weight"])))
 
     def _vocab_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """A rank's vocabulary rows padded with zeros to its share (the last rank's may run past the vocabulary)."""
-        missing = self.embed_tokens.weight.shape[0] - rows.shape[0]
+        missing = on_first_stage(self.embed_tokens).weight.shape[0] - rows.shape[0]
         return rows if missing <= 0 else torch.cat((rows, rows.new_zeros(missing, rows.shape[1])))
 
 

@@ -6,7 +6,7 @@ Pure nn.Module over flat token batches ([num_tokens, ...], no batch dim): attent
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Protocol, TypeVar, cast
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -16,10 +16,8 @@ from backends.models.base import LayerKVSpec
 from backends.models.kernels.base import LayerKernels
 from backends.models.layers import CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, dense, rope_inv_freq
 from backends.models.model_config import ModelConfig
-from backends.models.pipeline import PipelineStage
+from backends.models.pipeline import PipelineStage, on_first_stage
 from backends.models.tensor_parallel import TensorParallel, TPLayout, vocab_parallel_embed
-
-_M = TypeVar("_M", bound=nn.Module)
 
 
 class LlamaAttention(nn.Module):
@@ -172,8 +170,8 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.tp_layout = None if tp is None else TPLayout.of(config, tp.rank, tp.size)
         self.stage = stage
-        self.first_layer = 0 if stage is None else stage.first_layer
-        stop_layer = config.num_hidden_layers if stage is None else stage.stop_layer
+        held = PipelineStage.layers_of(stage, config.num_hidden_layers)
+        self.first_layer = held.start
         vocab_rows = config.vocab_size if self.tp_layout is None else self.tp_layout.vocab
         self.embed_tokens: nn.Embedding | None = None
         self.lm_head: LMHead | None = None
@@ -188,7 +186,7 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight = self.embed_tokens.weight
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm, kernels, mlp, tp, cache_index=i - self.first_layer)
-            for i in range(self.first_layer, stop_layer))
+            for i in held)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         # A plain attribute, not a buffer: `.to(bfloat16)` must not round it. Built on the CPU (the model
         # may be constructed on the meta device) and moved to the device of the first positions it sees.
@@ -226,25 +224,21 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x) if last else x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        table = self._first_stage(self.embed_tokens)
+        table = on_first_stage(self.embed_tokens)
         if self.tp is None or self.tp_layout is None:
             return table(input_ids)
         return vocab_parallel_embed(table.weight, input_ids, self.tp_layout, self.tp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Over a group: rank 0 gets every rank's vocabulary columns (the padding past the vocabulary cut)."""
-        head = self._first_stage(self.lm_head)
+        head = on_first_stage(self.lm_head)
         if self.tp is None:
             return head(hidden)
         return self.tp.gather_vocab(head(hidden))[:, :self.config.vocab_size]
 
     def lm_head_weight(self) -> torch.Tensor:
-        return self._first_stage(self.lm_head).weight
+        return on_first_stage(self.lm_head).weight
 
-    def _first_stage(self, module: _M | None) -> _M:
-        if module is None:
-            raise RuntimeError("only the first pipeline stage holds the embedding and the LM head")
-        return module
 
     def kv_cache_spec(self) -> tuple[LayerKVSpec, ...]:
         return tuple(self.decoder_layer(i).self_attn.kv_spec() for i in range(len(self.layers)))
@@ -279,7 +273,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _vocab_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """A rank's vocabulary rows padded with zeros to its share (the last rank's may run past the vocabulary)."""
-        missing = self._first_stage(self.embed_tokens).weight.shape[0] - rows.shape[0]
+        missing = on_first_stage(self.embed_tokens).weight.shape[0] - rows.shape[0]
         return rows if missing <= 0 else torch.cat((rows, rows.new_zeros(missing, rows.shape[1])))
 
 

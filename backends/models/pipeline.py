@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TypeVar
+
+from torch import nn
+
+_M = TypeVar("_M", bound=nn.Module)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _FIRST_STAGE_TENSORS = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
@@ -47,6 +52,11 @@ class PipelineStage:
     def num_layers(self) -> int:
         return self.stop_layer - self.first_layer
 
+    @staticmethod
+    def layers_of(stage: PipelineStage | None, num_layers: int) -> range:
+        """The model's layers a model built for `stage` holds (all of them without one)."""
+        return range(num_layers) if stage is None else range(stage.first_layer, stage.stop_layer)
+
     def holds(self, name: str) -> bool:
         """Whether this stage reads checkpoint tensor `name`: its layers', the embedding and LM head on the first
         stage, and what no layer owns (the final norm: a few KB) on every stage."""
@@ -54,3 +64,10 @@ class PipelineStage:
         if layer is not None:
             return self.first_layer <= int(layer.group(1)) < self.stop_layer
         return self.is_first or name not in _FIRST_STAGE_TENSORS
+
+
+def on_first_stage(module: _M | None) -> _M:
+    """The embedding or LM head a model holds; RuntimeError on a later stage, which holds neither."""
+    if module is None:
+        raise RuntimeError("only the first pipeline stage holds the embedding and the LM head")
+    return module

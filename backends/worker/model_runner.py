@@ -172,8 +172,8 @@ class ModelRunner:
         """This rank's shard, built from its slices of the checkpoint alone (its stage's layers only)."""
         tp, stage = place.tensor_parallel, place.stage
         with torch.device("meta"):
-            model = sharded_model_class(getattr(self.config, "architectures", None), tensor_parallel=tp is not None,
-                                        pipeline=stage is not None)(self.config, self.kernels, tp=tp, stage=stage)
+            model = sharded_model_class(getattr(self.config, "architectures", None), tensor_parallel=tp is not None)(
+                self.config, self.kernels, tp=tp, stage=stage)
         _materialize_empty(model, self.dtype, self.device)
         start = time.perf_counter()
         layout = None if tp is None else TPLayout.of(self.config, tp.rank, tp.size, tp.expert_parallel)
@@ -322,7 +322,7 @@ def check_group(config: ModelConfig, size: int, stages: int = 1, expert_parallel
     if size == 1 and expert_parallel:
         raise ValueError(EXPERT_PARALLEL_NEEDS_A_GROUP)
     if size > 1 or stages > 1:
-        sharded_model_class(getattr(config, "architectures", None), tensor_parallel=size > 1, pipeline=stages > 1)
+        sharded_model_class(getattr(config, "architectures", None), tensor_parallel=size > 1)
     if size > 1:
         TPLayout.of(config, 0, size, expert_parallel)
     if stages > 1:

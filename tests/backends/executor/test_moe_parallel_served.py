@@ -1,12 +1,14 @@
 """Tiny random Mixtral, Qwen3-MoE and DeepSeek-V3 checkpoints (transformers' config classes, from_config; 8 experts,
 top-2; DeepSeek-V3's latent attention with q through q_a / q_b, and, served by TP=2 only, through one q_proj) served
 by one rank, by a tensor-parallel group of two (`--tensor-parallel-size 2`: every expert's columns split, DeepSeek's
-query heads and shared expert too) and by an expert-parallel group of two (`--enable-expert-parallel`: 4 whole
-experts per rank), gloo on the CPU:
+query heads and shared expert too), by an expert-parallel group of two (`--enable-expert-parallel`: 4 whole
+experts per rank) and, for Qwen3-MoE and DeepSeek-V3, by two pipeline stages (`--pipeline-parallel-size 2`), gloo
+on the CPU:
 
 - the groups' greedy tokens are the single rank's (and transformers'), served directly and through the gateway,
   and their logprobs the single rank's within float32 rounding;
-- each rank reads only its slices or its own experts (their bytes, in each group's start-up log);
+- each rank reads only its slices or its own experts, each stage its own layers (their bytes, in each group's
+  start-up log);
 - a size that does not divide the experts, or the experts' width, is refused at start, with the reason.
 """
 from __future__ import annotations
@@ -43,9 +45,10 @@ BODY = {"model": NAME, "prompt": "The capital of France is", "max_tokens": MAX_T
         "return_token_ids": True, "logprobs": 1}
 COMMON = ["--threads", "1", "--num-blocks", "32", "--served-model-name", NAME]
 GROUPS = {"tp2": ["--tensor-parallel-size", "2"], "ep2": ["--tensor-parallel-size", "2", "--enable-expert-parallel"]}
+STAGES = {"pp2": ["--pipeline-parallel-size", "2"]}
 # the groups each family is served by: DeepSeek-V3 without q_lora_rank differs in its attention only, which EP=2
-# splits as TP=2 does (one group fewer to start)
-FAMILY_GROUPS = {"mixtral": GROUPS, "qwen3-moe": GROUPS, "deepseek-v3": GROUPS,
+# splits as TP=2 does (one group fewer to start); Mixtral's stages run the code Qwen3-MoE's do
+FAMILY_GROUPS = {"mixtral": GROUPS, "qwen3-moe": {**GROUPS, **STAGES}, "deepseek-v3": {**GROUPS, **STAGES},
                  "deepseek-v3-q-full": {"tp2": GROUPS["tp2"]}}
 # |logprob| differences of the same tokens, a group against one rank: float32 rounding of sums taken in another
 # order (the bound held in every run; the largest difference itself is not recorded)
@@ -123,12 +126,16 @@ async def test_tp2_and_ep2_give_one_ranks_greedy_tokens(served: Served, tmp_path
 
 
 def test_each_rank_reads_only_its_slices_or_its_experts(served: Served) -> None:
-    """Each rank of either group reads about half of the checkpoint's bytes (the norms and the routers whole;
-    DeepSeek-V3's latent projections too)."""
+    """Each rank of a tensor- or expert-parallel group reads about half of the checkpoint's bytes (the norms and the
+    routers whole; DeepSeek-V3's latent projections too); the stages of a pipeline read it once between them (the
+    final norm twice), the second stage its layers only."""
     total = sum(path.stat().st_size for path in served.folder.glob("*.safetensors"))
     for name in served.groups:
         read = {int(rank): float(mb) * 1e6 for rank, _, mb in _WEIGHTS.findall(served.workers[name].log())}
         assert sorted(read) == [0, 1], served.workers[name].log()
+        if name in STAGES:   # MB to one decimal in the log: within 0.1 MB of the file (its header included)
+            assert abs(sum(read.values()) - total) < 0.2e6 and 0 < read[1] < 0.5 * total, (name, read, total)
+            continue
         for rank, read_bytes in read.items():
             assert 0.45 * total < read_bytes < 0.55 * total, (name, rank, read_bytes, total)
 

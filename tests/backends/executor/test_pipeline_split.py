@@ -3,8 +3,7 @@ batch is cut into (micro_batches), checked for any batch hypothesis draws."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from backends.core.batch import ForwardBatch, SeqChunk
 from backends.executor.pipeline import micro_batches

@@ -168,8 +168,10 @@ def test_deepseek_v3s_shared_expert_must_divide_even_with_expert_parallelism() -
     check_group(narrow, 2, expert_parallel=True)
 
 
-def test_deepseek_v3_over_pipeline_stages_is_refused() -> None:
-    """Its class builds no pipeline stage yet: refused from the config, with or without tensor parallelism."""
+def test_deepseek_v3_over_pipeline_stages() -> None:
+    """Its layers split over stages, with or without tensor parallelism; no more stages than layers."""
+    config = SimpleNamespace(**{**vars(DEEPSEEK_V3), "num_hidden_layers": 3})
     for size in (1, 2):
-        with pytest.raises(ValueError, match="DeepseekV3ForCausalLM cannot be split over pipeline stages yet"):
-            check_group(DEEPSEEK_V3, size, stages=2)
+        check_group(config, size, stages=3)
+        with pytest.raises(ValueError, match="--pipeline-parallel-size 4 is more than the model's 3 layers"):
+            check_group(config, size, stages=4)
