@@ -20,7 +20,7 @@ from torch import nn
 from backends.attention.base import AttentionContext
 from backends.models.base import LayerKVSpec
 from backends.models.kernels.base import LayerKernels
-from backends.models.layers import CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, dense
+from backends.models.layers import CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, dense, embedding_and_head
 from backends.models.llama import LlamaMLP
 from backends.models.model_config import ModelConfig
 from backends.models.moe import QWEN_NAMES, MoEBlock, MoEConfig, sigmoid_group_topk
@@ -265,12 +265,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.embed_tokens: nn.Embedding | None = None
         self.lm_head: LMHead | None = None
         if stage is None or stage.is_first:
-            self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size,
-                                             _weight=torch.empty(vocab_rows, config.hidden_size))
-            self.embed_tokens.weight.requires_grad_(False)
-            self.lm_head = LMHead(config.hidden_size, vocab_rows, kernels)
-            if getattr(config, "tie_word_embeddings", False):
-                self.lm_head.weight = self.embed_tokens.weight
+            self.embed_tokens, self.lm_head = embedding_and_head(config, kernels, vocab_rows)
         held = PipelineStage.layers_of(stage, config.num_hidden_layers)
         self.first_layer = held.start
         self.layers = nn.ModuleList(DeepseekV3DecoderLayer(config, i, kernels, tp, cache_index=i - held.start)

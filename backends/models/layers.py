@@ -187,6 +187,18 @@ class RMSNorm(nn.Module):
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
+def embedding_and_head(config: ModelConfig, kernels: LayerKernels, rows: int) -> tuple[nn.Embedding, LMHead]:
+    """An uninitialised embedding table [rows, hidden] and an LM head over the same rows, one tensor when the config
+    ties them. `_weight`: load_weights fills the table; the default random init of a 49152 x 576 table cost 0.17 s
+    of every worker start."""
+    embed = nn.Embedding(rows, config.hidden_size, _weight=torch.empty(rows, config.hidden_size))
+    embed.weight.requires_grad_(False)
+    head = LMHead(config.hidden_size, rows, kernels)
+    if getattr(config, "tie_word_embeddings", False):
+        head.weight = embed.weight
+    return embed, head
+
+
 def rope_inv_freq(config: ModelConfig, head_dim: int) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] for the config's rope theta and scaling (default, linear, llama3)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})

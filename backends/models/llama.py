@@ -14,7 +14,16 @@ from torch import nn
 from backends.attention.base import AttentionContext
 from backends.models.base import LayerKVSpec
 from backends.models.kernels.base import LayerKernels
-from backends.models.layers import CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, dense, rope_inv_freq
+from backends.models.layers import (
+    CompressedWeight,
+    ExpandScratch,
+    Linear,
+    LMHead,
+    RMSNorm,
+    dense,
+    embedding_and_head,
+    rope_inv_freq,
+)
 from backends.models.model_config import ModelConfig
 from backends.models.pipeline import PipelineStage, on_first_stage
 from backends.models.tensor_parallel import TensorParallel, TPLayout, vocab_parallel_embed
@@ -176,14 +185,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens: nn.Embedding | None = None
         self.lm_head: LMHead | None = None
         if stage is None or stage.is_first:
-            # `_weight`: an uninitialised table (load_weights fills it); the default random init of a
-            # 49152 x 576 table cost 0.17 s of every worker start.
-            self.embed_tokens = nn.Embedding(vocab_rows, config.hidden_size,
-                                             _weight=torch.empty(vocab_rows, config.hidden_size))
-            self.embed_tokens.weight.requires_grad_(False)
-            self.lm_head = LMHead(config.hidden_size, vocab_rows, kernels)
-            if getattr(config, "tie_word_embeddings", False):
-                self.lm_head.weight = self.embed_tokens.weight
+            self.embed_tokens, self.lm_head = embedding_and_head(config, kernels, vocab_rows)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm, kernels, mlp, tp, cache_index=i - self.first_layer)
             for i in held)
