@@ -75,6 +75,13 @@ class GroupPlace:
     stage: PipelineStage | None
     links: PipelineLinks | None
 
+    def traffic(self) -> str:
+        """What this rank moved since start, for its log."""
+        reduced = CollectiveCounts() if self.tensor_parallel is None else self.tensor_parallel.counts
+        sent = self.links.counts if self.links is not None else None
+        return (f"{reduced.num_all_reduces} all-reduces, {reduced.all_reduce_bytes / 1e6:.1f} MB reduced; "
+                f"{sent.num_sends if sent else 0} sends, {sent.send_bytes / 1e6 if sent else 0.0:.1f} MB sent")
+
     def agree_min(self, value: int) -> int:
         """Over the default group, whose timeout covers the ranks' slowest start (start-up only)."""
         tensor = torch.tensor([value], dtype=torch.long, device=_collective_device())

@@ -75,11 +75,7 @@ def _serve(spec: RankSpec, conn: Connection, runner: ModelRunner, place: GroupPl
         elif isinstance(message, Ping):
             conn.send(Pong(spec.rank, message.seq))
         else:
-            reduced = place.tensor_parallel.counts if place.tensor_parallel is not None else None
-            sent = place.links.counts if place.links is not None else None
-            log.info("stopping (%d all-reduces, %.1f MB reduced; %d sends, %.1f MB sent)",
-                     reduced.num_all_reduces if reduced else 0, reduced.all_reduce_bytes / 1e6 if reduced else 0.0,
-                     sent.num_sends if sent else 0, sent.send_bytes / 1e6 if sent else 0.0)
+            log.info("stopping (%s)", place.traffic())
             return 0
 
 
