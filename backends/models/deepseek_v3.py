@@ -20,11 +20,20 @@ from torch import nn
 from backends.attention.base import AttentionContext
 from backends.models.base import LayerKVSpec
 from backends.models.kernels.base import LayerKernels
-from backends.models.layers import CompressedWeight, ExpandScratch, Linear, LMHead, RMSNorm, dense, embedding_and_head
+from backends.models.layers import (
+    CompressedWeight,
+    ExpandScratch,
+    Linear,
+    LMHead,
+    RMSNorm,
+    dense,
+    embedding_and_head,
+    on_first_stage,
+)
 from backends.models.llama import LlamaMLP
 from backends.models.model_config import ModelConfig
 from backends.models.moe import QWEN_NAMES, MoEBlock, MoEConfig, sigmoid_group_topk
-from backends.models.pipeline import PipelineStage, on_first_stage
+from backends.models.pipeline import PipelineStage
 from backends.models.tensor_parallel import TensorParallel, TPLayout, vocab_parallel_embed
 
 

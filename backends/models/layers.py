@@ -4,7 +4,7 @@ here asks which device it runs on."""
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +12,8 @@ from torch import nn
 
 from backends.models.kernels.base import GemvConfig, LayerKernels
 from backends.models.model_config import ModelConfig
+
+_M = TypeVar("_M", bound=nn.Module)
 
 
 def choose_transposed(in_features: int, out_features: int) -> bool:
@@ -197,6 +199,14 @@ def embedding_and_head(config: ModelConfig, kernels: LayerKernels, rows: int) ->
     if getattr(config, "tie_word_embeddings", False):
         head.weight = embed.weight
     return embed, head
+
+
+def on_first_stage(module: _M | None) -> _M:
+    """The embedding or LM head a model holds; RuntimeError on a later pipeline stage, which holds neither
+    (backends/models/pipeline.py)."""
+    if module is None:
+        raise RuntimeError("only the first pipeline stage holds the embedding and the LM head")
+    return module
 
 
 def rope_inv_freq(config: ModelConfig, head_dim: int) -> torch.Tensor:

@@ -22,10 +22,11 @@ from backends.models.layers import (
     RMSNorm,
     dense,
     embedding_and_head,
+    on_first_stage,
     rope_inv_freq,
 )
 from backends.models.model_config import ModelConfig
-from backends.models.pipeline import PipelineStage, on_first_stage
+from backends.models.pipeline import PipelineStage
 from backends.models.tensor_parallel import TensorParallel, TPLayout, vocab_parallel_embed
 
 

@@ -10,11 +10,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TypeVar
-
-from torch import nn
-
-_M = TypeVar("_M", bound=nn.Module)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _FIRST_STAGE_TENSORS = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
@@ -65,9 +60,3 @@ class PipelineStage:
             return self.first_layer <= int(layer.group(1)) < self.stop_layer
         return self.is_first or name not in _FIRST_STAGE_TENSORS
 
-
-def on_first_stage(module: _M | None) -> _M:
-    """The embedding or LM head a model holds; RuntimeError on a later stage, which holds neither."""
-    if module is None:
-        raise RuntimeError("only the first pipeline stage holds the embedding and the LM head")
-    return module
