@@ -112,7 +112,9 @@ class EngineConfig:
             raise ValueError(EXPERT_PARALLEL_NEEDS_A_GROUP)
         if self.world_size == 1:
             return
-        unsupported = {"KV tiers": self.has_kv_tiers, "a KV connector (P/D transfer)": bool(self.kv_connectors),
+        # P/D and the tiers reach a CPU group's KV through its ranks' shared-memory caches (executor/group_kv.py)
+        unsupported = {"KV tiers on CUDA": self.has_kv_tiers and self.device != "cpu",
+                       "P/D transfer on CUDA": KVConnectorName.PD in self.kv_connectors and self.device != "cpu",
                        "a draft model or EAGLE head": self.speculative not in (None, "ngram"),
                        "weights kept compressed": self.keep_weights_compressed}
         named = [what for what, asked in unsupported.items() if asked]

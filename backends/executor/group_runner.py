@@ -20,6 +20,7 @@ from backends.core.engine_config import EngineConfig
 from backends.core.engine_errors import EngineDeadError
 from backends.executor.collectives import CollectiveCounts, GroupPlace, group_shape, join_group, leave_group
 from backends.executor.group import RankGroup
+from backends.executor.group_kv import GroupKVCache, group_fingerprint
 from backends.executor.messages import Ready
 from backends.executor.pipeline import SendCounts, pipeline_step
 from backends.executor.rank_process import rss_anon_bytes
@@ -48,6 +49,12 @@ class GroupModelRunner:
             leave_group()
             raise
         self.config: Any = self.local.config
+        self.weights_fingerprint = group_fingerprint(
+            f"tp{config.tensor_parallel_size}-pp{config.pipeline_parallel_size}"
+            f"{'-ep' if config.enable_expert_parallel else ''}", [ready.weights_fingerprint for ready in self.ranks])
+        # what a KV transfer moves and the tiers copy: every rank's layers (None without a KV connector: then no
+        # rank shares its cache)
+        self.kv_cache = GroupKVCache(self.local.kv_cache, self.ranks[1:]) if config.kv_connector_names else None
         self.num_blocks, self.block_size = self.local.num_blocks, self.local.block_size
         self.max_model_len, self.vocab_size = self.local.max_model_len, self.local.vocab_size
         for ready in self.ranks:
@@ -58,7 +65,7 @@ class GroupModelRunner:
     def _own_report(self, rss_before: int) -> Ready:
         return Ready(rank=0, num_blocks=self.local.num_blocks, weight_bytes=self.local.weight_bytes(),
                      read_bytes=self.local.read_bytes, rss_anon_bytes=rss_anon_bytes(),
-                     rss_anon_before_bytes=rss_before)
+                     rss_anon_before_bytes=rss_before, weights_fingerprint=self.local.weights_fingerprint or "")
 
     @property
     def counts(self) -> CollectiveCounts:

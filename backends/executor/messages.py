@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from backends.core.batch import ForwardBatch
 from backends.core.engine_config import EngineConfig
+from backends.kv_transfer.base import SharedRegion
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,9 @@ class Ready:
     read_bytes: int            # bytes it read from the checkpoint (its slices)
     rss_anon_bytes: int        # its anonymous resident memory after loading (/proc/self/status RssAnon)
     rss_anon_before_bytes: int  # the same before it built its shard (the interpreter, torch, the group)
+    weights_fingerprint: str = ""          # its slices' digest (backends/worker/fingerprint.py)
+    kv_region: SharedRegion | None = None  # where its KV cache lies in shared memory, for rank 0 to map
+    kv_layers: int = 0                     # the layers that cache holds (its stage's)
 
 
 @dataclass(frozen=True, slots=True)

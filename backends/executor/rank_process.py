@@ -43,7 +43,9 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
         conn.send(Failed(spec.rank, f"{type(exc).__name__}: {exc}"))
         sys.exit(1)
     conn.send(Ready(rank=spec.rank, num_blocks=runner.num_blocks, weight_bytes=runner.weight_bytes(),
-                    read_bytes=runner.read_bytes, rss_anon_bytes=rss_anon_bytes(), rss_anon_before_bytes=before))
+                    read_bytes=runner.read_bytes, rss_anon_bytes=rss_anon_bytes(), rss_anon_before_bytes=before,
+                    weights_fingerprint=runner.weights_fingerprint or "", kv_region=runner.kv_cache.shared_region,
+                    kv_layers=runner.kv_cache.spec.num_layers))
     code = _serve(spec, conn, runner, place)
     leave_group()
     sys.exit(code)

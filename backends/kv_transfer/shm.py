@@ -59,6 +59,25 @@ class SharedKVFile:
         self._closer()
 
 
+def map_shared_cache(region: SharedRegion, num_layers: int, block_shape: Sequence[int],
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Another process's SharedKVFile, mapped shared and writable: [num_layers, 2, num_blocks, *block_shape] of
+    `dtype` (a group's rank 0 moves its ranks' KV through these). OSError where it cannot be opened or is not the
+    cache the region names."""
+    nbytes = region.offset + num_layers * 2 * region.num_blocks * math.prod(block_shape) * dtype.itemsize
+    if _PROC_FD.fullmatch(region.path) is None:
+        raise OSError(f"shared KV region {region.path!r} is not a /proc/<pid>/fd/<n> path")
+    fd = os.open(region.path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_size < nbytes or os.pread(fd, len(REGION_MAGIC) + 16, 0) != (
+                REGION_MAGIC + bytes.fromhex(region.nonce)):
+            raise OSError(f"{region.path} is not the shared KV cache its region names")
+    finally:
+        os.close(fd)
+    whole = torch.from_file(region.path, shared=True, size=nbytes, dtype=torch.uint8)
+    return whole[region.offset:].view(dtype).view(num_layers, 2, region.num_blocks, *block_shape)
+
+
 def stacked_bytes(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
     """A [num_layers, 2, num_blocks, block bytes] uint8 view of caches laid out as one buffer in that order
     (SharedKVFile's and KVCache's are, on any device), else None."""

@@ -220,8 +220,8 @@ def build_configs(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig]
         **_kv_tier_fields(args),
         # Every role serves some disaggregated leg; a plain request finds nothing for the P/D connector to do.
         # The tiers join when --kv-cpu-gb, --kv-disk-dir or --kv-store sets a tier.
-        # A group moves no KV between workers yet: it serves unified requests only.
-        kv_connectors=() if group else (KVConnectorName.PD,),
+        # A group on CUDA moves no KV between workers yet: it serves unified requests only.
+        kv_connectors=() if group and args.device != "cpu" else (KVConnectorName.PD,),
         kv_hold_timeout_s=args.kv_hold_timeout_s,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,

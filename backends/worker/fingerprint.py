@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import crc32c
@@ -32,14 +32,24 @@ _IGNORED_KEYS = frozenset({"transformers_version", "torch_dtype", "dtype"})
 def model_fingerprint(config: Any, weights: Mapping[str, torch.Tensor | CompressedWeight]) -> str:
     """A hex digest of `config` (an HF config object or a namespace of its fields) and `weights` (tensors by
     their checkpoint names)."""
+    return digest_of(config, [tensor_line(name, weights[name]) for name in weights])
+
+
+def tensor_line(name: str, weight: torch.Tensor | CompressedWeight) -> str:
+    """One tensor's part of a fingerprint: its name, dtype, shape and the CRC-32C of its bytes."""
+    tensor = dense(weight).detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data   # a memoryview: no copy
+    return f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{crc32c.crc32c(data):08x}\n"
+
+
+def digest_of(config: Any, lines: Iterable[str]) -> str:
+    """The digest of a config and its tensors' `tensor_line`s, in any order (taken by name, as always)."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(json.dumps(_config_fields(config), sort_keys=True, default=str).encode())
-    for name in sorted(weights):
-        tensor = dense(weights[name]).detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data   # a memoryview: no copy
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{crc32c.crc32c(data):08x}\n".encode())
+    for line in sorted(lines, key=lambda line: line.split("|", 1)[0]):
+        digest.update(line.encode())
     return digest.hexdigest()
 
 

@@ -61,6 +61,11 @@ class KVCache:
         self.v: list[torch.Tensor] = [stacked[i, 1] for i in range(spec.num_layers)]
 
     @property
+    def stacks(self) -> tuple[torch.Tensor, ...]:
+        """The cache as the KV tiers copy its blocks (backends/kv_connectors/tiers/block_io.py): its one buffer."""
+        return (self.stacked,)
+
+    @property
     def shared_region(self) -> SharedRegion | None:
         """Where the cache lies in shared memory, if it does."""
         return None if self.shared is None else self.shared.region

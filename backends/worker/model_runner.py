@@ -25,7 +25,7 @@ from backends.models.moe import MoEBlock
 from backends.models.pipeline import PipelineStage
 from backends.models.tensor_parallel import TensorParallel, TPLayout
 from backends.worker.cuda_graphs import DecodeGraphs, StaticInputs
-from backends.worker.fingerprint import model_fingerprint
+from backends.worker.fingerprint import digest_of, model_fingerprint
 from backends.worker.kv_cache import KVCache, KVCacheSpec
 from backends.worker.loader import load_weights
 from backends.worker.random_weights import RandomCheckpoint
@@ -180,6 +180,7 @@ class ModelRunner:
         with ShardReader(model_dir, layout) as weights, torch.no_grad():
             model.load_weights(weights)
         self.read_bytes = weights.read_bytes
+        self.weights_fingerprint = digest_of(self.config, weights.lines)   # its slices' (the group combines them)
         log.info("rank %d of %d: %.1f MB of slices of %s read and placed in %.2f s", place.rank, place.world_size,
                  self.read_bytes / 1e6, model_dir, time.perf_counter() - start)
         return model.eval()
@@ -300,7 +301,9 @@ def runner_for(config: EngineConfig, model_dir: Path, cuda_graph_max_batch: int,
     return ModelRunner(model_dir, dtype=getattr(torch, config.dtype), device=device,
                        num_blocks=config.num_blocks, block_size=config.block_size,
                        attention_backend=config.attention_backend, kv_cache_memory_gb=kv_gb,
-                       kv_shared_memory=config.kv_shared_memory,
+                       # a group's ranks: where rank 0 maps them, for a KV transfer or the tiers to copy their blocks
+                       kv_shared_memory=config.kv_shared_memory or (place is not None
+                                                                    and bool(config.kv_connector_names)),
                        keep_weights_compressed=config.keep_weights_compressed,
                        cuda_graph_max_batch=cuda_graph_max_batch,
                        fingerprint_weights=place is None,   # KV tiers and KV transfers name the weights

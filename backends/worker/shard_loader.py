@@ -16,13 +16,15 @@ import torch
 from safetensors import safe_open
 
 from backends.models.tensor_parallel import TPLayout
+from backends.worker.fingerprint import tensor_line
 from backends.worker.loader import COMPRESSED_FORMAT_KEY, checkpoint_files
 
 
 class ShardReader(Mapping[str, torch.Tensor]):
     """A rank's part of every tensor in a folder, by HF name, read out of the mapped files when asked for (so a
     tensor's copy is freed once the model has placed it); `read_bytes` counts what was read. A context manager:
-    the files stay open until it exits."""
+    the files stay open until it exits. `lines`: each tensor read's part of the rank's weights fingerprint
+    (backends/worker/fingerprint.py), so that two groups of one shape can tell whether they hold the same weights."""
 
     def __init__(self, folder: Path, layout: TPLayout | None) -> None:
         """`layout`: the rank's tensor-parallel slices; None: whole tensors (a pipeline stage of one rank, which
@@ -33,6 +35,7 @@ class ShardReader(Mapping[str, torch.Tensor]):
                              "tensor-parallel group reads plain safetensors only")
         self.layout = layout
         self.read_bytes = 0
+        self.lines: list[str] = []
         self._stack = ExitStack()
         self._files: dict[str, Any] = {}
         for path in checkpoint_files(folder)[0]:
@@ -53,6 +56,7 @@ class ShardReader(Mapping[str, torch.Tensor]):
         rows = None if self.layout is None else self.layout.rows_of(name)
         tensor = _read_slice(self._files[name].get_slice(name), rows)
         self.read_bytes += tensor.numel() * tensor.element_size()
+        self.lines.append(tensor_line(name, tensor))
         return tensor
 
     def __contains__(self, name: object) -> bool:   # Mapping's own would read the tensor to find out

@@ -21,16 +21,29 @@ Pending = torch.cuda.Event | None     # a copy in flight on CUDA; None: done
 
 
 class BlockIO:
-    def __init__(self, stacked: torch.Tensor) -> None:
-        """`stacked`: the cache as one contiguous [num_layers, 2, num_blocks, block_size, heads, dim] tensor."""
-        if stacked.dim() != 6 or stacked.shape[1] != 2 or not stacked.is_contiguous():
-            raise ValueError("expected the contiguous [layers, 2, blocks, block_size, heads, dim] KV cache")
-        self.device = stacked.device
-        self._bytes = stacked.view(torch.uint8)   # [L, 2, N, bs, h, d * itemsize]
+    def __init__(self, *stacks: torch.Tensor) -> None:
+        """`stacks`: the cache as one contiguous [num_layers, 2, num_blocks, block_size, heads, dim] tensor; on the
+        CPU, a group's ranks' caches (backends/executor/group_kv.py), whose parts of a block follow each other in
+        its bytes, in rank order."""
+        for stacked in stacks:
+            if stacked.dim() != 6 or stacked.shape[1] != 2 or not stacked.is_contiguous():
+                raise ValueError("expected the contiguous [layers, 2, blocks, block_size, heads, dim] KV cache")
+        self.device = stacks[0].device
+        if len(stacks) > 1 and self.device.type != "cpu":
+            raise ValueError("a KV cache in more than one part is read and written on the CPU only")
+        parts = [stacked.view(torch.uint8) for stacked in stacks]   # [L, 2, N, bs, h, d * itemsize]
+        self._bytes = parts[0]
         self._shape = (self._bytes.shape[0], 2, *self._bytes.shape[3:])
-        self.num_blocks = stacked.shape[2]
-        self.block_nbytes = int(np.prod(self._shape))
-        self._numpy = self._bytes.numpy() if self.device.type == "cpu" else None
+        self.num_blocks = stacks[0].shape[2]
+        self.block_nbytes = sum(int(np.prod((part.shape[0], 2, *part.shape[3:]))) for part in parts)
+        # CPU: each part's array, the shape of its share of a block, and where that share starts in the block
+        self._numpy: list[tuple[np.ndarray, tuple[int, ...], int]] | None = None
+        if self.device.type == "cpu":
+            self._numpy, start = [], 0
+            for part in parts:
+                shape = (part.shape[0], 2, *part.shape[3:])
+                self._numpy.append((part.numpy(), shape, start))
+                start += int(np.prod(shape))
         if self.device.type == "cuda":
             self._compute = torch.cuda.default_stream(self.device)   # where the engine's steps run
             self._loads = torch.cuda.Stream(self.device)
@@ -42,10 +55,12 @@ class BlockIO:
 
     def read(self, block_id: int, out: np.ndarray) -> Pending:
         """Copy block `block_id` into `out` (uint8, block_nbytes; pinned on CUDA)."""
-        view = out.reshape(self._shape)
         if self._numpy is not None:
-            np.copyto(view, self._numpy[:, :, block_id])
+            flat = out.reshape(-1)
+            for array, shape, start in self._numpy:
+                np.copyto(flat[start:start + int(np.prod(shape))].reshape(shape), array[:, :, block_id])
             return None
+        view = out.reshape(self._shape)
         with torch.cuda.stream(self._compute):
             torch.from_numpy(view).copy_(self._bytes[:, :, block_id], non_blocking=True)
             return _recorded(self._compute)
@@ -58,10 +73,12 @@ class BlockIO:
     def write(self, block_id: int, data: np.ndarray) -> Pending:
         """Overwrite block `block_id` with `data` (uint8, block_nbytes; pinned on CUDA, and left untouched
         until the copy has landed)."""
-        view = data.reshape(self._shape)
         if self._numpy is not None:
-            np.copyto(self._numpy[:, :, block_id], view)
+            flat = data.reshape(-1)
+            for array, shape, start in self._numpy:
+                np.copyto(array[:, :, block_id], flat[start:start + int(np.prod(shape))].reshape(shape))
             return None
+        view = data.reshape(self._shape)
         with torch.cuda.stream(self._loads):
             self._bytes[:, :, block_id].copy_(torch.from_numpy(view), non_blocking=True)
             return _recorded(self._loads)

@@ -19,14 +19,14 @@ log = logging.getLogger(__name__)
 
 def build_tiered_connector(config: EngineConfig, kv_cache: Any, weights_fingerprint: str,
                            events: KVEventRing) -> TieredKVConnector:
-    """`kv_cache`: the runner's backends/worker/kv_cache.KVCache. `weights_fingerprint`: the runner's
-    (backends/worker/fingerprint.py; "": none); a disk or store tier files its blocks under it."""
+    """`kv_cache`: the runner's backends/worker/kv_cache.KVCache (or a group's GroupKVCache). `weights_fingerprint`:
+    the runner's (backends/worker/fingerprint.py; "": none); a disk or store tier files its blocks under it."""
     if not config.has_kv_tiers:
         raise ValueError("the tiers KV connector needs a tier (--kv-cpu-gb, --kv-disk-dir or --kv-store)")
     if not weights_fingerprint and config.has_kv_tiers_beyond_worker:
         raise ValueError("a KV tier on disk or in a shared store needs the weights' fingerprint "
                          "(ModelRunner(fingerprint_weights=True)): without it, other weights' KV could be read")
-    block_io = BlockIO(kv_cache.stacked)
+    block_io = BlockIO(*kv_cache.stacks)
     layout = TorchPagedKV(list(zip(kv_cache.k, kv_cache.v, strict=True))).layout()
     space = namespace(weights_fingerprint, layout)
     local: list[KVTier] = []

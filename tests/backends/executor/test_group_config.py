@@ -12,8 +12,8 @@ from backends.core.engine_config import TORCH_THREADS_ENV, EngineConfig, KVConne
 
 
 @pytest.mark.parametrize(("fields", "named"), [
-    ({"kv_cpu_bytes": 1 << 20}, "KV tiers"),
-    ({"kv_connectors": (KVConnectorName.PD,)}, "a KV connector (P/D transfer)"),
+    ({"kv_cpu_bytes": 1 << 20, "device": "cuda"}, "KV tiers on CUDA"),
+    ({"kv_connectors": (KVConnectorName.PD,), "device": "cuda"}, "P/D transfer on CUDA"),
     ({"speculative": "eagle", "speculative_model": "/somewhere"}, "a draft model or EAGLE head"),
     ({"keep_weights_compressed": True}, "weights kept compressed"),
 ])
@@ -25,8 +25,10 @@ def test_a_group_refuses_what_it_does_not_serve_yet(fields: dict[str, Any], name
     EngineConfig(tensor_parallel_size=1, **fields)   # one rank serves it
 
 
-def test_prompt_lookup_and_bad_sizes() -> None:
+def test_prompt_lookup_p_d_on_the_cpu_and_bad_sizes() -> None:
     EngineConfig(tensor_parallel_size=2, speculative="ngram")
+    EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2, kv_connectors=(KVConnectorName.PD,),
+                 kv_cpu_bytes=1 << 20)
     for fields in ({"tensor_parallel_size": 0}, {"pipeline_parallel_size": 0},
                    {"tensor_parallel_size": 2, "distributed_timeout_s": 0}):
         with pytest.raises(ValueError, match="tensor_parallel_size and pipeline_parallel_size must be >= 1"):
