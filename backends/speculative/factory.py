@@ -25,6 +25,10 @@ def build_proposer(config: EngineConfig, runner: Any) -> Proposer:
 
 def _model_proposer(kind: str, config: EngineConfig, runner: Any) -> Proposer:
     assert config.speculative_model is not None
+    # Over a group of ranks the proposer runs in rank 0, beside its shard (backends/executor/group_runner.py): a
+    # draft model whole on its cores, an EAGLE head on stage 0's embedding and LM head (tensor-parallel ones,
+    # split by vocabulary, are refused at start: engine_config).
+    runner = getattr(runner, "local", runner)
     if kind == "draft":
         from backends.speculative.draft import DraftModelProposer
         return DraftModelProposer.for_target(Path(config.speculative_model), runner)

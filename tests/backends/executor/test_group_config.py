@@ -14,7 +14,6 @@ from backends.core.engine_config import TORCH_THREADS_ENV, EngineConfig, KVConne
 @pytest.mark.parametrize(("fields", "named"), [
     ({"kv_cpu_bytes": 1 << 20, "device": "cuda"}, "KV tiers on CUDA"),
     ({"kv_connectors": (KVConnectorName.PD,), "device": "cuda"}, "P/D transfer on CUDA"),
-    ({"speculative": "eagle", "speculative_model": "/somewhere"}, "a draft model or EAGLE head"),
     ({"keep_weights_compressed": True}, "weights kept compressed"),
 ])
 def test_a_group_refuses_what_it_does_not_serve_yet(fields: dict[str, Any], named: str) -> None:
@@ -23,6 +22,14 @@ def test_a_group_refuses_what_it_does_not_serve_yet(fields: dict[str, Any], name
     with pytest.raises(ValueError, match=re.escape(f"(1 tensor-parallel x 2 pipeline stages) does not serve {named}")):
         EngineConfig(pipeline_parallel_size=2, **fields)
     EngineConfig(tensor_parallel_size=1, **fields)   # one rank serves it
+
+
+def test_an_eagle_head_needs_one_rank_per_stage_and_a_draft_model_any_group() -> None:
+    eagle = {"speculative": "ngram+eagle", "speculative_model": "/somewhere"}
+    with pytest.raises(ValueError, match=re.escape("does not serve an EAGLE head over tensor-parallel ranks")):
+        EngineConfig(tensor_parallel_size=2, **eagle)
+    EngineConfig(pipeline_parallel_size=2, **eagle)
+    EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2, speculative="draft", speculative_model="/d")
 
 
 def test_prompt_lookup_p_d_on_the_cpu_and_bad_sizes() -> None:

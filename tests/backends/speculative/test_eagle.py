@@ -33,10 +33,12 @@ def target(runner: ModelRunner) -> LlamaForCausalLM:
 
 
 def write_head(folder: Path, smollm2_dir: Path, *, eagle1: bool, fmt: str, d2t: bool, seed: int = 0) -> Path:
-    """A randomly initialised head in the EAGLE layout. eagle1: no input_layernorm, fc with a bias."""
-    config = {**read_config_json(smollm2_dir), "num_hidden_layers": 1}
+    """A randomly initialised head in the EAGLE layout for the target in `smollm2_dir` (SmolLM2, or another
+    Llama). eagle1: no input_layernorm, fc with a bias."""
+    config = {**read_config_json(smollm2_dir), "num_hidden_layers": 1, "attention_bias": False, "mlp_bias": False}
     h, inter = config["hidden_size"], config["intermediate_size"]
-    q, kv = config["num_attention_heads"] * 64, config["num_key_value_heads"] * 64
+    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape, std=0.05: torch.randn(*shape, generator=g) * std  # noqa: E731
     weights = {"fc.weight": rand(h, 2 * h), "layers.0.self_attn.q_proj.weight": rand(q, h),
