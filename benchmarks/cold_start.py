@@ -22,7 +22,7 @@ Prints the medians, (ready - fixed) / read against the target of 1.5, the bytes 
 worker's own log. A script, not a test:
 
     .venv/bin/python benchmarks/cold_start.py [--layers 28] [--runs 3] [--tensor-parallel-sizes 1 2]
-        [--dir DIR] [--drop-caches]
+        [--dir DIR] [--drop-caches] [--baseline-checkout DIR]
 
 Without --dir the checkpoints go to a temporary folder that is deleted at the end; with it they are kept and
 reused by the next run with the same --layers.
@@ -76,6 +76,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--shard-gb", type=float, default=5.0, help="largest checkpoint file (transformers' default: 5)")
     p.add_argument("--dir", type=Path, default=None, help="where the checkpoints go (kept, and reused)")
+    p.add_argument("--baseline-checkout", type=Path, default=None,
+                   help="also start, each round at TP=1, the worker of this checkout (an A/B of two commits)")
     p.add_argument("--drop-caches", action="store_true",
                    help="drop the whole page cache (root) instead of evicting the checkpoint's files only")
     return p.parse_args()
@@ -189,14 +191,23 @@ PHASES = re.compile(r"weights of .* read|slices of .* read and placed|rank \d+: 
                     r"engine started")
 
 
-def start_worker(folder: Path, tensor_parallel: int, log_path: Path) -> Start:
+@dataclass(frozen=True, slots=True)
+class Setup:
+    tensor_parallel: int   # --tensor-parallel-size
+    checkout: Path         # the worker's code: where it is started (python -m puts its folder first on the path)
+
+    def label(self) -> str:
+        return f"{self.tensor_parallel}" + ("" if self.checkout == ROOT else f", {self.checkout}")
+
+
+def start_worker(folder: Path, setup: Setup, log_path: Path) -> Start:
     port = free_port()
     cmd = [sys.executable, "-m", "gateway.cli", "worker", "--model", str(folder), "--dtype", "bfloat16",
-           "--port", str(port), "--tensor-parallel-size", str(tensor_parallel)]
+           "--port", str(port), "--tensor-parallel-size", str(setup.tensor_parallel)]
     with log_path.open("wb") as log:
         spawned = time.time()
         begin = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=setup.checkout, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             ready_s = _wait_healthy(proc, port, begin, log_path)
             storage = {pid: _storage_read_bytes(pid) for pid in [proc.pid, *_descendants(proc.pid)]}
@@ -272,25 +283,29 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def run_rounds(args: argparse.Namespace, big: Path, tiny: Path, work: Path) -> dict[int, dict[str, list]]:
-    """Per tensor-parallel size: each round's read s, fixed and ready Starts, and resident bytes left cold."""
-    rows: dict[int, dict[str, list]] = {tp: {"read": [], "fixed": [], "ready": [], "resident": []}
-                                        for tp in args.tensor_parallel_sizes}
-    start_worker(tiny, 1, work / "warm-up.log")
+def run_rounds(args: argparse.Namespace, big: Path, tiny: Path, work: Path) -> dict[Setup, dict[str, list]]:
+    """Per setup: each round's read s, fixed and ready Starts, and resident bytes left after each eviction."""
+    setups = [Setup(tp, ROOT) for tp in args.tensor_parallel_sizes]
+    setups += [Setup(1, args.baseline_checkout.resolve())] if args.baseline_checkout else []
+    rows: dict[Setup, dict[str, list]] = {s: {"read": [], "fixed": [], "ready": [], "resident": []} for s in setups}
+    for k, setup in enumerate(setups):
+        start_worker(tiny, setup, work / f"warm-up-setup{k}.log")
     for round_ in range(args.runs):
-        for tp, row in rows.items():
+        for k, (setup, row) in enumerate(rows.items()):
+            tp, logs = setup.tensor_parallel, f"setup{k}-round{round_ + 1}.log"
             row["resident"].append(make_cold([big, tiny], args.drop_caches))
             row["read"].append(read_s(big, tp))
             row["resident"].append(make_cold([big, tiny], args.drop_caches))
-            row["fixed"].append(start_worker(tiny, tp, work / f"tiny-tp{tp}-{round_}.log"))
+            row["fixed"].append(start_worker(tiny, setup, work / f"tiny-{logs}"))
             row["resident"].append(make_cold([big, tiny], args.drop_caches))
-            row["ready"].append(start_worker(big, tp, work / f"big-tp{tp}-{round_}.log"))
-            print(f"round {round_ + 1}, TP={tp}: read {row['read'][-1]:.2f} s, fixed {row['fixed'][-1].ready_s:.2f} s, "
-                  f"ready {row['ready'][-1].ready_s:.2f} s (load average {os.getloadavg()[0]:.2f})", flush=True)
+            row["ready"].append(start_worker(big, setup, work / f"big-{logs}"))
+            print(f"round {round_ + 1}, TP={setup.label()}: read {row['read'][-1]:.2f} s, "
+                  f"fixed {row['fixed'][-1].ready_s:.2f} s, ready {row['ready'][-1].ready_s:.2f} s "
+                  f"(load average {os.getloadavg()[0]:.2f})", flush=True)
     return rows
 
 
-def report(args: argparse.Namespace, big: Path, rows: dict[int, dict[str, list]]) -> None:
+def report(args: argparse.Namespace, big: Path, rows: dict[Setup, dict[str, list]]) -> None:
     size = weight_bytes(big)
     cold = "dropped the page cache (drop_caches)" if args.drop_caches else "evicted the files (POSIX_FADV_DONTNEED)"
     left = max(max(row["resident"]) for row in rows.values())
@@ -299,16 +314,17 @@ def report(args: argparse.Namespace, big: Path, rows: dict[int, dict[str, list]]
           f"{'cold' if left < size // 100 else 'NOT cold'}; median of {args.runs} rounds\n")
     print("| TP | read s (GB/s) | ready s | fixed s | (ready - fixed) / read | target | runs: read / ready / fixed |")
     print("|---|---|---|---|---|---|---|")
-    for tp, row in rows.items():
+    for setup, row in rows.items():
         read = statistics.median(row["read"])
         ready = statistics.median(s.ready_s for s in row["ready"])
         fixed = statistics.median(s.ready_s for s in row["fixed"])
         runs = " / ".join(" ".join(f"{x:.2f}" for x in xs) for xs in
                           (row["read"], [s.ready_s for s in row["ready"]], [s.ready_s for s in row["fixed"]]))
         ratio = (ready - fixed) / read
-        print(f"| {tp} | {read:.2f} ({size / read / 1e9:.2f}) | {ready:.2f} | {fixed:.2f} | **{ratio:.2f}** | "
-              f"<= {TARGET} {'met' if ratio <= TARGET else 'NOT met'} | {runs} |")
-    for tp, row in rows.items():
+        print(f"| {setup.label()} | {read:.2f} ({size / read / 1e9:.2f}) | {ready:.2f} | {fixed:.2f} | "
+              f"**{ratio:.2f}** | <= {TARGET} {'met' if ratio <= TARGET else 'NOT met'} | {runs} |")
+    for setup, row in rows.items():
+        tp = setup.label()
         median = sorted(row["ready"], key=lambda s: s.ready_s)[len(row["ready"]) // 2]
         fetched = ", ".join(f"{b / 1e9:.2f}" for b in median.storage_bytes.values())
         print(f"\nTP={tp}, the median start: GB fetched from storage by each process (the worker, then its children: "
