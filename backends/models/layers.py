@@ -123,20 +123,32 @@ class Linear(nn.Module):
         if scratch is not None and len(compressed) == len(weights):
             self._keep_compressed(compressed, scratch)
             return
-        fused = torch.cat([dense(w) for w in weights], 0)
-        self.packed = self.kernels.pack(fused, self.weight.dtype)
-        if self.packed is not None:
-            # from the rounded weight: a wide step multiplies the values a narrow one does
-            self.packed_wide = self.kernels.pack_wide(fused.to(self.weight.dtype), self.weight.dtype)
-            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)   # the packed copy replaces it
-            return
         if self.transposed and self.weight.dtype != torch.float32:
             # In bf16/fp16, CPU matmuls against an [in, out] weight ran 18-20x slower than F.linear
             # on [out, in] (1-8 rows, SmolLM2's shapes); on CUDA both layouts are fine.
             self.transposed = False
             self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype,
                                                    device=self.weight.device), requires_grad=False)
-        self.weight.copy_(fused.t() if self.transposed else fused)
+        fused = self.weight.t() if self.transposed else self.weight   # [out, in]
+        self._copy_rows(fused, [dense(w) for w in weights])
+        # from the rounded weight: a wide step multiplies the values a narrow one does
+        self.packed = self.kernels.pack(fused, self.weight.dtype)
+        if self.packed is not None:
+            self.packed_wide = self.kernels.pack_wide(fused, self.weight.dtype)
+            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)   # the packed copy replaces it
+
+    def _copy_rows(self, fused: torch.Tensor, parts: list[torch.Tensor]) -> None:
+        """Each HF [out_i, in] part straight into its rows of `fused` [out, in]: one copy of each byte out of the
+        checkpoint's map. A torch.cat of the parts first copied every byte twice into fresh pages; a cold start
+        of a 6 GB bf16 model spent 10.8 s in the cat and 8.1 s in the copy (docs/benchmarks.md, "Cold start")."""
+        if sum(p.shape[0] for p in parts) != self.out_features or any(p.shape[1:] != (self.in_features,)
+                                                                        for p in parts):
+            raise ValueError(f"weights {[list(p.shape) for p in parts]} do not fuse into "
+                             f"[{self.out_features}, {self.in_features}]")
+        row = 0
+        for part in parts:
+            fused[row:row + part.shape[0]].copy_(part)
+            row += part.shape[0]
 
     def _keep_compressed(self, parts: list[CompressedWeight], scratch: ExpandScratch) -> None:
         dtype, device = self.weight.dtype, self.weight.device
