@@ -30,6 +30,7 @@ from tests.backends.numerics import assert_same_tokens, float64_copy
 from tests.backends.pd_http import assert_idle, get, post
 from tests.backends.references import prompt_ids, smollm2_vocabulary
 from tests.support.gateway_proc import GatewayProcess
+from tests.support.wait import await_until
 from tests.support.worker_proc import WorkerProcess, started_workers
 
 pytestmark = pytest.mark.slow
@@ -120,15 +121,22 @@ async def test_the_gateway_pairs_each_prefill_group_with_a_decode_group_of_its_s
                 "offers_token_ids": True}
     gateway = GatewayProcess({"models": {NAME: {"tokenizer": str(pools.folder), "providers": ["pd"]}},
                               "providers": {"pd": provider}}, tmp_path, start_timeout_s=120)
+    async def pulls() -> int:
+        return sum([(await digests(pools.url(f"decode-{s}"), "-"))["totals"]["pulls"] for s in SHAPES])
+
+    async def loads_polled() -> bool:   # the gateway pairs by the fingerprints the workers' /load reports
+        rows = (await get(gateway.url + "/status.json"))["endpoints"]
+        return len(rows) == 4 and all(r["healthy"] and r["kv_used_fraction"] is not None for r in rows)
     try:
+        await await_until(loads_polled, "the gateway to have every worker's /load")
+        before = await pulls()
         for _ in range(4):   # both shapes' prefill workers take some of them
             status, answer = await post(gateway.url, BODY)
             assert status == 200, answer
             assert answer["choices"][0]["token_ids"] == unified["choices"][0]["token_ids"]
     finally:
         gateway.stop()
-    pulls = [(await digests(pools.url(f"decode-{s}"), "-"))["totals"]["pulls"] for s in SHAPES]
-    assert sum(pulls) >= 4, pulls   # every answer came through a transfer, none refused and computed again
+    assert await pulls() - before == 4   # every answer came through a transfer, none refused and computed again
     await assert_idle([w.url for w in pools.workers.values()])
 
 
