@@ -34,7 +34,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ from backends.worker.loader import SHARD_INDEX_FILE, checkpoint_files, resolve_m
 from backends.worker.random_weights import RandomCheckpoint  # noqa: E402
 from moe_bench import machine  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
+from worker_bench import stop  # noqa: E402  (its SIGTERM, then SIGKILL, of a worker's process group)
 
 TARGET = 1.5
 # Llama-3.2-3B's shape; the vocabulary is SmolLM2's, whose tokenizer is the one here.
@@ -212,7 +212,7 @@ def start_worker(folder: Path, setup: Setup, log_path: Path) -> Start:
             ready_s = _wait_healthy(proc, port, begin, log_path)
             storage = {pid: _storage_read_bytes(pid) for pid in [proc.pid, *_descendants(proc.pid)]}
         finally:
-            _stop(proc)
+            stop(proc)
     return Start(ready_s, storage, _phases(log_path.read_text(errors="replace"), spawned))
 
 
@@ -242,16 +242,6 @@ def _descendants(pid: int) -> list[int]:
 def _storage_read_bytes(pid: int) -> int:
     text = Path(f"/proc/{pid}/io").read_text()
     return int(re.search(r"^read_bytes: (\d+)", text, re.M).group(1))  # type: ignore[union-attr]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def _phases(log: str, spawned: float) -> list[tuple[float, str]]:
