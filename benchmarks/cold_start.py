@@ -161,11 +161,11 @@ def read_s(folder: Path, readers: int) -> float:
         buffer = memoryview(bytearray(READ_CHUNK))
         for path in files:
             size = path.stat().st_size
-            start, stop = size * k // readers, size * (k + 1) // readers
+            start, end = size * k // readers, size * (k + 1) // readers
             with path.open("rb", buffering=0) as f:
                 f.seek(start)
-                while start < stop:
-                    n = f.readinto(buffer[:min(READ_CHUNK, stop - start)])
+                while start < end:
+                    n = f.readinto(buffer[:min(READ_CHUNK, end - start)])
                     if not n:
                         break
                     start += n
