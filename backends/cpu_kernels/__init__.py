@@ -1,4 +1,5 @@
-"""The C++ kernels for the CPU: paged decode attention (paged_decode.cpp) and fused layer ops (fused_layers.cpp).
+"""The C++ kernels for the CPU: paged decode attention (paged_decode.cpp), fused layer ops (fused_layers.cpp) and
+a sparse MLP's routed experts (moe_experts.cpp).
 
 Built into one library once per machine, with the instruction set of the CPU torch runs on, into
 $SWITCHYARD_CACHE/torch_extensions; loaded once per process, after which they are `torch.ops.switchyard_cpu.*`.
@@ -24,7 +25,7 @@ from backends.core.paths import default_cache_dir
 log = logging.getLogger(__name__)
 
 _FOLDER = Path(__file__).parent
-_SOURCES = (_FOLDER / "paged_decode.cpp", _FOLDER / "fused_layers.cpp")
+_SOURCES = (_FOLDER / "paged_decode.cpp", _FOLDER / "fused_layers.cpp", _FOLDER / "moe_experts.cpp")
 _HEADERS = (_FOLDER / "cpu_math.h",)
 
 # The instruction sets torch found this CPU and its OS to support (cpuinfo, AVX-512 state saving included), as

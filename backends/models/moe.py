@@ -175,7 +175,8 @@ class MoEBlock(nn.Module):
         weights, ids = self.route(x)
         if self.split is not None:
             ids = self.split.local_ids(ids)
-        own_kernel = self.packed is None and (self.split is None or not self.split.expert_parallel)
+        own_kernel = self.packed is None and (self.split is None or not self.split.expert_parallel
+                                              or self.kernels.skips_foreign_experts)
         out = self.kernels.expert_products(x, ids, weights, self.gate_up, self.down) if own_kernel else None
         if out is None:
             out = grouped_experts(x, ids, weights, self.gate_up, self.down, self.kernels, self.packed)

@@ -101,6 +101,8 @@ class LayerKernels:
         them); the reference is the matrix product it replaces."""
         return torch.nn.functional.linear(x, weight)
 
+    skips_foreign_experts = False   # whether expert_products takes ids past the last expert (adding nothing)
+
     def expert_products(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                         gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor | None:
         """A sparse MLP's routed output [T, H] for x [T, H] and its experts' stacked weights (gate_up [E, 2I, H],

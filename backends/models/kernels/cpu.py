@@ -48,6 +48,15 @@ def native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def own_experts(dtype: torch.dtype) -> bool:
+    """Whether the grouped C++ expert kernel runs a sparse MLP's experts in `dtype`: float32, and bfloat16 where
+    the CPU has no native bfloat16 (there oneDNN's packed bf16 products stay: not measured against the kernel
+    yet), with the fused kernels on. On the 2-core EPYC (AVX2) it read the experts of a 64-expert, top-6 layer
+    (hidden 2048) at 1-32 tokens 1.5-1.6x as fast as one oneDNN-packed product per expert in float32, and at 1,024
+    tokens as fast; in bf16 2.3-3.3x as fast as ATen's products (docs/benchmarks.md, "Grouped CPU expert kernel")."""
+    return (dtype == torch.float32 or (dtype == torch.bfloat16 and not native_bf16())) and cpu_fused_layers()
+
+
 def fusable(x: torch.Tensor) -> bool:
     """Whether the fused CPU kernels take x: a supported dtype whose last dimension is contiguous, with no
     gradient to track (the kernels have no backward), and the kernels on."""
@@ -100,10 +109,23 @@ class CpuKernels(LayerKernels):
         return torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), _PACK_ROWS_HINT)
 
     def pack_expert(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """Experts as `pack` packs projections, in their own dtype: a decode step of a 2-layer, 64-expert bf16 MoE
-        (hidden 2048) ran 1.1x as fast at 1 sequence and 1.3x at 8 and 32 on the 2-core EPYC (AVX-512 BF16) than
+        """None (plain [out, in] rows) where the grouped C++ kernel runs the experts (own_experts); elsewhere
+        experts as `pack` packs projections, in their own dtype: a decode step of a 2-layer, 64-expert bf16 MoE
+        (hidden 2048) ran 1.1x as fast at 1 sequence and 1.3x at 8 and 32 on the 2-core Xeon (AVX-512 BF16) than
         from plain layouts."""
-        return self.pack(weight, weight.dtype)
+        return None if own_experts(weight.dtype) else self.pack(weight, weight.dtype)
+
+    skips_foreign_experts = True   # moe_experts: an id past the last expert adds nothing
+
+    def expert_products(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor | None:
+        """The routed experts in one C++ call (backends/cpu_kernels/moe_experts.cpp) where own_experts; each
+        active expert's weights are read once, over all of its tokens."""
+        if not (own_experts(x.dtype) and x.dim() == 2 and gate_up.dim() == 3 and gate_up.dtype == x.dtype
+                and gate_up.is_contiguous() and down.is_contiguous() and gate_up.shape[0] > 0):
+            return None
+        return torch.ops.switchyard_cpu.moe_experts(x.contiguous(), topk_ids.contiguous(),
+                                                    topk_weights.float().contiguous(), gate_up, down)
 
     def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -1,0 +1,304 @@
+// The routed experts of a sparse MLP on the CPU, in one call: sum_j w[t, j] * down[e] (silu(gate[e] x[t]) * up[e]
+// x[t]) with e = ids[t, j], for x [T, H], gate_up [E, 2I, H] (gate rows first) and down [E, H, I], stored [out, in].
+// backends/models/moe.py's grouped_experts is the reference (one ATen product per active expert and op).
+//
+// A decode step gives each expert 1-8 token rows, where one library GEMM per expert and op spends its time
+// starting up and its threads waiting, and reads the weights at half the memory's speed. Here the token slots are
+// counted into expert order once; then two parallel passes read each active expert's weights exactly once, in
+// tiles of rows spread over the threads: (1) gate and up rows against the expert's tokens, SiLU·mul applied as
+// each tile ends, (2) down rows against those products. Each tile is a register-blocked dot product of 4 weight
+// rows with up to kMaxTokens token rows, accumulated in float32 vectors; bf16 weights widen to float32 in the
+// register (a shift), so they stream half the bytes of float32. Slots whose expert id lies outside [0, E) (another
+// rank's expert, under expert parallelism) add nothing. The weighted sum over each token's k slots is in float32.
+// In bf16, every value is rounded where the op-by-op reference rounds it (the products, silu(gate), the SiLU·mul),
+// so the two agree up to the order of the sums.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "cpu_math.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using switchyard_cpu::Elem;
+using switchyard_cpu::exp_nonpositive;
+
+// GCC/Clang vector types of one register's width: 16 floats with AVX-512, 8 otherwise (AVX2; on a CPU with
+// narrower vectors the compiler splits them). Same-size vector casts are bit casts.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kMaxTokens = 6;   // 4 x 6 accumulators + 6 token vectors + 1 weight vector of 32 registers
+#else
+constexpr int kLanes = 8;
+constexpr int kMaxTokens = 3;   // 4 x 3 + 3 + 1 = 16 registers
+#endif
+constexpr int kRows = 4;        // weight rows per register block
+constexpr int64_t kTileRows = 16;   // weight rows per parallel task (gate_up: this many gate and as many up rows)
+
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint16_t vbf16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline vfloat load_lanes(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// bf16 bits widened to the float32 with those as its high half. The zero extension is one instruction (vpmovzxwd
+// from memory) where named here; gcc 12 turns __builtin_convertvector into two half-width ones and an insert.
+inline vfloat load_lanes(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return reinterpret_cast<const vfloat&>(wide);
+#elif defined(__AVX2__)
+  const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return reinterpret_cast<const vfloat&>(wide);
+#else
+  vbf16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const vuint wide = __builtin_convertvector(h, vuint) << 16;
+  return reinterpret_cast<const vfloat&>(wide);
+#endif
+}
+
+inline float widen(float v) { return v; }
+inline float widen(uint16_t bits) { return Elem<c10::BFloat16>::load(bits); }
+
+inline float lane_sum(vfloat v) {
+  float sum = 0.0f;
+  for (int i = 0; i < kLanes; ++i) sum += v[i];
+  return sum;
+}
+
+// out[m * out_stride + r] = w[r, :] . xs[m][:] for R weight rows (w, row length K) and M token rows.
+template <int R, int M, typename W>
+inline void dot_block(const W* w, int64_t K, const float* const* xs, float* out, int64_t out_stride) {
+  vfloat acc[M][R] = {};
+  // bf16: the next R rows (contiguous after these) are fetched into cache while these are read, a line or more
+  // per step. A row of 2048 is one page, and the hardware's prefetchers stop at page boundaries: on the AVX2 EPYC
+  // this took one expert read from 16 to 21 GB/s; for float32 rows (two pages) it made the reads slower.
+  const char* ahead = reinterpret_cast<const char*>(w + R * K);
+  constexpr int64_t kStepBytes = R * kLanes * sizeof(W);
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    if constexpr (sizeof(W) == 2) {
+      for (int64_t b = 0; b < kStepBytes; b += 64) __builtin_prefetch(ahead + k * R * sizeof(W) + b);
+    }
+    vfloat xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = load_lanes(xs[m] + k);
+    for (int r = 0; r < R; ++r) {
+      const vfloat wv = load_lanes(w + r * K + k);
+      for (int m = 0; m < M; ++m) acc[m][r] += wv * xv[m];
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int r = 0; r < R; ++r) {
+      float sum = lane_sum(acc[m][r]);
+      for (int64_t j = k; j < K; ++j) sum += widen(w[r * K + j]) * xs[m][j];
+      out[m * out_stride + r] = sum;
+    }
+  }
+}
+
+template <int R, typename W>
+inline void dot_tokens(const W* w, int64_t K, const float* const* xs, int64_t M, float* out, int64_t out_stride) {
+  int64_t m = 0;
+  for (; m + kMaxTokens <= M; m += kMaxTokens) {
+    dot_block<R, kMaxTokens>(w, K, xs + m, out + m * out_stride, out_stride);
+  }
+  switch (M - m) {   // the last 1 .. kMaxTokens - 1 tokens
+#define SWITCHYARD_TAIL(n) \
+  case n:                  \
+    if constexpr (n < kMaxTokens) dot_block<R, n>(w, K, xs + m, out + m * out_stride, out_stride); \
+    break;
+    SWITCHYARD_TAIL(1)
+    SWITCHYARD_TAIL(2)
+    SWITCHYARD_TAIL(3)
+    SWITCHYARD_TAIL(4)
+    SWITCHYARD_TAIL(5)
+#undef SWITCHYARD_TAIL
+    default:
+      break;
+  }
+}
+
+// out[m * out_stride + r] = w[r, :] . xs[m][:] for `rows` weight rows and M token rows.
+template <typename W>
+void rows_times_tokens(const W* w, int64_t rows, int64_t K, const float* const* xs, int64_t M, float* out,
+                       int64_t out_stride) {
+  if constexpr (sizeof(W) == 2) {
+    if (M > 2 * kMaxTokens) {   // over two blocks of tokens: widen each group of bf16 rows once, not per block
+      thread_local std::vector<float> wide;
+      wide.resize(kRows * K);
+      for (int64_t r = 0; r < rows; r += kRows) {
+        const int64_t n = std::min<int64_t>(kRows, rows - r);
+        for (int64_t i = 0; i < n * K; ++i) wide[i] = widen(w[r * K + i]);
+        rows_times_tokens(wide.data(), n, K, xs, M, out + r, out_stride);
+      }
+      return;
+    }
+  }
+  int64_t r = 0;
+  for (; r + kRows <= rows; r += kRows) dot_tokens<kRows>(w + r * K, K, xs, M, out + r, out_stride);
+  for (; r < rows; ++r) dot_tokens<1>(w + r * K, K, xs, M, out + r, out_stride);
+}
+
+struct Tile {
+  int64_t expert;
+  int64_t row;   // first weight row of the tile
+};
+
+// Tiles of every active expert, ordered row-first, so that each thread's contiguous share of them covers every
+// expert (experts with many tokens cost more per tile; decode gives them alike).
+std::vector<Tile> tiles_of(const std::vector<int64_t>& active, int64_t rows) {
+  std::vector<Tile> tiles;
+  tiles.reserve(active.size() * ((rows + kTileRows - 1) / kTileRows));
+  for (int64_t row = 0; row < rows; row += kTileRows) {
+    for (int64_t e : active) tiles.push_back({e, row});
+  }
+  return tiles;
+}
+
+template <typename scalar_t>
+void experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate_up,
+             const at::Tensor& down, at::Tensor& result) {
+  using E = Elem<scalar_t>;
+  using Raw = typename E::raw;
+  const int64_t T = x.size(0), H = x.size(1), k = ids.size(1);
+  const int64_t num_experts = gate_up.size(0), I = down.size(2);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const float* w = weights.data_ptr<float>();
+  const Raw* xp = reinterpret_cast<const Raw*>(x.data_ptr());
+  const Raw* gu = reinterpret_cast<const Raw*>(gate_up.data_ptr());
+  const Raw* dn = reinterpret_cast<const Raw*>(down.data_ptr());
+  Raw* rp = reinterpret_cast<Raw*>(result.data_ptr());
+
+  // The slots in expert order: sorted[start[e] .. start[e + 1]) are expert e's; position[slot] is where a slot
+  // went, -1 for another rank's expert.
+  std::vector<int64_t> start(num_experts + 1, 0), position(T * k, -1);
+  for (int64_t s = 0; s < T * k; ++s) {
+    if (id[s] >= 0 && id[s] < num_experts) ++start[id[s] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) start[e + 1] += start[e];
+  const int64_t slots = start[num_experts];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1), token(slots);
+  for (int64_t s = 0; s < T * k; ++s) {
+    if (id[s] >= 0 && id[s] < num_experts) {
+      position[s] = fill[id[s]]++;
+      token[position[s]] = s / k;
+    }
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (start[e + 1] > start[e]) active.push_back(e);
+  }
+
+  // The tokens in float32 once; the kernels read rows through pointers (a token's row per slot, in slot order).
+  const std::unique_ptr<float[]> xf(new float[T * H]);   // left uninitialised: every element is written
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * H; i < end * H; ++i) xf[i] = E::load(xp[i]);
+  });
+  std::vector<const float*> rows(slots);
+  for (int64_t s = 0; s < slots; ++s) rows[s] = xf.get() + token[s] * H;
+
+  const std::unique_ptr<float[]> hidden(new float[slots * I]), out(new float[slots * H]);
+  const std::vector<Tile> first = tiles_of(active, I), second = tiles_of(active, H);
+  // (1) h[slot, j] = silu(gate[e, j] . x) * (up[e, j] . x), a tile of j per task.
+  at::parallel_for(0, static_cast<int64_t>(first.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> products;
+    for (int64_t t = begin; t < end; ++t) {
+      const Tile tile = first[t];
+      const int64_t s0 = start[tile.expert], M = start[tile.expert + 1] - s0;
+      const int64_t n = std::min(kTileRows, I - tile.row);
+      products.resize(2 * n * M);   // [M, 2n]: n gate then n up products per token
+      const Raw* wg = gu + (tile.expert * 2 * I + tile.row) * H;
+      rows_times_tokens(wg, n, H, rows.data() + s0, M, products.data(), 2 * n);
+      rows_times_tokens(wg + I * H, n, H, rows.data() + s0, M, products.data() + n, 2 * n);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* g = products.data() + m * 2 * n;
+        float* h = hidden.get() + (s0 + m) * I + tile.row;
+        for (int64_t j = 0; j < n; ++j) {
+          const float gj = E::round(g[j]), uj = E::round(g[n + j]);
+          const float e = exp_nonpositive(-std::fabs(gj));
+          const float sigmoid = gj >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+          h[j] = E::round(E::round(gj * sigmoid) * uj);
+        }
+      }
+    }
+  });
+  // (2) out[slot, i] = down[e, i] . h[slot], a tile of i per task.
+  at::parallel_for(0, static_cast<int64_t>(second.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<const float*> hrows;
+    for (int64_t t = begin; t < end; ++t) {
+      const Tile tile = second[t];
+      const int64_t s0 = start[tile.expert], M = start[tile.expert + 1] - s0;
+      const int64_t n = std::min(kTileRows, H - tile.row);
+      hrows.resize(M);
+      for (int64_t m = 0; m < M; ++m) hrows[m] = hidden.get() + (s0 + m) * I;
+      rows_times_tokens(dn + (tile.expert * H + tile.row) * I, n, I, hrows.data(), M,
+                        out.get() + s0 * H + tile.row, H);
+    }
+  });
+  // (3) result[t] = sum_j w[t, j] * out[slot (t, j)], in float32.
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(H);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t p = position[t * k + j];
+        if (p < 0) continue;
+        const float wj = w[t * k + j];
+        const float* o = out.get() + p * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) sum[i] += wj * E::round(o[i]);
+      }
+      Raw* r = rp + t * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) r[i] = E::store(sum[i]);
+    }
+  });
+}
+
+// x [T, H], topk_ids [T, k] int64, topk_weights [T, k] float32, gate_up [E, 2I, H], down [E, H, I] of x's dtype
+// (float32 or bfloat16), all contiguous -> the routed output [T, H] in x's dtype.
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                       const at::Tensor& gate_up, const at::Tensor& down) {
+  for (const at::Tensor* t : {&x, &topk_ids, &topk_weights, &gate_up, &down}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "moe_experts: contiguous CPU tensors");
+  }
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "moe_experts: float32 or bfloat16");
+  TORCH_CHECK(gate_up.scalar_type() == x.scalar_type() && down.scalar_type() == x.scalar_type(),
+              "moe_experts: the experts in x's dtype");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_weights.scalar_type() == at::kFloat,
+              "moe_experts: int64 ids and float32 weights");
+  TORCH_CHECK(x.dim() == 2 && topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0) &&
+                  topk_weights.sizes() == topk_ids.sizes(), "moe_experts: x [T, H], ids and weights [T, k]");
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && down.size(0) == gate_up.size(0) &&
+                  gate_up.size(2) == x.size(1) && down.size(1) == x.size(1) && gate_up.size(1) == 2 * down.size(2),
+              "moe_experts: gate_up [E, 2I, H], down [E, H, I]");
+  at::Tensor result = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == at::kFloat) experts<float>(x, topk_ids, topk_weights, gate_up, down, result);
+  else experts<c10::BFloat16>(x, topk_ids, topk_weights, gate_up, down, result);
+  return result;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(switchyard_cpu, m) {
+  m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down) -> Tensor");
+  m.impl("moe_experts", c10::DispatchKey::CPU, TORCH_FN(moe_experts));
+}
