@@ -1,5 +1,6 @@
 """The C++ kernels for the CPU: paged decode attention (paged_decode.cpp), fused layer ops (fused_layers.cpp) and
-a sparse MLP's routed experts (moe_experts.cpp).
+a sparse MLP's routed experts (moe_experts.cpp) and small products of plain weights (rows_linear.cpp), the last two
+over the dot products of row_dots.h.
 
 Built into one library once per machine, with the instruction set of the CPU torch runs on, into
 $SWITCHYARD_CACHE/torch_extensions; loaded once per process, after which they are `torch.ops.switchyard_cpu.*`.
@@ -25,8 +26,9 @@ from backends.core.paths import default_cache_dir
 log = logging.getLogger(__name__)
 
 _FOLDER = Path(__file__).parent
-_SOURCES = (_FOLDER / "paged_decode.cpp", _FOLDER / "fused_layers.cpp", _FOLDER / "moe_experts.cpp")
-_HEADERS = (_FOLDER / "cpu_math.h",)
+_SOURCES = (_FOLDER / "paged_decode.cpp", _FOLDER / "fused_layers.cpp", _FOLDER / "moe_experts.cpp",
+            _FOLDER / "rows_linear.cpp")
+_HEADERS = (_FOLDER / "cpu_math.h", _FOLDER / "row_dots.h")
 
 # The instruction sets torch found this CPU and its OS to support (cpuinfo, AVX-512 state saving included), as
 # compiler flags. Not -march=native: torch's answer also honours ATEN_CPU_CAPABILITY, and gcc's reading of a

@@ -26,136 +26,14 @@
 #include <vector>
 
 #include "cpu_math.h"
-
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "row_dots.h"
 
 namespace {
 
 using switchyard_cpu::Elem;
 using switchyard_cpu::exp_nonpositive;
-
-// GCC/Clang vector types of one register's width: 16 floats with AVX-512, 8 otherwise (AVX2; on a CPU with
-// narrower vectors the compiler splits them). Same-size vector casts are bit casts.
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-constexpr int kMaxTokens = 6;   // 4 x 6 accumulators + 6 token vectors + 1 weight vector of 32 registers
-#else
-constexpr int kLanes = 8;
-constexpr int kMaxTokens = 3;   // 4 x 3 + 3 + 1 = 16 registers
-#endif
-constexpr int kRows = 4;        // weight rows per register block
-constexpr int64_t kTileRows = 16;   // weight rows per parallel task (gate_up: this many gate and as many up rows)
-
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-typedef uint16_t vbf16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-inline vfloat load_lanes(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// bf16 bits widened to the float32 with those as its high half. The zero extension is one instruction (vpmovzxwd
-// from memory) where named here; gcc 12 turns __builtin_convertvector into two half-width ones and an insert.
-inline vfloat load_lanes(const uint16_t* p) {
-#if defined(__AVX512F__)
-  const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-  return reinterpret_cast<const vfloat&>(wide);
-#elif defined(__AVX2__)
-  const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
-  return reinterpret_cast<const vfloat&>(wide);
-#else
-  vbf16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const vuint wide = __builtin_convertvector(h, vuint) << 16;
-  return reinterpret_cast<const vfloat&>(wide);
-#endif
-}
-
-inline float widen(float v) { return v; }
-inline float widen(uint16_t bits) { return Elem<c10::BFloat16>::load(bits); }
-
-inline float lane_sum(vfloat v) {
-  float sum = 0.0f;
-  for (int i = 0; i < kLanes; ++i) sum += v[i];
-  return sum;
-}
-
-// out[m * out_stride + r] = w[r, :] . xs[m][:] for R weight rows (w, row length K) and M token rows.
-template <int R, int M, typename W>
-inline void dot_block(const W* w, int64_t K, const float* const* xs, float* out, int64_t out_stride) {
-  vfloat acc[M][R] = {};
-  // bf16: the next R rows (contiguous after these) are fetched into cache while these are read, a line or more
-  // per step. A row of 2048 is one page, and the hardware's prefetchers stop at page boundaries: on the AVX2 EPYC
-  // this took one expert read from 16 to 21 GB/s; for float32 rows (two pages) it made the reads slower.
-  const char* ahead = reinterpret_cast<const char*>(w + R * K);
-  constexpr int64_t kStepBytes = R * kLanes * sizeof(W);
-  int64_t k = 0;
-  for (; k + kLanes <= K; k += kLanes) {
-    if constexpr (sizeof(W) == 2) {
-      for (int64_t b = 0; b < kStepBytes; b += 64) __builtin_prefetch(ahead + k * R * sizeof(W) + b);
-    }
-    vfloat xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = load_lanes(xs[m] + k);
-    for (int r = 0; r < R; ++r) {
-      const vfloat wv = load_lanes(w + r * K + k);
-      for (int m = 0; m < M; ++m) acc[m][r] += wv * xv[m];
-    }
-  }
-  for (int m = 0; m < M; ++m) {
-    for (int r = 0; r < R; ++r) {
-      float sum = lane_sum(acc[m][r]);
-      for (int64_t j = k; j < K; ++j) sum += widen(w[r * K + j]) * xs[m][j];
-      out[m * out_stride + r] = sum;
-    }
-  }
-}
-
-template <int R, typename W>
-inline void dot_tokens(const W* w, int64_t K, const float* const* xs, int64_t M, float* out, int64_t out_stride) {
-  int64_t m = 0;
-  for (; m + kMaxTokens <= M; m += kMaxTokens) {
-    dot_block<R, kMaxTokens>(w, K, xs + m, out + m * out_stride, out_stride);
-  }
-  switch (M - m) {   // the last 1 .. kMaxTokens - 1 tokens
-#define SWITCHYARD_TAIL(n) \
-  case n:                  \
-    if constexpr (n < kMaxTokens) dot_block<R, n>(w, K, xs + m, out + m * out_stride, out_stride); \
-    break;
-    SWITCHYARD_TAIL(1)
-    SWITCHYARD_TAIL(2)
-    SWITCHYARD_TAIL(3)
-    SWITCHYARD_TAIL(4)
-    SWITCHYARD_TAIL(5)
-#undef SWITCHYARD_TAIL
-    default:
-      break;
-  }
-}
-
-// out[m * out_stride + r] = w[r, :] . xs[m][:] for `rows` weight rows and M token rows.
-template <typename W>
-void rows_times_tokens(const W* w, int64_t rows, int64_t K, const float* const* xs, int64_t M, float* out,
-                       int64_t out_stride) {
-  if constexpr (sizeof(W) == 2) {
-    if (M > 2 * kMaxTokens) {   // over two blocks of tokens: widen each group of bf16 rows once, not per block
-      thread_local std::vector<float> wide;
-      wide.resize(kRows * K);
-      for (int64_t r = 0; r < rows; r += kRows) {
-        const int64_t n = std::min<int64_t>(kRows, rows - r);
-        for (int64_t i = 0; i < n * K; ++i) wide[i] = widen(w[r * K + i]);
-        rows_times_tokens(wide.data(), n, K, xs, M, out + r, out_stride);
-      }
-      return;
-    }
-  }
-  int64_t r = 0;
-  for (; r + kRows <= rows; r += kRows) dot_tokens<kRows>(w + r * K, K, xs, M, out + r, out_stride);
-  for (; r < rows; ++r) dot_tokens<1>(w + r * K, K, xs, M, out + r, out_stride);
-}
+using switchyard_cpu::kTileRows;
+using switchyard_cpu::rows_times_tokens;
 
 struct Tile {
   int64_t expert;

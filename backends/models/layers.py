@@ -7,7 +7,6 @@ import math
 from typing import Protocol, TypeVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from backends.models.kernels.base import GemvConfig, LayerKernels
@@ -94,9 +93,9 @@ class Linear(nn.Module):
         if self.packed is not None:
             return self.kernels.packed_linear(x, self.packed, self.bias)
         if self.compressed:
-            return F.linear(x, self.expanded_weight(), self.bias)
+            return self.kernels.linear(x, self.expanded_weight(), self.bias)
         if not self.transposed:
-            return F.linear(x, self.weight, self.bias)
+            return self.kernels.linear(x, self.weight, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight)
         return torch.addmm(self.bias, x, self.weight)
@@ -186,7 +185,7 @@ class LMHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.kernels.packed_linear(x, self.packed, None)
-        return F.linear(x, self.weight)
+        return self.kernels.linear(x, self.weight, None)
 
     def load(self, weight: torch.Tensor) -> None:
         self.weight.copy_(weight)

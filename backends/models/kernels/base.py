@@ -91,10 +91,14 @@ class LayerKernels:
         attention backend, which writes the cache)."""
         return None
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) for a plain [out, in] weight, one this family did not pack."""
+        return F.linear(x, weight, bias)
+
     def linear_add(self, x: torch.Tensor, weight: torch.Tensor, transposed: bool,
                    residual: torch.Tensor) -> torch.Tensor:
         """residual + x W^T for a plain bias-less weight, stored [in, out] when `transposed`, else [out, in]."""
-        return residual + (torch.mm(x, weight) if transposed else F.linear(x, weight))
+        return residual + (torch.mm(x, weight) if transposed else self.linear(x, weight, None))
 
     def gemv(self, x: torch.Tensor, weight: torch.Tensor, config: GemvConfig) -> torch.Tensor:
         """x [1, in] times weight [out, in] transposed, by the one-row kernel `config` names (`prepare` picks

@@ -1,5 +1,6 @@
-"""The grouped CPU expert kernel (backends/cpu_kernels/moe_experts.cpp) against one token and one expert at a time
-in float64, and the CPU kernels' choice of it for a sparse MLP.
+"""The CPU's small products over row_dots.h: the grouped expert kernel (backends/cpu_kernels/moe_experts.cpp)
+against one token and one expert at a time in float64, rows_linear (rows_linear.cpp) against F.linear in float64,
+and the CPU kernels' choice of them for a sparse MLP and for a bf16 projection.
 
 The model-level checks (our MoE models against transformers' forward and `generate`) run through it whenever it
 is built, as `make test` builds it: tests/backends/models/test_moe_*.py and the MoE model tests.
@@ -13,6 +14,7 @@ from backends import cpu_kernels
 from backends.models.kernels import cpu
 from backends.models.kernels.base import LayerKernels
 from backends.models.kernels.registry import select_kernels
+from backends.models.layers import Linear, LMHead
 from backends.models.moe import QWEN_NAMES, MoEBlock, MoEConfig, grouped_experts, softmax_topk
 
 # float32: another order of the sums moves the last bits; bf16: the products round to 8 bits, as the op-by-op
@@ -126,3 +128,55 @@ def test_a_sparse_mlp_on_the_cpu_kernels_runs_the_grouped_kernel() -> None:
     calls = {e.key: e.count for e in prof.key_averages() if e.key.startswith(("switchyard_cpu::", "mkldnn::"))}
     assert calls.get("switchyard_cpu::moe_experts") == 1 and not any(k.startswith("mkldnn::") for k in calls)
     torch.testing.assert_close(got, blocks["reference"](x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, width, out", [(1, 64, 48), (4, 64, 40), (8, 2048, 33), (40, 50, 37)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rows_linear_matches_f_linear_in_float64(dtype: torch.dtype, rows: int, width: int, out: int,
+                                                 with_bias: bool) -> None:
+    """Rows of 1-40 (blocks of tokens and their tails; bf16 rows widened once past two blocks), widths and outputs
+    that are no multiple of the vector or of the tile, a row of 2048 (the prefetch ahead of bf16 rows)."""
+    g = torch.Generator().manual_seed(rows * width + out)
+    x = torch.randn(rows, width, generator=g).to(dtype)
+    weight = (torch.randn(out, width, generator=g) * width ** -0.5).to(dtype)
+    bias = torch.randn(out, generator=g).to(dtype) if with_bias else None
+    got = torch.ops.switchyard_cpu.rows_linear(x, weight, bias)
+    assert got.shape == (rows, out) and got.dtype == dtype
+    want = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    # float32: the order of the sums; bf16: one rounding of the result, as ATen's bf16 product rounds
+    assert relative_error(got, want) < {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+
+
+def test_rows_linear_bad_inputs_raise_instead_of_crashing() -> None:
+    op = torch.ops.switchyard_cpu.rows_linear
+    x, weight = torch.randn(2, 16), torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="weight \\[N, K\\]"):
+        op(x, torch.randn(8, 15), None)
+    with pytest.raises(RuntimeError, match="bias \\[N\\]"):
+        op(x, weight, torch.randn(7))
+    with pytest.raises(RuntimeError, match="the weight in x's dtype"):
+        op(x, weight.bfloat16(), None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(x, torch.randn(16, 8).t(), None)
+
+
+def test_bf16_projections_run_rows_linear_where_the_cpu_has_no_native_bf16() -> None:
+    """A bf16 Linear (with its bias) and LM head on the CPU kernels: rows_linear where the CPU converts bf16 in
+    software (AVX2), oneDNN's packed product where it multiplies bf16 natively; the same values either way."""
+    kernels = select_kernels("cpu")
+    torch.manual_seed(0)
+    linear = Linear(64, 48, True, kernels).to(torch.bfloat16)
+    linear.load([torch.randn(48, 64).bfloat16()], [torch.randn(48).bfloat16()])
+    head = LMHead(64, 100, kernels).to(torch.bfloat16)
+    head.load(torch.randn(100, 64).bfloat16())
+    x = torch.randn(5, 64).bfloat16()
+    with torch.profiler.profile() as prof:
+        got_linear, got_head = linear(x), head(x)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("switchyard_cpu::rows_linear", 0) == (0 if cpu.native_bf16() else 2)
+    weight = linear.weight if linear.packed is None else None
+    if weight is not None:
+        want = torch.nn.functional.linear(x.double(), weight.double(), linear.bias.double())
+        assert relative_error(got_linear, want) < 8e-3
+        assert relative_error(got_head, torch.nn.functional.linear(x.double(), head.weight.double())) < 8e-3
