@@ -69,7 +69,8 @@ def experts_table(tokens: list[int], repeats: int) -> None:
             def cell(s: float) -> str:
                 return f"{s * 1e3:9.2f} ({gigabytes / s:5.1f})" if s == s else f"{'-':>17}"
             print(f"{str(dtype).removeprefix('torch.'):>9} {n:6d} {active:6d} {cell(ours):>18} {cell(onednn):>18}"
-                  f" {cell(plain):>18} {onednn / ours:8.2f}x {plain / ours:8.2f}x")
+                  f" {cell(plain):>18} {f'{onednn / ours:.2f}x' if onednn == onednn else '-':>9}"
+                  f" {plain / ours:8.2f}x")
 
 
 def dense_table(rows: list[int], repeats: int) -> None:

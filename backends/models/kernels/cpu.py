@@ -51,9 +51,10 @@ def native_bf16() -> bool:
 def own_experts(dtype: torch.dtype) -> bool:
     """Whether the grouped C++ expert kernel runs a sparse MLP's experts in `dtype`: float32, and bfloat16 where
     the CPU has no native bfloat16 (there oneDNN's packed bf16 products stay: not measured against the kernel
-    yet), with the fused kernels on. On the 2-core EPYC (AVX2) it read the experts of a 64-expert, top-6 layer
-    (hidden 2048) at 1-32 tokens 1.5-1.6x as fast as one oneDNN-packed product per expert in float32, and at 1,024
-    tokens as fast; in bf16 2.3-3.3x as fast as ATen's products (docs/benchmarks.md, "Grouped CPU expert kernel")."""
+    yet), with the fused kernels on. On the 2-core EPYC (AVX2), a 64-expert, top-6 layer (hidden 2048) ran at 1-32
+    tokens 1.55-1.78x as fast as one oneDNN-packed product per expert in float32 (0.91x at 1,024 tokens, a long
+    prefill chunk), and in bf16 1.7-5.4x as fast as ATen's products (docs/benchmarks.md, "Grouped CPU expert
+    kernel")."""
     return (dtype == torch.float32 or (dtype == torch.bfloat16 and not native_bf16())) and cpu_fused_layers()
 
 
