@@ -27,21 +27,26 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends import cpu_kernels  # noqa: E402
-from backends.models.kernels.registry import select_kernels  # noqa: E402
-from backends.models.moe import PackedExperts, grouped_experts, softmax_topk  # noqa: E402
+from backends import cpu_kernels
+from backends.models.kernels.registry import select_kernels
+from backends.models.moe import PackedExperts, grouped_experts, softmax_topk
 
 HIDDEN, WIDTH, EXPERTS, TOP_K = 2048, 1408, 64, 6
 
 
-def median_s(fn: Callable[[], object], repeats: int) -> float:
-    fn()
+def median_s(repeats: int, fn: Callable[..., object], *args: object) -> float:
+    fn(*args)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        fn(*args)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def cell(seconds: float, gigabytes: float) -> str:
+    """ms (weights GB/s), or '-' for a path that did not run."""
+    return f"{seconds * 1e3:9.2f} ({gigabytes / seconds:5.1f})" if seconds == seconds else f"{'-':>17}"
 
 
 def experts_table(tokens: list[int], repeats: int) -> None:
@@ -61,15 +66,13 @@ def experts_table(tokens: list[int], repeats: int) -> None:
             weights, ids = softmax_topk(torch.randn(n, EXPERTS, generator=g), TOP_K, renormalize=True)
             active = len(ids.unique())
             gigabytes = active * 3 * WIDTH * HIDDEN * gate_up.element_size() / 1e9
-            ours = median_s(lambda: torch.ops.switchyard_cpu.moe_experts(x, ids, weights, gate_up, down), repeats)
-            plain = median_s(lambda: grouped_experts(x, ids, weights, gate_up, down, kernels), repeats)
-            onednn = (median_s(lambda: grouped_experts(x, ids, weights, gate_up[:0], down[:0], kernels, packed),
-                               repeats) if packed is not None else float("nan"))
-
-            def cell(s: float) -> str:
-                return f"{s * 1e3:9.2f} ({gigabytes / s:5.1f})" if s == s else f"{'-':>17}"
-            print(f"{str(dtype).removeprefix('torch.'):>9} {n:6d} {active:6d} {cell(ours):>18} {cell(onednn):>18}"
-                  f" {cell(plain):>18} {f'{onednn / ours:.2f}x' if onednn == onednn else '-':>9}"
+            ours = median_s(repeats, torch.ops.switchyard_cpu.moe_experts, x, ids, weights, gate_up, down)
+            plain = median_s(repeats, grouped_experts, x, ids, weights, gate_up, down, kernels)
+            onednn = (median_s(repeats, grouped_experts, x, ids, weights, gate_up[:0], down[:0], kernels, packed)
+                      if packed is not None else float("nan"))
+            ours_s, onednn_s, plain_s = (cell(t, gigabytes) for t in (ours, onednn, plain))
+            print(f"{str(dtype).removeprefix('torch.'):>9} {n:6d} {active:6d} {ours_s:>18} {onednn_s:>18}"
+                  f" {plain_s:>18} {f'{onednn / ours:.2f}x' if onednn == onednn else '-':>9}"
                   f" {plain / ours:8.2f}x")
 
 
@@ -84,12 +87,11 @@ def dense_table(rows: list[int], repeats: int) -> None:
             gigabytes = weight.numel() * weight.element_size() / 1e9
             for n in rows:
                 x = torch.randn(n, width, generator=g).to(dtype)
-                ours = median_s(lambda: torch.ops.switchyard_cpu.rows_linear(x, weight, None), repeats)
+                ours = median_s(repeats, torch.ops.switchyard_cpu.rows_linear, x, weight, None)
                 if packed is None:
-                    base = median_s(lambda: torch.nn.functional.linear(x, weight), repeats)
+                    base = median_s(repeats, torch.nn.functional.linear, x, weight)
                 else:
-                    base = median_s(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
-                                    repeats)
+                    base = median_s(repeats, torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], "")
                 print(f"{str(dtype).removeprefix('torch.'):>9} {f'{out}x{width}':>11} {n:5d}"
                       f" {ours * 1e3:9.2f} ({gigabytes / ours:5.1f}) {base * 1e3:9.2f} ({gigabytes / base:5.1f})"
                       f" {base / ours:10.2f}x")
@@ -109,7 +111,7 @@ def main() -> None:
     print(f"\nmachine: {platform.processor() or platform.machine()}, torch capability {flags}, {os.cpu_count()} cores,"
           f" torch threads {torch.get_num_threads()}, native bf16 {torch.cpu._is_avx512_bf16_supported()},"
           f" load average {', '.join(f'{v:.2f}' for v in os.getloadavg())}; torch {torch.__version__};"
-          f" {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+          f" {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC")
 
 
 if __name__ == "__main__":

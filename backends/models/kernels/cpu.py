@@ -88,8 +88,9 @@ class CpuKernels(LayerKernels):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """bf16 on a CPU without native bf16 (which `pack` leaves plain) through the C++ rows_linear: on the
-        2-core EPYC (AVX2) 1.7-2.1x as fast as ATen's bf16 product at 1 row, 3.9-4.1x at 8 and 5.5-6.5x at 32-256
-        (hidden 2048: a 2048- and a 6144-row projection and a 32,000-row head; docs/benchmarks.md, "bf16 products on AVX2")."""
+        2-core EPYC (AVX2) 1.4-1.9x as fast as ATen's bf16 product at 1 row, 3.4-3.7x at 8 and 5.3-8.2x at 32-256
+        (a 2048- and a 6144-row projection and a 32,000-row head of hidden 2048; docs/benchmarks.md, "Grouped CPU
+        expert kernel and bf16 products on AVX2")."""
         if (x.dtype == torch.bfloat16 and weight.dtype == x.dtype and x.dim() == 2 and weight.dim() == 2
                 and weight.is_contiguous() and (bias is None or bias.dtype == x.dtype) and not native_bf16()
                 and fusable(x)):
