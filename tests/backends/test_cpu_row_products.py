@@ -16,6 +16,7 @@ from backends.models.kernels.base import LayerKernels
 from backends.models.kernels.registry import select_kernels
 from backends.models.layers import Linear, LMHead
 from backends.models.moe import QWEN_NAMES, MoEBlock, MoEConfig, grouped_experts, softmax_topk
+from tests.backends.models.test_moe_layers import naive_experts
 
 # float32: another order of the sums moves the last bits; bf16: the products round to 8 bits, as the op-by-op
 # reference's do (measured up to 1e-2 of the largest output here).
@@ -27,20 +28,6 @@ def built() -> None:
     """`make test` installs a C++ compiler, so here the kernels must build and be on."""
     assert cpu_kernels.load(), "the CPU kernels did not build (see the warning logged)"
     assert cpu.cpu_fused_layers()
-
-
-def naive_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor) -> torch.Tensor:
-    """One token, one chosen expert at a time, in float64; an id outside the experts held adds nothing."""
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            if not 0 <= e < gate_up.shape[0]:
-                continue
-            gate, up = (gate_up[e].double() @ x[t].double()).chunk(2)
-            out[t] += weights[t, j].double() * (down[e].double() @ (torch.nn.functional.silu(gate) * up))
-    return out
 
 
 def case(tokens: int, hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dtype, seed: int):

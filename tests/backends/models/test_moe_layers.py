@@ -30,11 +30,13 @@ HIDDEN, INTER, EXPERTS = 48, 40, 8
 
 def naive_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor) -> torch.Tensor:
-    """One token, one chosen expert at a time, in float64."""
+    """One token, one chosen expert at a time, in float64; an id outside the experts held adds nothing."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
+            if not 0 <= e < gate_up.shape[0]:
+                continue
             gate, up = (gate_up[e].double() @ x[t].double()).chunk(2)
             out[t] += weights[t, j].double() * (down[e].double() @ (torch.nn.functional.silu(gate) * up))
     return out
