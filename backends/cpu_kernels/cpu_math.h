@@ -9,6 +9,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace switchyard_cpu {
 
 // exp(x) for x <= 0 in a form the compiler vectorizes (no libm call): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2,
@@ -57,5 +61,43 @@ struct Elem<c10::BFloat16> {
   }
   static float round(float v) { return load(store(v)); }
 };
+
+// A vector of kLanes floats in the compiler's generic vector type (one register: 16 lanes, a zmm, where the build
+// targets AVX-512, 8, a ymm, elsewhere; on narrower vectors the compiler splits it). Loops over such vectors keep
+// accumulators in registers where plain loops over arrays reload and store them (gcc cannot prove them apart).
+// Same-size vector casts are bit casts.
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float VecF __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint16_t VecH __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t VecU __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+inline VecF load_vec(const float* p) {
+  VecF v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// bf16 bits widened to the float32 with those as its high half. The zero extension is one instruction (vpmovzxwd
+// from memory) where named here; gcc 12 turns __builtin_convertvector into two half-width ones and an insert.
+inline VecF load_vec(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return reinterpret_cast<const VecF&>(wide);
+#elif defined(__AVX2__)
+  const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return reinterpret_cast<const VecF&>(wide);
+#else
+  VecH h;
+  std::memcpy(&h, p, sizeof(h));
+  const VecU wide = __builtin_convertvector(h, VecU) << 16;
+  return reinterpret_cast<const VecF&>(wide);
+#endif
+}
+
+inline VecF load_vec(const c10::BFloat16* p) { return load_vec(reinterpret_cast<const uint16_t*>(p)); }
 
 }  // namespace switchyard_cpu

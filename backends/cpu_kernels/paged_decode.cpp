@@ -42,32 +42,9 @@ struct Strides {
   int64_t table_row;                       // block_tables [n, max_blocks]
 };
 
-// A vector of kLanes floats in the compiler's generic vector type: plain loops over acc[g][d] += p * v[d]
-// reload and store acc for every key (gcc cannot prove acc and v apart); these keep it in registers.
-// 16 lanes (one zmm register) where the build targets AVX-512, 8 (one ymm) elsewhere.
-#ifdef __AVX512F__
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float VecF __attribute__((vector_size(kLanes * sizeof(float))));
-typedef uint16_t VecH __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t VecU __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-inline VecF load_vec(const float* p) {
-  VecF v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline VecF load_vec(const c10::BFloat16* p) {  // bf16 is the high half of a float
-  VecH h;
-  std::memcpy(&h, p, sizeof(h));
-  const VecU bits = __builtin_convertvector(h, VecU) << 16;
-  VecF v;
-  std::memcpy(&v, &bits, sizeof(v));
-  return v;
-}
+using switchyard_cpu::kLanes;
+using switchyard_cpu::load_vec;
+using switchyard_cpu::VecF;
 
 // Asks for `count` rows of `elems` elements, `stride` elements apart, to be brought into the cache: a tile's keys lie
 // in a block the hardware prefetcher cannot foresee (blocks are scattered), and a decode step reads them once.

@@ -14,55 +14,20 @@
 
 #include "cpu_math.h"
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace switchyard_cpu {
 
-// GCC/Clang vector types of one register's width: 16 floats with AVX-512, 8 otherwise (AVX2; on a CPU with
-// narrower vectors the compiler splits them). Same-size vector casts are bit casts.
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
 constexpr int kMaxTokens = 6;   // 4 x 6 accumulators + 6 token vectors + 1 weight vector of 32 registers
 #else
-constexpr int kLanes = 8;
 constexpr int kMaxTokens = 3;   // 4 x 3 + 3 + 1 = 16 registers
 #endif
 constexpr int kRows = 4;        // weight rows per register block
 constexpr int64_t kTileRows = 16;   // weight rows per parallel task (gate_up: this many gate and as many up rows)
 
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-typedef uint16_t vbf16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t vuint __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-inline vfloat load_lanes(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// bf16 bits widened to the float32 with those as its high half. The zero extension is one instruction (vpmovzxwd
-// from memory) where named here; gcc 12 turns __builtin_convertvector into two half-width ones and an insert.
-inline vfloat load_lanes(const uint16_t* p) {
-#if defined(__AVX512F__)
-  const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-  return reinterpret_cast<const vfloat&>(wide);
-#elif defined(__AVX2__)
-  const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
-  return reinterpret_cast<const vfloat&>(wide);
-#else
-  vbf16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const vuint wide = __builtin_convertvector(h, vuint) << 16;
-  return reinterpret_cast<const vfloat&>(wide);
-#endif
-}
-
 inline float widen(float v) { return v; }
 inline float widen(uint16_t bits) { return Elem<c10::BFloat16>::load(bits); }
 
-inline float lane_sum(vfloat v) {
+inline float lane_sum(VecF v) {
   float sum = 0.0f;
   for (int i = 0; i < kLanes; ++i) sum += v[i];
   return sum;
@@ -71,7 +36,7 @@ inline float lane_sum(vfloat v) {
 // out[m * out_stride + r] = w[r, :] . xs[m][:] for R weight rows (w, row length K) and M token rows.
 template <int R, int M, typename W>
 inline void dot_block(const W* w, int64_t K, const float* const* xs, float* out, int64_t out_stride) {
-  vfloat acc[M][R] = {};
+  VecF acc[M][R] = {};
   // bf16: the next R rows (contiguous after these) are fetched into cache while these are read, a line or more
   // per step. A row of 2048 is one page, and the hardware's prefetchers stop at page boundaries: on the AVX2 EPYC
   // this took one expert read from 16 to 21 GB/s; for float32 rows (two pages) it made the reads slower.
@@ -82,10 +47,10 @@ inline void dot_block(const W* w, int64_t K, const float* const* xs, float* out,
     if constexpr (sizeof(W) == 2) {
       for (int64_t b = 0; b < kStepBytes; b += 64) __builtin_prefetch(ahead + k * R * sizeof(W) + b);
     }
-    vfloat xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = load_lanes(xs[m] + k);
+    VecF xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = load_vec(xs[m] + k);
     for (int r = 0; r < R; ++r) {
-      const vfloat wv = load_lanes(w + r * K + k);
+      const VecF wv = load_vec(w + r * K + k);
       for (int m = 0; m < M; ++m) acc[m][r] += wv * xv[m];
     }
   }
