@@ -59,6 +59,8 @@ def compile_flags() -> list[str]:
     without it the softmax loop stays scalar."""
     capability = torch.backends.cpu.get_cpu_capability()   # "AVX2", "AVX512", ... or "DEFAULT", "SVE256", ...
     isa = _ISA_FLAGS["AVX512"] if capability.startswith("AVX512") else _ISA_FLAGS.get(capability, [])
+    if capability.startswith("AVX512") and torch.cpu._is_avx512_bf16_supported():
+        isa = [*isa, "-mavx512bf16"]   # vdpbf16ps (paged_decode.cpp's bf16 scores)
     threads = ["-fopenmp"] if torch._C.has_openmp else ["-fopenmp-simd"]
     return ["-O3", "-fno-trapping-math", *isa, "-mtune=native", *threads]
 

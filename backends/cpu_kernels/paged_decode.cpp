@@ -127,6 +127,37 @@ void tile_scores(const float* qf, const scalar_t* k_tile, int64_t k_stride, int6
   }
 }
 
+#ifdef __AVX512BF16__
+// tile_scores for bf16 caches where the CPU has AVX512-BF16: vdpbf16ps multiplies the bf16 q and K rows as they lie
+// (32 pairs an instruction, products exact in float32, sums in float32), so K is not widened and a key takes half
+// the multiply instructions; scale is applied to the sums. qb: the q rows' bf16 bits, kD apart.
+template <int kD>
+void tile_scores_bf16(const uint16_t* qb, const c10::BFloat16* k_tile, int64_t k_stride, int64_t rows,
+                      int64_t tile_keys, float scale, float (*scores)[kTile]) {
+  constexpr int kVecs = kD / 32;
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512bh q[kVecs];
+    for (int c = 0; c < kVecs; ++c) q[c] = (__m512bh)_mm512_loadu_si512(qb + r * kD + 32 * c);
+    VecF p[kTile];
+    for (int64_t t = 0; t < kTile; ++t) {
+      if (t >= tile_keys) {
+        p[t] = VecF{};
+        continue;
+      }
+      const uint16_t* k = reinterpret_cast<const uint16_t*>(k_tile + t * k_stride);
+      __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(k));
+      for (int c = 1; c < kVecs; ++c) sum = _mm512_dpbf16_ps(sum, q[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+      p[t] = reinterpret_cast<const VecF&>(sum);
+    }
+    reduce_keys(p, scores[r]);
+    for (int64_t t = 0; t < kTile; ++t) scores[r][t] *= scale;
+  }
+}
+constexpr bool kHaveDotBf16 = true;
+#else
+constexpr bool kHaveDotBf16 = false;
+#endif
+
 // Up to kGroup query rows at a time: their accumulators stay in registers and each V row is widened once for all
 // of them (GQA: a KV head's query heads share its rows).
 constexpr int64_t kGroup = 4;
@@ -175,8 +206,10 @@ void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
                  int64_t block_size, float scale, const Strides& s, scalar_t* out) {
   const int64_t d_len = kD > 0 ? kD : head_dim;
   constexpr bool kVectorD = kD > 0 && kD % kLanes == 0;  // the register-tiled path (tile_scores, tile_values)
+  constexpr bool kDotBf16 = kHaveDotBf16 && kVectorD && kD % 32 == 0 && std::is_same_v<scalar_t, c10::BFloat16>;
   const int64_t rows = q_len * group;
   alignas(64) float qf[kMaxRowElems];
+  alignas(64) uint16_t qb[kDotBf16 ? kMaxRowElems : 1];  // q's bf16 bits, for tile_scores_bf16
   alignas(64) float acc[kMaxRowElems];
   alignas(64) float scores[kMaxRows][kTile];
   alignas(64) float row[kMaxHeadDim];  // one V row widened (head_dim without a vector path)
@@ -187,6 +220,7 @@ void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
     const scalar_t* q_r = q + token * s.q_token + head * s.q_head;
     for (int64_t d = 0; d < d_len; ++d) {
       qf[r * d_len + d] = to_float(q_r[d]) * scale;
+      if constexpr (kDotBf16) std::memcpy(&qb[r * d_len + d], &q_r[d], sizeof(uint16_t));
       acc[r * d_len + d] = 0.0f;
     }
     running_max[r] = -std::numeric_limits<float>::infinity();
@@ -209,7 +243,11 @@ void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
       prefetch_rows(v_cache + next_offset, s.kv_token, next_keys, d_len);
     }
     if constexpr (kVectorD) {
-      tile_scores<scalar_t, kD>(qf, k_tile, s.kv_token, rows, tile_keys, scores);
+      if constexpr (kDotBf16) {
+        tile_scores_bf16<kD>(qb, k_tile, s.kv_token, rows, tile_keys, scale, scores);
+      } else {
+        tile_scores<scalar_t, kD>(qf, k_tile, s.kv_token, rows, tile_keys, scores);
+      }
     } else {
       for (int64_t t = 0; t < tile_keys; ++t) {
         const scalar_t* k_row = k_tile + t * s.kv_token;
