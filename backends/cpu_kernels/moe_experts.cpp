@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -85,15 +86,27 @@ void experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weigh
     if (start[e + 1] > start[e]) active.push_back(e);
   }
 
-  // The tokens in float32 once; the kernels read rows through pointers (a token's row per slot, in slot order).
-  const std::unique_ptr<float[]> xf(new float[T * H]);   // left uninitialised: every element is written
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin * H; i < end * H; ++i) xf[i] = E::load(xp[i]);
-  });
-  std::vector<const float*> rows(slots);
-  for (int64_t s = 0; s < slots; ++s) rows[s] = xf.get() + token[s] * H;
+  // The kernels read token rows through pointers (a token's row per slot, in slot order): bf16 rows as they lie
+  // where the CPU multiplies bf16 pairs (kDotBf16), the tokens widened to float32 once otherwise. The SiLU·mul
+  // products (rounded to bf16 in bf16, as the reference rounds them) are kept in the same type X.
+  constexpr bool kBf16Rows = switchyard_cpu::kDotBf16 && sizeof(Raw) == 2;
+  using X = std::conditional_t<kBf16Rows, uint16_t, float>;
+  std::unique_ptr<float[]> xf;
+  const X* x_rows;
+  if constexpr (kBf16Rows) {
+    x_rows = xp;
+  } else {
+    xf.reset(new float[T * H]);   // left uninitialised: every element is written
+    at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin * H; i < end * H; ++i) xf[i] = E::load(xp[i]);
+    });
+    x_rows = xf.get();
+  }
+  std::vector<const X*> rows(slots);
+  for (int64_t s = 0; s < slots; ++s) rows[s] = x_rows + token[s] * H;
 
-  const std::unique_ptr<float[]> hidden(new float[slots * I]), out(new float[slots * H]);
+  const std::unique_ptr<X[]> hidden(new X[slots * I]);
+  const std::unique_ptr<float[]> out(new float[slots * H]);
   const std::vector<Tile> first = tiles_of(active, I), second = tiles_of(active, H);
   // (1) h[slot, j] = silu(gate[e, j] . x) * (up[e, j] . x), a tile of j per task.
   at::parallel_for(0, static_cast<int64_t>(first.size()), 1, [&](int64_t begin, int64_t end) {
@@ -108,19 +121,20 @@ void experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weigh
       rows_times_tokens(wg + I * H, n, H, rows.data() + s0, M, products.data() + n, 2 * n);
       for (int64_t m = 0; m < M; ++m) {
         const float* g = products.data() + m * 2 * n;
-        float* h = hidden.get() + (s0 + m) * I + tile.row;
+        X* h = hidden.get() + (s0 + m) * I + tile.row;
         for (int64_t j = 0; j < n; ++j) {
           const float gj = E::round(g[j]), uj = E::round(g[n + j]);
           const float e = exp_nonpositive(-std::fabs(gj));
           const float sigmoid = gj >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-          h[j] = E::round(E::round(gj * sigmoid) * uj);
+          if constexpr (kBf16Rows) h[j] = E::store(E::round(gj * sigmoid) * uj);
+          else h[j] = E::round(E::round(gj * sigmoid) * uj);
         }
       }
     }
   });
   // (2) out[slot, i] = down[e, i] . h[slot], a tile of i per task.
   at::parallel_for(0, static_cast<int64_t>(second.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<const float*> hrows;
+    std::vector<const X*> hrows;
     for (int64_t t = begin; t < end; ++t) {
       const Tile tile = second[t];
       const int64_t s0 = start[tile.expert], M = start[tile.expert + 1] - s0;

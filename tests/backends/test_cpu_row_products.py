@@ -117,6 +117,32 @@ def test_a_sparse_mlp_on_the_cpu_kernels_runs_the_grouped_kernel() -> None:
     torch.testing.assert_close(got, blocks["reference"](x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [3, cpu.NATIVE_BF16_EXPERT_TOKENS + 1])
+def test_a_bf16_sparse_mlp_picks_the_kernel_or_atens_products_by_step_size(tokens: int) -> None:
+    """bf16 experts stay in plain rows on every CPU. A decode-sized step runs moe_experts; where the CPU multiplies
+    bf16 natively, a step of more than NATIVE_BF16_EXPERT_TOKENS tokens runs ATen's products over the same rows
+    (AMX's tiles win there). Both agree with the float64 loop as closely as the op-by-op reference does."""
+    config = MoEConfig(hidden_size=64, num_experts=8, top_k=2, intermediate_size=48, renormalize=True,
+                       names=QWEN_NAMES)
+    torch.manual_seed(tokens)
+    weights = {"model.layers.0.mlp.gate.weight": torch.randn(8, 64)}
+    for e in range(8):
+        for name, shape in (("gate_proj", (48, 64)), ("up_proj", (48, 64)), ("down_proj", (64, 48))):
+            weights[f"model.layers.0.mlp.experts.{e}.{name}.weight"] = (0.1 * torch.randn(shape)).bfloat16()
+    block = MoEBlock(config, select_kernels("cpu")).to(torch.bfloat16)
+    block.load(weights, "model.layers.0")
+    assert block.packed is None and block.gate_up.dtype == torch.bfloat16
+    x = torch.randn(tokens, 64).bfloat16()
+    with torch.profiler.profile() as prof:
+        got = block(x)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    kernel = not (cpu.native_bf16() and tokens > cpu.NATIVE_BF16_EXPERT_TOKENS)
+    assert calls.get("switchyard_cpu::moe_experts", 0) == (1 if kernel else 0)
+    route_weights, ids = block.route(x)
+    want = naive_experts(x, ids, route_weights, block.gate_up, block.down)
+    assert relative_error(got, want) < TOLERANCE[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, width, out", [(1, 64, 48), (4, 64, 40), (8, 2048, 33), (40, 50, 37)])
 @pytest.mark.parametrize("with_bias", [False, True])

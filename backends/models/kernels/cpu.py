@@ -49,13 +49,20 @@ def native_bf16() -> bool:
 
 
 def own_experts(dtype: torch.dtype) -> bool:
-    """Whether the grouped C++ expert kernel runs a sparse MLP's experts in `dtype`: float32, and bfloat16 where
-    the CPU has no native bfloat16 (there oneDNN's packed bf16 products stay: not measured against the kernel
-    yet), with the fused kernels on. On the 2-core EPYC (AVX2), a 64-expert, top-6 layer (hidden 2048) ran at 1-32
-    tokens 1.55-1.78x as fast as one oneDNN-packed product per expert in float32 (0.91x at 1,024 tokens, a long
-    prefill chunk), and in bf16 1.7-5.4x as fast as ATen's products (docs/benchmarks.md, "Grouped CPU expert
-    kernel")."""
-    return (dtype == torch.float32 or (dtype == torch.bfloat16 and not native_bf16())) and cpu_fused_layers()
+    """Whether a sparse MLP's experts in `dtype` stay in plain rows for the grouped C++ expert kernel: float32 and
+    bfloat16, with the fused kernels on. On the 2-core EPYC (AVX2), a 64-expert, top-6 layer (hidden 2048) ran at
+    1-32 tokens 1.55-1.78x as fast as one oneDNN-packed product per expert in float32 (0.91x at 1,024 tokens, a
+    long prefill chunk), and in bf16 1.7-5.4x as fast as ATen's products (docs/benchmarks.md, "Grouped CPU expert
+    kernel"). Where the CPU has native bf16, bf16 steps of more than NATIVE_BF16_EXPERT_TOKENS tokens go to ATen's
+    products over the same plain rows instead (expert_products)."""
+    return dtype in (torch.float32, torch.bfloat16) and cpu_fused_layers()
+
+
+# Where the CPU multiplies bf16 natively, the kernel's vdpbf16ps dot products win on the few rows a decode step gives
+# each expert, and AMX's tiles behind ATen's products win on prefill chunks. On the 2-core AMX Xeon, one such layer,
+# kernel against ATen over plain experts: 1.33x at 1 token, 1.32x at 8, 1.30x at 32, 1.12x at 48, 0.95x at 64,
+# 0.45x at 256 (docs/benchmarks.md, "MoE on an AMX CPU").
+NATIVE_BF16_EXPERT_TOKENS = 48
 
 
 def fusable(x: torch.Tensor) -> bool:
@@ -123,9 +130,7 @@ class CpuKernels(LayerKernels):
 
     def pack_expert(self, weight: torch.Tensor) -> torch.Tensor | None:
         """None (plain [out, in] rows) where the grouped C++ kernel runs the experts (own_experts); elsewhere
-        experts as `pack` packs projections, in their own dtype: a decode step of a 2-layer, 64-expert bf16 MoE
-        (hidden 2048) ran 1.1x as fast at 1 sequence and 1.3x at 8 and 32 on the 2-core Xeon (AVX-512 BF16) than
-        from plain layouts."""
+        experts as `pack` packs projections, in their own dtype."""
         return None if own_experts(weight.dtype) else self.pack(weight, weight.dtype)
 
     skips_foreign_experts = True   # moe_experts: an id past the last expert adds nothing
@@ -137,6 +142,8 @@ class CpuKernels(LayerKernels):
         if not (own_experts(x.dtype) and x.dim() == 2 and gate_up.dim() == 3 and gate_up.dtype == x.dtype
                 and gate_up.is_contiguous() and down.is_contiguous() and gate_up.shape[0] > 0):
             return None
+        if x.dtype == torch.bfloat16 and native_bf16() and x.shape[0] > NATIVE_BF16_EXPERT_TOKENS:
+            return None   # grouped_experts: ATen's bf16 products over the same plain rows
         return torch.ops.switchyard_cpu.moe_experts(x.contiguous(), topk_ids.contiguous(),
                                                     topk_weights.float().contiguous(), gate_up, down)
 
