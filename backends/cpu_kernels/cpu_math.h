@@ -15,6 +15,14 @@
 
 namespace switchyard_cpu {
 
+// Whether the build has AVX512-BF16's vdpbf16ps (cpu_kernels.compile_flags adds -mavx512bf16 where the CPU has
+// it): bf16 pairs multiplied as they lie, products exact in float32, sums in float32.
+#ifdef __AVX512BF16__
+constexpr bool kDotBf16 = true;
+#else
+constexpr bool kDotBf16 = false;
+#endif
+
 // exp(x) for x <= 0 in a form the compiler vectorizes (no libm call): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2,
 // p Cephes' expf polynomial (about 1 ulp). Below -87 the result is clamped to ~1e-38, as good as 0 here.
 inline float exp_nonpositive(float x) {

@@ -7,8 +7,9 @@
 // counted into expert order once; then two parallel passes read each active expert's weights exactly once, in
 // tiles of rows spread over the threads: (1) gate and up rows against the expert's tokens, SiLU·mul applied as
 // each tile ends, (2) down rows against those products. Each tile is a register-blocked dot product of 4 weight
-// rows with up to kMaxTokens token rows, accumulated in float32 vectors; bf16 weights widen to float32 in the
-// register (a shift), so they stream half the bytes of float32. Slots whose expert id lies outside [0, E) (another
+// rows with up to kMaxTokens token rows, accumulated in float32 vectors; bf16 weights stream half the bytes of
+// float32, multiplied by vdpbf16ps with bf16 tokens where the CPU has AVX512-BF16, widened to float32 in the
+// register (a shift) elsewhere. Slots whose expert id lies outside [0, E) (another
 // rank's expert, under expert parallelism) add nothing. The weighted sum over each token's k slots is in float32.
 // In bf16, every value is rounded where the op-by-op reference rounds it (the products, silu(gate), the SiLU·mul),
 // so the two agree up to the order of the sums.

@@ -153,9 +153,6 @@ void tile_scores_bf16(const uint16_t* qb, const c10::BFloat16* k_tile, int64_t k
     for (int64_t t = 0; t < kTile; ++t) scores[r][t] *= scale;
   }
 }
-constexpr bool kHaveDotBf16 = true;
-#else
-constexpr bool kHaveDotBf16 = false;
 #endif
 
 // Up to kGroup query rows at a time: their accumulators stay in registers and each V row is widened once for all
@@ -206,10 +203,11 @@ void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
                  int64_t block_size, float scale, const Strides& s, scalar_t* out) {
   const int64_t d_len = kD > 0 ? kD : head_dim;
   constexpr bool kVectorD = kD > 0 && kD % kLanes == 0;  // the register-tiled path (tile_scores, tile_values)
-  constexpr bool kDotBf16 = kHaveDotBf16 && kVectorD && kD % 32 == 0 && std::is_same_v<scalar_t, c10::BFloat16>;
+  constexpr bool kBf16Scores =   // tile_scores_bf16
+      switchyard_cpu::kDotBf16 && kVectorD && kD % 32 == 0 && std::is_same_v<scalar_t, c10::BFloat16>;
   const int64_t rows = q_len * group;
   alignas(64) float qf[kMaxRowElems];
-  alignas(64) uint16_t qb[kDotBf16 ? kMaxRowElems : 1];  // q's bf16 bits, for tile_scores_bf16
+  alignas(64) uint16_t qb[kBf16Scores ? kMaxRowElems : 1];  // q's bf16 bits, for tile_scores_bf16
   alignas(64) float acc[kMaxRowElems];
   alignas(64) float scores[kMaxRows][kTile];
   alignas(64) float row[kMaxHeadDim];  // one V row widened (head_dim without a vector path)
@@ -220,7 +218,7 @@ void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
     const scalar_t* q_r = q + token * s.q_token + head * s.q_head;
     for (int64_t d = 0; d < d_len; ++d) {
       qf[r * d_len + d] = to_float(q_r[d]) * scale;
-      if constexpr (kDotBf16) std::memcpy(&qb[r * d_len + d], &q_r[d], sizeof(uint16_t));
+      if constexpr (kBf16Scores) std::memcpy(&qb[r * d_len + d], &q_r[d], sizeof(uint16_t));
       acc[r * d_len + d] = 0.0f;
     }
     running_max[r] = -std::numeric_limits<float>::infinity();
@@ -243,7 +241,7 @@ void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
       prefetch_rows(v_cache + next_offset, s.kv_token, next_keys, d_len);
     }
     if constexpr (kVectorD) {
-      if constexpr (kDotBf16) {
+      if constexpr (kBf16Scores) {
         tile_scores_bf16<kD>(qb, k_tile, s.kv_token, rows, tile_keys, scale, scores);
       } else {
         tile_scores<scalar_t, kD>(qf, k_tile, s.kv_token, rows, tile_keys, scores);

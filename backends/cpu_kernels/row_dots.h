@@ -1,7 +1,7 @@
 // Dot products of a few weight rows with a few token rows, the inner kernel of the CPU's small products
 // (moe_experts.cpp, rows_linear.cpp): out[m, r] = w[r, :] . x[m, :] for weights [rows, K] in float32 or bf16 bits
-// and float32 token rows, register-blocked (kRows weight rows by up to kMaxTokens tokens of float32 vector
-// accumulators), the weights streamed once per block of tokens. Written for decode steps: 1-32 token rows, where
+// and float32 token rows (or bf16 ones, with bf16 weights, where kDotBf16), register-blocked (kRows weight rows
+// by up to kMaxTokens tokens of float32 vector accumulators), the weights streamed once per block of tokens. Written for decode steps: 1-32 token rows, where
 // a library GEMM spends its time starting up and reads the weights at half the memory's speed.
 #pragma once
 
@@ -67,7 +67,6 @@ inline void dot_block(const W* w, int64_t K, const float* const* xs, float* out,
 // Where the CPU has AVX512-BF16 and the token rows are bf16 too (bf16 bits, as the weights): vdpbf16ps multiplies
 // 32 pairs an instruction as they lie (products exact in float32, sums in float32), so the weights are not widened
 // and a block takes half the multiply instructions. The same prefetch of the next R rows as above.
-constexpr bool kDotBf16 = true;
 template <int R, int M>
 inline void dot_block(const uint16_t* w, int64_t K, const uint16_t* const* xs, float* out, int64_t out_stride) {
   __m512 acc[M][R];
@@ -94,8 +93,6 @@ inline void dot_block(const uint16_t* w, int64_t K, const uint16_t* const* xs, f
     }
   }
 }
-#else
-constexpr bool kDotBf16 = false;
 #endif
 
 // X: the token rows' type, float32 (any weights) or bf16 bits (bf16 weights, where kDotBf16).
