@@ -1,8 +1,9 @@
 // Dot products of a few weight rows with a few token rows, the inner kernel of the CPU's small products
 // (moe_experts.cpp, rows_linear.cpp): out[m, r] = w[r, :] . x[m, :] for weights [rows, K] in float32 or bf16 bits
 // and float32 token rows (or bf16 ones, with bf16 weights, where kDotBf16), register-blocked (kRows weight rows
-// by up to kMaxTokens tokens of float32 vector accumulators), the weights streamed once per block of tokens. Written for decode steps: 1-32 token rows, where
-// a library GEMM spends its time starting up and reads the weights at half the memory's speed.
+// by up to kMaxTokens tokens of float32 vector accumulators), the weights streamed once per block of tokens.
+// Written for decode steps: 1-32 token rows, where a library GEMM spends its time starting up and reads the
+// weights at half the memory's speed.
 #pragma once
 
 #include <c10/util/BFloat16.h>
