@@ -206,7 +206,7 @@ void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
   constexpr bool kBf16Scores =   // tile_scores_bf16
       switchyard_cpu::kDotBf16 && kVectorD && kD % 32 == 0 && std::is_same_v<scalar_t, c10::BFloat16>;
   const int64_t rows = q_len * group;
-  alignas(64) float qf[kMaxRowElems];
+  alignas(64) float qf[kBf16Scores ? 1 : kMaxRowElems];     // q widened and scaled, for the float32 scores
   alignas(64) uint16_t qb[kBf16Scores ? kMaxRowElems : 1];  // q's bf16 bits, for tile_scores_bf16
   alignas(64) float acc[kMaxRowElems];
   alignas(64) float scores[kMaxRows][kTile];
@@ -217,8 +217,8 @@ void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
     const int64_t token = r / group, head = kv_head * group + r % group;
     const scalar_t* q_r = q + token * s.q_token + head * s.q_head;
     for (int64_t d = 0; d < d_len; ++d) {
-      qf[r * d_len + d] = to_float(q_r[d]) * scale;
       if constexpr (kBf16Scores) std::memcpy(&qb[r * d_len + d], &q_r[d], sizeof(uint16_t));
+      else qf[r * d_len + d] = to_float(q_r[d]) * scale;
       acc[r * d_len + d] = 0.0f;
     }
     running_max[r] = -std::numeric_limits<float>::infinity();
