@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from backends.core.engine_config import EngineConfig  # noqa: E402
 from backends.core.sampling_params import SamplingParams  # noqa: E402
 from backends.engine.engine import LLMEngine  # noqa: E402
+from backends.worker.heap import keep_freed_memory  # noqa: E402
 from backends.worker.model_runner import ModelRunner  # noqa: E402
 
 BLOCK = 16
@@ -157,6 +158,7 @@ def machine() -> str:
 
 def main() -> None:
     args = parse_args()
+    keep_freed_memory()   # as the served worker does (backends/worker/heap.py)
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as work:

@@ -20,6 +20,7 @@ import torch
 from backends.executor.collectives import GroupPlace, group_shape, join_group, leave_group
 from backends.executor.messages import Failed, Ping, Pong, RankSpec, Ready, Step
 from backends.executor.pipeline import pipeline_step
+from backends.worker.heap import keep_freed_memory
 from backends.worker.model_runner import ModelRunner, runner_for
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ _PR_SET_PDEATHSIG = 1
 def rank_main(spec: RankSpec, conn: Connection) -> None:
     """The spawned process's entry point (multiprocessing's target)."""
     _die_with_parent()
+    keep_freed_memory()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s rank {spec.rank} %(name)s: %(message)s")
     config = spec.engine_config

@@ -17,6 +17,7 @@ from backends.core.engine_config import SPECULATIVE_PROPOSERS, EngineConfig, KVC
 from backends.kv_transfer import auth as kv_auth
 from backends.server import auth
 from backends.server.server_config import ServerConfig, WorkerRole
+from backends.worker.heap import keep_freed_memory
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -275,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # here, more once the model is loaded: at start-up, and as pauses in the engine and event-loop
     # threads later); frozen, they are skipped.
     gc.freeze()
+    keep_freed_memory()   # before the model loads: each step's temporaries stay mapped for the next
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server_config, engine_config = build_configs(args)
