@@ -13,6 +13,8 @@
 // rank's expert, under expert parallelism) add nothing. The weighted sum over each token's k slots is in float32.
 // In bf16, every value is rounded where the op-by-op reference rounds it (the products, silu(gate), the SiLU·mul),
 // so the two agree up to the order of the sums.
+//
+// moe_combine is grouped_experts' weighted sum alone, for the steps where ATen's products run the experts.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -189,9 +191,65 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at
   return result;
 }
 
+// grouped_experts' last step (backends/models/moe.py), where ATen ran the products: result[t] = sum_j w[t, j] *
+// out[p] over the row p that holds slot t * k + j, in float32, for out [T * k, H] in expert order (order[p]: the
+// slot of row p, a permutation of 0 .. T * k - 1). One pass over out, in place of un-permuting it, widening that
+// copy to float32 and a batched product (three copies of the rows, in fresh memory).
+template <typename scalar_t>
+void combine(const at::Tensor& out, const at::Tensor& order, const at::Tensor& weights, at::Tensor& result) {
+  using E = Elem<scalar_t>;
+  using Raw = typename E::raw;
+  const int64_t T = weights.size(0), k = weights.size(1), H = out.size(1);
+  const int64_t* slot_of = order.data_ptr<int64_t>();
+  const float* w = weights.data_ptr<float>();
+  const Raw* op = reinterpret_cast<const Raw*>(out.data_ptr());
+  Raw* rp = reinterpret_cast<Raw*>(result.data_ptr());
+  std::vector<int64_t> row_of(T * k);
+  for (int64_t p = 0; p < T * k; ++p) {
+    TORCH_CHECK(slot_of[p] >= 0 && slot_of[p] < T * k, "moe_combine: order is not a permutation of the slots");
+    row_of[slot_of[p]] = p;
+  }
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(H);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (int64_t j = 0; j < k; ++j) {
+        const float wj = w[t * k + j];
+        const Raw* o = op + row_of[t * k + j] * H;
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) sum[i] += wj * E::load(o[i]);
+      }
+      Raw* r = rp + t * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) r[i] = E::store(sum[i]);
+    }
+  });
+}
+
+// out [T * k, H] float32 or bfloat16, order [T * k] int64 (a permutation), topk_weights [T, k] float32, all
+// contiguous -> [T, H] in out's dtype.
+at::Tensor moe_combine(const at::Tensor& out, const at::Tensor& order, const at::Tensor& topk_weights) {
+  for (const at::Tensor* t : {&out, &order, &topk_weights}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "moe_combine: contiguous CPU tensors");
+  }
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16,
+              "moe_combine: float32 or bfloat16");
+  TORCH_CHECK(order.scalar_type() == at::kLong && topk_weights.scalar_type() == at::kFloat,
+              "moe_combine: int64 order and float32 weights");
+  TORCH_CHECK(out.dim() == 2 && topk_weights.dim() == 2 && order.dim() == 1 &&
+                  order.size(0) == out.size(0) && out.size(0) == topk_weights.numel(),
+              "moe_combine: out [T * k, H], order [T * k], weights [T, k]");
+  at::Tensor result = at::empty({topk_weights.size(0), out.size(1)}, out.options());
+  if (out.scalar_type() == at::kFloat) combine<float>(out, order, topk_weights, result);
+  else combine<c10::BFloat16>(out, order, topk_weights, result);
+  return result;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(switchyard_cpu, m) {
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor gate_up, Tensor down) -> Tensor");
   m.impl("moe_experts", c10::DispatchKey::CPU, TORCH_FN(moe_experts));
+  m.def("moe_combine(Tensor out, Tensor order, Tensor topk_weights) -> Tensor");
+  m.impl("moe_combine", c10::DispatchKey::CPU, TORCH_FN(moe_combine));
 }

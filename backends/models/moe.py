@@ -66,7 +66,8 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     weighted by the routing weights (float32) and summed per token. With `packed`, the products read those
     (gate_up and down may then be empty). An id past the last expert held (another rank's, under expert
     parallelism: ExpertSplit.local_ids) contributes nothing. The slots per expert are read on the host; while a
-    CUDA graph is being captured, which allows no such read, every expert runs (`every_expert`)."""
+    CUDA graph is being captured, which allows no such read, every expert runs (`every_expert`). The weighted sum
+    is the kernels' `combine_experts` where they have one."""
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return every_expert(x, topk_ids, topk_weights, gate_up, down, kernels)
     num_tokens, k = topk_ids.shape
@@ -90,6 +91,9 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
             torch.mm(h, down[expert].t(), out=out[start:end])
         start = end
     out[start:] = 0   # the slots of experts another rank holds
+    combined = kernels.combine_experts(out, order, topk_weights)
+    if combined is not None:
+        return combined
     per_slot = out.index_select(0, torch.argsort(order)).view(num_tokens, k, -1)   # back in slot order
     # the weighted sum over each token's k experts, in float32: [T, 1, k] @ [T, k, H]
     return torch.bmm(topk_weights.float().unsqueeze(1), per_slot.float()).squeeze(1).to(x.dtype)

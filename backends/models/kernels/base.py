@@ -107,6 +107,12 @@ class LayerKernels:
 
     skips_foreign_experts = False   # whether expert_products takes ids past the last expert (adding nothing)
 
+    def combine_experts(self, out: torch.Tensor, order: torch.Tensor,
+                        topk_weights: torch.Tensor) -> torch.Tensor | None:
+        """grouped_experts' weighted sum [T, H] over each token's k rows of out [T * k, H] (in expert order:
+        order[p] is row p's slot) by this family's own kernel; None where it has none (then torch ops)."""
+        return None
+
     def expert_products(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                         gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor | None:
         """A sparse MLP's routed output [T, H] for x [T, H] and its experts' stacked weights (gate_up [E, 2I, H],

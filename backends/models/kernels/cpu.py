@@ -147,5 +147,14 @@ class CpuKernels(LayerKernels):
         return torch.ops.switchyard_cpu.moe_experts(x.contiguous(), topk_ids.contiguous(),
                                                     topk_weights.float().contiguous(), gate_up, down)
 
+    def combine_experts(self, out: torch.Tensor, order: torch.Tensor,
+                        topk_weights: torch.Tensor) -> torch.Tensor | None:
+        """One C++ pass (moe_experts.cpp's moe_combine), float32 sums, in place of un-permuting out, widening it
+        and a batched product."""
+        if not (out.dim() == 2 and out.dtype in (torch.float32, torch.bfloat16) and out.is_contiguous()
+                and cpu_fused_layers()):
+            return None
+        return torch.ops.switchyard_cpu.moe_combine(out, order.contiguous(), topk_weights.float().contiguous())
+
     def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -64,13 +64,15 @@ def test_grouped_experts_match_a_loop_over_tokens(kernels: LayerKernels, dtype: 
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < tolerance, name
 
 
-def test_grouped_experts_with_a_token_twice_on_one_expert_slot_order() -> None:
-    """Slots of one token on several experts, and experts no token chose, in any order of ids."""
-    x = torch.randn(4, HIDDEN)
+@pytest.mark.parametrize("kernels", [LayerKernels(), select_kernels("cpu")], ids=["reference", "cpu"])
+def test_grouped_experts_with_a_token_twice_on_one_expert_slot_order(kernels: LayerKernels) -> None:
+    """Slots of one token on several experts, experts no token chose, and another rank's (id EXPERTS, adding
+    nothing), in any order of ids."""
+    x = torch.randn(5, HIDDEN)
     gate_up, down = torch.randn(EXPERTS, 2 * INTER, HIDDEN) * 0.2, torch.randn(EXPERTS, HIDDEN, INTER) * 0.2
-    ids = torch.tensor([[7, 0], [0, 7], [3, 5], [5, 3]])
-    weights = torch.rand(4, 2)
-    got = grouped_experts(x, ids, weights, gate_up, down, LayerKernels())
+    ids = torch.tensor([[7, 0], [0, 7], [3, 5], [5, 3], [EXPERTS, 2]])
+    weights = torch.rand(5, 2)
+    got = grouped_experts(x, ids, weights, gate_up, down, kernels)
     torch.testing.assert_close(got.double(), naive_experts(x, ids, weights, gate_up, down), rtol=1e-5, atol=1e-5)
 
 
