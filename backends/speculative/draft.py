@@ -22,6 +22,7 @@ from backends.models.int8_linear import matmul_cost
 from backends.models.kernels.base import ModuleTree
 from backends.speculative.proposer import DraftRequest
 from backends.worker.model_runner import ModelRunner
+from backends.worker.sampler import greedy_tokens
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class DraftModelProposer:
         for plan, tokens in zip(plans, fed, strict=True):
             plan.state.fed.extend(tokens)
             plan.state.seq.num_computed_tokens = len(plan.state.fed)
-        return logits.argmax(dim=-1).tolist()
+        return greedy_tokens(logits).tolist()
 
     def _plan(self, requests: Seq[DraftRequest]) -> list[_Plan]:
         """What each request runs this step, its blocks reserved; requests that cannot run are left out."""

@@ -29,6 +29,7 @@ from backends.models.layers import Linear, LMHead, rope_inv_freq
 from backends.models.llama import DecoderMLP, LlamaDecoderLayer
 from backends.models.model_config import ModelConfig, load_model_config
 from backends.speculative.proposer import DraftRequest
+from backends.worker.sampler import greedy_tokens
 
 if TYPE_CHECKING:
     from backends.worker.model_runner import ModelRunner
@@ -325,7 +326,7 @@ class EagleProposer:
         return out.index_select(0, ends - 1)
 
     def _argmax(self, hidden: torch.Tensor) -> list[int]:
-        best = self.lm_head(hidden).argmax(dim=-1)   # [rows] draft-vocabulary ids
+        best = greedy_tokens(self.lm_head(hidden))   # [rows] draft-vocabulary ids
         if self.draft_token_ids is not None:
             best = self.draft_token_ids.index_select(0, best)
         return [int(t) for t in best.tolist()]

@@ -21,6 +21,7 @@ from backends.worker.sampler import (
     add_logit_bias,
     apply_penalties,
     filtered_probs,
+    greedy_tokens,
     sample,
     step_seed,
     step_uniform,
@@ -263,3 +264,13 @@ def test_cuda_sampling_matches_cpu() -> None:
             assert gpu.token_ids[i] == cpu.token_ids[i], i
         clear.append(c.clear)
     assert sum(clear) >= 0.8 * len(clear), clear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_argmax_with_ties_infinities_and_nan(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randint(0, 4, (40, 4099), generator=g).to(dtype)   # many ties per row
+    logits[3, 11], logits[4, :] = float("nan"), float("-inf")
+    logits[5, 100], logits[5, 50] = float("inf"), float("inf")
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert greedy_tokens(logits)[3] == 11 and greedy_tokens(logits)[5] == 50
