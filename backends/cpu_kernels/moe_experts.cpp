@@ -55,6 +55,37 @@ std::vector<Tile> tiles_of(const std::vector<int64_t>& active, int64_t rows) {
   return tiles;
 }
 
+// result[t] = sum_j w[t, j] * rows[row_of[t * k + j]] over T tokens of k slots, in float32; a slot whose row is
+// -1 (another rank's expert) adds nothing. float32 rows are rounded to scalar_t first, as the op-by-op reference
+// stores its products; rows of scalar_t's bits are widened.
+template <typename scalar_t, typename Row>
+void weighted_sum(int64_t T, int64_t k, int64_t H, const float* w, const int64_t* row_of, const Row* rows,
+                  typename Elem<scalar_t>::raw* result) {
+  using E = Elem<scalar_t>;
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(H);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t p = row_of[t * k + j];
+        if (p < 0) continue;
+        const float wj = w[t * k + j];
+        const Row* o = rows + p * H;
+        if constexpr (std::is_same_v<Row, float>) {
+#pragma omp simd
+          for (int64_t i = 0; i < H; ++i) sum[i] += wj * E::round(o[i]);
+        } else {
+#pragma omp simd
+          for (int64_t i = 0; i < H; ++i) sum[i] += wj * E::load(o[i]);
+        }
+      }
+      typename E::raw* r = result + t * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) r[i] = E::store(sum[i]);
+    }
+  });
+}
+
 template <typename scalar_t>
 void experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& gate_up,
              const at::Tensor& down, at::Tensor& result) {
@@ -149,23 +180,7 @@ void experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weigh
     }
   });
   // (3) result[t] = sum_j w[t, j] * out[slot (t, j)], in float32.
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> sum(H);
-    for (int64_t t = begin; t < end; ++t) {
-      std::fill(sum.begin(), sum.end(), 0.0f);
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t p = position[t * k + j];
-        if (p < 0) continue;
-        const float wj = w[t * k + j];
-        const float* o = out.get() + p * H;
-#pragma omp simd
-        for (int64_t i = 0; i < H; ++i) sum[i] += wj * E::round(o[i]);
-      }
-      Raw* r = rp + t * H;
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) r[i] = E::store(sum[i]);
-    }
-  });
+  weighted_sum<scalar_t>(T, k, H, w, position.data(), out.get(), rp);
 }
 
 // x [T, H], topk_ids [T, k] int64, topk_weights [T, k] float32, gate_up [E, 2I, H], down [E, H, I] of x's dtype
@@ -204,26 +219,12 @@ void combine(const at::Tensor& out, const at::Tensor& order, const at::Tensor& w
   const float* w = weights.data_ptr<float>();
   const Raw* op = reinterpret_cast<const Raw*>(out.data_ptr());
   Raw* rp = reinterpret_cast<Raw*>(result.data_ptr());
-  std::vector<int64_t> row_of(T * k);
+  std::vector<int64_t> row_of(T * k, -1);
   for (int64_t p = 0; p < T * k; ++p) {
     TORCH_CHECK(slot_of[p] >= 0 && slot_of[p] < T * k, "moe_combine: order is not a permutation of the slots");
     row_of[slot_of[p]] = p;
   }
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> sum(H);
-    for (int64_t t = begin; t < end; ++t) {
-      std::fill(sum.begin(), sum.end(), 0.0f);
-      for (int64_t j = 0; j < k; ++j) {
-        const float wj = w[t * k + j];
-        const Raw* o = op + row_of[t * k + j] * H;
-#pragma omp simd
-        for (int64_t i = 0; i < H; ++i) sum[i] += wj * E::load(o[i]);
-      }
-      Raw* r = rp + t * H;
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) r[i] = E::store(sum[i]);
-    }
-  });
+  weighted_sum<scalar_t>(T, k, H, w, row_of.data(), op, rp);
 }
 
 // out [T * k, H] float32 or bfloat16, order [T * k] int64 (a permutation), topk_weights [T, k] float32, all
