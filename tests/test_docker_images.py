@@ -44,7 +44,9 @@ TORCH_SPEC = "torch==2.13.0"   # for the images' default, which names an index t
 # health on its own, and a request may land on one that has not yet seen them healthy).
 COMPOSE_ENV = {"SWITCHYARD_API_KEY": "sk-client", "SWITCHYARD_METRICS_KEY": "sk-metrics",
                "SWITCHYARD_WORKER_API_KEY": "sk-worker", "WORKER_THREADS": "1", "GATEWAY_WORKERS": "1"}
-MESSAGES = [{"role": "user", "content": "Name three primary colors."}]
+# transformers' greedy answer, "The capital of Japan is Tokyo." and its end, leads its runner-up by at least 0.97
+# at every token in float32 and in bf16: float rounding (a cached prefix, another kernel) cannot flip it.
+MESSAGES = [{"role": "user", "content": "What is the capital of Japan?"}]
 
 
 @pytest.fixture(scope="session")
