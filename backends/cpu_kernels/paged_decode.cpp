@@ -5,8 +5,9 @@
 //
 // Work item = (sequence, KV head): the query rows sharing that KV head (its query heads, for each new token) read
 // each K/V row once (GQA).
-// Per tile of up to 16 keys (within one block): scores, an online softmax (running max and sum, rescaled
-// accumulators), then the probability-weighted V rows are added. All sums in float32; bf16 is widened on load.
+// Per span of up to 256 keys (tiles of up to 16 keys, each within one block): all scores first, then one softmax
+// step over the span (one max, one rescale of the accumulators), then the probability-weighted V rows are added with
+// the accumulators held in registers across the span. All sums in float32; bf16 is widened on load.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -19,6 +20,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <utility>
 #include <type_traits>
 
 #include "cpu_math.h"
@@ -29,7 +31,9 @@ using switchyard_cpu::exp_nonpositive;
 
 constexpr int64_t kMaxRows = 64;         // query rows per work item (query tokens x query heads of one KV head)
 constexpr int64_t kMaxRowElems = 4096;   // ... times head_dim: the work item's stack buffers (16 KiB each)
-constexpr int64_t kTile = 16;            // keys per softmax step
+constexpr int64_t kTile = 16;            // keys a score step reduces at once, all within one block
+constexpr int64_t kSpan = 256;           // keys per softmax step: a span's scores, then one max and sum per row
+constexpr int64_t kScoreStride = kSpan + kTile;  // a row's span of scores (a span's last tile writes kTile)
 constexpr int64_t kMaxHeadDim = 256;
 
 inline float to_float(float x) { return x; }
@@ -48,11 +52,11 @@ using switchyard_cpu::VecF;
 
 // Asks for `count` rows of `elems` elements, `stride` elements apart, to be brought into the cache: a tile's keys lie
 // in a block the hardware prefetcher cannot foresee (blocks are scattered), and a decode step reads them once.
-template <typename scalar_t>
+template <int kLocality = 3, typename scalar_t>
 inline void prefetch_rows(const scalar_t* first, int64_t stride, int64_t count, int64_t elems) {
   constexpr int64_t kLine = 64 / sizeof(scalar_t);
   for (int64_t t = 0; t < count; ++t) {
-    for (int64_t e = 0; e < elems; e += kLine) __builtin_prefetch(first + t * stride + e, 0, 3);
+    for (int64_t e = 0; e < elems; e += kLine) __builtin_prefetch(first + t * stride + e, 0, kLocality);
   }
 }
 
@@ -103,11 +107,11 @@ inline void reduce_keys(VecF (&p)[kTile], float* out) {
 }
 #endif
 
-// scores[r][t] = q_r . k_t for the tile's keys and every row (q rows widened and scaled already: qf, kD floats
-// apart); keys past tile_keys are not read and score 0 (the caller masks them).
+// Scores of the tile's keys for every row, written to scores + r * stride + 0 .. kTile - 1 (row r = q row r: its q
+// widened and scaled already, qf, kD floats apart); keys past tile_keys are not read and score 0 (not used after).
 template <typename scalar_t, int kD>
 void tile_scores(const float* qf, const scalar_t* k_tile, int64_t k_stride, int64_t rows, int64_t tile_keys,
-                 float (*scores)[kTile]) {
+                 float* scores, int64_t stride) {
   constexpr int kVecs = kD / kLanes;
   for (int64_t r = 0; r < rows; ++r) {
     VecF q[kVecs];
@@ -123,7 +127,7 @@ void tile_scores(const float* qf, const scalar_t* k_tile, int64_t k_stride, int6
       for (int c = 1; c < kVecs; ++c) sum += q[c] * load_vec(k + c * kLanes);
       p[t] = sum;
     }
-    reduce_keys(p, scores[r]);
+    reduce_keys(p, scores + r * stride);
   }
 }
 
@@ -133,7 +137,7 @@ void tile_scores(const float* qf, const scalar_t* k_tile, int64_t k_stride, int6
 // the multiply instructions; scale is applied to the sums. qb: the q rows' bf16 bits, kD apart.
 template <int kD>
 void tile_scores_bf16(const uint16_t* qb, const c10::BFloat16* k_tile, int64_t k_stride, int64_t rows,
-                      int64_t tile_keys, float scale, float (*scores)[kTile]) {
+                      int64_t tile_keys, float scale, float* scores, int64_t stride) {
   constexpr int kVecs = kD / 32;
   for (int64_t r = 0; r < rows; ++r) {
     __m512bh q[kVecs];
@@ -149,43 +153,70 @@ void tile_scores_bf16(const uint16_t* qb, const c10::BFloat16* k_tile, int64_t k
       for (int c = 1; c < kVecs; ++c) sum = _mm512_dpbf16_ps(sum, q[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
       p[t] = reinterpret_cast<const VecF&>(sum);
     }
-    reduce_keys(p, scores[r]);
-    for (int64_t t = 0; t < kTile; ++t) scores[r][t] *= scale;
+    float* out = scores + r * stride;
+    reduce_keys(p, out);
+    for (int64_t t = 0; t < kTile; ++t) out[t] *= scale;
   }
 }
 #endif
 
-// Up to kGroup query rows at a time: their accumulators stay in registers and each V row is widened once for all
-// of them (GQA: a KV head's query heads share its rows).
-constexpr int64_t kGroup = 4;
+// A span's tiles: where each tile's rows start in the cache (elements) and how many keys it has. Tiles lie
+// back to back in the span: tile i starts at key sum(len[0 .. i - 1]) of it.
+struct SpanTiles {
+  int64_t count = 0;
+  int64_t offset[kSpan];
+  int64_t len[kSpan];
+};
 
-// acc rows `first` .. `first + count - 1` += sum over the tile's keys t of scores[r][t] * v_t, kLanes dims at a
-// time: each V vector is widened once for the group.
-template <typename scalar_t, int kD>
-void tile_values(float* acc, const float (*scores)[kTile], const scalar_t* v_tile, int64_t v_stride, int64_t first,
-                 int64_t count, int64_t tile_keys) {
-  for (int c = 0; c < kD; c += kLanes) {
-    VecF a[kGroup];
-    for (int64_t g = 0; g < count; ++g) a[g] = load_vec(acc + (first + g) * kD + c);
-    for (int64_t t = 0; t < tile_keys; ++t) {
-      const VecF v = load_vec(v_tile + t * v_stride + c);
-      for (int64_t g = 0; g < count; ++g) a[g] += scores[first + g][t] * v;
+// Up to kGroup query rows at a time keep their accumulators in registers over the whole span, kCols vectors of
+// head_dim at a time, and each V vector is widened once for all of them (GQA: a KV head's query heads share its
+// rows). kCount rows: a compile-time count, so that the accumulators are registers, not a stack array.
+constexpr int64_t kGroup = 4;
+constexpr int kCols = kLanes == 16 ? 4 : 2;  // 16 + 4 of AVX-512's 32 registers; 8 + 2 of AVX2's 16
+
+// acc rows first .. first + kCount - 1 += sum over the span's keys j of p[r][j] * v_j (p: scores rows, stride
+// floats apart, already turned into softmax weights).
+template <typename scalar_t, int kD, int kCount>
+void span_values(float* acc, const float* p, int64_t stride, const scalar_t* v_cache, const SpanTiles& tiles,
+                 int64_t v_stride, int64_t first) {
+  static_assert(kD % (kCols * kLanes) == 0, "head_dim in whole column groups");
+  for (int c = 0; c < kD; c += kCols * kLanes) {
+    VecF a[kCount][kCols];
+    for (int g = 0; g < kCount; ++g) {
+      for (int j = 0; j < kCols; ++j) a[g][j] = load_vec(acc + (first + g) * kD + c + j * kLanes);
     }
-    for (int64_t g = 0; g < count; ++g) std::memcpy(acc + (first + g) * kD + c, &a[g], sizeof(VecF));
+    for (int64_t i = 0, pos = 0; i < tiles.count; pos += tiles.len[i], ++i) {
+      const scalar_t* v_tile = v_cache + tiles.offset[i] + c;
+      const float* w = p + first * stride + pos;
+      for (int64_t t = 0; t < tiles.len[i]; ++t) {
+        VecF v[kCols];
+        for (int j = 0; j < kCols; ++j) v[j] = load_vec(v_tile + t * v_stride + j * kLanes);
+        for (int g = 0; g < kCount; ++g) {
+          const float weight = w[g * stride + t];
+          for (int j = 0; j < kCols; ++j) a[g][j] += weight * v[j];
+        }
+      }
+    }
+    for (int g = 0; g < kCount; ++g) {
+      for (int j = 0; j < kCols; ++j) std::memcpy(acc + (first + g) * kD + c + j * kLanes, &a[g][j], sizeof(VecF));
+    }
   }
 }
 
-// acc row r += sum over the tile's keys t of scores[r][t] * v_row(t), for a head_dim without the register-tiled
-// path (tile_values): each V row widened once into `row`; acc rows are d_len floats apart.
+// acc row r += sum over the span's keys j of p[r][j] * v_row(j), for a head_dim without the register-tiled path
+// (span_values): each V row widened once into `row`; acc rows are d_len floats apart.
 template <typename scalar_t>
-void accumulate_v(float* acc, const float (*scores)[kTile], const scalar_t* v_tile, int64_t v_stride, int64_t rows,
-                  int64_t d_len, int64_t tile_keys, float* row) {
-  for (int64_t t = 0; t < tile_keys; ++t) {
-    const scalar_t* src = v_tile + t * v_stride;
-    for (int64_t d = 0; d < d_len; ++d) row[d] = to_float(src[d]);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* acc_r = acc + r * d_len;
-      for (int64_t d = 0; d < d_len; ++d) acc_r[d] += scores[r][t] * row[d];
+void accumulate_v(float* acc, const float* p, int64_t stride, const scalar_t* v_cache, const SpanTiles& tiles,
+                  int64_t v_stride, int64_t rows, int64_t d_len, float* row) {
+  for (int64_t i = 0, pos = 0; i < tiles.count; pos += tiles.len[i], ++i) {
+    for (int64_t t = 0; t < tiles.len[i]; ++t) {
+      const scalar_t* src = v_cache + tiles.offset[i] + t * v_stride;
+      for (int64_t d = 0; d < d_len; ++d) row[d] = to_float(src[d]);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float weight = p[r * stride + pos + t];
+        float* acc_r = acc + r * d_len;
+        for (int64_t d = 0; d < d_len; ++d) acc_r[d] += weight * row[d];
+      }
     }
   }
 }
@@ -194,23 +225,25 @@ void accumulate_v(float* acc, const float (*scores)[kTile], const scalar_t* v_ti
 // heads of KV head `kv_head`: rows = q_len * group query rows, row r = (token r / group, head r % group), each K/V
 // row read once for all of them. Token j sees keys 0 .. num_keys - q_len + j (causal within the chunk).
 // kD > 0 fixes head_dim at compile time (fully unrolled inner loops); kD == 0 reads it from `head_dim`.
-// kChunk false: one token (q_len 1) that sees every key, with no per-row masking in the loop.
-// Keys are taken kTile at a time: the softmax loops then have a fixed trip count, which gcc vectorizes
-// whole (with a runtime count of 16 its cost model picks the scalar loop).
+// kChunk false: one token (q_len 1) that sees every key, with no per-row masking.
+// Keys are taken a span (up to kSpan) at a time: first every key's scores, tile by tile (a tile: up to kTile keys
+// within one block); then each row's max, exponentials and sum over the whole span at once (one rescale of the
+// accumulators a span, not a tile); then the weighted V rows, tile by tile again.
 template <typename scalar_t, typename index_t, int kD, bool kChunk>
 void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const index_t* table,
                  int64_t q_len, int64_t num_keys, int64_t kv_head, int64_t group, int64_t head_dim,
                  int64_t block_size, float scale, const Strides& s, scalar_t* out) {
   const int64_t d_len = kD > 0 ? kD : head_dim;
-  constexpr bool kVectorD = kD > 0 && kD % kLanes == 0;  // the register-tiled path (tile_scores, tile_values)
+  constexpr bool kVectorD = kD > 0 && kD % kLanes == 0;  // the register-tiled path (tile_scores, span_values)
   constexpr bool kBf16Scores =   // tile_scores_bf16
       switchyard_cpu::kDotBf16 && kVectorD && kD % 32 == 0 && std::is_same_v<scalar_t, c10::BFloat16>;
   const int64_t rows = q_len * group;
   alignas(64) float qf[kBf16Scores ? 1 : kMaxRowElems];     // q widened and scaled, for the float32 scores
   alignas(64) uint16_t qb[kBf16Scores ? kMaxRowElems : 1];  // q's bf16 bits, for tile_scores_bf16
   alignas(64) float acc[kMaxRowElems];
-  alignas(64) float scores[kMaxRows][kTile];
+  alignas(64) float scores[kMaxRows * kScoreStride];  // row r's span of scores, then weights, at r * kScoreStride
   alignas(64) float row[kMaxHeadDim];  // one V row widened (head_dim without a vector path)
+  SpanTiles tiles;
   float running_max[kMaxRows], running_sum[kMaxRows];
   int64_t key_limit[kMaxRows];  // keys row r attends: its token's position + 1
   for (int64_t r = 0; r < rows; ++r) {
@@ -225,65 +258,78 @@ void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
     running_sum[r] = 0.0f;
     key_limit[r] = num_keys - q_len + token + 1;
   }
-  for (int64_t start = 0, tile_keys = 0; start < num_keys; start += tile_keys) {
-    const int64_t block = start / block_size, first = start % block_size;
-    // A tile stops at its block's end and at the last key; keys past it are never read (stale rows may hold NaN).
-    tile_keys = std::min({kTile, block_size - first, num_keys - start});
-    const int64_t offset = static_cast<int64_t>(table[block]) * s.kv_block + first * s.kv_token + kv_head * s.kv_head;
-    const scalar_t* k_tile = k_cache + offset;
-    const scalar_t* v_tile = v_cache + offset;
-    if (start + tile_keys < num_keys) {  // the next tile's K and V rows, from memory while this one computes
-      const int64_t next = start + tile_keys, next_first = next % block_size;
-      const int64_t next_offset = static_cast<int64_t>(table[next / block_size]) * s.kv_block +
-                                  next_first * s.kv_token + kv_head * s.kv_head;
-      const int64_t next_keys = std::min({kTile, block_size - next_first, num_keys - next});
-      prefetch_rows(k_cache + next_offset, s.kv_token, next_keys, d_len);
-      prefetch_rows(v_cache + next_offset, s.kv_token, next_keys, d_len);
-    }
-    if constexpr (kVectorD) {
-      if constexpr (kBf16Scores) {
-        tile_scores_bf16<kD>(qb, k_tile, s.kv_token, rows, tile_keys, scale, scores);
-      } else {
-        tile_scores<scalar_t, kD>(qf, k_tile, s.kv_token, rows, tile_keys, scores);
+  // Where key `key`'s rows for this KV head start in the caches, and the keys from it to its tile's end.
+  const auto tile_at = [&](int64_t key, int64_t end) {
+    const int64_t first = key % block_size;
+    const int64_t offset = static_cast<int64_t>(table[key / block_size]) * s.kv_block + first * s.kv_token +
+                           kv_head * s.kv_head;
+    return std::pair<int64_t, int64_t>{offset, std::min({kTile, block_size - first, end - key})};
+  };
+  for (int64_t span_start = 0; span_start < num_keys; span_start += kSpan) {
+    const int64_t span_keys = std::min(kSpan, num_keys - span_start);
+    tiles.count = 0;
+    // A tile stops at its block's end and at the span's; keys past the last are never read (stale rows may hold
+    // NaN).
+    for (int64_t pos = 0; pos < span_keys;) {
+      const auto [offset, tile_keys] = tile_at(span_start + pos, span_start + span_keys);
+      tiles.offset[tiles.count] = offset;
+      tiles.len[tiles.count++] = tile_keys;
+      const int64_t next = span_start + pos + tile_keys;
+      if (next < num_keys) {  // the next tile's K rows, from memory while this one computes
+        const auto [next_offset, next_keys] = tile_at(next, num_keys);
+        prefetch_rows<2>(k_cache + next_offset, s.kv_token, next_keys, d_len);
       }
-    } else {
-      for (int64_t t = 0; t < tile_keys; ++t) {
-        const scalar_t* k_row = k_tile + t * s.kv_token;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* q_r = qf + r * d_len;
-          float dot = 0.0f;
+      prefetch_rows<1>(v_cache + offset, s.kv_token, tile_keys, d_len);
+      const scalar_t* k_tile = k_cache + offset;
+      float* span_scores = scores + pos;
+      if constexpr (kVectorD) {
+        if constexpr (kBf16Scores) {
+          tile_scores_bf16<kD>(qb, k_tile, s.kv_token, rows, tile_keys, scale, span_scores, kScoreStride);
+        } else {
+          tile_scores<scalar_t, kD>(qf, k_tile, s.kv_token, rows, tile_keys, span_scores, kScoreStride);
+        }
+      } else {
+        for (int64_t t = 0; t < tile_keys; ++t) {
+          const scalar_t* k_row = k_tile + t * s.kv_token;
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* q_r = qf + r * d_len;
+            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < d_len; ++d) dot += q_r[d] * to_float(k_row[d]);
-          scores[r][t] = dot;
+            for (int64_t d = 0; d < d_len; ++d) dot += q_r[d] * to_float(k_row[d]);
+            span_scores[r * kScoreStride + t] = dot;
+          }
         }
       }
+      pos += tile_keys;
     }
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t t = tile_keys; t < kTile; ++t) scores[r][t] = -std::numeric_limits<float>::infinity();
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      // Keys of this tile the row may see: all of them for a decode, fewer for the earlier tokens of a chunk.
-      const int64_t visible = kChunk ? std::clamp<int64_t>(key_limit[r] - start, 0, tile_keys) : tile_keys;
-      if (kChunk && visible == 0) {  // the whole tile lies after this row's token: no update, and no V weight
-        for (int64_t t = 0; t < kTile; ++t) scores[r][t] = 0.0f;
+      float* p = scores + r * kScoreStride;
+      // Keys of this span the row may see: all of them for a decode, fewer for the earlier tokens of a chunk.
+      const int64_t visible = kChunk ? std::clamp<int64_t>(key_limit[r] - span_start, 0, span_keys) : span_keys;
+      if (kChunk && visible == 0) {  // the whole span lies after this row's token: no update, and no V weight
+        std::fill(p, p + span_keys, 0.0f);
         continue;
       }
-      float tile_max = running_max[r];
-      if (kChunk) {
-        for (int64_t t = visible; t < tile_keys; ++t) scores[r][t] = -std::numeric_limits<float>::infinity();
+      // Whole vectors: the keys past `visible` up to the next multiple of kLanes read as -inf (the buffer has
+      // room), then as weight 0.
+      const int64_t padded = (visible + kLanes - 1) / kLanes * kLanes;
+      std::fill(p + visible, p + padded, -std::numeric_limits<float>::infinity());
+      VecF lanes_max = load_vec(p);
+      for (int64_t t = kLanes; t < padded; t += kLanes) {
+        const VecF v = load_vec(p + t);
+        lanes_max = v > lanes_max ? v : lanes_max;
       }
-#pragma omp simd reduction(max : tile_max)
-      for (int64_t t = 0; t < kTile; ++t) tile_max = std::max(tile_max, scores[r][t]);
-      const float alpha = std::exp(running_max[r] - tile_max);  // 0 on the first tile (exp(-inf))
-      float tile_sum = 0.0f;
-#pragma omp simd reduction(+ : tile_sum)
-      for (int64_t t = 0; t < kTile; ++t) {
-        const float keep = static_cast<float>(t < visible);  // masked keys: exp(-87) is 1e-38, not 0 (no ?: here)
-        scores[r][t] = exp_nonpositive(scores[r][t] - tile_max) * keep;
-        tile_sum += scores[r][t];
-      }
-      running_sum[r] = running_sum[r] * alpha + tile_sum;
-      running_max[r] = tile_max;
+      float span_max = running_max[r];
+      for (int i = 0; i < kLanes; ++i) span_max = std::max(span_max, lanes_max[i]);
+      const float alpha = std::exp(running_max[r] - span_max);  // 0 on the first span (exp(-inf))
+      for (int64_t t = 0; t < padded; ++t) p[t] = exp_nonpositive(p[t] - span_max);
+      std::fill(p + visible, p + std::max(padded, kChunk ? span_keys : int64_t{0}), 0.0f);
+      VecF lanes_sum = load_vec(p);
+      for (int64_t t = kLanes; t < padded; t += kLanes) lanes_sum += load_vec(p + t);
+      float span_sum = 0.0f;
+      for (int i = 0; i < kLanes; ++i) span_sum += lanes_sum[i];
+      running_sum[r] = running_sum[r] * alpha + span_sum;
+      running_max[r] = span_max;
       if (alpha != 1.0f) {
         float* acc_r = acc + r * d_len;
         for (int64_t d = 0; d < d_len; ++d) acc_r[d] *= alpha;
@@ -291,11 +337,15 @@ void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_c
     }
     if constexpr (kVectorD) {
       for (int64_t first_row = 0; first_row < rows; first_row += kGroup) {
-        tile_values<scalar_t, kD>(acc, scores, v_tile, s.kv_token, first_row, std::min(kGroup, rows - first_row),
-                                  tile_keys);
+        switch (std::min(kGroup, rows - first_row)) {
+          case 1: span_values<scalar_t, kD, 1>(acc, scores, kScoreStride, v_cache, tiles, s.kv_token, first_row); break;
+          case 2: span_values<scalar_t, kD, 2>(acc, scores, kScoreStride, v_cache, tiles, s.kv_token, first_row); break;
+          case 3: span_values<scalar_t, kD, 3>(acc, scores, kScoreStride, v_cache, tiles, s.kv_token, first_row); break;
+          default: span_values<scalar_t, kD, 4>(acc, scores, kScoreStride, v_cache, tiles, s.kv_token, first_row);
+        }
       }
     } else {
-      accumulate_v<scalar_t>(acc, scores, v_tile, s.kv_token, rows, d_len, tile_keys, row);
+      accumulate_v<scalar_t>(acc, scores, kScoreStride, v_cache, tiles, s.kv_token, rows, d_len, row);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {

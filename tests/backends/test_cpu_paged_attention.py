@@ -51,8 +51,9 @@ def decode_step(shape: AttentionShape, context_lens: list[int], seed: int) -> tu
     return layout, qkv[:, :shape.num_heads], k_cache, v_cache
 
 
-# Keys attended = context + 1: one key, a block exactly full (16), one past it (17), two blocks, longer.
-CONTEXTS = {1: [15], 33: [0, 15, 16, 31, 32, 100, 383, *range(200, 226)]}
+# Keys attended = context + 1: one key, a block exactly full (16), one past it (17), two blocks, longer; the kernel
+# takes its softmax over spans of 256 keys, so 255, 256 and 257 keys and three spans (700) are among them.
+CONTEXTS = {1: [15], 33: [0, 15, 16, 31, 32, 100, 254, 255, 256, 383, 699, *range(200, 222)]}
 
 
 @pytest.mark.parametrize("n", sorted(CONTEXTS))
