@@ -1,7 +1,8 @@
-// Fused layer ops on the CPU: RMSNorm, SiLU(gate) * up and rotate-half rotary, one pass each over rows whose last
-// dimension is contiguous. Each replaces 3-8 ATen kernels and their temporaries (backends/models/layers.py calls
-// them). All math in float32; in bf16 each intermediate is rounded where the op-by-op reference in layers.py rounds
-// it, so outputs match that reference up to the order of the sum of squares.
+// Fused layer ops on the CPU: RMSNorm, SiLU(gate) * up, rotate-half rotary, and rotary with the K/V cache writes
+// (rotary_store), one pass each over rows whose last dimension is contiguous. Each replaces 3-8 ATen kernels and
+// their temporaries (backends/models/kernels/cpu.py calls them). All math in float32; in bf16 each intermediate is
+// rounded where the op-by-op reference in kernels/base.py rounds it, so outputs match that reference up to the order of
+// the sum of squares.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -77,29 +78,67 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
   });
 }
 
+// One head of rotate-half rotary: x (2 * half values) rotated by c, s (half values each) into o.
+template <typename scalar_t>
+inline void rotate_head(const Raw<scalar_t>* x, const Raw<scalar_t>* c, const Raw<scalar_t>* s, int64_t half,
+                        Raw<scalar_t>* o) {
+  using E = Elem<scalar_t>;
+  const Raw<scalar_t>* x2 = x + half;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = E::load(x[i]), b = E::load(x2[i]), ci = E::load(c[i]), si = E::load(s[i]);
+    o[i] = E::store(E::round(a * ci) - E::round(b * si));
+    o[i + half] = E::store(E::round(b * ci) + E::round(a * si));
+  }
+}
+
 template <typename scalar_t>
 void rotary_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
   const int64_t n = x.size(0), heads = x.size(1), half = x.size(2) / 2;
   const int64_t s_tok = x.stride(0), s_head = x.stride(1);
-  using E = Elem<scalar_t>;
   const Raw<scalar_t>* xp = raw_ptr<scalar_t>(x);
   const Raw<scalar_t>* cp = raw_ptr<scalar_t>(cos);
   const Raw<scalar_t>* sp = raw_ptr<scalar_t>(sin);
   Raw<scalar_t>* op = raw_out<scalar_t>(out);
   at::parallel_for(0, n, grain(heads * 2 * half), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        rotate_head<scalar_t>(xp + t * s_tok + h * s_head, cp + t * half, sp + t * half, half,
+                              op + (t * heads + h) * 2 * half);
+      }
+    }
+  });
+}
+
+// Per token: q's heads rotated into q_out, k's heads rotated into the K cache at the token's slot, v copied into
+// the V cache there. Caches [num_blocks, block_size, kv_heads, head_dim], each head's head_dim contiguous.
+template <typename scalar_t>
+void rotary_store_rows(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                       int64_t kv_heads, at::Tensor& k_cache, at::Tensor& v_cache, const int64_t* slots,
+                       at::Tensor& q_out) {
+  const int64_t n = qkv.size(0), head_dim = qkv.size(1) / (heads + 2 * kv_heads), half = head_dim / 2;
+  const int64_t s_tok = qkv.stride(0), block_size = k_cache.size(1);
+  const Raw<scalar_t>* xp = raw_ptr<scalar_t>(qkv);
+  const Raw<scalar_t>* cp = raw_ptr<scalar_t>(cos);
+  const Raw<scalar_t>* sp = raw_ptr<scalar_t>(sin);
+  Raw<scalar_t>* qp = raw_out<scalar_t>(q_out);
+  Raw<scalar_t>* kp = raw_out<scalar_t>(k_cache);
+  Raw<scalar_t>* vp = raw_out<scalar_t>(v_cache);
+  at::parallel_for(0, n, grain((heads + 2 * kv_heads) * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const Raw<scalar_t>* row = xp + t * s_tok;
       const Raw<scalar_t>* c = cp + t * half;
       const Raw<scalar_t>* s = sp + t * half;
+      const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+      Raw<scalar_t>* k_slot = kp + block * k_cache.stride(0) + offset * k_cache.stride(1);
+      Raw<scalar_t>* v_slot = vp + block * v_cache.stride(0) + offset * v_cache.stride(1);
       for (int64_t h = 0; h < heads; ++h) {
-        const Raw<scalar_t>* x1 = xp + t * s_tok + h * s_head;
-        const Raw<scalar_t>* x2 = x1 + half;
-        Raw<scalar_t>* o = op + (t * heads + h) * 2 * half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = E::load(x1[i]), b = E::load(x2[i]), ci = E::load(c[i]), si = E::load(s[i]);
-          o[i] = E::store(E::round(a * ci) - E::round(b * si));
-          o[i + half] = E::store(E::round(b * ci) + E::round(a * si));
-        }
+        rotate_head<scalar_t>(row + h * head_dim, c, s, half, qp + (t * heads + h) * head_dim);
+      }
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        rotate_head<scalar_t>(row + (heads + h) * head_dim, c, s, half, k_slot + h * k_cache.stride(2));
+        std::memcpy(v_slot + h * v_cache.stride(2), row + (heads + kv_heads + h) * head_dim,
+                    head_dim * sizeof(Raw<scalar_t>));
       }
     }
   });
@@ -146,13 +185,53 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+// qkv [n, (heads + 2 * kv_heads) * head_dim] (rows may be strided), cos/sin [n, 1, head_dim / 2] contiguous,
+// k_cache/v_cache [num_blocks, block_size, kv_heads, head_dim] of qkv's dtype, slot_mapping [n] int64 (block *
+// block_size + offset) -> the rotated q [n, heads, head_dim], contiguous; the rotated k and the v are written
+// at each token's slot. One pass in place of rotary, a slice and two index_copy_ calls.
+at::Tensor rotary_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                        int64_t kv_heads, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping) {
+  check_rows(qkv, "rotary_store");
+  TORCH_CHECK(qkv.dim() == 2 && heads > 0 && kv_heads > 0 && qkv.size(1) % (heads + 2 * kv_heads) == 0,
+              "rotary_store: qkv [n, (heads + 2 * kv_heads) * head_dim]");
+  const int64_t head_dim = qkv.size(1) / (heads + 2 * kv_heads), n = qkv.size(0);
+  TORCH_CHECK(head_dim % 2 == 0, "rotary_store: an even head_dim");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * head_dim / 2 &&
+                  sin.numel() == cos.numel() && cos.scalar_type() == qkv.scalar_type() &&
+                  sin.scalar_type() == qkv.scalar_type(), "rotary_store: cos/sin [n, 1, head_dim / 2] of qkv's dtype");
+  for (const at::Tensor* cache : {&k_cache, &v_cache}) {
+    TORCH_CHECK(cache->device().is_cpu() && cache->dim() == 4 && cache->size(2) == kv_heads &&
+                    cache->size(3) == head_dim && cache->stride(3) == 1 && cache->sizes() == k_cache.sizes() &&
+                    cache->scalar_type() == qkv.scalar_type(),
+                "rotary_store: caches [num_blocks, block_size, kv_heads, head_dim] of qkv's dtype");
+  }
+  TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == n, "rotary_store: slot_mapping [n] int64");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "rotary_store: slot ", sp[t], " outside the cache's ", num_slots);
+  }
+  at::Tensor q = at::empty({n, heads, head_dim}, qkv.options());
+  if (qkv.scalar_type() == at::kFloat) {
+    rotary_store_rows<float>(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, sp, q);
+  } else {
+    rotary_store_rows<c10::BFloat16>(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, sp, q);
+  }
+  return q;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(switchyard_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("rotary_store(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
   m.impl("rotary", c10::DispatchKey::CPU, TORCH_FN(rotary));
+  m.impl("rotary_store", c10::DispatchKey::CPU, TORCH_FN(rotary_store));
 }

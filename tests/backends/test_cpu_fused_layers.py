@@ -83,6 +83,60 @@ def test_rotary_matches_transformers(dtype: torch.dtype, tokens: int, heads: int
     torch.testing.assert_close(got, theirs[0].transpose(0, 1), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (37, 9, 3, 64), (5, 4, 4, 128),
+                                                            (3, 2, 1, 10)])
+def test_rotary_store_matches_transformers_and_index_copy(dtype: torch.dtype, tokens: int, heads: int,
+                                                          kv_heads: int, head_dim: int) -> None:
+    """q rotated out of a fused projection's strided rows, k rotated and v copied into the caches at the step's
+    slots, against transformers' rotary and ATen's index_copy_; every other slot is left as it was."""
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = strided_rows(tokens, width, dtype, seed=tokens * heads + kv_heads)
+    positions = torch.arange(50, 50 + tokens)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin = KERNELS.rotary_tables(inv_freq, positions, dtype)   # [tokens, 1, head_dim // 2]
+    gen = torch.Generator().manual_seed(tokens)
+    block_size, num_blocks = 16, 6
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    with torch.inference_mode(), torch.profiler.profile() as prof:
+        q = KERNELS.rotary_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
+    assert any(e.key == "switchyard_cpu::rotary_store" for e in prof.key_averages())
+    assert q is not None and q.shape == (tokens, heads, head_dim) and q.is_contiguous()
+    full_cos, full_sin = torch.cat((cos, cos), -1).squeeze(1)[None], torch.cat((sin, sin), -1).squeeze(1)[None]
+    qk = qkv[:, :(heads + kv_heads) * head_dim].reshape(tokens, heads + kv_heads, head_dim).transpose(0, 1)[None]
+    rotated, _ = apply_rotary_pos_emb(qk, qk, full_cos, full_sin)
+    rotated = rotated[0].transpose(0, 1)
+    v = qkv[:, (heads + kv_heads) * head_dim:].reshape(tokens, kv_heads, head_dim)
+    torch.testing.assert_close(q, rotated[:, :heads], **TOLERANCE[dtype])
+    flat = (num_blocks * block_size, kv_heads, head_dim)
+    k_want = k_before.view(flat).index_copy(0, slots, rotated[:, heads:].contiguous())
+    v_want = v_before.view(flat).index_copy(0, slots, v.contiguous())
+    torch.testing.assert_close(k_cache.view(flat), k_want, **TOLERANCE[dtype])
+    assert torch.equal(v_cache.view(flat), v_want)   # a copy, bit for bit
+    others = torch.ones(flat[0], dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(k_cache.view(flat)[others], k_before.view(flat)[others])
+
+
+def test_rotary_store_refuses_a_slot_outside_the_cache_and_leaves_foreign_caches_to_aten() -> None:
+    qkv = torch.randn(2, 5 * 8)
+    cos, sin = torch.ones(2, 1, 4), torch.zeros(2, 1, 4)
+    k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.switchyard_cpu.rotary_store(qkv, cos, sin, 3, 1, k_cache, v_cache, torch.tensor([0, 8]))
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.switchyard_cpu.rotary_store(qkv, cos, sin, 3, 1, k_cache, v_cache, torch.tensor([-1, 0]))
+    assert not k_cache.any() and not v_cache.any()   # checked before anything is written
+    with pytest.raises(RuntimeError, match="rotary_store"):
+        torch.ops.switchyard_cpu.rotary_store(qkv, cos, sin, 3, 1, k_cache[..., :4], v_cache, torch.tensor([0, 1]))
+    # a cache of another dtype (an fp8 or float32 cache beside bf16 activations): the ATen path writes it
+    assert KERNELS.rotary_store(qkv.bfloat16(), cos.bfloat16(), sin.bfloat16(), 3, 1, k_cache, v_cache,
+                                torch.tensor([0, 1])) is None
+
+
 def test_bad_shapes_raise_instead_of_crashing() -> None:
     ops = torch.ops.switchyard_cpu
     with pytest.raises(RuntimeError, match="rms_norm"):

@@ -93,6 +93,17 @@ class CpuKernels(LayerKernels):
             return torch.ops.switchyard_cpu.rotary(x, cos, sin)
         return super().rotate(x, cos, sin)
 
+    def rotary_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor | None:
+        """The C++ rotary_store (fused_layers.cpp) where it applies: one pass for the rotary on q and k and both
+        cache writes, in place of rotate, two slices and two index_copy_ calls; None (ATen's path) elsewhere."""
+        full_tables = cos.numel() * 2 * (heads + 2 * kv_heads) == qkv.numel()   # no partial rotary
+        if not (qkv.dim() == 2 and k_cache.dim() == 4 and cos.dtype == qkv.dtype == k_cache.dtype == v_cache.dtype
+                and full_tables and cos.is_contiguous() and sin.is_contiguous() and k_cache.stride(-1) == 1
+                and v_cache.stride(-1) == 1 and fusable(qkv)):
+            return None
+        return torch.ops.switchyard_cpu.rotary_store(qkv, cos, sin, heads, kv_heads, k_cache, v_cache, slot_mapping)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """bf16 on a CPU without native bf16 (which `pack` leaves plain) through the C++ rows_linear: on the
         2-core EPYC (AVX2) 1.4-1.9x as fast as ATen's bf16 product at 1 row, 3.4-3.7x at 8 and 5.3-8.2x at 32-256
