@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # transformers' greedy answer, "The capital of Japan is Tokyo.", leads its runner-up by at least 0.97 at every
-# token in float32 and in bf16, so rounding cannot swap it for one without an "e" (France's "Paris." is 0.08 off).
+# token in float32 and in bf16, so rounding cannot swap it for one without an "e" (for France, "The" leads
+# "Paris." by 0.08).
 JAPAN = [{"role": "user", "content": "What is the capital of Japan?"}]
 GREEDY = {"temperature": 0}   # Anthropic's default is 1.0, and SDK 2.x takes it only in the body
 
