@@ -1,8 +1,8 @@
-// Fused layer ops on the CPU: RMSNorm, SiLU(gate) * up, rotate-half rotary, and rotary with the K/V cache writes
-// (rotary_store), one pass each over rows whose last dimension is contiguous. Each replaces 3-8 ATen kernels and
-// their temporaries (backends/models/kernels/cpu.py calls them). All math in float32; in bf16 each intermediate is
-// rounded where the op-by-op reference in kernels/base.py rounds it, so outputs match that reference up to the order of
-// the sum of squares.
+// Fused layer ops on the CPU: RMSNorm (alone, or after the residual add), SiLU(gate) * up, rotate-half rotary, and
+// rotary with the K/V cache writes (rotary_store), one pass each over rows whose last dimension is contiguous. Each
+// replaces 2-8 ATen kernels and their temporaries (backends/models/kernels/cpu.py calls them). All math in float32;
+// in bf16 each intermediate is rounded where the op-by-op reference in kernels/base.py rounds it, so outputs match
+// that reference up to the order of the sum of squares.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -47,6 +47,38 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at
       float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t i = 0; i < d; ++i) squares += E::load(xr[i]) * E::load(xr[i]);
+      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(d) + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) {
+        orow[i] = E::store(E::load(wp[i]) * E::round(E::load(xr[i]) * inv));
+      }
+    }
+  });
+}
+
+// x += residual (rounded to the dtype, as ATen's add rounds it), then RMSNorm of that sum into out: the residual
+// add and the next layer's norm in one pass over the row where they took two.
+template <typename scalar_t>
+void add_rms_norm_rows(at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                       at::Tensor& out) {
+  const int64_t rows = x.size(0), d = x.size(1), r_stride = residual.stride(0);
+  using E = Elem<scalar_t>;
+  Raw<scalar_t>* xp = raw_out<scalar_t>(x);
+  const Raw<scalar_t>* rp = raw_ptr<scalar_t>(residual);
+  const Raw<scalar_t>* wp = raw_ptr<scalar_t>(weight);
+  Raw<scalar_t>* op = raw_out<scalar_t>(out);
+  at::parallel_for(0, rows, grain(d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      Raw<scalar_t>* xr = xp + r * d;
+      const Raw<scalar_t>* rr = rp + r * r_stride;
+      Raw<scalar_t>* orow = op + r * d;
+      float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < d; ++i) {
+        const float total = E::round(E::load(xr[i]) + E::load(rr[i]));
+        xr[i] = E::store(total);
+        squares += total * total;
+      }
       const float inv = 1.0f / std::sqrt(squares / static_cast<float>(d) + static_cast<float>(eps));
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) {
@@ -161,6 +193,22 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// x [rows, d] contiguous, residual [rows, d] (rows may be strided), weight [d] -> x + residual written over x,
+// and weight * (sum / rms(sum)), [rows, d] contiguous.
+at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "add_rms_norm");
+  check_rows(residual, "add_rms_norm");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.sizes() == x.sizes() &&
+                  residual.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
+                  weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: x [rows, d] contiguous, residual [rows, d] and weight [d] of x's dtype");
+  TORCH_CHECK(!x.is_same(residual) && x.data_ptr() != residual.data_ptr(), "add_rms_norm: x and residual alias");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == at::kFloat) add_rms_norm_rows<float>(x, residual, weight, eps, out);
+  else add_rms_norm_rows<c10::BFloat16>(x, residual, weight, eps, out);
+  return out;
+}
+
 // gate_up [rows, 2 * width] (gate first) -> silu(gate) * up, [rows, width] contiguous.
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "silu_mul");
@@ -226,11 +274,13 @@ at::Tensor rotary_store(const at::Tensor& qkv, const at::Tensor& cos, const at::
 
 TORCH_LIBRARY_FRAGMENT(switchyard_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("rotary_store(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slot_mapping) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
   m.impl("rotary", c10::DispatchKey::CPU, TORCH_FN(rotary));
   m.impl("rotary_store", c10::DispatchKey::CPU, TORCH_FN(rotary_store));

@@ -55,6 +55,48 @@ def test_rms_norm_matches_transformers(dtype: torch.dtype, rows: int, width: int
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 576), (7, 576), (300, 576), (3, 67)])
+def test_add_rms_norm_matches_the_add_then_transformers_norm(dtype: torch.dtype, rows: int, width: int) -> None:
+    """The residual add written over x exactly as ATen's add rounds it; the norm of that sum as transformers'."""
+    x = (torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)) * 2).to(dtype)
+    residual = strided_rows(rows, width, dtype, seed=rows + 1, scale=3.0)
+    residual_before = residual.clone()
+    ours = RMSNorm(width, 1e-5, KERNELS).to(dtype)
+    theirs = LlamaRMSNorm(width, eps=1e-5).to(dtype)
+    weight = torch.rand(width, generator=torch.Generator().manual_seed(2)) + 0.5
+    ours.weight.copy_(weight)
+    theirs.weight.data.copy_(weight)
+    want_sum = x + residual
+    with torch.inference_mode(), torch.profiler.profile() as prof:
+        normed, total = ours.add_norm(x, residual)
+    assert any(e.key == "switchyard_cpu::add_rms_norm" for e in prof.key_averages())
+    assert total.data_ptr() == x.data_ptr()            # the sum is written over the sublayer's output
+    assert torch.equal(total, want_sum)               # rounded as the op-by-op add rounds it
+    assert torch.equal(residual, residual_before)
+    assert normed.dtype == dtype and normed.is_contiguous()
+    torch.testing.assert_close(normed, theirs(want_sum), **TOLERANCE[dtype])
+
+
+def test_add_rms_norm_leaves_what_it_cannot_take_to_aten() -> None:
+    """No residual (the first layer), a strided x, or a residual of another dtype: the op-by-op path."""
+    weight = torch.ones(16)
+    x = torch.randn(4, 16)
+    normed, total = KERNELS.add_rms_norm(x, None, weight, 1e-6)
+    assert total is x
+    torch.testing.assert_close(normed, KERNELS.rms_norm(x, weight, 1e-6))
+    strided = torch.randn(4, 20)[:, :16]
+    cases = [(strided, torch.randn(4, 16)), (torch.randn(4, 16), torch.randn(4, 16, dtype=torch.float64))]
+    for x, residual in cases:
+        with torch.profiler.profile() as prof:
+            normed, total = KERNELS.add_rms_norm(x, residual, weight, 1e-6)
+        assert "switchyard_cpu::add_rms_norm" not in [e.key for e in prof.key_averages()]
+        torch.testing.assert_close(total, x + residual)
+        torch.testing.assert_close(normed, KERNELS.rms_norm(x + residual, weight, 1e-6))
+    with pytest.raises(RuntimeError, match="alias"):
+        torch.ops.switchyard_cpu.add_rms_norm(x.float(), x.float(), weight, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,width", [(1, 1536), (9, 1536), (270, 1536), (4, 33)])
 def test_silu_mul_matches_silu_times_up(dtype: torch.dtype, rows: int, width: int) -> None:
     gate_up = strided_rows(rows, 2 * width, dtype, seed=rows * width, scale=4.0)

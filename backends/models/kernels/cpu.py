@@ -1,5 +1,5 @@
-"""The CPU family: RMSNorm, SiLU·mul and rotary as one C++ pass each (backends/cpu_kernels/fused_layers.cpp),
-and float32 projections through oneDNN with the weight packed once at load.
+"""The CPU family: RMSNorm (with the residual add before it), SiLU·mul and rotary as one C++ pass each
+(backends/cpu_kernels/fused_layers.cpp), and float32 projections through oneDNN with the weight packed once at load.
 
 Fused ops: instead of 3-8 ATen kernels each: on the 2-core EPYC that made a one-sequence decode step 0.82x as
 long, 32 sequences 0.89x and a 270-token prefill 0.92x (docs/benchmarks.md, "Fused CPU layer ops"). bf16 rounds
@@ -82,6 +82,18 @@ class CpuKernels(LayerKernels):
         if x.dim() == 2 and weight.dtype == x.dtype and fusable(x):
             return torch.ops.switchyard_cpu.rms_norm(x, weight, eps)
         return super().rms_norm(x, weight, eps)
+
+    # The decoder layers hand each residual add to the norm after it (LlamaDecoderLayer.forward_fused): with the
+    # kernels built, one C++ pass (add_rms_norm) where ATen's add and the rms_norm kernel took two.
+    residual_in_norm = True
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if (residual is not None and x.dim() == 2 and x.is_contiguous() and residual.shape == x.shape
+                and residual.dtype == weight.dtype == x.dtype and residual.stride(-1) == 1 and fusable(x)
+                and x.data_ptr() != residual.data_ptr()):
+            return torch.ops.switchyard_cpu.add_rms_norm(x, residual, weight, eps), x
+        return super().add_rms_norm(x, residual, weight, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if gate_up.dim() == 2 and fusable(gate_up):
