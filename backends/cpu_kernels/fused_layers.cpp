@@ -33,6 +33,16 @@ Raw<scalar_t>* raw_out(at::Tensor& t) { return reinterpret_cast<Raw<scalar_t>*>(
 // Rows per parallel_for task: about 16k elements, so that a one-token decode stays on the calling thread.
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
 
+// One row's RMSNorm once its sum of squares is known: weight * (x / rms(x)) into orow.
+template <typename scalar_t>
+inline void scale_row(const Raw<scalar_t>* xr, const Raw<scalar_t>* wp, int64_t d, float squares, double eps,
+                      Raw<scalar_t>* orow) {
+  using E = Elem<scalar_t>;
+  const float inv = 1.0f / std::sqrt(squares / static_cast<float>(d) + static_cast<float>(eps));
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) orow[i] = E::store(E::load(wp[i]) * E::round(E::load(xr[i]) * inv));
+}
+
 template <typename scalar_t>
 void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   const int64_t rows = x.size(0), d = x.size(1), stride = x.stride(0);
@@ -47,11 +57,7 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at
       float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t i = 0; i < d; ++i) squares += E::load(xr[i]) * E::load(xr[i]);
-      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(d) + static_cast<float>(eps));
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) {
-        orow[i] = E::store(E::load(wp[i]) * E::round(E::load(xr[i]) * inv));
-      }
+      scale_row<scalar_t>(xr, wp, d, squares, eps, orow);
     }
   });
 }
@@ -79,11 +85,7 @@ void add_rms_norm_rows(at::Tensor& x, const at::Tensor& residual, const at::Tens
         xr[i] = E::store(total);
         squares += total * total;
       }
-      const float inv = 1.0f / std::sqrt(squares / static_cast<float>(d) + static_cast<float>(eps));
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) {
-        orow[i] = E::store(E::load(wp[i]) * E::round(E::load(xr[i]) * inv));
-      }
+      scale_row<scalar_t>(xr, wp, d, squares, eps, orow);
     }
   });
 }
@@ -202,7 +204,7 @@ at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& residual, const at::Tens
                   residual.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.size(0) == x.size(1) &&
                   weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
               "add_rms_norm: x [rows, d] contiguous, residual [rows, d] and weight [d] of x's dtype");
-  TORCH_CHECK(!x.is_same(residual) && x.data_ptr() != residual.data_ptr(), "add_rms_norm: x and residual alias");
+  TORCH_CHECK(x.data_ptr() != residual.data_ptr(), "add_rms_norm: x and residual alias");
   at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
   if (x.scalar_type() == at::kFloat) add_rms_norm_rows<float>(x, residual, weight, eps, out);
   else add_rms_norm_rows<c10::BFloat16>(x, residual, weight, eps, out);
