@@ -115,8 +115,6 @@ class EngineConfig:
         # P/D and the tiers reach a CPU group's KV through its ranks' shared-memory caches (executor/group_kv.py)
         unsupported = {"KV tiers on CUDA": self.has_kv_tiers and self.device != "cpu",
                        "P/D transfer on CUDA": KVConnectorName.PD in self.kv_connectors and self.device != "cpu",
-                       "an EAGLE head over tensor-parallel ranks (their embeddings and LM heads are split)": (
-                           "eagle" in (self.speculative or "") and self.tensor_parallel_size > 1),
                        "weights kept compressed": self.keep_weights_compressed}
         named = [what for what, asked in unsupported.items() if asked]
         if named:

@@ -1,5 +1,6 @@
 """The EAGLE-style draft head and its proposer: one Llama decoder layer over fc(embed(next token), target
-hidden state), with its own one-layer paged KV, sharing the target's embeddings and LM head.
+hidden state), with its own one-layer paged KV, sharing the target's embeddings and LM head (whole copies of them
+beside a tensor-parallel shard: backends/speculative/vocabulary.py).
 
 Owns the head's weights, KV blocks and per-request drafting state; never touches the target's KV.
 Checkpoints use the EAGLE layout (config.json + `fc.*`, `layers.0.*`, optional `d2t` for a reduced
@@ -29,6 +30,7 @@ from backends.models.layers import Linear, LMHead, rope_inv_freq
 from backends.models.llama import DecoderMLP, LlamaDecoderLayer
 from backends.models.model_config import ModelConfig, load_model_config
 from backends.speculative.proposer import DraftRequest
+from backends.speculative.vocabulary import Vocabulary
 from backends.worker.sampler import greedy_tokens
 
 if TYPE_CHECKING:
@@ -106,7 +108,7 @@ class LoadedHead:
     config: ModelConfig        # the head's config.json
 
 
-def load_eagle_head(head_dir: Path, target: CausalLM, int8: bool = False) -> LoadedHead:
+def load_eagle_head(head_dir: Path, target: Vocabulary, int8: bool = False) -> LoadedHead:
     """Read a head folder in the EAGLE layout for `target` (same hidden size; its vocabulary); `int8`: its
     projections with int8 weights (backends/models/int8_linear.py: CPU targets only)."""
     head_dir = Path(head_dir)
@@ -169,21 +171,24 @@ class EagleProposer:
     wants_hidden = True
 
     def __init__(self, head_dir: Path, target: CausalLM, *, num_blocks: int, block_size: int = 16,
-                 attention_backend: str | None = None, int8: bool | None = None) -> None:
+                 attention_backend: str | None = None, int8: bool | None = None,
+                 vocabulary: Vocabulary | None = None) -> None:
         """`num_blocks`: the target's KV blocks (the head keeps as many positions, in 1/num_layers the memory).
-        `int8`: the head's projections and its LM head in int8; None: wherever int8_available says so."""
-        head_weight = target.lm_head_weight()   # [vocab, hidden]
+        `int8`: the head's projections and its LM head in int8; None: wherever int8_available says so.
+        `vocabulary`: the embedding and LM head the head reads; None: the target's."""
+        self.vocabulary: Vocabulary = target if vocabulary is None else vocabulary
+        head_weight = self.vocabulary.lm_head_weight()   # [vocab, hidden]
         self.device, self.dtype = head_weight.device, head_weight.dtype
         available = int8_available(self.device, self.dtype)
         self.int8 = available if int8 is None else int8
         if self.int8 and not available:
             raise ValueError(f"int8 drafts need a float32 or bfloat16 target on a CPU with fbgemm, not {self.dtype} "
                              f"on {self.device}")
-        loaded = load_eagle_head(head_dir, target, self.int8)
-        self.head, self.target = loaded.head, target
+        loaded = load_eagle_head(head_dir, self.vocabulary, self.int8)
+        self.head = loaded.head
         self.draft_token_ids = loaded.draft_token_ids
         # hidden [rows, hidden] -> logits over the draft vocabulary
-        self.lm_head: Callable[[torch.Tensor], torch.Tensor] = target.compute_logits
+        self.lm_head: Callable[[torch.Tensor], torch.Tensor] = self.vocabulary.compute_logits
         rows = head_weight if self.draft_token_ids is None else head_weight.index_select(0, self.draft_token_ids)
         with torch.no_grad():
             if self.int8:
@@ -209,11 +214,13 @@ class EagleProposer:
         self._states: dict[str, _RequestState] = {}
 
     @classmethod
-    def for_target(cls, head_dir: Path, target: ModelRunner, int8: bool | None = None) -> EagleProposer:
-        """A head beside `target`: its model (embeddings, LM head, dtype, device), attention backend, block
-        size, and as many KV blocks (tokens) as its cache, which cost 1/num_layers of its KV memory."""
+    def for_target(cls, head_dir: Path, target: ModelRunner, int8: bool | None = None,
+                   vocabulary: Vocabulary | None = None) -> EagleProposer:
+        """A head beside `target`: its model (embeddings and LM head unless `vocabulary` is given, dtype,
+        device), attention backend, block size, and as many KV blocks (tokens) as its cache, which cost
+        1/num_layers of its KV memory."""
         return cls(head_dir, target.model, num_blocks=target.num_blocks, block_size=target.block_size,
-                   attention_backend=target.attention.name.value, int8=int8)
+                   attention_backend=target.attention.name.value, int8=int8, vocabulary=vocabulary)
 
     # --- the Proposer interface ------------------------------------------------------------------
     def observe(self, request_id: str, start: int, token_ids: Sequence[int], hidden: torch.Tensor) -> None:
@@ -317,7 +324,7 @@ class EagleProposer:
                             slot_mapping=slot_mapping, device=self.device)
         attn = AttentionContext(backend=self.attention, metadata=self.attention.prepare(layout),
                                 slot_mapping=slot_mapping, k_caches=[self.k_cache], v_caches=[self.v_cache])
-        embeds = self.target.embed(as_index([t for c in chunks for t in c.token_ids]))
+        embeds = self.vocabulary.embed(as_index([t for c in chunks for t in c.token_ids]))
         hidden = torch.cat([c.hidden for c in chunks]) if len(chunks) > 1 else chunks[0].hidden
         out = self.head(embeds, hidden, as_index(positions), attn)   # [num_tokens, hidden]
         if not last_only:

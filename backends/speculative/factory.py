@@ -26,8 +26,8 @@ def build_proposer(config: EngineConfig, runner: Any) -> Proposer:
 def _model_proposer(kind: str, config: EngineConfig, runner: Any) -> Proposer:
     assert config.speculative_model is not None
     # Over a group of ranks the proposer runs in rank 0, beside its shard (backends/executor/group_runner.py): a
-    # draft model whole on its cores, an EAGLE head on stage 0's embedding and LM head (tensor-parallel ones,
-    # split by vocabulary, are refused at start: engine_config).
+    # draft model whole on its cores, an EAGLE head on stage 0's embedding and LM head, or, where tensor
+    # parallelism splits those by vocabulary, on whole copies that rank 0 reads for it.
     runner = getattr(runner, "local", runner)
     if kind == "draft":
         from backends.speculative.draft import DraftModelProposer
@@ -35,5 +35,20 @@ def _model_proposer(kind: str, config: EngineConfig, runner: Any) -> Proposer:
     if kind == "eagle":
         from backends.speculative.eagle import EagleProposer
         return EagleProposer.for_target(Path(config.speculative_model), runner,
-                                        int8=None if config.spec_int8 else False)
+                                        int8=None if config.spec_int8 else False,
+                                        vocabulary=_whole_vocabulary(runner))
     raise ValueError(f"unknown speculative proposer {config.speculative!r}")
+
+
+def _whole_vocabulary(runner: Any) -> Any:
+    """The target's embedding and LM head, whole, beside a tensor-parallel shard; None elsewhere (the target's own)."""
+    if getattr(runner, "tensor_parallel", None) is None:
+        return None
+    import logging
+
+    from backends.speculative.vocabulary import WholeVocabulary
+    vocabulary = WholeVocabulary.read(runner.model_dir, runner.model.config, runner.kernels, runner.dtype,
+                                      runner.device)
+    logging.getLogger(__name__).info("EAGLE head over tensor-parallel ranks: rank 0 holds the whole embedding and "
+                                     "LM head for it, %.1f MB", vocabulary.weight_bytes() / 1e6)
+    return vocabulary

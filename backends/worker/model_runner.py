@@ -89,6 +89,7 @@ class ModelRunner:
             # (for this thread, the one that builds and steps the engine).
             torch.cuda.set_device(self.device)
         self.dtype = dtype
+        self.model_dir = Path(model_dir)   # the checkpoint folder (or file) it was read from
         self.config = load_model_config(Path(model_dir))
         self.weights_fingerprint: str | None = None
         self.place = place

@@ -24,12 +24,11 @@ def test_a_group_refuses_what_it_does_not_serve_yet(fields: dict[str, Any], name
     EngineConfig(tensor_parallel_size=1, **fields)   # one rank serves it
 
 
-def test_an_eagle_head_needs_one_rank_per_stage_and_a_draft_model_any_group() -> None:
-    eagle = {"speculative": "ngram+eagle", "speculative_model": "/somewhere"}
-    with pytest.raises(ValueError, match=re.escape("does not serve an EAGLE head over tensor-parallel ranks")):
-        EngineConfig(tensor_parallel_size=2, **eagle)
-    EngineConfig(pipeline_parallel_size=2, **eagle)
-    EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2, speculative="draft", speculative_model="/d")
+def test_a_model_proposer_serves_any_group() -> None:
+    for proposer in ("eagle", "ngram+eagle", "draft", "ngram+draft"):
+        for sizes in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
+                      {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}):
+            EngineConfig(speculative=proposer, speculative_model="/somewhere", **sizes)
 
 
 def test_prompt_lookup_p_d_on_the_cpu_and_bad_sizes() -> None:

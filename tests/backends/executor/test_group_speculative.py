@@ -3,8 +3,8 @@ test_tensor_parallel_served.py): the proposer runs in rank 0 beside its shard (b
 
 - a draft model (the target's own layers, cut with `switchyard make-draft`) over a TP=2 group and over two
   pipeline stages;
-- an EAGLE head over two pipeline stages (stage 0 holds the embedding and LM head it shares; a tensor-parallel
-  group, whose are split by vocabulary, is refused at start: test_group_config.py).
+- an EAGLE head over two pipeline stages (stage 0 holds the embedding and LM head it shares) and over a TP=2
+  group (whose are split by vocabulary: rank 0 reads whole copies for the head, backends/speculative/vocabulary.py).
 
 The groups' greedy tokens are transformers' and the single-rank worker's, and the group drafts as one rank with
 the same proposer does: as many drafts proposed and accepted (the draft model's all accepted, the random EAGLE
@@ -32,7 +32,7 @@ NAME = "tiny-llama"
 COMMON = ["--threads", "1", "--num-blocks", "64", "--served-model-name", NAME, "--num-speculative-tokens", "3",
           "--no-adaptive-speculation"]
 GROUPS = {"tp2": ["--tensor-parallel-size", "2"], "pp2": ["--pipeline-parallel-size", "2"]}
-CASES = [("draft", "tp2"), ("draft", "pp2"), ("eagle", "pp2")]   # (proposer, group)
+CASES = [("draft", "tp2"), ("draft", "pp2"), ("eagle", "tp2"), ("eagle", "pp2")]   # (proposer, group)
 BODY = {"model": NAME, "prompt": STORY, "max_tokens": 12, "temperature": 0.0, "return_token_ids": True,
         "ignore_eos": True}
 
