@@ -2,34 +2,25 @@
 the shared store). Precise: kept from an engine's KV events (our workers' `/kv_events`, vLLM's ZMQ
 stream). Approximate: for an endpoint without events, from the blocks the gateway itself routed there
 (`record_routed`). Bounded: per endpoint, an LRU of at most `max_blocks` device blocks (settable: an
-estimate of its KV capacity) and one of at most `max_blocks_per_endpoint` tier blocks. Pure: no I/O here.
+estimate of its KV capacity) and one of at most `max_blocks_per_endpoint` tier blocks; per shared store, one of
+at most that many store blocks. Pure: no I/O here.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, overload
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
-from cache.kv_events import CPU, DEVICE, DISK, MEDIA, MEDIUM_BITS, STORE, KvEvent, KvEventBatch, KvEventType
+from cache.kv_events import DEVICE, MEDIUM_BITS, STORE, KvEvent, KvEventBatch, KvEventType
+from cache.lazy_levels import LazyLevels
+from cache.tier_runs import MatchedByMedium, runs_from, tier_run
 
-_LOCAL_BITS, _STORE_BIT = MEDIUM_BITS[CPU] | MEDIUM_BITS[DISK], MEDIUM_BITS[STORE]
-_INDEX_OF_BIT = {MEDIUM_BITS[medium]: i for i, medium in enumerate(MEDIA)}
+_STORE_BIT = MEDIUM_BITS[STORE]
 
-# A prompt's leading run at one endpoint by the medium each block is read from, in MEDIA order: its
-# device run, then past it the blocks host RAM or the local disk holds, then those the store holds, as
-# backends/kv_connectors/tiers/connector.py looks them up; each block read from the fastest tier holding it.
-MatchedByMedium = tuple[int, int, int, int]
-NO_MATCH: MatchedByMedium = (0, 0, 0, 0)
-
-
-def num_cached_tokens(matched: MatchedByMedium, block_size: int, num_prompt_tokens: int) -> int:
-    """Prompt tokens an endpoint holding `matched` need not compute (a tier block is read back, not
-    recomputed): what its lease leaves out of the prefill work in flight."""
-    return min(num_prompt_tokens, sum(matched) * block_size)
 
 
 class _EndpointBlocks:
-    __slots__ = ("approximate", "bit", "last_seq", "lru", "max_blocks", "tiers")
+    __slots__ = ("approximate", "bit", "last_seq", "lru", "max_blocks", "store", "tiers")
 
     def __init__(self, bit: int, max_blocks: int) -> None:
         self.approximate = False                            # fed by record_routed, not by events
@@ -38,15 +29,29 @@ class _EndpointBlocks:
         self.tiers: OrderedDict[int, int] = OrderedDict()   # tier blocks: hash -> MEDIUM_BITS of its tiers, by age
         self.last_seq = -1                                  # highest event seq applied
         self.max_blocks = max_blocks                        # device LRU bound (the endpoint's KV capacity)
+        self.store: _SharedStore | None = None              # the shared store it reads, where its worker names one
+
+
+class _SharedStore:
+    """The blocks one shared store holds, as its workers announced them: every worker that reads it can load
+    them back, whichever wrote them."""
+    __slots__ = ("blocks", "key", "members")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.blocks: OrderedDict[int, None] = OrderedDict()   # hash -> None, oldest first
+        self.members = 0                                        # bits of the endpoints that read it
 
 
 class PrefixIndex:
     """Block hashes cached per endpoint and medium. Matches count only the LEADING run of a prompt's
     hashes (chained hashes make a later block useless without all before it).
 
-    A block in the shared store can be read by every worker configured with that store, but the index
-    credits it only to the worker whose event announced it (simple, and it never claims a hit another
-    worker cannot have); a store's removals are never announced, so only the tier LRU's bound ages them out."""
+    A block in the shared store can be read by every worker configured with that store. An endpoint whose worker
+    names its store (`share_store`: its load report's key of the store and the KV namespace) is credited with
+    every block any of that store's workers announced; one that names none only with the store blocks it
+    announced itself (it never claims a hit a worker cannot have). A store's removals are never announced, so
+    only the LRU's bound ages its blocks out."""
 
     def __init__(self, max_blocks_per_endpoint: int = 1 << 16) -> None:
         if max_blocks_per_endpoint < 1:
@@ -56,6 +61,7 @@ class PrefixIndex:
         self._holders: dict[int, int] = {}  # block hash -> bitmask of endpoints holding it on their device
         self._free_bits: list[int] = []     # bits of forgotten endpoints, reused first
         self._next_bit = 1
+        self._stores: dict[str, _SharedStore] = {}   # store key -> the blocks its workers announced
         self.tiered_mask = 0                # bits of the endpoints holding some block in a KV tier
 
     def apply(self, endpoint_id: str, events: Iterable[KvEvent | Mapping[str, Any]]) -> None:
@@ -121,6 +127,35 @@ class PrefixIndex:
                 self._unmark(oldest, bit)
         return True
 
+    def share_store(self, endpoint_id: str, key: str | None) -> None:
+        """`endpoint_id`'s worker reads the shared store named `key` (None: none it names). Its own store blocks
+        move into that store's, where every endpoint that reads it is credited with them."""
+        if key is None and endpoint_id not in self._endpoints:
+            return   # nothing to forget: an endpoint is tracked from its first block or store
+        blocks = self._blocks(endpoint_id)
+        old = blocks.store
+        new = None if key is None else self._stores.get(key)
+        if key is not None and new is None:
+            new = self._stores[key] = _SharedStore(key)
+        if new is old:
+            return
+        if old is not None:
+            old.members &= ~blocks.bit
+        if new is not None:
+            new.members |= blocks.bit
+            for block_hash, media in list(blocks.tiers.items()):   # oldest first, as the store's LRU wants them
+                if media & _STORE_BIT:
+                    self._tier_event(blocks, KvEventType.REMOVED, block_hash, _STORE_BIT)
+                    self._shared_event(new, KvEventType.STORED, block_hash)
+        blocks.store = new
+        self._update_tiered(blocks)
+
+    def store_of(self, endpoint_id: str) -> str | None:
+        """The key of the shared store `endpoint_id` reads (None: none it names)."""
+        blocks = self._endpoints.get(endpoint_id)
+        store = None if blocks is None else blocks.store
+        return None if store is None else store.key
+
     def is_approximate(self, endpoint_id: str) -> bool:
         blocks = self._endpoints.get(endpoint_id)
         return blocks is not None and blocks.approximate
@@ -153,11 +188,12 @@ class PrefixIndex:
             self._unmark(block_hash, blocks.bit)
         blocks.lru.clear()
         blocks.tiers.clear()
-        self.tiered_mask &= ~blocks.bit
+        self._update_tiered(blocks)   # a shared store's blocks stay: its other workers announced them too
         blocks.last_seq = -1
 
     def forget(self, endpoint_id: str) -> None:
         """Drop an endpoint entirely (removed from the config)."""
+        self.share_store(endpoint_id, None)
         self.reset(endpoint_id)
         blocks = self._endpoints.pop(endpoint_id, None)
         if blocks is not None:
@@ -216,7 +252,7 @@ class PrefixIndex:
 
     def lazy_levels(self, block_hashes: Sequence[int]) -> LazyLevels:
         """`matched_levels(block_hashes)`, walked only when first read."""
-        return LazyLevels(self, block_hashes)
+        return LazyLevels(self.matched_levels, block_hashes)
 
     def endpoint_bit(self, endpoint_id: str) -> int:
         """`endpoint_id`'s bit in `matched_levels`' masks (it is tracked from now on, holding nothing yet)."""
@@ -228,10 +264,19 @@ class PrefixIndex:
         cost more than the device walk); endpoints with no match in any medium are left out."""
         device = self.matched_blocks(block_hashes)
         matched: dict[str, MatchedByMedium] = {}
+        store_runs: dict[int, list[int]] = {}   # id of a shared store -> its run from each block of the prompt
         for endpoint_id, blocks in self._endpoints.items():
             run = device.get(endpoint_id, 0)
-            if blocks.tiers:
-                by_medium = _tier_run(blocks.tiers, block_hashes, run)
+            store = blocks.store
+            if store is not None and store.blocks:
+                runs = store_runs.get(id(store))
+                if runs is None:
+                    runs = store_runs[id(store)] = runs_from(store.blocks, block_hashes)
+                by_medium = tier_run(blocks.tiers, block_hashes, run, runs)
+                if any(by_medium):
+                    matched[endpoint_id] = by_medium
+            elif blocks.tiers:
+                by_medium = tier_run(blocks.tiers, block_hashes, run)
                 if any(by_medium):
                     matched[endpoint_id] = by_medium
             elif run:
@@ -280,7 +325,11 @@ class PrefixIndex:
             self._unmark(block_hash, blocks.bit)
 
     def _tier_event(self, blocks: _EndpointBlocks, kind: KvEventType, block_hash: int, medium_bit: int) -> None:
-        """A tier took (STORED) or dropped (REMOVED) the block; its other media keep it."""
+        """A tier took (STORED) or dropped (REMOVED) the block; its other media keep it. A shared store's blocks
+        are filed in the store's own LRU."""
+        if medium_bit == _STORE_BIT and blocks.store is not None:
+            self._shared_event(blocks.store, kind, block_hash)
+            return
         tiers = blocks.tiers
         if kind is KvEventType.STORED:
             tiers[block_hash] = tiers.pop(block_hash, 0) | medium_bit  # most recent last
@@ -290,7 +339,28 @@ class PrefixIndex:
             tiers[block_hash] = media
         else:
             tiers.pop(block_hash, None)
-        if tiers:
+        self._update_tiered(blocks)
+
+    def _shared_event(self, store: _SharedStore, kind: KvEventType, block_hash: int) -> None:
+        lru = store.blocks
+        if kind is KvEventType.STORED:
+            was_empty = not lru
+            lru.pop(block_hash, None)
+            lru[block_hash] = None   # most recent last
+            if len(lru) > self._max_blocks:
+                lru.popitem(last=False)
+            if was_empty:
+                self.tiered_mask |= store.members
+        else:   # no worker announces one today; its other readers lose it too
+            lru.pop(block_hash, None)
+            if not lru:
+                for blocks in self._endpoints.values():
+                    if blocks.bit & store.members:
+                        self._update_tiered(blocks)
+
+    def _update_tiered(self, blocks: _EndpointBlocks) -> None:
+        """Its bit in `tiered_mask`: set while it holds a tier block or reads a shared store that holds one."""
+        if blocks.tiers or (blocks.store is not None and blocks.store.blocks):
             self.tiered_mask |= blocks.bit
         else:
             self.tiered_mask &= ~blocks.bit
@@ -301,51 +371,3 @@ class PrefixIndex:
             self._holders[block_hash] = mask
         else:
             self._holders.pop(block_hash, None)
-
-
-class LazyLevels(Sequence[tuple[int, int]]):
-    """A prompt's `PrefixIndex.matched_levels`, walked on first read: a policy that decides without them (session
-    affinity, least tokens) costs no walk of the prompt's blocks, and its pick's run is then looked up alone
-    (`num_matched_blocks`). Read it before the index changes (one routing decision)."""
-    __slots__ = ("_block_hashes", "_index", "_levels")
-
-    def __init__(self, index: PrefixIndex, block_hashes: Sequence[int]) -> None:
-        self._index = index
-        self._block_hashes = block_hashes
-        self._levels: list[tuple[int, int]] | None = None   # None: not walked yet
-
-    @property
-    def walked(self) -> bool:
-        return self._levels is not None
-
-    def _walk(self) -> list[tuple[int, int]]:
-        if self._levels is None:
-            self._levels = self._index.matched_levels(self._block_hashes)
-        return self._levels
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        return iter(self._walk())
-
-    def __len__(self) -> int:
-        return len(self._walk())
-
-    @overload
-    def __getitem__(self, i: int) -> tuple[int, int]: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[tuple[int, int]]: ...
-
-    def __getitem__(self, i: int | slice) -> tuple[int, int] | Sequence[tuple[int, int]]:
-        return self._walk()[i]
-
-
-def _tier_run(tiers: Mapping[int, int], block_hashes: Sequence[int], num_device: int) -> MatchedByMedium:
-    """`MatchedByMedium` of the leading run whose first `num_device` blocks are on the device, followed
-    on through `tiers` (hash -> MEDIUM_BITS)."""
-    counts = [num_device, 0, 0, 0]
-    n, end, get, index_of_bit = num_device, len(block_hashes), tiers.get, _INDEX_OF_BIT  # locals: per block
-    for reachable in (_LOCAL_BITS, _STORE_BIT):  # the local tiers' run, then the store's
-        while n < end and (media := get(block_hashes[n], 0)) & reachable:
-            counts[index_of_bit[media & -media]] += 1  # read from the fastest tier holding it
-            n += 1
-    return counts[0], counts[1], counts[2], counts[3]

@@ -152,7 +152,8 @@ async def _services_ctx(app: web.Application) -> AsyncIterator[None]:
         config=config, dispatcher=dispatcher, registry=registry, store=store,
         counter=TokenCounter({name: m.tokenizer for name, m in config.models.items()}),
         estimator=OutputLengthEstimator(), metrics=metrics, tracing=tracing, background=background,
-        response_cache=response_cache if caches_any else None, models_by_name=models_by_name(config.models))
+        response_cache=response_cache if caches_any else None, models_by_name=models_by_name(config.models),
+        prefix_index=prefix_index)
     registry.start(session)
     kv_events.start()
     if sharing:

@@ -11,6 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
+from cache.prefix_index import PrefixIndex
 from gateway.config.gateway_config import GatewayConfig, ModelConfig
 from gateway.routing.endpoints import UpstreamRegistry
 from gateway.routing.load import OutputLengthEstimator
@@ -60,6 +61,7 @@ class Services:
     background: BackgroundTasks                        # post-response work
     response_cache: ResponseCache | None               # whole answers served again (None: no model's are)
     models_by_name: Mapping[str, ModelConfig]          # every name a client may send (aliases too) to its model
+    prefix_index: PrefixIndex                          # KV blocks per endpoint and medium, from events and reports
 
 
 SERVICES: web.AppKey[Services] = web.AppKey("switchyard_services", Services)

@@ -42,7 +42,7 @@ class EndpointState(NamedTuple):
     num_matched_blocks: int          # leading blocks of THIS request's prompt cached on its device (prefix index)
     kv_free_fraction: float | None   # from the worker's load report, when it has one
     # The prompt's leading run past `num_matched_blocks` that its KV tiers hold, as (cpu, disk, store) blocks
-    # by the medium each is read from (cache.prefix_index.MatchedByMedium).
+    # by the medium each is read from (cache.tier_runs.MatchedByMedium).
     num_tier_matched_blocks: tuple[int, int, int] = (0, 0, 0)
     # Reading a token back from each of those media, as a fraction of computing it, as the worker measured it
     # (its load report); None where it has not. Filled in only when some tier holds part of the prompt.

@@ -50,6 +50,9 @@ class KVTierLoad:
     # Blocks handed to it that it did not keep: a store whose pool is full of blocks read within its lease, or
     # that is down; a disk that cannot write. Each is a prefix a later request recomputes.
     num_failed_writes: int = 0
+    # A store: the name of what it shares (the store's address and the KV namespace, hashed). Workers that report
+    # the same one read each other's blocks there, and a gateway credits each of them with all of them. "": none.
+    shared: str = ""
 
 
 @dataclass(frozen=True, slots=True)

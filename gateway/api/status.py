@@ -94,6 +94,9 @@ def _endpoints(services: Services) -> list[dict[str, Any]]:
             "num_decode_tokens": num_decode,
             "kv_used_fraction": None if kv_free is None else 1.0 - kv_free,
             "num_indexed_blocks": registry.num_indexed_blocks(endpoint_id),
+            # The shared KV store its worker reads (its /load's store tier): it is credited with every block that
+            # any worker reading that store announced there. None: it names none.
+            "kv_store": services.prefix_index.store_of(endpoint_id),
             # Cumulative, from the worker's /load (None: it does not report them); the page takes rates.
             "num_prompt_tokens": None if prompt is None else prompt[0],
             "num_cached_prompt_tokens": None if prompt is None else prompt[1],

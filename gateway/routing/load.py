@@ -46,6 +46,9 @@ class LoadReport:
     # The fingerprint of the worker's weights (backends/worker/fingerprint.py): workers with other weights refuse
     # each other's KV. "": not reported.
     weights: str = ""
+    # The shared KV store it reads, while reachable (its store tier's `shared`: the store's address and KV namespace,
+    # hashed): every worker that reports the same one can load the blocks any of them wrote there. "": none.
+    shared_store: str = ""
 
     @classmethod
     def from_mapping(cls, body: Mapping[str, Any]) -> LoadReport:
@@ -61,6 +64,7 @@ class LoadReport:
         tiers = body.get("kv_tiers")
         if tiers is not None:
             values["restore_fractions"] = _restore_fractions(tiers)
+            values["shared_store"] = _shared_store(tiers)
         weights = body.get("weights")
         if weights is not None:
             if not isinstance(weights, str):
@@ -74,7 +78,8 @@ class LoadReport:
 
 
 _OPTIONAL_FIELDS = frozenset(f.name for f in fields(LoadReport) if f.default is not MISSING)
-_INT_FIELDS = tuple(f.name for f in fields(LoadReport) if f.name not in ("restore_fractions", "weights"))
+_INT_FIELDS = tuple(f.name for f in fields(LoadReport)
+                    if f.name not in ("restore_fractions", "weights", "shared_store"))
 TIER_MEDIA = ("cpu", "disk", "store")   # the order of RestoreFractions (and of the prefix index's tier matches)
 
 
@@ -95,6 +100,18 @@ def _restore_fractions(tiers: Any) -> RestoreFractions:
         found[tier["medium"]] = float(value)
     cpu, disk, store = (found.get(medium) for medium in TIER_MEDIA)
     return (cpu, disk, store)
+
+
+def _shared_store(tiers: list[Mapping[str, Any]]) -> str:
+    """The `shared` name of a report's store tier while it is up ("" without one; `_restore_fractions` checked the
+    list's shape)."""
+    for tier in tiers:
+        if tier.get("medium") == "store" and tier.get("up", True) is not False:
+            shared = tier.get("shared", "")
+            if not isinstance(shared, str):
+                raise ValueError(f"a kv_tiers shared must be a string, got {shared!r}")
+            return shared
+    return ""
 
 
 class _EndpointLoad:

@@ -38,7 +38,9 @@ def track_approximate(index: PrefixIndex, url: str, provider: ProviderConfig, bl
 
 
 def on_load_report(index: PrefixIndex, endpoint_id: str, report: LoadReport, block_size: int) -> None:
-    """An approximate endpoint's LRU follows the KV capacity its load report states."""
+    """An approximate endpoint's LRU follows the KV capacity its load report states; every endpoint is credited
+    with the blocks of the shared store it reports reading (none, when its report names none)."""
+    index.share_store(endpoint_id, report.shared_store or None)
     if report.num_total_blocks and index.is_approximate(endpoint_id):
         max_blocks = report.num_total_blocks * report.block_size // block_size
         if max_blocks != index.capacity(endpoint_id):

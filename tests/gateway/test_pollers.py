@@ -92,6 +92,43 @@ async def test_a_workers_measured_restore_cost_sets_its_tier_blocks_worth(start_
     assert served == {True: ("a", "b"), False: ("a", "a")}
 
 
+async def test_a_shared_stores_blocks_count_at_every_worker_that_reads_it(start_fakes, start_gateway) -> None:
+    """a wrote the prompt's 4 blocks to the store it shares with b, and is busy; c holds the first block on its
+    device. b, whose /load names the same store, gets the request (4 blocks at the store's weight, 0.3 x 64 tokens,
+    outweigh c's 16 on the device); the gateway credited a's store blocks to b. When b's /load names another
+    store, c gets it."""
+    prompt = list(range(4000, 4064))
+    hashes = block_hashes(prompt, 16)
+    idle = {"num_running": 0, "num_waiting": 0, "num_prefill_tokens_pending": 0, "num_decode_tokens_pending": 0,
+            "num_free_blocks": 100, "num_total_blocks": 100, "num_cached_blocks": 0, "block_size": 16}
+    busy = {**idle, "num_running": 8, "num_prefill_tokens_pending": 20000}
+
+    def store(shared: str) -> list[dict]:
+        return [{"medium": "store", "up": True, "shared": shared, "restore_fraction": None}]
+
+    served = {}
+    for b_store in ("s1", "s2"):
+        a, b, c = start_fakes("a", "b", "c")
+        a.control(kv_stored=hashes, kv_medium="store", load_report={**busy, "kv_tiers": store("s1")})
+        b.control(load_report={**idle, "kv_tiers": store(b_store)})
+        c.control(kv_stored=hashes[:1], load_report=idle)
+        config = gateway_config({"p": [a.url, b.url, c.url]}, policy="prefix_aware")
+        config["providers"]["p"].update(offers_kv_events=True, offers_load=True)
+        gateway = start_gateway(config)
+        await await_until(lambda a=a, c=c: [(f.stats()["kv_since"] or 0) for f in (a, c)] == [4, 1], "the kv events")
+        async with aiohttp.ClientSession() as client:
+
+            async def reported(client=client, gateway=gateway, a=a, b=b, c=c, b_store=b_store) -> bool:
+                async with client.get(gateway.url + "/status.json") as response:
+                    rows = orjson.loads(await response.read())["endpoints"]
+                return {e["id"]: e["kv_store"] for e in rows} == {a.url: "s1", b.url: b_store, c.url: None}
+
+            await await_until(reported, "the workers' stores to reach the gateway")
+            served[b_store] = await served_by(client, gateway.url, {"model": "m", "prompt": prompt, "max_tokens": 1})
+    assert served == {"s1": "b", "s2": "c"}
+    assert metric(gateway, "switchyard_poll_failures_total", poller="load") == 0
+
+
 async def test_a_malformed_kv_events_poll_is_a_warning_and_a_counted_failure(start_fakes, start_gateway) -> None:
     fake, = start_fakes("a")
     # The field names the gateway once expected, which no worker sends: every poll of them fails.

@@ -296,7 +296,7 @@ class TieredKVConnector:
                                 self.written[u.medium], bool(getattr(t, "is_up", True)),
                                 int(getattr(t, "num_outages", 0)), self.restore_seconds[u.medium],
                                 self._restore_fraction(u.medium, seconds_per_token),
-                                num_failed_writes=self._failed_writes(t))
+                                num_failed_writes=self._failed_writes(t), shared=getattr(t, "shared", ""))
                      for t, u in zip(self.tiers, self.usage(), strict=True))
 
     def add_to_report(self, report: LoadReport) -> LoadReport:

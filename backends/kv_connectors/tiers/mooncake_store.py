@@ -9,6 +9,7 @@ the master is gone; its RPC timeout while the master hangs).
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import logging
@@ -44,6 +45,9 @@ class MooncakeStoreTier:
             raise ValueError(f"--kv-store wants mooncake://HOST:PORT (the master's address), not {url!r}")
         self.host, self.port = parts.hostname, parts.port
         self.prefix = f"switchyard/{namespace}/"
+        # What the gateway sees as one shared store (KVTierLoad.shared): workers that dial the master by
+        # another name count as another store, which only costs them credit for each other's blocks.
+        self.shared = hashlib.blake2b(f"{self.host}:{self.port}|{self.prefix}".encode(), digest_size=8).hexdigest()
         self.block_nbytes = block_nbytes
         self.segment_bytes = segment_bytes   # RAM this worker lends to the store's pool (0: lends none)
         self.buffer_bytes = max(buffer_bytes, 2 * (HEADER_BYTES + block_nbytes))   # the client's staging buffer

@@ -13,7 +13,11 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cache.block_hash import block_hashes
+from cache.kv_events import KvEventBatch
+from cache.prefix_index import PrefixIndex
 from gateway.routing.load import LoadReport
+from gateway.routing.prefix_feed import on_load_report
 from tests.support.mooncake import Master
 from tests.support.wait import wait_until
 from tests.support.worker_proc import WorkerProcess, supervised, worker_process
@@ -115,6 +119,15 @@ def test_a_prefix_computed_on_one_worker_is_used_by_another_through_the_store(tm
             store_of = lambda url: {t["medium"]: t for t in orjson.loads(_get(url, "/load"))["kv_tiers"]}["store"]  # noqa: E731
             wait_until(lambda: store_of(a)["num_written_blocks"] >= 4, "worker A's prefix in the store")
             assert store_of(b)["up"]
+            # Both name one store in /load; a gateway's index fed their reports and events credits B with A's blocks
+            reports = {url: LoadReport.from_mapping(orjson.loads(_get(url, "/load"))) for url in (a, b)}
+            assert reports[a].shared_store and reports[a].shared_store == reports[b].shared_store
+            index = PrefixIndex()
+            for url in (a, b):
+                on_load_report(index, url, reports[url], BLOCK)
+                index.apply_batch(url, KvEventBatch.from_mapping(orjson.loads(_get(url, "/kv_events?since=0"))))
+            prompt = block_hashes(shared + _tokens(13, 9), BLOCK)
+            assert index.matched_blocks_by_medium(prompt)[b] == (0, 0, 0, 4)
             assert _cached(_complete(b, shared + _tokens(13, 9))) == 4 * BLOCK
             assert store_of(b)["num_restored_blocks"] == 4
             assert store_of(a)["num_failed_writes"] == 0 == store_of(b)["num_failed_writes"]
@@ -122,6 +135,7 @@ def test_a_prefix_computed_on_one_worker_is_used_by_another_through_the_store(tm
             assert _cached(_complete(b, _tokens(14, 3 * BLOCK))) == 0
             assert _cached(_complete(a, _tokens(15, 3 * BLOCK))) == 0    # its lookup meets the outage
             wait_until(lambda: not store_of(a)["up"], "worker A noticing the outage")
+            assert LoadReport.from_mapping(orjson.loads(_get(a, "/load"))).shared_store == ""   # a store it cannot read
             assert store_of(a)["num_outages"] >= 1
             assert _tier_metric(a, "switchyard_kv_tier_up")["store"] == 0
             failed = store_of(a)["num_failed_writes"]

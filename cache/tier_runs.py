@@ -1,0 +1,59 @@
+"""A prompt's leading run at one endpoint, read through its KV tiers as the worker's connector reads them
+(backends/kv_connectors/tiers/connector.py): its device run, then the blocks host RAM or the local disk holds,
+then those the store holds, each block read from the fastest tier holding it. Pure: the prefix index
+(cache/prefix_index.py) hands in its maps.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from cache.kv_events import CPU, DISK, MEDIA, MEDIUM_BITS, STORE
+
+_LOCAL_BITS, _STORE_BIT = MEDIUM_BITS[CPU] | MEDIUM_BITS[DISK], MEDIUM_BITS[STORE]
+_INDEX_OF_BIT = {MEDIUM_BITS[medium]: i for i, medium in enumerate(MEDIA)}
+
+# A prompt's leading run at one endpoint by the medium each block is read from, in MEDIA order: its
+# device run, then past it the blocks host RAM or the local disk holds, then those the store holds, as
+# backends/kv_connectors/tiers/connector.py looks them up; each block read from the fastest tier holding it.
+MatchedByMedium = tuple[int, int, int, int]
+NO_MATCH: MatchedByMedium = (0, 0, 0, 0)
+
+
+def num_cached_tokens(matched: MatchedByMedium, block_size: int, num_prompt_tokens: int) -> int:
+    """Prompt tokens an endpoint holding `matched` need not compute (a tier block is read back, not
+    recomputed): what its lease leaves out of the prefill work in flight."""
+    return min(num_prompt_tokens, sum(matched) * block_size)
+
+
+def tier_run(tiers: Mapping[int, int], block_hashes: Sequence[int], num_device: int,
+              shared_runs: Sequence[int] | None = None) -> MatchedByMedium:
+    """`MatchedByMedium` of the leading run whose first `num_device` blocks are on the device, followed
+    on through `tiers` (hash -> MEDIUM_BITS); `shared_runs`: the endpoint reads a shared store instead of
+    keeping store blocks of its own, whose run from each block of the prompt it gives (`runs_from`)."""
+    counts = [num_device, 0, 0, 0]
+    n, end, get, index_of_bit = num_device, len(block_hashes), tiers.get, _INDEX_OF_BIT  # locals: per block
+    while n < end and (media := get(block_hashes[n], 0)) & _LOCAL_BITS:  # the local tiers' run
+        counts[index_of_bit[media & -media]] += 1  # read from the fastest tier holding it
+        n += 1
+    # then the store's, each block still read from a local tier that has it
+    if shared_runs is None:
+        while n < end and (media := get(block_hashes[n], 0)) & _STORE_BIT:
+            counts[index_of_bit[media & -media]] += 1
+            n += 1
+    elif not tiers:
+        counts[3] = shared_runs[n]
+    else:
+        for block_hash in block_hashes[n:n + shared_runs[n]]:
+            media = get(block_hash, 0) | _STORE_BIT
+            counts[index_of_bit[media & -media]] += 1
+    return counts[0], counts[1], counts[2], counts[3]
+
+
+def runs_from(blocks: Mapping[int, None], block_hashes: Sequence[int]) -> list[int]:
+    """[len + 1]: how many blocks of `block_hashes` from each position on `blocks` holds in a row (0 at the end):
+    one pass over the prompt for every endpoint that reads the store."""
+    runs = [0] * (len(block_hashes) + 1)
+    for i in range(len(block_hashes) - 1, -1, -1):
+        if block_hashes[i] in blocks:
+            runs[i] = runs[i + 1] + 1
+    return runs
