@@ -246,8 +246,9 @@ def parse_config(text: str, environ: Mapping[str, str], base_dir: Path = Path(".
 
 
 # redis:// and rediss:// name one server (a cluster node is found out and used as the cluster); the +cluster
-# forms name a Redis Cluster by one or more comma-separated host:port start-up nodes (gateway/state/redis_client.py).
-_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+# forms name a Redis Cluster by one or more comma-separated host:port start-up nodes, the +sentinel forms the
+# sentinels that watch a master, and its name (gateway/state/redis_client.py).
+_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel")
 
 
 def _redis_url(url: str | None) -> str | None:

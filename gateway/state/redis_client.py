@@ -1,8 +1,12 @@
-"""Which redis-py client `RedisStore` talks through: a plain `Redis`, or redis-py's `RedisCluster`.
+"""Which redis-py client `RedisStore` talks through: a plain `Redis`, redis-py's `RedisCluster`, or a `Redis` on
+the master that Redis Sentinel names.
 
 `redis://` and `rediss://` name one server; when that server is a cluster node (INFO's `cluster_enabled:1`)
 the cluster client is used, so a node's address is enough. `redis+cluster://` (`rediss+cluster://`) names a
-cluster by one or more comma-separated start-up nodes and refuses a server that is not one. Owns no keys.
+cluster by one or more comma-separated start-up nodes and refuses a server that is not one.
+`redis+sentinel://[user:password@]h1:p1,h2:p2/SERVICE[/DB]` (`rediss+sentinel://`) names the sentinels that watch
+a master (SERVICE, their `sentinel monitor` name): every connection asks them where the master is, so after a
+failover the next connection reaches the promoted replica. Owns no keys.
 """
 from __future__ import annotations
 
@@ -13,12 +17,14 @@ from urllib.parse import unquote, urlsplit
 from redis import asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import ResponseError
 
 Client = aioredis.Redis | RedisCluster
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+SENTINEL_SCHEMES = {"redis+sentinel": "redis", "rediss+sentinel": "rediss"}
 
 
 class StoreMisconfigured(Exception):
@@ -27,13 +33,15 @@ class StoreMisconfigured(Exception):
 
 
 class Topology(str, Enum):
-    AUTO = "auto"        # redis:// or rediss://: ask the server whether it is a cluster node
-    CLUSTER = "cluster"  # redis+cluster://: a cluster, or an error
+    AUTO = "auto"          # redis:// or rediss://: ask the server whether it is a cluster node
+    CLUSTER = "cluster"    # redis+cluster://: a cluster, or an error
+    SENTINEL = "sentinel"  # redis+sentinel://: the master the sentinels name
 
 
 @dataclass(frozen=True, slots=True)
 class RedisOptions:
-    url: str                              # redis://, rediss://, redis+cluster://h1:p1,h2:p2 or rediss+cluster://
+    url: str                              # redis://, rediss://, redis+cluster://h1:p1,h2:p2, rediss+cluster://,
+                                          # redis+sentinel://h1:p1,h2:p2/SERVICE or rediss+sentinel://
     key_prefix: str = "switchyard:"       # namespaces every key (several deployments may share a Redis)
     socket_timeout_s: float = 0.25        # per read/write; an outage is detected this fast
     connect_timeout_s: float = 0.25       # TCP connect
@@ -43,7 +51,10 @@ class RedisOptions:
 
 
 def topology(url: str) -> Topology:
-    return Topology.CLUSTER if urlsplit(url).scheme in CLUSTER_SCHEMES else Topology.AUTO
+    scheme = urlsplit(url).scheme
+    if scheme in CLUSTER_SCHEMES:
+        return Topology.CLUSTER
+    return Topology.SENTINEL if scheme in SENTINEL_SCHEMES else Topology.AUTO
 
 
 def plain_client(options: RedisOptions) -> aioredis.Redis:
@@ -75,6 +86,28 @@ def cluster_client(options: RedisOptions) -> RedisCluster:
         decode_responses=True)
 
 
+def sentinel_client(options: RedisOptions) -> aioredis.Redis:
+    """A client of the master that the URL's sentinels name (redis-py's Sentinel): a connection asks them for the
+    master's address when it opens, and one that meets a demoted master (READONLY) is closed, so a failover is an
+    outage until the promoted replica answers, then served by it. Sentinels that do not answer are skipped."""
+    parts = urlsplit(options.url)
+    service, _, db = parts.path.strip("/").partition("/")
+    if not service or not (db or "0").isdigit():
+        raise StoreMisconfigured(f"redis sentinel URL wants /SERVICE[/DB] after its sentinels: "
+                                 f"{_redacted(options.url)}")
+    addresses = [_address(address) for address in parts.netloc.rpartition("@")[2].split(",") if address]
+    if not addresses:
+        raise StoreMisconfigured(f"redis sentinel URL names no sentinel: {_redacted(options.url)}")
+    sentinels = Sentinel(
+        addresses, sentinel_kwargs={"socket_timeout": options.socket_timeout_s,
+                                    "socket_connect_timeout": options.connect_timeout_s},
+        ssl=SENTINEL_SCHEMES[parts.scheme] == "rediss", username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password else None, db=int(db or 0),
+        socket_timeout=options.socket_timeout_s, socket_connect_timeout=options.connect_timeout_s,
+        retry=Retry(NoBackoff(), options.num_retries), decode_responses=True)
+    return sentinels.master_for(service)
+
+
 async def is_cluster_node(client: aioredis.Redis) -> bool:
     """True if the server runs in cluster mode. A server that refuses INFO (some managed ones rename it) counts
     as plain; its first MOVED still switches the store to the cluster client."""
@@ -102,10 +135,14 @@ def as_cluster_url(url: str) -> str:
 
 
 def _node(address: str) -> ClusterNode:
+    return ClusterNode(*_address(address))
+
+
+def _address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise StoreMisconfigured(f"redis cluster node {address!r}: expected host:port")
-    return ClusterNode(host.strip("[]"), int(port))
+        raise StoreMisconfigured(f"redis node {address!r}: expected host:port")
+    return host.strip("[]"), int(port)
 
 
 def _redacted(url: str) -> str:

@@ -31,6 +31,7 @@ from gateway.state.redis_client import (
     is_cluster_node,
     node_urls,
     plain_client,
+    sentinel_client,
     topology,
 )
 
@@ -75,9 +76,11 @@ class RedisStore:
         self._client: Client | None = None
         self._scripts: dict[str, AsyncScript] = {}
         self._connecting = asyncio.Lock()
-        # The cluster client's per-node pools fail at max_connections instead of waiting (a plain server's pool
-        # waits): calls beyond it queue here, so a burst is never mistaken for an outage.
-        self._cluster_calls = asyncio.Semaphore(options.max_connections)
+        # The cluster client's per-node pools fail at max_connections instead of waiting, and the sentinel client's
+        # pool is unbounded (a plain server's pool waits): calls beyond it queue here, so a burst is never mistaken
+        # for an outage, nor opens a connection per call.
+        self._gated_calls = asyncio.Semaphore(options.max_connections)
+        self._gated = topology(options.url) is Topology.SENTINEL   # and, once known, a cluster
 
     @classmethod
     def from_url(cls, url: str, key_prefix: str = "switchyard:") -> RedisStore:
@@ -193,8 +196,8 @@ class RedisStore:
         try:
             client = await self._connected()
             try:
-                if isinstance(client, RedisCluster):
-                    async with self._cluster_calls:
+                if self._gated:
+                    async with self._gated_calls:
                         return await call(client)
                 return await call(client)
             except AskError as exc:          # MovedError is an AskError
@@ -217,10 +220,14 @@ class RedisStore:
 
     def _set_client(self, client: Client) -> None:
         self._client = client
+        self._gated = self._gated or isinstance(client, RedisCluster)
         self._scripts = {script: client.register_script(script) for script in _SCRIPTS}
 
     async def _open(self) -> Client:
-        """Ask the URL's nodes, in order, whether they run in cluster mode; the first that answers decides."""
+        """The sentinels' master; else ask the URL's nodes, in order, whether they run in cluster mode: the first
+        that answers decides."""
+        if topology(self._options.url) is Topology.SENTINEL:
+            return sentinel_client(self._options)
         is_cluster: bool | None = None
         last_outage: BaseException | None = None
         for url in node_urls(self._options.url):

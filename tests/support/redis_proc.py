@@ -27,7 +27,8 @@ class RedisProc:
     """`with RedisProc() as redis: redis.url` — started on enter, stopped and cleaned on exit."""
 
     def __init__(self, port: int | None = None, start_timeout_s: float = 10.0, *, host: str = "127.0.0.1",
-                 extra_args: Sequence[str] = (), wrapper: Sequence[str] = ()) -> None:
+                 extra_args: Sequence[str] = (), wrapper: Sequence[str] = (), config: Sequence[str] = ()) -> None:
+        """`config`: lines of a config file the server starts from (a sentinel needs one, and rewrites it)."""
         executable = redis_server_path()
         if executable is None:
             raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
@@ -41,6 +42,10 @@ class RedisProc:
         self._wrapper = tuple(wrapper)         # a command the server runs under, e.g. ip netns exec NAME
         self._start_timeout_s = start_timeout_s
         self._dir = Path(tempfile.mkdtemp(prefix="switchyard-redis-"))
+        self._config: tuple[str, ...] = ()
+        if config:
+            (self._dir / "redis.conf").write_text("".join(line + "\n" for line in config))
+            self._config = (str(self._dir / "redis.conf"),)
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -60,8 +65,9 @@ class RedisProc:
             return self
         log_file = self._dir / "redis.log"
         self._proc = subprocess.Popen(
-            [*self._wrapper, self._executable, "--port", str(self.port), "--bind", self.host, "--dir", str(self._dir),
-             "--save", "", "--appendonly", "no", "--daemonize", "no", "--logfile", str(log_file), *self._extra_args],
+            [*self._wrapper, self._executable, *self._config, "--port", str(self.port), "--bind", self.host,
+             "--dir", str(self._dir), "--save", "", "--appendonly", "no", "--daemonize", "no",
+             "--logfile", str(log_file), *self._extra_args],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         proc = self._proc
 

@@ -1,15 +1,19 @@
-"""Fixtures: each store kind (in-process, one real redis-server, a real Redis Cluster) with a fresh key namespace."""
+"""Fixtures: each store kind (in-process, one real redis-server, a real Redis Cluster, a real master with its replica
+behind Redis Sentinel) with a fresh key namespace."""
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 
 from gateway.state import MemoryStore, RedisOptions, RedisStore, StateStore
 from tests.support.redis_cluster_proc import RedisClusterProc
 from tests.support.redis_proc import RedisProc
+from tests.support.redis_sentinel_proc import RedisSentinelProc
+
+KINDS = ["memory", "redis", "redis-cluster", "redis-sentinel"]
 
 
 class FakeClock:
@@ -30,16 +34,27 @@ def redis_store(url: str) -> RedisStore:
     return RedisStore(RedisOptions(url=url, key_prefix=f"test-{uuid.uuid4().hex[:12]}:"))
 
 
+@pytest.fixture(scope="session")
+def redis_sentinel_session() -> Iterator[RedisSentinelProc]:
+    """One master, replica and sentinel for the session's tests (each test keeps to its own key prefix)."""
+    with RedisSentinelProc() as sentinel:
+        yield sentinel
+
+
 def redis_url(request: pytest.FixtureRequest, kind: str) -> str:
-    """A fresh server's URL, or the session's Redis Cluster (reached by one node's plain URL)."""
+    """A fresh server's URL, the session's Redis Cluster (reached by one node's plain URL), or the session's
+    sentinel and the master it names."""
     if kind == "redis-cluster":
         cluster: RedisClusterProc = request.getfixturevalue("redis_cluster_session")
         return cluster.url
+    if kind == "redis-sentinel":
+        sentinel: RedisSentinelProc = request.getfixturevalue("redis_sentinel_session")
+        return sentinel.url
     server: RedisProc = request.getfixturevalue("redis_server")
     return server.url
 
 
-@pytest.fixture(params=["memory", "redis", "redis-cluster"])
+@pytest.fixture(params=KINDS)
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
     """Each test using it runs once per store kind: they must behave the same."""
     if request.param == "memory":
@@ -53,7 +68,7 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[StateStore]:
 Wait = Callable[[float], Awaitable[None]]   # lets this many seconds pass for a store
 
 
-@pytest.fixture(params=["memory", "redis", "redis-cluster"])
+@pytest.fixture(params=KINDS)
 async def clocked_store(request: pytest.FixtureRequest) -> AsyncIterator[tuple[StateStore, Wait]]:
     """A store and how to let time pass for it: MemoryStore runs on a FakeClock that the test moves,
     Redis reads its own clock, so there the time really has to pass."""
