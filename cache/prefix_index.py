@@ -18,7 +18,6 @@ from cache.tier_runs import MatchedByMedium, runs_from, tier_run
 _STORE_BIT = MEDIUM_BITS[STORE]
 
 
-
 class _EndpointBlocks:
     __slots__ = ("approximate", "bit", "last_seq", "lru", "max_blocks", "store", "tiers")
 
