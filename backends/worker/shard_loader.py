@@ -1,8 +1,9 @@
 """One rank's slices of a safetensors checkpoint: each tensor read through safetensors' mmap (`get_slice`) as the
 rows or columns the rank's `TPLayout` names, never the whole model; replicated tensors (norms) whole.
 
-Plain safetensors only: a compressed folder (`switchyard compress`) or a block-scaled FP8 one is refused over a
-group, with the reason, rather than read whole.
+A compressed folder (`switchyard compress`) is read the same way, each slice decoded from the chunks that hold it
+(backends/worker/compressed_slices.py). A block-scaled FP8 one is refused over a group, with the reason, rather than
+read whole.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from backends.models.tensor_parallel import TPLayout
+from backends.worker.compressed_slices import CompressedSlices
 from backends.worker.fingerprint import tensor_line
 from backends.worker.loader import COMPRESSED_FORMAT_KEY, checkpoint_files
 
@@ -32,7 +34,7 @@ class ShardReader(Mapping[str, torch.Tensor]):
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
         if config.get("quantization_config"):
             raise ValueError(f"{folder} is quantized ({config['quantization_config'].get('quant_method')}): a "
-                             "tensor-parallel group reads plain safetensors only")
+                             "group of ranks reads plain or compressed safetensors only")
         self.layout = layout
         self.read_bytes = 0
         self.lines: list[str] = []
@@ -41,10 +43,10 @@ class ShardReader(Mapping[str, torch.Tensor]):
         for path in checkpoint_files(folder)[0]:
             file = self._stack.enter_context(safe_open(str(path), framework="pt"))
             if COMPRESSED_FORMAT_KEY in (file.metadata() or {}):
-                self._stack.close()
-                raise ValueError(f"{path} holds compressed weights: a tensor-parallel group reads plain "
-                                 "safetensors only")
-            self._files.update(dict.fromkeys(file.keys(), file))
+                compressed = CompressedSlices(path)
+                self._files.update(dict.fromkeys(compressed.names(), compressed))
+            else:
+                self._files.update(dict.fromkeys(file.keys(), file))
 
     def __enter__(self) -> ShardReader:
         return self
@@ -54,8 +56,13 @@ class ShardReader(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         rows = None if self.layout is None else self.layout.rows_of(name)
-        tensor = _read_slice(self._files[name].get_slice(name), rows)
-        self.read_bytes += tensor.numel() * tensor.element_size()
+        file = self._files[name]
+        if isinstance(file, CompressedSlices):
+            tensor, read = file.read(name, rows)
+            self.read_bytes += read
+        else:
+            tensor = _read_slice(file.get_slice(name), rows)
+            self.read_bytes += tensor.numel() * tensor.element_size()
         self.lines.append(tensor_line(name, tensor))
         return tensor
 
