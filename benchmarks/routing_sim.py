@@ -51,8 +51,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import orjson
 
-from cache.prefix_index import PrefixIndex
-from cache.tier_runs import num_cached_tokens
+from cache.prefix_index import PrefixIndex, num_cached_tokens
 from gateway.routing.load import Lease, LoadTracker, OutputLengthEstimator
 from policies.base import DecisionReason, EndpointState, Policy, RequestFacts
 from policies.registry import PolicyName, make_policy
@@ -232,7 +231,7 @@ class Simulation:
         return matched
 
     def _cached_tokens(self, index: PrefixIndex, request: TraceRequest, worker: Worker) -> int:
-        """`cache.tier_runs.num_cached_tokens` of what the gateway sees at `worker`: its device run from
+        """`cache.prefix_index.num_cached_tokens` of what the gateway sees at `worker`: its device run from
         the index, and the tier blocks past it when the gateway hears the tiers' events."""
         run = index.matched_blocks(request.block_hashes).get(worker.endpoint_id, 0)
         tail = worker.cache.peek_run(request.block_hashes[run:]) if self.sees_tiers else ()

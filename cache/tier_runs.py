@@ -19,12 +19,6 @@ MatchedByMedium = tuple[int, int, int, int]
 NO_MATCH: MatchedByMedium = (0, 0, 0, 0)
 
 
-def num_cached_tokens(matched: MatchedByMedium, block_size: int, num_prompt_tokens: int) -> int:
-    """Prompt tokens an endpoint holding `matched` need not compute (a tier block is read back, not
-    recomputed): what its lease leaves out of the prefill work in flight."""
-    return min(num_prompt_tokens, sum(matched) * block_size)
-
-
 def tier_run(tiers: Mapping[int, int], block_hashes: Sequence[int], num_device: int,
               shared_runs: Sequence[int] | None = None) -> MatchedByMedium:
     """`MatchedByMedium` of the leading run whose first `num_device` blocks are on the device, followed

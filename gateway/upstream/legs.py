@@ -20,8 +20,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from cache.prefix_index import PrefixIndex
-from cache.tier_runs import NO_MATCH, MatchedByMedium, num_cached_tokens
+from cache.prefix_index import PrefixIndex, num_cached_tokens
+from cache.tier_runs import NO_MATCH, MatchedByMedium
 from gateway.config.gateway_config import Pool, ProviderConfig
 from gateway.routing.endpoints import CircuitBreaker, Endpoint, UpstreamRegistry, eligible
 from gateway.routing.live_pools import LivePools
