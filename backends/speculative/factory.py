@@ -1,12 +1,15 @@
 """Builds the proposer an EngineConfig names (imported only when speculation is on)."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from backends.core.engine_config import EngineConfig
 from backends.speculative.ngram import NgramProposer
 from backends.speculative.proposer import Proposer
+
+log = logging.getLogger(__name__)
 
 
 def build_proposer(config: EngineConfig, runner: Any) -> Proposer:
@@ -44,11 +47,9 @@ def _whole_vocabulary(runner: Any) -> Any:
     """The target's embedding and LM head, whole, beside a tensor-parallel shard; None elsewhere (the target's own)."""
     if getattr(runner, "tensor_parallel", None) is None:
         return None
-    import logging
-
     from backends.speculative.vocabulary import WholeVocabulary
     vocabulary = WholeVocabulary.read(runner.model_dir, runner.model.config, runner.kernels, runner.dtype,
                                       runner.device)
-    logging.getLogger(__name__).info("EAGLE head over tensor-parallel ranks: rank 0 holds the whole embedding and "
-                                     "LM head for it, %.1f MB", vocabulary.weight_bytes() / 1e6)
+    log.info("EAGLE head over tensor-parallel ranks: rank 0 holds the whole embedding and LM head for it, %.1f MB",
+             vocabulary.weight_bytes() / 1e6)
     return vocabulary

@@ -1,6 +1,7 @@
 """A real Redis Sentinel setup for tests: a master, its replica and one sentinel watching them (quorum 1, the master
-called down after 500 ms unanswered), each a `redis-server` (tests/support/redis_proc.py) on a free port. `url` is
-the `redis+sentinel://` URL a gateway is given; killing the master makes the sentinel promote the replica."""
+called down after `down_after_ms` unanswered), each a `redis-server` (tests/support/redis_proc.py) on a free port.
+`url` is the `redis+sentinel://` URL a gateway is given; killing the master makes the sentinel promote the
+replica."""
 from __future__ import annotations
 
 from types import TracebackType
@@ -12,12 +13,13 @@ SERVICE = "switchyard"
 
 
 class RedisSentinelProc:
-    def __init__(self) -> None:
+    def __init__(self, down_after_ms: int = 500) -> None:
+        """`down_after_ms`: short for a failover test; long where a loaded machine's stall must not start one."""
         self.master = RedisProc()
         self.replica = RedisProc(extra_args=("--replicaof", "127.0.0.1", str(self.master.port)))
         self.sentinel = RedisProc(extra_args=("--sentinel",), config=(
             f"sentinel monitor {SERVICE} 127.0.0.1 {self.master.port} 1",
-            f"sentinel down-after-milliseconds {SERVICE} 500",
+            f"sentinel down-after-milliseconds {SERVICE} {down_after_ms}",
             f"sentinel failover-timeout {SERVICE} 5000"))
 
     @property

@@ -36,8 +36,9 @@ def redis_store(url: str) -> RedisStore:
 
 @pytest.fixture(scope="session")
 def redis_sentinel_session() -> Iterator[RedisSentinelProc]:
-    """One master, replica and sentinel for the session's tests (each test keeps to its own key prefix)."""
-    with RedisSentinelProc() as sentinel:
+    """One master, replica and sentinel for the session's tests (each test keeps to its own key prefix); the master
+    is called down only after 30 s unanswered, so no stall of a loaded machine fails it over under a test."""
+    with RedisSentinelProc(down_after_ms=30_000) as sentinel:
         yield sentinel
 
 
