@@ -274,16 +274,13 @@ class PrefixIndex:
         store_runs: dict[int, list[int]] = {}   # id of a shared store -> its run from each block of the prompt
         for endpoint_id, blocks in self._endpoints.items():
             run = device.get(endpoint_id, 0)
-            store = blocks.store
+            store, runs = blocks.store, None
             if store is not None and store.blocks:
                 runs = store_runs.get(id(store))
                 if runs is None:
                     runs = store_runs[id(store)] = runs_from(store.blocks, block_hashes)
+            if runs is not None or blocks.tiers:
                 by_medium = tier_run(blocks.tiers, block_hashes, run, runs)
-                if any(by_medium):
-                    matched[endpoint_id] = by_medium
-            elif blocks.tiers:
-                by_medium = tier_run(blocks.tiers, block_hashes, run)
                 if any(by_medium):
                     matched[endpoint_id] = by_medium
             elif run:

@@ -22,7 +22,7 @@ from backends.compression.cpu_decode import (
     read_records,
     rebuild_tables,
 )
-from backends.compression.layout import CompressedRecord, PlainRecord
+from backends.compression.layout import CompressedRecord, PlainRecord, chunk_bounds
 
 Rows = tuple[int, int, int] | None   # (dim, start, stop) of a TPLayout slice; None: the whole tensor
 
@@ -56,9 +56,8 @@ class CompressedSlices:
         read = 0
         for chunk in range(first, end):
             decode_chunk(job, chunk, scratches)   # checks the chunk's checksums first
-            lo, hi = chunk * record.chunk_size, min((chunk + 1) * record.chunk_size, record.numel)
-            read += hi - lo + 2 * int(job.offsets[min((chunk + 1) * record.lanes_per_chunk, record.num_lanes)]
-                                      - job.offsets[chunk * record.lanes_per_chunk])
+            lo, hi, c0, c1 = chunk_bounds(record, job.offsets, chunk)
+            read += (hi - lo) + 2 * (c1 - c0)      # its raw bytes and its 16-bit codewords
         return _sliced(whole, rows), read
 
 

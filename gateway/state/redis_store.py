@@ -80,7 +80,7 @@ class RedisStore:
         # pool is unbounded (a plain server's pool waits): calls beyond it queue here, so a burst is never mistaken
         # for an outage, nor opens a connection per call.
         self._gated_calls = asyncio.Semaphore(options.max_connections)
-        self._gated = topology(options.url) is Topology.SENTINEL   # and, once known, a cluster
+        self._gated = False   # set with the client (_set_client)
 
     @classmethod
     def from_url(cls, url: str, key_prefix: str = "switchyard:") -> RedisStore:
@@ -220,7 +220,7 @@ class RedisStore:
 
     def _set_client(self, client: Client) -> None:
         self._client = client
-        self._gated = self._gated or isinstance(client, RedisCluster)
+        self._gated = isinstance(client, RedisCluster) or topology(self._options.url) is Topology.SENTINEL
         self._scripts = {script: client.register_script(script) for script in _SCRIPTS}
 
     async def _open(self) -> Client:

@@ -34,6 +34,11 @@ def _slice(tensor: torch.Tensor, rows: tuple[int, int, int] | None) -> torch.Ten
     return tensor[start:stop] if dim == 0 else tensor[:, start:stop]
 
 
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """What to compare bit for bit: a 16-bit float's bits, any other tensor itself."""
+    return tensor.view(torch.int16) if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
+
+
 @pytest.fixture(scope="module")
 def compressed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama, compressed in bf16."""
@@ -51,9 +56,7 @@ def test_a_ranks_slices_are_the_whole_files_slices(compressed: Path, rank: int) 
         assert set(shards) == set(whole)
         for name, tensor in whole.items():
             got, want = shards[name], _slice(tensor, layout.rows_of(name))
-            assert got.dtype == want.dtype and torch.equal(got.view(torch.int16) if got.dtype == torch.bfloat16
-                                                           else got, want.view(torch.int16)
-                                                           if want.dtype == torch.bfloat16 else want), name
+            assert got.dtype == want.dtype and torch.equal(_bits(got), _bits(want)), name
         assert shards.read_bytes > 0
 
 
@@ -72,15 +75,15 @@ def test_rows_are_decoded_from_their_chunks_alone(big: Path) -> None:
     whole = load_compressed_file(big)["w"]
     slices = CompressedSlices(big)
     everything, read_all = slices.read("w", None)
-    assert torch.equal(everything.view(torch.int16), whole.view(torch.int16))
+    assert torch.equal(_bits(everything), _bits(whole))
     rows_per_chunk = CHUNK // 1024
     half, read_half = slices.read("w", (0, 0, 4 * rows_per_chunk))   # the first 4 of 8 chunks
-    assert torch.equal(half.view(torch.int16), whole[:4 * rows_per_chunk].view(torch.int16))
+    assert torch.equal(_bits(half), _bits(whole[:4 * rows_per_chunk]))
     assert 0.4 * read_all < read_half < 0.6 * read_all
     columns, read_columns = slices.read("w", (1, 512, 1024))   # half of every row: every chunk
-    assert torch.equal(columns.view(torch.int16), whole[:, 512:].view(torch.int16)) and read_columns == read_all
+    assert torch.equal(_bits(columns), _bits(whole[:, 512:])) and read_columns == read_all
     tail, _ = slices.read("w", (0, 2000, 4096))                # clipped to the tensor's end, as safetensors does
-    assert torch.equal(tail.view(torch.int16), whole[2000:].view(torch.int16))
+    assert torch.equal(_bits(tail), _bits(whole[2000:]))
     assert torch.equal(slices.read("norm", (0, 2, 4))[0], torch.ones(2))
 
 
