@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.core.block_events import CPU, DISK, STORE, KVEventKind
+from backends.core.block_events import CPU, DEVICE, DISK, STORE, KVEventKind
 from backends.core.engine_config import EngineConfig
 from backends.core.outputs import SequenceOutput
 from backends.core.sampling_params import SamplingParams
@@ -98,10 +98,9 @@ def greedy(n: int) -> SamplingParams:
 def evict_prefix(engine: LLMEngine, medium: str, num_blocks: int,
                  make_prompt: Callable[[int, int], list[int]] = prompt) -> None:
     """Run small prompts until the first prompt's `num_blocks` leading blocks left the device pool (the
-    least recently used go first, one or two a prompt), then wait until `medium` has taken that many."""
+    least recently used go first, one or two a prompt), then wait until `medium` has taken each of them."""
     assert engine.find_kv_connector(TieredKVConnector) is not None
-    events = engine.kv_events.since(0, limit=10_000).events
-    prefix = {e.block_hash for e in events[:num_blocks]}
+    prefix = first_cached(engine, num_blocks)
     for i in range(20):
         engine.add_request(f"filler{i}", make_prompt(100 + i, BLOCK + 3), greedy(1))
         run_all(engine)
@@ -110,7 +109,24 @@ def evict_prefix(engine: LLMEngine, medium: str, num_blocks: int,
             break
     else:
         raise AssertionError("the prefix stayed on device")
-    wait_until(lambda: tiers_of(engine).written[medium] >= num_blocks, f"{num_blocks} blocks written to {medium}")
+    wait_stored(engine, medium, prefix)
+
+
+def first_cached(engine: LLMEngine, num_blocks: int) -> set[int]:
+    """The first `num_blocks` blocks the engine cached on its device (a tier's events come between them)."""
+    events = engine.kv_events.since(0, limit=10_000).events
+    on_device = [e.block_hash for e in events if e.kind is KVEventKind.STORED and e.medium == DEVICE]
+    return set(on_device[:num_blocks])
+
+
+def wait_stored(engine: LLMEngine, medium: str, hashes: set[int]) -> None:
+    """Wait until `medium` took each of these blocks. Not a count of its writes: the blocks evicted with the
+    prefix (its prompt's tail goes first) are written too, and the prefix's own may still be queued."""
+    def stored() -> bool:
+        events = engine.kv_events.since(0, limit=10_000).events
+        return hashes <= {e.block_hash for e in events if e.kind is KVEventKind.STORED and e.medium == medium}
+
+    wait_until(stored, f"{len(hashes)} blocks written to {medium}")
 
 
 @pytest.mark.parametrize("tiers", ["cpu", "disk", "cpu+disk", "store"])
@@ -177,8 +193,8 @@ def test_tier_events_name_their_medium(make_engine, tmp_path: Path) -> None:
                             kv_disk_bytes=64 * (BLOCK_BYTES + 64))
     engine.add_request("a", prompt(1, 4 * BLOCK + 7), greedy(1))
     run_all(engine)
-    evict_prefix(engine, DISK, 2)
-    events = engine.kv_events.since(0, limit=10_000).events
+    evict_prefix(engine, CPU, 2)   # RAM took the prefix's two blocks last (a prompt's tail is evicted first) and
+    events = engine.kv_events.since(0, limit=10_000).events    # had spilled the two before them to disk
     kinds = {(e.kind, e.medium) for e in events}
     assert {(KVEventKind.STORED, "device"), (KVEventKind.REMOVED, "device"), (KVEventKind.STORED, CPU),
             (KVEventKind.REMOVED, CPU), (KVEventKind.STORED, DISK)} <= kinds
@@ -238,7 +254,7 @@ def test_other_weights_in_a_folder_of_the_same_name_never_read_their_blocks(
         evict_prefix(engine, DISK, 4)
         engine.close()   # the files outlive it
     else:       # written through as they are computed
-        wait_until(lambda: tiers_of(engine).written[STORE] >= 4, "the prefix's 4 blocks in the store")
+        wait_stored(engine, STORE, first_cached(engine, 4))
 
     other_dir = smollm2_revision_dir
     assert other_dir.name == smollm2_dir.name

@@ -29,9 +29,20 @@ class FakeClock:
         self.now_s += seconds
 
 
+# Reads and connects for the tests that are not about noticing an outage. The product's 0.25 s would call a loaded
+# CI machine's stall an outage: a cluster client's first call reads the ~100 KB COMMAND reply, and one test failed
+# on that read at 0.25 s.
+ROOMY_TIMEOUT_S = 5.0
+
+
+def redis_options(url: str, key_prefix: str = "switchyard:") -> RedisOptions:
+    return RedisOptions(url=url, key_prefix=key_prefix, socket_timeout_s=ROOMY_TIMEOUT_S,
+                        connect_timeout_s=ROOMY_TIMEOUT_S)
+
+
 def redis_store(url: str) -> RedisStore:
     """A client with its own key prefix, so tests sharing one server never see each other's keys."""
-    return RedisStore(RedisOptions(url=url, key_prefix=f"test-{uuid.uuid4().hex[:12]}:"))
+    return RedisStore(redis_options(url, f"test-{uuid.uuid4().hex[:12]}:"))
 
 
 @pytest.fixture(scope="session")

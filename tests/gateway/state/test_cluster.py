@@ -18,6 +18,7 @@ from gateway.state import (
     redis_store as redis_store_module,
 )
 from gateway.state.redis_store import NUM_SESSION_SHARDS, session_keys
+from tests.gateway.state.conftest import redis_options
 from tests.support.redis_cluster_proc import RedisClusterProc
 from tests.support.redis_proc import RedisProc
 
@@ -29,7 +30,7 @@ def _prefix() -> str:
 
 
 async def test_a_plain_url_at_a_cluster_node_uses_the_cluster(redis_cluster_session: RedisClusterProc) -> None:
-    store = RedisStore(RedisOptions(url=redis_cluster_session.url, key_prefix=_prefix()))
+    store = RedisStore(redis_options(redis_cluster_session.url, _prefix()))
     try:
         assert store.is_cluster is None                 # nothing decided before the first contact
         await store.connect()
@@ -45,7 +46,7 @@ async def test_a_plain_url_at_a_cluster_node_uses_the_cluster(redis_cluster_sess
 async def test_a_node_list_url_names_the_cluster(redis_cluster_session: RedisClusterProc) -> None:
     dead = RedisProc()                                  # a start-up node that does not answer comes first
     url = redis_cluster_session.cluster_url.replace("://", f"://127.0.0.1:{dead.port},", 1)
-    store = RedisStore(RedisOptions(url=url, key_prefix=_prefix()))
+    store = RedisStore(redis_options(url, _prefix()))
     try:
         await store.set_session("m\x00s", "http://a:1", ttl_s=30)
         assert store.is_cluster is True and await store.get_session("m\x00s") == "http://a:1"
@@ -76,7 +77,7 @@ async def test_a_redirection_switches_to_the_cluster_client_and_never_degrades(
 
     monkeypatch.setattr(redis_store_module, "is_cluster_node", says_plain)
     prefix = _prefix()
-    replicas = [ResilientStore(RedisStore(RedisOptions(url=redis_cluster_session.url, key_prefix=prefix)),
+    replicas = [ResilientStore(RedisStore(redis_options(redis_cluster_session.url, prefix)),
                                MemoryStore()) for _ in range(2)]
     limits = RateLimits(10, None, window_s=DAY_S)
     try:

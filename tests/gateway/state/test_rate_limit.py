@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import pytest
 from redis import asyncio as aioredis
 
-from gateway.state import MemoryStore, RateLimits, RedisOptions, RedisStore, StateStore, bucket
-from tests.gateway.state.conftest import FakeClock
+from gateway.state import MemoryStore, RateLimits, RedisStore, StateStore, bucket
+from tests.gateway.state.conftest import FakeClock, redis_options
 from tests.support.redis_proc import RedisProc
 
 
@@ -102,7 +102,7 @@ async def test_redis_answers_as_the_bucket_rule(redis_server: RedisProc, case: s
     levels Redis held before the step, at the time Redis read (its Lua script stores both per key)."""
     limits, steps = CASES[case]
     prefix = f"test-{uuid.uuid4().hex[:12]}:"
-    store = RedisStore(RedisOptions(url=redis_server.url, key_prefix=prefix))
+    store = RedisStore(redis_options(redis_server.url, prefix))
     admin = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
     try:
         for i, step in enumerate(steps):

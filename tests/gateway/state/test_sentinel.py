@@ -12,6 +12,7 @@ import redis
 from gateway.config.gateway_config import parse_config
 from gateway.state import MemoryStore, RateLimits, RedisOptions, RedisStore, ResilientStore, StoreMisconfigured
 from gateway.state.redis_store import session_keys
+from tests.gateway.state.conftest import redis_options
 from tests.support.redis_proc import RedisProc
 from tests.support.redis_sentinel_proc import SERVICE, RedisSentinelProc
 from tests.support.wait import await_until, wait_until
@@ -31,7 +32,7 @@ def _has_key(server: RedisProc, key: str) -> bool:
 
 async def test_a_sentinel_url_reaches_the_master_it_names(redis_sentinel_session: RedisSentinelProc) -> None:
     prefix = _prefix()
-    store = RedisStore(RedisOptions(url=redis_sentinel_session.url, key_prefix=prefix))
+    store = RedisStore(redis_options(redis_sentinel_session.url, prefix))
     try:
         limits = RateLimits(3, None, window_s=DAY_S)
         assert [(await store.rate_limit("k", limits, 0)).allowed for _ in range(4)] == [True] * 3 + [False]

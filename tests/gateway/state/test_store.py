@@ -9,9 +9,9 @@ from collections import Counter
 
 from redis import asyncio as aioredis
 
-from gateway.state import BreakerState, MemoryStore, RateLimits, RedisOptions, RedisStore, StateStore, Usage
+from gateway.state import BreakerState, MemoryStore, RateLimits, RedisStore, StateStore, Usage
 from gateway.state.redis_store import session_keys
-from tests.gateway.state.conftest import FakeClock, Wait
+from tests.gateway.state.conftest import FakeClock, Wait, redis_options
 from tests.support.redis_cluster_proc import SharedRedis
 from tests.support.redis_proc import RedisProc
 from tests.support.wait import await_until
@@ -32,7 +32,7 @@ async def test_session_ttl_expires_and_is_refreshed_by_use() -> None:
 
 async def test_redis_session_ttl_expires_and_is_refreshed_by_use(redis_server: RedisProc) -> None:
     prefix = f"test-{uuid.uuid4().hex[:12]}:"
-    store = RedisStore(RedisOptions(url=redis_server.url, key_prefix=prefix))
+    store = RedisStore(redis_options(redis_server.url, prefix))
     admin = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
     key = session_keys(prefix, "s")[0]
     try:
@@ -117,7 +117,7 @@ async def test_inflight_sums_the_other_live_replicas_and_forgets_dead_ones(store
 async def test_a_replica_entry_that_is_not_counts_adds_nothing_on_redis(redis_server: RedisProc) -> None:
     """Another version's (or a damaged) entry in the shared hash is skipped by the script, not fatal."""
     prefix = f"test-{uuid.uuid4().hex[:12]}:"
-    store = RedisStore(RedisOptions(url=redis_server.url, key_prefix=prefix))
+    store = RedisStore(redis_options(redis_server.url, prefix))
     admin = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
     expires_ms = int(time.time() * 1000) + 60_000
     try:
@@ -154,7 +154,7 @@ async def test_the_routed_log_is_read_in_order_from_a_cursor_and_capped(store: S
 
 async def test_two_replicas_share_one_limit_atomically(shared_redis: SharedRedis) -> None:
     prefix = f"test-{uuid.uuid4().hex[:12]}:"
-    replicas = [RedisStore(RedisOptions(url=shared_redis.url, key_prefix=prefix)) for _ in range(2)]
+    replicas = [RedisStore(redis_options(shared_redis.url, prefix)) for _ in range(2)]
     day_s = 86_400.0   # a day's window: what refills while the test runs (~0.01 token/s) never tips a decision
     limits = RateLimits(5, 1000, window_s=day_s)
     try:
@@ -173,7 +173,7 @@ async def test_two_replicas_share_one_limit_atomically(shared_redis: SharedRedis
 async def test_rate_limit_is_one_round_trip(shared_redis: SharedRedis) -> None:
     """On one server and on a cluster (every master's counts together: the cluster client's own topology
     queries happen when it connects, before the counts are reset)."""
-    store = RedisStore(RedisOptions(url=shared_redis.url, key_prefix=f"test-{uuid.uuid4().hex[:12]}:"))
+    store = RedisStore(redis_options(shared_redis.url, f"test-{uuid.uuid4().hex[:12]}:"))
     servers = shared_redis.cluster.masters() if shared_redis.cluster else [shared_redis.server]
     admins = [aioredis.Redis.from_url(server.url, decode_responses=True) for server in servers if server]
     try:
@@ -197,7 +197,7 @@ async def test_rate_limit_is_one_round_trip(shared_redis: SharedRedis) -> None:
 
 async def test_redis_keys_expire_once_full_again(redis_server: RedisProc) -> None:
     prefix = f"test-{uuid.uuid4().hex[:12]}:"
-    store = RedisStore(RedisOptions(url=redis_server.url, key_prefix=prefix))
+    store = RedisStore(redis_options(redis_server.url, prefix))
     admin = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
     try:
         # A TTL counts down from when it is set: bracket that by the time this test took (not a limit on it).
