@@ -11,7 +11,11 @@ oldest of 4 x endpoints in flight is released, and 4 random ones stream output t
 `choose` (the view catches up then). Then the KV-event ingestion: `/kv_events` JSON pages parsed and applied to a
 full index (each stored block evicts one), per event.
 
-    .venv/bin/python benchmarks/routing_scale.py [--sizes 8 100 1000 5000] [--blocks 10000] [--decisions 2000]
+With `--shared-store` every endpoint also reads one shared store (Mooncake's) that holds every hot prefix, so each
+is credited with those blocks past its device run (PrefixIndex.share_store).
+
+    .venv/bin/python benchmarks/routing_scale.py [--sizes 8 100 1000 5000] [--blocks 10000] [--decisions 2000] \
+        [--shared-store]
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import orjson
 
 from cache.block_hash import ROOT_HASH, block_hashes, hash_block_tokens
-from cache.kv_events import KvEventBatch
+from cache.kv_events import STORE, KvEventBatch
 from cache.prefix_index import PrefixIndex
 from gateway.config.gateway_config import GatewayConfig, parse_config
 from gateway.routing.endpoints import UpstreamRegistry
@@ -73,7 +77,7 @@ def chain(parent: int, tag: int, num_blocks: int) -> list[int]:
 class Fleet:
     """The registry, tracker, full index and `Legs` of one fleet size, and the hot prefixes its prompts share."""
 
-    def __init__(self, num_endpoints: int, num_blocks: int, rng: random.Random) -> None:
+    def __init__(self, num_endpoints: int, num_blocks: int, rng: random.Random, shared_store: bool = False) -> None:
         self.config = config_for(num_endpoints)
         self.tracker, self.index = LoadTracker(), PrefixIndex()
         self.registry = UpstreamRegistry(self.config, self.tracker, self.index)
@@ -91,6 +95,11 @@ class Fleet:
                 hot = rng.choices(self.hot, self.weights)[0]
                 self.index.store(endpoint_id, hot + [rng.getrandbits(63) for _ in range(32)])   # its own tail
                 n += 64
+        if shared_store:   # every worker reads one Mooncake store, which holds every hot prefix
+            for endpoint_id in self.ids:
+                self.index.share_store(endpoint_id, "the-store")
+            for hot in self.hot:
+                self.index.store(self.ids[0], self.system + hot, STORE)
         self.index_bytes = rss_bytes() - before
         self.legs = Legs(None, self.registry, self.tracker, self.index, MemoryStore(), Metrics(tuple),  # type: ignore[arg-type]
                          Tracing(self.config.tracing), 0.0)
@@ -227,7 +236,7 @@ def run_size(num_endpoints: int, args: argparse.Namespace) -> list[dict[str, Any
     rng = random.Random(args.seed)
     num_blocks = args.blocks if num_endpoints <= 1000 else args.blocks_at_5000
     start = time.perf_counter()
-    fleet = Fleet(num_endpoints, num_blocks, rng)
+    fleet = Fleet(num_endpoints, num_blocks, rng, args.shared_store)
     built_s = time.perf_counter() - start
     print(f"\n{num_endpoints} endpoints x {num_blocks} blocks: index {fleet.index_bytes / 2**20:.0f} MiB RSS "
           f"({fleet.index_bytes / (num_endpoints * num_blocks):.0f} B/block), built in {built_s:.0f} s")
@@ -259,6 +268,8 @@ def main() -> None:
     parser.add_argument("--decisions", type=int, default=2000)
     parser.add_argument("--pages", type=int, default=200, help="/kv_events pages of 256 events")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shared-store", action="store_true",
+                        help="every endpoint reads one shared KV store holding the hot prefixes")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rng = random.Random(args.seed)

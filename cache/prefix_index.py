@@ -70,6 +70,7 @@ class PrefixIndex:
         self._next_bit = 1
         self._stores: dict[str, _SharedStore] = {}   # store key -> the blocks its workers announced
         self.tiered_mask = 0                # bits of the endpoints holding some block in a KV tier
+        self.own_tier_mask = 0              # of those, the ones holding blocks of their own (not a shared store's)
 
     def apply(self, endpoint_id: str, events: Iterable[KvEvent | Mapping[str, Any]]) -> None:
         """Apply events in order; an event whose seq was already applied is skipped, so a
@@ -287,6 +288,23 @@ class PrefixIndex:
                 matched[endpoint_id] = (run, 0, 0, 0)
         return matched
 
+    def matched_by_medium(self, endpoint_id: str, block_hashes: Sequence[int], num_device: int) -> MatchedByMedium:
+        """One endpoint's row of `matched_blocks_by_medium`, its device run `num_device` known (a live view's pick)."""
+        blocks = self._endpoints.get(endpoint_id)
+        if blocks is None:
+            return (num_device, 0, 0, 0)
+        store = blocks.store
+        runs = runs_from(store.blocks, block_hashes) if store is not None and store.blocks else None
+        if runs is None and not blocks.tiers:
+            return (num_device, 0, 0, 0)
+        return tier_run(blocks.tiers, block_hashes, num_device, runs)
+
+    def store_runs(self, block_hashes: Sequence[int]) -> list[tuple[int, list[int]]]:
+        """For each shared store that holds blocks: its readers' bits, less those holding tier blocks of their own,
+        and `runs_from` of the prompt in it."""
+        return [(store.members & ~self.own_tier_mask, runs_from(store.blocks, block_hashes))
+                for store in self._stores.values() if store.blocks and store.members & ~self.own_tier_mask]
+
     def num_blocks(self, endpoint_id: str) -> int:
         """Blocks indexed on the endpoint's device."""
         blocks = self._endpoints.get(endpoint_id)
@@ -368,6 +386,10 @@ class PrefixIndex:
             self.tiered_mask |= blocks.bit
         else:
             self.tiered_mask &= ~blocks.bit
+        if blocks.tiers:
+            self.own_tier_mask |= blocks.bit
+        else:
+            self.own_tier_mask &= ~blocks.bit
 
     def _unmark(self, block_hash: int, bit: int) -> None:
         mask = self._holders.get(block_hash, 0) & ~bit

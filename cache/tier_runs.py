@@ -5,9 +5,13 @@ then those the store holds, each block read from the fastest tier holding it. Pu
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from cache.kv_events import CPU, DISK, MEDIA, MEDIUM_BITS, STORE
+
+if TYPE_CHECKING:
+    from cache.prefix_index import PrefixIndex
 
 _LOCAL_BITS, _STORE_BIT = MEDIUM_BITS[CPU] | MEDIUM_BITS[DISK], MEDIUM_BITS[STORE]
 _INDEX_OF_BIT = {MEDIUM_BITS[medium]: i for i, medium in enumerate(MEDIA)}
@@ -17,6 +21,7 @@ _INDEX_OF_BIT = {MEDIUM_BITS[medium]: i for i, medium in enumerate(MEDIA)}
 # backends/kv_connectors/tiers/connector.py looks them up; each block read from the fastest tier holding it.
 MatchedByMedium = tuple[int, int, int, int]
 NO_MATCH: MatchedByMedium = (0, 0, 0, 0)
+RestoreFractions = tuple[float | None, float | None, float | None]   # (cpu, disk, store), as the load tracker has them
 
 
 def tier_run(tiers: Mapping[int, int], block_hashes: Sequence[int], num_device: int,
@@ -51,3 +56,27 @@ def runs_from(blocks: Mapping[int, None], block_hashes: Sequence[int]) -> list[i
         if block_hashes[i] in blocks:
             runs[i] = runs[i + 1] + 1
     return runs
+
+
+class PromptTiers:
+    """What one prompt's KV tier blocks are worth where they are (policies.fleet_view.TierMatches), for a policy
+    that scores them over a live view; read for one decision (the index must not change meanwhile). The stores'
+    runs are walked on first read; `restore_fractions`: each endpoint's measured ones (the load tracker)."""
+    __slots__ = ("_block_hashes", "_index", "_stores", "own_mask", "restore_fractions")
+
+    def __init__(self, index: PrefixIndex, block_hashes: Sequence[int],
+                 restore_fractions: Callable[[str], RestoreFractions]) -> None:
+        self._index = index
+        self._block_hashes = block_hashes
+        self._stores: list[tuple[int, list[int]]] | None = None
+        self.own_mask = index.own_tier_mask
+        self.restore_fractions = restore_fractions
+
+    @property
+    def stores(self) -> list[tuple[int, list[int]]]:
+        if self._stores is None:
+            self._stores = self._index.store_runs(self._block_hashes)
+        return self._stores
+
+    def matched(self, endpoint_id: str, num_device: int) -> MatchedByMedium:
+        return self._index.matched_by_medium(endpoint_id, self._block_hashes, num_device)

@@ -7,13 +7,15 @@ from __future__ import annotations
 import bisect
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from policies.base import Decision, RequestFacts, TokenWeights
 
 # Tokens of load per bucket of an ordering: streamed tokens seldom move an endpoint out of its bucket.
 _BUCKET_TOKENS = 64
+# `FleetView.ascending` over a mask of at most this many endpoints sorts them rather than walking the buckets.
+_FEW_MEMBERS = 64
 
 # A prompt's leading runs as the prefix index gives them (cache.prefix_index.PrefixIndex.matched_levels): by
 # increasing depth, (depth, bitmask of the endpoints whose device run is at least `depth`), masks shrinking.
@@ -99,6 +101,9 @@ class FleetView:
         self.usable_mask = 0                              # the usable endpoints' bits
         self.sum_prefill = 0
         self.sum_decode = 0
+        # the endpoints that hold KV tier blocks or read a shared store that does: a prompt's device run is not
+        # all they may hold of it (the live view sets it at each use; a policy that scores cached tokens reads it)
+        self.tiered_mask = 0
         self._orders: dict[tuple[float, float], _Order] = {}
 
     def put(self, endpoint_id: str, bit: int, num_prefill: int, num_decode: int) -> None:
@@ -178,6 +183,26 @@ class FleetView:
             found.append(endpoint_id)
         return found
 
+    def ascending(self, weights: TokenWeights, mask: int) -> Iterator[tuple[float, list[str]]]:
+        """The usable endpoints whose bits are in `mask`, a load bucket at a time from the least loaded: (the least
+        load the bucket can hold, its members in `mask`). For a search whose bound tightens as it goes."""
+        if mask.bit_count() <= _FEW_MEMBERS:   # a few (often loaded) holders: sorted, not searched for
+            pw, dw, loads, id_of_bit = weights.prefill_weight, weights.decode_weight, self.loads, self.id_of_bit
+            few = []
+            while mask:
+                low = mask & -mask
+                mask ^= low
+                num_prefill, num_decode = loads[id_of_bit[low]]
+                few.append((pw * num_prefill + dw * num_decode, id_of_bit[low]))
+            for load, endpoint_id in sorted(few):
+                yield load, [endpoint_id]
+            return
+        order, bit_of = self._order(weights), self.bit_of
+        for bucket in order.nonempty:
+            members = [endpoint_id for endpoint_id in order.buckets[bucket] if bit_of[endpoint_id] & mask]
+            if members:
+                yield float(bucket * _BUCKET_TOKENS), members
+
     def pick_least(self, weights: TokenWeights, rng: random.Random) -> str | None:
         """`policies.base.pick_least` by weighted tokens: the least loaded usable endpoint, ties uniformly at random."""
         least = self._order(weights).least(self.bit_of, -1, math.inf, math.inf)
@@ -206,11 +231,30 @@ class WithinBound:
         return isinstance(endpoint_id, str) and self._fleet.within(endpoint_id, self._weights, self._bound)
 
 
+class TierMatches(Protocol):
+    """A prompt's KV tier blocks where the fleet's tiered endpoints (`FleetView.tiered_mask`) read them back from,
+    for one decision (cache.tier_runs.PromptTiers)."""
+    own_mask: int   # endpoints holding tier blocks of their own (host RAM, disk): each looked up by `matched`
+    restore_fractions: Callable[[str], tuple[float | None, float | None, float | None]]   # measured, per endpoint
+
+    @property
+    def stores(self) -> Sequence[tuple[int, Sequence[int]]]:
+        """Each shared store that holds blocks: (its readers' bits less `own_mask`, the prompt's run in it from each
+        block on, one entry past the last)."""
+        ...
+
+    def matched(self, endpoint_id: str, num_device: int) -> tuple[int, int, int, int]:
+        """The endpoint's leading run by medium (device, cpu, disk, store), its device run known."""
+        ...
+
+
 @runtime_checkable
 class FleetPolicy(Protocol):
-    def select_fleet(self, request: RequestFacts, fleet: FleetView, levels: Levels) -> Decision | None:
-        """`select`'s decision over `fleet`'s usable endpoints (each one's device run from `levels`), found without
-        visiting every endpoint; None: this request needs `select` (a case the fast path does not cover)."""
+    def select_fleet(self, request: RequestFacts, fleet: FleetView, levels: Levels,
+                     tiers: TierMatches | None = None) -> Decision | None:
+        """`select`'s decision over `fleet`'s usable endpoints (each one's device run from `levels`, what its KV tiers
+        hold from `tiers`), found without visiting every endpoint; None: this request needs `select` (a case the
+        fast path does not cover)."""
         ...
 
 

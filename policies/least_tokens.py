@@ -18,7 +18,7 @@ from policies.base import (
     config_from_options,
     pick_least,
 )
-from policies.fleet_view import FleetView, Levels
+from policies.fleet_view import FleetView, Levels, TierMatches
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +54,8 @@ class LeastTokensPolicy:
         chosen = pick_least(candidates, self._weights.cost, self._rng)
         return None if chosen is None else Decision(chosen.endpoint_id, DecisionReason.BALANCED, None)
 
-    def select_fleet(self, request: RequestFacts, fleet: FleetView, levels: Levels) -> Decision | None:
+    def select_fleet(self, request: RequestFacts, fleet: FleetView, levels: Levels,
+                     tiers: TierMatches | None = None) -> Decision | None:
         """`select` over a fleet: its least loaded usable endpoint, from the fleet's ordering by load."""
         if self._min_kv_free > 0.0:
             return None

@@ -29,13 +29,15 @@ from policies.base import (
     prefix_affinity_key,
     within_load_bound,
 )
-from policies.fleet_view import FleetView, Levels, run_of
+from policies.fleet_view import FleetView, Levels, TierMatches, run_of
 from policies.least_tokens import LeastTokensConfig, LeastTokensPolicy
 from policies.session_affinity import HashRing, ring_hash
 
 # In `select_fleet`, a level of the prompt's leading runs held by at most this many usable endpoints is visited
 # member by member; the endpoints outside it are visited least loaded first, until none can score better.
 _NUM_LISTED = 8
+# ... and with KV tiers, at most this many usable endpoints holding tier blocks of their own (each looked up alone).
+_NUM_OWN_TIERED = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +129,9 @@ class PrefixAwarePolicy:
             return None
         return Decision(chosen, DecisionReason.PREFIX_AFFINITY, None)
 
-    def _weights_at(self, endpoint: EndpointState) -> tuple[float, float, float]:
-        """(cpu, disk, store) worth of a block read back at `endpoint`: measured where its worker says, else fixed."""
-        fractions = endpoint.tier_restore_fractions
+    def _weights_at(self, fractions: tuple[float | None, float | None, float | None]) -> tuple[float, float, float]:
+        """(cpu, disk, store) worth of a block read back at an endpoint whose worker measured these restore
+        fractions: measured where it says, else fixed."""
         if not self._config.measured_tier_weights or fractions == (None, None, None):
             return self._tier_weights
         cpu, disk, store = (fixed if f is None else min(1.0, max(0.0, 1.0 - f))
@@ -137,19 +139,30 @@ class PrefixAwarePolicy:
         return (cpu, disk, store)
 
     def _negative_score(self, endpoint: EndpointState, block_size: int) -> float:
-        cached_blocks: float = endpoint.num_matched_blocks
-        num_cpu, num_disk, num_store = endpoint.num_tier_matched_blocks
-        if num_cpu or num_disk or num_store:  # most endpoints hold none of it in a tier: skip the products
-            cpu_weight, disk_weight, store_weight = self._weights_at(endpoint)
-            cached_blocks += cpu_weight * num_cpu + disk_weight * num_disk + store_weight * num_store
-        return (self._alpha_prefill * endpoint.num_prefill_tokens
-                + self._alpha_decode * endpoint.num_decode_tokens
-                - cached_blocks * block_size)
+        return self._score(endpoint.num_prefill_tokens, endpoint.num_decode_tokens, endpoint.num_matched_blocks,
+                           endpoint.num_tier_matched_blocks, endpoint.tier_restore_fractions, block_size)
 
-    def select_fleet(self, request: RequestFacts, fleet: FleetView, levels: Levels) -> Decision | None:
+    def _score(self, num_prefill: int, num_decode: int, num_device: int, num_tier: tuple[int, int, int],
+               fractions: tuple[float | None, float | None, float | None], block_size: int) -> float:
+        """The negative score of an endpoint with these tokens in flight and this leading run: the same
+        arithmetic whether `select` or `select_fleet` asks (ties must compare equal)."""
+        cached_blocks: float = num_device
+        num_cpu, num_disk, num_store = num_tier
+        if num_cpu or num_disk or num_store:  # most endpoints hold none of it in a tier: skip the products
+            cpu_weight, disk_weight, store_weight = self._weights_at(fractions)
+            cached_blocks += cpu_weight * num_cpu + disk_weight * num_disk + store_weight * num_store
+        return self._alpha_prefill * num_prefill + self._alpha_decode * num_decode - cached_blocks * block_size
+
+    def select_fleet(self, request: RequestFacts, fleet: FleetView, levels: Levels,
+                     tiers: TierMatches | None = None) -> Decision | None:
         """`select` over a fleet, without an `EndpointState` per endpoint: the argmin of the same score over the
-        usable endpoints within the bound, ties at random. Not covered (None): `prefix_key_tokens` and alpha 0."""
+        usable endpoints within the bound, ties at random. Not covered (None): `prefix_key_tokens`, alpha 0, usable
+        endpoints holding KV tier blocks (`fleet.tiered_mask`) without `tiers`, or more than `_NUM_OWN_TIERED` of
+        them holding blocks of their own (each is looked up; a shared store's readers are searched by load)."""
         if self._config.prefix_key_tokens or not self._config.alpha:
+            return None
+        tiered = fleet.tiered_mask & fleet.usable_mask
+        if tiered and (tiers is None or (tiers.own_mask & tiered).bit_count() > _NUM_OWN_TIERED):
             return None
         bound = fleet.bound(self._weights, self._config.load_factor)
         if bound is None:
@@ -158,49 +171,124 @@ class PrefixAwarePolicy:
         runs = [(depth, mask & usable) for depth, mask in levels]
         while runs and not runs[-1][1]:   # nested masks: the empty ones are the deepest
             runs.pop()
-        tied = self._least_scored(request.block_size, fleet, runs, bound)
+        search = _Search(self, request.block_size, fleet, runs, bound, tiers if tiered else None)
+        tied = search.least_scored()
         if not tied:
             return None
-        endpoint_id, run = tied[0] if len(tied) == 1 else self._rng.choice(tied)
-        return Decision(endpoint_id, DecisionReason.PREFIX_HIT if run else DecisionReason.BALANCED, None)
+        endpoint_id, held = tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        return Decision(endpoint_id, DecisionReason.PREFIX_HIT if held else DecisionReason.BALANCED, None)
 
-    def _least_scored(self, block_size: int, fleet: FleetView, runs: Levels,
-                      bound: float) -> list[tuple[str, int]]:
-        """(endpoint id, device run) of every usable endpoint within `bound` of least negative score. The best
-        score is the least, over the levels (depth d, holders M; and depth 0, every endpoint), of the least loaded
-        holder's score at d: an endpoint's own level gives its score, a shallower one only a worse one. Levels of
-        few holders are scored member by member; in a level of many, the least loaded holder is near the front."""
-        pw, dw = self._weights.prefill_weight, self._weights.decode_weight
-        ap, ad, alpha, loads = self._alpha_prefill, self._alpha_decode, self._config.alpha, fleet.loads
+
+_NO_FRACTIONS: tuple[float | None, float | None, float | None] = (None, None, None)
+
+
+class _Search:
+    """One `select_fleet` decision's search for the least negative score. The best score is the least, over the
+    levels (depth d, holders M; and depth 0, every endpoint), of the least loaded holder's score at d: an endpoint's
+    own level gives its score, a shallower one only a worse one. Levels of few holders are scored member by member;
+    in a level of many, the least loaded holder is near the front. With KV tiers: an endpoint holding tier blocks
+    of its own is scored alone; a shared store's readers are searched by load per level, bounded by the most a
+    store block can be worth (1, or the fixed weight), and each one visited is scored exactly."""
+
+    def __init__(self, policy: PrefixAwarePolicy, block_size: int, fleet: FleetView, runs: Levels, bound: float,
+                 tiers: TierMatches | None) -> None:
+        self.policy, self.block_size, self.fleet, self.runs, self.bound, self.tiers = (
+            policy, block_size, fleet, runs, bound, tiers)
+        self.tiered = 0 if tiers is None else fleet.tiered_mask & fleet.usable_mask
+        self.scored: dict[str, tuple[float, int]] = {}   # endpoint -> (least score seen, blocks it holds there)
+        self.best = math.inf
+
+    def least_scored(self) -> list[tuple[str, int]]:
+        """(endpoint id, blocks of the prompt it holds) of every usable endpoint within the bound of least score."""
+        runs, fleet = self.runs, self.fleet
         j = next((k for k, (_, mask) in enumerate(runs) if mask.bit_count() <= _NUM_LISTED), len(runs))
-        scored: dict[str, tuple[float, int]] = {}   # endpoint -> (least score seen, the run it was scored at)
-        mask = runs[j][1] if j < len(runs) else 0
+        own = 0 if self.tiers is None else self.tiers.own_mask & self.tiered
+        self._score_each((runs[j][1] if j < len(runs) else 0) | own)
+        # Depth 0 (every endpoint) first, then the deepest level first: each best score so far caps the load
+        # worth looking for at the next level, load <= (best + depth x block_size) / alpha.
+        levels = [(0, fleet.usable_mask), *reversed(runs[:j])]
+        if j and runs[0][1] == fleet.usable_mask:   # every endpoint holds the first blocks
+            levels[0] = runs[0]
+            levels.pop()
+        if self.tiers is not None:
+            self._search_stores(levels, self.tiers)
+        self._search_levels(levels)
+        if not self.scored:
+            return []
+        best = min(score for score, _ in self.scored.values())
+        return [(endpoint_id, held) for endpoint_id, (score, held) in self.scored.items() if score == best]
+
+    def _record(self, endpoint_id: str, score: float, held: int) -> None:
+        if endpoint_id not in self.scored or score < self.scored[endpoint_id][0]:
+            self.scored[endpoint_id] = (score, held)
+        self.best = min(self.best, score)
+
+    def _cap(self, credit: float) -> float:
+        """The most load + 1 an endpoint credited with `credit` blocks may carry and still score the best so far."""
+        if self.best == math.inf:
+            return self.bound
+        alpha = self.policy._config.alpha
+        return min(self.bound, ((self.best + credit * self.block_size) / alpha + 1.0) * (1 + 1e-9))
+
+    def _score_each(self, mask: int) -> None:
+        """Score each endpoint of `mask` within the bound exactly, at its own run and through its tiers."""
+        fleet, weights, loads, tiered = self.fleet, self.policy._weights, self.fleet.loads, self.tiered
         while mask:
             low = mask & -mask
             mask ^= low
             endpoint_id = fleet.id_of_bit[low]
             num_prefill, num_decode = loads[endpoint_id]
-            if pw * num_prefill + dw * num_decode + 1.0 <= bound:
-                run = run_of(low, runs)
-                scored[endpoint_id] = (ap * num_prefill + ad * num_decode - run * block_size, run)
-        # Depth 0 (every endpoint) first, then the deepest level first: each best score so far caps the load
-        # worth looking for at the next level, load <= (best + depth x block_size) / alpha.
-        levels = [(0, -1), *reversed(runs[:j])]
-        if j and runs[0][1] == fleet.usable_mask:   # every endpoint holds the first blocks
-            levels[0] = runs[0]
-            levels.pop()
-        best = min((score for score, _ in scored.values()), default=math.inf)
-        for depth, level_mask in levels:
-            cap = bound if best == math.inf else min(bound, ((best + depth * block_size) / alpha + 1.0) * (1 + 1e-9))
-            whole = level_mask == fleet.usable_mask   # every usable endpoint: no bit to test
-            for endpoint_id in fleet.least(self._weights, -1 if whole else level_mask, cap):
-                num_prefill, num_decode = loads[endpoint_id]
-                score = ap * num_prefill + ad * num_decode - depth * block_size
-                best = min(best, score)
-                if endpoint_id not in scored or score < scored[endpoint_id][0]:
-                    scored[endpoint_id] = (score, depth)
-        if not scored:
-            return []
-        best = min(score for score, _ in scored.values())
-        return [(endpoint_id, run) for endpoint_id, (score, run) in scored.items() if score == best]
+            if weights.prefill_weight * num_prefill + weights.decode_weight * num_decode + 1.0 > self.bound:
+                continue
+            run = run_of(low, self.runs)
+            tier_blocks = (0, 0, 0)
+            if low & tiered and self.tiers is not None:
+                store_runs = next((r for readers, r in self.tiers.stores if readers & low), None)
+                if store_runs is not None:   # a store's reader holding no blocks of its own: its run is the store's
+                    tier_blocks = (0, 0, store_runs[run])
+                else:
+                    tier_blocks = self.tiers.matched(endpoint_id, run)[1:]
+            self._score_at(endpoint_id, num_prefill, num_decode, run, tier_blocks)
 
+    def _score_at(self, endpoint_id: str, num_prefill: int, num_decode: int, run: int,
+                  tier_blocks: tuple[int, int, int]) -> None:
+        fractions = _NO_FRACTIONS
+        if any(tier_blocks) and self.tiers is not None:
+            fractions = self.tiers.restore_fractions(endpoint_id)
+        score = self.policy._score(num_prefill, num_decode, run, tier_blocks, fractions, self.block_size)
+        self._record(endpoint_id, score, run + sum(tier_blocks))
+
+    def _search_stores(self, levels: Levels, tiers: TierMatches) -> None:
+        """Each store's readers, level by level, from the least loaded up while one could still score the best."""
+        config, fleet, loads = self.policy._config, self.fleet, self.fleet.loads
+        pw, dw = self.policy._weights.prefill_weight, self.policy._weights.decode_weight
+        most = 1.0 if config.measured_tier_weights else config.store_weight   # a store block's worth, at most
+        for readers, store_runs in tiers.stores:
+            group = readers & self.tiered
+            for depth, level_mask in levels:
+                members = group & level_mask
+                if not members:
+                    continue
+                credit = depth + most * store_runs[depth]
+                for least_load, endpoint_ids in fleet.ascending(self.policy._weights, members):
+                    if least_load + 1.0 > self._cap(credit):
+                        break
+                    for endpoint_id in endpoint_ids:
+                        num_prefill, num_decode = loads[endpoint_id]
+                        if pw * num_prefill + dw * num_decode + 1.0 <= self.bound:
+                            run = run_of(fleet.bit_of[endpoint_id], self.runs)
+                            self._score_at(endpoint_id, num_prefill, num_decode, run, (0, 0, store_runs[run]))
+
+    def _search_levels(self, levels: Levels) -> None:
+        """The endpoints holding no tier block: at each level the least loaded within the cap, scored at its depth."""
+        fleet, loads, weights = self.fleet, self.fleet.loads, self.policy._weights
+        ap, ad = self.policy._alpha_prefill, self.policy._alpha_decode
+        plain = ~self.tiered
+        for depth, level_mask in levels:
+            whole = level_mask == fleet.usable_mask and not self.tiered   # every usable endpoint: no bit to test
+            mask = -1 if whole else level_mask & plain
+            if not mask:
+                continue
+            for endpoint_id in fleet.least(weights, mask, self._cap(depth)):
+                num_prefill, num_decode = loads[endpoint_id]
+                self._record(endpoint_id, ap * num_prefill + ad * num_decode - depth * self.block_size, depth)

@@ -24,7 +24,7 @@ from policies.base import (
     prefix_affinity_key,
     within_load_bound,
 )
-from policies.fleet_view import FleetView, Levels, WithinBound
+from policies.fleet_view import FleetView, Levels, TierMatches, WithinBound
 from policies.least_tokens import LeastTokensConfig, LeastTokensPolicy
 
 # Past this many distinct endpoint ids the ring is rebuilt from the current candidates only,
@@ -133,7 +133,8 @@ class SessionAffinityPolicy:
         self._ring = self._ring.grown(endpoints)
         return self._moved(home, derived, self._ring.first(ring_hash(key), within))
 
-    def select_fleet(self, request: RequestFacts, fleet: FleetView, levels: Levels) -> Decision | None:
+    def select_fleet(self, request: RequestFacts, fleet: FleetView, levels: Levels,
+                     tiers: TierMatches | None = None) -> Decision | None:
         """`select` over a fleet: the home's load and the ring walk's endpoints are looked up, not scanned."""
         key, home, derived = request.session_key, request.session_endpoint, False
         if key is None:

@@ -44,7 +44,8 @@ class LivePools:
 
     def view_for(self, pool: Sequence[Endpoint], tried: Collection[str]) -> FleetView | None:
         """`pool`'s view, current; None where listing the candidates is needed: a small or unknown pool, a tried
-        endpoint in it, a circuit that admits a probe (half-open), no usable endpoint, or KV tier blocks."""
+        endpoint in it, a circuit that admits a probe (half-open), or no usable endpoint. Its `tiered_mask` names
+        the endpoints that hold KV tier blocks now."""
         if len(pool) < self.min_endpoints:
             return None
         self._sync()
@@ -59,8 +60,9 @@ class LivePools:
                 self._update(live, self._registry.endpoints[endpoint_id])
             elif breaker.allows():
                 return None   # a half-open probe may go there: `eligible` lists it
-        if not live.fleet.usable_mask or live.mask & self._index.tiered_mask:
+        if not live.fleet.usable_mask:
             return None
+        live.fleet.tiered_mask = live.mask & self._index.tiered_mask
         return live.fleet
 
     def _sync(self) -> None:

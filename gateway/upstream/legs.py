@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 
 from cache.prefix_index import PrefixIndex, num_cached_tokens
-from cache.tier_runs import NO_MATCH, MatchedByMedium
+from cache.tier_runs import NO_MATCH, MatchedByMedium, PromptTiers
 from gateway.config.gateway_config import Pool, ProviderConfig
 from gateway.routing.endpoints import CircuitBreaker, Endpoint, UpstreamRegistry, eligible
 from gateway.routing.live_pools import LivePools
@@ -159,12 +159,16 @@ class Legs:
             decision = cast(FleetPolicy, policy).select_fleet(progress.request.facts, fleet, ())
             return None if decision is None else (decision, NO_MATCH)
         levels = self._prefix_index.lazy_levels(hashes)   # walked only if the policy reads them (prefix_aware)
-        decision = cast(FleetPolicy, policy).select_fleet(progress.request.facts, fleet, levels)
+        tiers = (PromptTiers(self._prefix_index, hashes, self._tracker.restore_fractions)
+                 if fleet.tiered_mask & fleet.usable_mask else None)
+        decision = cast(FleetPolicy, policy).select_fleet(progress.request.facts, fleet, levels, tiers)
         if decision is None:
             return None
         endpoint_id = decision.endpoint_id
-        run = (run_of(fleet.bit_of[endpoint_id], levels) if levels.walked
-               else self._prefix_index.num_matched_blocks(endpoint_id, hashes))
+        bit = fleet.bit_of[endpoint_id]
+        run = run_of(bit, levels) if levels.walked else self._prefix_index.num_matched_blocks(endpoint_id, hashes)
+        if bit & fleet.tiered_mask:   # its lease leaves out what its KV tiers hold too
+            return decision, self._prefix_index.matched_by_medium(endpoint_id, hashes, run)
         return decision, (run, 0, 0, 0)
 
     async def take(self, progress: Progress, provider_name: str) -> Chosen:

@@ -132,3 +132,6 @@ def test_shared_stores_match_the_reference_model(ops, queries, cap) -> None:
             if any(by_medium):
                 expected[endpoint] = by_medium
         assert index.matched_blocks_by_medium(query) == expected
+        for endpoint in ENDPOINTS:   # one endpoint's row, its device run known (a live view's pick)
+            run = index.num_matched_blocks(endpoint, query)
+            assert index.matched_by_medium(endpoint, query, run) == expected.get(endpoint, (0, 0, 0, 0))

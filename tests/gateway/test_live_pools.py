@@ -10,6 +10,7 @@ import orjson
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from cache.kv_events import CPU, DISK, STORE
 from cache.prefix_index import PrefixIndex
 from gateway.config.gateway_config import parse_config
 from gateway.routing.endpoints import CircuitState, UpstreamRegistry
@@ -59,15 +60,30 @@ def distinct_loads(gateway: Gateway, rng: random.Random) -> None:
         gateway.tracker.lease(endpoint.endpoint_id, size, 7)
 
 
-@settings(max_examples=40, deadline=None)
+def hold_in_tiers(gateway: Gateway, rng: random.Random, tiers: str | None) -> None:
+    """"local": a few endpoints hold the prompt's next blocks in host RAM or on disk past their device run;
+    "store": every endpoint reads one shared store, which one of them filled with the prompt's first blocks."""
+    if tiers == "local":
+        for endpoint in rng.sample(gateway.pool, 5):
+            run = gateway.index.num_matched_blocks(endpoint.endpoint_id, PROMPT)
+            gateway.index.store(endpoint.endpoint_id, PROMPT[run:run + rng.randrange(1, 4)], rng.choice([CPU, DISK]))
+    elif tiers == "store":
+        for endpoint in gateway.pool:
+            gateway.index.share_store(endpoint.endpoint_id, "the-store")
+        gateway.index.store(gateway.pool[rng.randrange(NUM_ENDPOINTS)].endpoint_id, PROMPT[:3], STORE)
+
+
+@settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), session=st.sampled_from([None, "conversation-1"]),
-       policy_name=st.sampled_from([PolicyName.PREFIX_AWARE, PolicyName.SESSION_AFFINITY, PolicyName.LEAST_TOKENS]))
-def test_live_view_decides_as_the_listed_candidates(seed, session, policy_name) -> None:
+       policy_name=st.sampled_from([PolicyName.PREFIX_AWARE, PolicyName.SESSION_AFFINITY, PolicyName.LEAST_TOKENS]),
+       tiers=st.sampled_from([None, "local", "store"]))
+def test_live_view_decides_as_the_listed_candidates(seed, session, policy_name, tiers) -> None:
     rng = random.Random(seed)
     gateway = Gateway()
     distinct_loads(gateway, rng)
     for endpoint in rng.sample(gateway.pool, 6):
         gateway.index.store(endpoint.endpoint_id, PROMPT[:rng.randrange(1, 5)])
+    hold_in_tiers(gateway, rng, tiers)
     gateway.choose(policy_name, live=True)   # the view is built, then kept current from here
     gateway.pool[rng.randrange(NUM_ENDPOINTS)].healthy = False
     for _ in range(5):
@@ -129,3 +145,34 @@ def test_policies_that_read_no_levels_skip_the_walk(policy_name, monkeypatch) ->
     assert walks == []
     gateway.choose(PolicyName.PREFIX_AWARE, live=True)   # a policy that reads the levels walks them once
     assert walks == [PROMPT]
+
+
+@pytest.mark.parametrize("tiers", ["local", "store"])
+def test_tiered_pools_are_live(tiers, monkeypatch) -> None:
+    """Endpoints holding KV tier blocks (or reading a shared store that does) still decide on the live view, listing
+    no candidate, as listing decides, and the pick's lease leaves out its tier blocks as listing gives. Prefix-aware
+    routing, which scores those blocks, searches a store's readers by load, and lists the candidates where more
+    than 32 endpoints hold blocks of their own (each would be looked up)."""
+    gateway = Gateway()
+    distinct_loads(gateway, random.Random(3))
+    for endpoint in gateway.pool:   # every endpoint: the prompt's next block in RAM, or the store's three
+        if tiers == "local":
+            gateway.index.store(endpoint.endpoint_id, PROMPT[:1], CPU)
+        else:
+            gateway.index.share_store(endpoint.endpoint_id, "the-store")
+    if tiers == "store":
+        gateway.index.store(gateway.pool[5].endpoint_id, PROMPT[:3], STORE)
+    listings: list[object] = []
+    listed_walk = gateway.index.matched_blocks_by_medium
+    monkeypatch.setattr(gateway.index, "matched_blocks_by_medium",
+                        lambda hashes: listings.append(hashes) or listed_walk(hashes))
+    held = (1 if tiers == "local" else 3) * 16
+    for policy_name in (PolicyName.SESSION_AFFINITY, PolicyName.LEAST_TOKENS, PolicyName.PREFIX_AWARE):
+        for session in (None, "conversation-1"):
+            live = gateway.choose(policy_name, live=True, session=session)
+            assert listings == ([PROMPT] if policy_name is PolicyName.PREFIX_AWARE and tiers == "local" else [])
+            listed = gateway.choose(policy_name, live=False, session=session)
+            assert (live.endpoint, live.decision, live.num_uncached_tokens) == (
+                listed.endpoint, listed.decision, listed.num_uncached_tokens)
+            assert live.num_uncached_tokens == 64 - held
+            listings.clear()

@@ -3,10 +3,14 @@ state: the same decision, up to the random choice among endpoints of equal score
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 from hypothesis import given, settings, strategies as st
 
+from cache.kv_events import CPU, DISK, STORE
 from cache.prefix_index import PrefixIndex
+from cache.tier_runs import PromptTiers
+from policies import fleet_view
 from policies.base import DecisionReason, EndpointState, RequestFacts, TokenWeights, within_load_bound
 from policies.fleet_view import FleetView
 from policies.registry import PolicyName, make_policy
@@ -48,7 +52,7 @@ def best_prefix_aware(policy, states: list[EndpointState], block_size: int) -> s
     """Every endpoint `select` may pick: the least negative score within the bound, or (nothing cached within it)
     the least loaded healthy endpoints."""
     within = within_load_bound(states, policy._weights, policy._config.load_factor)
-    if not any(s.num_matched_blocks for s in within):
+    if not any(s.num_matched_blocks or any(s.num_tier_matched_blocks) for s in within):
         within = [s for s in states if s.healthy]
         scores = {s.endpoint_id: s.num_prefill_tokens + s.num_decode_tokens for s in within}
     else:
@@ -150,3 +154,104 @@ def test_batched_upkeep_leaves_the_view_a_rebuilt_one_would_be(steps) -> None:
             for mask in (-1, 0b101010101010, 0b11):
                 for bound in (math.inf, 100.0, 700.0):
                     assert sorted(view.least(weights, mask, bound)) == sorted(fresh.least(weights, mask, bound))
+
+
+tier_specs = st.lists(st.tuples(
+    st.sampled_from([0, 0, 0, 0, 0, 0, 1, 3]),       # blocks of its own past its device run in a tier (0: none)
+    st.sampled_from([CPU, DISK, STORE]),             # which tier (STORE: a store it names to no one else)
+    st.sampled_from([None, "s1", "s1", "s2"]),       # the shared store it reads
+    st.sampled_from([None, 0.0, 0.05, 0.5, 1.2]),    # its measured restore fraction (None: none reported)
+), min_size=70, max_size=70)
+store_contents = st.lists(st.integers(0, len(PROMPT) - 1), max_size=len(PROMPT))   # prompt blocks a store holds
+
+
+@settings(max_examples=800, deadline=None)
+@given(specs=endpoint_specs, tiers=tier_specs, s1=store_contents, s2=store_contents,
+       measured=st.booleans(), alpha=st.sampled_from([0.5, 0.05, 2.0]), load_factor=st.sampled_from([1.0, 1.5, 4.0]),
+       block_size=st.sampled_from([4, 16]), seed=st.integers(0, 3), few=st.sampled_from([0, 64]))
+def test_prefix_aware_fleet_with_kv_tiers_picks_a_best_endpoint(specs, tiers, s1, s2, measured, alpha, load_factor,
+                                                                 block_size, seed, few) -> None:
+    """Endpoints holding tier blocks of their own and readers of two shared stores (holding any of the prompt's
+    blocks, leading or not), with measured or fixed weights: `select_fleet` through `PromptTiers` picks an endpoint
+    of least score, as `select` over every endpoint's state by medium does; a store's readers searched bucket by
+    bucket (`few` 0) or sorted."""
+    with mock.patch.object(fleet_view, "_FEW_MEMBERS", few):
+        check_tiered(specs, tiers, s1, s2, measured, alpha, load_factor, block_size, seed)
+
+
+def check_tiered(specs, tiers, s1, s2, measured, alpha, load_factor, block_size, seed) -> None:
+    _, view, index = build(specs)
+    ids = list(view.member_ids)
+    tiers = tiers[:len(ids)]
+    fractions = {}
+    for endpoint_id, (run, *_), (num_own, medium, store, fraction) in zip(ids, specs, tiers, strict=True):
+        if store is not None:
+            index.share_store(endpoint_id, store)
+        if num_own:
+            index.store(endpoint_id, PROMPT[run:run + num_own], medium)
+        fractions[endpoint_id] = (None, None, None) if fraction is None else (fraction, fraction, fraction)
+    for key, blocks in (("s1", s1), ("s2", s2)):
+        reader = next((e for e, t in zip(ids, tiers, strict=True) if t[2] == key), None)
+        if reader is not None:
+            index.store(reader, [PROMPT[i] for i in blocks], STORE)
+    view.tiered_mask = index.tiered_mask
+    by_medium = index.matched_blocks_by_medium(PROMPT)
+    states = []
+    for endpoint_id, (run, prefill, decode, healthy, _) in zip(ids, specs, strict=True):
+        matched = by_medium.get(endpoint_id, (0, 0, 0, 0))
+        assert matched[0] == run
+        states.append(EndpointState(endpoint_id, healthy, 0, prefill, decode, run, None, matched[1:],
+                                    fractions[endpoint_id] if any(matched[1:]) else (None, None, None)))
+    options = {"seed": seed, "alpha": alpha, "load_factor": load_factor, "measured_tier_weights": measured}
+    fast_policy, slow_policy = (make_policy(PolicyName.PREFIX_AWARE, options) for _ in range(2))
+    facts = request(block_size)
+    prompt_tiers = PromptTiers(index, PROMPT, fractions.__getitem__)
+    fast = fast_policy.select_fleet(facts, view, index.matched_levels(PROMPT), prompt_tiers)
+    slow = slow_policy.select(facts, states)
+    if fast is None:   # listed: more endpoints holding blocks of their own than are looked up alone
+        assert (index.own_tier_mask & view.tiered_mask & view.usable_mask).bit_count() > 32 or slow is None
+        return
+    assert slow is not None
+    best = best_prefix_aware(slow_policy, states, block_size)
+    assert slow.endpoint_id in best and fast.endpoint_id in best
+    held = {s.endpoint_id: s.num_matched_blocks + sum(s.num_tier_matched_blocks) for s in states}
+    assert fast.reason is (DecisionReason.PREFIX_HIT if held[fast.endpoint_id] else DecisionReason.BALANCED)
+
+
+def test_a_store_read_by_every_endpoint_is_searched_by_load_not_visited_whole() -> None:
+    """1,000 readers of one store holding the prompt: the least loaded of them wins, found by visiting a few."""
+    index, view = PrefixIndex(), FleetView([f"e{i}" for i in range(1000)])
+    for i, endpoint_id in enumerate(view.member_ids):
+        index.share_store(endpoint_id, "s")
+        view.put(endpoint_id, index.endpoint_bit(endpoint_id), 1000 + 37 * i % 5000, 0)
+    index.store("e3", PROMPT, STORE)
+    view.tiered_mask = index.tiered_mask
+    visited = []
+
+    def fractions(endpoint_id: str) -> tuple[None, None, float]:
+        visited.append(endpoint_id)
+        return (None, None, 0.1)
+
+    policy = make_policy(PolicyName.PREFIX_AWARE, {"seed": 0})
+    decision = policy.select_fleet(request(), view, index.matched_levels(PROMPT), PromptTiers(index, PROMPT, fractions))
+    least = min(view.loads, key=lambda e: view.loads[e][0])
+    assert decision is not None and decision.endpoint_id == least and decision.reason is DecisionReason.PREFIX_HIT
+    assert 0 < len(visited) < 50
+
+
+def test_a_reader_whose_store_reads_are_measured_cheap_wins_over_a_less_loaded_one() -> None:
+    """The store search's bound takes a store block at its most worth (1 with measured weights): a reader that
+    measured its restores nearly free (weight 1) beats a less loaded one at the fixed weight (0.3), though it
+    sits a load bucket higher."""
+    index, view = PrefixIndex(), FleetView(["a", "b", "c", "d"])
+    for endpoint_id, load in (("a", 0), ("b", 100), ("c", 300), ("d", 300)):
+        if endpoint_id in "ab":
+            index.share_store(endpoint_id, "s")
+        view.put(endpoint_id, index.endpoint_bit(endpoint_id), load, 0)
+    index.store("a", PROMPT, STORE)
+    view.tiered_mask = index.tiered_mask
+    fractions = {"a": (None, None, None), "b": (None, None, 0.0)}
+    policy = make_policy(PolicyName.PREFIX_AWARE, {"seed": 0})   # alpha 0.5: a: 0 - 0.3 x 96, b: 50 - 96
+    decision = policy.select_fleet(request(), view, index.matched_levels(PROMPT),
+                                   PromptTiers(index, PROMPT, fractions.__getitem__))
+    assert decision is not None and decision.endpoint_id == "b"
