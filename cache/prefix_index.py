@@ -13,7 +13,7 @@ from typing import Any
 
 from cache.kv_events import DEVICE, MEDIUM_BITS, STORE, KvEvent, KvEventBatch, KvEventType
 from cache.lazy_levels import LazyLevels
-from cache.tier_runs import MatchedByMedium, runs_from, tier_run
+from cache.tier_runs import MatchedByMedium, SharedStore, held_levels, runs_from, tier_run
 
 _STORE_BIT = MEDIUM_BITS[STORE]
 
@@ -36,18 +36,7 @@ class _EndpointBlocks:
         self.tiers: OrderedDict[int, int] = OrderedDict()   # tier blocks: hash -> MEDIUM_BITS of its tiers, by age
         self.last_seq = -1                                  # highest event seq applied
         self.max_blocks = max_blocks                        # device LRU bound (the endpoint's KV capacity)
-        self.store: _SharedStore | None = None              # the shared store it reads, where its worker names one
-
-
-class _SharedStore:
-    """The blocks one shared store holds, as its workers announced them: every worker that reads it can load
-    them back, whichever wrote them."""
-    __slots__ = ("blocks", "key", "members")
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-        self.blocks: OrderedDict[int, None] = OrderedDict()   # hash -> None, oldest first
-        self.members = 0                                        # bits of the endpoints that read it
+        self.store: SharedStore | None = None              # the shared store it reads, where its worker names one
 
 
 class PrefixIndex:
@@ -66,9 +55,10 @@ class PrefixIndex:
         self._max_blocks = max_blocks_per_endpoint
         self._endpoints: dict[str, _EndpointBlocks] = {}
         self._holders: dict[int, int] = {}  # block hash -> bitmask of endpoints holding it on their device
+        self._tier_holders: dict[int, int] = {}   # ... holding it in a tier of their own (RAM, disk, own store blocks)
         self._free_bits: list[int] = []     # bits of forgotten endpoints, reused first
         self._next_bit = 1
-        self._stores: dict[str, _SharedStore] = {}   # store key -> the blocks its workers announced
+        self._stores: dict[str, SharedStore] = {}   # store key -> the blocks its workers announced
         self.tiered_mask = 0                # bits of the endpoints holding some block in a KV tier
         self.own_tier_mask = 0              # of those, the ones holding blocks of their own (not a shared store's)
 
@@ -144,7 +134,7 @@ class PrefixIndex:
         old = blocks.store
         new = None if key is None else self._stores.get(key)
         if key is not None and new is None:
-            new = self._stores[key] = _SharedStore(key)
+            new = self._stores[key] = SharedStore(key)
         if new is old:
             return
         if old is not None:
@@ -195,6 +185,8 @@ class PrefixIndex:
         for block_hash in blocks.lru:
             self._unmark(block_hash, blocks.bit)
         blocks.lru.clear()
+        for block_hash in blocks.tiers:
+            self._unmark(block_hash, blocks.bit, self._tier_holders)
         blocks.tiers.clear()
         self._update_tiered(blocks)   # a shared store's blocks stay: its other workers announced them too
         blocks.last_seq = -1
@@ -305,6 +297,13 @@ class PrefixIndex:
         return [(store.members & ~self.own_tier_mask, runs_from(store.blocks, block_hashes))
                 for store in self._stores.values() if store.blocks and store.members & ~self.own_tier_mask]
 
+    def own_tier_levels(self, block_hashes: Sequence[int]) -> list[tuple[int, int]]:
+        """`matched_levels` of the endpoints holding tier blocks of their own (`own_tier_mask`), a block counted where
+        it is on the device, in one of their tiers or in the shared store they read: a bound on what each holds."""
+        own = self.own_tier_mask
+        stores = [(s.blocks, s.members) for s in self._stores.values() if s.blocks and s.members & own]
+        return held_levels(block_hashes, self._holders, self._tier_holders, stores, own)
+
     def num_blocks(self, endpoint_id: str) -> int:
         """Blocks indexed on the endpoint's device."""
         blocks = self._endpoints.get(endpoint_id)
@@ -352,18 +351,20 @@ class PrefixIndex:
         if medium_bit == _STORE_BIT and blocks.store is not None:
             self._shared_event(blocks.store, kind, block_hash)
             return
-        tiers = blocks.tiers
+        tiers, tier_holders = blocks.tiers, self._tier_holders
         if kind is KvEventType.STORED:
+            if block_hash not in tiers:
+                tier_holders[block_hash] = tier_holders.get(block_hash, 0) | blocks.bit
             tiers[block_hash] = tiers.pop(block_hash, 0) | medium_bit  # most recent last
             if len(tiers) > self._max_blocks:
-                tiers.popitem(last=False)
+                self._unmark(tiers.popitem(last=False)[0], blocks.bit, tier_holders)
         elif media := tiers.get(block_hash, 0) & ~medium_bit:
             tiers[block_hash] = media
-        else:
-            tiers.pop(block_hash, None)
+        elif tiers.pop(block_hash, None) is not None:
+            self._unmark(block_hash, blocks.bit, tier_holders)
         self._update_tiered(blocks)
 
-    def _shared_event(self, store: _SharedStore, kind: KvEventType, block_hash: int) -> None:
+    def _shared_event(self, store: SharedStore, kind: KvEventType, block_hash: int) -> None:
         lru = store.blocks
         if kind is KvEventType.STORED:
             was_empty = not lru
@@ -386,14 +387,12 @@ class PrefixIndex:
             self.tiered_mask |= blocks.bit
         else:
             self.tiered_mask &= ~blocks.bit
-        if blocks.tiers:
-            self.own_tier_mask |= blocks.bit
-        else:
-            self.own_tier_mask &= ~blocks.bit
+        self.own_tier_mask = self.own_tier_mask | blocks.bit if blocks.tiers else self.own_tier_mask & ~blocks.bit
 
-    def _unmark(self, block_hash: int, bit: int) -> None:
-        mask = self._holders.get(block_hash, 0) & ~bit
+    def _unmark(self, block_hash: int, bit: int, holders: dict[int, int] | None = None) -> None:
+        holders = self._holders if holders is None else holders
+        mask = holders.get(block_hash, 0) & ~bit
         if mask:
-            self._holders[block_hash] = mask
+            holders[block_hash] = mask
         else:
-            self._holders.pop(block_hash, None)
+            holders.pop(block_hash, None)

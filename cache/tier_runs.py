@@ -5,6 +5,7 @@ then those the store holds, each block read from the fastest tier holding it. Pu
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,29 @@ def tier_run(tiers: Mapping[int, int], block_hashes: Sequence[int], num_device: 
     return counts[0], counts[1], counts[2], counts[3]
 
 
+def held_levels(block_hashes: Sequence[int], device: Mapping[int, int], own_tiers: Mapping[int, int],
+                stores: Sequence[tuple[Mapping[int, None], int]], mask: int) -> list[tuple[int, int]]:
+    """`PrefixIndex.matched_levels` of the endpoints in `mask`, a block counted where its device (`device`: hash ->
+    holders), its own tiers (`own_tiers`) or a store it reads ((blocks, readers) of each) holds it."""
+    levels: list[tuple[int, int]] = []
+    alive, depth = mask, 0
+    for block_hash in block_hashes:
+        holders = device.get(block_hash, 0) | own_tiers.get(block_hash, 0)
+        for blocks, readers in stores:
+            if block_hash in blocks:
+                holders |= readers
+        holders &= alive
+        if holders != alive and depth:
+            levels.append((depth, alive))
+        alive = holders
+        if not alive:
+            return levels
+        depth += 1
+    if depth:
+        levels.append((depth, alive))
+    return levels
+
+
 def runs_from(blocks: Mapping[int, None], block_hashes: Sequence[int]) -> list[int]:
     """[len + 1]: how many blocks of `block_hashes` from each position on `blocks` holds in a row (0 at the end):
     one pass over the prompt for every endpoint that reads the store."""
@@ -58,17 +82,29 @@ def runs_from(blocks: Mapping[int, None], block_hashes: Sequence[int]) -> list[i
     return runs
 
 
+class SharedStore:
+    """The blocks one shared store holds, as its workers announced them: every worker that reads it can load
+    them back, whichever wrote them."""
+    __slots__ = ("blocks", "key", "members")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.blocks: OrderedDict[int, None] = OrderedDict()   # hash -> None, oldest first
+        self.members = 0                                        # bits of the endpoints that read it
+
+
 class PromptTiers:
     """What one prompt's KV tier blocks are worth where they are (policies.fleet_view.TierMatches), for a policy
     that scores them over a live view; read for one decision (the index must not change meanwhile). The stores'
     runs are walked on first read; `restore_fractions`: each endpoint's measured ones (the load tracker)."""
-    __slots__ = ("_block_hashes", "_index", "_stores", "own_mask", "restore_fractions")
+    __slots__ = ("_block_hashes", "_index", "_own_levels", "_stores", "own_mask", "restore_fractions")
 
     def __init__(self, index: PrefixIndex, block_hashes: Sequence[int],
                  restore_fractions: Callable[[str], RestoreFractions]) -> None:
         self._index = index
         self._block_hashes = block_hashes
         self._stores: list[tuple[int, list[int]]] | None = None
+        self._own_levels: list[tuple[int, int]] | None = None
         self.own_mask = index.own_tier_mask
         self.restore_fractions = restore_fractions
 
@@ -77,6 +113,12 @@ class PromptTiers:
         if self._stores is None:
             self._stores = self._index.store_runs(self._block_hashes)
         return self._stores
+
+    @property
+    def own_levels(self) -> list[tuple[int, int]]:
+        if self._own_levels is None:
+            self._own_levels = self._index.own_tier_levels(self._block_hashes)
+        return self._own_levels
 
     def matched(self, endpoint_id: str, num_device: int) -> MatchedByMedium:
         return self._index.matched_by_medium(endpoint_id, self._block_hashes, num_device)

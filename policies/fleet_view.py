@@ -243,6 +243,12 @@ class TierMatches(Protocol):
         block on, one entry past the last)."""
         ...
 
+    @property
+    def own_levels(self) -> Levels:
+        """Of the `own_mask` endpoints, the prompt's leading runs in what each can read (device, own tiers, the store
+        it reads), as `Levels`: a bound on what each holds."""
+        ...
+
     def matched(self, endpoint_id: str, num_device: int) -> tuple[int, int, int, int]:
         """The endpoint's leading run by medium (device, cpu, disk, store), its device run known."""
         ...

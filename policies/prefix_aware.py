@@ -36,8 +36,6 @@ from policies.session_affinity import HashRing, ring_hash
 # In `select_fleet`, a level of the prompt's leading runs held by at most this many usable endpoints is visited
 # member by member; the endpoints outside it are visited least loaded first, until none can score better.
 _NUM_LISTED = 8
-# ... and with KV tiers, at most this many usable endpoints holding tier blocks of their own (each looked up alone).
-_NUM_OWN_TIERED = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,13 +154,12 @@ class PrefixAwarePolicy:
     def select_fleet(self, request: RequestFacts, fleet: FleetView, levels: Levels,
                      tiers: TierMatches | None = None) -> Decision | None:
         """`select` over a fleet, without an `EndpointState` per endpoint: the argmin of the same score over the
-        usable endpoints within the bound, ties at random. Not covered (None): `prefix_key_tokens`, alpha 0, usable
-        endpoints holding KV tier blocks (`fleet.tiered_mask`) without `tiers`, or more than `_NUM_OWN_TIERED` of
-        them holding blocks of their own (each is looked up; a shared store's readers are searched by load)."""
+        usable endpoints within the bound, ties at random. Not covered (None): `prefix_key_tokens`, alpha 0, and
+        usable endpoints holding KV tier blocks (`fleet.tiered_mask`) without `tiers`."""
         if self._config.prefix_key_tokens or not self._config.alpha:
             return None
         tiered = fleet.tiered_mask & fleet.usable_mask
-        if tiered and (tiers is None or (tiers.own_mask & tiered).bit_count() > _NUM_OWN_TIERED):
+        if tiered and tiers is None:
             return None
         bound = fleet.bound(self._weights, self._config.load_factor)
         if bound is None:
@@ -186,9 +183,10 @@ class _Search:
     """One `select_fleet` decision's search for the least negative score. The best score is the least, over the
     levels (depth d, holders M; and depth 0, every endpoint), of the least loaded holder's score at d: an endpoint's
     own level gives its score, a shallower one only a worse one. Levels of few holders are scored member by member;
-    in a level of many, the least loaded holder is near the front. With KV tiers: an endpoint holding tier blocks
-    of its own is scored alone; a shared store's readers are searched by load per level, bounded by the most a
-    store block can be worth (1, or the fixed weight), and each one visited is scored exactly."""
+    in a level of many, the least loaded holder is near the front. With KV tiers, each endpoint visited is scored
+    exactly: a shared store's readers are searched by load at each level, bounded by the most a store block can be
+    worth (1, or the fixed weight); the endpoints holding tier blocks of their own, at each level of what they
+    hold anywhere (`TierMatches.own_levels`), bounded by a block's most worth, 1."""
 
     def __init__(self, policy: PrefixAwarePolicy, block_size: int, fleet: FleetView, runs: Levels, bound: float,
                  tiers: TierMatches | None) -> None:
@@ -202,8 +200,7 @@ class _Search:
         """(endpoint id, blocks of the prompt it holds) of every usable endpoint within the bound of least score."""
         runs, fleet = self.runs, self.fleet
         j = next((k for k, (_, mask) in enumerate(runs) if mask.bit_count() <= _NUM_LISTED), len(runs))
-        own = 0 if self.tiers is None else self.tiers.own_mask & self.tiered
-        self._score_each((runs[j][1] if j < len(runs) else 0) | own)
+        self._score_each(runs[j][1] if j < len(runs) else 0)
         # Depth 0 (every endpoint) first, then the deepest level first: each best score so far caps the load
         # worth looking for at the next level, load <= (best + depth x block_size) / alpha.
         levels = [(0, fleet.usable_mask), *reversed(runs[:j])]
@@ -211,6 +208,7 @@ class _Search:
             levels[0] = runs[0]
             levels.pop()
         if self.tiers is not None:
+            self._search_own(self.tiers)
             self._search_stores(levels, self.tiers)
         self._search_levels(levels)
         if not self.scored:
@@ -257,6 +255,24 @@ class _Search:
             fractions = self.tiers.restore_fractions(endpoint_id)
         score = self.policy._score(num_prefill, num_decode, run, tier_blocks, fractions, self.block_size)
         self._record(endpoint_id, score, run + sum(tier_blocks))
+
+    def _search_own(self, tiers: TierMatches) -> None:
+        """The endpoints holding tier blocks of their own, deepest level of what they hold first, from the least
+        loaded up while one could still score the best (a block is worth at most 1)."""
+        own = tiers.own_mask & self.tiered
+        if not own:
+            return
+        fleet, loads = self.fleet, self.fleet.loads
+        pw, dw = self.policy._weights.prefill_weight, self.policy._weights.decode_weight
+        for depth, level_mask in [*reversed(tiers.own_levels), (0, own)]:
+            for least_load, endpoint_ids in fleet.ascending(self.policy._weights, level_mask & own):
+                if least_load + 1.0 > self._cap(depth):
+                    break
+                for endpoint_id in endpoint_ids:
+                    num_prefill, num_decode = loads[endpoint_id]
+                    if pw * num_prefill + dw * num_decode + 1.0 <= self.bound:
+                        run = run_of(fleet.bit_of[endpoint_id], self.runs)
+                        self._score_at(endpoint_id, num_prefill, num_decode, run, tiers.matched(endpoint_id, run)[1:])
 
     def _search_stores(self, levels: Levels, tiers: TierMatches) -> None:
         """Each store's readers, level by level, from the least loaded up while one could still score the best."""

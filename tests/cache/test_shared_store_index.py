@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from cache.kv_events import CPU, DEVICE, MEDIA, STORE
+from cache.kv_events import CPU, DEVICE, DISK, MEDIA, STORE
 from cache.prefix_index import PrefixIndex
 from tests.cache.test_prefix_index import ENDPOINTS, reference_by_medium
 
@@ -39,9 +39,22 @@ def test_a_shared_stores_blocks_count_at_every_endpoint_that_reads_it() -> None:
     assert index.tiered_mask & index.endpoint_bit("e")
 
 
+def reference_held_levels(index: PrefixIndex, model: StoreModel, query: list[int]) -> list[tuple[int, int]]:
+    """`own_tier_levels` by its definition: of the endpoints holding tier blocks of their own, each one's leading
+    run of `query` in what it can read (device, own tiers, the store it reads), as nested masks by depth."""
+    runs = {}
+    for endpoint in ENDPOINTS:
+        if not model.tiers[endpoint]:
+            continue
+        held = set(model.device[endpoint]) | set(model.readable(endpoint))
+        runs[endpoint] = next((i for i, h in enumerate(query) if h not in held), len(query))
+    depths = sorted({run for run in runs.values() if run})
+    return [(depth, sum(index.endpoint_bit(e) for e, run in runs.items() if run >= depth)) for depth in depths]
+
+
 store_operations = st.lists(st.one_of(
     st.tuples(st.just("event"), st.sampled_from(ENDPOINTS), st.sampled_from(["stored", "removed"]),
-              st.integers(0, 12), st.sampled_from(MEDIA)),
+              st.integers(0, 5), st.sampled_from(MEDIA)),
     st.tuples(st.just("share"), st.sampled_from(ENDPOINTS), st.sampled_from(["s", "t", None])),
     st.tuples(st.just("reset"), st.sampled_from(ENDPOINTS))), min_size=10, max_size=150)
 
@@ -104,7 +117,7 @@ class StoreModel:
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=store_operations, queries=st.lists(st.lists(st.integers(0, 12), max_size=8), min_size=1, max_size=6),
+@given(ops=store_operations, queries=st.lists(st.lists(st.integers(0, 5), max_size=8), min_size=1, max_size=6),
        cap=st.integers(1, 8))
 def test_shared_stores_match_the_reference_model(ops, queries, cap) -> None:
     index, seqs, model = PrefixIndex(max_blocks_per_endpoint=cap), dict.fromkeys(ENDPOINTS, 0), StoreModel(cap)
@@ -135,3 +148,19 @@ def test_shared_stores_match_the_reference_model(ops, queries, cap) -> None:
         for endpoint in ENDPOINTS:   # one endpoint's row, its device run known (a live view's pick)
             run = index.num_matched_blocks(endpoint, query)
             assert index.matched_by_medium(endpoint, query, run) == expected.get(endpoint, (0, 0, 0, 0))
+        assert index.own_tier_levels(query) == reference_held_levels(index, model, query)
+
+
+def test_own_tier_levels_follow_removals_evictions_and_resets() -> None:
+    index = PrefixIndex(max_blocks_per_endpoint=3)
+    index.store("a", [1, 2, 3], CPU)
+    index.store("b", [1], DEVICE)
+    index.store("b", [2], DISK)
+    a, b = index.endpoint_bit("a"), index.endpoint_bit("b")
+    assert index.own_tier_levels([1, 2, 3]) == [(2, a | b), (3, a)]
+    index.remove("a", [2], CPU)                       # gone from its only tier
+    assert index.own_tier_levels([1, 2, 3]) == [(1, a | b), (2, b)]
+    index.store("a", [2, 7, 8], CPU)                  # 1 and 3 are the oldest of a tier of 3 blocks: evicted
+    assert index.own_tier_levels([1, 2, 3]) == [(2, b)]
+    index.reset("b")
+    assert index.own_tier_levels([1, 2, 3]) == [] and index.own_tier_mask == a

@@ -150,9 +150,8 @@ def test_policies_that_read_no_levels_skip_the_walk(policy_name, monkeypatch) ->
 @pytest.mark.parametrize("tiers", ["local", "store"])
 def test_tiered_pools_are_live(tiers, monkeypatch) -> None:
     """Endpoints holding KV tier blocks (or reading a shared store that does) still decide on the live view, listing
-    no candidate, as listing decides, and the pick's lease leaves out its tier blocks as listing gives. Prefix-aware
-    routing, which scores those blocks, searches a store's readers by load, and lists the candidates where more
-    than 32 endpoints hold blocks of their own (each would be looked up)."""
+    no candidate, as listing decides, and the pick's lease leaves out its tier blocks as listing gives (prefix-aware
+    routing, which scores those blocks, searches their holders by load)."""
     gateway = Gateway()
     distinct_loads(gateway, random.Random(3))
     for endpoint in gateway.pool:   # every endpoint: the prompt's next block in RAM, or the store's three
@@ -170,7 +169,7 @@ def test_tiered_pools_are_live(tiers, monkeypatch) -> None:
     for policy_name in (PolicyName.SESSION_AFFINITY, PolicyName.LEAST_TOKENS, PolicyName.PREFIX_AWARE):
         for session in (None, "conversation-1"):
             live = gateway.choose(policy_name, live=True, session=session)
-            assert listings == ([PROMPT] if policy_name is PolicyName.PREFIX_AWARE and tiers == "local" else [])
+            assert listings == []
             listed = gateway.choose(policy_name, live=False, session=session)
             assert (live.endpoint, live.decision, live.num_uncached_tokens) == (
                 listed.endpoint, listed.decision, listed.num_uncached_tokens)
