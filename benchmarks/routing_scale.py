@@ -11,12 +11,13 @@ oldest of 4 x endpoints in flight is released, and 4 random ones stream output t
 `choose` (the view catches up then). Then the KV-event ingestion: `/kv_events` JSON pages parsed and applied to a
 full index (each stored block evicts one), per event.
 
-With `--shared-store` every endpoint also reads one shared store (Mooncake's) that holds every hot prefix, so each
-is credited with those blocks past its device run (PrefixIndex.share_store), and reports a measured store restore
-fraction (0.03-0.14, as CPU workers measured).
+With `--tiers store` every endpoint also reads one shared store (Mooncake's) that holds every hot prefix, so each
+is credited with those blocks past its device run (PrefixIndex.share_store); with `--tiers cpu` each endpoint's
+host RAM tier holds 16 chains of its own. Either way each reports a measured restore fraction for the tier
+(0.03-0.14 for the store, 0.003-0.04 for RAM, as CPU workers measured).
 
     .venv/bin/python benchmarks/routing_scale.py [--sizes 8 100 1000 5000] [--blocks 10000] [--decisions 2000] \
-        [--shared-store]
+        [--tiers none|store|cpu]
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import orjson
 
 from cache.block_hash import ROOT_HASH, block_hashes, hash_block_tokens
-from cache.kv_events import STORE, KvEventBatch
+from cache.kv_events import CPU, STORE, KvEventBatch
 from cache.prefix_index import PrefixIndex
 from gateway.config.gateway_config import GatewayConfig, parse_config
 from gateway.routing.endpoints import UpstreamRegistry
@@ -78,7 +79,7 @@ def chain(parent: int, tag: int, num_blocks: int) -> list[int]:
 class Fleet:
     """The registry, tracker, full index and `Legs` of one fleet size, and the hot prefixes its prompts share."""
 
-    def __init__(self, num_endpoints: int, num_blocks: int, rng: random.Random, shared_store: bool = False) -> None:
+    def __init__(self, num_endpoints: int, num_blocks: int, rng: random.Random, tiers: str = "none") -> None:
         self.config = config_for(num_endpoints)
         self.tracker, self.index = LoadTracker(), PrefixIndex()
         self.registry = UpstreamRegistry(self.config, self.tracker, self.index)
@@ -96,15 +97,23 @@ class Fleet:
                 hot = rng.choices(self.hot, self.weights)[0]
                 self.index.store(endpoint_id, hot + [rng.getrandbits(63) for _ in range(32)])   # its own tail
                 n += 64
-        if shared_store:   # every worker reads one Mooncake store, which holds every hot prefix
+        if tiers == "store":   # every worker reads one Mooncake store, which holds every hot prefix
             for endpoint_id in self.ids:
                 self.index.share_store(endpoint_id, "the-store")
-                # and reports what reading a token back from it costs against computing it (CPU workers measured
-                # 0.03-0.14 for a Mooncake store: docs/benchmarks.md)
-                self.tracker.reconcile(endpoint_id, LoadReport(0, 0, 0, 0, 1000, 1000, 0, BLOCK,
-                                                               restore_fractions=(None, None, rng.uniform(0.03, 0.14))))
             for hot in self.hot:
                 self.index.store(self.ids[0], self.system + hot, STORE)
+        elif tiers == "cpu":   # every worker's host RAM holds 16 chains its device let go
+            for endpoint_id in self.ids:
+                for _ in range(16):
+                    hot = rng.choices(self.hot, self.weights)[0]
+                    self.index.store(endpoint_id, self.system + hot + [rng.getrandbits(63) for _ in range(32)], CPU)
+        for endpoint_id in self.ids if tiers != "none" else ():
+            # what reading a token back costs against computing it, as CPU workers measured it (docs/benchmarks.md:
+            # host RAM 0.003-0.04, a Mooncake store 0.03-0.14)
+            fractions = (rng.uniform(0.003, 0.04), None, None) if tiers == "cpu" else (
+                None, None, rng.uniform(0.03, 0.14))
+            self.tracker.reconcile(endpoint_id, LoadReport(0, 0, 0, 0, 1000, 1000, 0, BLOCK,
+                                                           restore_fractions=fractions))
         self.index_bytes = rss_bytes() - before
         self.legs = Legs(None, self.registry, self.tracker, self.index, MemoryStore(), Metrics(tuple),  # type: ignore[arg-type]
                          Tracing(self.config.tracing), 0.0)
@@ -241,10 +250,11 @@ def run_size(num_endpoints: int, args: argparse.Namespace) -> list[dict[str, Any
     rng = random.Random(args.seed)
     num_blocks = args.blocks if num_endpoints <= 1000 else args.blocks_at_5000
     start = time.perf_counter()
-    fleet = Fleet(num_endpoints, num_blocks, rng, args.shared_store)
+    fleet = Fleet(num_endpoints, num_blocks, rng, args.tiers)
     built_s = time.perf_counter() - start
-    print(f"\n{num_endpoints} endpoints x {num_blocks} blocks: index {fleet.index_bytes / 2**20:.0f} MiB RSS "
-          f"({fleet.index_bytes / (num_endpoints * num_blocks):.0f} B/block), built in {built_s:.0f} s")
+    print(f"\n{num_endpoints} endpoints x {num_blocks} blocks, KV tiers: {args.tiers}; index "
+          f"{fleet.index_bytes / 2**20:.0f} MiB RSS ({fleet.index_bytes / (num_endpoints * num_blocks):.0f} B/block), "
+          f"built in {built_s:.0f} s")
     rows = []
     num_decisions = args.decisions if num_endpoints <= 1000 else args.decisions // 4
     for policy_name in POLICIES:
@@ -273,8 +283,9 @@ def main() -> None:
     parser.add_argument("--decisions", type=int, default=2000)
     parser.add_argument("--pages", type=int, default=200, help="/kv_events pages of 256 events")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--shared-store", action="store_true",
-                        help="every endpoint reads one shared KV store holding the hot prefixes")
+    parser.add_argument("--tiers", choices=["none", "store", "cpu"], default="none",
+                        help="store: every endpoint reads one shared KV store holding the hot prefixes; cpu: every "
+                             "endpoint's host RAM tier holds 16 chains of its own")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rng = random.Random(args.seed)
