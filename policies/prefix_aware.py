@@ -230,7 +230,9 @@ class _Search:
 
     def _score_each(self, mask: int) -> None:
         """Score each endpoint of `mask` within the bound exactly, at its own run and through its tiers."""
-        fleet, weights, loads, tiered = self.fleet, self.policy._weights, self.fleet.loads, self.tiered
+        fleet, weights, loads, tiered, scored = self.fleet, self.policy._weights, self.fleet.loads, self.tiered, (
+            self.scored)
+        ap, ad, block_size = self.policy._alpha_prefill, self.policy._alpha_decode, self.block_size
         while mask:
             low = mask & -mask
             mask ^= low
@@ -239,14 +241,15 @@ class _Search:
             if weights.prefill_weight * num_prefill + weights.decode_weight * num_decode + 1.0 > self.bound:
                 continue
             run = run_of(low, self.runs)
-            tier_blocks = (0, 0, 0)
-            if low & tiered and self.tiers is not None:
-                store_runs = next((r for readers, r in self.tiers.stores if readers & low), None)
-                if store_runs is not None:   # a store's reader holding no blocks of its own: its run is the store's
-                    tier_blocks = (0, 0, store_runs[run])
-                else:
-                    tier_blocks = self.tiers.matched(endpoint_id, run)[1:]
-            self._score_at(endpoint_id, num_prefill, num_decode, run, tier_blocks)
+            if not low & tiered or self.tiers is None:   # the common case, inline: the same arithmetic as `_score`
+                scored[endpoint_id] = (score := ap * num_prefill + ad * num_decode - run * block_size, run)
+                self.best = min(self.best, score)
+                continue
+            store_runs = next((r for readers, r in self.tiers.stores if readers & low), None)
+            if store_runs is not None:   # a store's reader holding no blocks of its own: its run is the store's
+                self._score_at(endpoint_id, num_prefill, num_decode, run, (0, 0, store_runs[run]))
+            else:
+                self._score_at(endpoint_id, num_prefill, num_decode, run, self.tiers.matched(endpoint_id, run)[1:])
 
     def _score_at(self, endpoint_id: str, num_prefill: int, num_decode: int, run: int,
                   tier_blocks: tuple[int, int, int]) -> None:
