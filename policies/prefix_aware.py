@@ -29,7 +29,7 @@ from policies.base import (
     prefix_affinity_key,
     within_load_bound,
 )
-from policies.fleet_view import FleetView, Levels, TierMatches, run_of
+from policies.fleet_view import FleetView, Levels, TierMatches, WithinBound, run_of
 from policies.least_tokens import LeastTokensConfig, LeastTokensPolicy
 from policies.session_affinity import HashRing, ring_hash
 
@@ -90,6 +90,7 @@ class PrefixAwarePolicy:
             prefill_weight=config.prefill_weight, decode_weight=config.decode_weight,
             seed=None if config.seed is None else config.seed + 1))
         self._ring = HashRing((), config.num_virtual_nodes)
+        self._grown_from: tuple[str, ...] | None = None   # the fleet members the ring last grew by
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> PrefixAwarePolicy:
@@ -154,12 +155,13 @@ class PrefixAwarePolicy:
     def select_fleet(self, request: RequestFacts, fleet: FleetView, levels: Levels,
                      tiers: TierMatches | None = None) -> Decision | None:
         """`select` over a fleet, without an `EndpointState` per endpoint: the argmin of the same score over the
-        usable endpoints within the bound, ties at random. Not covered (None): `prefix_key_tokens`, alpha 0, and
-        usable endpoints holding KV tier blocks (`fleet.tiered_mask`) without `tiers`."""
-        if self._config.prefix_key_tokens or not self._config.alpha:
+        usable endpoints within the bound, ties at random; a cold prompt (`prefix_key_tokens`) to its key's ring home
+        within the bound. Not covered (None): alpha 0, usable endpoints holding KV tier blocks (`fleet.tiered_mask`)
+        without `tiers` or with `prefix_key_tokens`."""
+        if not self._config.alpha:
             return None
         tiered = fleet.tiered_mask & fleet.usable_mask
-        if tiered and tiers is None:
+        if tiered and (tiers is None or self._config.prefix_key_tokens):
             return None
         bound = fleet.bound(self._weights, self._config.load_factor)
         if bound is None:
@@ -168,12 +170,28 @@ class PrefixAwarePolicy:
         runs = [(depth, mask & usable) for depth, mask in levels]
         while runs and not runs[-1][1]:   # nested masks: the empty ones are the deepest
             runs.pop()
+        if self._config.prefix_key_tokens:
+            deepest = next((depth for depth, mask in reversed(runs) if fleet.least(self._weights, mask, bound)), 0)
+            if deepest == 0 or deepest < self._num_key_blocks(request):
+                return self._cold_fleet(request, fleet, levels, bound)
         search = _Search(self, request.block_size, fleet, runs, bound, tiers if tiered else None)
         tied = search.least_scored()
         if not tied:
             return None
         endpoint_id, held = tied[0] if len(tied) == 1 else self._rng.choice(tied)
         return Decision(endpoint_id, DecisionReason.PREFIX_HIT if held else DecisionReason.BALANCED, None)
+
+
+    def _cold_fleet(self, request: RequestFacts, fleet: FleetView, levels: Levels, bound: float) -> Decision | None:
+        """`_cold` over a fleet: the key's ring home among the usable endpoints within the bound (the ring holds
+        every member; one that is not usable is passed by, as `_cold`'s ring passes the ones it was not given)."""
+        key = prefix_affinity_key(request.block_hashes, request.block_size, self._config.prefix_key_tokens)
+        if key is None:
+            return self._fallback.select_fleet(request, fleet, levels)
+        if fleet.member_ids is not self._grown_from:
+            self._ring, self._grown_from = self._ring.grown_ids(fleet.member_ids), fleet.member_ids
+        chosen = self._ring.first(ring_hash(key), WithinBound(fleet, self._weights, bound))
+        return None if chosen is None else Decision(chosen, DecisionReason.PREFIX_AFFINITY, None)
 
 
 _NO_FRACTIONS: tuple[float | None, float | None, float | None] = (None, None, None)

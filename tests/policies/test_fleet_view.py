@@ -63,10 +63,12 @@ def best_prefix_aware(policy, states: list[EndpointState], block_size: int) -> s
 
 @settings(max_examples=300, deadline=None)
 @given(specs=endpoint_specs, alpha=st.sampled_from([0.5, 0.05, 2.0]), load_factor=st.sampled_from([1.0, 1.5, 4.0]),
-       block_size=st.sampled_from([4, 16]), seed=st.integers(0, 3))
-def test_prefix_aware_fleet_picks_a_best_endpoint(specs, alpha, load_factor, block_size, seed) -> None:
+       block_size=st.sampled_from([4, 16]), seed=st.integers(0, 3), key_tokens=st.sampled_from([0, 0, 16, 64]))
+def test_prefix_aware_fleet_picks_a_best_endpoint(specs, alpha, load_factor, block_size, seed, key_tokens) -> None:
+    """With `prefix_key_tokens`, a prompt no endpoint within the bound holds as far as its key goes to the key's
+    ring home within the bound, the same endpoint either way."""
     states, view, index = build(specs)
-    options = {"seed": seed, "alpha": alpha, "load_factor": load_factor}
+    options = {"seed": seed, "alpha": alpha, "load_factor": load_factor, "prefix_key_tokens": key_tokens}
     fast_policy, slow_policy = (make_policy(PolicyName.PREFIX_AWARE, options) for _ in range(2))
     facts = request(block_size)
     fast = fast_policy.select_fleet(facts, view, index.matched_levels(PROMPT))
@@ -75,6 +77,9 @@ def test_prefix_aware_fleet_picks_a_best_endpoint(specs, alpha, load_factor, blo
         assert fast is None
         return
     assert fast is not None
+    if slow.reason is DecisionReason.PREFIX_AFFINITY or fast.reason is DecisionReason.PREFIX_AFFINITY:
+        assert fast == slow
+        return
     best = best_prefix_aware(slow_policy, states, block_size)
     assert slow.endpoint_id in best and fast.endpoint_id in best
     runs = {s.endpoint_id: s.num_matched_blocks for s in states}
