@@ -52,7 +52,8 @@ def tier_run(tiers: Mapping[int, int], block_hashes: Sequence[int], num_device: 
 def held_levels(block_hashes: Sequence[int], device: Mapping[int, int], own_tiers: Mapping[int, int],
                 stores: Sequence[tuple[Mapping[int, None], int]], mask: int) -> list[tuple[int, int]]:
     """`PrefixIndex.matched_levels` of the endpoints in `mask`, a block counted where its device (`device`: hash ->
-    holders), its own tiers (`own_tiers`) or a store it reads ((blocks, readers) of each) holds it."""
+    holders), its own tiers (`own_tiers`) or a store it reads ((blocks, readers) of each) holds it. The walk of
+    `matched_levels` with tiers; kept apart from that one, which runs on every prefix-aware request."""
     levels: list[tuple[int, int]] = []
     alive, depth = mask, 0
     for block_hash in block_hashes:

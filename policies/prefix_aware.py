@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from policies.base import (
@@ -194,6 +195,11 @@ class PrefixAwarePolicy:
         return None if chosen is None else Decision(chosen, DecisionReason.PREFIX_AFFINITY, None)
 
 
+def _store_blocks(store_runs: Sequence[int], endpoint_id: str, run: int) -> tuple[int, int, int]:
+    """What a store's reader holding no tier blocks of its own reads past its device run: the store's run there."""
+    return (0, 0, store_runs[run])
+
+
 _NO_FRACTIONS: tuple[float | None, float | None, float | None] = (None, None, None)
 
 
@@ -283,38 +289,33 @@ class _Search:
         own = tiers.own_mask & self.tiered
         if not own:
             return
-        fleet, loads = self.fleet, self.fleet.loads
-        pw, dw = self.policy._weights.prefill_weight, self.policy._weights.decode_weight
         for depth, level_mask in [*reversed(tiers.own_levels), (0, own)]:
-            for least_load, endpoint_ids in fleet.ascending(self.policy._weights, level_mask & own):
-                if least_load + 1.0 > self._cap(depth):
-                    break
-                for endpoint_id in endpoint_ids:
-                    num_prefill, num_decode = loads[endpoint_id]
-                    if pw * num_prefill + dw * num_decode + 1.0 <= self.bound:
-                        run = run_of(fleet.bit_of[endpoint_id], self.runs)
-                        self._score_at(endpoint_id, num_prefill, num_decode, run, tiers.matched(endpoint_id, run)[1:])
+            self._visit(level_mask & own, depth, lambda endpoint_id, run: tiers.matched(endpoint_id, run)[1:])
 
     def _search_stores(self, levels: Levels, tiers: TierMatches) -> None:
         """Each store's readers, level by level, from the least loaded up while one could still score the best."""
-        config, fleet, loads = self.policy._config, self.fleet, self.fleet.loads
-        pw, dw = self.policy._weights.prefill_weight, self.policy._weights.decode_weight
+        config = self.policy._config
         most = 1.0 if config.measured_tier_weights else config.store_weight   # a store block's worth, at most
         for readers, store_runs in tiers.stores:
             group = readers & self.tiered
             for depth, level_mask in levels:
-                members = group & level_mask
-                if not members:
-                    continue
-                credit = depth + most * store_runs[depth]
-                for least_load, endpoint_ids in fleet.ascending(self.policy._weights, members):
-                    if least_load + 1.0 > self._cap(credit):
-                        break
-                    for endpoint_id in endpoint_ids:
-                        num_prefill, num_decode = loads[endpoint_id]
-                        if pw * num_prefill + dw * num_decode + 1.0 <= self.bound:
-                            run = run_of(fleet.bit_of[endpoint_id], self.runs)
-                            self._score_at(endpoint_id, num_prefill, num_decode, run, (0, 0, store_runs[run]))
+                if members := group & level_mask:
+                    self._visit(members, depth + most * store_runs[depth],
+                                partial(_store_blocks, store_runs))
+
+    def _visit(self, members: int, credit: float, tier_blocks: Callable[[str, int], tuple[int, int, int]]) -> None:
+        """Score `members` within the bound exactly (`tier_blocks`: what its tiers hold past its device run), from
+        the least loaded up while one credited with `credit` blocks could still score the best."""
+        fleet, loads = self.fleet, self.fleet.loads
+        pw, dw = self.policy._weights.prefill_weight, self.policy._weights.decode_weight
+        for least_load, endpoint_ids in fleet.ascending(self.policy._weights, members):
+            if least_load + 1.0 > self._cap(credit):
+                break
+            for endpoint_id in endpoint_ids:
+                num_prefill, num_decode = loads[endpoint_id]
+                if pw * num_prefill + dw * num_decode + 1.0 <= self.bound:
+                    run = run_of(fleet.bit_of[endpoint_id], self.runs)
+                    self._score_at(endpoint_id, num_prefill, num_decode, run, tier_blocks(endpoint_id, run))
 
     def _search_levels(self, levels: Levels) -> None:
         """The endpoints holding no tier block: at each level the least loaded within the cap, scored at its depth."""
