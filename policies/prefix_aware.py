@@ -182,7 +182,6 @@ class PrefixAwarePolicy:
         endpoint_id, held = tied[0] if len(tied) == 1 else self._rng.choice(tied)
         return Decision(endpoint_id, DecisionReason.PREFIX_HIT if held else DecisionReason.BALANCED, None)
 
-
     def _cold_fleet(self, request: RequestFacts, fleet: FleetView, levels: Levels, bound: float) -> Decision | None:
         """`_cold` over a fleet: the key's ring home among the usable endpoints within the bound (the ring holds
         every member; one that is not usable is passed by, as `_cold`'s ring passes the ones it was not given)."""
