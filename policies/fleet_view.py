@@ -234,7 +234,7 @@ class WithinBound:
 class TierMatches(Protocol):
     """A prompt's KV tier blocks where the fleet's tiered endpoints (`FleetView.tiered_mask`) read them back from,
     for one decision (cache.tier_runs.PromptTiers)."""
-    own_mask: int   # endpoints holding tier blocks of their own (host RAM, disk): each looked up by `matched`
+    own_mask: int   # endpoints holding tier blocks of their own (RAM, disk, own store blocks): found by `own_levels`
     restore_fractions: Callable[[str], tuple[float | None, float | None, float | None]]   # measured, per endpoint
 
     @property
