@@ -5,14 +5,22 @@ import os
 
 
 def rank_pids(pid: int) -> list[int]:
-    """The rank processes `pid` spawned (multiprocessing's spawn_main; not its resource tracker)."""
+    """The rank processes `pid` spawned (multiprocessing's spawn_main; not its resource tracker). A thread or a
+    child that ends while /proc is read is passed by: its entry vanishes between the listing and the open."""
     found = []
     for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as children:
-            for child in children.read().split():
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as children:
+                listed = children.read().split()
+        except FileNotFoundError:   # the thread ended
+            continue
+        for child in listed:
+            try:
                 with open(f"/proc/{child}/cmdline", "rb") as cmdline:
                     if b"spawn_main" in cmdline.read():
                         found.append(int(child))
+            except FileNotFoundError:   # the child ended
+                continue
     return found
 
 
