@@ -22,7 +22,7 @@ _INDEX_OF_BIT = {MEDIUM_BITS[medium]: i for i, medium in enumerate(MEDIA)}
 # backends/kv_connectors/tiers/connector.py looks them up; each block read from the fastest tier holding it.
 MatchedByMedium = tuple[int, int, int, int]
 NO_MATCH: MatchedByMedium = (0, 0, 0, 0)
-RestoreFractions = tuple[float | None, float | None, float | None]   # (cpu, disk, store), as the load tracker has them
+RestoreFractions = tuple[float | None, float | None, float | None]   # (cpu, disk, store) as workers measure them
 
 
 def tier_run(tiers: Mapping[int, int], block_hashes: Sequence[int], num_device: int,

@@ -17,13 +17,13 @@ from dataclasses import MISSING, dataclass, fields
 from types import TracebackType
 from typing import Any
 
+from cache.tier_runs import RestoreFractions
+
 # A worker report older than this no longer adds load from other sources (its worker may be
 # gone, or the load it saw has finished).
 DEFAULT_REPORT_TTL_S = 5.0
 # Peers' leases read longer ago than this are dropped (the sharing task stopped or the store is down).
 DEFAULT_PEER_TTL_S = 2.0
-
-RestoreFractions = tuple[float | None, float | None, float | None]
 
 
 @dataclass(frozen=True, slots=True)
