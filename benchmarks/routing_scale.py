@@ -155,7 +155,7 @@ def time_decisions(fleet: Fleet, policy_name: PolicyName, live: bool, num_decisi
         times.append((time.thread_time_ns() - start) / 1000)
         assert chosen is not None
         sessions[facts.session_key or ""] = chosen.endpoint.endpoint_id
-        fleet.churn(chosen.endpoint.endpoint_id, chosen.num_uncached_tokens, rng)
+        fleet.churn(chosen.endpoint.endpoint_id, chosen.prefill_work, rng)
     return times
 
 

@@ -37,33 +37,30 @@ through and read for free: the hit-rate ceiling under the sim's timing.
 """
 from __future__ import annotations
 
-import argparse
 import heapq
 import pathlib
 import random
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import orjson
 
-from cache.prefix_index import PrefixIndex, num_cached_tokens
+from cache.prefix_index import PrefixIndex
+from cache.tier_runs import prefill_work_tokens
 from gateway.routing.load import Lease, LoadTracker, OutputLengthEstimator
 from policies.base import DecisionReason, EndpointState, Policy, RequestFacts
 from policies.registry import PolicyName, make_policy
 from routing_sim_args import parse_args
 from routing_sim_report import UNLIMITED, print_approx_ratios, print_row, print_targets, summarize
+from routing_sim_rows import Row, policy_rows, replication_rows, tier_rows
 from routing_sim_tiers import (
-    NO_TIERS,
-    UNLIMITED_TIERS,
     Lru,
     Medium,
-    StoreWrite,
-    TierConfig,
     WorkerCache,
     block_tokens,
     restore_tokens,
@@ -82,18 +79,6 @@ class SimConfig:
     prefill_overhead_s: float   # fixed cost per prefill
     decode_s_per_token: float   # time per output token of one sequence (batched decode)
     decode_interference: float  # relative prefill slowdown per sequence decoding on the worker
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    label: str                          # the table's first column (and --only's match)
-    policy: PolicyName
-    options: dict[str, Any]             # the policy's options (make_policy)
-    approximate: bool = False           # the index learns from routing decisions, not from KV events
-    send_session_key: bool = True       # requests carry x-session-affinity (the trace's conversation)
-    tiers: TierConfig = NO_TIERS        # KV tiers below each worker's device pool (none by default)
-    rank_tiers: bool = True             # the gateway scores tier hits; False: it sees device blocks only
-    shared: bool = False                # approximate: processes share their routing decisions (prefix_share.py)
 
 
 @dataclass(slots=True)
@@ -142,6 +127,7 @@ class Simulation:
         self.index = PrefixIndex(max_blocks_per_endpoint=4 * config.cache_blocks)
         self.approximate = row.approximate            # the index learns from routing, not from the workers' events
         self.send_session_key = row.send_session_key  # False: requests carry no x-session-affinity
+        self.lease_restores = row.lease_restores
         # Ranked tier hits reach prefix_aware as tokens: it scores num_matched_blocks x block_size, and
         # reads block_size alone only for prefix_key_tokens.
         self.sees_tiers = row.rank_tiers and row.tiers.enabled and not row.approximate   # tier KV events
@@ -192,15 +178,15 @@ class Simulation:
         if session_key is not None:
             self.sessions[session_key] = decision.endpoint_id
         worker_index = next(i for i, w in enumerate(self.workers) if w.endpoint_id == decision.endpoint_id)
-        # As the gateway's lease: the prefill work is the prompt tokens the endpoint does not hold (as
-        # seen before this request is recorded there).
-        num_cached = self._cached_tokens(index, request, self.workers[worker_index])
+        # As the gateway's lease: the prefill work is the prompt tokens the endpoint does not hold, and those it
+        # reads back from a tier at their restore fraction (as seen before this request is recorded there).
+        prefill_work = self._prefill_work(index, request, self.workers[worker_index])
         index.record_routed(decision.endpoint_id, request.block_hashes)  # a no-op unless approximate
         if self.share_interval_s is not None:
             delay_s = self.share_interval_s * (self._share_rng.random() + self._share_rng.random())
             self._push(now + delay_s, "shared", (gateway, decision.endpoint_id, request.block_hashes))
         self.num_moved += decision.reason is DecisionReason.AFFINITY_MOVED
-        lease = self.tracker.lease(decision.endpoint_id, request.num_prompt_tokens - num_cached, expected)
+        lease = self.tracker.lease(decision.endpoint_id, prefill_work, expected)
         flight = InFlight(request, worker_index, lease)
         worker = self.workers[worker_index]
         if self.load_on_arrival:
@@ -230,12 +216,18 @@ class Simulation:
             matched[worker.endpoint_id] = int((run + sum(self.tiers.weight(m) for m in tail)) * BLOCK_TOKENS)
         return matched
 
-    def _cached_tokens(self, index: PrefixIndex, request: TraceRequest, worker: Worker) -> int:
-        """`cache.prefix_index.num_cached_tokens` of what the gateway sees at `worker`: its device run from
-        the index, and the tier blocks past it when the gateway hears the tiers' events."""
+    def _prefill_work(self, index: PrefixIndex, request: TraceRequest, worker: Worker) -> int:
+        """`cache.tier_runs.prefill_work_tokens` of what the gateway sees at `worker`: its device run from the
+        index, and the tier blocks past it when the gateway hears the tiers' events, at the restore fractions the
+        workers measure (`lease_restores` off: read back for free)."""
         run = index.matched_blocks(request.block_hashes).get(worker.endpoint_id, 0)
-        tail = worker.cache.peek_run(request.block_hashes[run:]) if self.sees_tiers else ()
-        return num_cached_tokens((run, len(tail), 0, 0), BLOCK_TOKENS, request.num_prompt_tokens)
+        counts = [run, 0, 0, 0]
+        for medium in worker.cache.peek_run(request.block_hashes[run:]) if self.sees_tiers else ():
+            counts[medium] += 1
+        t = self.tiers
+        fractions = (t.cpu_restore, t.disk_restore, t.store_restore) if self.lease_restores else (0.0, 0.0, 0.0)
+        return prefill_work_tokens((counts[0], counts[1], counts[2], counts[3]), BLOCK_TOKENS,
+                                   request.num_prompt_tokens, fractions)
 
     def _start_load(self, now: float, worker: Worker, flight: InFlight) -> None:
         """The engine admits the request and its connector reads back the tier run past the device's, after
@@ -300,53 +292,6 @@ class Simulation:
                 self.index.remove(worker.endpoint_id, (block_hash,))
 
 
-def policy_rows(seed: dict[str, Any]) -> list[Row]:
-    return [
-        Row(UNLIMITED, PolicyName.PREFIX_AWARE, seed, tiers=UNLIMITED_TIERS),
-        Row("round_robin", PolicyName.ROUND_ROBIN, {}),
-        Row("least_requests", PolicyName.LEAST_REQUESTS, seed),
-        Row("least_tokens", PolicyName.LEAST_TOKENS, seed),
-        Row("power_of_two", PolicyName.POWER_OF_TWO, seed),
-        Row("session_affinity", PolicyName.SESSION_AFFINITY, seed),
-        Row("session_aff. no hdr", PolicyName.SESSION_AFFINITY, seed, send_session_key=False),
-        Row("prefix_aware precise", PolicyName.PREFIX_AWARE, seed),
-        Row("prefix_aware approx", PolicyName.PREFIX_AWARE, seed, approximate=True),
-        Row("prefix_aware approx shared", PolicyName.PREFIX_AWARE, seed, approximate=True, shared=True),
-        Row("prefix_aware approx+key", PolicyName.PREFIX_AWARE, {**seed, "prefix_key_tokens": 1024}, approximate=True),
-    ]
-
-
-def replication_rows(args: argparse.Namespace, seed: dict[str, Any]) -> list[Row]:
-    """Issue 52: hot prefixes across a large fleet. prefix_aware as it is (load bound 1.5), with a tight bound
-    (1.1: a prefix whose holders are over it is copied to the least loaded worker, by recomputing it), and with
-    that bound and one store that every worker writes through, so that the new holder reads the hot prefix's KV
-    from the store instead of computing it, and the router counts the store's blocks at every worker."""
-    base = tier_steps(args)[0][1]
-    store = replace(base, store_blocks=args.cache_blocks * 64 if args.store_blocks is None else args.store_blocks,
-                    store_write=StoreWrite.THROUGH)
-    tight = {**seed, "load_factor": args.replicate_load_factor}
-    return [Row(UNLIMITED, PolicyName.PREFIX_AWARE, seed, tiers=UNLIMITED_TIERS),
-            Row("prefix_aware precise", PolicyName.PREFIX_AWARE, seed),
-            Row(f"prefix_aware bound {args.replicate_load_factor}, recompute", PolicyName.PREFIX_AWARE, tight),
-            Row(f"prefix_aware bound {args.replicate_load_factor}, copy via store", PolicyName.PREFIX_AWARE, tight,
-                tiers=store)]
-
-
-def tier_rows(args: argparse.Namespace, seed: dict[str, Any]) -> list[Row]:
-    """Each policy on a precise index with each step of tiers; then prefix_aware with local tiers, and
-    with every tier, blind to tier hits (it sees device blocks only)."""
-    steps = tier_steps(args)
-    policies = [("round_robin", PolicyName.ROUND_ROBIN, {}), ("least_requests", PolicyName.LEAST_REQUESTS, seed),
-                ("least_tokens", PolicyName.LEAST_TOKENS, seed), ("power_of_two", PolicyName.POWER_OF_TWO, seed),
-                ("session_affinity", PolicyName.SESSION_AFFINITY, seed),
-                ("prefix_aware", PolicyName.PREFIX_AWARE, seed)]
-    rows = [Row(UNLIMITED, PolicyName.PREFIX_AWARE, seed, tiers=UNLIMITED_TIERS)]
-    rows += [Row(label + suffix, name, options, tiers=tiers) for label, name, options in policies
-             for suffix, tiers in steps]
-    return [*rows, *(Row(f"prefix_aware{suffix}, unranked", PolicyName.PREFIX_AWARE, seed, tiers=tiers,
-                         rank_tiers=False) for suffix, tiers in (steps[2], steps[-1]))]
-
-
 def main() -> None:
     args = parse_args(__doc__)
     if not args.trace.is_file():
@@ -372,8 +317,8 @@ def main() -> None:
         rows = [r for r in rows if r.label == UNLIMITED or any(word in r.label for word in args.only)]
     if args.tiers:
         print(f"tiers: {tier_steps(args)[-1][1].describe()}")
-    header = (f"{'policy':<38}{'hit rate':>9}{'blocks':>8}{'of unl.':>9}{'TTFT mean':>11}{'p50':>8}{'p90':>8}"
-              f"{'p99':>8}{'busy':>7}{'reqs':>7}{'moved':>6}  {'dev/cpu/disk/store':<16}{'wall':>6}")
+    header = (f"{'policy':<46}{'hit rate':>9}{'blocks':>8}{'of unl.':>9}{'TTFT mean':>11}{'p50':>8}{'p90':>8}"
+              f"{'p99':>8}{'busy':>7}{'reqs':>7}{'moved':>6}  {'dev/cpu/disk/store':<16}{'util':>9}{'wall':>6}")
     print(header + "\n" + "-" * len(header))
     results: dict[str, dict[str, Any]] = {}
     for spec in rows:

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 from routing_sim_tiers import Medium, missed_targets
 
 if TYPE_CHECKING:
-    from routing_sim import Row, Simulation
+    from routing_sim import Simulation
+    from routing_sim_rows import Row
 
 UNLIMITED = "unlimited cache"
 
@@ -24,6 +25,8 @@ def summarize(name: str, sim: Simulation, wall_s: float) -> dict[str, Any]:
     by_medium = [sum(f.cached_tokens_by_medium[m] for f in sim.finished) for m in Medium]
     busy = [w.prefill_busy_s for w in sim.workers]
     counts = [w.num_requests for w in sim.workers]
+    arrivals = [f.request.arrival_s for f in sim.finished]
+    span_s = max(arrivals) - min(arrivals)
     leftover = [sim.tracker.snapshot(w.endpoint_id) for w in sim.workers]
     assert all(s == (0, 0, 0) for s in leftover), leftover  # every lease released
     return {"policy": name, "hit_rate": cached / prompt,
@@ -35,15 +38,18 @@ def summarize(name: str, sim: Simulation, wall_s: float) -> dict[str, Any]:
             "ttft_p99_s": percentile(ttfts, 0.99),
             "busy_imbalance": max(busy) / statistics.fmean(busy),
             "request_imbalance": max(counts) / statistics.fmean(counts),
+            # the share of the trace's span that the mean and the busiest worker spent prefilling
+            "prefill_utilization": (statistics.fmean(busy) / span_s, max(busy) / span_s),
             "moved": sim.num_moved, "wall_s": wall_s}
 
 
 def print_row(row: dict[str, Any], unlimited: dict[str, Any] | None) -> None:
     share = f"{row['hit_rate'] / unlimited['hit_rate']:.1%}" if unlimited else "-"
     media = "/".join(f"{v:.0%}" for v in row["hit_rate_by_medium"].values())
-    print(f"{row['policy']:<38}{row['hit_rate']:>9.1%}{row['block_hit_rate']:>8.1%}{share:>9}"
+    print(f"{row['policy']:<46}{row['hit_rate']:>9.1%}{row['block_hit_rate']:>8.1%}{share:>9}"
           f"{row['ttft_mean_s']:>10.2f}s{row['ttft_p50_s']:>7.2f}s{row['ttft_p90_s']:>7.2f}s{row['ttft_p99_s']:>7.2f}s"
           f"{row['busy_imbalance']:>7.2f}{row['request_imbalance']:>7.2f}{row['moved']:>6}  {media:<16}"
+          f"{'/'.join(f'{u:.0%}' for u in row['prefill_utilization']):>9}"
           f"{row['wall_s']:>5.1f}s")
 
 
@@ -66,4 +72,4 @@ def print_targets(results: dict[str, dict[str, Any]], rows: list[Row], unlimited
     for spec in rows:
         if spec.label in results and spec.tiers.enabled and spec.label != UNLIMITED:
             missed = missed_targets(results[spec.label], unlimited, best, unlimited_blocks)
-            print(f"  {spec.label:<38}{'all met' if not missed else 'missed: ' + ' '.join(missed)}")
+            print(f"  {spec.label:<46}{'all met' if not missed else 'missed: ' + ' '.join(missed)}")

@@ -18,14 +18,6 @@ from cache.tier_runs import MatchedByMedium, SharedStore, held_levels, runs_from
 _STORE_BIT = MEDIUM_BITS[STORE]
 
 
-# In this module, not tier_runs.py: every request calls it, and a request's path is kept to few modules
-# (tests/test_request_footprint.py).
-def num_cached_tokens(matched: MatchedByMedium, block_size: int, num_prompt_tokens: int) -> int:
-    """Prompt tokens an endpoint holding `matched` need not compute (a tier block is read back, not
-    recomputed): what its lease leaves out of the prefill work in flight."""
-    return min(num_prompt_tokens, sum(matched) * block_size)
-
-
 class _EndpointBlocks:
     __slots__ = ("approximate", "bit", "last_seq", "lru", "max_blocks", "store", "tiers")
 

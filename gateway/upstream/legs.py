@@ -20,8 +20,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from cache.prefix_index import PrefixIndex, num_cached_tokens
-from cache.tier_runs import NO_MATCH, MatchedByMedium, PromptTiers
+from cache.prefix_index import PrefixIndex
+from cache.tier_runs import NO_MATCH, MatchedByMedium, PromptTiers, prefill_work_tokens
 from gateway.config.gateway_config import Pool, ProviderConfig
 from gateway.routing.endpoints import CircuitBreaker, Endpoint, UpstreamRegistry, eligible
 from gateway.routing.live_pools import LivePools
@@ -62,7 +62,7 @@ ResponseReader = Callable[[aiohttp.ClientResponse, TaskDeadline, Lease], Awaitab
 class Chosen(NamedTuple):
     endpoint: Endpoint
     decision: Decision
-    num_uncached_tokens: int     # prompt tokens the endpoint must compute: its lease's prefill work
+    prefill_work: int    # its lease's prefill work: cache.tier_runs.prefill_work_tokens of the prompt there
 
 
 class Legs:
@@ -118,7 +118,8 @@ class Legs:
 
     def choose(self, progress: Progress, pool: Sequence[Endpoint], policy: Policy) -> Chosen | None:
         """The policy's pick among the pool's endpoints whose circuit admits traffic, minus those tried, and
-        the prompt tokens it must compute (those it does not hold in its prefix cache or KV tiers)."""
+        its prefill work there (the prompt tokens it must compute, and those it reads back from its KV tiers at
+        their restore fraction)."""
         facts = progress.request.facts
         with self.tracing.span("routing_decision"):
             fast = self._choose_in_view(progress, pool, policy)
@@ -132,12 +133,13 @@ class Legs:
                     return None
                 fast = decision, matched.get(decision.endpoint_id, NO_MATCH)
         decision, chosen_match = fast
-        num_cached = 0
+        prefill_work = facts.num_prompt_tokens
         if facts.block_hashes:  # approximate prefix mode: remember what went where (a no-op for precise endpoints)
             if self._prefix_index.record_routed(decision.endpoint_id, facts.block_hashes) and self._on_routed:
                 self._on_routed(decision.endpoint_id, facts.block_hashes)
-            num_cached = num_cached_tokens(chosen_match, facts.block_size, facts.num_prompt_tokens)
-        return Chosen(self._registry.endpoints[decision.endpoint_id], decision, facts.num_prompt_tokens - num_cached)
+            prefill_work = prefill_work_tokens(chosen_match, facts.block_size, facts.num_prompt_tokens,
+                                               self._tracker.restore_fractions(decision.endpoint_id))
+        return Chosen(self._registry.endpoints[decision.endpoint_id], decision, prefill_work)
 
     def _choose_in_view(self, progress: Progress, pool: Sequence[Endpoint],
                         policy: Policy) -> tuple[Decision, MatchedByMedium] | None:
@@ -167,7 +169,7 @@ class Legs:
         endpoint_id = decision.endpoint_id
         bit = fleet.bit_of[endpoint_id]
         run = run_of(bit, levels) if levels.walked else self._prefix_index.num_matched_blocks(endpoint_id, hashes)
-        if bit & fleet.tiered_mask:   # its lease leaves out what its KV tiers hold too
+        if bit & fleet.tiered_mask:   # its lease counts what its KV tiers hold at their restore cost
             return decision, self._prefix_index.matched_by_medium(endpoint_id, hashes, run)
         return decision, (run, 0, 0, 0)
 

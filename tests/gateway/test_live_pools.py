@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from cache.kv_events import CPU, DISK, STORE
 from cache.prefix_index import PrefixIndex
+from cache.tier_runs import DEFAULT_RESTORE_FRACTIONS
 from gateway.config.gateway_config import parse_config
 from gateway.routing.endpoints import CircuitState, UpstreamRegistry
 from gateway.routing.load import LoadReport, LoadTracker
@@ -101,8 +102,8 @@ def test_live_view_decides_as_the_listed_candidates(seed, session, policy_name, 
         if policy_name is PolicyName.PREFIX_AWARE and live.decision != listed.decision:
             assert_tied(gateway, live.decision.endpoint_id, listed.decision.endpoint_id)
         else:
-            assert (live.endpoint.endpoint_id, live.decision, live.num_uncached_tokens) == (
-                listed.endpoint.endpoint_id, listed.decision, listed.num_uncached_tokens)
+            assert (live.endpoint.endpoint_id, live.decision, live.prefill_work) == (
+                listed.endpoint.endpoint_id, listed.decision, listed.prefill_work)
         gateway.clock.now += 3.0
 
 
@@ -155,8 +156,8 @@ def test_policies_that_read_no_levels_skip_the_walk(policy_name, monkeypatch) ->
     for session in (None, "conversation-1", "conversation-2"):
         live, listed = gateway.choose(policy_name, live=True, session=session), gateway.choose(
             policy_name, live=False, session=session)
-        assert (live.endpoint, live.decision, live.num_uncached_tokens) == (
-            listed.endpoint, listed.decision, listed.num_uncached_tokens)
+        assert (live.endpoint, live.decision, live.prefill_work) == (
+            listed.endpoint, listed.decision, listed.prefill_work)
     assert walks == []
     gateway.choose(PolicyName.PREFIX_AWARE, live=True)   # a policy that reads the levels walks them once
     assert walks == [PROMPT]
@@ -165,8 +166,8 @@ def test_policies_that_read_no_levels_skip_the_walk(policy_name, monkeypatch) ->
 @pytest.mark.parametrize("tiers", ["local", "store"])
 def test_tiered_pools_are_live(tiers, monkeypatch) -> None:
     """Endpoints holding KV tier blocks (or reading a shared store that does) still decide on the live view, listing
-    no candidate, as listing decides, and the pick's lease leaves out its tier blocks as listing gives (prefix-aware
-    routing, which scores those blocks, searches their holders by load)."""
+    no candidate, as listing decides, and the pick's lease counts its tier blocks at their restore cost as listing gives
+    (prefix-aware routing, which scores those blocks, searches their holders by load)."""
     gateway = Gateway()
     distinct_loads(gateway, random.Random(3))
     for endpoint in gateway.pool:   # every endpoint: the prompt's next block in RAM, or the store's three
@@ -181,12 +182,14 @@ def test_tiered_pools_are_live(tiers, monkeypatch) -> None:
     monkeypatch.setattr(gateway.index, "matched_blocks_by_medium",
                         lambda hashes: listings.append(hashes) or listed_walk(hashes))
     held = (1 if tiers == "local" else 3) * 16
+    medium = 0 if tiers == "local" else 2   # in DEFAULT_RESTORE_FRACTIONS: (cpu, disk, store)
     for policy_name in (PolicyName.SESSION_AFFINITY, PolicyName.LEAST_TOKENS, PolicyName.PREFIX_AWARE):
         for session in (None, "conversation-1"):
             live = gateway.choose(policy_name, live=True, session=session)
             assert listings == []
             listed = gateway.choose(policy_name, live=False, session=session)
-            assert (live.endpoint, live.decision, live.num_uncached_tokens) == (
-                listed.endpoint, listed.decision, listed.num_uncached_tokens)
-            assert live.num_uncached_tokens == 64 - held
+            assert (live.endpoint, live.decision, live.prefill_work) == (
+                listed.endpoint, listed.decision, listed.prefill_work)
+            # nothing measured: each held token read back at the default guess of its medium's cost
+            assert live.prefill_work == 64 - held + round(held * DEFAULT_RESTORE_FRACTIONS[medium])
             listings.clear()

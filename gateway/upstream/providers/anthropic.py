@@ -62,11 +62,11 @@ class AnthropicProvider:
             body = to_messages_request(request.body, self.config.upstream_model or request.model.name)
         except Untranslatable as exc:
             raise ProviderExhausted(f"no Messages API form for {exc}", unsupported="") from None
-        endpoint, decision, num_uncached = await legs.take(progress, self.config.name)
+        endpoint, decision, prefill_work = await legs.take(progress, self.config.name)
         with legs.tracing.span("upstream_attempt", SpanKind.CLIENT) as span:
             headers = legs.leg_headers(progress, span, self._wire, endpoint.endpoint_id, decision)
             leg = Leg(self._wire, endpoint, LegKind.SINGLE, MESSAGES_PATH, orjson.dumps(body), headers,
-                      num_uncached, request.facts.num_expected_output_tokens)
+                      prefill_work, request.facts.num_expected_output_tokens)
             return await legs.send(progress, leg, partial(self._read, progress, legs, endpoint))
 
     async def _read(self, progress: Progress, legs: Legs, endpoint: Endpoint, response: aiohttp.ClientResponse,

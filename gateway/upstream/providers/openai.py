@@ -47,9 +47,9 @@ class OpenAIProvider:
         if progress.so_far is not None:
             progress.stitch = Stitcher(progress.so_far, request.api_path.endswith("chat/completions"), body[1],
                                       request.body)
-        endpoint, decision, num_uncached = await legs.take(progress, self.config.name)
+        endpoint, decision, prefill_work = await legs.take(progress, self.config.name)
         with legs.tracing.span("upstream_attempt", SpanKind.CLIENT) as span:
             headers = legs.leg_headers(progress, span, self._wire, endpoint.endpoint_id, decision)
             leg = Leg(self._wire, endpoint, LegKind.SINGLE, request.api_path, body[0], headers,
-                      num_uncached, request.facts.num_expected_output_tokens)
+                      prefill_work, request.facts.num_expected_output_tokens)
             return await legs.send(progress, leg, partial(legs.relay, progress, endpoint))

@@ -190,13 +190,13 @@ class _PdRun:
         chosen = legs.choose(progress, legs.pool(self._config.name, Pool.MAIN), self._provider.decode_policy)
         if chosen is None:
             raise self._fall_back("decode_pool_exhausted")
-        endpoint, decision, num_uncached = chosen
+        endpoint, decision, prefill_work = chosen
         progress.tried.add(endpoint.endpoint_id)
         legs.metrics.on_decision(request.facts.model, decision.reason.value)
         with legs.tracing.span("upstream_attempt", SpanKind.CLIENT) as span:
             headers = legs.leg_headers(progress, span, self.wire, endpoint.endpoint_id, decision)
             leg = Leg(self.wire, endpoint, LegKind.SINGLE, request.api_path, built[0], headers,
-                      num_uncached, request.facts.num_expected_output_tokens)
+                      prefill_work, request.facts.num_expected_output_tokens)
             return await legs.send(progress, leg, partial(legs.relay, progress, endpoint))
 
     def abandon(self) -> None:
@@ -258,7 +258,7 @@ class _PdRun:
 
     async def _prefill(self, chosen: Chosen) -> PrefillResult | Outcome:
         progress, legs, wire = self._progress, self._legs, self._provider.wire
-        endpoint, decision, num_uncached = chosen
+        endpoint, decision, prefill_work = chosen
         request = progress.request
         body = {k: v for k, v in request.body.items() if k not in ("max_completion_tokens", "stream_options")}
         body.update(max_tokens=1, stream=False)
@@ -273,7 +273,7 @@ class _PdRun:
         with legs.tracing.span("prefill_leg", SpanKind.CLIENT) as span:
             headers = legs.leg_headers(progress, span, wire, endpoint.endpoint_id, decision)
             leg = Leg(wire, endpoint, LegKind.PREFILL, request.api_path, orjson.dumps(body), headers,
-                      num_uncached, 0)
+                      prefill_work, 0)
             return await legs.send(progress, leg, partial(self._read_prefill, endpoint, sent))
 
     async def _read_prefill(self, endpoint: Endpoint, sent: Mapping[str, Any], response: aiohttp.ClientResponse,
