@@ -315,6 +315,8 @@ def main() -> None:
             else policy_rows(seed))
     if args.only:
         rows = [r for r in rows if r.label == UNLIMITED or any(word in r.label for word in args.only)]
+    if args.no_unlimited:
+        rows = [r for r in rows if r.label != UNLIMITED]
     if args.tiers:
         print(f"tiers: {tier_steps(args)[-1][1].describe()}")
     header = (f"{'policy':<46}{'hit rate':>9}{'blocks':>8}{'of unl.':>9}{'TTFT mean':>11}{'p50':>8}{'p90':>8}"

@@ -32,6 +32,8 @@ def parse_args(description: str | None) -> argparse.Namespace:
     parser.add_argument("--merge-copies", action="store_true",
                         help="the copies share every prefix (hot prefixes); default: their own past the first block")
     parser.add_argument("--only", nargs="*", help="run only the rows whose label contains one of these words")
+    parser.add_argument("--no-unlimited", action="store_true",
+                        help="skip the unlimited cache's row (run it in another process: the sim is seeded)")
     parser.add_argument("--replication", action="store_true",
                         help="issue 52: prefix_aware, with a tight load bound, and copying hot prefixes via the store")
     parser.add_argument("--replicate-load-factor", type=float, default=1.1,
