@@ -236,14 +236,37 @@ def upkeep_us(fleet: Fleet, rng: random.Random, repeats: int = 300) -> float:
     return total_ns / 1000 / max(1, num_changed)
 
 
-def yardstick_us() -> float:
-    """This machine's speed now: CPU µs for `sum(range(1000))` (an idle 2020s core: about 8)."""
+def yardstick_us(n: int = 1000, repeats: int = 2000, q: float = 0.5) -> float:
+    """This machine's speed now: CPU µs for `sum(range(n))` at quantile `q` (n = 1,000 on an idle 2020s core: about
+    8 at the median). Its p99 against its p50 at a decision's length (n = 4,000) is the machine's own tail."""
     times = []
-    for _ in range(2000):
+    for _ in range(repeats):
         start = time.thread_time_ns()
-        sum(range(1000))
+        sum(range(n))
         times.append((time.thread_time_ns() - start) / 1000)
-    return statistics.median(times)
+    return p(times, q)
+
+
+def machine_tail() -> str:
+    """p50 / p99 CPU µs of two yardsticks about a decision's length: pure arithmetic, and 300 lookups in a dict of 2
+    million keys (as the index's, missing the caches)."""
+    rng = random.Random(1)
+    big = {rng.getrandbits(63): None for _ in range(2_000_000)}
+    keys = rng.sample(list(big), 20_000)
+
+    def lookups() -> None:
+        first = rng.randrange(len(keys) - 300)
+        get = big.get
+        for key in keys[first:first + 300]:
+            get(key)
+    times = []
+    for _ in range(4000):
+        start = time.thread_time_ns()
+        lookups()
+        times.append((time.thread_time_ns() - start) / 1000)
+    arithmetic = [yardstick_us(4000, 4000, q) for q in (0.5, 0.99)]
+    return (f"sum(range(4000)) p50 {arithmetic[0]:.1f} / p99 {arithmetic[1]:.1f} µs, 300 lookups in 2M keys p50 "
+            f"{p(times, 0.5):.1f} / p99 {p(times, 0.99):.1f} µs")
 
 
 def run_size(num_endpoints: int, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -287,9 +310,13 @@ def main() -> None:
                         help="store: every endpoint reads one shared KV store holding the hot prefixes; cpu: every "
                              "endpoint's host RAM tier holds 16 chains of its own")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--machine-tail", action="store_true",
+                        help="first time yardsticks of a decision's length: what p99 / p50 this machine gives any code")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     print(f"yardstick: sum(range(1000)) {yardstick_us():.1f} µs CPU (an idle 2020s core: about 8)")
+    if args.machine_tail:
+        print(f"this machine's tail: {machine_tail()}")
     print(f"block hashing, {PROMPT_TOKENS}-token prompt ({PROMPT_TOKENS // BLOCK} blocks): "
           f"{hashing_us(rng):.0f} µs median (any fleet size)")
     for num_endpoints in args.sizes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given, strategies as st
 
 from cache.tier_runs import DEFAULT_RESTORE_FRACTIONS, prefill_work_tokens
+from policies.prefix_aware import PrefixAwareConfig
 
 
 def test_without_tier_blocks_the_work_is_the_tokens_computed() -> None:
@@ -37,3 +38,11 @@ def test_the_work_lies_between_the_tokens_computed_and_the_whole_prompt(matched,
     full = prefill_work_tokens(matched, block, num_prompt_tokens, (1.0, 1.0, 1.0))
     assert free == uncached   # read back for nothing: only what is computed
     assert full == max(0, num_prompt_tokens - min(num_prompt_tokens, matched[0] * block))   # as dear as computing
+
+
+def test_the_default_guesses_are_prefix_aware_routings_default_weights_complement() -> None:
+    """One guess, two readings: the lease's cost of a read-back and the policy's worth of a tier token add up to a
+    computed token."""
+    config = PrefixAwareConfig()
+    weights = (config.cpu_weight, config.disk_weight, config.store_weight)
+    assert [round(f + w, 9) for f, w in zip(DEFAULT_RESTORE_FRACTIONS, weights, strict=True)] == [1.0, 1.0, 1.0]
