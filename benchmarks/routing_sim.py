@@ -51,8 +51,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import orjson
 
 from cache.prefix_index import PrefixIndex
-from cache.tier_runs import prefill_work_tokens
-from gateway.routing.load import Lease, LoadTracker, OutputLengthEstimator
+from gateway.routing.load import Lease, LoadTracker, OutputLengthEstimator, prefill_work_tokens
 from policies.base import DecisionReason, EndpointState, Policy, RequestFacts
 from policies.registry import PolicyName, make_policy
 from routing_sim_args import parse_args
@@ -217,7 +216,7 @@ class Simulation:
         return matched
 
     def _prefill_work(self, index: PrefixIndex, request: TraceRequest, worker: Worker) -> int:
-        """`cache.tier_runs.prefill_work_tokens` of what the gateway sees at `worker`: its device run from the
+        """`gateway.routing.load.prefill_work_tokens` of what the gateway sees at `worker`: its device run from the
         index, and the tier blocks past it when the gateway hears the tiers' events, at the restore fractions the
         workers measure (`lease_restores` off: read back for free)."""
         run = index.matched_blocks(request.block_hashes).get(worker.endpoint_id, 0)

@@ -23,27 +23,6 @@ _INDEX_OF_BIT = {MEDIUM_BITS[medium]: i for i, medium in enumerate(MEDIA)}
 MatchedByMedium = tuple[int, int, int, int]
 NO_MATCH: MatchedByMedium = (0, 0, 0, 0)
 RestoreFractions = tuple[float | None, float | None, float | None]   # (cpu, disk, store) as workers measure them
-# Where a worker measured none: a guess at a read-back's cost against computing the tokens, the complement of
-# policies.prefix_aware's default tier weights (CPU workers measured 0.003-0.04 for RAM and disk, up to 0.14 for a
-# Mooncake store: docs/benchmarks.md).
-DEFAULT_RESTORE_FRACTIONS = (0.2, 0.5, 0.7)
-
-
-def prefill_work_tokens(matched: MatchedByMedium, block_size: int, num_prompt_tokens: int,
-                        restore_fractions: RestoreFractions) -> int:
-    """The prefill an endpoint holding `matched` spends on a prompt, in computed tokens' worth (its lease's prefill
-    work): the tokens it computes, plus those it reads back from its KV tiers at each medium's restore fraction
-    (measured, else DEFAULT_RESTORE_FRACTIONS). A read-back is cheaper than a prefill, not free: a worker that reads
-    a hot prefix from the store for request after request is busy for each."""
-    num_device, *num_tier = matched
-    cached = min(num_prompt_tokens, sum(matched) * block_size)
-    tier_tokens = cached - min(cached, num_device * block_size)
-    work = num_prompt_tokens - cached
-    if tier_tokens:   # the run's last block may be partial: its tier blocks' tokens shared out by count
-        per_block = sum(n * (default if f is None else f)
-                        for n, f, default in zip(num_tier, restore_fractions, DEFAULT_RESTORE_FRACTIONS, strict=True))
-        work += round(tier_tokens * per_block / sum(num_tier))
-    return work
 
 
 def tier_run(tiers: Mapping[int, int], block_hashes: Sequence[int], num_device: int,

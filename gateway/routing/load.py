@@ -17,13 +17,38 @@ from dataclasses import MISSING, dataclass, fields
 from types import TracebackType
 from typing import Any
 
-from cache.tier_runs import RestoreFractions
+from cache.tier_runs import MatchedByMedium, RestoreFractions
 
 # A worker report older than this no longer adds load from other sources (its worker may be
 # gone, or the load it saw has finished).
 DEFAULT_REPORT_TTL_S = 5.0
 # Peers' leases read longer ago than this are dropped (the sharing task stopped or the store is down).
 DEFAULT_PEER_TTL_S = 2.0
+
+
+# Where a worker measured none: a guess at a read-back's cost against computing the tokens, the complement of
+# policies.prefix_aware's default tier weights (CPU workers measured 0.003-0.04 for RAM and disk, up to 0.14 for a
+# Mooncake store: docs/benchmarks.md).
+DEFAULT_RESTORE_FRACTIONS = (0.2, 0.5, 0.7)
+
+
+# Here, beside the leases, not in cache/tier_runs.py: every request calls it, and a request runs few modules
+# (tests/test_request_footprint.py).
+def prefill_work_tokens(matched: MatchedByMedium, block_size: int, num_prompt_tokens: int,
+                        restore_fractions: RestoreFractions) -> int:
+    """The prefill an endpoint holding `matched` spends on a prompt, in computed tokens' worth (its lease's prefill
+    work): the tokens it computes, plus those it reads back from its KV tiers at each medium's restore fraction
+    (measured, else DEFAULT_RESTORE_FRACTIONS). A read-back is cheaper than a prefill, not free: a worker that reads
+    a hot prefix from the store for request after request is busy for each."""
+    num_device, *num_tier = matched
+    cached = min(num_prompt_tokens, sum(matched) * block_size)
+    tier_tokens = cached - min(cached, num_device * block_size)
+    work = num_prompt_tokens - cached
+    if tier_tokens:   # the run's last block may be partial: its tier blocks' tokens shared out by count
+        per_block = sum(n * (default if f is None else f)
+                        for n, f, default in zip(num_tier, restore_fractions, DEFAULT_RESTORE_FRACTIONS, strict=True))
+        work += round(tier_tokens * per_block / sum(num_tier))
+    return work
 
 
 @dataclass(frozen=True, slots=True)

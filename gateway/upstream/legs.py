@@ -21,11 +21,11 @@ import orjson
 from aiohttp import web
 
 from cache.prefix_index import PrefixIndex
-from cache.tier_runs import NO_MATCH, MatchedByMedium, PromptTiers, prefill_work_tokens
+from cache.tier_runs import NO_MATCH, MatchedByMedium, PromptTiers
 from gateway.config.gateway_config import Pool, ProviderConfig
 from gateway.routing.endpoints import CircuitBreaker, Endpoint, UpstreamRegistry, eligible
 from gateway.routing.live_pools import LivePools
-from gateway.routing.load import Lease, LoadTracker
+from gateway.routing.load import Lease, LoadTracker, prefill_work_tokens
 from gateway.server.client_stream import ClientGone, ClientStream, StreamUsage, apply_usage
 from gateway.state import StateStore
 from gateway.telemetry.metrics import Metrics
@@ -62,7 +62,7 @@ ResponseReader = Callable[[aiohttp.ClientResponse, TaskDeadline, Lease], Awaitab
 class Chosen(NamedTuple):
     endpoint: Endpoint
     decision: Decision
-    prefill_work: int    # its lease's prefill work: cache.tier_runs.prefill_work_tokens of the prompt there
+    prefill_work: int    # its lease's prefill work: gateway.routing.load.prefill_work_tokens of the prompt there
 
 
 class Legs:

@@ -12,10 +12,9 @@ from hypothesis import given, settings, strategies as st
 
 from cache.kv_events import CPU, DISK, STORE
 from cache.prefix_index import PrefixIndex
-from cache.tier_runs import DEFAULT_RESTORE_FRACTIONS
 from gateway.config.gateway_config import parse_config
 from gateway.routing.endpoints import CircuitState, UpstreamRegistry
-from gateway.routing.load import LoadReport, LoadTracker
+from gateway.routing.load import DEFAULT_RESTORE_FRACTIONS, LoadReport, LoadTracker
 from gateway.state.memory import MemoryStore
 from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.tracing import Tracing

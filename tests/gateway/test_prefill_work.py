@@ -1,10 +1,10 @@
-"""cache.tier_runs.prefill_work_tokens: the prefill work a lease counts, read-backs from KV tiers included at
+"""gateway.routing.load.prefill_work_tokens: the prefill work a lease counts, read-backs from KV tiers included at
 their restore fraction."""
 from __future__ import annotations
 
 from hypothesis import given, strategies as st
 
-from cache.tier_runs import DEFAULT_RESTORE_FRACTIONS, prefill_work_tokens
+from gateway.routing.load import DEFAULT_RESTORE_FRACTIONS, prefill_work_tokens
 from policies.prefix_aware import PrefixAwareConfig
 
 
