@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -158,11 +158,11 @@ class PrefixAwarePolicy:
         """`select` over a fleet, without an `EndpointState` per endpoint: the argmin of the same score over the
         usable endpoints within the bound, ties at random; a cold prompt (`prefix_key_tokens`) to its key's ring home
         within the bound. Not covered (None): alpha 0, usable endpoints holding KV tier blocks (`fleet.tiered_mask`)
-        without `tiers` or with `prefix_key_tokens`."""
+        without `tiers`."""
         if not self._config.alpha:
             return None
         tiered = fleet.tiered_mask & fleet.usable_mask
-        if tiered and (tiers is None or self._config.prefix_key_tokens):
+        if tiered and tiers is None:
             return None
         bound = fleet.bound(self._weights, self._config.load_factor)
         if bound is None:
@@ -171,10 +171,9 @@ class PrefixAwarePolicy:
         runs = [(depth, mask & usable) for depth, mask in levels]
         while runs and not runs[-1][1]:   # nested masks: the empty ones are the deepest
             runs.pop()
-        if self._config.prefix_key_tokens:
-            deepest = next((depth for depth, mask in reversed(runs) if fleet.least(self._weights, mask, bound)), 0)
-            if deepest == 0 or deepest < self._num_key_blocks(request):
-                return self._cold_fleet(request, fleet, levels, bound)
+        if self._config.prefix_key_tokens and not _Holds(fleet, self._weights, runs, bound).any(
+                max(1, self._num_key_blocks(request)), tiers if tiered else None):
+            return self._cold_fleet(request, fleet, levels, bound)
         search = _Search(self, request.block_size, fleet, runs, bound, tiers if tiered else None)
         tied = search.least_scored()
         if not tied:
@@ -329,3 +328,41 @@ class _Search:
             for endpoint_id in fleet.least(weights, mask, self._cap(depth)):
                 num_prefill, num_decode = loads[endpoint_id]
                 self._record(endpoint_id, ap * num_prefill + ad * num_decode - depth * self.block_size, depth)
+
+
+class _Holds:
+    """`select`'s test of a prompt that is not cold, over a fleet: some usable endpoint within the bound holds at least
+    `need` of its leading blocks, on its device or read back through its KV tiers (counted exactly, as listing
+    counts them)."""
+
+    def __init__(self, fleet: FleetView, weights: TokenWeights, runs: Levels, bound: float) -> None:
+        self.fleet, self.weights, self.runs, self.bound = fleet, weights, runs, bound
+
+    def any(self, need: int, tiers: TierMatches | None) -> bool:
+        fleet, weights, runs, bound = self.fleet, self.weights, self.runs, self.bound
+        if any(depth >= need and fleet.least(weights, mask, bound) for depth, mask in runs):
+            return True
+        if tiers is None:
+            return False
+        tiered = fleet.tiered_mask & fleet.usable_mask
+        own = tiers.own_mask & tiered
+        deep = next((mask & own for depth, mask in tiers.own_levels if depth >= need), 0)   # an upper bound on each
+        if deep and any(run + sum(tiers.matched(endpoint_id, run)[1:]) >= need
+                        for endpoint_id, run in self._within(deep)):
+            return True
+        # a store's reader whose device run is d holds d + the store's run from block d: by the readers' exact runs
+        exact = [(0, fleet.usable_mask & ~runs[0][1] if runs else fleet.usable_mask)]
+        exact += [(depth, mask & ~(runs[i + 1][1] if i + 1 < len(runs) else 0)) for i, (depth, mask) in enumerate(runs)]
+        return any(depth + store_runs[depth] >= need and fleet.least(weights, readers & tiered & mask, bound)
+                   for readers, store_runs in tiers.stores for depth, mask in exact if readers & tiered & mask)
+
+    def _within(self, mask: int) -> Iterator[tuple[str, int]]:
+        """(endpoint id, device run) of each member of `mask` within the bound, the least loaded first."""
+        fleet, pw, dw = self.fleet, self.weights.prefill_weight, self.weights.decode_weight
+        for least_load, endpoint_ids in fleet.ascending(self.weights, mask):
+            if least_load + 1.0 > self.bound:
+                return
+            for endpoint_id in endpoint_ids:
+                num_prefill, num_decode = fleet.loads[endpoint_id]
+                if pw * num_prefill + dw * num_decode + 1.0 <= self.bound:
+                    yield endpoint_id, run_of(fleet.bit_of[endpoint_id], self.runs)

@@ -20,7 +20,7 @@ from gateway.telemetry.metrics import Metrics
 from gateway.telemetry.tracing import Tracing
 from gateway.upstream.legs import Legs
 from gateway.upstream.request import Progress, RoutedRequest
-from policies.base import RequestFacts
+from policies.base import DecisionReason, RequestFacts
 from policies.registry import PolicyName, make_policy
 from tests.support.clock import ManualClock
 
@@ -182,13 +182,19 @@ def test_tiered_pools_are_live(tiers, monkeypatch) -> None:
                         lambda hashes: listings.append(hashes) or listed_walk(hashes))
     held = (1 if tiers == "local" else 3) * 16
     medium = 0 if tiers == "local" else 2   # in DEFAULT_RESTORE_FRACTIONS: (cpu, disk, store)
-    for policy_name in (PolicyName.SESSION_AFFINITY, PolicyName.LEAST_TOKENS, PolicyName.PREFIX_AWARE):
+    cases = [(PolicyName.SESSION_AFFINITY, 0), (PolicyName.LEAST_TOKENS, 0), (PolicyName.PREFIX_AWARE, 0),
+             (PolicyName.PREFIX_AWARE, 16), (PolicyName.PREFIX_AWARE, 16 * 2),
+             (PolicyName.PREFIX_AWARE, 16 * 4)]   # a key of 1 block, of 2, of 4
+    for policy_name, key_tokens in cases:
         for session in (None, "conversation-1"):
-            live = gateway.choose(policy_name, live=True, session=session)
+            live = gateway.choose(policy_name, live=True, session=session, key_tokens=key_tokens)
             assert listings == []
-            listed = gateway.choose(policy_name, live=False, session=session)
+            listed = gateway.choose(policy_name, live=False, session=session, key_tokens=key_tokens)
             assert (live.endpoint, live.decision, live.prefill_work) == (
                 listed.endpoint, listed.decision, listed.prefill_work)
+            if key_tokens:   # a prompt none holds as much of as its key covers goes to the key's home
+                cold = key_tokens > held
+                assert (live.decision.reason is DecisionReason.PREFIX_AFFINITY) == cold, (key_tokens, live.decision)
             # nothing measured: each held token read back at the default guess of its medium's cost
             assert live.prefill_work == 64 - held + round(held * DEFAULT_RESTORE_FRACTIONS[medium])
             listings.clear()
