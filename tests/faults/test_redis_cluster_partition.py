@@ -102,10 +102,11 @@ def test_a_gateway_host_loses_the_cluster_and_comes_back(hosts: TwoHosts, tmp_pa
             assert gateway.post(LIMITED_KEY) == 429                       # the cluster's bucket again
             assert gateway.post(LOAD_KEY) == 200
             counted = wait_until(lambda: _usage(cluster) >= 2 and _usage(cluster), "usage in the cluster again")
-            # 2, or 3: the first usage write after the cut sat in a pooled connection's send buffer when its
-            # reply timed out, so it went to the fallback as well; TCP still delivers it once the link is back
-            # (seen in every run here). A write that timed out is in doubt, never known to be lost.
-            assert counted in (2, 3), counted
+            # 2, and one more for each usage write that sat in a pooled connection's send buffer at the cut: its
+            # reply timed out, so it went to the fallback as well, and TCP still delivers it once the link is back
+            # (one in a run alone here, two beside a loaded machine's other tests). A write that timed out is in
+            # doubt, never known to be lost; at most the partition's 5 requests are.
+            assert 2 <= counted <= 2 + 5, counted
             assert gateway.log().count(OUTAGE_LOG) == 1
         finally:
             gateway.stop()
