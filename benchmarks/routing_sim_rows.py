@@ -23,8 +23,6 @@ class Row:
     lease_restores: bool = True         # a lease counts tier read-backs at their restore fraction; False: as free
 
 
-
-
 def policy_rows(seed: dict[str, Any]) -> list[Row]:
     return [
         Row(UNLIMITED, PolicyName.PREFIX_AWARE, seed, tiers=UNLIMITED_TIERS),
